@@ -1,0 +1,134 @@
+"""Which rank plays which role: a pure function of (layout, world size), validated before any group exists.
+
+Split layouts number ranks by role: trainers first (so global rank 0 is trainer 0, the rank that logs and
+broadcasts weights), then inference ranks, then env ranks. Env ranks are dealt round-robin to inference ranks and
+to trainer ranks, which balances both to within one.
+
+The colocated layout has every rank play every role: its own envs, its own policy copy, DDP across all ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from spmd_rl.config import LayoutSection
+from spmd_rl.errors import UserError
+
+TRAINER, INFERENCE, ENV, COLOCATED = "trainer", "inference", "env", "colocated"
+
+
+@dataclass(frozen=True)
+class Topology:
+    mode: str
+    world_size: int
+    trainer_ranks: tuple[int, ...]
+    inference_ranks: tuple[int, ...]
+    env_ranks: tuple[int, ...]
+    env_to_inference: dict[int, int]   # env rank -> the inference rank that serves it
+    env_to_trainer: dict[int, int]     # env rank -> the trainer rank that learns from it
+
+    @property
+    def colocated(self) -> bool:
+        return self.mode == COLOCATED
+
+    def role_of(self, rank: int) -> str:
+        if self.colocated:
+            return COLOCATED
+        for role, ranks in ((TRAINER, self.trainer_ranks), (INFERENCE, self.inference_ranks), (ENV, self.env_ranks)):
+            if rank in ranks:
+                return role
+        raise ValueError(f"rank {rank} is outside the world of {self.world_size}")
+
+    def index_of(self, rank: int) -> int:
+        """The rank's index within its role (its colocated rank in the colocated layout)."""
+        if self.colocated:
+            return rank
+        return {TRAINER: self.trainer_ranks, INFERENCE: self.inference_ranks, ENV: self.env_ranks}[
+            self.role_of(rank)].index(rank)
+
+    def describe(self, rank: int) -> str:
+        """'rank 5 (env 1)': how messages name a rank."""
+        return f"rank {rank} ({self.role_of(rank)} {self.index_of(rank)})"
+
+    @property
+    def weight_ranks(self) -> tuple[int, ...]:
+        """Trainer rank 0 and every inference rank: the group weights are broadcast over."""
+        return () if self.colocated else (self.trainer_ranks[0],) + self.inference_ranks
+
+    def envs_served_by(self, inference_rank: int) -> tuple[int, ...]:
+        return tuple(e for e in self.env_ranks if self.env_to_inference[e] == inference_rank)
+
+    def envs_trained_by(self, trainer_rank: int) -> tuple[int, ...]:
+        return tuple(e for e in self.env_ranks if self.env_to_trainer[e] == trainer_rank)
+
+
+def build_topology(layout: LayoutSection, world_size: int) -> Topology:
+    if world_size < 1:
+        raise UserError(f"world size {world_size} is impossible")
+    if layout.mode == COLOCATED:
+        set_counts = [f"layout.{k}={getattr(layout, k)}" for k in (TRAINER, INFERENCE, ENV) if getattr(layout, k)]
+        if set_counts:
+            raise UserError(f"{', '.join(set_counts)} only applies to layout.mode=split; remove it or set "
+                            f"layout.mode=split")
+        ranks = tuple(range(world_size))
+        identity = {r: r for r in ranks}
+        return Topology(COLOCATED, world_size, ranks, ranks, ranks, identity, dict(identity))
+
+    counts = {TRAINER: layout.trainer, INFERENCE: layout.inference, ENV: layout.env}
+    rest = [k for k, v in counts.items() if v == -1]
+    if len(rest) > 1:
+        raise UserError(f"layout: only one of layout.trainer, layout.inference, layout.env may be -1 (the rest); "
+                        f"got -1 for {', '.join('layout.' + k for k in rest)}")
+    if rest:
+        counts[rest[0]] = world_size - sum(v for k, v in counts.items() if k != rest[0])
+    described = f"trainer={counts[TRAINER]}, inference={counts[INFERENCE]}, env={counts[ENV]}"
+    if sum(counts.values()) != world_size or any(v < 0 for v in counts.values()):
+        raise UserError(f"layout {described} needs {sum(v for v in counts.values() if v > 0)} ranks but the world "
+                        f"size is {world_size}; make the counts sum to {world_size} (or set one of them to -1)")
+    for role in (TRAINER, INFERENCE, ENV):
+        if counts[role] == 0:
+            raise UserError(f"layout {described}: a split layout needs at least one {role} rank; "
+                            f"set layout.{role} >= 1")
+    if counts[INFERENCE] > counts[ENV]:
+        raise UserError(f"layout {described}: more inference ranks than env ranks leaves an inference rank "
+                        f"with nothing to serve; set layout.inference <= layout.env")
+    if counts[TRAINER] > counts[ENV]:
+        raise UserError(f"layout {described}: more trainer ranks than env ranks leaves a trainer with no data; "
+                        f"set layout.trainer <= layout.env")
+
+    trainers = tuple(range(counts[TRAINER]))
+    inference = tuple(range(len(trainers), len(trainers) + counts[INFERENCE]))
+    envs = tuple(range(len(trainers) + len(inference), world_size))
+    return Topology(
+        mode="split",
+        world_size=world_size,
+        trainer_ranks=trainers,
+        inference_ranks=inference,
+        env_ranks=envs,
+        env_to_inference={e: inference[i % len(inference)] for i, e in enumerate(envs)},
+        env_to_trainer={e: trainers[i % len(trainers)] for i, e in enumerate(envs)},
+    )
+
+
+@dataclass
+class ProcessGroups:
+    """The groups a rank uses. None means 'not a member' (or, for trainer in colocated mode, the world)."""
+    trainer: object | None
+    weights: object | None
+    trainer_member: bool
+    weights_member: bool
+
+
+def create_process_groups(topology: Topology, rank: int, timeout: datetime.timedelta) -> ProcessGroups:
+    """Every rank creates every group, once, in this order (new_group is collective over the world)."""
+    if not dist.is_initialized() or topology.colocated:
+        return ProcessGroups(trainer=None if not dist.is_initialized() else dist.group.WORLD, weights=None,
+                             trainer_member=True, weights_member=False)
+    trainer = dist.new_group(list(topology.trainer_ranks), timeout=timeout)
+    weights = dist.new_group(list(topology.weight_ranks), timeout=timeout)
+    return ProcessGroups(trainer=trainer, weights=weights,
+                         trainer_member=rank in topology.trainer_ranks,
+                         weights_member=rank in topology.weight_ranks)
