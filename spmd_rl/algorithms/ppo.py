@@ -1,0 +1,177 @@
+"""Proximal Policy Optimization (Schulman et al. 2017), with the semantics of Stable-Baselines3's PPO.
+
+Read top to bottom: advantages from a rollout (GAE), then the clipped-surrogate update over minibatches.
+
+Rollouts come from gymnasium vector envs in NEXT_STEP autoreset mode: when step t ends an episode, the observation
+recorded at t+1 is that episode's final observation and step t+1 is a reset step whose action the env ignored.
+Such reset steps are marked invalid (valid=False) and every loss is a mean over valid entries only.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch import Tensor, nn
+
+from spmd_rl.config import AlgoSection
+from spmd_rl.modules.actor_critic import ActorCritic
+from spmd_rl.runtime import wait
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Advantages
+
+
+def compute_gae(rewards: Tensor, values: Tensor, next_value: Tensor, terminated: Tensor, truncated: Tensor,
+                gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation over a [T, N] rollout; next_value [N] is V of the obs after the last step.
+
+    delta_t = r_t + gamma * V(s_{t+1}) * (1 - terminated_t) - V(s_t)
+    A_t     = delta_t + gamma * lam * (1 - done_t) * A_{t+1},   done_t = terminated_t or truncated_t
+
+    With NEXT_STEP autoreset, s_{t+1} after a truncated step is the episode's final observation, so a truncated
+    step bootstraps from V(final obs) while a terminated step does not bootstrap at all. Either way the episode
+    ends at t, so no advantage flows back across it from the reset step t+1.
+    """
+    num_steps = rewards.shape[0]
+    next_values = torch.cat([values[1:], next_value.unsqueeze(0)])
+    not_terminated = 1.0 - terminated.float()
+    not_done = 1.0 - (terminated | truncated).float()
+    deltas = rewards + gamma * next_values * not_terminated - values
+    advantages = torch.empty_like(rewards)
+    running = torch.zeros_like(next_value)
+    for t in reversed(range(num_steps)):
+        running = deltas[t] + gamma * lam * not_done[t] * running
+        advantages[t] = running
+    return advantages, advantages + values
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Update
+
+
+def masked_mean(x: Tensor, mask: Tensor, count: Tensor) -> Tensor:
+    """Mean of x over the entries where mask is True (count of them given); 0 when there are none."""
+    return torch.where(mask, x, 0.0).sum() / count
+
+
+def explained_variance(predicted: Tensor, target: Tensor) -> float:
+    """1 - Var[target - predicted] / Var[target]: 1 is a perfect critic, 0 no better than a constant, NaN if flat."""
+    target_var = target.var()
+    if target.numel() < 2 or target_var == 0:
+        return float("nan")
+    return float(1.0 - (target - predicted).var() / target_var)
+
+
+class PPO:
+    """Owns the optimizer and runs the PPO update on this trainer's share of the batch.
+
+    With DDP (ddp_policy given), forward/backward go through ddp_policy so gradients are averaged over the trainer
+    group. Every trainer then must take the same number of optimizer steps: the target_kl early stop is decided on
+    the group's mean approx_kl, so pass the trainer group when target_kl is set.
+    """
+
+    def __init__(self, policy: ActorCritic, ddp_policy: nn.Module | None, cfg: AlgoSection, num_iterations: int,
+                 group: dist.ProcessGroup | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT):
+        self.policy = policy
+        # The module forward/backward go through: the DDP wrapper (grads averaged over trainers) or the policy.
+        self.model = ddp_policy if ddp_policy is not None else policy
+        self.cfg = cfg
+        self.num_iterations = num_iterations
+        self.group = group
+        self.timeout = timeout
+        self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learning_rate, eps=1e-5)
+
+    def schedule(self, iteration: int) -> tuple[float, float]:
+        """(learning rate, clip coefficient) for a 0-based iteration: linear decay towards 0 when annealing."""
+        remaining = 1.0 - iteration / self.num_iterations
+        lr = self.cfg.learning_rate * (remaining if self.cfg.anneal_lr else 1.0)
+        clip = self.cfg.clip_coef * (remaining if self.cfg.anneal_clip else 1.0)
+        return lr, clip
+
+    def update(self, batch: TensorDict, iteration: int) -> dict[str, float]:
+        """One PPO update on a flat batch [B] with keys obs, action, log_prob, advantage, return_, value, valid."""
+        cfg = self.cfg
+        lr, clip = self.schedule(iteration)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
+
+        valid = batch["valid"].bool()
+        # Reset steps hold no real transition; zero their targets so that nothing there (even inf) reaches a loss.
+        old_log_prob = torch.where(valid, batch["log_prob"], 0.0)
+        advantages = torch.where(valid, batch["advantage"], 0.0)
+        returns = torch.where(valid, batch["return_"], 0.0)
+        old_values = torch.where(valid, batch["value"], 0.0)
+        obs, actions = batch["obs"], batch["action"]
+
+        size = valid.shape[0]
+        # Metrics are means over every minibatch step taken, across all epochs (SB3 averages its losses the same way).
+        steps: list[Tensor] = []
+        for _ in range(cfg.update_epochs):
+            stop = False
+            for index in torch.randperm(size).tensor_split(cfg.num_minibatches):
+                mask = valid[index]
+                num_valid = mask.sum()
+                count = num_valid.clamp(min=1)
+                adv = advantages[index]
+                if cfg.normalize_advantages and num_valid > 1:
+                    mean = masked_mean(adv, mask, count)
+                    std = (masked_mean((adv - mean).square(), mask, count) * count / (count - 1)).sqrt()
+                    adv = (adv - mean) / (std + 1e-8)  # unbiased std, as SB3 (torch's default std)
+
+                new_log_prob, entropy, new_value = self.model(obs[index], actions[index])
+                log_ratio = new_log_prob - old_log_prob[index]
+                ratio = log_ratio.exp()
+
+                with torch.no_grad():
+                    approx_kl = masked_mean((ratio - 1) - log_ratio, mask, count)
+                    clip_fraction = masked_mean(((ratio - 1).abs() > clip).float(), mask, count)
+                if cfg.target_kl is not None and self._group_mean(approx_kl) > 1.5 * cfg.target_kl:
+                    stop = True  # SB3: stop before stepping on a minibatch that already moved too far
+                    break
+
+                policy_loss = masked_mean(-torch.min(adv * ratio, adv * ratio.clamp(1 - clip, 1 + clip)), mask, count)
+                if cfg.clip_value_loss:  # SB3's clip_range_vf form: the prediction moves at most clip from the old one
+                    old_value = old_values[index]
+                    new_value = old_value + (new_value - old_value).clamp(-clip, clip)
+                value_loss = masked_mean((new_value - returns[index]).square(), mask, count)
+                entropy_mean = masked_mean(entropy, mask, count)
+                loss = policy_loss - cfg.ent_coef * entropy_mean + cfg.vf_coef * value_loss
+
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+                steps.append(torch.stack([policy_loss, value_loss, entropy_mean, approx_kl, clip_fraction]).detach())
+            if stop:
+                break
+
+        metrics = dict(zip(["policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction"],
+                           torch.stack(steps).mean(0).tolist() if steps else [float("nan")] * 5))
+        metrics["explained_variance"] = explained_variance(old_values[valid], returns[valid])
+        metrics["learning_rate"] = lr
+        metrics["clip_coef"] = clip
+        metrics["minibatch_steps"] = float(len(steps))
+        return metrics
+
+    def _group_mean(self, value: Tensor) -> float:
+        """The trainer group's mean of a scalar, so every trainer makes the same early-stop decision."""
+        if self.group is None or not (dist.is_available() and dist.is_initialized()):
+            return float(value)
+        value = value.detach().clone().reshape(1)
+        work = dist.all_reduce(value, group=self.group, async_op=True)
+        wait(work, self.timeout, lambda: (
+            f"rank {dist.get_rank()}: PPO target_kl all_reduce of approx_kl with trainer ranks "
+            f"{dist.get_process_group_ranks(self.group)}"))
+        return float(value) / dist.get_world_size(self.group)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,120 @@
+"""The PPO policy: separate actor and critic MLPs (SB3 / CleanRL style) over normalized observations.
+
+Discrete actions use a categorical distribution over the actor's logits; Box actions a diagonal Gaussian whose
+log std is a state-independent parameter. The distributions are written out (log-softmax, Gaussian log density)
+rather than built as torch.distributions objects: this runs once per env step on inference ranks and once per
+minibatch on trainers, and constructing distribution objects costs more than the math.
+"""
+
+from __future__ import annotations
+
+import math
+
+import gymnasium as gym
+import torch
+from torch import Tensor, nn
+
+from spmd_rl.config import ModelSection
+from spmd_rl.errors import UserError
+from spmd_rl.modules.normalizer import RunningNormalizer
+
+ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def _layer(in_features: int, out_features: int, gain: float) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features)
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+def mlp(in_features: int, hidden_sizes: list[int], out_features: int, activation: str, head_gain: float
+        ) -> nn.Sequential:
+    """Hidden layers with orthogonal init (gain sqrt(2)), then a linear head with its own gain."""
+    layers: list[nn.Module] = []
+    for width in hidden_sizes:
+        layers += [_layer(in_features, width, math.sqrt(2)), ACTIVATIONS[activation]()]
+        in_features = width
+    layers.append(_layer(in_features, out_features, head_gain))
+    return nn.Sequential(*layers)
+
+
+def _check_spaces(obs_space: gym.Space, action_space: gym.Space) -> None:
+    supported = ("observations: a 1-D Box; actions: Discrete (start 0) or a 1-D Box")
+    if not (isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1):
+        raise UserError(f"observation space {obs_space} is not supported by the MLP actor-critic ({supported}); "
+                        "flatten it with a gymnasium wrapper such as FlattenObservation")
+    if isinstance(action_space, gym.spaces.Discrete):
+        if int(action_space.start) != 0:
+            raise UserError(f"action space {action_space} is not supported ({supported})")
+        return
+    if not (isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1):
+        raise UserError(f"action space {action_space} is not supported by the actor-critic ({supported})")
+
+
+class ActorCritic(nn.Module):
+    """Actor and critic MLPs over normalized observations; `forward(obs, action)` is `evaluate` so DDP can wrap it."""
+
+    def __init__(self, obs_space: gym.Space, action_space: gym.Space, model_cfg: ModelSection):
+        super().__init__()
+        _check_spaces(obs_space, action_space)
+        obs_size = int(obs_space.shape[0])
+        self.discrete = isinstance(action_space, gym.spaces.Discrete)
+        if self.discrete:
+            self.action_shape: tuple[int, ...] = ()
+            self.action_dtype = torch.int64
+            actor_out = int(action_space.n)
+        else:
+            self.action_shape = (int(action_space.shape[0]),)
+            self.action_dtype = torch.float32
+            actor_out = self.action_shape[0]
+            self.log_std = nn.Parameter(torch.full((actor_out,), float(model_cfg.log_std_init)))
+        self.obs_normalizer = RunningNormalizer((obs_size,), enabled=model_cfg.normalize_obs)
+        hidden, activation = list(model_cfg.hidden_sizes), model_cfg.activation
+        self.actor = mlp(obs_size, hidden, actor_out, activation, head_gain=0.01)
+        self.critic = mlp(obs_size, hidden, 1, activation, head_gain=1.0)
+
+    def _features(self, obs: Tensor) -> Tensor:
+        return self.obs_normalizer(obs.to(torch.float32))
+
+    def value(self, obs: Tensor) -> Tensor:
+        """V(obs), shape [B]."""
+        return self.critic(self._features(obs)).squeeze(-1)
+
+    @torch.no_grad()
+    def act(self, obs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Sample actions: (action, log_prob, value). Continuous actions are unclipped; the env side clips."""
+        x = self._features(obs)
+        out = self.actor(x)
+        if self.discrete:
+            log_probs = torch.log_softmax(out, dim=-1)
+            action = torch.multinomial(log_probs.exp(), 1).squeeze(-1)
+            log_prob = log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1)
+        else:
+            std = self.log_std.exp()
+            action = out + std * torch.randn_like(out)
+            log_prob = self._gaussian_log_prob(out, action)
+        return action, log_prob, self.critic(x).squeeze(-1)
+
+    def evaluate(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(log_prob, entropy, value) of given actions, with gradients."""
+        x = self._features(obs)
+        out = self.actor(x)
+        if self.discrete:
+            log_probs = torch.log_softmax(out, dim=-1)
+            log_prob = log_probs.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+        else:
+            log_prob = self._gaussian_log_prob(out, action)
+            entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(out.shape[0])
+        return log_prob, entropy, self.critic(x).squeeze(-1)
+
+    def forward(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # DDP only hooks forward(): the trainer calls ddp_policy(obs, action) to get evaluate() with synced grads.
+        return self.evaluate(obs, action)
+
+    def _gaussian_log_prob(self, mean: Tensor, action: Tensor) -> Tensor:
+        z = (action - mean) * torch.exp(-self.log_std)
+        return (-0.5 * z.square() - self.log_std - LOG_SQRT_2PI).sum(-1)
+
