@@ -1,0 +1,141 @@
+"""Launch detection from environment variables: precedence, each source, partial environments, Slurm lists."""
+
+import pytest
+
+from spmd_rl.errors import UserError
+from spmd_rl.launch import (LAUNCH_SOURCES, detect_launch, expand_nodelist, expand_tasks_per_node, from_mpi,
+                            from_slurm, from_torchrun, mpi_rank_from_env, slurm_default_port)
+
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}
+# What srun puts into task 5 of `srun -N 2 -n 8` (two nodes, four tasks each).
+SRUN_TASK = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+             "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[07-08]",
+             "SLURM_STEP_NODELIST": "node[07-08]", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+
+
+def test_no_launcher_is_a_single_process():
+    info = detect_launch({})
+    assert (info.launcher, info.rank, info.world_size, info.init_method) == ("none", 0, 1, "")
+    assert not info.distributed
+
+
+def test_torchrun():
+    info = detect_launch(TORCHRUN)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == \
+        ("torchrun", 3, 4, 1, 2)
+    assert info.init_method == "env://"
+
+
+def test_torchrun_wins_over_slurm_under_srun_torchrun():
+    # Workers of `srun torchrun` inherit the agent's SLURM_PROCID (the node index), which is not their rank.
+    info = detect_launch({**SRUN_TASK, **TORCHRUN})
+    assert (info.launcher, info.rank) == ("torchrun", 3)
+
+
+def test_torchrun_partial_environment_names_the_missing_variables():
+    with pytest.raises(UserError, match="MASTER_ADDR, MASTER_PORT are missing"):
+        detect_launch({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+
+
+def test_slurm_srun_task():
+    info = detect_launch(SRUN_TASK)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == \
+        ("slurm", 5, 8, 1, 4)
+    assert info.init_method == f"tcp://node07:{slurm_default_port(4242)}"
+
+
+def test_slurm_master_address_and_port_can_be_overridden():
+    info = detect_launch({**SRUN_TASK, "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "31000"})
+    assert info.init_method == "tcp://10.0.0.7:31000"
+
+
+def test_slurm_single_node_needs_no_tasks_per_node():
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+           "SLURM_JOB_ID": "7", "SLURM_NODELIST": "vm"}
+    info = detect_launch(env)
+    assert (info.rank, info.world_size, info.local_world_size, info.init_method) == (1, 2, 2, "tcp://vm:20007")
+
+
+def test_slurm_uneven_tasks_per_node_picks_this_node():
+    env = {**SRUN_TASK, "SLURM_STEP_TASKS_PER_NODE": "5,3", "SLURM_PROCID": "6", "SLURM_LOCALID": "1"}
+    assert detect_launch(env).local_world_size == 3
+
+
+def test_slurm_batch_script_without_srun_is_a_single_process():
+    # The batch step has SLURM_PROCID=0 and the job's task count but no step id: nobody else will join.
+    batch = {key: value for key, value in SRUN_TASK.items() if not key.startswith("SLURM_STEP")}
+    assert detect_launch({**batch, "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}).launcher == "none"
+
+
+@pytest.mark.parametrize("missing", ["SLURM_NTASKS", "SLURM_LOCALID"])
+def test_slurm_partial_environment_names_the_missing_variable(missing):
+    env = {key: value for key, value in SRUN_TASK.items() if key != missing}
+    with pytest.raises(UserError, match=f"{missing} is missing"):
+        detect_launch(env)
+
+
+def test_slurm_without_node_list_or_port_source_is_an_error():
+    no_nodes = {key: value for key, value in SRUN_TASK.items() if "NODELIST" not in key}
+    with pytest.raises(UserError, match="SLURM_JOB_NODELIST"):
+        detect_launch(no_nodes)
+    no_job = {key: value for key, value in SRUN_TASK.items() if key != "SLURM_JOB_ID"}
+    with pytest.raises(UserError, match="MASTER_PORT"):
+        detect_launch(no_job)
+
+
+def test_slurm_contradictory_rank_is_an_error():
+    with pytest.raises(UserError, match="contradictory"):
+        detect_launch({**SRUN_TASK, "SLURM_PROCID": "8"})
+    with pytest.raises(UserError, match="SLURM_LOCALID=4"):
+        detect_launch({**SRUN_TASK, "SLURM_LOCALID": "4"})
+    with pytest.raises(UserError, match="not an integer"):
+        detect_launch({**SRUN_TASK, "SLURM_NTASKS": "eight"})
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4"}, ("OMPI_COMM_WORLD_RANK", 2, 4)),
+    ({"PMIX_RANK": "1"}, ("PMIX_RANK", 1, None)),
+    ({"PMI_RANK": "0", "PMI_SIZE": "3"}, ("PMI_RANK", 0, 3)),
+    ({**SRUN_TASK}, None),
+    ({}, None),
+])
+def test_mpi_launch_is_read_from_the_launcher_variables(env, expected):
+    assert mpi_rank_from_env(env) == expected
+
+
+def test_mpi_contradictory_rank_is_an_error():
+    with pytest.raises(UserError, match="contradictory"):
+        mpi_rank_from_env({"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "4"})
+
+
+def test_precedence_torchrun_then_mpi_then_slurm():
+    # mpirun's ranks inside an allocation inherit the batch step's SLURM_* variables, and `srun torchrun` workers
+    # the agent's: the sources that know the real rank are asked first. (from_mpi initializes MPI, so the order
+    # is checked here and the real thing by tests/test_mpirun.py.)
+    assert LAUNCH_SOURCES == [from_torchrun, from_mpi, from_slurm]
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("vm", ["vm"]),
+    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+    ("gpu[9-11],cpu5", ["gpu9", "gpu10", "gpu11", "cpu5"]),
+    ("a[1,3],b[08-09]", ["a1", "a3", "b08", "b09"]),
+    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+    ("node-a.cluster,node-b.cluster", ["node-a.cluster", "node-b.cluster"]),
+])
+def test_expand_nodelist(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist", ["node[01-03", "node]1[", "node[a-b]", "", "x,,y"])
+def test_expand_nodelist_rejects_malformed_lists(nodelist):
+    with pytest.raises(UserError, match="node list"):
+        expand_nodelist(nodelist)
+
+
+def test_expand_tasks_per_node():
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert expand_tasks_per_node("4") == [4]
+    with pytest.raises(UserError, match="tasks-per-node"):
+        expand_tasks_per_node("2(3)")
