@@ -107,8 +107,7 @@ class WeightsSection:
 
 @dataclass
 class LogSection:
-    progress: str = knob("auto", "progress bar on rank 0: auto (only on a terminal), on, off",
-                         choices=["auto", "on", "off"])
+    progress: bool | None = knob(None, "progress bar on rank 0: true, false, or null = only on a terminal")
     interval_s: float = knob(5.0, "seconds between printed progress lines", min=0.0)
     tensorboard: bool = knob(True, "write TensorBoard event files to the run directory")
 
@@ -254,6 +253,12 @@ def _check_type(key: str, value: Any, kind) -> Any:
             raise wrong
         return value
     if kind is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads 3e-4 (no dot) as a string; accept what Python reads as a number.
+            try:
+                return float(value)
+            except ValueError:
+                raise wrong from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise wrong
         return float(value)

@@ -1,0 +1,77 @@
+"""Gymnasium environments: probe an id up front, then build a rank's vectorized envs.
+
+Vector envs run in gymnasium's default NEXT_STEP autoreset mode: the step that ends an episode returns the
+episode's final observation, and the following step resets that env (its action is ignored). The env worker marks
+such reset steps invalid, and GAE bootstraps truncated episodes from the final observation's value.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import gymnasium as gym
+from gymnasium.wrappers import vector as vector_wrappers
+
+from spmd_rl.config import EnvSection
+from spmd_rl.errors import UserError
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What every rank must know about the env, without stepping it: the spaces of ONE env."""
+    id: str
+    observation_space: gym.Space
+    action_space: gym.Space
+
+
+def probe_env(cfg: EnvSection) -> EnvSpec:
+    """Make one env to learn its spaces; a missing id or a failing import is a UserError naming the env."""
+    _import_path_for_user_envs()
+    try:
+        env = gym.make(cfg.id, **cfg.kwargs)
+    except gym.error.Error as exc:
+        raise UserError(f"env.id '{cfg.id}' cannot be made: {exc}") from None
+    except ImportError as exc:
+        raise UserError(f"env.id '{cfg.id}': importing its module failed: {exc}") from None
+    except TypeError as exc:
+        raise UserError(f"env.id '{cfg.id}' rejected env.kwargs {cfg.kwargs}: {exc}") from None
+    try:
+        return EnvSpec(cfg.id, env.observation_space, env.action_space)
+    finally:
+        env.close()
+
+
+def make_vector_env(cfg: EnvSection, seed: int) -> tuple[gym.vector.VectorEnv, int]:
+    """This rank's envs with episode statistics (and action clipping / reward scaling where asked).
+
+    Returns the vector env and its first observation batch.
+    """
+    mode = cfg.vectorization
+    if mode == "auto":
+        mode = "vector_entry_point" if gym.spec(_registered_id(cfg.id)).vector_entry_point else "sync"
+    try:
+        envs = gym.make_vec(cfg.id, num_envs=cfg.num_envs, vectorization_mode=mode, **cfg.kwargs)
+    except gym.error.Error as exc:
+        raise UserError(f"env.id '{cfg.id}' cannot be vectorized with env.vectorization={mode}: {exc}") from None
+    envs = vector_wrappers.RecordEpisodeStatistics(envs)
+    if isinstance(envs.single_action_space, gym.spaces.Box):
+        envs = vector_wrappers.ClipAction(envs)  # the policy's Gaussian samples are unbounded
+    if cfg.normalize_reward:
+        envs = vector_wrappers.NormalizeReward(envs)
+    obs, _ = envs.reset(seed=seed)
+    envs.action_space.seed(seed)
+    return envs, obs
+
+
+def _registered_id(env_id: str) -> str:
+    return env_id.split(":", 1)[1] if ":" in env_id else env_id
+
+
+def _import_path_for_user_envs() -> None:
+    # 'package.module:EnvId' is imported by gymnasium; let a module in the working directory be found the same way
+    # under every launcher (python -m puts the cwd on sys.path, torchrun's workers and mpirun's ranks may not).
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.append(cwd)

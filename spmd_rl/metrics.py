@@ -1,0 +1,106 @@
+"""What the user sees, on rank 0 only: a progress bar, a compact line every few seconds, metrics.jsonl,
+TensorBoard events, and a final summary line."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+# The mean over the last RETURN_WINDOW finished episodes (all env ranks) is the headline return.
+RETURN_WINDOW = 20
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, total_steps: int, progress: bool | None, interval_s: float, tensorboard: bool):
+        self.run_dir = run_dir
+        self.total_steps = total_steps
+        self.interval_s = interval_s
+        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # imported only where used: it is slow to import
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        show_bar = sys.stderr.isatty() if progress is None else progress
+        self.bar = tqdm(total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True, disable=not show_bar)
+        self.recent_returns = collections.deque(maxlen=RETURN_WINDOW)
+        self.recent_lengths = collections.deque(maxlen=RETURN_WINDOW)
+        self.episodes = 0
+        self.start = time.perf_counter()
+        self.last_line = -math.inf
+        self.last_record: dict = {}
+
+    def log(self, iteration: int, env_steps: int, losses: dict, statistics: dict, trainer_times: dict) -> dict:
+        self.recent_returns.extend(statistics["returns"].tolist())
+        self.recent_lengths.extend(statistics["lengths"].tolist())
+        self.episodes += statistics["returns"].numel()
+        elapsed = time.perf_counter() - self.start
+        env_ranks = max(statistics["env_ranks"], 1.0)
+        inference_s = statistics["inference_s"] / env_ranks
+        record = {
+            "iteration": iteration,
+            "env_steps": env_steps,
+            "episodes": self.episodes,
+            "episode_return_mean": _mean(self.recent_returns),
+            "episode_length_mean": _mean(self.recent_lengths),
+            "sps": env_steps / elapsed if elapsed > 0 else 0.0,
+            **losses,
+            # seconds per phase in this iteration; env-side phases are means over env ranks
+            "time_env_s": statistics["env_s"] / env_ranks,
+            "time_inference_s": inference_s,
+            "time_transfer_s": max(statistics["action_wait_s"] / env_ranks - inference_s, 0.0),
+            **trainer_times,
+            "wall_s": elapsed,
+        }
+        # JSON has no NaN: an iteration before the first finished episode has no return yet.
+        self.jsonl.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key not in ("iteration", "env_steps") and value is not None and math.isfinite(value):
+                    self.writer.add_scalar(key, value, env_steps)
+        self.bar.update(env_steps - self.bar.n)
+        self.bar.set_postfix(ret=f"{record['episode_return_mean']:.1f}", sps=f"{record['sps']:.0f}", refresh=False)
+        if elapsed - self.last_line >= self.interval_s:
+            self.last_line = elapsed
+            self._print(self.line(record))
+        self.last_record = record
+        return record
+
+    @staticmethod
+    def line(record: dict) -> str:
+        return (f"iter {record['iteration'] + 1:>5}  steps {record['env_steps']:>9}  "
+                f"return {record['episode_return_mean']:8.2f}  len {record['episode_length_mean']:7.1f}  "
+                f"sps {record['sps']:8.0f}  kl {record.get('approx_kl', float('nan')):.4f}  "
+                f"clip {record.get('clip_fraction', float('nan')):.3f}")
+
+    def _print(self, text: str) -> None:
+        if self.bar.disable:
+            print(text, flush=True)
+        else:
+            self.bar.write(text)
+
+    def close(self) -> str:
+        self.bar.close()
+        record = self.last_record
+        summary = (f"done: {record.get('env_steps', 0)} env steps in {record.get('wall_s', 0.0):.1f}s "
+                   f"({record.get('sps', 0.0):.0f} steps/s), {self.episodes} episodes, mean return of the last "
+                   f"{RETURN_WINDOW} episodes {record.get('episode_return_mean', float('nan')):.2f}; "
+                   f"run directory {self.run_dir}")
+        print(summary, flush=True)
+        if self.writer is not None:
+            self.writer.close()
+        self.jsonl.close()
+        return summary
+
+
+def _finite_or_none(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values) if values else float("nan")

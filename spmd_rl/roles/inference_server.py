@@ -1,0 +1,61 @@
+"""The inference server's story: every step, gather the observations of all my env ranks, act for all of them in
+one batched forward pass, and send each its actions; between rollouts, take the trainer's new weights.
+
+Env ranks are served in a fixed order (post all receives, wait, one forward pass, post all sends), so the
+schedule never depends on data.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class InferenceServer:
+    def __init__(self, policy, obs_channels: list, action_channels: list, device: torch.device, weight_sync=None):
+        self.policy = policy
+        self.obs_channels = obs_channels
+        self.action_channels = action_channels
+        self.device = device
+        self.weight_sync = weight_sync      # None in the colocated layout: the trainer's module is this module
+        self.policy_version = 0
+        self.replies = [ch.buffer for ch in action_channels]
+        self.splits = [reply["action"].shape[0] for reply in self.replies]
+
+    def serve_step(self) -> None:
+        pending = [ch.irecv() for ch in self.obs_channels]
+        observations = [message.wait()["obs"] for message in pending]
+        obs = observations[0] if len(observations) == 1 else torch.cat(observations)
+
+        clock = time.perf_counter()
+        action, log_prob, value = self.policy.act(obs.to(self.device, non_blocking=True))
+        action, log_prob, value = action.cpu(), log_prob.cpu(), value.cpu()
+        inference_s = time.perf_counter() - clock
+
+        sends = []
+        offset = 0
+        for channel, reply, count in zip(self.action_channels, self.replies, self.splits):
+            reply["action"].copy_(action[offset:offset + count])
+            reply["log_prob"].copy_(log_prob[offset:offset + count])
+            reply["value"].copy_(value[offset:offset + count])
+            reply["policy_version"].fill_(self.policy_version)
+            reply["inference_s"].fill_(inference_s)
+            sends.append(channel.isend())
+            offset += count
+        for send in sends:
+            send.wait()
+
+    def receive_weights(self) -> None:
+        """Split layout, at the fixed point between rollouts: the trainer's weights and their version."""
+        self.policy_version = self.weight_sync.broadcast(self.policy_version)  # receivers get the sender's version
+
+
+def run_inference_rank(server: InferenceServer, num_iterations: int, num_steps: int, verify_every: int) -> None:
+    server.receive_weights()  # the initial weights come from trainer rank 0, never from matching seeds
+    for iteration in range(num_iterations):
+        for _ in range(num_steps):
+            server.serve_step()
+        server.receive_weights()
+        if verify_every and (iteration + 1) % verify_every == 0:
+            server.weight_sync.verify(server.policy_version)

@@ -1,0 +1,139 @@
+"""The trainer's story: receive the rollout segments of my env ranks, compute advantages, update the policy with
+my fellow trainers (DDP over the trainer group), and publish the new weights to the inference ranks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from spmd_rl.algorithms.ppo import PPO, compute_gae
+from spmd_rl.errors import CommError
+
+
+class StalePolicyError(RuntimeError):
+    """In sync mode every env step must use the weights of the current iteration."""
+
+
+class Trainer:
+    def __init__(self, policy, ppo: PPO, segment_channels: list, segment_sources: list[str], episode_slots: int,
+                 device: torch.device, group, weight_sync=None, describe: str = "trainer"):
+        self.policy = policy
+        self.ppo = ppo
+        self.segment_channels = segment_channels
+        self.segment_sources = segment_sources  # who sends each segment, for error messages
+        # Every trainer gathers the same fixed number of episode slots (the most env columns any trainer has).
+        self.episode_slots = episode_slots
+        self.device = device
+        self.group = group                  # trainer group (None: a single process)
+        self.weight_sync = weight_sync      # trainer rank 0 of a split layout only
+        self.describe = describe
+        self.learn_s = self.weight_sync_s = 0.0
+
+    # -- one iteration -------------------------------------------------------------------------------------------
+
+    def receive_segments(self, expected_version: int) -> TensorDict:
+        pending = [ch.irecv() for ch in self.segment_channels]
+        segments = [message.wait() for message in pending]
+        for source, segment in zip(self.segment_sources, segments):
+            versions = segment["policy_version"]
+            if bool((versions != expected_version).any()):
+                raise StalePolicyError(
+                    f"{self.describe}: segment from {source} used policy versions "
+                    f"{sorted(set(versions.tolist()))}, expected only {expected_version} (sync mode)")
+        if len(segments) == 1:
+            return segments[0]
+        return TensorDict({
+            "rollout": torch.cat([s["rollout"] for s in segments], dim=1),
+            "next_obs": torch.cat([s["next_obs"] for s in segments]),
+            "env_s": torch.cat([s["env_s"] for s in segments]),
+            "action_wait_s": torch.cat([s["action_wait_s"] for s in segments]),
+            "inference_s": torch.cat([s["inference_s"] for s in segments]),
+        }, batch_size=[])
+
+    def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
+        clock = time.perf_counter()
+        rollout = segment["rollout"].to(self.device)
+        cfg = self.ppo.cfg
+        with torch.no_grad():
+            next_value = self.policy.value(segment["next_obs"].to(self.device))
+        advantage, return_ = compute_gae(rollout["reward"], rollout["value"], next_value,
+                                         rollout["terminated"], rollout["truncated"], cfg.gamma, cfg.gae_lambda)
+        batch = TensorDict({
+            "obs": rollout["obs"], "action": rollout["action"], "log_prob": rollout["log_prob"],
+            "value": rollout["value"], "valid": rollout["valid"], "advantage": advantage, "return_": return_,
+        }, batch_size=rollout.batch_size).reshape(-1)
+        try:
+            metrics = self.ppo.update(batch, iteration)
+            # The statistics used to collect this rollout stay fixed while learning from it; fold the rollout's
+            # observations in afterwards, so the next rollout (and its learning) use the merged statistics.
+            self.policy.obs_normalizer.update(batch["obs"][batch["valid"]], group=self.group)
+        except RuntimeError as exc:
+            if isinstance(exc, StalePolicyError) or self.group is None:
+                raise
+            raise CommError(f"{self.describe}: gradient/statistics all-reduce in the trainer group failed: "
+                            f"{str(exc).splitlines()[0]}") from exc
+        self.learn_s = time.perf_counter() - clock
+        return metrics
+
+    def publish_weights(self, version: int, verify: bool) -> None:
+        if self.weight_sync is None:
+            return
+        clock = time.perf_counter()
+        self.weight_sync.broadcast(version)
+        if verify:
+            self.weight_sync.verify(version)
+        self.weight_sync_s = time.perf_counter() - clock
+
+    def gather_statistics(self, segment: TensorDict) -> dict | None:
+        """Episode results and env-side timings of ALL env ranks, gathered onto the group's first rank."""
+        rollout = segment["rollout"]
+        done = rollout["episode_done"]
+        local = {
+            "returns": rollout["episode_return"][done].double(),
+            "lengths": rollout["episode_length"][done].double(),
+            "env_s": segment["env_s"].sum().item(),
+            "action_wait_s": segment["action_wait_s"].sum().item(),
+            "inference_s": segment["inference_s"].sum().item(),
+            "env_ranks": float(segment["env_s"].numel()),
+        }
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return local
+        # Fixed-size tensors (padded with NaN) so the gather needs no negotiation of sizes.
+        slots = self.episode_slots
+        packed = torch.full((2 * slots + 4,), float("nan"), dtype=torch.float64)
+        count = local["returns"].numel()
+        packed[:count] = local["returns"]
+        packed[slots:slots + count] = local["lengths"]
+        packed[2 * slots:] = torch.tensor([local["env_s"], local["action_wait_s"], local["inference_s"],
+                                           local["env_ranks"]], dtype=torch.float64)
+        gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(self.group))]
+        try:
+            dist.all_gather(gathered, packed, group=self.group)
+        except RuntimeError as exc:
+            raise CommError(f"{self.describe}: all_gather of episode statistics in the trainer group failed: "
+                            f"{str(exc).splitlines()[0]}") from exc
+        if dist.get_rank(self.group) != 0:
+            return None
+        merged = torch.stack(gathered)
+        returns, lengths = merged[:, :slots], merged[:, slots:2 * slots]
+        sums = merged[:, 2 * slots:].sum(0)
+        return {
+            "returns": returns[~returns.isnan()], "lengths": lengths[~lengths.isnan()],
+            "env_s": sums[0].item(), "action_wait_s": sums[1].item(), "inference_s": sums[2].item(),
+            "env_ranks": sums[3].item(),
+        }
+
+
+def run_trainer_rank(trainer: Trainer, num_iterations: int, verify_every: int, report) -> None:
+    """A split-layout trainer rank. report(iteration, metrics, statistics, trainer) runs on every trainer; the
+    metrics logger inside it writes on the first trainer only."""
+    trainer.publish_weights(0, verify=False)  # inference ranks start from trainer rank 0's initial weights
+    for iteration in range(num_iterations):
+        segment = trainer.receive_segments(expected_version=iteration)
+        metrics = trainer.learn(segment, iteration)
+        trainer.publish_weights(iteration + 1, verify=bool(verify_every) and (iteration + 1) % verify_every == 0)
+        report(iteration, metrics, trainer.gather_statistics(segment), trainer)
