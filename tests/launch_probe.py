@@ -1,7 +1,8 @@
 """The smallest SPMD program: detect the launch, join the process group, all_reduce, report, exit 0.
 
-    <launcher> python tests/launch_probe.py OUT_DIR
+    <launcher> python tests/launch_probe.py [--config FILE] run.dir=OUT_DIR [other overrides]
 
+It takes spmd_rl.main's arguments (and ignores all but run.dir), so a launch script can run it in main's place.
 Each rank writes OUT_DIR/rank<N>.json with what it detected and the all_reduce result, so a test can check a
 launcher end to end in seconds, without training anything.
 """
@@ -35,4 +36,7 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    run_dirs = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith("run.dir=")]
+    if not run_dirs:
+        sys.exit("usage: launch_probe.py [--config FILE] run.dir=OUT_DIR [section.key=value ...]")
+    main(Path(run_dirs[-1]))

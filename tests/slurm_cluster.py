@@ -14,6 +14,7 @@ stopped by their pid files at the end, also when a test failed. Tests skip when 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -127,6 +128,7 @@ def write_slurm_conf(root: Path, node_count: int) -> tuple[Path, list[str]]:
         "SelectTypeParameters=CR_CPU",
         "SlurmdParameters=config_overrides",
         "ReturnToService=2",
+        f"FirstJobId={random.randint(1000, 900_000)}",  # job ids pick ports (slurm/*.sh): vary them per cluster
         "KillWait=5",          # seconds between SIGTERM and SIGKILL when a step is killed: keeps failing tests short
         "InactiveLimit=0",
         "MinJobAge=300",       # keep finished jobs visible to scontrol show job

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# mpirun (Open MPI 4, as packaged by Debian 12 / Ubuntu 22.04): NP ranks on this host, or on the hosts of
+# HOSTFILE. mpi4py lets rank 0 pick the address and a free port for torch.distributed; MPI carries nothing else.
+#
+#   NP=4 launch/mpirun.sh --config configs/ppo_cartpole.yaml
+#   NP=16 HOSTFILE=hosts.txt MASTER_ADDR=10.0.0.1 launch/mpirun.sh --config configs/ppo_halfcheetah.yaml
+#
+# Environment:
+#   NP           ranks in total (default 2)
+#   HOSTFILE     Open MPI host file ("node01 slots=8" per line); unset: all ranks on this host
+#   MASTER_ADDR  several hosts: rank 0's address, when its host name does not resolve to it (forwarded with -x)
+#   MPIRUN_ARGS  further mpirun flags, word-split (e.g. "--mca btl_tcp_if_include eth0")
+#   PYTHON       interpreter (default python on PATH; must exist at the same path on every host)
+set -euo pipefail
+NP=${NP:-2}
+flags=(
+    -n "$NP"
+    --bind-to none                       # Open MPI binds each rank to one core by default; torch and the envs
+                                         # of a rank use threads, which would then all share that core
+    --oversubscribe                      # allow more ranks than cores: env and inference ranks mostly wait
+    -x "OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}"   # torchrun sets 1, mpirun does not: N ranks x all-core
+                                                 # thread pools thrash
+)
+if [[ $(id -u) == 0 ]]; then
+    flags+=(--allow-run-as-root)         # containers run as root; Open MPI refuses root without this flag
+fi
+if [[ -n ${HOSTFILE:-} ]]; then
+    flags+=(--hostfile "$HOSTFILE")
+fi
+if [[ -n ${MASTER_ADDR:-} ]]; then
+    flags+=(-x MASTER_ADDR)
+fi
+# shellcheck disable=SC2086  # MPIRUN_ARGS is a list of flags
+exec mpirun "${flags[@]}" ${MPIRUN_ARGS:-} "${PYTHON:-python}" -m spmd_rl.main "$@"

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# torchrun on this node, or on several nodes (run this script once on every node).
+#
+#   NPROC=4 launch/torchrun.sh --config configs/ppo_cartpole.yaml
+#   NPROC=4 launch/torchrun.sh --config configs/ppo_cartpole.yaml layout.mode=split layout.trainer=1 \
+#       layout.inference=1 layout.env=2
+#   # two nodes, on each of them:
+#   NNODES=2 NPROC=8 MASTER_ADDR=node01 launch/torchrun.sh --config configs/ppo_halfcheetah.yaml
+#
+# Environment:
+#   NPROC        ranks on this node (default 2)
+#   NNODES       nodes taking part (default 1: --standalone, torchrun picks a free local port itself)
+#   MASTER_ADDR  NNODES > 1: address of the node hosting the rendezvous (any one of them, the same everywhere)
+#   MASTER_PORT  NNODES > 1: rendezvous port (default 29500)
+#   RDZV_ID      NNODES > 1: a name shared by the nodes of one job and no other (default spmd_rl)
+#   PYTHON       interpreter (default python on PATH); torchrun is run as `$PYTHON -m torch.distributed.run`
+#                so the ranks use the same environment as the agent
+set -euo pipefail
+NPROC=${NPROC:-2}
+NNODES=${NNODES:-1}
+if [[ $NNODES == 1 ]]; then
+    rendezvous=(--standalone)
+else
+    : "${MASTER_ADDR:?NNODES=$NNODES: set MASTER_ADDR to the address of one node (the same on every node)}"
+    rendezvous=(--rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
+                --rdzv_id="${RDZV_ID:-spmd_rl}")
+fi
+# torchrun sets OMP_NUM_THREADS=1 for its workers unless it is already set.
+exec "${PYTHON:-python}" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" "${rendezvous[@]}" \
+    -m spmd_rl.main "$@"
