@@ -55,17 +55,69 @@ def compute_gae(rewards: Tensor, values: Tensor, next_value: Tensor, terminated:
 # Update
 
 
+LOSS_NAMES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
+
+
 def masked_mean(x: Tensor, mask: Tensor, count: Tensor) -> Tensor:
-    """Mean of x over the entries where mask is True (count of them given); 0 when there are none."""
+    """Mean of x over the entries where mask is True (count of them given)."""
     return torch.where(mask, x, 0.0).sum() / count
+
+
+def ppo_losses(minibatch: dict[str, Tensor], new_log_prob: Tensor, entropy: Tensor, new_value: Tensor,
+               clip: float, cfg: AlgoSection) -> dict[str, Tensor]:
+    """The clipped-surrogate, value and entropy terms on one minibatch, each a mean over its valid entries.
+
+    minibatch holds the rollout's log_prob, advantage, return_, value and valid; the new_* tensors are the
+    current policy's evaluation of the same (obs, action) pairs.
+    """
+    mask = minibatch["valid"]
+    num_valid = mask.sum()
+    count = num_valid.clamp(min=1)  # a minibatch of reset steps only has zero loss, not NaN
+
+    advantage = minibatch["advantage"]
+    if cfg.normalize_advantages and num_valid > 1:  # per minibatch, unbiased std: as SB3
+        mean = masked_mean(advantage, mask, count)
+        std = (masked_mean((advantage - mean).square(), mask, count) * count / (count - 1)).sqrt()
+        advantage = (advantage - mean) / (std + 1e-8)
+
+    log_ratio = new_log_prob - minibatch["log_prob"]
+    ratio = log_ratio.exp()
+    surrogate = torch.min(advantage * ratio, advantage * ratio.clamp(1 - clip, 1 + clip))
+    policy_loss = -masked_mean(surrogate, mask, count)
+
+    if cfg.clip_value_loss:  # SB3's clip_range_vf form: the prediction moves at most clip away from the old value
+        new_value = minibatch["value"] + (new_value - minibatch["value"]).clamp(-clip, clip)
+    value_loss = masked_mean((new_value - minibatch["return_"]).square(), mask, count)
+
+    with torch.no_grad():
+        approx_kl = masked_mean((ratio - 1) - log_ratio, mask, count)  # the low-variance k3 estimator, as SB3
+        clip_fraction = masked_mean(((ratio - 1).abs() > clip).float(), mask, count)
+    return {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": masked_mean(entropy, mask, count),
+            "approx_kl": approx_kl, "clip_fraction": clip_fraction}
+
+
+def total_loss(losses: dict[str, Tensor], cfg: AlgoSection) -> Tensor:
+    return losses["policy_loss"] - cfg.ent_coef * losses["entropy"] + cfg.vf_coef * losses["value_loss"]
 
 
 def explained_variance(predicted: Tensor, target: Tensor) -> float:
     """1 - Var[target - predicted] / Var[target]: 1 is a perfect critic, 0 no better than a constant, NaN if flat."""
-    target_var = target.var()
-    if target.numel() < 2 or target_var == 0:
+    if target.numel() < 2 or target.var() == 0:
         return float("nan")
-    return float(1.0 - (target - predicted).var() / target_var)
+    return float(1.0 - (target - predicted).var() / target.var())
+
+
+def rollout_tensors(batch: TensorDict) -> dict[str, Tensor]:
+    """The update's inputs as plain tensors, with the targets of invalid (reset) steps zeroed.
+
+    Reset steps hold no real transition; zeroing their targets keeps anything stored there (even inf or NaN) out
+    of the losses and their gradients, which only masking the loss would not (0 * inf is NaN).
+    """
+    valid = batch["valid"].bool()
+    data = {"obs": batch["obs"], "action": batch["action"], "valid": valid}
+    for key in ("log_prob", "advantage", "return_", "value"):
+        data[key] = torch.where(valid, batch[key], 0.0)
+    return data
 
 
 class PPO:
@@ -85,7 +137,8 @@ class PPO:
         self.num_iterations = num_iterations
         self.group = group
         self.timeout = timeout
-        self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learning_rate, eps=1e-5)
+        # fused: one kernel over all parameters instead of a dozen small ops per tensor (about 4x faster on CPU).
+        self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learning_rate, eps=1e-5, fused=True)
 
     def schedule(self, iteration: int) -> tuple[float, float]:
         """(learning rate, clip coefficient) for a 0-based iteration: linear decay towards 0 when annealing."""
@@ -95,65 +148,40 @@ class PPO:
         return lr, clip
 
     def update(self, batch: TensorDict, iteration: int) -> dict[str, float]:
-        """One PPO update on a flat batch [B] with keys obs, action, log_prob, advantage, return_, value, valid."""
+        """One PPO update on a flat batch [B] with keys obs, action, log_prob, advantage, return_, value, valid.
+
+        Returns the losses averaged over every minibatch step taken in all epochs (SB3 averages the same way),
+        plus explained_variance of the rollout values, learning_rate, clip_coef and minibatch_steps (fewer than
+        update_epochs * num_minibatches when target_kl stopped the update early).
+        """
         cfg = self.cfg
         lr, clip = self.schedule(iteration)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
+        data = rollout_tensors(batch)
 
-        valid = batch["valid"].bool()
-        # Reset steps hold no real transition; zero their targets so that nothing there (even inf) reaches a loss.
-        old_log_prob = torch.where(valid, batch["log_prob"], 0.0)
-        advantages = torch.where(valid, batch["advantage"], 0.0)
-        returns = torch.where(valid, batch["return_"], 0.0)
-        old_values = torch.where(valid, batch["value"], 0.0)
-        obs, actions = batch["obs"], batch["action"]
-
-        size = valid.shape[0]
-        # Metrics are means over every minibatch step taken, across all epochs (SB3 averages its losses the same way).
         steps: list[Tensor] = []
+        stopped = False
         for _ in range(cfg.update_epochs):
-            stop = False
-            for index in torch.randperm(size).tensor_split(cfg.num_minibatches):
-                mask = valid[index]
-                num_valid = mask.sum()
-                count = num_valid.clamp(min=1)
-                adv = advantages[index]
-                if cfg.normalize_advantages and num_valid > 1:
-                    mean = masked_mean(adv, mask, count)
-                    std = (masked_mean((adv - mean).square(), mask, count) * count / (count - 1)).sqrt()
-                    adv = (adv - mean) / (std + 1e-8)  # unbiased std, as SB3 (torch's default std)
-
-                new_log_prob, entropy, new_value = self.model(obs[index], actions[index])
-                log_ratio = new_log_prob - old_log_prob[index]
-                ratio = log_ratio.exp()
-
-                with torch.no_grad():
-                    approx_kl = masked_mean((ratio - 1) - log_ratio, mask, count)
-                    clip_fraction = masked_mean(((ratio - 1).abs() > clip).float(), mask, count)
-                if cfg.target_kl is not None and self._group_mean(approx_kl) > 1.5 * cfg.target_kl:
-                    stop = True  # SB3: stop before stepping on a minibatch that already moved too far
+            for index in torch.randperm(data["valid"].shape[0]).tensor_split(cfg.num_minibatches):
+                minibatch = {key: value[index] for key, value in data.items()}
+                new_log_prob, entropy, new_value = self.model(minibatch["obs"], minibatch["action"])
+                losses = ppo_losses(minibatch, new_log_prob, entropy, new_value, clip, cfg)
+                if cfg.target_kl is not None and self._group_mean(losses["approx_kl"]) > 1.5 * cfg.target_kl:
+                    stopped = True  # as SB3: no step on a minibatch whose policy already moved too far
                     break
-
-                policy_loss = masked_mean(-torch.min(adv * ratio, adv * ratio.clamp(1 - clip, 1 + clip)), mask, count)
-                if cfg.clip_value_loss:  # SB3's clip_range_vf form: the prediction moves at most clip from the old one
-                    old_value = old_values[index]
-                    new_value = old_value + (new_value - old_value).clamp(-clip, clip)
-                value_loss = masked_mean((new_value - returns[index]).square(), mask, count)
-                entropy_mean = masked_mean(entropy, mask, count)
-                loss = policy_loss - cfg.ent_coef * entropy_mean + cfg.vf_coef * value_loss
-
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                total_loss(losses, cfg).backward()
                 nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
                 self.optimizer.step()
-                steps.append(torch.stack([policy_loss, value_loss, entropy_mean, approx_kl, clip_fraction]).detach())
-            if stop:
+                steps.append(torch.stack([losses[name].detach() for name in LOSS_NAMES]))
+            if stopped:
                 break
 
-        metrics = dict(zip(["policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction"],
-                           torch.stack(steps).mean(0).tolist() if steps else [float("nan")] * 5))
-        metrics["explained_variance"] = explained_variance(old_values[valid], returns[valid])
+        means = torch.stack(steps).mean(0).tolist() if steps else [float("nan")] * len(LOSS_NAMES)
+        metrics = dict(zip(LOSS_NAMES, means))
+        valid = data["valid"]
+        metrics["explained_variance"] = explained_variance(data["value"][valid], data["return_"][valid])
         metrics["learning_rate"] = lr
         metrics["clip_coef"] = clip
         metrics["minibatch_steps"] = float(len(steps))
