@@ -1,0 +1,103 @@
+"""Look at a run's experience files: `python -m spmd_rl.data inspect RUN_DIR` (or one .h5 file).
+
+Prints, per file: rows, keys with shapes and dtypes, the policy version range, the episode count (ends of episodes
+from a done / terminated / truncated key when there is one) and the size on disk. A missing directory, a corrupt
+file or a file that is not an spmd_rl experience file is a one-line error and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from spmd_rl.errors import USER_ERROR_EXIT_CODE, UserError
+from spmd_rl.storage.hdf5 import HDF5Reader, describe_field
+
+EPISODE_END_KEYS = ("done", "terminated", "truncated")
+SCAN_ROWS = 1 << 20  # read columns in slices this long, so inspecting a huge file needs little memory
+
+
+def experience_files(target: Path) -> list[Path]:
+    """The .h5 files of a run: RUN_DIR/buffer/*.h5, else RUN_DIR/*.h5, or the file itself."""
+    if target.is_file():
+        return [target]
+    if not target.is_dir():
+        raise UserError(f"{target}: no such run directory or file")
+    files = sorted((target / "buffer").glob("*.h5")) or sorted(target.glob("*.h5"))
+    if not files:
+        raise UserError(f"{target}: no experience files (looked for buffer/*.h5 and *.h5)")
+    return files
+
+
+def summarize(path: Path) -> str:
+    with HDF5Reader(path) as reader:
+        rows = len(reader)
+        capacity = f", ring of {reader.capacity}" if reader.capacity else ""
+        lines = [f"{path}  ({rows} rows{capacity}, {reader.total_rows} appended, "
+                 f"{_human_bytes(path.stat().st_size)} on disk, compression {reader.attrs['compression']})"]
+        width = max(len(key) for key in reader.layout) if reader.layout else 0
+        for key, field in sorted(reader.layout.items()):
+            lines.append(f"  {key:<{width}}  {describe_field(field)}")
+        versions = _min_max(reader, "meta/policy_version", rows)
+        lines.append(f"  policy versions: {versions[0]}..{versions[1]}" if versions else "  policy versions: -")
+        episodes = _episode_ends(reader, rows)
+        lines.append(f"  episodes ended: {episodes}" if episodes is not None
+                     else "  episodes ended: - (no done/terminated/truncated key)")
+    return "\n".join(lines)
+
+
+def _min_max(reader: HDF5Reader, name: str, rows: int) -> tuple[int, int] | None:
+    if rows == 0:
+        return None
+    dataset = reader.dataset(name)
+    low, high = None, None
+    for start in range(0, rows, SCAN_ROWS):
+        column = dataset[start:min(rows, start + SCAN_ROWS)]
+        low = column.min() if low is None else min(low, column.min())
+        high = column.max() if high is None else max(high, column.max())
+    return int(low), int(high)
+
+
+def _episode_ends(reader: HDF5Reader, rows: int) -> int | None:
+    # An episode ends where any of done / terminated / truncated is set (at any nesting, e.g. next/done).
+    keys = [key for key in reader.layout if key.split("/")[-1] in EPISODE_END_KEYS and reader.layout[key][0] == ()]
+    if not keys:
+        return None
+    count = 0
+    for start in range(0, rows, SCAN_ROWS):
+        stop = min(rows, start + SCAN_ROWS)
+        ended = np.zeros(stop - start, dtype=bool)
+        for key in keys:
+            ended |= reader.dataset(f"data/{key}")[start:stop].astype(bool)
+        count += int(ended.sum())
+    return count
+
+
+def _human_bytes(size: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spmd_rl.data", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect = commands.add_parser("inspect", help="summarize a run's experience files")
+    inspect.add_argument("run_dir", type=Path, help="run directory (its buffer/*.h5) or one .h5 file")
+    args = parser.parse_args(argv)
+    try:
+        for path in experience_files(args.run_dir):
+            print(summarize(path))
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

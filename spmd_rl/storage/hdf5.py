@@ -1,0 +1,513 @@
+"""Experience on disk: one HDF5 file per writing rank, readable with plain h5py while it is being written.
+
+File layout (format "spmd_rl.hdf5", version 1):
+
+    /data/<key>            one chunked dataset per TensorDict leaf, shape (rows, *leaf_shape); nested keys are
+                           groups (("next", "obs") -> /data/next/obs)
+    /meta/policy_version   int64 per row (-1 = not recorded)
+    /meta/env_id           int64 per row
+    /meta/env_step         int64 per row
+    /cursor                int64[1]: rows committed so far (ever, counting overwritten ones in ring mode)
+    attributes of /        format, format_version, schema (JSON: key -> shape, dtype), capacity (0 = grows
+                           without bound, else ring of that many rows), chunk_rows, compression
+
+Rows are valid up to the cursor: min(cursor, capacity) rows in ring mode (the next row goes to position
+cursor % capacity), cursor rows otherwise. The cursor lives in a dataset rather than an attribute because the file
+is kept in SWMR mode (single writer, many readers): a reader refreshes datasets to see new rows, and the cursor is
+written (and the file flushed) only after the rows it covers, so a reader or a crash never sees a row that is not
+whole.
+
+Appends are staged in memory and written as whole chunks (tiny HDF5 writes are ~10x slower per byte); the file is
+flushed after every chunk. After kill -9 the file opens and holds every row up to the last flush. The one exception
+is ring mode after the buffer has wrapped: a crash in the middle of a chunk write can leave the rows of that chunk
+with new values in some keys and old values in others.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from spmd_rl.errors import UserError
+
+FORMAT_NAME = "spmd_rl.hdf5"
+FORMAT_VERSION = 1
+DATA_GROUP = "data"
+META_GROUP = "meta"
+CURSOR = "cursor"
+META_FIELDS = ("policy_version", "env_id", "env_step")
+COMPRESSIONS = (None, "lzf")
+_OPEN_FOR_WRITING: set[Path] = set()  # files this process writes: HDF5 would silently share a second handle  # fast codecs only: gzip writes at 30-70 MB/s, far below the hot path
+
+# A field of the layout: the shape of one row and its numpy dtype.
+Field = tuple[tuple[int, ...], np.dtype]
+
+_TORCH_TO_NUMPY = {
+    torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
+    torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
+    torch.uint8: np.uint8, torch.bool: np.bool_,
+}
+
+
+def layout_of(spec: Mapping | TensorDict) -> dict[str, Field]:
+    """Normalize a layout: {key: (shape, dtype)} or an example TensorDict (its batch dims are the row dims).
+
+    Keys become "/"-joined paths ("next/obs" for ("next", "obs")); dtypes become numpy dtypes.
+    """
+    if isinstance(spec, TensorDict):
+        rows_dims = spec.batch_dims
+        return {_path(key): (tuple(value.shape[rows_dims:]), _numpy_dtype(value.dtype, key))
+                for key, value in spec.items(include_nested=True, leaves_only=True)}
+    layout = {}
+    for key, (shape, dtype) in spec.items():
+        dtype = _numpy_dtype(dtype, key) if isinstance(dtype, torch.dtype) else np.dtype(dtype)
+        layout[_path(key)] = (tuple(int(n) for n in shape), dtype)
+    return layout
+
+
+def _path(key) -> str:
+    return "/".join(key) if isinstance(key, tuple) else str(key)
+
+
+def _numpy_dtype(dtype: torch.dtype, key) -> np.dtype:
+    if dtype not in _TORCH_TO_NUMPY:
+        raise UserError(f"key {_path(key)!r} has dtype {dtype}, which HDF5 storage does not support; "
+                        f"supported: {', '.join(str(d) for d in _TORCH_TO_NUMPY)}")
+    return np.dtype(_TORCH_TO_NUMPY[dtype])
+
+
+def schema_json(layout: dict[str, Field]) -> str:
+    return json.dumps({key: {"shape": list(shape), "dtype": dtype.str} for key, (shape, dtype) in layout.items()},
+                      sort_keys=True)
+
+
+def layout_from_schema(text: str) -> dict[str, Field]:
+    return {key: (tuple(field["shape"]), np.dtype(field["dtype"])) for key, field in json.loads(text).items()}
+
+
+def describe_field(field: Field) -> str:
+    shape, dtype = field
+    return f"{dtype.name}{list(shape)}"
+
+
+def schema_difference(path: Path, file_layout: dict[str, Field], wanted: dict[str, Field]) -> str | None:
+    """The first difference between a file's layout and the wanted one, as a message; None if they match."""
+    for key in sorted(set(file_layout) | set(wanted)):
+        if key not in wanted:
+            return f"{path}: key {key!r} is in the file but not in the new layout"
+        if key not in file_layout:
+            return f"{path}: key {key!r} of the new layout is not in the file"
+        if file_layout[key] != wanted[key]:
+            return (f"{path}: key {key!r} is {describe_field(file_layout[key])} in the file but "
+                    f"{describe_field(wanted[key])} in the new layout")
+    return None
+
+
+def rows_of(td: TensorDict | Mapping, layout: dict[str, Field]) -> tuple[dict[str, np.ndarray], int]:
+    """The numpy arrays of a batch of rows, keyed by path, checked against the layout; and the row count."""
+    if isinstance(td, TensorDict):
+        td = td.reshape(-1) if td.batch_dims != 1 else td
+        values = {_path(key): value for key, value in td.items(include_nested=True, leaves_only=True)}
+    else:
+        values = {_path(key): value for key, value in td.items()}
+    if set(values) != set(layout):
+        missing, extra = sorted(set(layout) - set(values)), sorted(set(values) - set(layout))
+        raise UserError(f"rows do not match the storage layout: missing keys {missing}, unexpected keys {extra}")
+    arrays, rows = {}, None
+    for key, (shape, dtype) in layout.items():
+        value = values[key]
+        array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        if array.shape[1:] != shape or array.dtype != dtype:
+            raise UserError(f"key {key!r}: rows are {array.dtype.name}{list(array.shape[1:])}, the storage layout "
+                            f"says {describe_field((shape, dtype))}")
+        if rows is None:
+            rows = array.shape[0]
+        elif array.shape[0] != rows:
+            raise UserError(f"key {key!r} has {array.shape[0]} rows, other keys have {rows}")
+        arrays[key] = array
+    return arrays, rows or 0
+
+
+def open_h5(path: Path, mode: str, **kwargs) -> h5py.File:
+    """h5py.File, with a missing, corrupt or foreign file turned into a UserError naming it."""
+    try:
+        return h5py.File(path, mode, **kwargs)
+    except FileNotFoundError as exc:
+        raise UserError(f"{path}: no such file") from exc
+    except OSError as exc:
+        raise UserError(f"{path} is not a readable HDF5 file: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def check_format(path: Path, file: h5py.File) -> None:
+    if file.attrs.get("format") != FORMAT_NAME:
+        raise UserError(f"{path} is an HDF5 file but not an spmd_rl experience file (no format={FORMAT_NAME} "
+                        f"attribute)")
+    version = int(file.attrs.get("format_version", -1))
+    if version != FORMAT_VERSION:
+        raise UserError(f"{path} has format version {version}; this spmd_rl reads version {FORMAT_VERSION}")
+
+
+def clear_crash_flags(path: Path) -> None:
+    """Clear the 'open for writing' flags a killed SWMR writer leaves in the superblock (what `h5clear -s` does).
+
+    HDF5 refuses to reopen such a file for writing; the file itself is consistent (that is SWMR's promise). The
+    library's own switch for this is the file-access property "clear_status_flags", set through the public
+    H5Pset on the libhdf5 that h5py has loaded.
+    """
+    lib = _loaded_libhdf5()
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    h5pset = lib.H5Pset
+    h5pset.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p]
+    h5pset.restype = ctypes.c_int
+    clear = ctypes.c_bool(True)
+    if h5pset(fapl.id, b"clear_status_flags", ctypes.byref(clear)) < 0:
+        raise UserError(f"{path} was left open by a writer that died; clear it with `h5clear -s {path}`")
+    h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDWR, fapl=fapl).close()
+
+
+def _loaded_libhdf5() -> ctypes.CDLL:
+    # The exact library h5py uses (a wheel bundles its own): find it among this process's mapped files.
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            name = os.path.basename(line.split()[-1])
+            if name.startswith("libhdf5") and not name.startswith("libhdf5_hl"):
+                return ctypes.CDLL(line.split()[-1])
+    raise UserError("cannot find the libhdf5 loaded by h5py to clear a crashed file's flags; use `h5clear -s`")
+
+
+def _writer_is_alive(file: h5py.File) -> int | None:
+    """The pid of the process that last opened this file for writing, if it still runs on this host."""
+    pid, host = int(file.attrs.get("writer_pid", -1)), file.attrs.get("writer_host", "")
+    if pid <= 0 or host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid
+    return pid
+
+
+class HDF5Writer:
+    """Append rows of a fixed layout to one HDF5 file, in whole chunks, crash-safe and readable while written.
+
+    Opening an existing file continues it (contents and cursor are restored) if its layout, capacity and chunking
+    match; a different layout is a UserError naming the file, the key and the difference. `capacity` makes it a
+    ring of that many rows (the replay buffer); None grows without bound (the experience log).
+    """
+
+    def __init__(self, path: str | os.PathLike, layout: Mapping | TensorDict, *, chunk_rows: int = 1024,
+                 compression: str | None = None, capacity: int | None = None, overwrite: bool = False):
+        if compression not in COMPRESSIONS:
+            raise UserError(f"HDF5 compression {compression!r} is not supported; choose one of {COMPRESSIONS} "
+                            f"(gzip is too slow for appends on the training path)")
+        if chunk_rows < 1 or (capacity is not None and capacity < 1):
+            raise UserError(f"HDF5 chunk_rows ({chunk_rows}) and capacity ({capacity}) must be at least 1")
+        self.path = Path(path)
+        if self.path.resolve() in _OPEN_FOR_WRITING:
+            raise UserError(f"{self.path} is already open for writing in this process; one writer per file")
+        self.layout = layout_of(layout)
+        self.capacity = capacity or 0
+        self.chunk_rows = min(chunk_rows, capacity) if capacity else chunk_rows
+        self.compression = compression
+        self._fields = {f"{DATA_GROUP}/{key}": field for key, field in self.layout.items()}
+        self._fields.update({f"{META_GROUP}/{name}": ((), np.dtype(np.int64)) for name in META_FIELDS})
+        if self.path.exists() and not overwrite:
+            self._file = self._open_existing()
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self._create()
+        self._datasets = {name: self._file[name] for name in self._fields}
+        self._cursor = self._file[CURSOR]
+        self._committed = int(self._cursor[0])
+        self._truncate_to_cursor()
+        self._file.swmr_mode = True  # from here on: no new objects or attributes, readers may attach
+        self._staging = {name: np.empty((self.chunk_rows, *shape), dtype) for name, (shape, dtype)
+                         in self._fields.items()}
+        self._staged = 0
+        _OPEN_FOR_WRITING.add(self.path.resolve())
+
+    # -- opening -----------------------------------------------------------------------------------------------
+
+    def _create(self) -> h5py.File:
+        file = open_h5(self.path, "w", libver="latest")
+        for name, (shape, dtype) in self._fields.items():
+            file.create_dataset(name, shape=(0, *shape), maxshape=(self.capacity or None, *shape), dtype=dtype,
+                                chunks=(self.chunk_rows, *shape), compression=self.compression)
+        file.create_dataset(CURSOR, data=np.zeros(1, dtype=np.int64))
+        file.attrs.update({"format": FORMAT_NAME, "format_version": FORMAT_VERSION,
+                           "schema": schema_json(self.layout), "capacity": self.capacity,
+                           "chunk_rows": self.chunk_rows, "compression": self.compression or "none"})
+        self._mark_writer(file)
+        return file
+
+    def _open_existing(self) -> h5py.File:
+        try:
+            file = h5py.File(self.path, "r+", libver="latest")
+        except OSError as exc:
+            if "already open for write" not in str(exc):
+                raise UserError(f"{self.path} is not a readable HDF5 file: {_first_line(exc)}") from exc
+            # Left open by a writer: refuse if it still runs here, otherwise it crashed and the file is sound.
+            with open_h5(self.path, "r", swmr=True) as previous:
+                check_format(self.path, previous)
+                pid = _writer_is_alive(previous)
+            if pid is not None:
+                raise UserError(f"{self.path} is being written by process {pid}; one writer per file") from exc
+            clear_crash_flags(self.path)
+            file = open_h5(self.path, "r+", libver="latest")
+        try:
+            self._check_matches(file)
+        except UserError:
+            file.close()
+            raise
+        self._mark_writer(file)
+        return file
+
+    def _check_matches(self, file: h5py.File) -> None:
+        check_format(self.path, file)
+        difference = schema_difference(self.path, layout_from_schema(file.attrs["schema"]), self.layout)
+        if difference:
+            raise UserError(difference)
+        for attribute, wanted in (("capacity", self.capacity), ("chunk_rows", self.chunk_rows),
+                                  ("compression", self.compression or "none")):
+            if file.attrs[attribute] != wanted:
+                raise UserError(f"{self.path}: {attribute} is {file.attrs[attribute]} in the file but {wanted} "
+                                f"was asked for; use the file's value or a new file")
+
+    @staticmethod
+    def _mark_writer(file: h5py.File) -> None:
+        file.attrs["writer_pid"] = os.getpid()
+        file.attrs["writer_host"] = socket.gethostname()
+
+    def _truncate_to_cursor(self) -> None:
+        # A crash between a chunk write and its cursor update leaves rows past the cursor: they were never
+        # committed, drop them so the next append lands right after the last committed row.
+        rows = self.stored_rows_committed
+        for dataset in self._datasets.values():
+            if dataset.shape[0] > rows:
+                dataset.resize(rows, axis=0)
+
+    # -- sizes -------------------------------------------------------------------------------------------------
+
+    @property
+    def stored_rows_committed(self) -> int:
+        return min(self._committed, self.capacity) if self.capacity else self._committed
+
+    @property
+    def total_rows(self) -> int:
+        """Rows appended over the file's life, staged ones included (in ring mode, overwritten ones too)."""
+        return self._committed + self._staged
+
+    def __len__(self) -> int:
+        """Rows that can be read now: on disk or staged, at most `capacity` in ring mode."""
+        return min(self.total_rows, self.capacity) if self.capacity else self.total_rows
+
+    # -- writing -----------------------------------------------------------------------------------------------
+
+    def append(self, td: TensorDict | Mapping, *, policy_version=-1, env_id=-1, env_step=-1) -> None:
+        """Append rows (a TensorDict with batch dims, flattened to rows, or a mapping of arrays by key).
+
+        The metadata are per-row arrays or one value for every row.
+        """
+        arrays, rows = rows_of(td, self.layout)
+        if rows == 0:
+            return
+        arrays = {f"{DATA_GROUP}/{key}": array for key, array in arrays.items()}
+        for name, value in (("policy_version", policy_version), ("env_id", env_id), ("env_step", env_step)):
+            value = np.asarray(value, dtype=np.int64)
+            if value.shape not in ((), (rows,)):
+                raise UserError(f"{name} must be one value or one per row ({rows}), got shape {value.shape}")
+            arrays[f"{META_GROUP}/{name}"] = np.broadcast_to(value, (rows,))
+        done = 0
+        while done < rows:
+            if self._staged == 0 and rows - done >= self.chunk_rows:
+                # Whole chunks straight from the caller's arrays: no copy into the staging buffer.
+                block = min((rows - done) // self.chunk_rows, self._chunks_per_ring()) * self.chunk_rows
+                self._write({name: array[done:done + block] for name, array in arrays.items()})
+                done += block
+                continue
+            take = min(rows - done, self.chunk_rows - self._staged)
+            for name, array in arrays.items():
+                self._staging[name][self._staged:self._staged + take] = array[done:done + take]
+            self._staged += take
+            done += take
+            if self._staged == self.chunk_rows:
+                self._write_staged()
+
+    def _chunks_per_ring(self) -> int:
+        return self.capacity // self.chunk_rows if self.capacity else 1 << 62
+
+    def flush(self) -> None:
+        """Write the staged rows (even a partial chunk) and commit them."""
+        if self._staged:
+            self._write_staged()
+
+    def _write_staged(self) -> None:
+        self._write({name: staging[:self._staged] for name, staging in self._staging.items()})
+        self._staged = 0
+
+    def _write(self, arrays: dict[str, np.ndarray]) -> None:
+        rows = len(next(iter(arrays.values())))
+        pieces = self._positions(self._committed, rows)
+        for name, array in arrays.items():
+            dataset = self._datasets[name]
+            for start, first, count in pieces:
+                if dataset.shape[0] < start + count:
+                    dataset.resize(start + count, axis=0)
+                dataset[start:start + count] = array[first:first + count]
+        # Rows first, then the cursor that covers them, each made durable by a flush: a crash in between leaves
+        # uncommitted rows past the cursor, never a cursor past its rows.
+        self._file.flush()
+        self._committed += rows
+        self._cursor[0] = self._committed
+        self._file.flush()
+
+    def _positions(self, first_row: int, rows: int) -> list[tuple[int, int, int]]:
+        """(file position, offset in the block, count) pieces for rows first_row.., split where a ring wraps."""
+        if not self.capacity:
+            return [(first_row, 0, rows)]
+        start = first_row % self.capacity
+        head = min(rows, self.capacity - start)
+        return [(start, 0, head)] + ([(0, head, rows - head)] if rows > head else [])
+
+    # -- reading back (the replay buffer samples from its own writer) -------------------------------------------
+
+    def read_positions(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """The data rows at these storage positions (any order, repeats allowed), staged rows included."""
+        positions = np.asarray(positions, dtype=np.int64)
+        unique, inverse = np.unique(positions, return_inverse=True)
+        first_staged = self._committed % self.capacity if self.capacity else self._committed
+        staged_offset = unique - first_staged
+        if self.capacity:
+            staged_offset %= self.capacity
+        in_staging = staged_offset < self._staged
+        on_disk = unique[~in_staging]
+        out = {}
+        for key in self.layout:
+            name = f"{DATA_GROUP}/{key}"
+            rows = np.empty((len(unique), *self._staging[name].shape[1:]), self._staging[name].dtype)
+            rows[in_staging] = self._staging[name][staged_offset[in_staging]]
+            if len(on_disk):
+                rows[~in_staging] = self._datasets[name][on_disk]
+            out[key] = rows[inverse]
+        return out
+
+    def close(self) -> None:
+        if self._file.id.valid:
+            self.flush()
+            self._file.close()
+            _OPEN_FOR_WRITING.discard(self.path.resolve())
+
+    def __enter__(self) -> "HDF5Writer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class HDF5Reader:
+    """Read an spmd_rl experience file, also while its writer is running (SWMR): refresh() to see new rows."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._file = open_h5(self.path, "r", swmr=True)
+        try:
+            check_format(self.path, self._file)
+            self.layout = layout_from_schema(self._file.attrs["schema"])
+        except (UserError, KeyError, ValueError) as exc:
+            self._file.close()
+            raise exc if isinstance(exc, UserError) else UserError(f"{self.path}: unreadable schema ({exc})")
+        self.capacity = int(self._file.attrs["capacity"])
+        self.attrs = dict(self._file.attrs)
+        self._cursor = self._file[CURSOR]
+        self.total_rows = int(self._cursor[0])
+
+    def refresh(self) -> int:
+        """See the rows committed since opening (or the last refresh); return the readable row count."""
+        self._cursor.refresh()
+        self.total_rows = int(self._cursor[0])
+        return len(self)
+
+    def __len__(self) -> int:
+        return min(self.total_rows, self.capacity) if self.capacity else self.total_rows
+
+    @property
+    def next_position(self) -> int:
+        """Where the next row will be written; in a full ring, also the position of the oldest row."""
+        return self.total_rows % self.capacity if self.capacity else self.total_rows
+
+    def dataset(self, name: str) -> h5py.Dataset:
+        """A dataset by its path ("data/obs", "meta/policy_version"), refreshed to the writer's latest state."""
+        dataset = self._file[name]
+        dataset.refresh()
+        return dataset
+
+    def read(self, start: int = 0, stop: int | None = None, meta: bool = False) -> dict[str, np.ndarray]:
+        """Rows [start, stop) by storage position, as numpy arrays keyed by layout key (and meta/<name>)."""
+        stop = len(self) if stop is None else min(stop, len(self))
+        names = [f"{DATA_GROUP}/{key}" for key in self.layout]
+        names += [f"{META_GROUP}/{name}" for name in META_FIELDS] if meta else []
+        return {name.removeprefix(f"{DATA_GROUP}/"): self.dataset(name)[start:stop] for name in names}
+
+    def read_tensordict(self, start: int = 0, stop: int | None = None) -> TensorDict:
+        arrays = self.read(start, stop)
+        rows = len(next(iter(arrays.values()))) if arrays else 0
+        return TensorDict({tuple(key.split("/")): torch.from_numpy(array) for key, array in arrays.items()},
+                          batch_size=[rows])
+
+    def close(self) -> None:
+        if self._file.id.valid:
+            self._file.close()
+
+    def __enter__(self) -> "HDF5Reader":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class ExperienceLog:
+    """Every transition a rank's trainer consumes, appended to <run_dir>/buffer/experience_rank<R>.h5.
+
+    Reopening a run's log continues it. Rows of a rollout [T, N, ...] are stored time-major (row t * N + n).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, rank: int, example_td: TensorDict, *, chunk_rows: int = 1024,
+                 compression: str | None = None):
+        self.path = Path(run_dir) / "buffer" / f"experience_rank{rank}.h5"
+        self._writer = HDF5Writer(self.path, example_td, chunk_rows=chunk_rows, compression=compression)
+
+    def append(self, td_rollout: TensorDict, policy_version: int, env_step: int) -> None:
+        """Append a rollout shaped [T, N, ...] (or rows [B, ...]).
+
+        env_id of row (t, n) is n, the env's index on this rank; env_step is the rank's env-step counter at the
+        rollout's first step, so row (t, n) gets env_step + t * N + n: one distinct number per transition.
+        """
+        envs = td_rollout.batch_size[1] if td_rollout.batch_dims == 2 else 1
+        rows = td_rollout.batch_size.numel()
+        row = np.arange(rows, dtype=np.int64)
+        self._writer.append(td_rollout, policy_version=policy_version, env_id=row % envs, env_step=env_step + row)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def __len__(self) -> int:
+        return len(self._writer)
