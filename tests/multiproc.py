@@ -4,6 +4,8 @@ Children are forked (a few hundredths of a second for 8 ranks, against seconds f
 fresh `file://` store, so concurrent tests never fight over ports. A child reports through its exit code:
 0 success, 1 any exception (its traceback goes to stderr, which pytest shows for a failing test), 3 a CommError.
 Children check their own results (assert inside fn) or torch.save them into a directory the test passes in.
+Modules that are slow to import (torch.optim pulls in torch._dynamo: seconds) are best imported by the parent
+before run_ranks, so each child inherits them instead of importing them again.
 """
 
 from __future__ import annotations
