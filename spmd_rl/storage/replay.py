@@ -1,0 +1,171 @@
+"""Replay buffers: a ring of transitions sampled uniformly, in memory or in an HDF5 file, and sharded across trainers.
+
+Both backends share the sampling (indices drawn here, from the caller's generator), so the same generator gives
+the same batch whatever the backend. The HDF5 backend keeps only one chunk of staged rows and HDF5's chunk cache
+in memory, so its capacity is bounded by the disk, not by RAM; reopening its file restores contents and cursor.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from spmd_rl.errors import UserError
+from spmd_rl.runtime import wait
+from spmd_rl.storage.hdf5 import HDF5Writer, layout_of
+
+BACKENDS = ("memory", "hdf5")
+
+_NUMPY_TO_TORCH = {np.dtype(np.bool_): torch.bool, np.dtype(np.uint8): torch.uint8, np.dtype(np.int8): torch.int8,
+                   np.dtype(np.int16): torch.int16, np.dtype(np.int32): torch.int32,
+                   np.dtype(np.int64): torch.int64, np.dtype(np.float16): torch.float16,
+                   np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+
+
+def _nested(key: str) -> tuple[str, ...]:
+    return tuple(key.split("/"))
+
+
+class MemoryStorage:
+    """Preallocated tensors, one row per transition."""
+
+    def __init__(self, capacity: int, layout):
+        self.capacity = capacity
+        self.rows = TensorDict({_nested(key): torch.empty((capacity, *shape), dtype=_NUMPY_TO_TORCH[dtype])
+                                for key, (shape, dtype) in layout.items()}, batch_size=[capacity])
+        self._total = 0
+
+    def __len__(self) -> int:
+        return min(self._total, self.capacity)
+
+    def add(self, rows: TensorDict) -> None:
+        count = rows.batch_size[0]
+        if count > self.capacity:  # only the newest `capacity` rows would survive anyway
+            rows, self._total = rows[count - self.capacity:], self._total + count - self.capacity
+            count = self.capacity
+        positions = (self._total + torch.arange(count)) % self.capacity
+        self.rows[positions] = rows
+        self._total += count
+
+    def read(self, positions: torch.Tensor) -> TensorDict:
+        return self.rows[positions]
+
+    def close(self) -> None:
+        pass
+
+
+class HDF5Storage:
+    """A ring in an HDF5 file (see storage/hdf5.py): staged rows in memory, the rest read back on demand."""
+
+    def __init__(self, capacity: int, layout, path: str | os.PathLike, chunk_rows: int, compression: str | None):
+        self.capacity = capacity
+        self.writer = HDF5Writer(path, layout, chunk_rows=chunk_rows, compression=compression, capacity=capacity)
+
+    def __len__(self) -> int:
+        return len(self.writer)
+
+    def add(self, rows: TensorDict) -> None:
+        self.writer.append(rows)
+
+    def read(self, positions: torch.Tensor) -> TensorDict:
+        # read_positions sorts and deduplicates, so HDF5 sees one increasing selection per key.
+        arrays = self.writer.read_positions(positions.numpy())
+        return TensorDict({_nested(key): torch.from_numpy(array) for key, array in arrays.items()},
+                          batch_size=[len(positions)])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class ReplayBuffer:
+    """A ring buffer of transitions (TensorDict rows: obs, action, reward, next_obs, terminated, ...).
+
+    backend "memory" preallocates `capacity` rows; "hdf5" keeps them in the file at `path` (a reopened file
+    continues where it stopped). `add` takes a batch of rows (any batch dims, flattened); `sample` draws uniformly
+    with replacement among the rows held.
+    """
+
+    def __init__(self, capacity: int, example_td: TensorDict, *, backend: str = "memory",
+                 path: str | os.PathLike | None = None, chunk_rows: int = 1024, compression: str | None = None):
+        if capacity < 1:
+            raise UserError(f"buffer.capacity must be at least 1, got {capacity}")
+        layout = layout_of(example_td)
+        if backend == "memory":
+            self.storage = MemoryStorage(capacity, layout)
+        elif backend == "hdf5":
+            if path is None:
+                raise UserError("buffer.backend=hdf5 needs a file path for the replay buffer")
+            self.storage = HDF5Storage(capacity, layout, path, chunk_rows, compression)
+        else:
+            raise UserError(f"buffer.backend={backend!r} is not one of {BACKENDS}")
+        self.capacity = capacity
+        self.backend = backend
+
+    def __len__(self) -> int:
+        return len(self.storage)
+
+    def add(self, td_batch: TensorDict) -> None:
+        rows = td_batch.reshape(-1) if td_batch.batch_dims != 1 else td_batch
+        self.storage.add(rows.cpu())
+
+    def sample(self, batch_size: int, generator: torch.Generator | None = None) -> TensorDict:
+        if len(self) == 0:
+            raise ValueError("cannot sample from an empty replay buffer")
+        positions = torch.randint(len(self), (batch_size,), generator=generator)
+        return self.storage.read(positions)
+
+    def read(self, positions: torch.Tensor) -> TensorDict:
+        """Rows at these storage positions (0 <= position < len(self))."""
+        return self.storage.read(positions)
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+class ShardedReplay:
+    """Uniform sampling over the union of the trainers' shards, each trainer holding (and reading) only its own.
+
+    Every trainer keeps the same `shared` generator (same seed, same calls). To sample a global batch of B rows,
+    the trainers all_gather their shard sizes, then each draws the same B indices uniformly over the concatenated
+    union [shard 0 | shard 1 | ...] and keeps the indices that fall in its own shard. The union of the trainers'
+    local batches is therefore exactly a uniform sample (with replacement) of B rows from all shards, whatever
+    their sizes: a bigger shard contributes proportionally more rows. No rows move between ranks.
+
+    The local batch size varies (a multinomial share of B). For the gradient to be that of the global batch under
+    DDP (which averages over trainers), take the local loss as per_row_loss.sum() * group_size / B.
+    """
+
+    def __init__(self, shard: ReplayBuffer, group: dist.ProcessGroup | None, timeout: datetime.timedelta,
+                 seed: int):
+        self.shard = shard
+        self.group = group
+        self.timeout = timeout
+        self.shared = torch.Generator().manual_seed(seed)
+        self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self.index = self.ranks.index(dist.get_rank())
+
+    def shard_sizes(self) -> torch.Tensor:
+        """The size of every trainer's shard, in group order (a bounded all_gather)."""
+        mine = torch.tensor([len(self.shard)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.ranks]
+        work = dist.all_gather(sizes, mine, group=self.group, async_op=True)
+        wait(work, self.timeout, lambda: f"rank {dist.get_rank()} (trainer): all_gather of replay shard sizes "
+                                         f"with trainer ranks {self.ranks}")
+        return torch.cat(sizes)
+
+    def sample(self, global_batch_size: int) -> TensorDict:
+        """This trainer's part of a uniform global batch of global_batch_size rows (see the class docstring)."""
+        sizes = self.shard_sizes()
+        total = int(sizes.sum())
+        if total == 0:
+            raise ValueError("cannot sample: every replay shard is empty")
+        indices = torch.randint(total, (global_batch_size,), generator=self.shared)
+        ends = torch.cumsum(sizes, 0)
+        start = int(ends[self.index] - sizes[self.index])
+        mine = indices[(indices >= start) & (indices < ends[self.index])] - start
+        return self.shard.read(mine)
