@@ -1,0 +1,53 @@
+"""Shared helpers of the benchmarks: run spmd_rl as a user would (a subprocess per run) and read its metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def machine() -> str:
+    return (f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}, "
+            f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_spmd(overrides: list[str], nproc: int = 0, config: str | None = None, timeout: float = 1800) -> list[dict]:
+    """Run `python -m spmd_rl.main` (under torchrun when nproc > 0) and return its metrics records."""
+    run_dir = Path(tempfile.mkdtemp(prefix="spmd_bench_"))
+    args = (["--config", config] if config else []) + overrides + [
+        f"run.dir={run_dir}", "log.progress=false", "log.tensorboard=false", "log.interval_s=1000000"]
+    if nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "spmd_rl.main", *args]
+    else:
+        cmd = [sys.executable, "-m", "spmd_rl.main", *args]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table: pasteable into benchmarks/README.md as printed."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = lambda values: "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])

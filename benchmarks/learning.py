@@ -1,0 +1,105 @@
+"""Env steps and wall time until CartPole-v1 is solved (mean of the last 20 episode returns >= 475).
+
+    python benchmarks/learning.py [--seeds 5] [--layouts one,colocated2,split8] [--no-sb3]
+
+spmd_rl runs its default config (the RL Zoo's tuned CartPole settings) as a user would; Stable-Baselines3 PPO runs
+the same RL Zoo settings in this process (needs the bench extra). Wall time is training time: from the first
+iteration (spmd_rl: its metrics' wall_s; SB3: learn()) to the solving iteration, imports and start-up excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from common import machine, run_spmd, table
+
+SOLVED = 475.0
+BUDGET = 100_000
+WINDOW = 20
+
+LAYOUTS = {
+    # name: (torchrun processes (0 = plain python), config, overrides) — all with 8 envs in all, 256 steps/iteration
+    "one": (0, None, []),
+    "colocated2": (2, None, ["env.num_envs=4"]),
+    "split8": (8, "configs/ppo_cartpole_split.yaml", []),
+}
+
+
+def spmd_solve(layout: str, seed: int) -> dict:
+    nproc, config, overrides = LAYOUTS[layout]
+    records = run_spmd(overrides + [f"train.seed={seed}", f"train.total_steps={BUDGET}"], nproc=nproc, config=config)
+    solved = next((r for r in records if (r["episode_return_mean"] or 0) >= SOLVED), None)
+    return {"steps": solved["env_steps"] if solved else None, "wall_s": solved["wall_s"] if solved else None,
+            "final": records[-1]["episode_return_mean"]}
+
+
+def sb3_solve(seed: int) -> dict:
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+
+    def linear(start):
+        return lambda progress_remaining: progress_remaining * start
+
+    class StopWhenSolved(BaseCallback):
+        solved_at = None
+        solved_wall = None
+
+        def _on_step(self) -> bool:
+            returns = [e["r"] for e in list(self.model.ep_info_buffer)[-WINDOW:]]
+            if self.solved_at is None and len(returns) == WINDOW and sum(returns) / WINDOW >= SOLVED:
+                self.solved_at, self.solved_wall = self.num_timesteps, time.perf_counter() - start
+            return self.solved_at is None
+
+    torch.set_num_threads(1)
+    env = make_vec_env("CartPole-v1", n_envs=8, seed=seed)
+    model = PPO("MlpPolicy", env, n_steps=32, batch_size=256, gae_lambda=0.8, gamma=0.98, n_epochs=20,
+                ent_coef=0.0, learning_rate=linear(1e-3), clip_range=linear(0.2), seed=seed, device="cpu")
+    callback = StopWhenSolved()
+    start = time.perf_counter()
+    model.learn(total_timesteps=BUDGET, callback=callback)
+    returns = [e["r"] for e in list(model.ep_info_buffer)[-WINDOW:]]
+    return {"steps": callback.solved_at, "wall_s": callback.solved_wall, "final": sum(returns) / len(returns)}
+
+
+def fmt(value, digits=1):
+    return "-" if value is None else (f"{value:.{digits}f}" if isinstance(value, float) else str(value))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--layouts", default="one,colocated2,split8")
+    parser.add_argument("--no-sb3", action="store_true")
+    args = parser.parse_args()
+    print(f"machine: {machine()}")
+    runs: dict[str, list[dict]] = {}
+    for seed in range(1, args.seeds + 1):
+        if not args.no_sb3:
+            runs.setdefault("sb3 (RL Zoo settings)", []).append(sb3_solve(seed))
+        for layout in args.layouts.split(","):
+            runs.setdefault(f"spmd_rl {layout}", []).append(spmd_solve(layout, seed))
+        print(f"seed {seed} done", flush=True)
+
+    baseline = runs.get("sb3 (RL Zoo settings)")
+    baseline_wall = statistics.median([r["wall_s"] for r in baseline if r["wall_s"]]) if baseline else None
+    rows = []
+    for name, results in runs.items():
+        steps = [r["steps"] for r in results]
+        walls = [r["wall_s"] for r in results if r["wall_s"] is not None]
+        solved = [s for s in steps if s is not None]
+        median_wall = statistics.median(walls) if walls else None
+        rows.append([name, f"{len(solved)}/{len(results)}", " ".join(fmt(s) for s in steps),
+                     fmt(statistics.median(solved) if solved else None, 0), fmt(median_wall),
+                     fmt(median_wall / baseline_wall, 2) if median_wall and baseline_wall else "-",
+                     " ".join(fmt(r["final"], 0) for r in results)])
+    print(table(["run", "solved", "env steps to solve (per seed)", "median steps", "median wall s",
+                 "wall vs sb3", "final return (per seed)"], rows))
+
+
+if __name__ == "__main__":
+    main()

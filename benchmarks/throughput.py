@@ -1,0 +1,95 @@
+"""Env steps per second of a full PPO run: spmd_rl against Stable-Baselines3 with the same hyperparameters, and the
+split layout's scaling with the number of env ranks on a slow env.
+
+    python benchmarks/throughput.py [--parts sb3,scaling]
+
+SPS is measured over training (spmd_rl: env steps / wall_s of its last metrics record; SB3: timesteps / the
+duration of learn()), both with one torch thread, on CartPole-v1. Scaling: split layouts with 1 trainer,
+1 inference and k env ranks, each env rank one SlowCartPole (5 ms sleep per step); linear = k x the 1-rank SPS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from common import machine, run_spmd, table
+
+SETTINGS = {
+    # name: (SB3 PPO kwargs, spmd_rl overrides, budget)
+    "rl-zoo tuned (8x32, 20 epochs, batch 256)": (
+        dict(n_envs=8, n_steps=32, batch_size=256, n_epochs=20, gamma=0.98, gae_lambda=0.8, learning_rate=1e-3,
+             clip_range=0.2, ent_coef=0.0),
+        ["env.num_envs=8", "algo.num_steps=32", "algo.num_minibatches=1", "algo.update_epochs=20",
+         "algo.gamma=0.98", "algo.gae_lambda=0.8", "algo.learning_rate=1e-3", "algo.clip_coef=0.2",
+         "algo.anneal_lr=false", "algo.anneal_clip=false"],
+        51_200),
+    "sb3 defaults (1x2048, 10 epochs, batch 64)": (
+        dict(n_envs=1, n_steps=2048, batch_size=64, n_epochs=10, gamma=0.99, gae_lambda=0.95, learning_rate=3e-4,
+             clip_range=0.2, ent_coef=0.0),
+        ["env.num_envs=1", "algo.num_steps=2048", "algo.num_minibatches=32", "algo.update_epochs=10",
+         "algo.gamma=0.99", "algo.gae_lambda=0.95", "algo.learning_rate=3e-4", "algo.clip_coef=0.2",
+         "algo.anneal_lr=false", "algo.anneal_clip=false"],
+        40_960),
+}
+
+
+def sb3_sps(kwargs: dict, budget: int) -> float:
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.env_util import make_vec_env
+
+    torch.set_num_threads(1)
+    kwargs = dict(kwargs)
+    env = make_vec_env("CartPole-v1", n_envs=kwargs.pop("n_envs"), seed=1)
+    model = PPO("MlpPolicy", env, seed=1, device="cpu", **kwargs)
+    start = time.perf_counter()
+    model.learn(total_timesteps=budget)
+    return model.num_timesteps / (time.perf_counter() - start)
+
+
+def spmd_sps(overrides: list[str], budget: int, nproc: int = 0) -> float:
+    records = run_spmd(overrides + [f"train.total_steps={budget}"], nproc=nproc)
+    return records[-1]["env_steps"] / records[-1]["wall_s"]
+
+
+def compare_with_sb3(repeats: int) -> None:
+    rows = []
+    for name, (sb3_kwargs, overrides, budget) in SETTINGS.items():
+        ours = [spmd_sps(overrides, budget) for _ in range(repeats)]
+        theirs = [sb3_sps(sb3_kwargs, budget) for _ in range(repeats)]
+        best_ours, best_theirs = max(ours), max(theirs)
+        rows.append([name, budget, f"{best_theirs:.0f}", f"{best_ours:.0f}", f"{best_ours / best_theirs:.2f}x"])
+    print("best of", repeats, "runs each, alternating")
+    print(table(["settings", "env steps", "SB3 SPS", "spmd_rl SPS", "ratio"], rows))
+
+
+def split_scaling() -> None:
+    rows = []
+    base = None
+    for env_ranks in (1, 2, 4):
+        overrides = ["env.id=benchmarks.slow_env:SlowCartPole-v1", "env.num_envs=1", "env.vectorization=sync",
+                     "algo.num_steps=64", "algo.update_epochs=4", "layout.mode=split", "layout.trainer=1",
+                     "layout.inference=1", f"layout.env={env_ranks}"]
+        sps = spmd_sps(overrides, budget=64 * env_ranks * 12, nproc=2 + env_ranks)
+        base = base or sps
+        rows.append([env_ranks, 2 + env_ranks, f"{sps:.0f}", f"{base * env_ranks:.0f}",
+                     f"{sps / (base * env_ranks):.2f}"])
+    print(table(["env ranks", "world size", "SPS", "linear (k x 1-rank SPS)", "vs linear"], rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="sb3,scaling")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    print(f"machine: {machine()}")
+    if "sb3" in args.parts:
+        compare_with_sb3(args.repeats)
+    if "scaling" in args.parts:
+        split_scaling()
+
+
+if __name__ == "__main__":
+    main()
