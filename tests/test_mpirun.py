@@ -1,0 +1,71 @@
+"""mpirun end to end (real Open MPI, real gloo): launch/mpirun.sh trains the tiny config colocated and split, and a
+job whose rank 1 crashes ends non-zero instead of hanging.
+
+Skipped when mpirun or mpi4py is missing (.ci/install-system.sh installs Open MPI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SPLIT_4 = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]
+JOB_TIMEOUT_S = 180  # a bound for a hang, far above the few seconds a run takes on a quiet machine
+
+pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed; "
+                                "run .ci/install-system.sh as root")
+
+
+def run_job(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run a launcher in its own session; on a hang, kill the whole session so no rank outlives the test."""
+    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        output, _ = job.communicate()
+        pytest.fail(f"{' '.join(command)} still running after {JOB_TIMEOUT_S} s (a hang); output:\n{output[-4000:]}")
+    return subprocess.CompletedProcess(command, job.returncode, output)
+
+
+def mpirun_env(ranks: int) -> dict[str, str]:
+    return {**os.environ, "NP": str(ranks), "PYTHON": sys.executable, "PYTHONPATH": str(REPO),
+            "GLOO_SOCKET_IFNAME": "lo"}
+
+
+@pytest.mark.parametrize("layout", [[], SPLIT_4], ids=["colocated", "split"])
+def test_mpirun_trains_the_tiny_config(tmp_path, layout):
+    run_dir = tmp_path / "run"
+    done = run_job(["launch/mpirun.sh", "--config", "configs/ci_tiny.yaml", f"run.dir={run_dir}", *layout],
+                   mpirun_env(4))
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "launcher mpi" in done.stdout
+    metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert metrics and all(json.loads(line) for line in metrics)
+
+
+def test_mpirun_job_with_a_crashing_rank_fails(tmp_path):
+    done = run_job(["launch/mpirun.sh", "--config", "configs/ci_tiny.yaml", f"run.dir={tmp_path / 'run'}",
+                    "env.id=tests.crashing_env:Crashing-v0", "dist.timeout_s=20"], mpirun_env(2))
+    assert done.returncode != 0, done.stdout[-4000:]
+    assert "deliberate failure on rank 1" in done.stdout, done.stdout[-4000:]
+
+
+def test_mpi_rendezvous_with_the_probe(tmp_path):
+    # The launch source alone, without training: every rank agrees on rank 0's address and joins one group.
+    done = run_job(["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", "3",
+                    sys.executable, "tests/launch_probe.py", f"run.dir={tmp_path}"], mpirun_env(3))
+    assert done.returncode == 0, done.stdout[-4000:]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
+    assert {report["init_method"] for report in reports} == {reports[0]["init_method"]}
+    assert [(r["launcher"], r["rank"], r["world_size"], r["local_rank"], r["local_world_size"], r["rank_sum"])
+            for r in reports] == [("mpi", rank, 3, rank, 3, 6.0) for rank in range(3)]
