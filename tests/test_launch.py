@@ -1,4 +1,12 @@
-"""Launch detection from environment variables: precedence, each source, partial environments, Slurm lists."""
+"""Launch detection from environment variables: precedence, each source, partial environments, Slurm lists;
+and launch/torchrun.sh end to end with a crashing rank (mpirun and srun: tests/test_mpirun.py, tests/test_slurm.py).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +147,20 @@ def test_expand_tasks_per_node():
     assert expand_tasks_per_node("4") == [4]
     with pytest.raises(UserError, match="tasks-per-node"):
         expand_tasks_per_node("2(3)")
+
+
+def test_torchrun_job_with_a_crashing_rank_fails(tmp_path):
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "NPROC": "2", "PYTHON": sys.executable, "PYTHONPATH": str(repo), "GLOO_SOCKET_IFNAME": "lo"}
+    command = ["launch/torchrun.sh", "--config", "configs/ci_tiny.yaml", f"run.dir={tmp_path / 'run'}",
+               "env.id=tests.crashing_env:Crashing-v0", "dist.timeout_s=20"]
+    job = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        output, _ = job.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)  # the agent and every rank: nothing outlives the test
+        output, _ = job.communicate()
+        pytest.fail(f"torchrun job with a crashing rank still running after 180 s (a hang):\n{output[-4000:]}")
+    assert job.returncode != 0, output[-4000:]
+    assert "deliberate failure on rank 1" in output, output[-4000:]
