@@ -197,6 +197,12 @@ def _leaf_views(td: TensorDictBase, layout: TensorLayout) -> list[tuple[Key, tor
     return [(leaf.key, td.get(leaf.key)) for leaf in layout.leaves]
 
 
+def _header(flat: torch.Tensor):
+    """The header as two int64s; a numpy view on CPU, where an element write costs 0.3 us instead of 5 us."""
+    header = flat[:HEADER_BYTES].view(torch.int64)
+    return header.numpy() if header.device.type == "cpu" else header
+
+
 class SendHandle:
     """One message in flight; wait() returns once the send buffer may be written again."""
     __slots__ = ("_channel", "_work", "_seq", "_done")
@@ -227,7 +233,7 @@ class SendChannel:
         self.layout, self.me, self.peer, self.name, self.tag = layout, me, peer, name, tag
         self.timeout, self.describe_rank, self.group = _as_timedelta(timeout), describe_rank, group
         self._flat, self._buffer = layout.allocate(device)
-        self._header = self._flat[:HEADER_BYTES].view(torch.int64)
+        self._header = _header(self._flat)
         self._header[1] = layout.digest
         self._views = _leaf_views(self._buffer, layout)
         self._seq = 0
@@ -273,13 +279,13 @@ class RecvHandle:
 
     def wait(self) -> TensorDict:
         channel = self._channel
-        flat, td = channel._buffers[self._slot]
+        header, td = channel._buffers[self._slot]
         if not self._done:
             wait(self._work, channel.timeout, lambda: f"{channel.describe_rank(channel.me)}: receive of message "
                  f"{self._seq} on channel {channel.name!r} from {channel.describe_rank(channel.peer)}")
             self._done = True
             channel._posted -= 1
-            seq, digest = flat[:HEADER_BYTES].view(torch.int64).tolist()
+            seq, digest = header.tolist()
             if digest != channel.layout.digest or seq != self._seq:
                 raise CommError(
                     f"{channel.describe_rank(channel.me)}: channel {channel.name!r} from "
@@ -303,7 +309,11 @@ class RecvChannel:
             raise ValueError(f"channel {name!r}: num_buffers must be >= 1, got {num_buffers}")
         self.layout, self.me, self.peer, self.name, self.tag = layout, me, peer, name, tag
         self.timeout, self.describe_rank, self.group = _as_timedelta(timeout), describe_rank, group
-        self._buffers = [layout.allocate(device) for _ in range(num_buffers)]
+        self._flats, self._buffers = [], []     # per slot: the flat buffer; (its header, its TensorDict)
+        for _ in range(num_buffers):
+            flat, td = layout.allocate(device)
+            self._flats.append(flat)
+            self._buffers.append((_header(flat), td))
         self._seq = 0
         self._posted = 0
 
@@ -313,7 +323,7 @@ class RecvChannel:
                                f"{self._posted} receive(s) posted, one per buffer; wait one before posting another")
         self._seq += 1
         slot = (self._seq - 1) % len(self._buffers)
-        work = dist.irecv(self._buffers[slot][0], src=self.peer, group=self.group, tag=self.tag)
+        work = dist.irecv(self._flats[slot], src=self.peer, group=self.group, tag=self.tag)
         self._posted += 1
         return RecvHandle(self, work, slot, self._seq)
 

@@ -1,8 +1,8 @@
 """Weight broadcast: the trainer's parameters and buffers, flattened into fixed buckets, to every inference rank.
 
 WeightSync lays a module's parameters AND buffers (normalizer statistics are model state; buffers may be float64
-or integer) into flat byte buckets, one dtype per bucket, each at most bucket_bytes (a tensor larger than that gets
-a bucket of its own). It then points the module's tensors at views into the buckets (`param.data = view`, buffers
+or integer) into flat byte buckets of at most bucket_bytes each (a tensor larger than that gets a bucket of its
+own), every tensor at an aligned offset, whatever its dtype. It then points the module's tensors at views into the buckets (`param.data = view`, buffers
 replaced by their views), so a broadcast needs no copy on either side: the source broadcasts the buckets its
 optimizer has been updating in place, and receivers' modules read the buckets they received into.
 
@@ -127,22 +127,19 @@ class WeightSync:
                              f"move it to one device first")
         device = devices.pop()
 
-        # One dtype per bucket, dtypes in a fixed order, tensors in module order: every member computes the same
-        # layout from the same architecture.
+        # Tensors in module order, packed into byte buckets at aligned offsets: every member computes the same
+        # layout from the same architecture. Dtypes share buckets (a broadcast moves bytes), so a float32 policy
+        # with float64 normalizer statistics and an int64 counter is one collective, not three.
         entries, sizes = [], []
-        for dtype in sorted({t.dtype for *_, t in tensors.values()}, key=str):
-            used = start = None     # bytes used in / where data starts in this dtype's open bucket
-            for name, (owner, attr, is_param, tensor) in tensors.items():
-                if tensor.dtype != dtype:
-                    continue
-                nbytes = tensor.numel() * tensor.element_size()
-                if used is None or (used > start and _aligned(used) + nbytes > bucket_bytes):
-                    used = start = 0 if sizes else HEADER_BYTES
-                    sizes.append(used)
-                offset = _aligned(used)
-                entries.append(_Entry(name, owner, attr, is_param, len(sizes) - 1, offset))
-                used = offset + nbytes
-                sizes[-1] = used
+        used = start = 0    # bytes used in the open bucket, and where its data starts
+        for name, (owner, attr, is_param, tensor) in tensors.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if not sizes or (used > start and _aligned(used) + nbytes > bucket_bytes):
+                used = start = 0 if sizes else HEADER_BYTES
+                sizes.append(used)
+            offset = _aligned(used)
+            entries.append(_Entry(name, owner, attr, is_param, len(sizes) - 1, offset))
+            used = sizes[-1] = offset + nbytes
         buckets = [torch.zeros(_aligned(size), dtype=torch.uint8, device=device) for size in sizes]
         for entry in entries:
             tensor = entry.current()
