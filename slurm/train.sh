@@ -54,6 +54,7 @@ batch_log=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *StdOut=//p')
 # ranks to write $RUN_DIR/checkpoints/latest (forward the signal: scancel --signal=USR1 "$SLURM_JOB_ID.0"),
 # wait for it, and `scontrol requeue "$SLURM_JOB_ID"`; the requeued job (same id, same RUN_DIR) resumes from
 # $RUN_DIR/checkpoints/latest.
+# shellcheck disable=SC2317  # reached through the trap
 on_usr1() {
     echo "[$(date -Is)] job $SLURM_JOB_ID: SIGUSR1 (time limit or preemption ahead). Checkpoint resume does not" \
          "exist yet: nothing is saved, the run ends when Slurm stops it." >&2
@@ -65,7 +66,10 @@ echo "[$(date -Is)] job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) x $RANKS_PER
      "$head_addr:$rdzv_port, run dir $RUN_DIR"
 # --kill-on-bad-exit: when one node's agent fails, the others are stopped instead of waiting for their timeout.
 # srun runs in the background so the USR1 trap runs at once (bash runs traps only between commands).
+# --cpus-per-task is passed on explicitly: srun 22.05 no longer reads it from the batch job, and a task with one
+# CPU would confine all ranks of a node to it where Slurm binds tasks to CPUs.
 srun --kill-on-bad-exit=1 --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
+    --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
     "${PYTHON:-python}" -m torch.distributed.run \
         --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$RANKS_PER_NODE" \
         --rdzv_backend=c10d --rdzv_endpoint="$head_addr:$rdzv_port" --rdzv_id="$SLURM_JOB_ID" \

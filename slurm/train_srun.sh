@@ -52,6 +52,7 @@ batch_log=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *StdOut=//p')
 # ranks to write $RUN_DIR/checkpoints/latest (forward the signal: scancel --signal=USR1 "$SLURM_JOB_ID.0"),
 # wait for it, and `scontrol requeue "$SLURM_JOB_ID"`; the requeued job (same id, same RUN_DIR) resumes from
 # $RUN_DIR/checkpoints/latest.
+# shellcheck disable=SC2317  # reached through the trap
 on_usr1() {
     echo "[$(date -Is)] job $SLURM_JOB_ID: SIGUSR1 (time limit or preemption ahead). Checkpoint resume does not" \
          "exist yet: nothing is saved, the run ends when Slurm stops it." >&2
@@ -63,7 +64,8 @@ echo "[$(date -Is)] job $SLURM_JOB_ID: $SLURM_NTASKS ranks on $SLURM_JOB_NUM_NOD
      "run dir $RUN_DIR"
 # --kill-on-bad-exit: when one rank fails, the others are stopped instead of waiting for their timeout.
 # srun runs in the background so the USR1 trap runs at once (bash runs traps only between commands).
-srun --kill-on-bad-exit=1 --label \
+# --cpus-per-task is passed on explicitly: srun 22.05 no longer reads it from the batch job.
+srun --kill-on-bad-exit=1 --label --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
     "${PYTHON:-python}" -m spmd_rl.main --config "$config" run.dir="$RUN_DIR" "$@" &
 srun_pid=$!
 status=0
