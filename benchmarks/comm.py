@@ -65,7 +65,7 @@ class SizedModule(nn.Module):
 
 
 def messages_per_round(nbytes: int) -> int:
-    return max(3, min(200, (16 * MB) // nbytes))
+    return max(3, min(500, (16 * MB) // nbytes))
 
 
 # --- point to point ----------------------------------------------------------------------------------------------
@@ -152,15 +152,20 @@ def point_to_point(rank: int, world_size: int, sizes: list[int], rounds: int, ou
         raw_buffers = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
         count = messages_per_round(nbytes)
         trips = max(5, min(50, count // 2))
-        timings = {name: [] for name in ("raw", "channel", "channel+copy", "raw_rtt", "channel_rtt")}
-        for round_ in range(rounds + 1):               # round 0 warms up (first-touch pages, connections)
-            if round_ == 1:
-                timings = {name: [] for name in timings}
-            timings["raw"].append(_raw_stream(rank, count, raw_buffers, ack))
-            timings["channel"].append(_channel_stream(rank, count, stream, None, ack))
-            timings["channel+copy"].append(_channel_stream(rank, count, stream, example, ack))
-            timings["raw_rtt"] += _raw_round_trips(rank, trips, raw_buffers[0])
-            timings["channel_rtt"] += _channel_round_trips(rank, trips, to_peer, from_peer)
+        measures = {
+            "raw": lambda: [_raw_stream(rank, count, raw_buffers, ack)],
+            "channel": lambda: [_channel_stream(rank, count, stream, None, ack)],
+            "channel+copy": lambda: [_channel_stream(rank, count, stream, example, ack)],
+            "raw_rtt": lambda: _raw_round_trips(rank, trips, raw_buffers[0]),
+            "channel_rtt": lambda: _channel_round_trips(rank, trips, to_peer, from_peer),
+        }
+        timings = {name: [] for name in measures}
+        order = list(measures)
+        for round_ in range(rounds + 1):                # round 0 warms up (first-touch pages, connections)
+            for name in order[round_ % len(order):] + order[:round_ % len(order)]:  # rotate: no variant always first
+                measured = measures[name]()
+                if round_ > 0:
+                    timings[name] += measured
         if rank == 0:
             results[nbytes] = {
                 "raw_MBps": nbytes * count / statistics.median(timings["raw"]) / MB,
@@ -193,10 +198,14 @@ def weight_broadcast(rank: int, world_size: int, sizes: list[int], rounds: int, 
         flat = torch.zeros(sum(b.numel() for b in sync.buckets), dtype=torch.uint8)
         count = max(2, messages_per_round(nbytes) // 4)
         raw, ours = [], []
-        for version in range(rounds + 1):             # round 0 warms up
-            raw.append(_timed_broadcasts(count, lambda: dist.broadcast(flat, src=0, group=group)))
-            ours.append(_timed_broadcasts(count, lambda: sync.broadcast(version)))
-        raw, ours = raw[1:], ours[1:]
+        for version in range(rounds + 1):             # round 0 warms up; odd rounds run ours first
+            measured = {}
+            for name in ("raw", "ours") if version % 2 == 0 else ("ours", "raw"):
+                measured[name] = _timed_broadcasts(count, lambda: dist.broadcast(flat, src=0, group=group)) \
+                    if name == "raw" else _timed_broadcasts(count, lambda: sync.broadcast(version))
+            if version > 0:
+                raw.append(measured["raw"])
+                ours.append(measured["ours"])
         sync.verify(rounds)
         if rank == 0:
             results[nbytes] = {"raw_MBps": flat.numel() / statistics.median(raw) / MB,
@@ -243,7 +252,7 @@ def human(nbytes: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-mb", type=int, default=64, help="largest payload, MB (payloads 1 KB x4 up to it)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per payload; numbers are medians over them")
+    parser.add_argument("--rounds", type=int, default=9, help="rounds per payload; numbers are medians over them")
     args = parser.parse_args()
     sizes = [KB * 4 ** i for i in range(20) if KB * 4 ** i <= args.max_mb * MB]
 

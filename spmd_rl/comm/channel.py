@@ -148,22 +148,22 @@ class TensorLayout:
     def describe(self) -> str:
         return "{" + ", ".join(leaf.describe() for leaf in self.leaves) + "}"
 
-    def difference(self, other: TensorLayout) -> str:
-        """What differs between self and other, in words ('' if nothing)."""
+    def difference(self, other: TensorLayout, mine: str = "first", theirs: str = "second") -> str:
+        """What differs between self (called mine) and other (theirs), in words ('' if nothing)."""
         problems = []
         if self.batch_size != other.batch_size:
             problems.append(f"batch size {list(self.batch_size)} vs {list(other.batch_size)}")
         if self.subtrees != other.subtrees:
             problems.append(f"nested TensorDicts {[(key_name(k), list(s)) for k, s in self.subtrees]} vs "
                             f"{[(key_name(k), list(s)) for k, s in other.subtrees]}")
-        mine, theirs = {leaf.key: leaf for leaf in self.leaves}, {leaf.key: leaf for leaf in other.leaves}
-        for key in sorted(mine.keys() - theirs.keys()):
-            problems.append(f"key {key_name(key)!r} only in the first")
-        for key in sorted(theirs.keys() - mine.keys()):
-            problems.append(f"key {key_name(key)!r} only in the second")
-        for key in sorted(mine.keys() & theirs.keys()):
-            if mine[key] != theirs[key]:
-                problems.append(f"{mine[key].describe()} vs {theirs[key].describe()}")
+        ours, others = {leaf.key: leaf for leaf in self.leaves}, {leaf.key: leaf for leaf in other.leaves}
+        for key in sorted(ours.keys() - others.keys()):
+            problems.append(f"key {key_name(key)!r} only in the {mine}")
+        for key in sorted(others.keys() - ours.keys()):
+            problems.append(f"key {key_name(key)!r} only in the {theirs}")
+        for key in sorted(ours.keys() & others.keys()):
+            if ours[key] != others[key]:
+                problems.append(f"{ours[key].describe()} vs {others[key].describe()}")
         return "; ".join(problems)
 
     def allocate(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, TensorDict]:
@@ -176,8 +176,10 @@ class TensorLayout:
             td.set(leaf.key, flat[offset:offset + leaf.nbytes].view(leaf.dtype).view(leaf.shape))
         return flat, td
 
-    def check(self, td: TensorDictBase, where: Callable[[], str]) -> None:
-        """Raise a ValueError naming where() and the first offending key unless td has exactly this layout."""
+    def check(self, td: TensorDictBase, where: Callable[[], str]) -> list[torch.Tensor]:
+        """td's leaves in layout order; a ValueError naming where() and the first offending key unless td has
+        exactly this layout."""
+        values = []
         for leaf in self.leaves:
             value = td.get(leaf.key, None)
             if not isinstance(value, torch.Tensor):
@@ -186,15 +188,13 @@ class TensorLayout:
             if value.shape != leaf.shape or value.dtype != leaf.dtype:
                 got = Leaf(leaf.key, tuple(value.shape), value.dtype)
                 raise ValueError(f"{where()}: got {got.describe()}, the channel carries {leaf.describe()}")
+            values.append(value)
         if len(td.keys(include_nested=True, leaves_only=True)) != len(self.leaves):
             expected = {leaf.key for leaf in self.leaves}
             extra = [key_name(_as_key(k)) for k in td.keys(include_nested=True, leaves_only=True)
                      if _as_key(k) not in expected]
             raise ValueError(f"{where()}: unexpected keys {extra}; the channel carries {self.describe()}")
-
-
-def _leaf_views(td: TensorDictBase, layout: TensorLayout) -> list[tuple[Key, torch.Tensor]]:
-    return [(leaf.key, td.get(leaf.key)) for leaf in layout.leaves]
+        return values
 
 
 def _header(flat: torch.Tensor):
@@ -235,7 +235,7 @@ class SendChannel:
         self._flat, self._buffer = layout.allocate(device)
         self._header = _header(self._flat)
         self._header[1] = layout.digest
-        self._views = _leaf_views(self._buffer, layout)
+        self._views = [self._buffer.get(leaf.key) for leaf in layout.leaves]
         self._seq = 0
         self._in_flight: SendHandle | None = None
 
@@ -253,9 +253,8 @@ class SendChannel:
     def isend(self, td: TensorDictBase | None = None) -> SendHandle:
         self.wait()
         if td is not None and td is not self._buffer:
-            self.layout.check(td, self._where)
-            for key, view in self._views:
-                view.copy_(td.get(key))
+            for view, value in zip(self._views, self.layout.check(td, self._where)):
+                view.copy_(value)
         self._seq += 1
         self._header[0] = self._seq
         work = dist.isend(self._flat, dst=self.peer, group=self.group, tag=self.tag)
@@ -398,7 +397,7 @@ def open_channels(sends: Sequence[tuple[int, str, TensorDictBase]],
         theirs = TensorLayout.decode(body.numpy().tobytes())
         if isinstance(expected, TensorDictBase):
             expected = TensorLayout.of(expected)
-        difference = "" if expected is None else theirs.difference(expected)
+        difference = "" if expected is None else theirs.difference(expected, "sender", "receiver")
         if difference:
             problems.append(f"channel {name!r} from {describe_rank(peer)} to {describe_rank(me)}: the sender's "
                             f"layout differs from the receiver's (sender vs receiver): {difference}")

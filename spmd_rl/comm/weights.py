@@ -104,7 +104,8 @@ class WeightSync:
         self.module = module
         self.entries, self.buckets = self._lay_out(module, bucket_bytes)
         self.digest = self._layout_digest(bucket_bytes)
-        self._header = self.buckets[0][:HEADER_BYTES].view(torch.int64)
+        header = self.buckets[0][:HEADER_BYTES].view(torch.int64)
+        self._header = header.numpy() if header.device.type == "cpu" else header    # numpy: cheap element writes
         self._header[0] = -1    # no version received yet
         self._header[1] = self.digest
         self._check_same_models()
