@@ -68,7 +68,8 @@ echo "[$(date -Is)] job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) x $RANKS_PER
 # srun runs in the background so the USR1 trap runs at once (bash runs traps only between commands).
 # --cpus-per-task is passed on explicitly: srun 22.05 no longer reads it from the batch job, and a task with one
 # CPU would confine all ranks of a node to it where Slurm binds tasks to CPUs.
-srun --kill-on-bad-exit=1 --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
+# --mpi=none: no PMI variables for the agents, whatever the cluster's MpiDefault (they would read as an MPI launch).
+srun --kill-on-bad-exit=1 --mpi=none --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
     --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
     "${PYTHON:-python}" -m torch.distributed.run \
         --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$RANKS_PER_NODE" \

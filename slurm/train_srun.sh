@@ -65,7 +65,8 @@ echo "[$(date -Is)] job $SLURM_JOB_ID: $SLURM_NTASKS ranks on $SLURM_JOB_NUM_NOD
 # --kill-on-bad-exit: when one rank fails, the others are stopped instead of waiting for their timeout.
 # srun runs in the background so the USR1 trap runs at once (bash runs traps only between commands).
 # --cpus-per-task is passed on explicitly: srun 22.05 no longer reads it from the batch job.
-srun --kill-on-bad-exit=1 --label --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
+# --mpi=none: with a cluster's MpiDefault=pmix the tasks would see PMIX_RANK and be read as an MPI launch.
+srun --kill-on-bad-exit=1 --mpi=none --label --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
     "${PYTHON:-python}" -m spmd_rl.main --config "$config" run.dir="$RUN_DIR" "$@" &
 srun_pid=$!
 status=0

@@ -208,6 +208,8 @@ def slurm_cluster_fixture(tmp_path_factory: pytest.TempPathFactory, node_count: 
     missing = missing_slurm_binaries()
     if missing:
         pytest.skip(f"Slurm is not installed ({', '.join(missing)} not found); run .ci/install-system.sh as root")
+    if os.geteuid() != 0:
+        pytest.skip("the throw-away Slurm cluster runs its daemons as root (SlurmUser=root); run the tests as root")
     cluster = start_slurm_cluster(tmp_path_factory.mktemp(f"slurm{node_count}"), node_count)
     try:
         yield cluster
