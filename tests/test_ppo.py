@@ -211,6 +211,12 @@ def test_target_kl_stops_the_update_before_stepping_too_far():
     assert metrics["minibatch_steps"] == 1
 
 
+def test_ddp_with_target_kl_requires_the_trainer_group():
+    policy = ActorCritic(CARTPOLE_OBS, gym.spaces.Discrete(2), model_cfg())
+    with pytest.raises(ValueError, match="trainer group"):
+        PPO(policy, ddp_policy=policy, cfg=algo_cfg(target_kl=0.01), num_iterations=10)
+
+
 def _ddp_update(rank: int, world_size: int) -> None:
     torch.manual_seed(rank)  # different initial weights per rank: DDP must broadcast rank 0's
     policy = ActorCritic(CARTPOLE_OBS, gym.spaces.Discrete(2), model_cfg())

@@ -10,6 +10,7 @@ Such reset steps are marked invalid (valid=False) and every loss is a mean over 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,14 +39,15 @@ def compute_gae(rewards: Tensor, values: Tensor, next_value: Tensor, terminated:
     step bootstraps from V(final obs) while a terminated step does not bootstrap at all. Either way the episode
     ends at t, so no advantage flows back across it from the reset step t+1.
     """
-    num_steps = rewards.shape[0]
+    # V(s_{t+1}): the value recorded at the next step (after a truncated step, V of the final obs).
     next_values = torch.cat([values[1:], next_value.unsqueeze(0)])
-    not_terminated = 1.0 - terminated.float()
+    # Only termination means "no future": a truncated episode still bootstraps from V(final obs).
+    deltas = rewards + gamma * next_values * (1.0 - terminated.float()) - values
+    # Any episode end stops advantages flowing back from the reset step that follows it.
     not_done = 1.0 - (terminated | truncated).float()
-    deltas = rewards + gamma * next_values * not_terminated - values
     advantages = torch.empty_like(rewards)
     running = torch.zeros_like(next_value)
-    for t in reversed(range(num_steps)):
+    for t in reversed(range(rewards.shape[0])):
         running = deltas[t] + gamma * lam * not_done[t] * running
         advantages[t] = running
     return advantages, advantages + values
@@ -58,41 +60,38 @@ def compute_gae(rewards: Tensor, values: Tensor, next_value: Tensor, terminated:
 LOSS_NAMES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
 
 
-def masked_mean(x: Tensor, mask: Tensor, count: Tensor) -> Tensor:
-    """Mean of x over the entries where mask is True (count of them given)."""
-    return torch.where(mask, x, 0.0).sum() / count
-
-
 def ppo_losses(minibatch: dict[str, Tensor], new_log_prob: Tensor, entropy: Tensor, new_value: Tensor,
                clip: float, cfg: AlgoSection) -> dict[str, Tensor]:
     """The clipped-surrogate, value and entropy terms on one minibatch, each a mean over its valid entries.
 
-    minibatch holds the rollout's log_prob, advantage, return_, value and valid; the new_* tensors are the
-    current policy's evaluation of the same (obs, action) pairs.
+    minibatch holds the rollout's log_prob, advantage, return_, value and valid (its invalid entries zeroed by
+    rollout_tensors); the new_* tensors are the current policy's evaluation of the same (obs, action) pairs.
     """
-    mask = minibatch["valid"]
-    num_valid = mask.sum()
-    count = num_valid.clamp(min=1)  # a minibatch of reset steps only has zero loss, not NaN
+    # Each valid entry's share of a mean, 0 for reset steps: every mean below is one dot product with it.
+    # (A minibatch of reset steps only has zero losses, not NaN.)
+    valid = minibatch["valid"]
+    num_valid = valid.sum()
+    share = valid / num_valid.clamp(min=1)
 
     advantage = minibatch["advantage"]
-    if cfg.normalize_advantages and num_valid > 1:  # per minibatch, unbiased std: as SB3
-        mean = masked_mean(advantage, mask, count)
-        std = (masked_mean((advantage - mean).square(), mask, count) * count / (count - 1)).sqrt()
+    if cfg.normalize_advantages and num_valid > 1:  # per minibatch, with the unbiased std: as SB3
+        mean = advantage @ share
+        std = ((advantage - mean).square() @ share * (num_valid / (num_valid - 1))).sqrt()
         advantage = (advantage - mean) / (std + 1e-8)
 
     log_ratio = new_log_prob - minibatch["log_prob"]
     ratio = log_ratio.exp()
     surrogate = torch.min(advantage * ratio, advantage * ratio.clamp(1 - clip, 1 + clip))
-    policy_loss = -masked_mean(surrogate, mask, count)
+    policy_loss = -(surrogate @ share)
 
     if cfg.clip_value_loss:  # SB3's clip_range_vf form: the prediction moves at most clip away from the old value
         new_value = minibatch["value"] + (new_value - minibatch["value"]).clamp(-clip, clip)
-    value_loss = masked_mean((new_value - minibatch["return_"]).square(), mask, count)
+    value_loss = (new_value - minibatch["return_"]).square() @ share  # SB3's plain MSE (CleanRL halves it)
 
     with torch.no_grad():
-        approx_kl = masked_mean((ratio - 1) - log_ratio, mask, count)  # the low-variance k3 estimator, as SB3
-        clip_fraction = masked_mean(((ratio - 1).abs() > clip).float(), mask, count)
-    return {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": masked_mean(entropy, mask, count),
+        approx_kl = ((ratio - 1) - log_ratio) @ share  # the low-variance k3 estimator, as SB3
+        clip_fraction = ((ratio - 1).abs() > clip).float() @ share
+    return {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy @ share,
             "approx_kl": approx_kl, "clip_fraction": clip_fraction}
 
 
@@ -111,7 +110,7 @@ def rollout_tensors(batch: TensorDict) -> dict[str, Tensor]:
     """The update's inputs as plain tensors, with the targets of invalid (reset) steps zeroed.
 
     Reset steps hold no real transition; zeroing their targets keeps anything stored there (even inf or NaN) out
-    of the losses and their gradients, which only masking the loss would not (0 * inf is NaN).
+    of the losses and their gradients, which a zero weight alone would not (0 * inf is NaN).
     """
     valid = batch["valid"].bool()
     data = {"obs": batch["obs"], "action": batch["action"], "valid": valid}
@@ -120,16 +119,28 @@ def rollout_tensors(batch: TensorDict) -> dict[str, Tensor]:
     return data
 
 
+def shuffled_minibatches(data: dict[str, Tensor], num_minibatches: int) -> Iterator[dict[str, Tensor]]:
+    """The batch split into num_minibatches random parts (sizes differ by at most one)."""
+    if num_minibatches == 1:  # a mean does not depend on the order: skip the shuffle and its copies
+        yield data
+        return
+    for index in torch.randperm(data["valid"].shape[0]).tensor_split(num_minibatches):
+        yield {key: value[index] for key, value in data.items()}
+
+
 class PPO:
     """Owns the optimizer and runs the PPO update on this trainer's share of the batch.
 
     With DDP (ddp_policy given), forward/backward go through ddp_policy so gradients are averaged over the trainer
     group. Every trainer then must take the same number of optimizer steps: the target_kl early stop is decided on
-    the group's mean approx_kl, so pass the trainer group when target_kl is set.
+    the group's mean approx_kl, so pass the trainer group when target_kl is set. Each trainer's losses are means
+    over its own valid entries, and DDP averages the trainers' gradients.
     """
 
     def __init__(self, policy: ActorCritic, ddp_policy: nn.Module | None, cfg: AlgoSection, num_iterations: int,
                  group: dist.ProcessGroup | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT):
+        if ddp_policy is not None and cfg.target_kl is not None and group is None:
+            raise ValueError("PPO with DDP and target_kl needs the trainer group to agree on the early stop")
         self.policy = policy
         # The module forward/backward go through: the DDP wrapper (grads averaged over trainers) or the policy.
         self.model = ddp_policy if ddp_policy is not None else policy
@@ -137,8 +148,9 @@ class PPO:
         self.num_iterations = num_iterations
         self.group = group
         self.timeout = timeout
+        self.parameters = list(policy.parameters())
         # fused: one kernel over all parameters instead of a dozen small ops per tensor (about 4x faster on CPU).
-        self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learning_rate, eps=1e-5, fused=True)
+        self.optimizer = torch.optim.Adam(self.parameters, lr=cfg.learning_rate, eps=1e-5, fused=True)
 
     def schedule(self, iteration: int) -> tuple[float, float]:
         """(learning rate, clip coefficient) for a 0-based iteration: linear decay towards 0 when annealing."""
@@ -163,8 +175,7 @@ class PPO:
         steps: list[Tensor] = []
         stopped = False
         for _ in range(cfg.update_epochs):
-            for index in torch.randperm(data["valid"].shape[0]).tensor_split(cfg.num_minibatches):
-                minibatch = {key: value[index] for key, value in data.items()}
+            for minibatch in shuffled_minibatches(data, cfg.num_minibatches):
                 new_log_prob, entropy, new_value = self.model(minibatch["obs"], minibatch["action"])
                 losses = ppo_losses(minibatch, new_log_prob, entropy, new_value, clip, cfg)
                 if cfg.target_kl is not None and self._group_mean(losses["approx_kl"]) > 1.5 * cfg.target_kl:
@@ -172,9 +183,10 @@ class PPO:
                     break
                 self.optimizer.zero_grad(set_to_none=True)
                 total_loss(losses, cfg).backward()
-                nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
+                nn.utils.clip_grad_norm_(self.parameters, cfg.max_grad_norm)
                 self.optimizer.step()
-                steps.append(torch.stack([losses[name].detach() for name in LOSS_NAMES]))
+                with torch.no_grad():
+                    steps.append(torch.stack([losses[name] for name in LOSS_NAMES]))
             if stopped:
                 break
 
