@@ -91,7 +91,8 @@ def mpi_rank_from_env(env: Mapping[str, str]) -> tuple[str, int, int | None] | N
             rank = _int_var(env, rank_name, "mpi")
             size = _int_var(env, size_name, "mpi") if size_name and size_name in env else None
             if rank < 0 or (size is not None and not rank < size):
-                raise UserError(f"mpi launch: {rank_name}={rank} is contradictory with {size_name}={size}")
+                size_text = f" with {size_name}={size}" if size is not None else ""
+                raise UserError(f"mpi launch: {rank_name}={rank} is contradictory{size_text} (need 0 <= rank < size)")
             return rank_name, rank, size
     return None
 
