@@ -124,7 +124,8 @@ def shuffled_minibatches(data: dict[str, Tensor], num_minibatches: int) -> Itera
     if num_minibatches == 1:  # a mean does not depend on the order: skip the shuffle and its copies
         yield data
         return
-    for index in torch.randperm(data["valid"].shape[0]).tensor_split(num_minibatches):
+    valid = data["valid"]
+    for index in torch.randperm(valid.shape[0], device=valid.device).tensor_split(num_minibatches):
         yield {key: value[index] for key, value in data.items()}
 
 

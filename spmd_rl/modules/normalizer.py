@@ -67,9 +67,9 @@ class RunningNormalizer(nn.Module):
         """
         if not self.enabled:
             return
-        x = x.reshape(-1, *self.shape).to(torch.float64)
-        count = torch.tensor(float(x.shape[0]), dtype=torch.float64)
-        mean = x.mean(0) if x.shape[0] > 0 else torch.zeros(self.shape, dtype=torch.float64)
+        x = x.reshape(-1, *self.shape).to(self.mean.device, torch.float64)
+        count = torch.tensor(float(x.shape[0]), dtype=torch.float64, device=x.device)
+        mean = x.mean(0) if x.shape[0] > 0 else torch.zeros_like(self.mean)
         m2 = (x - mean).square().sum(0)
         if group is not None and dist.is_available() and dist.is_initialized():
             count, mean, m2 = self._merge_across(group, count, mean, m2, timeout)
