@@ -103,7 +103,9 @@ def run(cfg: Config, plan: Plan, runtime: Runtime, topology: Topology, groups: P
         if logger is not None:
             logger.close()
     if rank == 0:
-        torch.save(policy.state_dict(), run_dir / "policy.pt")
+        # Clones: with a weight sync, tensors of several dtypes are views of one byte bucket, which torch.save
+        # refuses; the file should hold plain tensors anyway.
+        torch.save({k: v.detach().clone() for k, v in policy.state_dict().items()}, run_dir / "policy.pt")
 
 
 def _seed_rank(cfg: Config, rank: int) -> int:
