@@ -57,8 +57,9 @@ class ModelSection:
 
 @dataclass
 class AlgoSection:
-    name: str = knob("ppo", "algorithm", choices=["ppo"])
-    num_steps: int = knob(32, "steps per environment in one rollout", min=1)
+    """The algorithm, and PPO's hyperparameters (SAC's are in the sac section)."""
+    name: str = knob("ppo", "algorithm: ppo (on-policy) or sac (off-policy, replay buffer)", choices=["ppo", "sac"])
+    num_steps: int = knob(32, "steps per environment in one rollout (one iteration); sac: per segment", min=1)
     learning_rate: float = knob(1e-3, "Adam learning rate", min=0.0)
     anneal_lr: bool = knob(True, "anneal the learning rate linearly to 0 over the run")
     gamma: float = knob(0.98, "discount factor", min=0.0, max=1.0)
@@ -73,6 +74,32 @@ class AlgoSection:
     max_grad_norm: float = knob(0.5, "gradient norm clipping", min=0.0)
     normalize_advantages: bool = knob(True, "normalize advantages per minibatch")
     target_kl: float | None = knob(None, "stop the epochs early when approx_kl exceeds this (null = never)", min=0.0)
+
+
+@dataclass
+class SACSection:
+    gamma: float = knob(0.99, "discount factor", min=0.0, max=1.0)
+    tau: float = knob(0.005, "Polyak averaging rate of the target critics", min=0.0, max=1.0)
+    batch_size: int = knob(256, "sampled transitions per gradient step, all trainers together", min=1)
+    learning_starts: int = knob(5000, "env steps (all env ranks) of uniform random actions before learning", min=0)
+    updates_per_step: float = knob(1.0, "gradient steps per env step (all env ranks together)", min=0.0)
+    policy_lr: float = knob(3e-4, "actor (and entropy temperature) learning rate", min=0.0)
+    q_lr: float = knob(1e-3, "critic learning rate", min=0.0)
+    policy_frequency: int = knob(2, "update the actor every N critic updates (N times, TD3-style delay)", min=1)
+    target_network_frequency: int = knob(1, "Polyak-update the target critics every N critic updates", min=1)
+    alpha: float = knob(0.2, "entropy temperature (initial value when autotune)", min=0.0)
+    autotune: bool = knob(True, "tune the temperature towards the target entropy -|A|")
+    weight_sync_every: int = knob(1, "iterations between weight broadcasts to the inference ranks", min=1)
+
+
+@dataclass
+class BufferSection:
+    capacity: int = knob(1_000_000, "replay capacity in transitions per trainer shard", min=1)
+    backend: str = knob("memory", "replay storage: memory, or hdf5 (bounded memory, survives restarts)",
+                        choices=["memory", "hdf5"])
+    chunk_rows: int = knob(1024, "HDF5 rows per chunk: appends are batched to whole chunks", min=1)
+    compression: str = knob("none", "HDF5 compression (fast codecs only)", choices=["none", "lzf"])
+    log_experience: bool = knob(False, "append every collected rollout to <run dir>/buffer/experience_rank<R>.h5")
 
 
 @dataclass
@@ -118,6 +145,8 @@ class Config:
     env: EnvSection = field(default_factory=EnvSection)
     model: ModelSection = field(default_factory=ModelSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
+    sac: SACSection = field(default_factory=SACSection)
+    buffer: BufferSection = field(default_factory=BufferSection)
     train: TrainSection = field(default_factory=TrainSection)
     layout: LayoutSection = field(default_factory=LayoutSection)
     dist: DistSection = field(default_factory=DistSection)
