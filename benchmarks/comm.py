@@ -5,7 +5,9 @@
 Point to point (2 ranks, gloo, CPU): a channel carrying a TensorDict of four keys (float32, float64, int64, uint8)
 that total the payload, against raw isend/irecv of ONE uint8 tensor of the same bytes. Both run the same pattern:
 the sender waits for its previous send before the next (a buffer is reused only once its send is done) and the
-receiver keeps one receive posted ahead, alternating two buffers.
+receiver keeps two receives posted ahead of the message it holds, over three buffers. (A gloo send completes only
+once the matching receive is posted, and a send that arrives before its receive takes a slower path; receives
+posted ahead keep both variants on the fast path instead of racing the sender.)
 - throughput: a stream of messages, timed from the first send to the receiver's acknowledgement of the last;
 - round trip: ping-pong of one message each way (blocking send and receive), median.
 "channel" sends the buffer a role wrote in place; "channel+copy" passes a separate TensorDict (one copy more).
@@ -70,6 +72,9 @@ def messages_per_round(nbytes: int) -> int:
 
 # --- point to point ----------------------------------------------------------------------------------------------
 
+RECEIVES_AHEAD = 2
+
+
 def _raw_stream(rank: int, count: int, buffers: list[torch.Tensor], ack: torch.Tensor) -> float:
     start = time.perf_counter()
     if rank == 0:
@@ -81,11 +86,11 @@ def _raw_stream(rank: int, count: int, buffers: list[torch.Tensor], ack: torch.T
         previous.wait(TIMEOUT)
         dist.recv(ack, src=1)
     else:
-        pending = dist.irecv(buffers[0], src=0)
+        pending = [dist.irecv(buffers[i], src=0) for i in range(RECEIVES_AHEAD)]
         for i in range(count):
-            pending.wait(TIMEOUT)
-            if i + 1 < count:
-                pending = dist.irecv(buffers[(i + 1) % 2], src=0)
+            pending.pop(0).wait(TIMEOUT)
+            if i + RECEIVES_AHEAD < count:
+                pending.append(dist.irecv(buffers[(i + RECEIVES_AHEAD) % len(buffers)], src=0))
         dist.send(ack, dst=0)
     return time.perf_counter() - start
 
@@ -100,11 +105,11 @@ def _channel_stream(rank: int, count: int, channels, message: TensorDict | None,
         dist.recv(ack, src=1)
     else:
         _, (inbox,) = channels
-        pending = inbox.irecv()
+        pending = [inbox.irecv() for _ in range(RECEIVES_AHEAD)]
         for i in range(count):
-            pending.wait()
-            if i + 1 < count:
-                pending = inbox.irecv()
+            pending.pop(0).wait()
+            if i + RECEIVES_AHEAD < count:
+                pending.append(inbox.irecv())
         dist.send(ack, dst=0)
     return time.perf_counter() - start
 
@@ -145,13 +150,13 @@ def point_to_point(rank: int, world_size: int, sizes: list[int], rounds: int, ou
         peer = 1 - rank
         stream = open_channels(sends=[(1, "stream", example)] if rank == 0 else [],
                                recvs=[(0, "stream", example)] if rank == 1 else [],
-                               me=rank, timeout=TIMEOUT, num_recv_buffers=2)
+                               me=rank, timeout=TIMEOUT, num_recv_buffers=RECEIVES_AHEAD + 1)
         (to_peer,), (from_peer,) = open_channels(sends=[(peer, "ping" if rank == 0 else "pong", example)],
                                                    recvs=[(peer, "pong" if rank == 0 else "ping", example)],
                                                    me=rank, timeout=TIMEOUT)
-        raw_buffers = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
+        raw_buffers = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(RECEIVES_AHEAD + 1)]
         count = messages_per_round(nbytes)
-        trips = max(5, min(50, count // 2))
+        trips = max(5, min(300, count // 2))
         measures = {
             "raw": lambda: [_raw_stream(rank, count, raw_buffers, ack)],
             "channel": lambda: [_channel_stream(rank, count, stream, None, ack)],

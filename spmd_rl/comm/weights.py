@@ -96,7 +96,7 @@ class WeightSync:
                  timeout: datetime.timedelta | float, describe_rank: Callable[[int], str] = _plain_rank):
         self.group, self.src, self.me, self.describe_rank = group, src, me, describe_rank
         self.timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
-        self.members = dist.get_process_group_ranks(group)
+        self.members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         if me not in self.members or src not in self.members:
             who = describe_rank(me) if me not in self.members else f"the source {describe_rank(src)}"
             raise ValueError(f"WeightSync: {who} is not a member of the weight group {self.members}; only members "
