@@ -106,6 +106,10 @@ def _broadcast_and_verify(rank, world_size):
         sync.verify(2 + step)
     assert policy.obs_mean.data_ptr() == sync.entries[[e.name for e in sync.entries].index("obs_mean")].view.data_ptr()
 
+    with pytest.raises(WeightMismatchError, match="the source rank 0 \\(trainer 0\\) holds version 3, not the "
+                       "version 2 being verified"):
+        sync.verify(2)                                           # a stale version is an error, even if bits agree
+
     # A receiver whose copy drifts (one element of one parameter) is caught by every member.
     corrupted = next(e for e in sync.entries if e.name == "body.2.bias")
     if rank == 2:

@@ -74,7 +74,8 @@ def bucket_checksum(data: torch.Tensor) -> int:
     """A position-sensitive checksum of a byte tensor whose size is a multiple of 4, exact for bit equality.
 
     Sum over int32 words w[i] of w[i] * k[i] mod 2**64, with k[i] = (i * golden) | 1 odd: changing any single
-    word changes the sum (an odd k is invertible mod 2**64), and swapping two words changes it too.
+    word always changes the sum (an odd k is invertible mod 2**64); words that trade places change it unless
+    (w[a] - w[b]) * (k[a] - k[b]) happens to be a multiple of 2**64.
     """
     words = data.view(torch.int32)
     total = torch.zeros((), dtype=torch.int64, device=data.device)
@@ -229,18 +230,22 @@ class WeightSync:
         the buckets and the version.
         """
         self._adopt_module_tensors()
-        held = int(self._header[0])
-        gathered = self._all_gather([version, held] + self.checksums(), f"weight verify of version {version}")
+        gathered = self._all_gather([version, int(self._header[0])] + self.checksums(),
+                                    f"weight verify of version {version}")
         source = gathered[self.members.index(self.src)]
-        problems = []
+        problems = []     # built from the gathered values only, so every member raises the same message
+        if source[1] != source[0]:
+            problems.append(f"the source {self.describe_rank(self.src)} holds version {source[1]}, not the "
+                            f"version {source[0]} being verified")
         for rank, (asked, held, *sums) in zip(self.members, gathered):
-            if asked != source[0] or held != source[1]:
-                problems.append(f"{self.describe_rank(rank)} verifies version {asked} and holds version {held}, "
-                                f"the source holds version {source[1]}")
-            for index, (mine, theirs) in enumerate(zip(sums, source[2:])):
-                if rank != self.src and mine != theirs:
+            if asked != source[0]:
+                problems.append(f"{self.describe_rank(rank)} verifies version {asked}, the source {source[0]}")
+            if held != source[1]:
+                problems.append(f"{self.describe_rank(rank)} holds version {held}, the source {source[1]}")
+            for index, (theirs, sources) in enumerate(zip(sums, source[2:])):
+                if theirs != sources:
                     problems.append(f"{self.describe_rank(rank)} differs from the source "
                                     f"{self.describe_rank(self.src)} in {self.describe_bucket(index)} at version "
-                                    f"{version}")
+                                    f"{source[0]}")
         if problems:
             raise WeightMismatchError("weight verify failed: " + "; ".join(problems))
