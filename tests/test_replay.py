@@ -35,11 +35,13 @@ def assert_consistent(batch: TensorDict) -> None:
 
 
 def make_buffer(backend: str, capacity: int, tmp_path, chunk_rows: int = 16) -> ReplayBuffer:
-    return ReplayBuffer(capacity, transitions([0]), backend=backend, path=tmp_path / "replay_rank0.h5",
-                        chunk_rows=chunk_rows)
+    """backend "hdf5-lzf": compressed chunks, which are read through HDF5 instead of by direct row reads."""
+    compression = "lzf" if backend == "hdf5-lzf" else None
+    return ReplayBuffer(capacity, transitions([0]), backend=backend.removesuffix("-lzf"),
+                        path=tmp_path / "replay_rank0.h5", chunk_rows=chunk_rows, compression=compression)
 
 
-@pytest.mark.parametrize("backend", ["memory", "hdf5"])
+@pytest.mark.parametrize("backend", ["memory", "hdf5", "hdf5-lzf"])
 def test_ring_keeps_the_newest_rows(backend, tmp_path):
     buffer = make_buffer(backend, 100, tmp_path)
     for start in range(0, 250, 25):  # [5, 5]-shaped batches are flattened to rows
@@ -63,7 +65,7 @@ def test_backends_sample_the_same_rows_for_the_same_generator(tmp_path):
     hdf5.close()
 
 
-@pytest.mark.parametrize("backend", ["memory", "hdf5"])
+@pytest.mark.parametrize("backend", ["memory", "hdf5", "hdf5-lzf"])
 def test_sampling_is_uniform(backend, tmp_path):
     rows, draws = 50, 256 * 80
     buffer = make_buffer(backend, rows, tmp_path)

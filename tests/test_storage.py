@@ -102,8 +102,8 @@ def test_reopen_continues_after_the_last_row(tmp_path):
     path = tmp_path / "log.h5"
     with HDF5Writer(path, id_rows([0]), chunk_rows=8) as writer:
         writer.append(id_rows(range(5)))
-    with HDF5Writer(path, id_rows([0]), chunk_rows=8) as writer:
-        assert len(writer) == 5
+    with HDF5Writer(path, id_rows([0])) as writer:  # chunk_rows not given: the file's is kept
+        assert len(writer) == 5 and writer.chunk_rows == 8
         writer.append(id_rows(range(5, 12)))
     with HDF5Reader(path) as reader:
         np.testing.assert_array_equal(reader.read()["id"], np.arange(12))

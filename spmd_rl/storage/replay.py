@@ -62,7 +62,8 @@ class MemoryStorage:
 class HDF5Storage:
     """A ring in an HDF5 file (see storage/hdf5.py): staged rows in memory, the rest read back on demand."""
 
-    def __init__(self, capacity: int, layout, path: str | os.PathLike, chunk_rows: int, compression: str | None):
+    def __init__(self, capacity: int, layout, path: str | os.PathLike, chunk_rows: int | None,
+                 compression: str | None):
         self.capacity = capacity
         self.writer = HDF5Writer(path, layout, chunk_rows=chunk_rows, compression=compression, capacity=capacity)
 
@@ -91,7 +92,8 @@ class ReplayBuffer:
     """
 
     def __init__(self, capacity: int, example_td: TensorDict, *, backend: str = "memory",
-                 path: str | os.PathLike | None = None, chunk_rows: int = 1024, compression: str | None = None):
+                 path: str | os.PathLike | None = None, chunk_rows: int | None = None,
+                 compression: str | None = None):
         if capacity < 1:
             raise UserError(f"buffer.capacity must be at least 1, got {capacity}")
         layout = layout_of(example_td)

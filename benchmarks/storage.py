@@ -1,0 +1,173 @@
+"""HDF5 storage benchmark: append throughput, replay sampling throughput, resident memory of a disk-backed buffer.
+
+    python benchmarks/storage.py [--rows 2000000] [--big-rows 10000000] [--dir /tmp]
+
+Transitions of a 17-dim observation (HalfCheetah-like): obs and next_obs float32[17], action float32[6], reward
+float32, terminated bool, 165 bytes a row. Baselines are measured in the same run: raw h5py writing the same arrays
+as whole chunks (no staging, no flushes), and the in-memory replay buffer for sampling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+
+import h5py
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from spmd_rl.storage.hdf5 import HDF5Writer
+from spmd_rl.storage.replay import ReplayBuffer
+
+OBS_DIM, ACTION_DIM = 17, 6
+CHUNK_ROWS = 4096  # what default_chunk_rows picks for these 165-byte rows
+SAMPLE_BATCH = 256
+
+
+def transitions(rows: int, seed: int = 0) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDict({
+        "obs": torch.randn(rows, OBS_DIM, generator=g),
+        "action": torch.randn(rows, ACTION_DIM, generator=g),
+        "reward": torch.randn(rows, generator=g),
+        "next": {"obs": torch.randn(rows, OBS_DIM, generator=g), "terminated": torch.rand(rows, generator=g) < 0.01},
+    }, batch_size=[rows])
+
+
+def row_bytes(td: TensorDict) -> int:
+    return sum(v[0].numel() * v.element_size() for v in td.values(include_nested=True, leaves_only=True))
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def raw_h5py_append(path: str, td: TensorDict) -> float:
+    """Seconds to write td's columns as whole chunks with plain h5py (resize + write per chunk, one close)."""
+    columns = {"/".join(k) if isinstance(k, tuple) else k: v.numpy()
+               for k, v in td.items(include_nested=True, leaves_only=True)}
+    # The same metadata columns the writer stores, so both write the same bytes.
+    columns.update({f"meta/{name}": np.arange(len(td), dtype=np.int64) for name in ("policy_version", "env_id",
+                                                                                     "env_step")})
+    rows = len(td)
+    start = time.perf_counter()
+    with h5py.File(path, "w", libver="latest") as file:
+        datasets = {key: file.create_dataset(key, shape=(0, *a.shape[1:]), maxshape=(None, *a.shape[1:]),
+                                             chunks=(CHUNK_ROWS, *a.shape[1:]), dtype=a.dtype)
+                    for key, a in columns.items()}
+        for first in range(0, rows, CHUNK_ROWS):
+            last = min(rows, first + CHUNK_ROWS)
+            for key, dataset in datasets.items():
+                dataset.resize(last, axis=0)
+                dataset[first:last] = columns[key][first:last]
+    return time.perf_counter() - start
+
+
+def writer_append(path: str, td: TensorDict, batch_rows: int) -> float:
+    """Seconds for HDF5Writer to take td in appends of batch_rows rows (plus metadata), flushed and closed."""
+    batches = [td[first:first + batch_rows] for first in range(0, len(td), batch_rows)]  # as a trainer has them
+    start = time.perf_counter()
+    with HDF5Writer(path, td[:1], chunk_rows=CHUNK_ROWS, overwrite=True) as writer:
+        for step, batch in enumerate(batches):
+            writer.append(batch, policy_version=1, env_id=0, env_step=step * batch_rows)
+    return time.perf_counter() - start
+
+
+def sample_rate(buffer: ReplayBuffer, seconds: float = 2.0) -> float:
+    generator = torch.Generator().manual_seed(0)
+    buffer.sample(SAMPLE_BATCH, generator)  # warm-up
+    batches, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        buffer.sample(SAMPLE_BATCH, generator)
+        batches += 1
+    return batches * SAMPLE_BATCH / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=2_000_000, help="rows for the append and sampling tests")
+    parser.add_argument("--big-rows", type=int, default=10_000_000, help="rows of the disk-backed buffer (RSS)")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the benchmark's files go")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the append tests")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    work = tempfile.mkdtemp(prefix="spmd_rl_storage_bench_", dir=args.dir)
+    table: list[tuple[str, str, str, str]] = []
+    try:
+        td = transitions(args.rows)
+        mb = args.rows * row_bytes(td) / 1e6
+        # Interleaved repeats, best of each: the machine is shared, so a single run is mostly noise.
+        runs = {"raw": lambda: raw_h5py_append(f"{work}/raw.h5", td)}
+        runs.update({rows: (lambda rows=rows: writer_append(f"{work}/writer.h5", td, rows))
+                     for rows in (256, CHUNK_ROWS * 4)})
+        best = {name: float("inf") for name in runs}
+        for _ in range(args.repeats):
+            for name, run in runs.items():
+                best[name] = min(best[name], run())
+        table.append(("append, raw h5py whole chunks (baseline)", f"{mb / best['raw']:.0f} MB/s", "1.00",
+                      f"best of {args.repeats}; MB/s of transition data, both also write 3 int64 metadata columns"))
+        for rows in (256, CHUNK_ROWS * 4):
+            table.append((f"append, HDF5Writer, {rows}-row appends + metadata", f"{mb / best[rows]:.0f} MB/s",
+                          f"{best['raw'] / best[rows]:.2f}", "goal >= 0.8"))
+
+        memory = ReplayBuffer(args.rows, td[:1])
+        memory.add(td)
+        memory_rate = sample_rate(memory)
+        table.append((f"sample {SAMPLE_BATCH}, memory buffer, {args.rows:,} rows (baseline)",
+                      f"{memory_rate:,.0f} rows/s", "1.00", ""))
+        del memory
+        disk = ReplayBuffer(args.rows, td[:1], backend="hdf5", path=f"{work}/replay.h5", chunk_rows=CHUNK_ROWS)
+        disk.add(td)
+        rate = sample_rate(disk)
+        table.append((f"sample {SAMPLE_BATCH}, HDF5 buffer, {args.rows:,} rows", f"{rate:,.0f} rows/s",
+                      f"{rate / memory_rate:.2f}", ""))
+        disk.close()
+        del td
+
+        free_gb = shutil.disk_usage(work).free / 1e9
+        big_gb = args.big_rows * 165 / 1e9
+        if free_gb < 2 * big_gb:
+            raise SystemExit(f"only {free_gb:.1f} GB free in {work}; the {args.big_rows:,}-row test needs "
+                             f"{2 * big_gb:.1f} GB")
+        batch = transitions(CHUNK_ROWS * 4, seed=1)
+        big = ReplayBuffer(args.big_rows, batch[:1], backend="hdf5", path=f"{work}/big.h5", chunk_rows=CHUNK_ROWS)
+        rss_before = rss_mib()
+        start = time.perf_counter()
+        for _ in range(0, args.big_rows, len(batch)):
+            big.add(batch)
+        fill_s = time.perf_counter() - start
+        rss_after = rss_mib()
+        data_mib = args.big_rows * row_bytes(batch) / 2**20
+        cold_rate = sample_rate(big)  # the rows just written are mostly not in the page cache: reads hit the disk
+        rate = sample_rate(big, seconds=4.0)
+        rss_sampled = rss_mib()
+        big.close()
+        disk_mib = os.path.getsize(f"{work}/big.h5") / 2**20
+        table.append((f"fill HDF5 buffer with {args.big_rows:,} rows", f"{data_mib / 1.048576 / fill_s:.0f} MB/s",
+                      "", f"{disk_mib:,.0f} MiB on disk"))
+        table.append((f"  RSS before fill / after fill / after sampling", f"{rss_before:,.0f} / {rss_after:,.0f} / "
+                      f"{rss_sampled:,.0f} MiB", f"{(rss_sampled - rss_before) / data_mib:.3f}",
+                      f"growth / data size ({data_mib:,.0f} MiB)"))
+        table.append((f"sample {SAMPLE_BATCH}, HDF5 buffer, {args.big_rows:,} rows, first 2 s",
+                      f"{cold_rate:,.0f} rows/s", f"{cold_rate / memory_rate:.2f}", "vs memory baseline above"))
+        table.append((f"sample {SAMPLE_BATCH}, HDF5 buffer, {args.big_rows:,} rows, next 4 s", f"{rate:,.0f} rows/s",
+                      f"{rate / memory_rate:.2f}", "vs memory baseline above"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    width = max(len(row[0]) for row in table)
+    print(f"{'measure':<{width}}  {'value':>28}  {'ratio':>6}  note")
+    for name, value, ratio, note in table:
+        print(f"{name:<{width}}  {value:>28}  {ratio:>6}  {note}")
+
+
+if __name__ == "__main__":
+    main()
