@@ -1,29 +1,31 @@
 """The sync engine: one iteration is collect -> transfer -> learn -> broadcast weights -> next.
 
-The plan (iterations, batch sizes) is derived from the config and the topology alone, so every rank knows its
-whole schedule before the first message. Each rank then runs the story of its role: in the colocated layout all
-three roles take turns in one process through local channels; in the split layout each rank runs one role's loop.
+The plan (iterations, batch sizes, when weights move, when actions are random) is derived from the config and the
+topology alone, so every rank knows its whole schedule before the first message. Each rank then runs the story of
+its role: in the colocated layout all three roles take turns in one process through local channels; in the split
+layout each rank runs one role's loop.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from spmd_rl.algorithms.ppo import PPO
 from spmd_rl.comm.channel import local_channel, open_channels
 from spmd_rl.comm.weights import WeightSync
 from spmd_rl.config import Config
 from spmd_rl.envs import EnvSpec, make_vector_env
 from spmd_rl.errors import UserError
 from spmd_rl.metrics import MetricsLogger
-from spmd_rl.modules.actor_critic import ActorCritic
 from spmd_rl.roles.env_worker import EnvWorker, run_env_rank
 from spmd_rl.roles.inference_server import InferenceServer, run_inference_rank
+from spmd_rl.roles.learners import PPOLearner, SACLearner, transitions_of
 from spmd_rl.roles.messages import action_message, observation_message, segment_message
 from spmd_rl.roles.trainer import Trainer, run_trainer_rank
 from spmd_rl.runtime import Runtime
@@ -32,21 +34,40 @@ from spmd_rl.topology import ENV, INFERENCE, ProcessGroups, Topology
 
 @dataclass(frozen=True)
 class Plan:
+    algo: str
     env_ranks: int
     trainer_ranks: int
     envs_total: int
     steps_per_iteration: int          # env steps per iteration, all env ranks together
     num_iterations: int
-    minibatch_size: int               # global: all trainers together
     max_env_columns_per_trainer: int  # env columns of the busiest trainer
+    sync_every: int                   # iterations between weight broadcasts
+    explore_iterations: int           # first iterations acting uniformly at random (off-policy warm-up)
+
+    def version_at(self, iteration: int) -> int:
+        """The policy version every env step of this iteration must use (broadcasts so far)."""
+        return iteration // self.sync_every
+
+    def syncs_after(self, iteration: int) -> bool:
+        return (iteration + 1) % self.sync_every == 0
+
+    def explores_at(self, iteration: int) -> bool:
+        return iteration < self.explore_iterations
 
     def describe(self, cfg: Config, world_size: int, layout: str) -> str:
-        return (f"world size {world_size}, layout {layout}; {self.env_ranks} env rank(s) x {cfg.env.num_envs} envs "
-                f"= {self.envs_total} envs; batch {self.steps_per_iteration} env steps per iteration "
-                f"({cfg.algo.num_steps} steps x {self.envs_total} envs), {self.trainer_ranks} trainer rank(s), "
-                f"{self.num_iterations} iterations = {self.num_iterations * self.steps_per_iteration} env steps; "
-                f"minibatch {self.minibatch_size} ({cfg.algo.num_minibatches} per epoch, "
-                f"{cfg.algo.update_epochs} epochs)")
+        text = (f"{self.algo} on {cfg.env.id}; world size {world_size}, layout {layout}; {self.env_ranks} env "
+                f"rank(s) x {cfg.env.num_envs} envs = {self.envs_total} envs; {self.steps_per_iteration} env steps "
+                f"per iteration ({cfg.algo.num_steps} steps x {self.envs_total} envs); {self.trainer_ranks} trainer "
+                f"rank(s); {self.num_iterations} iterations = {self.num_iterations * self.steps_per_iteration} "
+                f"env steps; ")
+        if self.algo == "ppo":
+            per_trainer = self.steps_per_iteration // self.trainer_ranks
+            return text + (f"batch {self.steps_per_iteration} ({per_trainer} per trainer), "
+                           f"{cfg.algo.num_minibatches} minibatch(es) of {per_trainer // cfg.algo.num_minibatches} "
+                           f"per trainer, {cfg.algo.update_epochs} epochs")
+        return text + (f"replay batch {cfg.sac.batch_size} (all trainers), {cfg.sac.updates_per_step:g} updates "
+                       f"per env step after {cfg.sac.learning_starts} random steps, weights broadcast every "
+                       f"{self.sync_every} iteration(s)")
 
 
 def plan_run(cfg: Config, topology: Topology) -> Plan:
@@ -59,13 +80,78 @@ def plan_run(cfg: Config, topology: Topology) -> Plan:
                         f"({steps_per_iteration} env steps = algo.num_steps x env.num_envs x {env_ranks} env ranks); "
                         f"raise train.total_steps to at least {steps_per_iteration}")
     env_ranks_per_trainer = [len(topology.envs_trained_by(t)) for t in topology.trainer_ranks]
-    columns = max(env_ranks_per_trainer) * cfg.env.num_envs
-    per_trainer_min = min(env_ranks_per_trainer) * cfg.env.num_envs
-    if per_trainer_min * cfg.algo.num_steps < cfg.algo.num_minibatches:
-        raise UserError(f"algo.num_minibatches={cfg.algo.num_minibatches} is more than the "
-                        f"{per_trainer_min * cfg.algo.num_steps} samples a trainer holds per iteration; lower it")
-    return Plan(env_ranks, len(topology.trainer_ranks), envs_total, steps_per_iteration, num_iterations,
-                steps_per_iteration // cfg.algo.num_minibatches, columns)
+    fewest_samples = min(env_ranks_per_trainer) * cfg.env.num_envs * cfg.algo.num_steps
+    if cfg.algo.name == "ppo" and fewest_samples < cfg.algo.num_minibatches:
+        raise UserError(f"algo.num_minibatches={cfg.algo.num_minibatches} is more than the {fewest_samples} samples "
+                        f"a trainer holds per iteration; lower it")
+    sac = cfg.algo.name == "sac"
+    return Plan(
+        algo=cfg.algo.name,
+        env_ranks=env_ranks,
+        trainer_ranks=len(topology.trainer_ranks),
+        envs_total=envs_total,
+        steps_per_iteration=steps_per_iteration,
+        num_iterations=num_iterations,
+        max_env_columns_per_trainer=max(env_ranks_per_trainer) * cfg.env.num_envs,
+        sync_every=cfg.sac.weight_sync_every if sac else 1,
+        explore_iterations=math.ceil(cfg.sac.learning_starts / steps_per_iteration) if sac else 0,
+    )
+
+
+def make_policy(cfg: Config, spec: EnvSpec, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The module inference ranks act with and trainer rank 0 broadcasts. Unsupported spaces are a UserError."""
+    torch.manual_seed(cfg.train.seed)  # the same initial module everywhere; trainer 0's is the one that counts
+    if cfg.algo.name == "sac":
+        from spmd_rl.modules.sac_networks import SquashedGaussianActor
+        return SquashedGaussianActor(spec.observation_space, spec.action_space, cfg.model).to(device)
+    from spmd_rl.modules.actor_critic import ActorCritic
+    return ActorCritic(spec.observation_space, spec.action_space, cfg.model).to(device)
+
+
+def make_learner(cfg: Config, plan: Plan, spec: EnvSpec, policy, group, rank: int, run_dir: Path,
+                 device: torch.device):
+    """The algorithm's learner for one trainer. group: the trainer group, or None for a single trainer."""
+    timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
+    if cfg.algo.name == "ppo":
+        from spmd_rl.algorithms.ppo import PPO
+        ddp = None
+        if group is not None:
+            # Gradients are averaged over the trainer group: each trainer's minibatch is a slice of a global one.
+            ddp = DistributedDataParallel(policy, process_group=group, broadcast_buffers=False)
+        ppo = PPO(policy, ddp, cfg.algo, plan.num_iterations, group=group, timeout=timeout)
+        return PPOLearner(policy, ppo, group, device)
+
+    from spmd_rl.algorithms.sac import SAC
+    from spmd_rl.storage.replay import ReplayBuffer, ShardedReplay
+    sac = SAC(policy, spec.observation_space, spec.action_space, cfg.model, cfg.sac, group=group, timeout=timeout)
+    if group is not None:
+        sac.sync_from(dist.get_process_group_ranks(group)[0])
+    example = transitions_of(segment_message(spec, cfg.algo.num_steps, 1))
+    shard = ReplayBuffer(cfg.buffer.capacity, example, backend=cfg.buffer.backend,
+                         path=run_dir / "buffer" / f"replay_rank{rank}.h5", chunk_rows=cfg.buffer.chunk_rows,
+                         compression=None if cfg.buffer.compression == "none" else cfg.buffer.compression)
+    replay = ShardedReplay(shard, group, timeout, seed=cfg.train.seed) if group is not None else LocalReplay(shard)
+    return SACLearner(sac, replay, cfg.sac.batch_size, cfg.sac.updates_per_step, cfg.sac.learning_starts,
+                      plan.steps_per_iteration, device)
+
+
+class LocalReplay:
+    """A single trainer's replay: its shard is the whole buffer."""
+
+    def __init__(self, shard):
+        self.shard = shard
+
+    def sample(self, batch_size: int):
+        return self.shard.sample(batch_size)
+
+
+def make_experience_log(cfg: Config, spec: EnvSpec, rank: int, run_dir: Path):
+    if not cfg.buffer.log_experience:
+        return None
+    from spmd_rl.storage.hdf5 import ExperienceLog
+    example = segment_message(spec, cfg.algo.num_steps, cfg.env.num_envs)["rollout"]
+    return ExperienceLog(run_dir, rank, example, chunk_rows=cfg.buffer.chunk_rows,
+                         compression=None if cfg.buffer.compression == "none" else cfg.buffer.compression)
 
 
 class Reporter:
@@ -85,20 +171,19 @@ class Reporter:
 def run(cfg: Config, plan: Plan, runtime: Runtime, topology: Topology, groups: ProcessGroups, spec: EnvSpec,
         run_dir: Path) -> None:
     rank = runtime.rank
-    torch.manual_seed(cfg.train.seed)
     logger = None
     if rank == 0:
         logger = MetricsLogger(run_dir, plan.num_iterations * plan.steps_per_iteration, cfg.log.progress,
                                cfg.log.interval_s, cfg.log.tensorboard)
     try:
         if topology.colocated:
-            policy = _run_colocated(cfg, plan, runtime, groups, spec, Reporter(plan, logger))
+            policy = _run_colocated(cfg, plan, runtime, groups, spec, run_dir, Reporter(plan, logger))
         elif topology.role_of(rank) == ENV:
             policy = _run_env(cfg, plan, runtime, topology, spec)
         elif topology.role_of(rank) == INFERENCE:
             policy = _run_inference(cfg, plan, runtime, topology, groups, spec)
         else:
-            policy = _run_trainer(cfg, plan, runtime, topology, groups, spec, Reporter(plan, logger))
+            policy = _run_trainer(cfg, plan, runtime, topology, groups, spec, run_dir, Reporter(plan, logger))
     finally:
         if logger is not None:
             logger.close()
@@ -114,49 +199,40 @@ def _seed_rank(cfg: Config, rank: int) -> int:
     return cfg.train.seed * 1_000_003 + rank * cfg.env.num_envs
 
 
-def _make_policy(cfg: Config, spec: EnvSpec, device: torch.device) -> ActorCritic:
-    torch.manual_seed(cfg.train.seed)
-    return ActorCritic(spec.observation_space, spec.action_space, cfg.model).to(device)
-
-
-def _make_ppo(cfg: Config, plan: Plan, policy: ActorCritic, group, distributed: bool) -> PPO:
-    ddp = None
-    if distributed:
-        # Gradients are averaged over the trainer group, so each trainer's minibatch is a slice of a global one.
-        ddp = DistributedDataParallel(policy, process_group=group, broadcast_buffers=False)
-    return PPO(policy, ddp, cfg.algo, plan.num_iterations, group=group if distributed else None,
-               timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
-
-
-def _run_colocated(cfg, plan, runtime, groups, spec, report) -> ActorCritic:
-    """Every rank: its own envs, its own policy copy, DDP across ranks. The roles take turns in this process."""
-    device = runtime.device
-    policy = _make_policy(cfg, spec, device)
-    ppo = _make_ppo(cfg, plan, policy, groups.trainer, runtime.world_size > 1)
-    envs, first_obs = make_vector_env(cfg.env, _seed_rank(cfg, runtime.rank))
+def _run_colocated(cfg, plan: Plan, runtime, groups, spec, run_dir, report) -> torch.nn.Module:
+    """Every rank: its own envs, its own policy copy, data-parallel learning across ranks. The roles take turns
+    in this process, through local channels."""
+    device, rank = runtime.device, runtime.rank
+    group = groups.trainer if runtime.world_size > 1 else None
+    policy = make_policy(cfg, spec, device)
+    learner = make_learner(cfg, plan, spec, policy, group, rank, run_dir, device)
+    envs, first_obs = make_vector_env(cfg.env, _seed_rank(cfg, rank))
     n, t = cfg.env.num_envs, cfg.algo.num_steps
     obs_out, obs_in = local_channel("observations", observation_message(spec, n))
     actions_out, actions_in = local_channel("actions", action_message(spec, n))
     segments_out, segments_in = local_channel("segments", segment_message(spec, t, n))
     worker = EnvWorker(envs, first_obs, obs_out, actions_in, segments_out, t)
-    server = InferenceServer(policy, [obs_in], [actions_out], device)
-    trainer = Trainer(policy, ppo, [segments_in], [f"rank {runtime.rank}"], plan.max_env_columns_per_trainer * t,
-                      device, groups.trainer if runtime.world_size > 1 else None, describe=f"rank {runtime.rank}")
+    server = InferenceServer(policy, [obs_in], [actions_out], device, action_space=spec.action_space)
+    trainer = Trainer(learner, [segments_in], [f"rank {rank}"], plan.max_env_columns_per_trainer * t, group,
+                      experience_log=make_experience_log(cfg, spec, rank, run_dir), describe=f"rank {rank}")
     for iteration in range(plan.num_iterations):
-        server.policy_version = iteration  # the module is shared: every step acts with the current weights
+        # The module is shared with the trainer: every step acts with the latest weights.
+        server.policy_version = plan.version_at(iteration)
+        server.explore_uniformly = plan.explores_at(iteration)
         for step in range(t):
             worker.send_observations(step)
             server.serve_step()
             worker.receive_actions_and_step(step)
         worker.send_segment()
-        segment = trainer.receive_segments(expected_version=iteration)
+        segment = trainer.receive_segments(expected_version=plan.version_at(iteration))
         losses = trainer.learn(segment, iteration)
         report(iteration, losses, trainer.gather_statistics(segment), trainer)
     worker.close()
+    trainer.close()
     return policy
 
 
-def _run_env(cfg, plan, runtime, topology: Topology, spec) -> None:
+def _run_env(cfg, plan: Plan, runtime, topology: Topology, spec) -> None:
     rank = runtime.rank
     inference, trainer = topology.env_to_inference[rank], topology.env_to_trainer[rank]
     n, t = cfg.env.num_envs, cfg.algo.num_steps
@@ -172,45 +248,46 @@ def _run_env(cfg, plan, runtime, topology: Topology, spec) -> None:
     return None
 
 
-def _run_inference(cfg, plan, runtime, topology: Topology, groups, spec) -> ActorCritic:
+def _weight_sync(cfg, runtime, topology: Topology, groups, policy) -> WeightSync:
+    return WeightSync(policy, groups.weights, src=topology.trainer_ranks[0], me=runtime.rank,
+                      bucket_bytes=int(cfg.weights.bucket_mb * 2**20), timeout=runtime.timeout,
+                      describe_rank=topology.describe)
+
+
+def _run_inference(cfg, plan: Plan, runtime, topology: Topology, groups, spec) -> torch.nn.Module:
     rank = runtime.rank
-    _seed_rank(cfg, rank)
     served = topology.envs_served_by(rank)
     n = cfg.env.num_envs
-    policy = _make_policy(cfg, spec, runtime.device)
-    weight_sync = WeightSync(policy, groups.weights, src=topology.trainer_ranks[0], me=rank,
-                             bucket_bytes=int(cfg.weights.bucket_mb * 2**20), timeout=runtime.timeout,
-                             describe_rank=topology.describe)
+    policy = make_policy(cfg, spec, runtime.device)
+    weight_sync = _weight_sync(cfg, runtime, topology, groups, policy)
+    _seed_rank(cfg, rank)
     action_channels, obs_channels = open_channels(
         me=rank,
         sends=[(env, "actions", action_message(spec, n)) for env in served],
         recvs=[(env, "observations", observation_message(spec, n)) for env in served],
         describe_rank=topology.describe, timeout=runtime.timeout)
-    server = InferenceServer(policy, obs_channels, action_channels, runtime.device, weight_sync)
-    run_inference_rank(server, plan.num_iterations, cfg.algo.num_steps, cfg.weights.verify_every)
+    server = InferenceServer(policy, obs_channels, action_channels, runtime.device, weight_sync, spec.action_space)
+    run_inference_rank(server, plan, cfg.algo.num_steps, cfg.weights.verify_every)
     return policy
 
 
-def _run_trainer(cfg, plan, runtime, topology: Topology, groups, spec, report) -> ActorCritic:
+def _run_trainer(cfg, plan: Plan, runtime, topology: Topology, groups, spec, run_dir, report) -> torch.nn.Module:
     rank = runtime.rank
-    _seed_rank(cfg, rank)
     sources = topology.envs_trained_by(rank)
     n, t = cfg.env.num_envs, cfg.algo.num_steps
-    policy = _make_policy(cfg, spec, runtime.device)
-    weight_sync = None
-    if rank == topology.trainer_ranks[0]:
-        # Built before the optimizer and DDP: it may re-point the parameters into its flat buckets.
-        weight_sync = WeightSync(policy, groups.weights, src=rank, me=rank,
-                                 bucket_bytes=int(cfg.weights.bucket_mb * 2**20), timeout=runtime.timeout,
-                                 describe_rank=topology.describe)
-    ppo = _make_ppo(cfg, plan, policy, groups.trainer, len(topology.trainer_ranks) > 1)
-    _, channels = open_channels(
+    group = groups.trainer if len(topology.trainer_ranks) > 1 else None
+    policy = make_policy(cfg, spec, runtime.device)
+    # Built before the optimizer and DDP: it points the parameters into its flat buckets.
+    weight_sync = _weight_sync(cfg, runtime, topology, groups, policy) if rank == topology.trainer_ranks[0] else None
+    learner = make_learner(cfg, plan, spec, policy, group, rank, run_dir, runtime.device)
+    _seed_rank(cfg, rank)
+    _, segment_channels = open_channels(
         me=rank, sends=[],
         recvs=[(env, "segments", segment_message(spec, t, n)) for env in sources],
         describe_rank=topology.describe, timeout=runtime.timeout)
-    trainer = Trainer(policy, ppo, channels, [topology.describe(e) for e in sources],
-                      plan.max_env_columns_per_trainer * t, runtime.device,
-                      groups.trainer if len(topology.trainer_ranks) > 1 else None, weight_sync,
-                      describe=topology.describe(rank))
-    run_trainer_rank(trainer, plan.num_iterations, cfg.weights.verify_every, report)
+    trainer = Trainer(learner, segment_channels, [topology.describe(e) for e in sources],
+                      plan.max_env_columns_per_trainer * t, group, weight_sync,
+                      make_experience_log(cfg, spec, rank, run_dir), describe=topology.describe(rank))
+    run_trainer_rank(trainer, plan, cfg.weights.verify_every, report)
+    trainer.close()
     return policy

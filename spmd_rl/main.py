@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -21,7 +20,6 @@ from spmd_rl.config import Config, describe_schema, load_config
 from spmd_rl.envs import probe_env
 from spmd_rl.errors import COMM_ERROR_EXIT_CODE, USER_ERROR_EXIT_CODE, CommError, UserError
 from spmd_rl.launch import detect_launch
-from spmd_rl.modules.actor_critic import ActorCritic
 from spmd_rl.runtime import Runtime, shutdown_runtime, start_runtime
 from spmd_rl.topology import build_topology, create_process_groups
 
@@ -57,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         topology = build_topology(cfg.layout, launch.world_size)
         plan = engine.plan_run(cfg, topology)
         spec = probe_env(cfg.env)
-        ActorCritic(spec.observation_space, spec.action_space, cfg.model)  # unsupported spaces fail here
+        engine.make_policy(cfg, spec)  # spaces the algorithm cannot handle fail here, before any group exists
     except UserError as exc:
         return _fail_user(exc, launch.rank if launch else None)
 

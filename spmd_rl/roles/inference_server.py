@@ -13,13 +13,20 @@ import torch
 
 
 class InferenceServer:
-    def __init__(self, policy, obs_channels: list, action_channels: list, device: torch.device, weight_sync=None):
+    def __init__(self, policy, obs_channels: list, action_channels: list, device: torch.device, weight_sync=None,
+                 action_space=None):
         self.policy = policy
         self.obs_channels = obs_channels
         self.action_channels = action_channels
         self.device = device
         self.weight_sync = weight_sync      # None in the colocated layout: the trainer's module is this module
         self.policy_version = 0
+        # Off-policy warm-up (SAC's learning_starts): act uniformly at random within the action bounds.
+        self.explore_uniformly = False
+        self.action_low = self.action_high = None
+        if action_space is not None and hasattr(action_space, "low"):
+            self.action_low = torch.as_tensor(action_space.low, dtype=torch.float32)
+            self.action_high = torch.as_tensor(action_space.high, dtype=torch.float32)
         self.replies = [ch.buffer for ch in action_channels]
         self.splits = [reply["action"].shape[0] for reply in self.replies]
 
@@ -29,8 +36,13 @@ class InferenceServer:
         obs = observations[0] if len(observations) == 1 else torch.cat(observations)
 
         clock = time.perf_counter()
-        action, log_prob, value = self.policy.act(obs.to(self.device, non_blocking=True))
-        action, log_prob, value = action.cpu(), log_prob.cpu(), value.cpu()
+        if self.explore_uniformly:
+            action = self.action_low + torch.rand(obs.shape[0], *self.action_low.shape) * (
+                self.action_high - self.action_low)
+            log_prob = value = torch.zeros(obs.shape[0])
+        else:
+            action, log_prob, value = self.policy.act(obs.to(self.device, non_blocking=True))
+            action, log_prob, value = action.cpu(), log_prob.cpu(), value.cpu()
         inference_s = time.perf_counter() - clock
 
         sends = []
@@ -51,11 +63,13 @@ class InferenceServer:
         self.policy_version = self.weight_sync.broadcast(self.policy_version)  # receivers get the sender's version
 
 
-def run_inference_rank(server: InferenceServer, num_iterations: int, num_steps: int, verify_every: int) -> None:
+def run_inference_rank(server: InferenceServer, schedule, num_steps: int, verify_every: int) -> None:
     server.receive_weights()  # the initial weights come from trainer rank 0, never from matching seeds
-    for iteration in range(num_iterations):
+    for iteration in range(schedule.num_iterations):
+        server.explore_uniformly = schedule.explores_at(iteration)
         for _ in range(num_steps):
             server.serve_step()
-        server.receive_weights()
-        if verify_every and (iteration + 1) % verify_every == 0:
-            server.weight_sync.verify(server.policy_version)
+        if schedule.syncs_after(iteration):
+            server.receive_weights()
+            if verify_every and server.policy_version % verify_every == 0:
+                server.weight_sync.verify(server.policy_version)

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from spmd_rl.algorithms.ppo import PPO, compute_gae
 from spmd_rl.errors import CommError
 
 
@@ -19,17 +18,16 @@ class StalePolicyError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, policy, ppo: PPO, segment_channels: list, segment_sources: list[str], episode_slots: int,
-                 device: torch.device, group, weight_sync=None, describe: str = "trainer"):
-        self.policy = policy
-        self.ppo = ppo
+    def __init__(self, learner, segment_channels: list, segment_sources: list[str], episode_slots: int, group,
+                 weight_sync=None, experience_log=None, describe: str = "trainer"):
+        self.learner = learner              # PPOLearner or SACLearner (roles/learners.py)
         self.segment_channels = segment_channels
         self.segment_sources = segment_sources  # who sends each segment, for error messages
         # Every trainer gathers the same fixed number of episode slots (the most env columns any trainer has).
         self.episode_slots = episode_slots
-        self.device = device
-        self.group = group                  # trainer group (None: a single process)
+        self.group = group                  # trainer group (None: a single trainer)
         self.weight_sync = weight_sync      # trainer rank 0 of a split layout only
+        self.experience_log = experience_log
         self.describe = describe
         self.learn_s = self.weight_sync_s = 0.0
 
@@ -49,6 +47,7 @@ class Trainer:
         return TensorDict({
             "rollout": torch.cat([s["rollout"] for s in segments], dim=1),
             "next_obs": torch.cat([s["next_obs"] for s in segments]),
+            "policy_version": segments[0]["policy_version"],
             "env_s": torch.cat([s["env_s"] for s in segments]),
             "action_wait_s": torch.cat([s["action_wait_s"] for s in segments]),
             "inference_s": torch.cat([s["inference_s"] for s in segments]),
@@ -56,28 +55,24 @@ class Trainer:
 
     def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
         clock = time.perf_counter()
-        rollout = segment["rollout"].to(self.device)
-        cfg = self.ppo.cfg
-        with torch.no_grad():
-            next_value = self.policy.value(segment["next_obs"].to(self.device))
-        advantage, return_ = compute_gae(rollout["reward"], rollout["value"], next_value,
-                                         rollout["terminated"], rollout["truncated"], cfg.gamma, cfg.gae_lambda)
-        batch = TensorDict({
-            "obs": rollout["obs"], "action": rollout["action"], "log_prob": rollout["log_prob"],
-            "value": rollout["value"], "valid": rollout["valid"], "advantage": advantage, "return_": return_,
-        }, batch_size=rollout.batch_size).reshape(-1)
+        if self.experience_log is not None:
+            rollout = segment["rollout"]
+            self.experience_log.append(rollout, policy_version=int(segment["policy_version"][0]),
+                                       env_step=iteration * rollout.numel())
         try:
-            metrics = self.ppo.update(batch, iteration)
-            # The statistics used to collect this rollout stay fixed while learning from it; fold the rollout's
-            # observations in afterwards, so the next rollout (and its learning) use the merged statistics.
-            self.policy.obs_normalizer.update(batch["obs"][batch["valid"]], group=self.group)
+            metrics = self.learner.learn(segment, iteration)
         except RuntimeError as exc:
-            if isinstance(exc, StalePolicyError) or self.group is None:
+            if isinstance(exc, CommError) or self.group is None:
                 raise
-            raise CommError(f"{self.describe}: gradient/statistics all-reduce in the trainer group failed: "
-                            f"{str(exc).splitlines()[0]}") from exc
+            raise CommError(f"{self.describe}: a collective in the trainer group (gradient or statistics "
+                            f"all-reduce) failed: {str(exc).splitlines()[0]}") from exc
         self.learn_s = time.perf_counter() - clock
         return metrics
+
+    def close(self) -> None:
+        self.learner.close()
+        if self.experience_log is not None:
+            self.experience_log.close()
 
     def publish_weights(self, version: int, verify: bool) -> None:
         if self.weight_sync is None:
@@ -128,12 +123,14 @@ class Trainer:
         }
 
 
-def run_trainer_rank(trainer: Trainer, num_iterations: int, verify_every: int, report) -> None:
+def run_trainer_rank(trainer: Trainer, schedule, verify_every: int, report) -> None:
     """A split-layout trainer rank. report(iteration, metrics, statistics, trainer) runs on every trainer; the
     metrics logger inside it writes on the first trainer only."""
     trainer.publish_weights(0, verify=False)  # inference ranks start from trainer rank 0's initial weights
-    for iteration in range(num_iterations):
-        segment = trainer.receive_segments(expected_version=iteration)
+    for iteration in range(schedule.num_iterations):
+        segment = trainer.receive_segments(expected_version=schedule.version_at(iteration))
         metrics = trainer.learn(segment, iteration)
-        trainer.publish_weights(iteration + 1, verify=bool(verify_every) and (iteration + 1) % verify_every == 0)
+        if schedule.syncs_after(iteration):
+            version = schedule.version_at(iteration + 1)
+            trainer.publish_weights(version, verify=bool(verify_every) and version % verify_every == 0)
         report(iteration, metrics, trainer.gather_statistics(segment), trainer)
