@@ -4,12 +4,13 @@ File layout (format "spmd_rl.hdf5", version 1):
 
     /data/<key>            one chunked dataset per TensorDict leaf, shape (rows, *leaf_shape); nested keys are
                            groups (("next", "obs") -> /data/next/obs)
-    /meta/policy_version   int64 per row (-1 = not recorded)
-    /meta/env_id           int64 per row
-    /meta/env_step         int64 per row
+    /meta/policy_version   int64 per row: the policy version that acted (-1 = not recorded)
+    /meta/env_id           int64 per row: the env's index on the writing rank (-1 = not recorded)
+    /meta/env_step         int64 per row: the rank's env-step counter for the row (-1 = not recorded)
     /cursor                int64[1]: rows committed so far (ever, counting overwritten ones in ring mode)
-    attributes of /        format, format_version, schema (JSON: key -> shape, dtype), capacity (0 = grows
-                           without bound, else ring of that many rows), chunk_rows, compression
+    attributes of /        format, format_version, schema (JSON: key -> shape, numpy dtype string), capacity
+                           (0 = grows without bound, else a ring of that many rows), chunk_rows, compression,
+                           writer_pid, writer_host (the last process that opened it for writing)
 
 Rows are valid up to the cursor: min(cursor, capacity) rows in ring mode (the next row goes to position
 cursor % capacity), cursor rows otherwise. The cursor lives in a dataset rather than an attribute because the file
@@ -216,7 +217,8 @@ class HDF5Writer:
 
     Opening an existing file continues it (contents and cursor are restored) if its layout, capacity and chunking
     match; a different layout is a UserError naming the file, the key and the difference. `capacity` makes it a
-    ring of that many rows (the replay buffer); None grows without bound (the experience log).
+    ring of that many rows (the replay buffer); None grows without bound (the experience log). chunk_rows None
+    or 0 picks about 1 MiB of rows per chunk for a new file and keeps an existing file's.
     """
 
     def __init__(self, path: str | os.PathLike, layout: Mapping | TensorDict, *, chunk_rows: int | None = None,
@@ -224,8 +226,9 @@ class HDF5Writer:
         if compression not in COMPRESSIONS:
             raise UserError(f"HDF5 compression {compression!r} is not supported; choose one of {COMPRESSIONS} "
                             f"(gzip is too slow for appends on the training path)")
-        if (chunk_rows is not None and chunk_rows < 1) or (capacity is not None and capacity < 1):
-            raise UserError(f"HDF5 chunk_rows ({chunk_rows}) and capacity ({capacity}) must be at least 1")
+        if (chunk_rows or 0) < 0 or (capacity is not None and capacity < 1):
+            raise UserError(f"HDF5 chunk_rows ({chunk_rows}) must be >= 0 (0: automatic) and capacity "
+                            f"({capacity}) at least 1")
         self.path = Path(path)
         if self.path.resolve() in _OPEN_FOR_WRITING:
             raise UserError(f"{self.path} is already open for writing in this process; one writer per file")
@@ -237,8 +240,8 @@ class HDF5Writer:
         self.compression = compression
         self._fields = {f"{DATA_GROUP}/{key}": field for key, field in self.layout.items()}
         self._fields.update({f"{META_GROUP}/{name}": ((), np.dtype(np.int64)) for name in META_FIELDS})
-        # Without a chunk cache, HDF5 reads just the sampled rows of an uncompressed chunk instead of the whole
-        # chunk (2-3x faster replay sampling); appends are whole chunks, which bypass the cache anyway.
+        # No chunk cache for uncompressed files: appends are whole chunks that go straight to the file anyway, and
+        # sampled rows are read from the file directly (_read_committed), not through whole cached chunks.
         self._chunk_cache = {"rdcc_nbytes": 0} if compression is None else {}
         if self.path.exists() and not overwrite:
             self._file = self._open_existing()
@@ -298,7 +301,7 @@ class HDF5Writer:
         difference = schema_difference(self.path, layout_from_schema(file.attrs["schema"]), self.layout)
         if difference:
             raise UserError(difference)
-        if self._chunk_rows_asked is None:  # not asked for: continue with the file's chunking
+        if not self._chunk_rows_asked:  # not asked for: continue with the file's chunking
             self.chunk_rows = int(file.attrs["chunk_rows"])
         for attribute, wanted in (("capacity", self.capacity), ("chunk_rows", self.chunk_rows),
                                   ("compression", self.compression or "none")):
