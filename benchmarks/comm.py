@@ -259,6 +259,8 @@ def main() -> None:
     parser.add_argument("--max-mb", type=int, default=64, help="largest payload, MB (payloads 1 KB x4 up to it)")
     parser.add_argument("--rounds", type=int, default=9, help="rounds per payload; numbers are medians over them")
     args = parser.parse_args()
+    if args.max_mb < 1 or args.rounds < 1:
+        parser.error("--max-mb and --rounds must be >= 1")
     sizes = [KB * 4 ** i for i in range(20) if KB * 4 ** i <= args.max_mb * MB]
 
     started = time.perf_counter()
@@ -270,8 +272,9 @@ def main() -> None:
         with open(f"{tmp}/bcast.json") as f:
             bcast = json.load(f)
 
-    print(f"torch {torch.__version__}, gloo on CPU, {os.cpu_count()} cores, {platform.processor() or platform.machine()}"
-          f", {args.rounds} rounds, medians; ratio = ours / raw (higher is better for MB/s, lower for round trip)")
+    cpu = platform.processor() or platform.machine()
+    print(f"torch {torch.__version__}, gloo on CPU, {os.cpu_count()} cores, {cpu}, {args.rounds} rounds, medians; "
+          f"ratio = ours / raw (higher is better for MB/s, lower for round trip)")
     header = ("payload", "raw MB/s", "channel MB/s", "ratio", "ch+copy MB/s", "ratio", "raw RTT us",
               "channel RTT us", "ratio", "raw bcast MB/s", "weights MB/s", "ratio")
     rows = []

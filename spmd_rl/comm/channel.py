@@ -377,8 +377,9 @@ def open_channels(sends: Sequence[tuple[int, str, TensorDictBase]],
         _, layout_tag, verdict_tag = channel_tags(name, tag_base)
         encoded = torch.frombuffer(bytearray(layout.encode()), dtype=torch.uint8)
         header = torch.tensor([encoded.numel(), layout.digest], dtype=torch.int64)
-        outgoing += [(dist.isend(header, dst=peer, group=group, tag=layout_tag), header, what(me, peer, name, "send")),
-                     (dist.isend(encoded, dst=peer, group=group, tag=layout_tag), encoded, what(me, peer, name, "send"))]
+        for tensor in (header, encoded):     # same tag, same peer: they arrive in this order
+            outgoing.append((dist.isend(tensor, dst=peer, group=group, tag=layout_tag), tensor,
+                             what(me, peer, name, "send layout")))
         verdict = torch.zeros(1, dtype=torch.int64)
         verdicts_in.append((dist.irecv(verdict, src=peer, group=group, tag=verdict_tag), verdict, layout))
     for peer, name, _ in recvs:
@@ -406,11 +407,11 @@ def open_channels(sends: Sequence[tuple[int, str, TensorDictBase]],
         outgoing.append((dist.isend(verdict, dst=peer, group=group, tag=channel_tags(name, tag_base)[2]), verdict,
                          what(me, peer, name, "send verdict")))
 
-    for (peer, name, _), (work, verdict, _layout) in zip(sends, verdicts_in):
+    for (peer, name, _), (work, verdict, layout) in zip(sends, verdicts_in):
         wait(work, timeout, what(peer, me, name, "receive verdict"))
         if int(verdict[0]) != 0:
             problems.append(f"channel {name!r} from {describe_rank(me)} to {describe_rank(peer)}: the receiver "
-                            f"rejected the sender's layout {_layout.describe()} (its error names the difference)")
+                            f"rejected the sender's layout {layout.describe()} (its error names the difference)")
     for work, _tensor, describe in outgoing:
         wait(work, timeout, describe)
     if problems:
@@ -419,7 +420,8 @@ def open_channels(sends: Sequence[tuple[int, str, TensorDictBase]],
     send_channels = [SendChannel(TensorLayout.of(example), me, peer, name, channel_tags(name, tag_base)[0], timeout,
                                  describe_rank, group, device) for peer, name, example in sends]
     recv_channels = [RecvChannel(layout, me, peer, name, channel_tags(name, tag_base)[0], timeout, describe_rank,
-                                 group, device, num_recv_buffers) for (peer, name, _), layout in zip(recvs, recv_layouts)]
+                                 group, device, num_recv_buffers)
+                     for (peer, name, _), layout in zip(recvs, recv_layouts)]
     return send_channels, recv_channels
 
 

@@ -2,9 +2,10 @@
 
 WeightSync lays a module's parameters AND buffers (normalizer statistics are model state; buffers may be float64
 or integer) into flat byte buckets of at most bucket_bytes each (a tensor larger than that gets a bucket of its
-own), every tensor at an aligned offset, whatever its dtype. It then points the module's tensors at views into the buckets (`param.data = view`, buffers
-replaced by their views), so a broadcast needs no copy on either side: the source broadcasts the buckets its
-optimizer has been updating in place, and receivers' modules read the buckets they received into.
+own), every tensor at an aligned offset, whatever its dtype. It then points the module's tensors at views into
+the buckets (`param.data = view`, buffers replaced by their views), so a broadcast needs no copy on either side:
+the source broadcasts the buckets its optimizer has been updating in place, and receivers' modules read the
+buckets they received into.
 
 Build it:
 - after the module is on its final device (`module.to()` would allocate new tensors and detach the views), and
