@@ -1,0 +1,62 @@
+"""Role pieces that need no other rank: the env worker's rollout bookkeeping and the segment -> transitions view."""
+
+import gymnasium as gym
+import torch
+
+from spmd_rl.comm.channel import local_channel
+from spmd_rl.config import EnvSection
+from spmd_rl.envs import EnvSpec, make_vector_env
+from spmd_rl.roles.env_worker import EnvWorker
+from spmd_rl.roles.learners import transitions_of
+from spmd_rl.roles.messages import action_message, observation_message, segment_message
+
+
+def _segment_with(obs, valid, terminated, next_obs):
+    t, n = valid.shape
+    spec = EnvSpec("x", gym.spaces.Box(-1, 1, (1,)), gym.spaces.Box(-1, 1, (1,)))
+    segment = segment_message(spec, t, n)
+    segment["rollout", "obs"].copy_(obs)
+    segment["rollout", "valid"].copy_(valid)
+    segment["rollout", "terminated"].copy_(terminated)
+    segment["rollout", "reward"].copy_(torch.arange(t * n, dtype=torch.float32).reshape(t, n))
+    segment["next_obs"].copy_(next_obs)
+    return segment
+
+
+def test_transitions_skip_reset_steps_and_take_the_final_observation():
+    # One env, 4 steps: the episode ends at t=1 (obs[2] is its final obs), t=2 is the reset step.
+    obs = torch.tensor([[[0.0]], [[1.0]], [[2.0]], [[10.0]]])
+    valid = torch.tensor([[True], [True], [False], [True]])
+    terminated = torch.tensor([[False], [True], [False], [False]])
+    rows = transitions_of(_segment_with(obs, valid, terminated, next_obs=torch.tensor([[11.0]])))
+    assert rows["obs"].flatten().tolist() == [0.0, 1.0, 10.0]
+    assert rows["next_obs"].flatten().tolist() == [1.0, 2.0, 11.0]
+    assert rows["terminated"].tolist() == [False, True, False]
+    assert rows["reward"].tolist() == [0.0, 1.0, 3.0]
+
+
+def test_env_worker_marks_the_step_after_an_episode_end_invalid():
+    cfg = EnvSection(id="CartPole-v1", num_envs=3)
+    envs, first_obs = make_vector_env(cfg, seed=0)
+    spec = EnvSpec("CartPole-v1", envs.single_observation_space, envs.single_action_space)
+    steps = 60
+    obs_out, obs_in = local_channel("observations", observation_message(spec, 3))
+    actions_out, actions_in = local_channel("actions", action_message(spec, 3))
+    segments_out, segments_in = local_channel("segments", segment_message(spec, steps, 3))
+    worker = EnvWorker(envs, first_obs, obs_out, actions_in, segments_out, steps)
+    for t in range(steps):
+        worker.send_observations(t)
+        obs_in.recv()
+        actions_out.buffer["action"].fill_(1)  # always push right: episodes end after ~10 steps
+        actions_out.send()
+        worker.receive_actions_and_step(t)
+    worker.send_segment()
+    rollout = segments_in.recv()["rollout"]
+    done = rollout["terminated"] | rollout["truncated"]
+    assert done.any()
+    assert torch.equal(rollout["valid"][1:], ~done[:-1]), "exactly the steps after an episode end are invalid"
+    assert rollout["valid"][0].all()
+    # Episode statistics are recorded where episodes end, with the episode's length.
+    assert torch.equal(rollout["episode_done"], done)
+    assert (rollout["episode_length"][done] > 0).all()
+    worker.close()
