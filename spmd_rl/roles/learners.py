@@ -33,7 +33,7 @@ class PPOLearner:
         metrics = self.ppo.update(batch, iteration)
         # The statistics used to collect this rollout stay fixed while learning from it; fold the rollout's
         # observations in afterwards, so the next rollout (and its learning) use the merged statistics.
-        self.policy.obs_normalizer.update(batch["obs"][batch["valid"]], group=self.group)
+        self.policy.obs_normalizer.update(batch["obs"][batch["valid"]], group=self.group, timeout=self.ppo.timeout)
         return metrics
 
     def close(self) -> None:
