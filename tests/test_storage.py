@@ -142,6 +142,19 @@ def test_corrupt_foreign_and_doubly_opened_files_are_user_errors(tmp_path):
         HDF5Writer(tmp_path / "gz.h5", id_rows([0]), compression="gzip")
 
 
+def test_rows_that_do_not_fit_the_layout_are_user_errors(tmp_path):
+    with HDF5Writer(tmp_path / "log.h5", id_rows([0]), chunk_rows=8) as writer:
+        rows = id_rows(range(3))
+        with pytest.raises(UserError, match=r"key 'obs': rows are float64\[3, 4\]"):
+            writer.append(rows.apply(lambda value: value.double() if value.is_floating_point() else value))
+        with pytest.raises(UserError, match=r"missing keys \['obs'\]"):
+            writer.append(rows.exclude("obs"))
+        with pytest.raises(UserError, match="env_step must be one value or one per row"):
+            writer.append(rows, env_step=[1, 2])
+        writer.append(rows, env_step=[1, 2, 3])
+        assert len(writer) == 3
+
+
 WRITER_SCRIPT = textwrap.dedent("""
     import sys, torch
     from tensordict import TensorDict
