@@ -1,0 +1,134 @@
+"""SAC's networks (Haarnoja et al. 2018, as CleanRL's sac_continuous_action): a tanh-squashed Gaussian actor and
+twin Q critics.
+
+The actor maps an observation to the mean and log std of a Gaussian over pre-squash actions u; the action is
+tanh(u) rescaled to the action space's bounds, so every sampled action is valid without clipping. Its log-prob is
+the Gaussian's minus the log-determinant of that change of variables. As in ActorCritic the densities are written
+out rather than built as torch.distributions objects: this runs once per env step on inference ranks and several
+times per gradient step on trainers.
+
+Layers keep PyTorch's default initialization, as CleanRL's and SB3's SAC do (PPO's orthogonal init is not what
+the SAC baselines use).
+"""
+
+from __future__ import annotations
+
+import math
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from spmd_rl.config import ModelSection
+from spmd_rl.errors import UserError
+from spmd_rl.modules.actor_critic import ACTIVATIONS, LOG_SQRT_2PI
+from spmd_rl.modules.normalizer import RunningNormalizer
+
+# The log std is squashed into [LOG_STD_MIN, LOG_STD_MAX] with a tanh rather than clamped, so it keeps a gradient.
+LOG_STD_MIN = -5.0
+LOG_STD_MAX = 2.0
+LOG_2 = math.log(2.0)
+
+
+def sac_mlp(in_features: int, hidden_sizes: list[int], out_features: int, activation: str) -> nn.Sequential:
+    """Hidden layers with the activation, then a linear head; PyTorch's default init throughout."""
+    layers: list[nn.Module] = []
+    for width in hidden_sizes:
+        layers += [nn.Linear(in_features, width), ACTIVATIONS[activation]()]
+        in_features = width
+    layers.append(nn.Linear(in_features, out_features))
+    return nn.Sequential(*layers)
+
+
+def check_sac_spaces(obs_space: gym.Space, action_space: gym.Space) -> None:
+    """SAC's MLPs need a 1-D Box of observations and a 1-D Box of actions with finite bounds."""
+    if not isinstance(action_space, gym.spaces.Box):
+        raise UserError(f"SAC needs continuous (Box) actions; got {action_space}: use algo.name=ppo for "
+                        "discrete actions")
+    if len(action_space.shape) != 1:
+        raise UserError(f"SAC needs a 1-D Box of actions; got {action_space}: flatten it with a gymnasium "
+                        "action wrapper")
+    if not (np.isfinite(action_space.low).all() and np.isfinite(action_space.high).all()):
+        raise UserError(f"SAC squashes actions into the action space's bounds, but {action_space} has infinite "
+                        "bounds; wrap the env so its Box has finite low and high")
+    if not (isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1):
+        raise UserError(f"observation space {obs_space} is not supported by SAC's MLPs (a 1-D Box is); flatten "
+                        "it with a gymnasium wrapper such as FlattenObservation")
+
+
+class SquashedGaussianActor(nn.Module):
+    """pi(a|s): a Gaussian over u, squashed to a = action_scale * tanh(u) + action_bias, over normalized obs.
+
+    `forward(obs)` gives the Gaussian's (mean, log_std); `sample(obs)` draws reparameterized actions with their
+    log-probs (for the updates); `act(obs)` is the inference server's no-grad sampling.
+    """
+
+    def __init__(self, obs_space: gym.Space, action_space: gym.Space, model_cfg: ModelSection):
+        super().__init__()
+        check_sac_spaces(obs_space, action_space)
+        obs_size = int(obs_space.shape[0])
+        act_dim = int(action_space.shape[0])
+        self.action_shape: tuple[int, ...] = (act_dim,)
+        self.action_dtype = torch.float32
+        # Always present (fixed state layout for weight buckets and checkpoints); the critics see the same
+        # normalized observations through `features`.
+        self.obs_normalizer = RunningNormalizer((obs_size,), enabled=model_cfg.normalize_obs)
+        # One head for mean and log std: a single matmul instead of two.
+        self.net = sac_mlp(obs_size, list(model_cfg.hidden_sizes), 2 * act_dim, model_cfg.activation)
+        low = torch.as_tensor(action_space.low, dtype=torch.float32)
+        high = torch.as_tensor(action_space.high, dtype=torch.float32)
+        self.register_buffer("action_scale", (high - low) / 2)
+        self.register_buffer("action_bias", (high + low) / 2)
+
+    def features(self, obs: Tensor) -> Tensor:
+        """Observations as the networks see them: float32, normalized when model.normalize_obs."""
+        return self.obs_normalizer(obs.to(torch.float32))
+
+    def forward(self, obs: Tensor) -> tuple[Tensor, Tensor]:
+        """The pre-squash Gaussian's (mean, log_std), each [B, act_dim]."""
+        mean, raw_log_std = self.net(self.features(obs)).chunk(2, dim=-1)
+        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (torch.tanh(raw_log_std) + 1)
+        return mean, log_std
+
+    def sample(self, obs: Tensor) -> tuple[Tensor, Tensor]:
+        """(action [B, act_dim] in env units, log_prob [B]) with the reparameterization trick: differentiable."""
+        mean, log_std = self(obs)
+        noise = torch.randn_like(mean)
+        u = mean + log_std.exp() * noise
+        # log N(u; mean, std), where (u - mean) / std is the noise itself.
+        gaussian_log_prob = -0.5 * noise.square() - log_std - LOG_SQRT_2PI
+        # Change of variables a = scale * tanh(u) + bias: log|da/du| = log scale + log(1 - tanh(u)^2), the second
+        # term in the stable form 2 (log 2 - u - softplus(-2u)), which stays finite where tanh(u) rounds to +-1.
+        log_det = self.action_scale.log() + 2 * (LOG_2 - u - F.softplus(-2 * u))
+        action = torch.tanh(u) * self.action_scale + self.action_bias
+        return action, (gaussian_log_prob - log_det).sum(-1)
+
+    @torch.no_grad()
+    def act(self, obs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(action, log_prob, value) for the inference server; value is zeros: SAC acts without a critic, and the
+        tuple has ActorCritic.act's shape so one inference server serves both algorithms."""
+        action, log_prob = self.sample(obs)
+        return action, log_prob, torch.zeros_like(log_prob)
+
+
+class TwinQ(nn.Module):
+    """Two independent Q(s, a) MLPs on concat(obs, action); SAC learns both and trusts the smaller.
+
+    obs must already be normalized the way the actor sees it (SquashedGaussianActor.features): SAC does that, so
+    the actor's normalizer is the only one.
+    """
+
+    def __init__(self, obs_space: gym.Space, action_space: gym.Space, model_cfg: ModelSection):
+        super().__init__()
+        check_sac_spaces(obs_space, action_space)
+        in_features = int(obs_space.shape[0]) + int(action_space.shape[0])
+        hidden, activation = list(model_cfg.hidden_sizes), model_cfg.activation
+        self.q1 = sac_mlp(in_features, hidden, 1, activation)
+        self.q2 = sac_mlp(in_features, hidden, 1, activation)
+
+    def forward(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor]:
+        """(q1, q2), each [B]."""
+        x = torch.cat([obs, action], dim=-1)
+        return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)
