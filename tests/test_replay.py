@@ -87,10 +87,14 @@ def test_sampling_is_uniform(backend, tmp_path):
 
 def test_hdf5_samples_rows_not_yet_written_to_the_file(tmp_path):
     buffer = make_buffer("hdf5", 1000, tmp_path, chunk_rows=64)
-    buffer.add(transitions(range(70)))  # one chunk in the file, 6 rows staged in memory
-    batch = buffer.sample(500, torch.Generator().manual_seed(1))
+    buffer.add(transitions(range(70)))  # a whole chunk goes to the file, 6 rows are staged in memory
+    for start in range(70, 300, 10):  # small adds: staged, several chunks' worth, before one bigger write
+        buffer.add(transitions(range(start, start + 10)))
+    writer = buffer.storage.writer
+    assert 0 < writer.stored_rows_committed < 300
+    batch = buffer.sample(3000, torch.Generator().manual_seed(1))
     assert_consistent(batch)
-    assert set(batch["id"].tolist()) == set(range(70))
+    assert set(batch["id"].tolist()) == set(range(300))
     buffer.close()
 
 
