@@ -112,6 +112,27 @@ def test_hdf5_reopen_restores_contents_and_cursor(tmp_path):
     buffer.close()
 
 
+@pytest.mark.parametrize("backend", ["memory", "hdf5"])
+def test_rewind_to_a_checkpointed_cursor(backend, tmp_path):
+    buffer = make_buffer(backend, 200, tmp_path)
+    buffer.add(transitions(range(100)))
+    checkpoint = buffer.total_rows
+    buffer.add(transitions(range(1000, 1033)))  # added after the checkpoint, then the run died
+    if backend == "hdf5":
+        buffer.close()
+        buffer = make_buffer(backend, 200, tmp_path)
+    buffer.rewind(checkpoint)
+    assert len(buffer) == 100 and buffer.total_rows == 100
+    buffer.add(transitions(range(100, 150)))
+    held = buffer.read(torch.arange(150))
+    assert_consistent(held)
+    assert held["id"].tolist() == list(range(150))
+    buffer.add(transitions(range(150, 260)))  # wraps: rows 0..59 are overwritten
+    with pytest.raises(UserError, match="10 of the rows held then have been overwritten"):
+        buffer.rewind(250)
+    buffer.close()
+
+
 def test_bad_buffer_settings_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="not one of"):
         ReplayBuffer(10, transitions([0]), backend="disk")

@@ -107,6 +107,11 @@ def test_reopen_continues_after_the_last_row(tmp_path):
         writer.append(id_rows(range(5, 12)))
     with HDF5Reader(path) as reader:
         np.testing.assert_array_equal(reader.read()["id"], np.arange(12))
+    with HDF5Writer(path, id_rows([0])) as writer:  # resuming from a checkpoint taken at row 9
+        writer.rewind(9)
+        writer.append(id_rows(range(100, 103)))
+    with HDF5Reader(path) as reader:
+        np.testing.assert_array_equal(reader.read()["id"], list(range(9)) + [100, 101, 102])
 
 
 def test_wrong_schema_names_file_key_and_difference(tmp_path):

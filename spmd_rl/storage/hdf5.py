@@ -214,6 +214,16 @@ def _writer_is_alive(file: h5py.File) -> int | None:
     return pid
 
 
+def check_rewind(where, total_rows: int, appended: int, capacity: int) -> None:
+    """Refuse a rewind to total_rows that would need rows a ring has overwritten since (or rows never appended)."""
+    if not 0 <= total_rows <= appended:
+        raise UserError(f"{where}: cannot rewind to {total_rows} rows; {appended} have been appended")
+    overwritten = appended - max(total_rows, capacity) if capacity else 0
+    if overwritten > 0:
+        raise UserError(f"{where}: cannot rewind to {total_rows} rows: {overwritten} of the rows held then have "
+                        f"been overwritten since (ring of {capacity} rows)")
+
+
 class HDF5Writer:
     """Append rows of a fixed layout to one HDF5 file, in whole chunks, crash-safe and readable while written.
 
@@ -389,6 +399,21 @@ class HDF5Writer:
         if self._staged:
             self._write_staged()
 
+    def rewind(self, total_rows: int) -> None:
+        """Forget the rows appended after the first total_rows, e.g. to resume from a checkpoint taken then.
+
+        In ring mode this is possible only while no row held at that point has been overwritten since.
+        """
+        check_rewind(self.path, total_rows, self.total_rows, self.capacity)
+        self.flush()
+        # Cursor first: a crash right after it leaves rows past the cursor, which reopening drops.
+        self._committed = total_rows
+        self._cursor[0] = total_rows
+        self._file.flush()
+        self._truncate_to_cursor()
+        self._chunk_addresses.clear()  # truncation frees chunks; new ones may get new addresses
+        self._file.flush()
+
     def _write_staged(self) -> None:
         self._write({name: staging[:self._staged] for name, staging in self._staging.items()})
         self._staged = 0
@@ -561,6 +586,15 @@ class ExperienceLog:
         rows = td_rollout.batch_size.numel()
         row = np.arange(rows, dtype=np.int64)
         self._writer.append(td_rollout, policy_version=policy_version, env_id=row % envs, env_step=env_step + row)
+
+    @property
+    def total_rows(self) -> int:
+        """Rows logged so far: the cursor a checkpoint saves."""
+        return self._writer.total_rows
+
+    def rewind(self, total_rows: int) -> None:
+        """Forget the rows logged after the first total_rows (resuming from a checkpoint that saved it)."""
+        self._writer.rewind(total_rows)
 
     def flush(self) -> None:
         self._writer.flush()

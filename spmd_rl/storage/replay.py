@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from spmd_rl.errors import UserError
 from spmd_rl.runtime import wait
-from spmd_rl.storage.hdf5 import HDF5Writer, layout_of
+from spmd_rl.storage.hdf5 import HDF5Writer, check_rewind, layout_of
 
 BACKENDS = ("memory", "hdf5")
 
@@ -55,6 +55,14 @@ class MemoryStorage:
     def read(self, positions: torch.Tensor) -> TensorDict:
         return self.rows[positions]
 
+    @property
+    def total_rows(self) -> int:
+        return self._total
+
+    def rewind(self, total_rows: int) -> None:
+        check_rewind("memory replay buffer", total_rows, self._total, self.capacity)
+        self._total = total_rows
+
     def close(self) -> None:
         pass
 
@@ -72,6 +80,13 @@ class HDF5Storage:
 
     def add(self, rows: TensorDict) -> None:
         self.writer.append(rows)
+
+    @property
+    def total_rows(self) -> int:
+        return self.writer.total_rows
+
+    def rewind(self, total_rows: int) -> None:
+        self.writer.rewind(total_rows)
 
     def read(self, positions: torch.Tensor) -> TensorDict:
         # read_positions sorts and deduplicates, so HDF5 sees one increasing selection per key.
@@ -124,6 +139,19 @@ class ReplayBuffer:
     def read(self, positions: torch.Tensor) -> TensorDict:
         """Rows at these storage positions (0 <= position < len(self))."""
         return self.storage.read(positions)
+
+    @property
+    def total_rows(self) -> int:
+        """Rows added over the buffer's life: the cursor a checkpoint saves."""
+        return self.storage.total_rows
+
+    def rewind(self, total_rows: int) -> None:
+        """Forget the rows added after the first total_rows (resuming from a checkpoint that saved total_rows).
+
+        Exact while no row held then has been overwritten since; otherwise a UserError. Only the hdf5 backend
+        keeps its rows across a restart.
+        """
+        self.storage.rewind(total_rows)
 
     def close(self) -> None:
         self.storage.close()
