@@ -46,9 +46,9 @@ DATA_GROUP = "data"
 META_GROUP = "meta"
 CURSOR = "cursor"
 META_FIELDS = ("policy_version", "env_id", "env_step")
-COMPRESSIONS = (None, "lzf")
+COMPRESSIONS = (None, "lzf")  # fast codecs only: gzip writes at 30-70 MB/s, far below the hot path
 STAGE_BYTES = 4 << 20  # small appends are staged in memory up to this many bytes (whole chunks) per write
-_OPEN_FOR_WRITING: set[Path] = set()  # files this process writes: HDF5 would silently share a second handle  # fast codecs only: gzip writes at 30-70 MB/s, far below the hot path
+_OPEN_FOR_WRITING: set[Path] = set()  # files this process writes: HDF5 would silently share a second handle
 
 # A field of the layout: the shape of one row and its numpy dtype.
 Field = tuple[tuple[int, ...], np.dtype]
