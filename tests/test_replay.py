@@ -159,9 +159,7 @@ def _sharded_sampling(rank: int, world_size: int, directory: str) -> None:
         ids = batch["id"]
         assert ((ids >= rank * 1000) & (ids < rank * 1000 + SHARD_SIZES[rank])).all()  # own shard only
         per_row += torch.bincount(sum(SHARD_SIZES[:rank]) + ids - rank * 1000, minlength=len(per_row))
-        local = torch.tensor([len(ids)])
-        dist.all_reduce(local)
-        assert local.item() == 500  # the local batches add up to exactly the global batch
+        assert len(ids) == 500 * SHARD_SIZES[rank] // sum(SHARD_SIZES)  # proportional shares are whole here
     dist.all_reduce(per_row)
     if rank == 0:
         # Uniform over the union of all rows (not over shards): every row expects 40 * 500 / 100 = 200 draws.
@@ -173,3 +171,23 @@ def _sharded_sampling(rank: int, world_size: int, directory: str) -> None:
 
 def test_sharded_sampling_is_uniform_over_all_shards(tmp_path):
     assert_all_ok(run_ranks(_sharded_sampling, 3, str(tmp_path), timeout_s=30))
+
+
+def _split_of_the_global_batch(rank: int, world_size: int) -> None:
+    shard = ReplayBuffer(100, transitions([0]))
+    shard.add(transitions(torch.arange(7 + 3 * rank)))  # shard sizes 7, 10, 13: shares are not whole
+    sharded = ShardedReplay(shard, None, datetime.timedelta(seconds=30), seed=5)
+    sizes = sharded.shard_sizes()
+    expected = 256 * sizes.double() / sizes.sum()
+    counts = torch.stack([sharded.split(256, sizes) for _ in range(4000)])
+    assert (counts.sum(1) == 256).all()  # always exactly the global batch
+    assert ((counts == expected.floor()) | (counts == expected.ceil())).all()  # each share rounded down or up
+    torch.testing.assert_close(counts.double().mean(0), expected, atol=0.03, rtol=0)  # unbiased on average
+    mine = sharded.sample(256)
+    everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(everyone, torch.tensor([len(mine)]))
+    assert sum(int(n) for n in everyone) == 256  # all trainers drew the same split
+
+
+def test_sharded_split_adds_up_and_is_unbiased():
+    assert_all_ok(run_ranks(_split_of_the_global_batch, 3, timeout_s=30))

@@ -160,14 +160,16 @@ class ReplayBuffer:
 class ShardedReplay:
     """Uniform sampling over the union of the trainers' shards, each trainer holding (and reading) only its own.
 
-    Every trainer keeps the same `shared` generator (same seed, same calls). To sample a global batch of B rows,
-    the trainers all_gather their shard sizes, then each draws the same B indices uniformly over the concatenated
-    union [shard 0 | shard 1 | ...] and keeps the indices that fall in its own shard. The union of the trainers'
-    local batches is therefore exactly a uniform sample (with replacement) of B rows from all shards, whatever
-    their sizes: a bigger shard contributes proportionally more rows. No rows move between ranks.
+    To sample a global batch of B rows, the trainers all_gather their shard sizes n_1..n_T and split B among the
+    shards in proportion to their sizes: trainer i takes c_i rows, uniformly with replacement from its own shard,
+    where c_i is B * n_i / N (N = n_1 + ... + n_T) rounded down or up by systematic sampling with one uniform
+    number that every trainer draws alike from a generator seeded the same on all of them. So the c_i always add
+    up to B, E[c_i] = B * n_i / N exactly, and every row of every shard expects B / N draws per batch: uniform
+    over the union, with less variance than B independent draws. No rows move between ranks.
 
-    The local batch size varies (a multinomial share of B). For the gradient to be that of the global batch under
-    DDP (which averages over trainers), take the local loss as per_row_loss.sum() * group_size / B.
+    With shards of equal size, every trainer gets B / T rows (when T divides B), so averaging per-trainer mean
+    losses over the group (as DDP does) weights every row 1 / B. With unequal shards it does not: weight the
+    local loss as per_row_loss.sum() * T / B to keep the global batch's mean.
     """
 
     def __init__(self, shard: ReplayBuffer, group: dist.ProcessGroup | None, timeout: datetime.timedelta,
@@ -175,9 +177,10 @@ class ShardedReplay:
         self.shard = shard
         self.group = group
         self.timeout = timeout
-        self.shared = torch.Generator().manual_seed(seed)
         self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         self.index = self.ranks.index(dist.get_rank())
+        self.shared = torch.Generator().manual_seed(seed)  # same stream on every trainer: the split of B
+        self.local = torch.Generator().manual_seed(seed + 1 + self.index)  # this trainer's rows
 
     def shard_sizes(self) -> torch.Tensor:
         """The size of every trainer's shard, in group order (a bounded all_gather)."""
@@ -188,14 +191,28 @@ class ShardedReplay:
                                          f"with trainer ranks {self.ranks}")
         return torch.cat(sizes)
 
-    def sample(self, global_batch_size: int) -> TensorDict:
-        """This trainer's part of a uniform global batch of global_batch_size rows (see the class docstring)."""
-        sizes = self.shard_sizes()
+    def split(self, global_batch_size: int, sizes: torch.Tensor) -> torch.Tensor:
+        """Rows each shard contributes to a global batch (see the class docstring); draws from `shared`."""
         total = int(sizes.sum())
         if total == 0:
             raise ValueError("cannot sample: every replay shard is empty")
-        indices = torch.randint(total, (global_batch_size,), generator=self.shared)
-        ends = torch.cumsum(sizes, 0)
-        start = int(ends[self.index] - sizes[self.index])
-        mine = indices[(indices >= start) & (indices < ends[self.index])] - start
-        return self.shard.read(mine)
+        edges = torch.cumsum(sizes, 0).double() * global_batch_size / total
+        offset = torch.rand((), dtype=torch.float64, generator=self.shared)
+        bounds = torch.floor(torch.cat([torch.zeros(1, dtype=torch.float64), edges]) + offset).long()
+        bounds[-1] = global_batch_size  # edges[-1] is B exactly; guard against its rounding
+        return bounds.diff()
+
+    def sample(self, global_batch_size: int) -> TensorDict:
+        """This trainer's part of a uniform global batch of global_batch_size rows."""
+        counts = self.split(global_batch_size, self.shard_sizes())
+        # An empty shard always gets 0 rows; randint still needs a non-empty range to draw those 0 from.
+        positions = torch.randint(max(len(self.shard), 1), (int(counts[self.index]),), generator=self.local)
+        return self.shard.read(positions)
+
+    def state_dict(self) -> dict:
+        """The generators' states, for a checkpoint (the rows themselves are the shard's)."""
+        return {"shared": self.shared.get_state(), "local": self.local.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.shared.set_state(state["shared"])
+        self.local.set_state(state["local"])
