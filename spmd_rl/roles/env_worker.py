@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-import torch
+import numpy as np
 
 
 class EnvWorker:
@@ -19,13 +19,16 @@ class EnvWorker:
         self.to_inference = to_inference
         self.from_inference = from_inference
         self.to_trainer = to_trainer
-        # Both outgoing buffers are written in place: the channel sends them without another copy.
-        self.obs_out = to_inference.buffer["obs"]
+        # Both outgoing buffers are written in place, so the channels send them without another copy. The writes
+        # go through numpy views of the (CPU) buffers: a numpy assignment costs a fraction of a torch op's
+        # dispatch, and this loop runs once per env step.
+        self.obs_out = to_inference.buffer["obs"].numpy()
         self.segment = to_trainer.buffer
-        self.rollout = self.segment["rollout"]
-        self.obs = torch.as_tensor(first_obs, dtype=torch.float32)
+        self.rollout = {key: tensor.numpy() for key, tensor in self.segment["rollout"].items()}
+        self.versions = self.segment["policy_version"].numpy()
+        self.obs = np.asarray(first_obs, dtype=np.float32)
         # After a step that ends an episode, the next step only resets that env: its transition is not real.
-        self.next_step_valid = torch.ones(envs.num_envs, dtype=torch.bool)
+        self.next_step_valid = np.ones(envs.num_envs, dtype=bool)
         self._reset_timers()
 
     def _reset_timers(self):
@@ -34,44 +37,43 @@ class EnvWorker:
     def send_observations(self, t: int) -> None:
         self.rollout["obs"][t] = self.obs
         self.rollout["valid"][t] = self.next_step_valid
-        self.obs_out.copy_(self.obs)
+        self.obs_out[:] = self.obs
         self._action_clock = time.perf_counter()
         self.to_inference.send()
 
     def receive_actions_and_step(self, t: int) -> None:
         reply = self.from_inference.recv()
         self.action_wait_s += time.perf_counter() - self._action_clock
-        self.inference_s += float(reply["inference_s"])
-        action = reply["action"]
+        self.inference_s += reply["inference_s"].item()
+        action = reply["action"].numpy()
         self.rollout["action"][t] = action
-        self.rollout["log_prob"][t] = reply["log_prob"]
-        self.rollout["value"][t] = reply["value"]
-        self.segment["policy_version"][t] = reply["policy_version"]
+        self.rollout["log_prob"][t] = reply["log_prob"].numpy()
+        self.rollout["value"][t] = reply["value"].numpy()
+        self.versions[t] = reply["policy_version"].item()
 
         clock = time.perf_counter()
-        obs, reward, terminated, truncated, info = self.envs.step(action.numpy())
+        obs, reward, terminated, truncated, info = self.envs.step(action)
         self.env_s += time.perf_counter() - clock
 
-        self.rollout["reward"][t] = torch.as_tensor(reward, dtype=torch.float32)
-        self.rollout["terminated"][t] = torch.as_tensor(terminated)
-        self.rollout["truncated"][t] = torch.as_tensor(truncated)
+        self.rollout["reward"][t] = reward
+        self.rollout["terminated"][t] = terminated
+        self.rollout["truncated"][t] = truncated
         self._record_episodes(t, info)
-        self.obs = torch.as_tensor(obs, dtype=torch.float32)
-        self.next_step_valid = ~torch.as_tensor(terminated | truncated)
+        self.obs = np.asarray(obs, dtype=np.float32)
+        self.next_step_valid = ~(terminated | truncated)
 
     def _record_episodes(self, t: int, info: dict) -> None:
         episode = info.get("episode")
-        done = self.rollout["episode_done"][t]
         if episode is None:
-            done.zero_()
+            self.rollout["episode_done"][t] = False
             return
-        finished = torch.as_tensor(info["_episode"])
-        done.copy_(finished)
-        self.rollout["episode_return"][t] = torch.as_tensor(episode["r"], dtype=torch.float32) * finished
-        self.rollout["episode_length"][t] = torch.as_tensor(episode["l"], dtype=torch.int64) * finished
+        finished = info["_episode"]
+        self.rollout["episode_done"][t] = finished
+        self.rollout["episode_return"][t] = np.where(finished, episode["r"], 0.0)
+        self.rollout["episode_length"][t] = np.where(finished, episode["l"], 0)
 
     def send_segment(self) -> None:
-        self.segment["next_obs"].copy_(self.obs)
+        self.segment["next_obs"].numpy()[:] = self.obs
         self.segment["env_s"].fill_(self.env_s)
         self.segment["action_wait_s"].fill_(self.action_wait_s)
         self.segment["inference_s"].fill_(self.inference_s)

@@ -27,7 +27,8 @@ class InferenceServer:
         if action_space is not None and hasattr(action_space, "low"):
             self.action_low = torch.as_tensor(action_space.low, dtype=torch.float32)
             self.action_high = torch.as_tensor(action_space.high, dtype=torch.float32)
-        self.replies = [ch.buffer for ch in action_channels]
+        # numpy views of the reply buffers: cheaper per-step writes than torch ops (see EnvWorker)
+        self.replies = [{key: tensor.numpy() for key, tensor in ch.buffer.items()} for ch in action_channels]
         self.splits = [reply["action"].shape[0] for reply in self.replies]
 
     def serve_step(self) -> None:
@@ -45,14 +46,15 @@ class InferenceServer:
             action, log_prob, value = action.cpu(), log_prob.cpu(), value.cpu()
         inference_s = time.perf_counter() - clock
 
+        action, log_prob, value = action.numpy(), log_prob.numpy(), value.numpy()
         sends = []
         offset = 0
         for channel, reply, count in zip(self.action_channels, self.replies, self.splits):
-            reply["action"].copy_(action[offset:offset + count])
-            reply["log_prob"].copy_(log_prob[offset:offset + count])
-            reply["value"].copy_(value[offset:offset + count])
-            reply["policy_version"].fill_(self.policy_version)
-            reply["inference_s"].fill_(inference_s)
+            reply["action"][:] = action[offset:offset + count]
+            reply["log_prob"][:] = log_prob[offset:offset + count]
+            reply["value"][:] = value[offset:offset + count]
+            reply["policy_version"][0] = self.policy_version
+            reply["inference_s"][0] = inference_s
             sends.append(channel.isend())
             offset += count
         for send in sends:
