@@ -52,10 +52,9 @@ def summarize(path: Path) -> str:
 def _min_max(reader: HDF5Reader, name: str, rows: int) -> tuple[int, int] | None:
     if rows == 0:
         return None
-    dataset = reader.dataset(name)
     low, high = None, None
     for start in range(0, rows, SCAN_ROWS):
-        column = dataset[start:min(rows, start + SCAN_ROWS)]
+        column = reader.column(name, start, start + SCAN_ROWS)
         low = column.min() if low is None else min(low, column.min())
         high = column.max() if high is None else max(high, column.max())
     return int(low), int(high)
@@ -71,7 +70,7 @@ def _episode_ends(reader: HDF5Reader, rows: int) -> int | None:
         stop = min(rows, start + SCAN_ROWS)
         ended = np.zeros(stop - start, dtype=bool)
         for key in keys:
-            ended |= reader.dataset(f"data/{key}")[start:stop].astype(bool)
+            ended |= reader.column(f"data/{key}", start, stop).astype(bool)
         count += int(ended.sum())
     return count
 

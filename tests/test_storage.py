@@ -86,16 +86,18 @@ def test_ring_wraps_and_reads_staged_rows(tmp_path):
     writer = HDF5Writer(path, id_rows([0]), chunk_rows=4, capacity=10)
     for start, size in ((0, 3), (3, 9), (12, 11)):  # 23 rows: wraps twice, 3 rows left staged
         writer.append(id_rows(range(start, start + size)))
-    assert len(writer) == 10 and writer.total_rows == 23
-    # Position p holds the newest row r with r % 10 == p; rows 20..22 are still only in the staging buffer.
-    expected = [20, 21, 22, 13, 14, 15, 16, 17, 18, 19]
-    arrays = writer.read_positions(np.array([9, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0]))
-    np.testing.assert_array_equal(arrays["id"], [19] + expected[:9] + [20])
+    assert len(writer) == 10 and writer.total_rows == 23 and writer.first_row == 13
+    # Index 0 is the oldest row held (13); rows 20..22 are still only in the staging buffer.
+    arrays = writer.read_rows(np.array([9, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0]))
+    np.testing.assert_array_equal(arrays["id"], [22, 13, 14, 15, 16, 17, 18, 19, 20, 21, 13])
     np.testing.assert_array_equal(arrays["obs"][:, 0], arrays["id"].astype(np.float32))
     writer.close()
     with HDF5Reader(path) as reader:
-        assert len(reader) == 10 and reader.total_rows == 23 and reader.next_position == 3
-        np.testing.assert_array_equal(reader.read()["id"], expected)
+        assert len(reader) == 10 and reader.total_rows == 23
+        np.testing.assert_array_equal(reader.read()["id"], np.arange(13, 23))
+        np.testing.assert_array_equal(reader.read(2, 5)["id"], [15, 16, 17])
+    with h5py.File(path, "r") as file:  # plain h5py: row r at position r % capacity
+        np.testing.assert_array_equal(file["data/id"][:], [20, 21, 22, 13, 14, 15, 16, 17, 18, 19])
 
 
 def test_reopen_continues_after_the_last_row(tmp_path):
@@ -199,6 +201,48 @@ def test_kill_9_mid_append_keeps_every_flushed_row(tmp_path):
         writer.append(id_rows(range(rows, rows + 10)))
     with h5py.File(path, "r") as file:  # closed cleanly again: plain h5py opens it
         np.testing.assert_array_equal(file["data/id"][:], np.arange(rows + 10))
+
+
+TORN_WRITE_SCRIPT = textwrap.dedent("""
+    import os, sys, h5py, torch
+    from tensordict import TensorDict
+    from spmd_rl.storage.hdf5 import HDF5Writer
+
+    def rows(first, stop):
+        ids = torch.arange(first, stop)
+        return TensorDict({"id": ids, "obs": ids[:, None].float().expand(-1, 4)}, batch_size=[stop - first])
+
+    writer = HDF5Writer(sys.argv[1], {"id": ((), "int64"), "obs": ((4,), "float32")}, chunk_rows=8, capacity=32)
+    writer.append(rows(0, 40))  # the ring wrapped: rows 8..39 are held
+    write = h5py.Dataset.__setitem__
+
+    def die_before_obs(dataset, selection, value):  # the process dies between two keys of one write
+        if dataset.name == "/data/obs":
+            os._exit(9)
+        write(dataset, selection, value)
+
+    h5py.Dataset.__setitem__ = die_before_obs
+    writer.append(rows(40, 48))  # overwrites rows 8..15: "id" gets the new rows, "obs" keeps the old ones
+""")
+
+
+def test_a_ring_write_cut_short_leaves_no_torn_rows(tmp_path):
+    path = tmp_path / "ring.h5"
+    result = subprocess.run([PYTHON, "-c", TORN_WRITE_SCRIPT, str(path)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 9, result.stderr
+    with HDF5Reader(path) as reader:
+        arrays = reader.read()
+    # Rows 8..15 were being overwritten: out of the valid range, not half old and half new.
+    np.testing.assert_array_equal(arrays["id"], np.arange(16, 40))
+    np.testing.assert_array_equal(arrays["obs"], np.repeat(np.arange(16, 40, dtype=np.float32)[:, None], 4, 1))
+    with HDF5Writer(path, id_rows([0]), chunk_rows=8, capacity=32) as writer:
+        assert len(writer) == 24
+        writer.append(id_rows(range(40, 48)))
+        assert len(writer) == 32
+        held = writer.read_rows(np.arange(32))
+    np.testing.assert_array_equal(held["id"], np.arange(16, 48))
+    np.testing.assert_array_equal(held["obs"][:, 0], np.arange(16, 48, dtype=np.float32))
 
 
 READER_SCRIPT = textwrap.dedent("""

@@ -7,21 +7,22 @@ File layout (format "spmd_rl.hdf5", version 1):
     /meta/policy_version   int64 per row: the policy version that acted (-1 = not recorded)
     /meta/env_id           int64 per row: the env's index on the writing rank (-1 = not recorded)
     /meta/env_step         int64 per row: the rank's env-step counter for the row (-1 = not recorded)
-    /cursor                int64[1]: rows committed so far (ever, counting overwritten ones in ring mode)
+    /cursor                int64[2]: [committed, reserved] row counts over the file's life (see below)
     attributes of /        format, format_version, schema (JSON: key -> shape, numpy dtype string), capacity
                            (0 = grows without bound, else a ring of that many rows), chunk_rows, compression,
                            writer_pid, writer_host (the last process that opened it for writing)
 
-Rows are valid up to the cursor: min(cursor, capacity) rows in ring mode (the next row goes to position
-cursor % capacity), cursor rows otherwise. The cursor lives in a dataset rather than an attribute because the file
-is kept in SWMR mode (single writer, many readers): a reader refreshes datasets to see new rows, and the cursor is
-written (and the file flushed) only after the rows it covers, so a reader or a crash never sees a row that is not
-whole.
+Row r (counting from the file's first row) is stored at position r, or r % capacity in ring mode. The valid rows
+are r in [max(0, reserved - capacity), committed) in ring mode, [0, committed) otherwise (reserved == committed
+there). Rows are written first and `committed` raised after them; before a ring write overwrites old rows,
+`reserved` is raised past it, which takes the rows about to be overwritten out of the valid range. Each step is
+followed by a file flush, so a reader, or the file after kill -9, never sees a row that is not whole; a crash in
+the middle of a ring write just leaves fewer valid rows, until later writes pass `reserved`. The cursor lives in a
+dataset rather than in attributes because the file is kept in SWMR mode (single writer, many readers): readers
+refresh datasets to see new rows.
 
 Appends are staged in memory and written as whole chunks, up to ~4 MiB at a time (tiny HDF5 writes are ~10x slower
-per byte); the file is flushed after every write. After kill -9 the file opens and holds every row up to the last
-flush. The one exception is ring mode after the buffer has wrapped: a crash in the middle of a write can leave the
-rows being overwritten with new values in some keys and old values in others.
+per byte). After kill -9 the file opens and holds every row up to the last write.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ class HDF5Writer:
             self._file = self._create()
         self._datasets = {name: self._file[name] for name in self._fields}
         self._cursor = self._file[CURSOR]
-        self._committed = int(self._cursor[0])
+        self._committed, self._reserved = (int(n) for n in self._cursor[:])
         self._truncate_to_cursor()
         self._file.swmr_mode = True  # from here on: no new objects or attributes, readers may attach
         self.stage_rows = self.chunk_rows * self._chunks_per_write()
@@ -280,7 +281,7 @@ class HDF5Writer:
         for name, (shape, dtype) in self._fields.items():
             file.create_dataset(name, shape=(0, *shape), maxshape=(self.capacity or None, *shape), dtype=dtype,
                                 chunks=(self.chunk_rows, *shape), compression=self.compression)
-        file.create_dataset(CURSOR, data=np.zeros(1, dtype=np.int64))
+        file.create_dataset(CURSOR, data=np.zeros(2, dtype=np.int64))
         file.attrs.update({"format": FORMAT_NAME, "format_version": FORMAT_VERSION,
                            "schema": schema_json(self.layout), "capacity": self.capacity,
                            "chunk_rows": self.chunk_rows, "compression": self.compression or "none"})
@@ -340,6 +341,7 @@ class HDF5Writer:
 
     @property
     def stored_rows_committed(self) -> int:
+        """Rows committed to the file (counting positions, in ring mode: at most `capacity`)."""
         return min(self._committed, self.capacity) if self.capacity else self._committed
 
     @property
@@ -347,9 +349,16 @@ class HDF5Writer:
         """Rows appended over the file's life, staged ones included (in ring mode, overwritten ones too)."""
         return self._committed + self._staged
 
+    @property
+    def first_row(self) -> int:
+        """The oldest row that can be read now (staged rows overwrite, in memory, the rows they will replace)."""
+        if not self.capacity:
+            return 0
+        return max(0, self._reserved - self.capacity, self.total_rows - self.capacity)
+
     def __len__(self) -> int:
         """Rows that can be read now: on disk or staged, at most `capacity` in ring mode."""
-        return min(self.total_rows, self.capacity) if self.capacity else self.total_rows
+        return self.total_rows - self.first_row
 
     # -- writing -----------------------------------------------------------------------------------------------
 
@@ -404,11 +413,11 @@ class HDF5Writer:
 
         In ring mode this is possible only while no row held at that point has been overwritten since.
         """
-        check_rewind(self.path, total_rows, self.total_rows, self.capacity)
+        check_rewind(self.path, total_rows, max(self.total_rows, self._reserved), self.capacity)
         self.flush()
         # Cursor first: a crash right after it leaves rows past the cursor, which reopening drops.
-        self._committed = total_rows
-        self._cursor[0] = total_rows
+        self._committed = self._reserved = total_rows
+        self._cursor[:] = total_rows
         self._file.flush()
         self._truncate_to_cursor()
         self._chunk_addresses.clear()  # truncation frees chunks; new ones may get new addresses
@@ -421,6 +430,11 @@ class HDF5Writer:
     def _write(self, arrays: dict[str, np.ndarray]) -> None:
         rows = len(next(iter(arrays.values())))
         pieces = self._positions(self._committed, rows)
+        if self.capacity and self._committed + rows > max(self.capacity, self._reserved):
+            # These rows overwrite old ones: take the old ones out of the valid range before touching them.
+            self._reserved = self._committed + rows
+            self._cursor[1] = self._reserved
+            self._file.flush()
         for start, _, count in pieces:
             if self._dataset_rows < start + count:  # every dataset has the same length: resize them together
                 for dataset in self._datasets.values():
@@ -434,7 +448,8 @@ class HDF5Writer:
         # power loss would take an fsync as well.)
         self._file.flush()
         self._committed += rows
-        self._cursor[0] = self._committed
+        self._reserved = max(self._reserved, self._committed)
+        self._cursor[:] = (self._committed, self._reserved)
         self._file.flush()
 
     def _positions(self, first_row: int, rows: int) -> list[tuple[int, int, int]]:
@@ -447,24 +462,29 @@ class HDF5Writer:
 
     # -- reading back (the replay buffer samples from its own writer) -------------------------------------------
 
-    def read_positions(self, positions: np.ndarray) -> dict[str, np.ndarray]:
-        """The data rows at these storage positions (any order, repeats allowed), staged rows included."""
-        positions = np.asarray(positions, dtype=np.int64)
-        unique, inverse = np.unique(positions, return_inverse=True)
-        first_staged = self._committed % self.capacity if self.capacity else self._committed
-        staged_offset = unique - first_staged
-        if self.capacity:
-            staged_offset %= self.capacity
-        in_staging = staged_offset < self._staged
+    def read_rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """The data rows at these indices, 0 = the oldest row held (any order, repeats allowed), staged included."""
+        rows = self.first_row + np.asarray(indices, dtype=np.int64)
+        unique, inverse = np.unique(rows, return_inverse=True)
+        in_staging = unique >= self._committed
         on_disk = unique[~in_staging]
+        positions = on_disk % self.capacity if self.capacity else on_disk
+        if self.capacity and len(positions):
+            positions = np.sort(positions)  # wrapped rows: increasing positions for the file reads
+            on_disk_order = np.argsort(on_disk % self.capacity, kind="stable")
         out = {}
         for key in self.layout:
             name = f"{DATA_GROUP}/{key}"
-            rows = np.empty((len(unique), *self._staging[name].shape[1:]), self._staging[name].dtype)
-            rows[in_staging] = self._staging[name][staged_offset[in_staging]]
+            values = np.empty((len(unique), *self._staging[name].shape[1:]), self._staging[name].dtype)
+            values[in_staging] = self._staging[name][unique[in_staging] - self._committed]
             if len(on_disk):
-                rows[~in_staging] = self._read_committed(name, on_disk)
-            out[key] = rows[inverse]
+                from_file = self._read_committed(name, positions)
+                if self.capacity:
+                    reordered = np.empty_like(from_file)
+                    reordered[on_disk_order] = from_file
+                    from_file = reordered
+                values[~in_staging] = from_file
+            out[key] = values[inverse]
         return out
 
     def _read_committed(self, name: str, positions: np.ndarray) -> np.ndarray:
@@ -519,34 +539,51 @@ class HDF5Reader:
         self.capacity = int(self._file.attrs["capacity"])
         self.attrs = dict(self._file.attrs)
         self._cursor = self._file[CURSOR]
-        self.total_rows = int(self._cursor[0])
+        self.total_rows, self.reserved_rows = (int(n) for n in self._cursor[:])
 
     def refresh(self) -> int:
         """See the rows committed since opening (or the last refresh); return the readable row count."""
         self._cursor.refresh()
-        self.total_rows = int(self._cursor[0])
+        self.total_rows, self.reserved_rows = (int(n) for n in self._cursor[:])
         return len(self)
 
-    def __len__(self) -> int:
-        return min(self.total_rows, self.capacity) if self.capacity else self.total_rows
-
     @property
-    def next_position(self) -> int:
-        """Where the next row will be written; in a full ring, also the position of the oldest row."""
-        return self.total_rows % self.capacity if self.capacity else self.total_rows
+    def first_row(self) -> int:
+        """The oldest valid row (0 unless a ring has overwritten rows)."""
+        return max(0, self.reserved_rows - self.capacity) if self.capacity else 0
+
+    def __len__(self) -> int:
+        return self.total_rows - self.first_row
 
     def dataset(self, name: str) -> h5py.Dataset:
-        """A dataset by its path ("data/obs", "meta/policy_version"), refreshed to the writer's latest state."""
+        """A dataset by its path ("data/obs", "meta/policy_version"), refreshed to the writer's latest state.
+
+        In ring mode its positions are not in row order: read() and column() put them in order.
+        """
         dataset = self._file[name]
         dataset.refresh()
         return dataset
 
-    def read(self, start: int = 0, stop: int | None = None, meta: bool = False) -> dict[str, np.ndarray]:
-        """Rows [start, stop) by storage position, as numpy arrays keyed by layout key (and meta/<name>)."""
+    def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Valid rows [start, stop) of one dataset ("data/obs", "meta/env_step"), oldest first."""
         stop = len(self) if stop is None else min(stop, len(self))
+        first = self.first_row + start
+        dataset = self.dataset(name)
+        if stop <= start:
+            return dataset[0:0]
+        if not self.capacity:
+            return dataset[first:first + stop - start]
+        head = first % self.capacity
+        count = stop - start
+        if head + count <= self.capacity:
+            return dataset[head:head + count]
+        return np.concatenate([dataset[head:], dataset[:head + count - self.capacity]])
+
+    def read(self, start: int = 0, stop: int | None = None, meta: bool = False) -> dict[str, np.ndarray]:
+        """Valid rows [start, stop), oldest first, as numpy arrays keyed by layout key (and meta/<name>)."""
         names = [f"{DATA_GROUP}/{key}" for key in self.layout]
         names += [f"{META_GROUP}/{name}" for name in META_FIELDS] if meta else []
-        return {name.removeprefix(f"{DATA_GROUP}/"): self.dataset(name)[start:stop] for name in names}
+        return {name.removeprefix(f"{DATA_GROUP}/"): self.column(name, start, stop) for name in names}
 
     def read_tensordict(self, start: int = 0, stop: int | None = None) -> TensorDict:
         arrays = self.read(start, stop)

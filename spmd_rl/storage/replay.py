@@ -1,8 +1,9 @@
 """Replay buffers: a ring of transitions sampled uniformly, in memory or in an HDF5 file, and sharded across trainers.
 
 Both backends share the sampling (indices drawn here, from the caller's generator), so the same generator gives
-the same batch whatever the backend. The HDF5 backend keeps only one chunk of staged rows and HDF5's chunk cache
-in memory, so its capacity is bounded by the disk, not by RAM; reopening its file restores contents and cursor.
+the same batch whatever the backend. The HDF5 backend keeps only a staging buffer (at most ~4 MiB) and a table of
+chunk addresses in memory, so its capacity is bounded by the disk, not by RAM; reopening its file restores contents
+and cursor.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ class MemoryStorage:
         self.rows[positions] = rows
         self._total += count
 
-    def read(self, positions: torch.Tensor) -> TensorDict:
-        return self.rows[positions]
+    def read(self, indices: torch.Tensor) -> TensorDict:
+        oldest = max(0, self._total - self.capacity)
+        return self.rows[(oldest + indices) % self.capacity]
 
     @property
     def total_rows(self) -> int:
@@ -88,11 +90,11 @@ class HDF5Storage:
     def rewind(self, total_rows: int) -> None:
         self.writer.rewind(total_rows)
 
-    def read(self, positions: torch.Tensor) -> TensorDict:
-        # read_positions sorts and deduplicates, so HDF5 sees one increasing selection per key.
-        arrays = self.writer.read_positions(positions.numpy())
+    def read(self, indices: torch.Tensor) -> TensorDict:
+        # read_rows sorts and deduplicates, so the file sees one increasing selection per key.
+        arrays = self.writer.read_rows(indices.numpy())
         return TensorDict({_nested(key): torch.from_numpy(array) for key, array in arrays.items()},
-                          batch_size=[len(positions)])
+                          batch_size=[len(indices)])
 
     def close(self) -> None:
         self.writer.close()
@@ -133,12 +135,11 @@ class ReplayBuffer:
     def sample(self, batch_size: int, generator: torch.Generator | None = None) -> TensorDict:
         if len(self) == 0:
             raise ValueError("cannot sample from an empty replay buffer")
-        positions = torch.randint(len(self), (batch_size,), generator=generator)
-        return self.storage.read(positions)
+        return self.storage.read(torch.randint(len(self), (batch_size,), generator=generator))
 
-    def read(self, positions: torch.Tensor) -> TensorDict:
-        """Rows at these storage positions (0 <= position < len(self))."""
-        return self.storage.read(positions)
+    def read(self, indices: torch.Tensor) -> TensorDict:
+        """The rows at these indices: 0 is the oldest row held, len(self) - 1 the newest."""
+        return self.storage.read(indices)
 
     @property
     def total_rows(self) -> int:
@@ -206,8 +207,8 @@ class ShardedReplay:
         """This trainer's part of a uniform global batch of global_batch_size rows."""
         counts = self.split(global_batch_size, self.shard_sizes())
         # An empty shard always gets 0 rows; randint still needs a non-empty range to draw those 0 from.
-        positions = torch.randint(max(len(self.shard), 1), (int(counts[self.index]),), generator=self.local)
-        return self.shard.read(positions)
+        indices = torch.randint(max(len(self.shard), 1), (int(counts[self.index]),), generator=self.local)
+        return self.shard.read(indices)
 
     def state_dict(self) -> dict:
         """The generators' states, for a checkpoint (the rows themselves are the shard's)."""
