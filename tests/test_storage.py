@@ -1,6 +1,5 @@
 """HDF5 experience storage: round trips, ring mode, reopening, kill -9, a live reader, bad files, `inspect`."""
 
-import os
 import signal
 import subprocess
 import sys
