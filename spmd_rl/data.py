@@ -42,9 +42,10 @@ def summarize(path: Path) -> str:
         for key, field in sorted(reader.layout.items()):
             lines.append(f"  {key:<{width}}  {describe_field(field)}")
         versions = _min_max(reader, "meta/policy_version", rows)
-        lines.append(f"  policy versions: {versions[0]}..{versions[1]}" if versions else "  policy versions: -")
-        episodes = _episode_ends(reader, rows)
-        lines.append(f"  episodes ended: {episodes}" if episodes is not None
+        lines.append("  policy versions: -" if versions is None else "  policy versions: not recorded"
+                     if versions == (-1, -1) else f"  policy versions: {versions[0]}..{versions[1]}")
+        keys, episodes = _episode_ends(reader, rows)
+        lines.append(f"  episodes ended: {episodes} (rows with {' or '.join(keys)} set)" if keys
                      else "  episodes ended: - (no done/terminated/truncated key)")
     return "\n".join(lines)
 
@@ -60,11 +61,11 @@ def _min_max(reader: HDF5Reader, name: str, rows: int) -> tuple[int, int] | None
     return int(low), int(high)
 
 
-def _episode_ends(reader: HDF5Reader, rows: int) -> int | None:
+def _episode_ends(reader: HDF5Reader, rows: int) -> tuple[list[str], int]:
     # An episode ends where any of done / terminated / truncated is set (at any nesting, e.g. next/done).
     keys = [key for key in reader.layout if key.split("/")[-1] in EPISODE_END_KEYS and reader.layout[key][0] == ()]
     if not keys:
-        return None
+        return keys, 0
     count = 0
     for start in range(0, rows, SCAN_ROWS):
         stop = min(rows, start + SCAN_ROWS)
@@ -72,7 +73,7 @@ def _episode_ends(reader: HDF5Reader, rows: int) -> int | None:
         for key in keys:
             ended |= reader.column(f"data/{key}", start, stop).astype(bool)
         count += int(ended.sum())
-    return count
+    return keys, count
 
 
 def _human_bytes(size: int) -> str:

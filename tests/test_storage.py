@@ -288,7 +288,7 @@ def test_inspect_summarizes_a_run(tmp_path, capsys):
     assert "experience_rank0.h5  (60 rows, 60 appended" in out
     assert "pixels" in out and "uint8[4, 4]" in out and "value" in out and "float64[2, 2]" in out
     assert "policy versions: 3..5" in out
-    assert f"episodes ended: {terminated}" in out
+    assert f"episodes ended: {terminated} (rows with next/terminated set)" in out
 
 
 def test_inspect_bad_input_exits_2_with_one_line(tmp_path, capsys):
