@@ -94,8 +94,9 @@ class SAC:
         """(actor loss, temperature loss or None when alpha is fixed) on fresh reparameterized actions.
 
         actor:       E[alpha * log pi(a|s) - min_i Q_i(s, a)],   a ~ pi(s)
-        temperature: E[-alpha * (log pi(a|s) + target_entropy)],  log pi held constant (CleanRL's form, which
-                     reuses these log-probs rather than drawing new ones after the actor's step)
+        temperature: E[-alpha * (log pi(a|s) + target_entropy)],  log pi held constant: CleanRL's loss on the
+                     actor step's own log-probs (as SB3) instead of a second sample drawn after the actor's step,
+                     so one forward pass serves both and their gradients travel in one all_reduce
         """
         action, log_prob = self.actor.sample(obs)
         q1, q2 = self.critic(self.actor.features(obs), action)
