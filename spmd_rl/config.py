@@ -97,7 +97,8 @@ class BufferSection:
     capacity: int = knob(1_000_000, "replay capacity in transitions per trainer shard", min=1)
     backend: str = knob("memory", "replay storage: memory, or hdf5 (bounded memory, survives restarts)",
                         choices=["memory", "hdf5"])
-    chunk_rows: int = knob(1024, "HDF5 rows per chunk: appends are batched to whole chunks", min=1)
+    chunk_rows: int = knob(0, "HDF5 rows per chunk (appends are batched to whole chunks); 0 = automatic: ~1 MiB "
+                              "of rows, or the existing file's", min=0)
     compression: str = knob("none", "HDF5 compression (fast codecs only)", choices=["none", "lzf"])
     log_experience: bool = knob(False, "append every collected rollout to <run dir>/buffer/experience_rank<R>.h5")
 
