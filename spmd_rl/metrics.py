@@ -71,12 +71,19 @@ class MetricsLogger:
         self.last_record = record
         return record
 
-    @staticmethod
-    def line(record: dict) -> str:
-        return (f"iter {record['iteration'] + 1:>5}  steps {record['env_steps']:>9}  "
+    # The losses worth a glance, per algorithm, in the compact line (all of them are in metrics.jsonl).
+    GLANCE = (("approx_kl", "kl", ".4f"), ("clip_fraction", "clip", ".3f"), ("qf_loss", "qf", ".3f"),
+              ("alpha", "alpha", ".3f"))
+
+    @classmethod
+    def line(cls, record: dict) -> str:
+        text = (f"iter {record['iteration'] + 1:>5}  steps {record['env_steps']:>9}  "
                 f"return {record['episode_return_mean']:8.2f}  len {record['episode_length_mean']:7.1f}  "
-                f"sps {record['sps']:8.0f}  kl {record.get('approx_kl', float('nan')):.4f}  "
-                f"clip {record.get('clip_fraction', float('nan')):.3f}")
+                f"sps {record['sps']:8.0f}")
+        for key, label, spec in cls.GLANCE:
+            if key in record:
+                text += f"  {label} {record[key]:{spec}}"
+        return text
 
     def _print(self, text: str) -> None:
         if self.bar.disable:

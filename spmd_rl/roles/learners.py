@@ -73,7 +73,11 @@ class SACLearner:
         self.updates_owed = 0.0             # fractional updates carry over, so the long-run ratio is exact
 
     def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
-        self.replay.shard.add(transitions_of(segment))
+        transitions = transitions_of(segment)
+        self.replay.shard.add(transitions)
+        # Observation statistics (actor buffers, broadcast with its weights) follow the data as it arrives.
+        self.sac.actor.obs_normalizer.update(transitions["obs"].to(self.device), group=self.sac.group,
+                                             timeout=self.sac.timeout)
         if (iteration + 1) * self.steps_per_iteration < self.learning_starts:
             return {}
         self.updates_owed += self.updates_per_iteration
