@@ -1,0 +1,49 @@
+"""SAC on Pendulum-v1: env steps until the mean of the last 20 episode returns reaches -200, and the final mean.
+
+    python benchmarks/learning_sac.py [--seeds 3] [--layouts one,split4]
+
+Runs configs/sac_pendulum.yaml (20k env steps) as a user would. split4: 1 trainer, 1 inference and 2 env ranks
+(one Pendulum each: the same total env steps, twice the envs).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import machine, run_spmd, table
+
+TARGET = -200.0
+CONFIG = "configs/sac_pendulum.yaml"
+LAYOUTS = {
+    "one": (0, []),
+    "split4": (4, ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--layouts", default="one,split4")
+    args = parser.parse_args()
+    print(f"machine: {machine()}")
+    rows = []
+    for layout in args.layouts.split(","):
+        nproc, overrides = LAYOUTS[layout]
+        reached, finals, walls = [], [], []
+        for seed in range(1, args.seeds + 1):
+            records = run_spmd(overrides + [f"train.seed={seed}"], nproc=nproc, config=CONFIG)
+            hit = next((r for r in records if r["episode_return_mean"] is not None
+                        and r["episode_return_mean"] >= TARGET and r["episodes"] >= 20), None)
+            reached.append(hit["env_steps"] if hit else None)
+            finals.append(records[-1]["episode_return_mean"])
+            walls.append(records[-1]["wall_s"])
+            print(f"{layout} seed {seed}: reached {reached[-1]}, final {finals[-1]:.1f}", flush=True)
+        ok = sum(1 for f in finals if f >= TARGET)
+        rows.append([layout, f"{ok}/{len(finals)}", " ".join(str(r) if r else "-" for r in reached),
+                     " ".join(f"{f:.0f}" for f in finals), f"{sum(walls) / len(walls):.0f}"])
+    print(table(["layout", "final >= -200", "env steps to reach -200 (per seed)", "final mean of last 20",
+                 "mean wall s"], rows))
+
+
+if __name__ == "__main__":
+    main()
