@@ -1,6 +1,7 @@
 """Role pieces that need no other rank: the env worker's rollout bookkeeping and the segment -> transitions view."""
 
 import gymnasium as gym
+import pytest
 import torch
 
 from spmd_rl.comm.channel import local_channel
@@ -9,6 +10,7 @@ from spmd_rl.envs import EnvSpec, make_vector_env
 from spmd_rl.roles.env_worker import EnvWorker
 from spmd_rl.roles.learners import transitions_of
 from spmd_rl.roles.messages import action_message, observation_message, segment_message
+from spmd_rl.roles.trainer import StalePolicyError, Trainer
 
 
 def _segment_with(obs, valid, terminated, next_obs):
@@ -60,3 +62,15 @@ def test_env_worker_marks_the_step_after_an_episode_end_invalid():
     assert torch.equal(rollout["episode_done"], done)
     assert (rollout["episode_length"][done] > 0).all()
     worker.close()
+
+
+def test_trainer_rejects_a_segment_acted_on_with_stale_weights():
+    spec = EnvSpec("x", gym.spaces.Box(-1, 1, (3,)), gym.spaces.Discrete(2))
+    segment_out, segment_in = local_channel("segments", segment_message(spec, 4, 2))
+    segment_out.buffer["policy_version"].fill_(4)
+    segment_out.buffer["policy_version"][2] = 3  # one step acted with the previous weights
+    segment_out.send()
+    trainer = Trainer(learner=None, segment_channels=[segment_in], segment_sources=["rank 5 (env 1)"],
+                      episode_slots=8, group=None)
+    with pytest.raises(StalePolicyError, match=r"rank 5 \(env 1\) used policy versions \[3, 4\], expected only 4"):
+        trainer.receive_segments(expected_version=4)
