@@ -32,6 +32,7 @@ class MetricsLogger:
         self.recent_lengths = collections.deque(maxlen=RETURN_WINDOW)
         self.episodes = 0
         self.start = time.perf_counter()
+        self.start_cpu = time.process_time()
         self.last_line = -math.inf
         self.last_record: dict = {}
 
@@ -56,6 +57,7 @@ class MetricsLogger:
             "time_transfer_s": max(statistics["action_wait_s"] / env_ranks - inference_s, 0.0),
             **trainer_times,
             "wall_s": elapsed,
+            "cpu_s": time.process_time() - self.start_cpu,  # this rank's CPU time: robust to a busy machine
         }
         # JSON has no NaN: an iteration before the first finished episode has no return yet.
         self.jsonl.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}) + "\n")
