@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = probe_env(cfg.env)
         engine.make_policy(cfg, spec)  # spaces the algorithm cannot handle fail here, before any group exists
     except UserError as exc:
-        return _fail_user(exc, launch.rank if launch else None)
+        # Every rank reaches the same verdict from the same input: rank 0 says it for all.
+        if launch is None or launch.rank == 0:
+            print(f"spmd_rl: error: {exc}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
 
     torch.set_num_threads(cfg.train.torch_threads)
     runtime = None
@@ -71,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         groups = create_process_groups(topology, runtime.rank, runtime.timeout)
         engine.run(cfg, plan, runtime, topology, groups, spec, run_dir)
-    except UserError as exc:
-        exit_code = _fail_user(exc, launch.rank)
+    except UserError as exc:  # found while running (a rank's files, a config that differs): say which rank
+        print(f"spmd_rl: rank {launch.rank}: error: {exc}", file=sys.stderr, flush=True)
+        exit_code = USER_ERROR_EXIT_CODE
     except CommError as exc:
         print(f"spmd_rl: rank {launch.rank}: communication error: {exc}", file=sys.stderr, flush=True)
         exit_code = COMM_ERROR_EXIT_CODE
@@ -86,13 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutdown_runtime(runtime, exit_code)
     return exit_code
-
-
-def _fail_user(exc: UserError, rank: int | None) -> int:
-    # Every rank reaches the same verdict from the same input; only one needs to say it.
-    if not rank:
-        print(f"spmd_rl: error: {exc}", file=sys.stderr, flush=True)
-    return USER_ERROR_EXIT_CODE
 
 
 def _layout_name(topology) -> str:
