@@ -117,7 +117,9 @@ def make_learner(cfg: Config, plan: Plan, spec: EnvSpec, policy, group, rank: in
         ddp = None
         if group is not None:
             # Gradients are averaged over the trainer group: each trainer's minibatch is a slice of a global one.
-            ddp = DistributedDataParallel(policy, process_group=group, broadcast_buffers=False)
+            # Buffers (normalizer statistics) are merged by their own all-reduce, so DDP need not sync them on
+            # every forward.
+            ddp = DistributedDataParallel(policy, process_group=group, forward_sync_buffers=False)
         ppo = PPO(policy, ddp, cfg.algo, plan.num_iterations, group=group, timeout=timeout)
         return PPOLearner(policy, ppo, group, device)
 
