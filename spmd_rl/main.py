@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"spmd_rl: launcher {launch.launcher}, backend {runtime.backend}, device {runtime.device}; "
                   f"{plan.describe(cfg, launch.world_size, _layout_name(topology))}; run directory {run_dir}",
                   flush=True)
-        groups = create_process_groups(topology, runtime.rank, runtime.timeout)
+        groups = create_process_groups(topology, runtime.timeout)
         engine.run(cfg, plan, runtime, topology, groups, spec, run_dir)
     except UserError as exc:  # found while running (a rank's files, a config that differs): say which rank
         print(f"spmd_rl: rank {launch.rank}: error: {exc}", file=sys.stderr, flush=True)

@@ -115,20 +115,18 @@ def build_topology(layout: LayoutSection, world_size: int) -> Topology:
 
 @dataclass
 class ProcessGroups:
-    """The groups a rank uses. None means 'not a member' (or, for trainer in colocated mode, the world)."""
+    """The groups a rank uses: the trainer group (the world when colocated; None in one process) and the weight
+    group (split layouts only). Roles only use the groups they are members of."""
     trainer: object | None
     weights: object | None
-    trainer_member: bool
-    weights_member: bool
 
 
-def create_process_groups(topology: Topology, rank: int, timeout: datetime.timedelta) -> ProcessGroups:
+def create_process_groups(topology: Topology, timeout: datetime.timedelta) -> ProcessGroups:
     """Every rank creates every group, once, in this order (new_group is collective over the world)."""
-    if not dist.is_initialized() or topology.colocated:
-        return ProcessGroups(trainer=None if not dist.is_initialized() else dist.group.WORLD, weights=None,
-                             trainer_member=True, weights_member=False)
+    if not dist.is_initialized():
+        return ProcessGroups(trainer=None, weights=None)
+    if topology.colocated:
+        return ProcessGroups(trainer=dist.group.WORLD, weights=None)
     trainer = dist.new_group(list(topology.trainer_ranks), timeout=timeout)
     weights = dist.new_group(list(topology.weight_ranks), timeout=timeout)
-    return ProcessGroups(trainer=trainer, weights=weights,
-                         trainer_member=rank in topology.trainer_ranks,
-                         weights_member=rank in topology.weight_ranks)
+    return ProcessGroups(trainer=trainer, weights=weights)
