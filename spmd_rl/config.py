@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -248,6 +249,8 @@ def _check_value(key: str, value: Any, kind, meta) -> Any:
     value = _check_type(key, value, kind)
     if value is None:
         return value
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"config key '{key}' = {value!r} must be a finite number")
     if meta.get("choices") and value not in meta["choices"]:
         near = difflib.get_close_matches(str(value), meta["choices"], n=1)
         hint = f"; did you mean '{near[0]}'?" if near else ""

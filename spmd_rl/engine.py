@@ -66,8 +66,9 @@ class Plan:
                            f"{cfg.algo.num_minibatches} minibatch(es) of {per_trainer // cfg.algo.num_minibatches} "
                            f"per trainer, {cfg.algo.update_epochs} epochs")
         return text + (f"replay batch {cfg.sac.batch_size} (all trainers), {cfg.sac.updates_per_step:g} updates "
-                       f"per env step after {cfg.sac.learning_starts} random steps, weights broadcast every "
-                       f"{self.sync_every} iteration(s)")
+                       f"per env step after {cfg.sac.learning_starts} random steps" +
+                       (f", weights broadcast every {self.sync_every} iteration(s)" if layout.startswith("split")
+                        else ""))
 
 
 def plan_run(cfg: Config, topology: Topology) -> Plan:
@@ -80,6 +81,15 @@ def plan_run(cfg: Config, topology: Topology) -> Plan:
                         f"({steps_per_iteration} env steps = algo.num_steps x env.num_envs x {env_ranks} env ranks); "
                         f"raise train.total_steps to at least {steps_per_iteration}")
     env_ranks_per_trainer = [len(topology.envs_trained_by(t)) for t in topology.trainer_ranks]
+    if len(set(env_ranks_per_trainer)) > 1:
+        # DDP (and SAC's gradient averaging) weighs every trainer equally: unequal shares would overweight the
+        # samples of the trainers with fewer env ranks.
+        raise UserError(f"layout.env={len(topology.env_ranks)} env ranks cannot be shared equally by "
+                        f"layout.trainer={len(topology.trainer_ranks)} trainers; make layout.env a multiple of "
+                        f"layout.trainer")
+    if cfg.algo.name == "sac" and cfg.sac.batch_size % len(topology.trainer_ranks):
+        raise UserError(f"sac.batch_size={cfg.sac.batch_size} must be a multiple of the {len(topology.trainer_ranks)} "
+                        f"trainer ranks (each samples an equal share of every batch)")
     fewest_samples = min(env_ranks_per_trainer) * cfg.env.num_envs * cfg.algo.num_steps
     if cfg.algo.name == "ppo" and fewest_samples < cfg.algo.num_minibatches:
         raise UserError(f"algo.num_minibatches={cfg.algo.num_minibatches} is more than the {fewest_samples} samples "
@@ -177,6 +187,7 @@ def run(cfg: Config, plan: Plan, runtime: Runtime, topology: Topology, groups: P
     if rank == 0:
         logger = MetricsLogger(run_dir, plan.num_iterations * plan.steps_per_iteration, cfg.log.progress,
                                cfg.log.interval_s, cfg.log.tensorboard)
+    finished = False
     try:
         if topology.colocated:
             policy = _run_colocated(cfg, plan, runtime, groups, spec, run_dir, Reporter(plan, logger))
@@ -186,9 +197,10 @@ def run(cfg: Config, plan: Plan, runtime: Runtime, topology: Topology, groups: P
             policy = _run_inference(cfg, plan, runtime, topology, groups, spec)
         else:
             policy = _run_trainer(cfg, plan, runtime, topology, groups, spec, run_dir, Reporter(plan, logger))
+        finished = True
     finally:
         if logger is not None:
-            logger.close()
+            logger.close(summary=finished)
     if rank == 0:
         # Clones: with a weight sync, tensors of several dtypes are views of one byte bucket, which torch.save
         # refuses; the file should hold plain tensors anyway.
@@ -208,7 +220,7 @@ def _run_colocated(cfg, plan: Plan, runtime, groups, spec, run_dir, report) -> t
     group = groups.trainer if runtime.world_size > 1 else None
     policy = make_policy(cfg, spec, device)
     learner = make_learner(cfg, plan, spec, policy, group, rank, run_dir, device)
-    envs, first_obs = make_vector_env(cfg.env, _seed_rank(cfg, rank))
+    envs, first_obs = make_vector_env(cfg.env, spec, _seed_rank(cfg, rank))
     n, t = cfg.env.num_envs, cfg.algo.num_steps
     obs_out, obs_in = local_channel("observations", observation_message(spec, n))
     actions_out, actions_in = local_channel("actions", action_message(spec, n))
@@ -238,7 +250,7 @@ def _run_env(cfg, plan: Plan, runtime, topology: Topology, spec) -> None:
     rank = runtime.rank
     inference, trainer = topology.env_to_inference[rank], topology.env_to_trainer[rank]
     n, t = cfg.env.num_envs, cfg.algo.num_steps
-    envs, first_obs = make_vector_env(cfg.env, _seed_rank(cfg, rank))
+    envs, first_obs = make_vector_env(cfg.env, spec, _seed_rank(cfg, rank))
     (to_inference, to_trainer), (from_inference,) = open_channels(
         me=rank,
         sends=[(inference, "observations", observation_message(spec, n)),

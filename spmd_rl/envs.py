@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 
 import gymnasium as gym
@@ -24,13 +25,18 @@ class EnvSpec:
     id: str
     observation_space: gym.Space
     action_space: gym.Space
+    vectorization: str = "sync"   # the resolved env.vectorization
 
 
 def probe_env(cfg: EnvSection) -> EnvSpec:
     """Make one env to learn its spaces; a missing id or a failing import is a UserError naming the env."""
     _import_path_for_user_envs()
     try:
-        env = gym.make(cfg.id, **cfg.kwargs)
+        # gymnasium's own warnings appear again when the envs are built; here they would only bury our verdict.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            env = gym.make(cfg.id, **cfg.kwargs)
+        registered = gym.spec(_registered_id(cfg.id))  # also rejects ids gym.make only warns about (no version)
     except gym.error.Error as exc:
         raise UserError(f"env.id '{cfg.id}' cannot be made: {exc}") from None
     except ImportError as exc:
@@ -38,19 +44,23 @@ def probe_env(cfg: EnvSection) -> EnvSpec:
     except TypeError as exc:
         raise UserError(f"env.id '{cfg.id}' rejected env.kwargs {cfg.kwargs}: {exc}") from None
     try:
-        return EnvSpec(cfg.id, env.observation_space, env.action_space)
+        mode = cfg.vectorization
+        if mode == "auto":
+            mode = "vector_entry_point" if registered.vector_entry_point else "sync"
+        elif mode == "vector_entry_point" and not registered.vector_entry_point:
+            raise UserError(f"env.vectorization=vector_entry_point: env.id '{cfg.id}' has no vectorized "
+                            f"implementation; use env.vectorization=auto, sync or async")
+        return EnvSpec(cfg.id, env.observation_space, env.action_space, mode)
     finally:
         env.close()
 
 
-def make_vector_env(cfg: EnvSection, seed: int) -> tuple[gym.vector.VectorEnv, int]:
+def make_vector_env(cfg: EnvSection, spec: EnvSpec, seed: int) -> tuple[gym.vector.VectorEnv, int]:
     """This rank's envs with episode statistics (and action clipping / reward scaling where asked).
 
     Returns the vector env and its first observation batch.
     """
-    mode = cfg.vectorization
-    if mode == "auto":
-        mode = "vector_entry_point" if gym.spec(_registered_id(cfg.id)).vector_entry_point else "sync"
+    mode = spec.vectorization
     try:
         envs = gym.make_vec(cfg.id, num_envs=cfg.num_envs, vectorization_mode=mode, **cfg.kwargs)
     except gym.error.Error as exc:

@@ -48,19 +48,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    launch = None
+    # Everything a user can get wrong, checked before any process group exists. The config and the layout are
+    # the same on every rank, so rank 0 speaks for all; the launch variables and the env (its packages, its
+    # files) belong to a host, so every rank that fails says so itself.
     try:
         cfg = load_config(args.config, args.overrides)
         launch = detect_launch()
+    except UserError as exc:
+        return _user_error(exc, speaker=True)
+    try:
         topology = build_topology(cfg.layout, launch.world_size)
         plan = engine.plan_run(cfg, topology)
-        spec = probe_env(cfg.env)
-        engine.make_policy(cfg, spec)  # spaces the algorithm cannot handle fail here, before any group exists
     except UserError as exc:
-        # Every rank reaches the same verdict from the same input: rank 0 says it for all.
-        if launch is None or launch.rank == 0:
-            print(f"spmd_rl: error: {exc}", file=sys.stderr, flush=True)
-        return USER_ERROR_EXIT_CODE
+        return _user_error(exc, speaker=launch.rank == 0)
+    try:
+        spec = probe_env(cfg.env)
+        engine.make_policy(cfg, spec)  # spaces the algorithm cannot handle fail here
+    except UserError as exc:
+        return _user_error(exc, speaker=True, rank=launch.rank if launch.world_size > 1 else None)
 
     torch.set_num_threads(cfg.train.torch_threads)
     runtime = None
@@ -75,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         groups = create_process_groups(topology, runtime.timeout)
         engine.run(cfg, plan, runtime, topology, groups, spec, run_dir)
     except UserError as exc:  # found while running (a rank's files, a config that differs): say which rank
-        print(f"spmd_rl: rank {launch.rank}: error: {exc}", file=sys.stderr, flush=True)
-        exit_code = USER_ERROR_EXIT_CODE
+        exit_code = _user_error(exc, speaker=True, rank=launch.rank)
     except CommError as exc:
         print(f"spmd_rl: rank {launch.rank}: communication error: {exc}", file=sys.stderr, flush=True)
         exit_code = COMM_ERROR_EXIT_CODE
@@ -90,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutdown_runtime(runtime, exit_code)
     return exit_code
+
+
+def _user_error(exc: UserError, speaker: bool, rank: int | None = None) -> int:
+    if speaker:
+        where = f"rank {rank}: " if rank is not None else ""
+        print(f"spmd_rl: {where}error: {exc}", file=sys.stderr, flush=True)
+    return USER_ERROR_EXIT_CODE
 
 
 def _layout_name(topology) -> str:

@@ -93,18 +93,18 @@ class MetricsLogger:
         else:
             self.bar.write(text)
 
-    def close(self) -> str:
+    def close(self, summary: bool) -> None:
+        """Close the files; print the final summary line when the run finished (not after a failure)."""
         self.bar.close()
         record = self.last_record
-        summary = (f"done: {record.get('env_steps', 0)} env steps in {record.get('wall_s', 0.0):.1f}s "
-                   f"({record.get('sps', 0.0):.0f} steps/s), {self.episodes} episodes, mean return of the last "
-                   f"{RETURN_WINDOW} episodes {record.get('episode_return_mean', float('nan')):.2f}; "
-                   f"run directory {self.run_dir}")
-        print(summary, flush=True)
+        if summary:
+            print(f"done: {record.get('env_steps', 0)} env steps in {record.get('wall_s', 0.0):.1f}s "
+                  f"({record.get('sps', 0.0):.0f} steps/s), {self.episodes} episodes, mean return of the last "
+                  f"{RETURN_WINDOW} episodes {record.get('episode_return_mean', float('nan')):.2f}; "
+                  f"run directory {self.run_dir}", flush=True)
         if self.writer is not None:
             self.writer.close()
         self.jsonl.close()
-        return summary
 
 
 def _finite_or_none(value):

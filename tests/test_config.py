@@ -89,6 +89,9 @@ def _main(*args, cwd=ROOT):
     (["env.id=Blackjack-v1"], "observation space"),
     (["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=1"], "world size is 1"),
     (["train.total_steps=10"], "less than one iteration"),
+    (["env.id=CartPole"], "env.id 'CartPole' cannot be made"),
+    (["env.id=Pendulum-v1", "env.vectorization=vector_entry_point"], "has no vectorized implementation"),
+    (["dist.timeout_s=.inf"], "'dist.timeout_s' = inf must be a finite number"),
 ])
 def test_command_line_user_errors_exit_2_with_one_line(args, message):
     result = _main(*args, "log.progress=false")
@@ -103,3 +106,18 @@ def test_help_documents_the_sections():
     assert result.returncode == 0
     for key in ("train.total_steps", "layout.mode", "dist.timeout_s", "weights.verify_every", "env.num_envs"):
         assert key in result.stdout
+
+
+def test_plan_rejects_unequal_trainer_shares_and_indivisible_sac_batches():
+    from spmd_rl.engine import plan_run
+    from spmd_rl.topology import build_topology
+
+    split = ["layout.mode=split", "layout.trainer=2", "layout.inference=1"]
+    cfg = load_config(None, split + ["layout.env=3"])
+    with pytest.raises(UserError, match="layout.env=3 env ranks cannot be shared equally by layout.trainer=2"):
+        plan_run(cfg, build_topology(cfg.layout, 6))
+    cfg = load_config(None, split + ["layout.env=4", "algo.name=sac", "sac.batch_size=255"])
+    with pytest.raises(UserError, match="sac.batch_size=255 must be a multiple of the 2 trainer ranks"):
+        plan_run(cfg, build_topology(cfg.layout, 7))
+    cfg = load_config(None, split + ["layout.env=4"])
+    assert plan_run(cfg, build_topology(cfg.layout, 7)).num_iterations > 0

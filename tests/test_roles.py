@@ -6,7 +6,7 @@ import torch
 
 from spmd_rl.comm.channel import local_channel
 from spmd_rl.config import EnvSection
-from spmd_rl.envs import EnvSpec, make_vector_env
+from spmd_rl.envs import EnvSpec, make_vector_env, probe_env
 from spmd_rl.roles.env_worker import EnvWorker
 from spmd_rl.roles.learners import transitions_of
 from spmd_rl.roles.messages import action_message, observation_message, segment_message
@@ -39,8 +39,8 @@ def test_transitions_skip_reset_steps_and_take_the_final_observation():
 
 def test_env_worker_marks_the_step_after_an_episode_end_invalid():
     cfg = EnvSection(id="CartPole-v1", num_envs=3)
-    envs, first_obs = make_vector_env(cfg, seed=0)
-    spec = EnvSpec("CartPole-v1", envs.single_observation_space, envs.single_action_space)
+    spec = probe_env(cfg)
+    envs, first_obs = make_vector_env(cfg, spec, seed=0)
     steps = 60
     obs_out, obs_in = local_channel("observations", observation_message(spec, 3))
     actions_out, actions_in = local_channel("actions", action_message(spec, 3))

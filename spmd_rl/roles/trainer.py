@@ -61,9 +61,7 @@ class Trainer:
                                        env_step=iteration * rollout.numel())
         try:
             metrics = self.learner.learn(segment, iteration)
-        except RuntimeError as exc:
-            if isinstance(exc, CommError) or self.group is None:
-                raise
+        except dist.DistError as exc:  # DDP's all-reduce failed (bounded waits raise CommError themselves)
             raise CommError(f"{self.describe}: a collective in the trainer group (gradient or statistics "
                             f"all-reduce) failed: {str(exc).splitlines()[0]}") from exc
         self.learn_s = time.perf_counter() - clock
@@ -128,6 +126,7 @@ def run_trainer_rank(trainer: Trainer, schedule, verify_every: int, report) -> N
     metrics logger inside it writes on the first trainer only."""
     trainer.publish_weights(0, verify=False)  # inference ranks start from trainer rank 0's initial weights
     for iteration in range(schedule.num_iterations):
+        trainer.weight_sync_s = 0.0
         segment = trainer.receive_segments(expected_version=schedule.version_at(iteration))
         metrics = trainer.learn(segment, iteration)
         if schedule.syncs_after(iteration):
