@@ -103,6 +103,11 @@ class BufferSection:
     compression: str = knob("none", "HDF5 compression (fast codecs only)", choices=["none", "lzf"])
     log_experience: bool = knob(False, "append every collected rollout to <run dir>/buffer/experience_rank<R>.h5")
 
+    @property
+    def h5_compression(self) -> str | None:
+        """The compression argument for h5py (None for "none")."""
+        return None if self.compression == "none" else self.compression
+
 
 @dataclass
 class TrainSection:

@@ -141,7 +141,7 @@ def make_learner(cfg: Config, plan: Plan, spec: EnvSpec, policy, group, rank: in
     example = transitions_of(segment_message(spec, cfg.algo.num_steps, 1))
     shard = ReplayBuffer(cfg.buffer.capacity, example, backend=cfg.buffer.backend,
                          path=run_dir / "buffer" / f"replay_rank{rank}.h5", chunk_rows=cfg.buffer.chunk_rows,
-                         compression=None if cfg.buffer.compression == "none" else cfg.buffer.compression)
+                         compression=cfg.buffer.h5_compression)
     replay = ShardedReplay(shard, group, timeout, seed=cfg.train.seed) if group is not None else LocalReplay(shard)
     return SACLearner(sac, replay, cfg.sac.batch_size, cfg.sac.updates_per_step, cfg.sac.learning_starts,
                       plan.steps_per_iteration, device)
@@ -163,7 +163,7 @@ def make_experience_log(cfg: Config, spec: EnvSpec, rank: int, run_dir: Path):
     from spmd_rl.storage.hdf5 import ExperienceLog
     example = segment_message(spec, cfg.algo.num_steps, cfg.env.num_envs)["rollout"]
     return ExperienceLog(run_dir, rank, example, chunk_rows=cfg.buffer.chunk_rows,
-                         compression=None if cfg.buffer.compression == "none" else cfg.buffer.compression)
+                         compression=cfg.buffer.h5_compression)
 
 
 class Reporter:
