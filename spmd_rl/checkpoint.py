@@ -7,8 +7,8 @@ Layout:
     checkpoints/latest                                  the name of the newest complete directory
 
 A directory without COMPLETE is a save that was interrupted; it is never loaded and is removed at the next commit.
-Each file is written under a temporary name, fsynced, renamed into place, and its directory fsynced, so a file
-either has its final name and all its bytes, or does not exist.
+Each file is written under a temporary name, fsynced, renamed into place, and its directory fsynced (fileio), so a
+file either has its final name and all its bytes, or does not exist; a full disk is a UserError naming the file.
 
 States hold only what weights_only loading accepts: tensors, numbers, strings, None, lists, tuples and dicts.
 capture_rng_state / restore_rng_state encode every random generator a rank draws from in those terms.
@@ -17,7 +17,6 @@ capture_rng_state / restore_rng_state encode every random generator a rank draws
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from spmd_rl.errors import UserError
+from spmd_rl.fileio import make_dirs, torch_save_atomic, write_atomic
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST = "latest"
@@ -47,16 +47,8 @@ class CheckpointStore:
 
     def save(self, state: dict, iteration: int, rank: int) -> Path:
         """Write this rank's state for `iteration`; returns the file. Not loadable until commit(iteration)."""
-        directory = self.directory(iteration)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / _rank_file(rank)
-        tmp = directory / f".{path.name}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(directory)
+        path = make_dirs(self.directory(iteration)) / _rank_file(rank)
+        torch_save_atomic(state, path)
         return path
 
     def commit(self, iteration: int, world_size: int | None = None) -> Path:
@@ -70,9 +62,8 @@ class CheckpointStore:
             if missing:
                 raise RuntimeError(f"checkpoint {directory}: commit before every rank saved; missing {missing}")
         marker = {"iteration": iteration, "files": {name: (directory / name).stat().st_size for name in files}}
-        _write_atomically(directory / COMPLETE, json.dumps(marker) + "\n")
-        _fsync_dir(self.root)  # the directory's own entry
-        _write_atomically(self.root / LATEST, directory.name + "\n")
+        write_atomic(directory / COMPLETE, json.dumps(marker) + "\n")
+        write_atomic(self.root / LATEST, directory.name + "\n")  # its directory fsync also makes the new entry durable
         self._prune(iteration)
         return directory
 
@@ -204,21 +195,3 @@ def _marker(directory: Path) -> dict:
 
 def _is_complete(directory: Path) -> bool:
     return "iteration" in _marker(directory)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
