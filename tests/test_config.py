@@ -1,5 +1,6 @@
 """Config loading, overrides and every kind of user error: exit code 2 and one line naming the key or file."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,8 @@ def _main(*args, cwd=ROOT):
     (["env.id=CartPole"], "env.id 'CartPole' cannot be made"),
     (["env.id=Pendulum-v1", "env.vectorization=vector_entry_point"], "has no vectorized implementation"),
     (["dist.timeout_s=.inf"], "'dist.timeout_s' = inf must be a finite number"),
+    (["dist.timeout_s=1e300"], "'dist.timeout_s' = 1e+300 is out of range"),
+    (["train.seed=1", "train.seed=2"], "config key 'train.seed' is set twice on the command line"),
 ])
 def test_command_line_user_errors_exit_2_with_one_line(args, message):
     result = _main(*args, "log.progress=false")
@@ -121,3 +124,130 @@ def test_plan_rejects_unequal_trainer_shares_and_indivisible_sac_batches():
         plan_run(cfg, build_topology(cfg.layout, 7))
     cfg = load_config(None, split + ["layout.env=4"])
     assert plan_run(cfg, build_topology(cfg.layout, 7)).num_iterations > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input that used to slip through (issue 11): empty files, repeated keys, integers written as 1e4, widths and
+# absurd sizes.
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n# and another\n", "---\n"])
+def test_an_empty_config_file_is_an_error(tmp_path, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match=r"config file .*empty.yaml is empty"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train:\n  seed: 1\n  total_steps: 5000\n  seed: 2\n", r"gives key 'train.seed' twice \(lines 2 and 4\)"),
+    ("train:\n  seed: 1\nlog:\n  progress: false\ntrain:\n  seed: 2\n", r"gives key 'train' twice \(lines 1 and 5\)"),
+    ("env:\n  kwargs: {a: 1, b: 2, a: 3}\n", r"gives key 'env.kwargs.a' twice \(lines 2 and 2\)"),
+])
+def test_a_key_twice_in_a_file_names_the_key_the_file_and_the_lines(tmp_path, text, message):
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match=rf"config file .*twice.yaml {message}; keep one"):
+        load_config(path)
+
+
+def test_a_yaml_merge_may_override_the_keys_it_brings(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("env:\n  kwargs: {<<: {max_episode_steps: 10, b: 1}, max_episode_steps: 20}\n")
+    assert load_config(path).env.kwargs == {"max_episode_steps": 20, "b": 1}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.seed=1", "train.seed=2"], r"'train.seed' is set twice on the command line \('train.seed=1' and "
+                                       r"'train.seed=2'\)"),
+    (["env.kwargs={a: 1}", "train.seed=3", "env.kwargs.a=2"], "'env.kwargs' is set twice"),
+    (["train={seed: 1}", "train.seed=2"], "'train' is set twice"),
+    (["env.kwargs={a: 1, a: 2}"], r"override 'env.kwargs=\{a: 1, a: 2\}' gives key 'a' twice"),
+])
+def test_a_key_twice_on_the_command_line_is_an_error(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, overrides)
+
+
+def test_keys_that_only_share_letters_are_not_repeats():
+    with pytest.raises(UserError, match="unknown config key 'train.seeds'"):
+        load_config(None, ["train.seed=1", "train.seeds=2"])
+
+
+@pytest.mark.parametrize("text, value", [("1e4", 10_000), ("1.0e6", 1_000_000), ("1.0e+6", 1_000_000),
+                                         ("2E5", 200_000), ("'5000'", 5000)])
+def test_integer_keys_accept_whole_numbers_in_exponent_notation(text, value):
+    total_steps = load_config(None, [f"train.total_steps={text}"]).train.total_steps
+    assert total_steps == value and type(total_steps) is int
+
+
+@pytest.mark.parametrize("text", ["1.5", "1e4.5", "1.5e0", ".inf", ".nan", "1e", "true"])
+def test_integer_keys_reject_what_is_not_a_whole_number(text):
+    with pytest.raises(UserError, match="'train.seed' must be int"):
+        load_config(None, [f"train.seed={text}"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("dist.timeout_s=1e300", "'dist.timeout_s' = 1e+300 is out of range; it must be <= 604800.0"),
+    ("train.total_steps=1e30", "'train.total_steps' = 1000000000000000019884624838656 is out of range; it must be "
+                               "<= 1000000000000"),
+    ("buffer.capacity=1e12", "'buffer.capacity' = 1000000000000 is out of range; it must be <= 1000000000"),
+    ("train.seed=1e20", "'train.seed' = 100000000000000000000 is out of range"),
+])
+def test_absurd_sizes_and_times_are_out_of_range(override, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_config(None, [override])
+
+
+def test_list_items_are_range_checked_by_item_min():
+    from spmd_rl.config import _check_value, knob
+
+    widths = knob(None, "hidden layer widths", item_min=1, factory=list).metadata
+    assert _check_value("policy.hidden_sizes", [64, 64], list[int], widths) == [64, 64]
+    assert _check_value("policy.hidden_sizes", [], list[int], widths) == []
+    for value, bad in (([0], r"\[0\]' = 0"), ([64, -3], r"\[1\]' = -3")):
+        with pytest.raises(UserError, match=rf"'policy.hidden_sizes{bad} is out of range; it must be >= 1"):
+            _check_value("policy.hidden_sizes", value, list[int], widths)
+
+
+def test_check_memory_names_the_key_when_a_plan_cannot_fit():
+    from spmd_rl.limits import available_memory, check_memory
+
+    assert available_memory() > 2**20
+    check_memory(2**20, "the replay buffer of rank 0", "buffer.capacity")
+    with pytest.raises(UserError, match=r"the replay buffer of rank 0 needs 931322574.6 GiB of memory but this "
+                                        r"host has .* available; lower buffer.capacity"):
+        check_memory(10**18, "the replay buffer of rank 0", "buffer.capacity")
+
+
+@pytest.mark.parametrize("env, rank", [
+    ({}, None), ({"RANK": "0"}, 0), ({"RANK": "3", "SLURM_PROCID": "0"}, 3),
+    ({"OMPI_COMM_WORLD_RANK": "2", "SLURM_PROCID": "0"}, 2), ({"PMIX_RANK": "5"}, 5), ({"PMI_RANK": "1"}, 1),
+    ({"SLURM_PROCID": "4"}, 4), ({"RANK": "x"}, None),
+])
+def test_the_rank_a_launcher_announced_is_read_without_starting_anything(env, rank):
+    from spmd_rl.launch import rank_from_env
+
+    assert rank_from_env(env) == rank
+
+
+def test_file_errors_exit_2_with_one_line_naming_the_file(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("dist:\n  timeout_s: 10\n  timeout_s: 20\n")
+    for path, message in ((empty, "empty.yaml is empty"), (twice, "twice.yaml gives key 'dist.timeout_s' twice")):
+        result = _main("--config", str(path))
+        assert result.returncode == 2, result.stderr
+        assert message in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_under_torchrun_a_config_error_is_printed_once():
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "-m", "spmd_rl.main", "train.totl_steps=5"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0  # torchrun reports 1 for any failed worker
+    ours = [line for line in result.stderr.splitlines() if line.startswith("spmd_rl:")]
+    assert len(ours) == 1, result.stderr
+    assert "unknown config key 'train.totl_steps'" in ours[0]
