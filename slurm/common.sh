@@ -13,11 +13,11 @@ parse_run_args() {
     fi
     CONFIG=$1
     shift
-    OVERRIDES=("$@")
+    OVERRIDES=()
     RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}}
     local arg
-    for arg in "${OVERRIDES[@]}"; do
-        [[ $arg == run.dir=* ]] && RUN_DIR=${arg#run.dir=}
+    for arg in "$@"; do  # run.dir= is passed once, as RUN_DIR (a key given twice is an error)
+        if [[ $arg == run.dir=* ]]; then RUN_DIR=${arg#run.dir=}; else OVERRIDES+=("$arg"); fi
     done
     return 0
 }

@@ -22,9 +22,9 @@ import yaml
 from spmd_rl.errors import UserError
 
 
-def knob(default, help: str, *, min=None, max=None, choices=None, factory=None):
-    """A config field with its help text and its allowed values."""
-    meta = {"help": help, "min": min, "max": max, "choices": choices}
+def knob(default, help: str, *, min=None, max=None, choices=None, item_min=None, item_max=None, factory=None):
+    """A config field with its help text and its allowed values (item_min/item_max: bounds on a list's items)."""
+    meta = {"help": help, "min": min, "max": max, "choices": choices, "item_min": item_min, "item_max": item_max}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -48,60 +48,28 @@ class EnvSection:
 
 
 @dataclass
-class ModelSection:
-    hidden_sizes: list[int] = knob(None, "hidden layer widths of the actor and the critic MLPs",
-                                   factory=lambda: [64, 64])
-    activation: str = knob("tanh", "hidden activation", choices=["tanh", "relu", "elu"])
-    normalize_obs: bool = knob(False, "running observation normalization (model state, merged across trainers)")
-    log_std_init: float = knob(0.0, "initial log std of the Gaussian policy (continuous actions)")
+class AlgorithmConfig:
+    """The keys every algorithm has: its own Config subclasses this (spmd_rl.api re-exports it)."""
+    num_steps: int = knob(32, "steps per environment in one rollout (one iteration)", min=1)
 
 
 @dataclass
-class AlgoSection:
-    """The algorithm, and PPO's hyperparameters (SAC's are in the sac section)."""
-    name: str = knob("ppo", "algorithm: ppo (on-policy) or sac (off-policy, replay buffer)", choices=["ppo", "sac"])
-    num_steps: int = knob(32, "steps per environment in one rollout (one iteration); sac: per segment", min=1)
-    learning_rate: float = knob(1e-3, "Adam learning rate", min=0.0)
-    anneal_lr: bool = knob(True, "anneal the learning rate linearly to 0 over the run")
-    gamma: float = knob(0.98, "discount factor", min=0.0, max=1.0)
-    gae_lambda: float = knob(0.8, "GAE lambda", min=0.0, max=1.0)
-    num_minibatches: int = knob(1, "minibatches per epoch (each trainer splits its share of the batch)", min=1)
-    update_epochs: int = knob(20, "passes over the rollout per iteration", min=1)
-    clip_coef: float = knob(0.2, "PPO clipping coefficient", min=0.0)
-    anneal_clip: bool = knob(True, "anneal the clipping coefficient linearly to 0 over the run")
-    clip_value_loss: bool = knob(False, "clip the value loss around the old values")
-    ent_coef: float = knob(0.0, "entropy bonus coefficient", min=0.0)
-    vf_coef: float = knob(0.5, "value loss coefficient", min=0.0)
-    max_grad_norm: float = knob(0.5, "gradient norm clipping", min=0.0)
-    normalize_advantages: bool = knob(True, "normalize advantages per minibatch")
-    target_kl: float | None = knob(None, "stop the epochs early when approx_kl exceeds this (null = never)", min=0.0)
-
-
-@dataclass
-class SACSection:
-    gamma: float = knob(0.99, "discount factor", min=0.0, max=1.0)
-    tau: float = knob(0.005, "Polyak averaging rate of the target critics", min=0.0, max=1.0)
-    batch_size: int = knob(256, "sampled transitions per gradient step, all trainers together", min=1)
-    learning_starts: int = knob(5000, "env steps (all env ranks) of uniform random actions before learning", min=0)
-    updates_per_step: float = knob(1.0, "gradient steps per env step (all env ranks together)", min=0.0)
-    policy_lr: float = knob(3e-4, "actor (and entropy temperature) learning rate", min=0.0)
-    q_lr: float = knob(1e-3, "critic learning rate", min=0.0)
-    policy_frequency: int = knob(2, "update the actor every N critic updates (N times, TD3-style delay)", min=1)
-    target_network_frequency: int = knob(1, "Polyak-update the target critics every N critic updates", min=1)
-    alpha: float = knob(0.2, "entropy temperature (initial value when autotune)", min=0.0)
-    autotune: bool = knob(True, "tune the temperature towards the target entropy -|A|")
-    weight_sync_every: int = knob(1, "iterations between weight broadcasts to the inference ranks", min=1)
+class NoConfig:
+    """The config of a plug-in class that has no keys of its own."""
 
 
 @dataclass
 class BufferSection:
-    capacity: int = knob(1_000_000, "replay capacity in transitions per trainer shard", min=1)
+    capacity: int = knob(1_000_000, "replay capacity in transitions per trainer shard", min=1, max=10**9)
     backend: str = knob("memory", "replay storage: memory, or hdf5 (bounded memory, survives restarts)",
                         choices=["memory", "hdf5"])
     chunk_rows: int = knob(0, "HDF5 rows per chunk (appends are batched to whole chunks); 0 = automatic: ~1 MiB "
-                              "of rows, or the existing file's", min=0)
+                              "of rows, or the existing file's", min=0, max=2**22)
     compression: str = knob("none", "HDF5 compression (fast codecs only)", choices=["none", "lzf"])
     log_experience: bool = knob(False, "append every collected rollout to <run dir>/buffer/experience_rank<R>.h5")
+    flush_every_s: float = knob(2.0, "HDF5 files (experience log, hdf5 replay): rows staged in memory are written "
+                                     "within this many seconds of being added (what kill -9 can lose); 0 = on every "
+                                     "append", min=0.0)
 
     @property
     def h5_compression(self) -> str | None:
@@ -111,9 +79,10 @@ class BufferSection:
 
 @dataclass
 class TrainSection:
-    total_steps: int = knob(100_000, "budget in env steps, summed over all env ranks", min=1)
-    seed: int = knob(1, "seeds torch, numpy and the environments (each rank offsets it by its rank)", min=0)
-    torch_threads: int = knob(1, "torch intra-op threads per rank", min=1)
+    total_steps: int = knob(100_000, "budget in env steps, summed over all env ranks", min=1, max=10**12)
+    seed: int = knob(1, "seeds torch, numpy and the environments (each rank offsets it by its rank)", min=0,
+                     max=2**32 - 1)
+    torch_threads: int = knob(1, "torch intra-op threads per rank", min=1, max=1024)
     device: str = knob("auto", "auto: cuda:LOCAL_RANK when CUDA is available, else cpu",
                        choices=["auto", "cpu", "cuda"])
 
@@ -129,7 +98,8 @@ class LayoutSection:
 
 @dataclass
 class DistSection:
-    timeout_s: float = knob(300.0, "bound on every wait between ranks; an expired wait fails the job", min=0.001)
+    timeout_s: float = knob(300.0, "bound on every wait between ranks; an expired wait fails the job", min=0.001,
+                            max=7 * 24 * 3600.0)
 
 
 @dataclass
@@ -146,22 +116,41 @@ class LogSection:
     tensorboard: bool = knob(True, "write TensorBoard event files to the run directory")
 
 
+PLUGIN_SECTIONS = ("algo", "policy", "engine")  # each names a class (`class: module:Class`) and holds its keys
+
+
 @dataclass
 class Config:
     run: RunSection = field(default_factory=RunSection)
     env: EnvSection = field(default_factory=EnvSection)
-    model: ModelSection = field(default_factory=ModelSection)
-    algo: AlgoSection = field(default_factory=AlgoSection)
-    sac: SACSection = field(default_factory=SACSection)
+    # The plug-in sections hold an instance of the named class's own Config dataclass; `classes` records which
+    # class each names (section -> alias or module:Class), and `callbacks` is a list of (class, config) pairs.
+    algo: Any = None
+    policy: Any = None
+    engine: Any = None
+    callbacks: list = field(default_factory=list)
     buffer: BufferSection = field(default_factory=BufferSection)
     train: TrainSection = field(default_factory=TrainSection)
     layout: LayoutSection = field(default_factory=LayoutSection)
     dist: DistSection = field(default_factory=DistSection)
     weights: WeightsSection = field(default_factory=WeightsSection)
     log: LogSection = field(default_factory=LogSection)
+    classes: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The resolved config as plain data: what config.yaml holds and what --config reads back."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "classes":
+                continue
+            if f.name in PLUGIN_SECTIONS:
+                out[f.name] = {"class": self.classes[f.name], **dataclasses.asdict(value)}
+            elif f.name == "callbacks":
+                out[f.name] = [{"class": name, **dataclasses.asdict(config)} for name, config in value]
+            else:
+                out[f.name] = dataclasses.asdict(value)
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -182,23 +171,122 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     `python -m spmd_rl.main` needs no file.
     """
     raw = _read_yaml(Path(path)) if path is not None else {}
+    given: dict[str, str] = {}
     for item in overrides:
         _apply_override(raw, item)
-    return _build(Config, raw, prefix="", source=str(path) if path is not None else "the command line")
+        _reject_repeated_override(given, item)
+    source = str(path) if path is not None else "the command line"
+    for legacy, hint in (("model", "policy"), ("sac", "algo")):
+        if legacy in raw:
+            raise UserError(f"config section '{legacy}' (in {source}) was folded into '{hint}': move its keys under "
+                            f"'{hint}:' (see configs/)")
+    if "classes" in raw:  # bookkeeping of the plug-in sections, not a section of its own
+        raise UserError(f"unknown config key 'classes' (in {source}); name a class with algo.class, policy.class, "
+                        f"engine.class or callbacks")
+    plugin_raw = {name: raw.pop(name) for name in (*PLUGIN_SECTIONS, "callbacks") if name in raw}
+    cfg = _build(Config, raw, prefix="", source=source)
+    _build_plugin_sections(cfg, plugin_raw, source)
+    return cfg
+
+
+def _build_plugin_sections(cfg: Config, raw: dict, source: str) -> None:
+    """algo, policy, engine and callbacks: each names its class, whose own Config dataclass validates the rest.
+
+    The algorithm is resolved first: an absent policy.class means the algorithm's default policy."""
+    from spmd_rl import plugins
+
+    def build(section: str, kind, value, default_class: str, prefix: str):
+        if value is None:
+            value = {}
+        if isinstance(value, str):  # `callbacks: [pkg.mod:Cls]` and `engine: sync` name a class with no keys
+            value = {"class": value}
+        if not isinstance(value, dict):
+            raise UserError(f"config key '{prefix.rstrip('.')}' must be a mapping with a 'class' key and the "
+                            f"class's own keys (in {source}), got {value!r}")
+        value = dict(value)
+        name = value.pop("class", default_class)
+        if not isinstance(name, str) or not name:
+            raise UserError(f"config key '{prefix}class' must name a class (an alias or module:Class), got {name!r}")
+        config_cls = plugins.config_class(kind, name)
+        return name, _build(config_cls, value, prefix, f"{source}; keys of {kind.what} '{name}'")
+
+    algo_raw = raw.get("algo")
+    if isinstance(algo_raw, dict) and "name" in algo_raw and "class" not in algo_raw:
+        raise UserError(f"config key 'algo.name' (in {source}) is now 'algo.class' (ppo, sac or module:Class)")
+    cfg.classes["algo"], cfg.algo = build("algo", plugins.ALGORITHM, algo_raw, "ppo", "algo.")
+    if not isinstance(cfg.algo, AlgorithmConfig):
+        raise UserError(f"algo.class '{cfg.classes['algo']}': its Config must subclass spmd_rl.api.AlgorithmConfig "
+                        f"(which gives every algorithm algo.num_steps)")
+    default_policy = getattr(type(cfg.algo), "default_policy", "actor_critic")
+    cfg.classes["policy"], cfg.policy = build("policy", plugins.POLICY, raw.get("policy"), default_policy,
+                                              "policy.")
+    cfg.classes["engine"], cfg.engine = build("engine", plugins.ENGINE, raw.get("engine"), "sync", "engine.")
+    callbacks = raw.get("callbacks") or []
+    if not isinstance(callbacks, list):
+        raise UserError(f"config key 'callbacks' must be a list of classes (module:Class), got {callbacks!r}")
+    cfg.callbacks = [build("callbacks", plugins.CALLBACK, item, "", f"callbacks[{i}].")
+                     for i, item in enumerate(callbacks)]
+
+
+class _DuplicateKeyError(yaml.YAMLError):
+    def __init__(self, key: str, first_line: int, line: int):
+        super().__init__(f"key '{key}' appears twice (lines {first_line} and {line})")
+        self.key, self.first_line, self.line = key, first_line, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error instead of last-one-wins."""
+
+    def construct_document(self, node):
+        self._reject_duplicate_keys(node, "", set())
+        return super().construct_document(node)
+
+    def _reject_duplicate_keys(self, node, prefix: str, seen: set[int]) -> None:
+        if id(node) in seen:  # an alias: checked where its anchor is (and anchors may be recursive)
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._reject_duplicate_keys(item, f"{prefix}[{i}]", seen)
+        elif isinstance(node, yaml.MappingNode):
+            first_line: dict[tuple[str, str], int] = {}
+            for key_node, value_node in node.value:
+                # Keys a `<<: *anchor` merge brings in may be overridden: that is YAML's rule, not a mistake.
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = f"{prefix}{key_node.value}"
+                line = key_node.start_mark.line + 1
+                same = (key_node.tag, key_node.value)  # the resolved tag tells `1` from "1": different keys
+                if same in first_line:
+                    raise _DuplicateKeyError(key, first_line[same], line)
+                first_line[same] = line
+                self._reject_duplicate_keys(value_node, f"{key}.", seen)
 
 
 def _read_yaml(path: Path) -> dict:
+    if path.is_dir():
+        raise UserError(f"config file {path} is a directory; pass --config with a YAML file (see configs/)")
     if not path.is_file():
         raise UserError(f"config file {path} does not exist; pass --config with a YAML file (see configs/)")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError(f"config file {path} cannot be read ({exc.strerror}); check its permissions") from None
+    except UnicodeDecodeError:
+        raise UserError(f"config file {path} is not text (not UTF-8); pass --config with a YAML file") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except _DuplicateKeyError as exc:
+        raise UserError(f"config file {path} gives key '{exc.key}' twice (lines {exc.first_line} and {exc.line}); "
+                        f"keep one") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise UserError(f"config file {path} is not valid YAML{where}: {problem}") from None
-    if data is None:
-        return {}
+    if data is None:  # nothing but comments, or nothing at all: probably the wrong file
+        raise UserError(f"config file {path} is empty; give it sections (see configs/), or leave out --config to "
+                        f"run the defaults")
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must hold a mapping of sections (run:, env:, algo:, ...), "
                         f"not a {type(data).__name__}")
@@ -210,7 +298,9 @@ def _apply_override(raw: dict, item: str) -> None:
     if not sep or not key or any(not part for part in key.split(".")):
         raise UserError(f"override '{item}' must look like section.key=value (e.g. train.total_steps=50000)")
     try:
-        value = yaml.safe_load(text) if text != "" else ""
+        value = yaml.load(text, Loader=_UniqueKeyLoader) if text != "" else ""
+    except _DuplicateKeyError as exc:
+        raise UserError(f"override '{item}' gives key '{exc.key}' twice; keep one") from None
     except yaml.YAMLError:
         value = text  # not YAML: keep the literal text, the type check below judges it
     node = raw
@@ -223,6 +313,18 @@ def _apply_override(raw: dict, item: str) -> None:
             raise UserError(f"override '{item}': '{part}' is not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _reject_repeated_override(given: dict[str, str], item: str) -> None:
+    """A key set twice on the command line (or a section set whole and one of its keys) is a mistake to point
+    out, not a question of which one wins."""
+    key = item.partition("=")[0]
+    for other_key, other in given.items():
+        if key == other_key or key.startswith(f"{other_key}.") or other_key.startswith(f"{key}."):
+            repeated = min(key, other_key, key=len)
+            raise UserError(f"config key '{repeated}' is set twice on the command line ('{other}' and '{item}'); "
+                            f"give it once")
+    given[key] = item
 
 
 def _build(cls, raw: Any, prefix: str, source: str):
@@ -254,23 +356,48 @@ def _check_value(key: str, value: Any, kind, meta) -> Any:
     value = _check_type(key, value, kind)
     if value is None:
         return value
-    if isinstance(value, float) and not math.isfinite(value):
-        raise UserError(f"config key '{key}' = {value!r} must be a finite number")
     if meta.get("choices") and value not in meta["choices"]:
         near = difflib.get_close_matches(str(value), meta["choices"], n=1)
         hint = f"; did you mean '{near[0]}'?" if near else ""
         raise UserError(f"config key '{key}' = {value!r} is not allowed; choose one of "
                         f"{', '.join(meta['choices'])}{hint}")
-    low, high = meta.get("min"), meta.get("max")
+    _check_range(key, value, meta.get("min"), meta.get("max"))
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_range(f"{key}[{i}]", item, meta.get("item_min"), meta.get("item_max"))
+    return value
+
+
+def _check_range(key: str, value: Any, low, high) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"config key '{key}' = {value!r} must be a finite number")
     if low is not None and value < low:
         raise UserError(f"config key '{key}' = {value!r} is out of range; it must be >= {low}")
     if high is not None and value > high:
         raise UserError(f"config key '{key}' = {value!r} is out of range; it must be <= {high}")
-    return value
 
 
 def _type_name(kind) -> str:
     return getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
+
+
+def _integral_number(value: Any) -> int | None:
+    """1e4 or 1.0e6 written for an integer key, when it is a whole number; None for anything else (1.5, 1e4.5).
+
+    YAML 1.1 reads 1e4 and 1.0e6 (no dot, or no exponent sign) as strings and 1.0e+6 as a float.
+    """
+    if isinstance(value, str):
+        try:
+            return int(value)  # exact, however long
+        except ValueError:
+            pass
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if isinstance(value, float) and value.is_integer():  # False for inf and nan
+        return int(value)
+    return None
 
 
 def _check_type(key: str, value: Any, kind) -> Any:
@@ -287,9 +414,14 @@ def _check_type(key: str, value: Any, kind) -> Any:
             raise wrong
         return value
     if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool):
             raise wrong
-        return value
+        if isinstance(value, int):
+            return value
+        number = _integral_number(value)
+        if number is None:
+            raise wrong
+        return number
     if kind is float:
         if isinstance(value, str):
             # YAML 1.1 reads 3e-4 (no dot) as a string; accept what Python reads as a number.
@@ -316,19 +448,38 @@ def _check_type(key: str, value: Any, kind) -> Any:
     raise TypeError(f"unsupported config type {kind} for {key}")
 
 
-def describe_schema() -> str:
-    """Every section and key with its type, default and help line, for --help."""
+def describe_schema(cfg: Config | None = None) -> str:
+    """Every section and key with its type, default and help line, for --help; the plug-in sections list the keys
+    of the classes cfg selects (the defaults when cfg is None)."""
+    if cfg is None:
+        cfg = load_config()
     lines = []
     for section in dataclasses.fields(Config):
-        cls = typing.get_type_hints(Config)[section.name]
-        lines.append(f"  {section.name}:")
-        hints = typing.get_type_hints(cls)
-        defaults = cls()
-        for f in dataclasses.fields(cls):
-            default = getattr(defaults, f.name)
-            extra = ""
-            if f.metadata.get("choices"):
-                extra = f" [{'|'.join(f.metadata['choices'])}]"
-            lines.append(f"    {section.name}.{f.name} ({_type_name(hints[f.name])}, default {default!r}){extra}: "
-                         f"{f.metadata.get('help', '')}")
+        if section.name == "classes":
+            continue
+        if section.name == "callbacks":
+            lines.append("  callbacks: a list of module:Class (or {class: module:Class, ...its keys}), called on "
+                         "trainers after every iteration")
+            for i, (name, config) in enumerate(cfg.callbacks):
+                lines += _describe_section(f"callbacks[{i}]", type(config), f"class {name}")
+            continue
+        if section.name in PLUGIN_SECTIONS:
+            lines += _describe_section(section.name, type(getattr(cfg, section.name)),
+                                       f"class {cfg.classes[section.name]}; set {section.name}.class to choose")
+        else:
+            lines += _describe_section(section.name, typing.get_type_hints(Config)[section.name])
     return "\n".join(lines)
+
+
+def _describe_section(name: str, cls: type, note: str = "") -> list[str]:
+    lines = [f"  {name}:" + (f"  ({note})" if note else "")]
+    hints = typing.get_type_hints(cls)
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        default = getattr(defaults, f.name)
+        extra = ""
+        if f.metadata.get("choices"):
+            extra = f" [{'|'.join(f.metadata['choices'])}]"
+        lines.append(f"    {name}.{f.name} ({_type_name(hints[f.name])}, default {default!r}){extra}: "
+                     f"{f.metadata.get('help', '')}")
+    return lines

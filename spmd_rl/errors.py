@@ -17,3 +17,41 @@ class UserError(Exception):
 
 class CommError(RuntimeError):
     """A point-to-point or collective wait that failed or timed out."""
+
+
+class StopSignal(BaseException):
+    """SIGTERM or SIGUSR1 arrived (see runtime.install_signal_handlers): unwinds the stack so every finally-block,
+    and the flush of open files on the exit path, runs. A BaseException, like KeyboardInterrupt, so that user code's
+    `except Exception` does not swallow it."""
+
+    def __init__(self, signal_name: str, signal_number: int):
+        super().__init__(signal_name)
+        self.signal_name = signal_name  # "SIGTERM"
+        self.signal_number = signal_number  # for the shell's convention: exit code 128 + signal_number
+
+
+USER_CODE_EXIT_CODE = 4
+
+
+class UserCodeError(Exception):
+    """The user's code (env, policy, algorithm, callback) raised, or gave data that cannot be used (NaN from an
+    env): printed as one line naming where (rank, env, step, the user's file:line), exit code 4."""
+
+
+def user_frame(exc: BaseException) -> str:
+    """'file:line' of the innermost frame of exc's traceback that is the user's code (not spmd_rl, torch,
+    gymnasium or the standard library); '' when there is none."""
+    import os
+    import sys
+    import traceback
+    framework = (os.path.dirname(os.path.abspath(__file__)), sys.prefix, sys.base_prefix)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not os.path.abspath(f.filename).startswith(framework) and not f.filename.startswith("<")]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def describe_exception(exc: BaseException) -> str:
+    """'Type: message (at file:line)': one line for an exception raised in the user's code."""
+    where = user_frame(exc)
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {message}" + (f" (at {where})" if where else "")

@@ -5,7 +5,7 @@ Sources are tried in precedence order; the first one whose variables are present
                 inherit the agent's SLURM_PROCID: RANK must win over Slurm's variables)
   2. mpi        OMPI_COMM_WORLD_RANK, PMIX_RANK or PMI_RANK (mpirun / mpiexec, also inside a Slurm allocation,
                 whose SLURM_PROCID the ranks inherit). Rank, size and local rank come from mpi4py; rank 0 picks
-                the address and a free port and broadcasts them.
+                the address and a free port and broadcasts them (as plain bytes: nothing is unpickled).
   3. slurm      SLURM_PROCID + SLURM_NTASKS + SLURM_LOCALID + a node list inside an srun step (SLURM_STEP_ID):
                 `srun` with one task per rank. The master is the first host of the step's node list, the port
                 20000 + SLURM_JOB_ID % 20000; MASTER_ADDR / MASTER_PORT override both. A batch script has
@@ -119,9 +119,35 @@ def from_mpi(env: Mapping[str, str]) -> LaunchInfo | None:
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_world = node_comm.Get_rank(), node_comm.Get_size()
     node_comm.Free()
-    url = _mpi_rendezvous_url(env, single_host=local_world == world) if rank == 0 else None
-    url = comm.bcast(url, root=0)
-    return LaunchInfo("mpi", rank, world, local_rank, local_world, url)
+    url, error = "", ""
+    if rank == 0:
+        try:
+            url = _mpi_rendezvous_url(env, single_host=local_world == world)
+        except UserError as exc:  # tell the other ranks too: they are about to wait for rank 0's address
+            error = str(exc)
+    ok, text = _mpi_broadcast_text(comm, not error, error or url)
+    if not ok:
+        raise UserError(text if rank == 0 else f"mpi launch: rank 0 could not choose a rendezvous address: {text}")
+    return LaunchInfo("mpi", rank, world, local_rank, local_world, text)
+
+
+MPI_TEXT_BYTES = 4096  # the longest text _mpi_broadcast_text carries (a URL or an error message)
+
+
+def _mpi_broadcast_text(comm, ok: bool, text: str) -> tuple[bool, str]:
+    """Rank 0's (ok, text) on every rank, sent with one Bcast of a fixed-size byte buffer: a status byte, a 4-byte
+    length, UTF-8. Plain bytes, unlike comm.bcast, which unpickles whatever rank 0 sent."""
+    import numpy as np
+
+    buffer = np.zeros(5 + MPI_TEXT_BYTES, dtype=np.uint8)
+    if comm.Get_rank() == 0:
+        data = text.encode()[:MPI_TEXT_BYTES]  # only an error message can be this long; cut, it stays readable
+        buffer[0] = ok
+        buffer[1:5] = np.frombuffer(len(data).to_bytes(4, "little"), dtype=np.uint8)
+        buffer[5:5 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    comm.Bcast(buffer, root=0)
+    length = int.from_bytes(buffer[1:5].tobytes(), "little")
+    return bool(buffer[0]), buffer[5:5 + length].tobytes().decode(errors="replace")
 
 
 def _mpi_rendezvous_url(env: Mapping[str, str], single_host: bool) -> str:
@@ -270,3 +296,21 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
         if info is not None:
             return info
     return single_process(env)
+
+
+def rank_from_env(env: Mapping[str, str] | None = None) -> int | None:
+    """The rank a launcher announced, read without starting anything (no mpi4py), or None without one.
+
+    For deciding who speaks before the launch is detected (a config error is the same on every rank, so rank 0
+    alone prints it). The precedence is detect_launch's; a value that is not an integer reads as None, so that
+    the process still speaks.
+    """
+    env = os.environ if env is None else env
+    names = ("RANK", *(rank_name for rank_name, _ in MPI_RANK_VARIABLES), "SLURM_PROCID")
+    name = next((name for name in names if name in env), None)
+    if name is None:
+        return None
+    try:
+        return int(env[name])
+    except ValueError:
+        return None

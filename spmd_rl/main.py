@@ -1,97 +1,140 @@
-"""The program every rank runs: `python -m spmd_rl.main [--config FILE] [section.key=value ...]`.
+"""The program every rank runs: `python -m spmd_rl.main [--config FILE] [--dry-run] [section.key=value ...]`.
 
-Everything a user can get wrong is checked before any process group exists (config, layout, env id, spaces), so
-bad input ends every rank with exit code 2 and one line, never a hang or a traceback.
+Everything a user can get wrong is checked before any process group exists (config, the classes it names, layout,
+env id, spaces, the policy's declared outputs against what it returns), so bad input ends every rank with exit
+code 2 and one line, never a hang or a traceback. torch is imported only after the config is read, so `--help` and
+config errors answer at once.
+
+Exit codes: 0 done, 2 user error (config, files, plug-in contract), 3 communication error, 4 an error in the
+user's code (env, policy, algorithm, callback) or bad data from it, 128 + N stopped by signal N.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from spmd_rl import engine
 from spmd_rl.config import Config, describe_schema, load_config
-from spmd_rl.envs import probe_env
-from spmd_rl.errors import COMM_ERROR_EXIT_CODE, USER_ERROR_EXIT_CODE, CommError, UserError
-from spmd_rl.launch import detect_launch
-from spmd_rl.runtime import Runtime, shutdown_runtime, start_runtime
-from spmd_rl.topology import build_topology, create_process_groups
+from spmd_rl.errors import (COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE, CommError, StopSignal,
+                            UserCodeError, UserError, describe_exception, user_frame)
+from spmd_rl.launch import detect_launch, rank_from_env
 
 USAGE_EXAMPLES = """\
 examples:
   python -m spmd_rl.main                                    # PPO on CartPole-v1 in one process
   python -m spmd_rl.main --config configs/ppo_pendulum.yaml train.total_steps=200000
   torchrun --standalone --nproc_per_node=8 -m spmd_rl.main --config configs/ppo_cartpole_split.yaml
+  python -m spmd_rl.main --config my.yaml policy.class=my_pkg.nets:MyPolicy --dry-run
 
-config sections and keys (override any with section.key=value):
+config sections and keys (override any with section.key=value); the algo, policy, engine and callbacks sections
+list the keys of the classes this config selects:
 """
+
+# Set to 1 to print full tracebacks instead of the one-line summaries of errors in user code.
+DEBUG_VARIABLE = "SPMD_RL_DEBUG"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m spmd_rl.main",
+        prog="python -m spmd_rl.main", add_help=False,
         description="Train a policy with spmd_rl. Every rank runs this same program (torchrun, mpirun, srun, or "
                     "one process).",
-        epilog=USAGE_EXAMPLES + describe_schema(),
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-h", "--help", action="store_true", help="show this help (with the keys of the classes "
+                        "the given config selects) and exit")
     parser.add_argument("--config", metavar="FILE", help="YAML config (default: the embedded PPO CartPole-v1 "
                         "config, the same as configs/ppo_cartpole.yaml)")
+    parser.add_argument("--dry-run", action="store_true", help="run one real iteration in the real layout (every "
+                        "role, every channel, one weight sync) in a temporary run directory, then exit 0")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.format_help = parser.format_help
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Everything a user can get wrong, checked before any process group exists. The config and the layout are
-    # the same on every rank, so rank 0 speaks for all; the launch variables and the env (its packages, its
-    # files) belong to a host, so every rank that fails says so itself.
+    # the same on every rank, so rank 0 speaks for all; the env (its packages, its files) belongs to a host, so
+    # the first rank of every host speaks for it.
     try:
         cfg = load_config(args.config, args.overrides)
+    except UserError as exc:  # before the launch is known: the launcher's rank variable says who is rank 0
+        return _user_error(exc, speaker=rank_from_env() in (None, 0))
+    if args.help:
+        print(args.format_help() + "\n" + USAGE_EXAMPLES + describe_schema(cfg))
+        return 0
+    try:
         launch = detect_launch()
     except UserError as exc:
         return _user_error(exc, speaker=True)
+
+    from spmd_rl import contract, engine
+    from spmd_rl.envs import probe_env
+    from spmd_rl.topology import build_topology
     try:
         topology = build_topology(cfg.layout, launch.world_size)
-        plan = engine.plan_run(cfg, topology)
+        policy_cls, algorithm_cls, engine_cls, callback_classes = contract.load_classes(cfg)
+        plan = engine.plan_run(cfg, topology, algorithm_cls)
+        if args.dry_run:
+            plan = engine.dry_run_plan(plan)
     except UserError as exc:
         return _user_error(exc, speaker=launch.rank == 0)
     try:
         spec = probe_env(cfg.env)
-        engine.make_policy(cfg, spec)  # spaces the algorithm cannot handle fail here
+        outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls)
     except UserError as exc:
-        return _user_error(exc, speaker=True, rank=launch.rank if launch.world_size > 1 else None)
+        return _user_error(exc, speaker=launch.local_rank == 0, rank=launch.rank if launch.world_size > 1 else None)
 
+    import torch
+
+    from spmd_rl.fileio import flush_open_files
+    from spmd_rl.runtime import install_signal_handlers, shutdown_runtime, start_runtime
+    from spmd_rl.topology import create_process_groups
     torch.set_num_threads(cfg.train.torch_threads)
+    install_signal_handlers()
     runtime = None
     exit_code = 0
     try:
         runtime = start_runtime(launch, cfg.train.device, cfg.dist.timeout_s)
-        run_dir = _agree_on_run(cfg, runtime)
+        run_dir = _agree_on_run(cfg, runtime, dry_run=args.dry_run)
         if runtime.rank == 0:
             print(f"spmd_rl: launcher {launch.launcher}, backend {runtime.backend}, device {runtime.device}; "
-                  f"{plan.describe(cfg, launch.world_size, _layout_name(topology))}; run directory {run_dir}",
-                  flush=True)
+                  f"{plan.describe(cfg, launch.world_size, _layout_name(topology), algorithm_cls)}; "
+                  f"run directory {run_dir}", flush=True)
         groups = create_process_groups(topology, runtime.timeout)
-        engine.run(cfg, plan, runtime, topology, groups, spec, run_dir)
+        setup = engine.Setup(cfg=cfg, plan=plan, runtime=runtime, topology=topology, groups=groups, spec=spec,
+                             outputs=outputs, run_dir=run_dir, policy_cls=policy_cls, algorithm_cls=algorithm_cls,
+                             callback_classes=callback_classes)
+        policy = engine_cls(cfg.engine).run(setup)
+        if runtime.rank == 0:
+            engine.save_policy(policy, run_dir)
+            if args.dry_run:
+                print(f"spmd_rl: dry run passed: one iteration in the real layout, every role and channel, one "
+                      f"weight sync ({run_dir})", flush=True)
     except UserError as exc:  # found while running (a rank's files, a config that differs): say which rank
         exit_code = _user_error(exc, speaker=True, rank=launch.rank)
     except CommError as exc:
         print(f"spmd_rl: rank {launch.rank}: communication error: {exc}", file=sys.stderr, flush=True)
         exit_code = COMM_ERROR_EXIT_CODE
+    except UserCodeError as exc:
+        print(f"spmd_rl: rank {launch.rank}: error in user code: {exc}", file=sys.stderr, flush=True)
+        exit_code = USER_CODE_EXIT_CODE
     except KeyboardInterrupt:
-        print(f"spmd_rl: rank {launch.rank}: interrupted", file=sys.stderr, flush=True)
+        print(f"spmd_rl: rank {launch.rank}: interrupted (SIGINT)", file=sys.stderr, flush=True)
         exit_code = 130
-    except Exception:
-        print(f"spmd_rl: rank {launch.rank} failed:", file=sys.stderr)
-        traceback.print_exc()
-        exit_code = 1
+    except StopSignal as exc:
+        print(f"spmd_rl: rank {launch.rank}: stopped by {exc.signal_name}", file=sys.stderr, flush=True)
+        exit_code = 128 + exc.signal_number
+    except Exception as exc:
+        exit_code = _unexpected_error(exc, launch.rank)
     finally:
+        flush_open_files()  # staged experience rows reach their files on every exit path
         shutdown_runtime(runtime, exit_code)
     return exit_code
 
@@ -103,6 +146,19 @@ def _user_error(exc: UserError, speaker: bool, rank: int | None = None) -> int:
     return USER_ERROR_EXIT_CODE
 
 
+def _unexpected_error(exc: Exception, rank: int) -> int:
+    """An exception raised in the user's code (env, plug-in) is one line naming the user's file:line (exit 4);
+    anything else is a bug of ours, shown with its traceback (exit 1). SPMD_RL_DEBUG=1 shows every traceback."""
+    debug = os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+    if user_frame(exc) and not debug:
+        print(f"spmd_rl: rank {rank}: error in user code: {describe_exception(exc)} (set {DEBUG_VARIABLE}=1 for the "
+              f"traceback)", file=sys.stderr, flush=True)
+        return USER_CODE_EXIT_CODE
+    print(f"spmd_rl: rank {rank} failed:", file=sys.stderr)
+    traceback.print_exc()
+    return USER_CODE_EXIT_CODE if user_frame(exc) else 1
+
+
 def _layout_name(topology) -> str:
     if topology.colocated:
         return "colocated"
@@ -110,13 +166,18 @@ def _layout_name(topology) -> str:
             f"env {len(topology.env_ranks)})")
 
 
-def _agree_on_run(cfg: Config, runtime: Runtime) -> Path:
+def _agree_on_run(cfg: Config, runtime, dry_run: bool = False) -> Path:
     """Rank 0 names the run directory; every rank checks it runs rank 0's exact config; rank 0 saves it."""
-    run_dir = cfg.run.dir or f"runs/{cfg.run.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    import torch
+    import torch.distributed as dist
+
+    from spmd_rl.runtime import broadcast_text
+    if dry_run:
+        run_dir = tempfile.mkdtemp(prefix=f"spmd_rl-dry-run-{cfg.run.name}-") if runtime.rank == 0 else ""
+    else:
+        run_dir = cfg.run.dir or f"runs/{cfg.run.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     if runtime.distributed:
-        shared = [run_dir]
-        dist.broadcast_object_list(shared, src=0)  # once, at start-up: the only pickled message of a run
-        run_dir = shared[0]
+        run_dir = broadcast_text(run_dir, src=0, timeout=runtime.timeout)  # plain bytes: nothing is unpickled
     cfg.run.dir = run_dir
     if runtime.distributed:
         mine = torch.frombuffer(bytearray.fromhex(cfg.digest()), dtype=torch.uint8)
@@ -128,8 +189,9 @@ def _agree_on_run(cfg: Config, runtime: Runtime) -> Path:
                             f"give every rank the same --config file and the same overrides")
     path = Path(run_dir)
     if runtime.rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "config.yaml").write_text(cfg.to_yaml())
+        from spmd_rl.fileio import make_dirs, write_atomic
+        make_dirs(path)  # a read-only or misplaced run.dir is a UserError naming it
+        write_atomic(path / "config.yaml", cfg.to_yaml())
     return path
 
 

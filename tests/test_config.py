@@ -23,11 +23,11 @@ def test_every_shipped_config_loads(name):
 
 
 def test_overrides_are_typed_and_nested(tmp_path):
-    cfg = load_config(None, ["train.total_steps=5000", "algo.learning_rate=3e-4", "model.hidden_sizes=[32,32]",
+    cfg = load_config(None, ["train.total_steps=5000", "algo.learning_rate=3e-4", "policy.hidden_sizes=[32,32]",
                              "env.kwargs={max_episode_steps: 100}", "algo.target_kl=0.02", "log.progress=false"])
     assert cfg.train.total_steps == 5000
     assert cfg.algo.learning_rate == pytest.approx(3e-4)
-    assert cfg.model.hidden_sizes == [32, 32]
+    assert cfg.policy.hidden_sizes == [32, 32]
     assert cfg.env.kwargs == {"max_episode_steps": 100}
     assert cfg.algo.target_kl == pytest.approx(0.02)
     assert cfg.log.progress is False
@@ -48,7 +48,7 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
     (["train.seed=abc"], "'train.seed' must be int, got 'abc'"),
     (["anneal_lr"], "must look like section.key=value"),
     (["algo.anneal_lr=yes please"], "'algo.anneal_lr' must be bool"),
-    (["model.hidden_sizes=[64, x]"], r"'model.hidden_sizes\[1\]' must be int"),
+    (["policy.hidden_sizes=[64, x]"], r"'policy.hidden_sizes\[1\]' must be int"),
     (["train=5"], "'train' must be a mapping"),
 ])
 def test_bad_overrides_name_the_key(overrides, message):
@@ -59,7 +59,7 @@ def test_bad_overrides_name_the_key(overrides, message):
 def test_unknown_nested_key_in_a_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("algo:\n  learning_rat: 0.1\n")
-    with pytest.raises(UserError, match=r"unknown config key 'algo.learning_rat' \(in .*c.yaml\).*"
+    with pytest.raises(UserError, match=r"unknown config key 'algo.learning_rat' \(in .*c.yaml; keys of algorithm 'ppo'\).*"
                                         r"did you mean 'algo.learning_rate'"):
         load_config(path)
 
@@ -112,18 +112,20 @@ def test_help_documents_the_sections():
 
 
 def test_plan_rejects_unequal_trainer_shares_and_indivisible_sac_batches():
+    from spmd_rl.algorithms.ppo import PPO
+    from spmd_rl.algorithms.sac import SAC
     from spmd_rl.engine import plan_run
     from spmd_rl.topology import build_topology
 
     split = ["layout.mode=split", "layout.trainer=2", "layout.inference=1"]
     cfg = load_config(None, split + ["layout.env=3"])
     with pytest.raises(UserError, match="layout.env=3 env ranks cannot be shared equally by layout.trainer=2"):
-        plan_run(cfg, build_topology(cfg.layout, 6))
-    cfg = load_config(None, split + ["layout.env=4", "algo.name=sac", "sac.batch_size=255"])
-    with pytest.raises(UserError, match="sac.batch_size=255 must be a multiple of the 2 trainer ranks"):
-        plan_run(cfg, build_topology(cfg.layout, 7))
+        plan_run(cfg, build_topology(cfg.layout, 6), PPO)
+    cfg = load_config(None, split + ["layout.env=4", "algo.class=sac", "algo.batch_size=255"])
+    with pytest.raises(UserError, match="algo.batch_size=255 must be a multiple of the 2 trainer ranks"):
+        plan_run(cfg, build_topology(cfg.layout, 7), SAC)
     cfg = load_config(None, split + ["layout.env=4"])
-    assert plan_run(cfg, build_topology(cfg.layout, 7)).num_iterations > 0
+    assert plan_run(cfg, build_topology(cfg.layout, 7), PPO).num_iterations > 0
 
 
 # ---------------------------------------------------------------------------------------------------------------

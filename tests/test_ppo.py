@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torch.nn.parallel import DistributedDataParallel
 
 from multiproc import assert_all_ok, run_ranks
 from spmd_rl.algorithms.ppo import PPO, compute_gae, ppo_losses, rollout_tensors, total_loss
-from spmd_rl.config import AlgoSection, ModelSection
+from spmd_rl.algorithms.configs import PPOConfig
+from spmd_rl.api import Context, StepField
+from spmd_rl.modules.configs import ActorCriticConfig
 from spmd_rl.errors import UserError
 from spmd_rl.modules.actor_critic import ActorCritic
 
@@ -56,16 +57,21 @@ def test_gae_matches_hand_computed_values_with_truncation_termination_and_resets
 # ActorCritic
 
 
-def model_cfg(**changes) -> ModelSection:
-    return dataclasses.replace(ModelSection(), **changes)
+def model_cfg(**changes) -> ActorCriticConfig:
+    return dataclasses.replace(ActorCriticConfig(), **changes)
+
+
+def act(policy, obs):
+    out = policy.act(obs)
+    return out["action"], out["log_prob"], out["value"]
 
 
 def test_discrete_policy_shapes_dtypes_and_consistent_log_probs():
     torch.manual_seed(0)
     policy = ActorCritic(CARTPOLE_OBS, gym.spaces.Discrete(3), model_cfg())
-    assert policy.action_shape == () and policy.action_dtype == torch.int64
+    assert policy.outputs()["action"] == StepField((), torch.int64)
     obs = torch.randn(5, 4)
-    action, log_prob, value = policy.act(obs)
+    action, log_prob, value = act(policy, obs)
     assert action.shape == (5,) and action.dtype == torch.int64
     assert log_prob.shape == value.shape == (5,) and log_prob.dtype == value.dtype == torch.float32
     assert ((action >= 0) & (action < 3)).all()
@@ -81,9 +87,9 @@ def test_discrete_policy_shapes_dtypes_and_consistent_log_probs():
 def test_continuous_policy_matches_a_diagonal_gaussian():
     torch.manual_seed(0)
     policy = ActorCritic(CARTPOLE_OBS, PENDULUM_ACTIONS, model_cfg(log_std_init=-0.5, activation="elu"))
-    assert policy.action_shape == (2,) and policy.action_dtype == torch.float32
+    assert policy.outputs()["action"] == StepField((2,), torch.float32)
     obs = torch.randn(6, 4)
-    action, log_prob, value = policy.act(obs)
+    action, log_prob, value = act(policy, obs)
     assert action.shape == (6, 2) and action.dtype == torch.float32
     assert log_prob.shape == value.shape == (6,)
     new_log_prob, entropy, _ = policy(obs, action)  # forward() is evaluate(), for DDP
@@ -96,15 +102,14 @@ def test_continuous_policy_matches_a_diagonal_gaussian():
 def test_policy_normalizes_observations_with_its_normalizer():
     policy = ActorCritic(CARTPOLE_OBS, gym.spaces.Discrete(2), model_cfg(normalize_obs=True))
     obs = torch.randn(8, 4) * 50 + 300
-    policy.obs_normalizer.update(obs)
+    policy.encoder.normalizer.update(obs)
     expected = policy.critic((obs - obs.mean(0)) / obs.std(0, unbiased=False)).squeeze(-1)
     torch.testing.assert_close(policy.value(obs), expected, atol=1e-4, rtol=1e-4)
-    assert "obs_normalizer.mean" in policy.state_dict()
+    assert "encoder.normalizer.mean" in policy.state_dict()
 
 
 @pytest.mark.parametrize("obs_space, action_space, named", [
-    (gym.spaces.Dict({"x": CARTPOLE_OBS}), gym.spaces.Discrete(2), "Dict"),
-    (gym.spaces.Box(0, 255, (8, 8, 3), np.uint8), gym.spaces.Discrete(2), "Box(0, 255, (8, 8, 3)"),
+    (gym.spaces.Tuple([CARTPOLE_OBS]), gym.spaces.Discrete(2), "Tuple"),
     (CARTPOLE_OBS, gym.spaces.MultiDiscrete([2, 3]), "MultiDiscrete"),
     (CARTPOLE_OBS, gym.spaces.Box(-1, 1, (2, 2), np.float32), "Box(-1.0, 1.0, (2, 2)"),
     (CARTPOLE_OBS, gym.spaces.Discrete(3, start=1), "Discrete(3, start=1)"),
@@ -119,15 +124,20 @@ def test_unsupported_spaces_are_user_errors_naming_the_space(obs_space, action_s
 # PPO update
 
 
-def algo_cfg(**changes) -> AlgoSection:
-    return dataclasses.replace(AlgoSection(), **changes)
+def algo_cfg(**changes) -> PPOConfig:
+    return dataclasses.replace(PPOConfig(), **changes)
+
+
+def make_ppo(policy, cfg, num_iterations, group=None) -> PPO:
+    return PPO(policy, cfg, Context.local(policy.observation_space, policy.action_space,
+                                          num_iterations=num_iterations, group=group))
 
 
 def rollout_batch(policy: ActorCritic, size: int = 64, seed: int = 0) -> TensorDict:
     """A batch acted by the policy itself (so ratio starts at 1) with random advantages, some steps invalid."""
     generator = torch.Generator().manual_seed(seed)
     obs = torch.randn(size, 4, generator=generator)
-    action, log_prob, value = policy.act(obs)
+    action, log_prob, value = act(policy, obs)
     advantage = torch.randn(size, generator=generator)
     valid = torch.rand(size, generator=generator) > 0.2
     return TensorDict(obs=obs, action=action, log_prob=log_prob, value=value, advantage=advantage,
@@ -137,14 +147,14 @@ def rollout_batch(policy: ActorCritic, size: int = 64, seed: int = 0) -> TensorD
 def test_first_minibatch_has_ratio_one_and_no_clipping():
     torch.manual_seed(0)
     policy = ActorCritic(CARTPOLE_OBS, gym.spaces.Discrete(2), model_cfg())
-    ppo = PPO(policy, None, algo_cfg(update_epochs=1, num_minibatches=1), num_iterations=10)
+    ppo = make_ppo(policy, algo_cfg(update_epochs=1, num_minibatches=1), num_iterations=10)
     metrics = ppo.update(rollout_batch(policy), iteration=0)
     assert metrics["minibatch_steps"] == 1
     assert metrics["clip_fraction"] == 0.0
     assert abs(metrics["approx_kl"]) < 1e-7
 
 
-def masked_loss_gradients(policy: ActorCritic, batch: TensorDict, cfg: AlgoSection) -> list[torch.Tensor]:
+def masked_loss_gradients(policy: ActorCritic, batch: TensorDict, cfg: PPOConfig) -> list[torch.Tensor]:
     data = rollout_tensors(batch)
     losses = ppo_losses(data, *policy.evaluate(data["obs"], data["action"]), clip=0.2, cfg=cfg)
     policy.zero_grad()
@@ -183,46 +193,39 @@ def test_update_on_a_fixed_batch_lowers_the_loss():
             return float(total_loss(ppo_losses(data, *policy.evaluate(data["obs"], data["action"]), 0.2, cfg), cfg))
 
     before = loss()
-    metrics = PPO(policy, None, cfg, num_iterations=10).update(batch, iteration=0)
+    metrics = make_ppo(policy, cfg, num_iterations=10).update(batch, iteration=0)
     assert metrics["minibatch_steps"] == 20
     assert loss() < before - 0.1
 
 
 def test_learning_rate_and_clip_anneal_linearly_from_the_configured_values():
     policy = ActorCritic(CARTPOLE_OBS, gym.spaces.Discrete(2), model_cfg())
-    ppo = PPO(policy, None, algo_cfg(learning_rate=1e-3, clip_coef=0.2, update_epochs=1), num_iterations=4)
-    assert ppo.schedule(0) == (1e-3, 0.2)
-    assert ppo.schedule(2) == pytest.approx((5e-4, 0.1))
-    assert ppo.schedule(3) == pytest.approx((2.5e-4, 0.05))
+    ppo = make_ppo(policy, algo_cfg(learning_rate=1e-3, clip_coef=0.2, update_epochs=1), num_iterations=4)
+    assert ppo.annealed(0) == (1e-3, 0.2)
+    assert ppo.annealed(2) == pytest.approx((5e-4, 0.1))
+    assert ppo.annealed(3) == pytest.approx((2.5e-4, 0.05))
     metrics = ppo.update(rollout_batch(policy), iteration=1)
     assert metrics["learning_rate"] == pytest.approx(7.5e-4)
     assert metrics["clip_coef"] == pytest.approx(0.15)
     assert ppo.optimizer.param_groups[0]["lr"] == pytest.approx(7.5e-4)
-    constant = PPO(policy, None, algo_cfg(anneal_lr=False, anneal_clip=False), num_iterations=4)
-    assert constant.schedule(3) == (1e-3, 0.2)
+    constant = make_ppo(policy, algo_cfg(anneal_lr=False, anneal_clip=False), num_iterations=4)
+    assert constant.annealed(3) == (1e-3, 0.2)
 
 
 def test_target_kl_stops_the_update_before_stepping_too_far():
     torch.manual_seed(0)
     policy = ActorCritic(CARTPOLE_OBS, gym.spaces.Discrete(2), model_cfg())
-    ppo = PPO(policy, None, algo_cfg(update_epochs=10, num_minibatches=4, target_kl=1e-6), num_iterations=10)
+    ppo = make_ppo(policy, algo_cfg(update_epochs=10, num_minibatches=4, target_kl=1e-6), num_iterations=10)
     metrics = ppo.update(rollout_batch(policy), iteration=0)
     # The first minibatch has ratio 1 (kl 0) and steps; the policy has moved by the second one.
     assert metrics["minibatch_steps"] == 1
 
 
-def test_ddp_with_target_kl_requires_the_trainer_group():
-    policy = ActorCritic(CARTPOLE_OBS, gym.spaces.Discrete(2), model_cfg())
-    with pytest.raises(ValueError, match="trainer group"):
-        PPO(policy, ddp_policy=policy, cfg=algo_cfg(target_kl=0.01), num_iterations=10)
-
-
 def _ddp_update(rank: int, world_size: int) -> None:
     torch.manual_seed(rank)  # different initial weights per rank: DDP must broadcast rank 0's
     policy = ActorCritic(CARTPOLE_OBS, gym.spaces.Discrete(2), model_cfg())
-    ddp_policy = DistributedDataParallel(policy)
     cfg = algo_cfg(update_epochs=3, num_minibatches=2, target_kl=1e-6)
-    ppo = PPO(policy, ddp_policy, cfg, num_iterations=10, group=dist.group.WORLD)
+    ppo = make_ppo(policy, cfg, num_iterations=10, group=dist.group.WORLD)  # the context wraps it in DDP
     batch = rollout_batch(policy, size=32 + 8 * rank, seed=rank)  # each trainer its own share of the batch
     steps = [ppo.update(batch, iteration)["minibatch_steps"] for iteration in range(2)]
     # The group agrees on the early stop: every rank took the same steps, so the weights stayed identical.
@@ -248,10 +251,30 @@ def test_ddp_update_keeps_trainers_identical_and_agrees_on_early_stop():
 def test_optimizer_state_round_trips():
     torch.manual_seed(0)
     policy = ActorCritic(CARTPOLE_OBS, gym.spaces.Discrete(2), model_cfg())
-    ppo = PPO(policy, None, algo_cfg(update_epochs=1), num_iterations=10)
+    ppo = make_ppo(policy, algo_cfg(update_epochs=1), num_iterations=10)
     ppo.update(rollout_batch(policy), iteration=0)
-    restored = PPO(copy.deepcopy(policy), None, algo_cfg(update_epochs=1), num_iterations=10)
+    restored = make_ppo(copy.deepcopy(policy), algo_cfg(update_epochs=1), num_iterations=10)
     restored.load_state_dict(ppo.state_dict())
     original_state = ppo.optimizer.state_dict()["state"]
     for index, state in restored.optimizer.state_dict()["state"].items():
         torch.testing.assert_close(state["exp_avg"], original_state[index]["exp_avg"])
+
+
+@pytest.mark.parametrize("obs_space, encoder", [
+    (gym.spaces.Box(0, 255, (12, 10, 3), np.uint8), "ImageEncoder"),       # channel-last pixels
+    (gym.spaces.Box(0.0, 1.0, (2, 12, 10), np.float32), "ImageEncoder"),   # channel-first floats
+    (gym.spaces.Box(-1.0, 1.0, (3, 4), np.float32), "VectorEncoder"),     # a matrix, flattened
+    (gym.spaces.Dict({"image": gym.spaces.Box(0, 255, (12, 10, 1), np.uint8),
+                      "state": gym.spaces.Box(-1.0, 1.0, (5,), np.float32)}), "DictEncoder"),
+])
+def test_the_encoder_is_chosen_from_the_observation_space_and_acts_on_the_env_dtype(obs_space, encoder):
+    from spmd_rl.spaces import zeros_of
+    torch.manual_seed(0)
+    policy = ActorCritic(obs_space, gym.spaces.Discrete(3), model_cfg())
+    assert type(policy.encoder).__name__ == encoder
+    obs = zeros_of(obs_space, 4)
+    out = policy.act(obs)
+    assert out["action"].shape == (4,) and out["action"].dtype == torch.int64
+    log_prob, entropy, value = policy.evaluate(obs, out["action"])
+    torch.testing.assert_close(log_prob, out["log_prob"])
+    assert value.shape == (4,)

@@ -8,15 +8,20 @@ from spmd_rl.comm.channel import local_channel
 from spmd_rl.config import EnvSection
 from spmd_rl.envs import EnvSpec, make_vector_env, probe_env
 from spmd_rl.roles.env_worker import EnvWorker
-from spmd_rl.roles.learners import transitions_of
+from spmd_rl.algorithms.sac import transitions_of
+from spmd_rl.api import StepField
 from spmd_rl.roles.messages import action_message, observation_message, segment_message
 from spmd_rl.roles.trainer import StalePolicyError, Trainer
+
+
+OUTPUTS = {"action": StepField((), torch.int64), "log_prob": StepField((), torch.float32),
+           "value": StepField((), torch.float32)}
 
 
 def _segment_with(obs, valid, terminated, next_obs):
     t, n = valid.shape
     spec = EnvSpec("x", gym.spaces.Box(-1, 1, (1,)), gym.spaces.Box(-1, 1, (1,)))
-    segment = segment_message(spec, t, n)
+    segment = segment_message(spec, {"action": StepField((1,), torch.float32)}, t, n)
     segment["rollout", "obs"].copy_(obs)
     segment["rollout", "valid"].copy_(valid)
     segment["rollout", "terminated"].copy_(terminated)
@@ -43,9 +48,9 @@ def test_env_worker_marks_the_step_after_an_episode_end_invalid():
     envs, first_obs = make_vector_env(cfg, spec, seed=0)
     steps = 60
     obs_out, obs_in = local_channel("observations", observation_message(spec, 3))
-    actions_out, actions_in = local_channel("actions", action_message(spec, 3))
-    segments_out, segments_in = local_channel("segments", segment_message(spec, steps, 3))
-    worker = EnvWorker(envs, first_obs, obs_out, actions_in, segments_out, steps)
+    actions_out, actions_in = local_channel("actions", action_message(OUTPUTS, 3))
+    segments_out, segments_in = local_channel("segments", segment_message(spec, OUTPUTS, steps, 3))
+    worker = EnvWorker(envs, first_obs, obs_out, actions_in, segments_out, steps, list(OUTPUTS))
     for t in range(steps):
         worker.send_observations(t)
         obs_in.recv()
@@ -66,11 +71,11 @@ def test_env_worker_marks_the_step_after_an_episode_end_invalid():
 
 def test_trainer_rejects_a_segment_acted_on_with_stale_weights():
     spec = EnvSpec("x", gym.spaces.Box(-1, 1, (3,)), gym.spaces.Discrete(2))
-    segment_out, segment_in = local_channel("segments", segment_message(spec, 4, 2))
+    segment_out, segment_in = local_channel("segments", segment_message(spec, OUTPUTS, 4, 2))
     segment_out.buffer["policy_version"].fill_(4)
     segment_out.buffer["policy_version"][2] = 3  # one step acted with the previous weights
     segment_out.send()
-    trainer = Trainer(learner=None, segment_channels=[segment_in], segment_sources=["rank 5 (env 1)"],
+    trainer = Trainer(algorithm=None, segment_channels=[segment_in], segment_sources=["rank 5 (env 1)"],
                       episode_slots=8, group=None)
     with pytest.raises(StalePolicyError, match=r"rank 5 \(env 1\) used policy versions \[3, 4\], expected only 4"):
         trainer.receive_segments(expected_version=4)

@@ -14,7 +14,9 @@ from tensordict import TensorDict
 
 from multiproc import assert_all_ok, run_ranks
 from spmd_rl.algorithms.sac import SAC
-from spmd_rl.config import ModelSection, SACSection
+from spmd_rl.algorithms.configs import SACConfig
+from spmd_rl.api import Context
+from spmd_rl.modules.configs import SquashedGaussianConfig
 from spmd_rl.errors import UserError
 from spmd_rl.modules.sac_networks import SquashedGaussianActor, TwinQ
 
@@ -31,19 +33,18 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-def model_cfg(**changes) -> ModelSection:
-    return dataclasses.replace(ModelSection(hidden_sizes=[32, 32], activation="relu"), **changes)
+def model_cfg(**changes) -> SquashedGaussianConfig:
+    return dataclasses.replace(SquashedGaussianConfig(hidden_sizes=[32, 32], activation="relu"), **changes)
 
 
-def sac_cfg(**changes) -> SACSection:
-    return dataclasses.replace(SACSection(), **changes)
+def sac_cfg(**changes) -> SACConfig:
+    return dataclasses.replace(SACConfig(critic_hidden_sizes=[32, 32], critic_activation="relu"), **changes)
 
 
-def make_sac(seed: int = 0, model: ModelSection | None = None, group=None, **changes) -> SAC:
+def make_sac(seed: int = 0, model: SquashedGaussianConfig | None = None, group=None, **changes) -> SAC:
     torch.manual_seed(seed)
-    model = model or model_cfg()
-    actor = SquashedGaussianActor(OBS, ACTIONS, model)
-    return SAC(actor, OBS, ACTIONS, model, sac_cfg(**changes), group=group)
+    actor = SquashedGaussianActor(OBS, ACTIONS, model or model_cfg())
+    return SAC(actor, sac_cfg(**changes), Context.local(OBS, ACTIONS, group=group))
 
 
 def replay_batch(size: int = 64, seed: int = 0, terminated_fraction: float = 0.2) -> TensorDict:
@@ -65,15 +66,13 @@ def flat_state(sac: SAC) -> torch.Tensor:
 # Networks
 
 
-def test_actions_lie_within_asymmetric_bounds_with_shapes_and_dtypes_of_the_inference_tuple():
+def test_actions_lie_within_asymmetric_bounds_with_the_declared_shape_and_dtype():
     torch.manual_seed(0)
     actor = SquashedGaussianActor(OBS, ACTIONS, model_cfg())
-    assert actor.action_shape == (2,) and actor.action_dtype == torch.float32
-    action, log_prob, value = actor.act(torch.randn(4096, 3) * 10)  # large inputs: many saturated tanh
-    assert action.shape == (4096, 2) and action.dtype == torch.float32
-    assert log_prob.shape == value.shape == (4096,)
-    assert torch.isfinite(log_prob).all() and not log_prob.requires_grad
-    assert torch.equal(value, torch.zeros(4096))
+    assert list(actor.outputs()) == ["action"]
+    assert actor.outputs()["action"].shape == (2,) and actor.outputs()["action"].dtype == torch.float32
+    action = actor.act(torch.randn(4096, 3) * 10)["action"]  # large inputs: many saturated tanh
+    assert action.shape == (4096, 2) and action.dtype == torch.float32 and not action.requires_grad
     low, high = torch.as_tensor(ACTIONS.low), torch.as_tensor(ACTIONS.high)
     assert ((action >= low) & (action <= high)).all()
     # Both ends of each dimension are reached: the squash spans the whole box, not [-1, 1].
@@ -107,7 +106,7 @@ def test_critics_and_actor_see_the_actors_normalized_observations():
     actor.obs_normalizer.update(obs)
     features = actor.features(obs)
     torch.testing.assert_close(features, (obs - obs.mean(0)) / obs.std(0, unbiased=False), atol=1e-4, rtol=1e-4)
-    sac = SAC(actor, OBS, ACTIONS, model, sac_cfg())
+    sac = SAC(actor, sac_cfg(), Context.local(OBS, ACTIONS))
     assert not any("normalizer" in key for key in sac.critic.state_dict())  # one normalizer: the actor's
     batch = replay_batch(64)
     batch["obs"] = obs
@@ -120,7 +119,7 @@ def test_critics_and_actor_see_the_actors_normalized_observations():
 
 def test_twin_critics_are_independent_and_output_one_value_per_row():
     torch.manual_seed(0)
-    critic = TwinQ(OBS, ACTIONS, model_cfg())
+    critic = TwinQ(OBS, ACTIONS, [32, 32], "relu")
     q1, q2 = critic(torch.randn(5, 3), torch.randn(5, 2))
     assert q1.shape == q2.shape == (5,)
     assert not torch.equal(q1, q2)
@@ -135,7 +134,7 @@ def test_non_box_actions_are_user_errors_naming_the_space(action_space, named):
         SquashedGaussianActor(OBS, action_space, model_cfg())
     assert named in str(error.value)
     with pytest.raises(UserError, match="Box"):
-        TwinQ(OBS, action_space, model_cfg())
+        TwinQ(OBS, action_space, [32, 32], "relu")
 
 
 @pytest.mark.parametrize("obs_space, action_space, match", [
@@ -149,7 +148,7 @@ def test_unsquashable_spaces_are_user_errors(obs_space, action_space, match):
 
 
 def test_autotune_needs_a_positive_initial_temperature():
-    with pytest.raises(UserError, match="sac.alpha"):
+    with pytest.raises(UserError, match="algo.alpha"):
         make_sac(alpha=0.0, autotune=True)
     assert make_sac(alpha=0.0, autotune=False).update(replay_batch())["alpha"] == 0.0
 
@@ -267,11 +266,15 @@ def _all_equal_across_ranks(flat: torch.Tensor, world_size: int) -> bool:
 
 def _averaged_updates(rank: int, world_size: int) -> None:
     group = dist.group.WORLD
-    # Different seeds per rank: the initial state must come from rank 0 through sync_from, not from matching seeds.
+    # Different seeds per rank: the initial state must come from rank 0 (SAC syncs it when built), not from
+    # matching seeds.
     sac = make_sac(seed=10 + rank, group=group, policy_frequency=2, model=model_cfg(normalize_obs=True))
+    assert _all_equal_across_ranks(flat_state(sac), world_size)
+    for param in sac.critic_params:  # drift apart, then sync again
+        param.data.add_(rank)
     sac.actor.obs_normalizer.update(torch.randn(16, 3) * (rank + 1))
     assert not _all_equal_across_ranks(flat_state(sac), world_size)
-    sac.sync_from(0)
+    sac.sync_from_first_trainer()
     assert _all_equal_across_ranks(flat_state(sac), world_size)
     assert _all_equal_across_ranks(sac.actor.obs_normalizer.mean, world_size)
     alone = make_sac(seed=0, policy_frequency=2, model=model_cfg(normalize_obs=True))  # the same start, alone
@@ -297,7 +300,7 @@ def _critic_steps_equal_one_process_on_the_whole_batch(rank: int, world_size: in
     # steps do not depend on sampling noise and can be compared with one process on the concatenated batch.
     changes = dict(gamma=0.0, policy_frequency=100, target_network_frequency=1)
     sac = make_sac(seed=rank, group=dist.group.WORLD, **changes)
-    sac.sync_from(0)
+    sac.sync_from_first_trainer()
     reference = make_sac(seed=0, **changes)  # rank 0's initial state, updating alone
     for step in range(3):
         shares = [replay_batch(16, seed=10 * step + r) for r in range(world_size)]

@@ -88,7 +88,7 @@ def test_torchrun_split_layout_two_trainers_weights_verified_every_sync(tmp_path
 
 
 SAC_TINY = ["--config", str(ROOT / "configs" / "sac_pendulum.yaml"), "algo.num_steps=4", "train.total_steps=96",
-            "sac.learning_starts=32", "sac.batch_size=16", "model.hidden_sizes=[16,16]", "log.progress=false",
+            "algo.learning_starts=32", "algo.batch_size=16", "policy.hidden_sizes=[16,16]", "log.progress=false",
             "log.tensorboard=false"]
 
 

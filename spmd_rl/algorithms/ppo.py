@@ -9,19 +9,15 @@ Such reset steps are marked invalid (valid=False) and every loss is a mean over 
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor, nn
 
-from spmd_rl.config import AlgoSection
-from spmd_rl.modules.actor_critic import ActorCritic
-from spmd_rl.runtime import wait
-
-DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
+from spmd_rl.algorithms.configs import PPOConfig
+from spmd_rl.api import Algorithm, Context, PlanFacts, Policy
+from spmd_rl.errors import UserError
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -61,7 +57,7 @@ LOSS_NAMES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fractio
 
 
 def ppo_losses(minibatch: dict[str, Tensor], new_log_prob: Tensor, entropy: Tensor, new_value: Tensor,
-               clip: float, cfg: AlgoSection) -> dict[str, Tensor]:
+               clip: float, cfg: PPOConfig) -> dict[str, Tensor]:
     """The clipped-surrogate, value and entropy terms on one minibatch, each a mean over its valid entries.
 
     minibatch holds the rollout's log_prob, advantage, return_, value and valid (its invalid entries zeroed by
@@ -95,7 +91,7 @@ def ppo_losses(minibatch: dict[str, Tensor], new_log_prob: Tensor, entropy: Tens
             "approx_kl": approx_kl, "clip_fraction": clip_fraction}
 
 
-def total_loss(losses: dict[str, Tensor], cfg: AlgoSection) -> Tensor:
+def total_loss(losses: dict[str, Tensor], cfg: PPOConfig) -> Tensor:
     return losses["policy_loss"] - cfg.ent_coef * losses["entropy"] + cfg.vf_coef * losses["value_loss"]
 
 
@@ -129,31 +125,63 @@ def shuffled_minibatches(data: dict[str, Tensor], num_minibatches: int) -> Itera
         yield {key: value[index] for key, value in data.items()}
 
 
-class PPO:
+class PPO(Algorithm):
     """Owns the optimizer and runs the PPO update on this trainer's share of the batch.
 
-    With DDP (ddp_policy given), forward/backward go through ddp_policy so gradients are averaged over the trainer
-    group. Every trainer then must take the same number of optimizer steps: the target_kl early stop is decided on
-    the group's mean approx_kl, so pass the trainer group when target_kl is set. Each trainer's losses are means
-    over its own valid entries, and DDP averages the trainers' gradients.
+    With several trainers, forward/backward go through the policy's DDP wrapper, so gradients are averaged over
+    the trainer group. Every trainer then must take the same number of optimizer steps: the target_kl early stop
+    is decided on the group's mean approx_kl. Each trainer's losses are means over its own valid entries, and DDP
+    averages the trainers' gradients.
+
+    Needs from the policy: per-step outputs log_prob and value, `evaluate(obs, action) -> (log_prob, entropy,
+    value)` with gradients (also as forward(), for DDP) and `value(obs)`.
     """
 
-    def __init__(self, policy: ActorCritic, ddp_policy: nn.Module | None, cfg: AlgoSection, num_iterations: int,
-                 group: dist.ProcessGroup | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT):
-        if ddp_policy is not None and cfg.target_kl is not None and group is None:
-            raise ValueError("PPO with DDP and target_kl needs the trainer group to agree on the early stop")
-        self.policy = policy
+    Config = PPOConfig
+    requires = ("log_prob", "value")
+    policy_methods = ("evaluate", "value")
+
+    @classmethod
+    def check_plan(cls, config: PPOConfig, plan: PlanFacts) -> None:
+        if plan.samples_per_trainer < config.num_minibatches:
+            raise UserError(f"algo.num_minibatches={config.num_minibatches} is more than the "
+                            f"{plan.samples_per_trainer} samples a trainer holds per iteration; lower it")
+
+    @classmethod
+    def summary(cls, config: PPOConfig, plan: PlanFacts) -> str:
+        per_trainer = plan.samples_per_trainer
+        return (f"batch {plan.steps_per_iteration} ({per_trainer} per trainer), {config.num_minibatches} "
+                f"minibatch(es) of {per_trainer // config.num_minibatches} per trainer, {config.update_epochs} epochs")
+
+    def __init__(self, policy: Policy, config: PPOConfig, context: Context):
+        super().__init__(policy, config, context)
+        self.cfg = config
+        self.num_iterations = context.num_iterations
         # The module forward/backward go through: the DDP wrapper (grads averaged over trainers) or the policy.
-        self.model = ddp_policy if ddp_policy is not None else policy
-        self.cfg = cfg
-        self.num_iterations = num_iterations
-        self.group = group
-        self.timeout = timeout
+        self.model = context.data_parallel(policy)
         self.parameters = list(policy.parameters())
         # fused: one kernel over all parameters instead of a dozen small ops per tensor (about 4x faster on CPU).
-        self.optimizer = torch.optim.Adam(self.parameters, lr=cfg.learning_rate, eps=1e-5, fused=True)
+        self.optimizer = torch.optim.Adam(self.parameters, lr=config.learning_rate, eps=1e-5, fused=True)
 
-    def schedule(self, iteration: int) -> tuple[float, float]:
+    def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
+        """GAE over the rollout, the clipped-surrogate update, then the observation statistics."""
+        rollout = segment["rollout"].to(self.context.device)
+        cfg = self.cfg
+        with torch.no_grad():
+            next_value = self.policy.value(segment["next_obs"].to(self.context.device))
+        advantage, return_ = compute_gae(rollout["reward"], rollout["value"], next_value,
+                                         rollout["terminated"], rollout["truncated"], cfg.gamma, cfg.gae_lambda)
+        batch = TensorDict({
+            "obs": rollout["obs"], "action": rollout["action"], "log_prob": rollout["log_prob"],
+            "value": rollout["value"], "valid": rollout["valid"], "advantage": advantage, "return_": return_,
+        }, batch_size=rollout.batch_size).reshape(-1)
+        metrics = self.update(batch, iteration)
+        # The statistics used to collect this rollout stay fixed while learning from it; fold the rollout's
+        # observations in afterwards, so the next rollout (and its learning) use the merged statistics.
+        self.policy.update_normalizer(batch["obs"][batch["valid"]], self.context)
+        return metrics
+
+    def annealed(self, iteration: int) -> tuple[float, float]:
         """(learning rate, clip coefficient) for a 0-based iteration: linear decay towards 0 when annealing."""
         remaining = 1.0 - iteration / self.num_iterations
         lr = self.cfg.learning_rate * (remaining if self.cfg.anneal_lr else 1.0)
@@ -168,7 +196,7 @@ class PPO:
         update_epochs * num_minibatches when target_kl stopped the update early).
         """
         cfg = self.cfg
-        lr, clip = self.schedule(iteration)
+        lr, clip = self.annealed(iteration)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
         data = rollout_tensors(batch)
@@ -202,14 +230,8 @@ class PPO:
 
     def _group_mean(self, value: Tensor) -> float:
         """The trainer group's mean of a scalar, so every trainer makes the same early-stop decision."""
-        if self.group is None or not (dist.is_available() and dist.is_initialized()):
-            return float(value)
         value = value.detach().clone().reshape(1)
-        work = dist.all_reduce(value, group=self.group, async_op=True)
-        wait(work, self.timeout, lambda: (
-            f"rank {dist.get_rank()}: PPO target_kl all_reduce of approx_kl with trainer ranks "
-            f"{dist.get_process_group_ranks(self.group)}"))
-        return float(value) / dist.get_world_size(self.group)
+        return float(self.context.all_reduce(value, "PPO target_kl: approx_kl", mean=True))
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}

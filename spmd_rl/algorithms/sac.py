@@ -14,44 +14,77 @@ targets and temperature bit-identical with the fewest messages.
 from __future__ import annotations
 
 import copy
-import datetime
 import math
 
-import gymnasium as gym
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from spmd_rl.config import ModelSection, SACSection
+from spmd_rl.algorithms.configs import SACConfig
+from spmd_rl.api import Algorithm, Context, PlanFacts, Schedule
 from spmd_rl.errors import UserError
 from spmd_rl.modules.sac_networks import SquashedGaussianActor, TwinQ
-from spmd_rl.runtime import wait
-
-DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
+from spmd_rl.spaces import zeros_of
 
 
-class SAC:
-    """Owns the critics, their targets, the temperature and the three optimizers; updates the given actor.
+def transitions_of(segment: TensorDict) -> TensorDict:
+    """The real transitions (s, a, r, s', terminated) of a segment, as rows.
 
-    update(batch) takes a TensorDict [B] of real transitions: obs, action (env units), reward (float32),
-    next_obs (the real next observation, the final one when the episode ended) and terminated (bool). Truncation
-    is not termination: a transition cut by a time limit is passed with terminated=False and still bootstraps.
-    The batch must be on the actor's device.
+    In NEXT_STEP autoreset mode the observation after step t is obs[t + 1] (the segment's next_obs after the last
+    step), also when step t ended an episode: that is then the episode's final observation. Reset steps (valid
+    False) are no transitions and are dropped. Truncation is not termination: a truncated transition keeps its
+    bootstrap.
+    """
+    rollout = segment["rollout"]
+    next_obs = torch.cat([rollout["obs"][1:], segment["next_obs"].unsqueeze(0)])
+    valid = rollout["valid"]
+    return TensorDict({
+        "obs": rollout["obs"][valid],
+        "action": rollout["action"][valid],
+        "reward": rollout["reward"][valid],
+        "next_obs": next_obs[valid],
+        "terminated": rollout["terminated"][valid],
+    }, batch_size=[int(valid.sum())])
+
+
+class SAC(Algorithm):
+    """Owns the critics, their targets, the temperature, the three optimizers and the replay shard; updates the
+    policy (a SquashedGaussianActor, or any policy with `sample(obs)` and `features(obs)`).
+
+    learn(segment) stores the segment's transitions in this trainer's replay shard; after algo.learning_starts env
+    steps it takes algo.updates_per_step gradient steps per env step, each an `update(batch)` on a batch sampled
+    uniformly over all trainers' shards. update(batch) takes a TensorDict [B] of real transitions: obs, action
+    (env units), reward (float32), next_obs (the real next observation, the final one when the episode ended) and
+    terminated (bool). Truncation is not termination: a transition cut by a time limit is passed with
+    terminated=False and still bootstraps. The batch must be on the actor's device.
     """
 
-    def __init__(self, actor: SquashedGaussianActor, obs_space: gym.Space, action_space: gym.Space,
-                 model_cfg: ModelSection, cfg: SACSection, group: dist.ProcessGroup | None = None,
-                 timeout: datetime.timedelta = DEFAULT_TIMEOUT):
-        if cfg.autotune and cfg.alpha <= 0:
-            raise UserError(f"sac.alpha={cfg.alpha} with sac.autotune=true: the temperature is tuned in log space "
-                            "from its initial value sac.alpha, which must be > 0")
+    Config = SACConfig
+    policy_methods = ("sample", "features")
+
+    @classmethod
+    def schedule(cls, config: SACConfig) -> Schedule:
+        return Schedule(weight_sync_every=config.weight_sync_every, random_steps=config.learning_starts)
+
+    @classmethod
+    def check_plan(cls, config: SACConfig, plan: PlanFacts) -> None:
+        if config.batch_size % plan.trainer_ranks:
+            raise UserError(f"algo.batch_size={config.batch_size} must be a multiple of the {plan.trainer_ranks} "
+                            f"trainer ranks (each samples an equal share of every batch)")
+
+    @classmethod
+    def summary(cls, config: SACConfig, plan: PlanFacts) -> str:
+        return (f"replay batch {config.batch_size} (all trainers), {config.updates_per_step:g} updates per env step "
+                f"after {config.learning_starts} random steps")
+
+    def __init__(self, actor: SquashedGaussianActor, cfg: SACConfig, context: Context):
+        super().__init__(actor, cfg, context)
         self.cfg = cfg
         self.actor = actor
-        device = actor.action_scale.device
-        self.critic = TwinQ(obs_space, action_space, model_cfg).to(device)
+        obs_space, action_space = context.observation_space, context.action_space
+        device = context.device
+        self.critic = TwinQ(obs_space, action_space, list(cfg.critic_hidden_sizes), cfg.critic_activation).to(device)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         # alpha = exp(log_alpha) stays positive while Adam moves log_alpha freely.
         initial_log_alpha = math.log(cfg.alpha) if cfg.alpha > 0 else -math.inf
@@ -68,11 +101,32 @@ class SAC:
                                 if cfg.autotune else None)
         self.num_updates = 0  # update() calls so far: schedules the delayed actor and target updates
 
-        self.timeout = timeout
-        self.group = group if group is not None and dist.is_available() and dist.is_initialized() else None
-        if self.group is not None and dist.get_rank(self.group) < 0:
-            raise RuntimeError(f"rank {dist.get_rank()} is not a member of the SAC trainer group "
-                               f"{dist.get_process_group_ranks(self.group)}")
+        # Every trainer starts from the first trainer's actor, critics, targets and temperature.
+        self.sync_from_first_trainer()
+        example = TensorDict({
+            "obs": zeros_of(obs_space, 1), "action": zeros_of(action_space, 1).float(),
+            "reward": torch.zeros(1), "next_obs": zeros_of(obs_space, 1),
+            "terminated": torch.zeros(1, dtype=torch.bool)}, batch_size=[1])
+        self.replay = context.replay_buffer(example)
+        self.updates_per_iteration = cfg.updates_per_step * context.steps_per_iteration
+        self.updates_owed = 0.0  # fractional updates carry over, so the long-run ratio is exact
+
+    def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
+        transitions = transitions_of(segment)
+        self.replay.shard.add(transitions)
+        # Observation statistics (actor buffers, broadcast with its weights) follow the data as it arrives.
+        self.actor.update_normalizer(transitions["obs"].to(self.context.device), self.context)
+        if (iteration + 1) * self.context.steps_per_iteration < self.cfg.learning_starts:
+            return {}
+        self.updates_owed += self.updates_per_iteration
+        metrics: dict[str, float] = {}
+        while self.updates_owed >= 1.0:
+            metrics = self.update(self.replay.sample(self.cfg.batch_size).to(self.context.device))
+            self.updates_owed -= 1.0
+        return metrics
+
+    def close(self) -> None:
+        self.replay.shard.close()
 
     @property
     def alpha(self) -> Tensor:
@@ -152,22 +206,11 @@ class SAC:
         """Gradients of loss for exactly these parameters (none land on the critics during an actor step), averaged
         over the trainer group, then one step of each optimizer."""
         grads = torch.autograd.grad(loss, params)
-        grads = self._average_over_group(grads, what)
+        grads = self.context.average_gradients(grads, f"SAC {what} gradients (update {self.num_updates})")
         for param, grad in zip(params, grads):
             param.grad = grad
         for optimizer in optimizers:
             optimizer.step()
-
-    def _average_over_group(self, grads: tuple[Tensor, ...], what: str) -> tuple[Tensor, ...]:
-        if self.group is None:
-            return grads
-        flat = _flatten_dense_tensors(grads)
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
-        wait(work, self.timeout, lambda: (
-            f"rank {dist.get_rank()}: SAC {what} gradient all_reduce (update {self.num_updates}) with trainer "
-            f"ranks {dist.get_process_group_ranks(self.group)}"))
-        flat /= dist.get_world_size(self.group)  # gloo has no AVG reduction
-        return _unflatten_dense_tensors(flat, grads)
 
     @torch.no_grad()
     def update_targets(self) -> None:
@@ -178,20 +221,18 @@ class SAC:
     # Start-up and checkpoints
 
     @torch.no_grad()
-    def sync_from(self, src_rank: int) -> None:
-        """Make every trainer's actor (parameters and buffers), critics, targets and temperature those of src_rank
-        (a global rank in the group). Every member calls it, once at start-up; a no-op without a group."""
-        if self.group is None:
+    def sync_from_first_trainer(self) -> None:
+        """Make every trainer's actor (parameters and buffers), critics, targets and temperature the first
+        trainer's. Every trainer calls it, once at start-up; a no-op for a single trainer."""
+        if self.context.group is None:
             return
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
         tensors = [*self.actor.parameters(), *self.actor.buffers(), *self.critic_params, *self.target_params,
                    self.log_alpha]
         for dtype in sorted({t.dtype for t in tensors}, key=str):  # one broadcast per dtype (the normalizer's f64)
             same_dtype = [t for t in tensors if t.dtype == dtype]
             flat = _flatten_dense_tensors([t.detach() for t in same_dtype])
-            work = dist.broadcast(flat, src=src_rank, group=self.group, async_op=True)
-            wait(work, self.timeout, lambda: (
-                f"rank {dist.get_rank()}: SAC initial state broadcast ({dtype}) from rank {src_rank} to trainer "
-                f"ranks {dist.get_process_group_ranks(self.group)}"))
+            self.context.broadcast(flat, f"SAC initial state ({dtype})")
             for tensor, value in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
                 tensor.copy_(value)
 
@@ -205,6 +246,7 @@ class SAC:
             "critic_optimizer": self.critic_optimizer.state_dict(),
             "alpha_optimizer": None if self.alpha_optimizer is None else self.alpha_optimizer.state_dict(),
             "num_updates": self.num_updates,
+            "updates_owed": self.updates_owed,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -217,3 +259,4 @@ class SAC:
         if self.alpha_optimizer is not None:
             self.alpha_optimizer.load_state_dict(state["alpha_optimizer"])
         self.num_updates = state["num_updates"]
+        self.updates_owed = state["updates_owed"]

@@ -1,4 +1,5 @@
-"""The PPO policy: separate actor and critic MLPs (SB3 / CleanRL style) over normalized observations.
+"""The built-in actor-critic policy (`policy.class: actor_critic`): an observation encoder (modules/encoders.py),
+then separate actor and critic MLPs (SB3 / CleanRL style) over its features.
 
 Discrete actions use a categorical distribution over the actor's logits; Box actions a diagonal Gaussian whose
 log std is a state-independent parameter. The distributions are written out (log-softmax, Gaussian log density)
@@ -14,9 +15,10 @@ import gymnasium as gym
 import torch
 from torch import Tensor, nn
 
-from spmd_rl.config import ModelSection
+from spmd_rl.api import Policy, StepField
 from spmd_rl.errors import UserError
-from spmd_rl.modules.normalizer import RunningNormalizer
+from spmd_rl.modules.configs import ActorCriticConfig
+from spmd_rl.modules.encoders import make_encoder
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
@@ -40,66 +42,72 @@ def mlp(in_features: int, hidden_sizes: list[int], out_features: int, activation
     return nn.Sequential(*layers)
 
 
-def _check_spaces(obs_space: gym.Space, action_space: gym.Space) -> None:
-    supported = ("observations: a 1-D Box; actions: Discrete (start 0) or a 1-D Box")
-    if not (isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1):
-        raise UserError(f"observation space {obs_space} is not supported by the MLP actor-critic ({supported}); "
-                        "flatten it with a gymnasium wrapper such as FlattenObservation")
+def _check_action_space(action_space: gym.Space) -> None:
+    supported = "Discrete (start 0) or a 1-D Box"
     if isinstance(action_space, gym.spaces.Discrete):
         if int(action_space.start) != 0:
-            raise UserError(f"action space {action_space} is not supported ({supported})")
+            raise UserError(f"action space {action_space} is not supported by the actor-critic ({supported})")
         return
     if not (isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1):
-        raise UserError(f"action space {action_space} is not supported by the actor-critic ({supported})")
+        raise UserError(f"action space {action_space} is not supported by the actor-critic ({supported}); "
+                        f"wrap the env or bring your own policy.class")
 
 
-class ActorCritic(nn.Module):
-    """Actor and critic MLPs over normalized observations; `forward(obs, action)` is `evaluate` so DDP can wrap it."""
+class ActorCritic(Policy):
+    """Actor and critic MLPs over encoded observations; `forward(obs, action)` is `evaluate` so DDP can wrap it.
 
-    def __init__(self, obs_space: gym.Space, action_space: gym.Space, model_cfg: ModelSection):
-        super().__init__()
-        _check_spaces(obs_space, action_space)
-        obs_size = int(obs_space.shape[0])
+    Its outputs per step: the action, its log-prob and the critic's value (what PPO needs from a rollout)."""
+
+    Config = ActorCriticConfig
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: ActorCriticConfig):
+        super().__init__(observation_space, action_space, config)
+        _check_action_space(action_space)
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
         if self.discrete:
-            self.action_shape: tuple[int, ...] = ()
-            self.action_dtype = torch.int64
+            self.action_field = StepField((), torch.int64)
             actor_out = int(action_space.n)
         else:
-            self.action_shape = (int(action_space.shape[0]),)
-            self.action_dtype = torch.float32
-            actor_out = self.action_shape[0]
-            self.log_std = nn.Parameter(torch.full((actor_out,), float(model_cfg.log_std_init)))
-        self.obs_normalizer = RunningNormalizer((obs_size,), enabled=model_cfg.normalize_obs)
-        hidden, activation = list(model_cfg.hidden_sizes), model_cfg.activation
-        self.actor = mlp(obs_size, hidden, actor_out, activation, head_gain=0.01)
-        self.critic = mlp(obs_size, hidden, 1, activation, head_gain=1.0)
+            self.action_field = StepField((int(action_space.shape[0]),), torch.float32)
+            actor_out = self.action_field.shape[0]
+            self.log_std = nn.Parameter(torch.full((actor_out,), float(config.log_std_init)))
+        self.encoder = make_encoder(observation_space, config)
+        hidden, activation = list(config.hidden_sizes), config.activation
+        self.actor = mlp(self.encoder.out_features, hidden, actor_out, activation, head_gain=0.01)
+        self.critic = mlp(self.encoder.out_features, hidden, 1, activation, head_gain=1.0)
 
-    def _features(self, obs: Tensor) -> Tensor:
-        return self.obs_normalizer(obs.to(torch.float32))
+    def outputs(self) -> dict[str, StepField]:
+        return {"action": self.action_field, "log_prob": StepField((), torch.float32),
+                "value": StepField((), torch.float32)}
 
-    def value(self, obs: Tensor) -> Tensor:
+    def update_normalizer(self, obs, context) -> None:
+        self.encoder.update_normalizer(obs, context)
+
+    def value(self, obs) -> Tensor:
         """V(obs), shape [B]."""
-        return self.critic(self._features(obs)).squeeze(-1)
+        return self.critic(self.encoder(obs)).squeeze(-1)
 
     @torch.no_grad()
-    def act(self, obs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Sample actions: (action, log_prob, value). Continuous actions are unclipped; the env side clips."""
-        x = self._features(obs)
+    def act(self, obs, deterministic: bool = False) -> dict[str, Tensor]:
+        """Sample actions (the mode when deterministic) with their log-probs and values. Continuous actions are
+        unclipped; the env side clips."""
+        x = self.encoder(obs)
         out = self.actor(x)
         if self.discrete:
             log_probs = torch.log_softmax(out, dim=-1)
-            action = torch.multinomial(log_probs.exp(), 1).squeeze(-1)
+            if deterministic:
+                action = log_probs.argmax(-1)
+            else:
+                action = torch.multinomial(log_probs.exp(), 1).squeeze(-1)
             log_prob = log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1)
         else:
-            std = self.log_std.exp()
-            action = out + std * torch.randn_like(out)
+            action = out if deterministic else out + self.log_std.exp() * torch.randn_like(out)
             log_prob = self._gaussian_log_prob(out, action)
-        return action, log_prob, self.critic(x).squeeze(-1)
+        return {"action": action, "log_prob": log_prob, "value": self.critic(x).squeeze(-1)}
 
-    def evaluate(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def evaluate(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(log_prob, entropy, value) of given actions, with gradients."""
-        x = self._features(obs)
+        x = self.encoder(obs)
         out = self.actor(x)
         if self.discrete:
             log_probs = torch.log_softmax(out, dim=-1)
@@ -111,11 +119,10 @@ class ActorCritic(nn.Module):
             entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(out.shape[0])
         return log_prob, entropy, self.critic(x).squeeze(-1)
 
-    def forward(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # DDP only hooks forward(): the trainer calls ddp_policy(obs, action) to get evaluate() with synced grads.
         return self.evaluate(obs, action)
 
     def _gaussian_log_prob(self, mean: Tensor, action: Tensor) -> Tensor:
         z = (action - mean) * torch.exp(-self.log_std)
         return (-0.5 * z.square() - self.log_std - LOG_SQRT_2PI).sum(-1)
-

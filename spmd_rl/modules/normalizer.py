@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from spmd_rl.runtime import wait
+from spmd_rl.runtime import bounded
 
 CLIP = 10.0
 EPS = 1e-8
@@ -89,10 +89,8 @@ class RunningNormalizer(nn.Module):
         # One message per rank: [count, mean..., m2...] in float64; the merge below is Chan's, over all ranks at once.
         local = torch.cat([count.reshape(1), mean.reshape(-1), m2.reshape(-1)])
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        work = dist.all_gather(gathered, local, group=group, async_op=True)
-        wait(work, timeout, lambda: (
-            f"rank {dist.get_rank()}: observation normalizer all_gather of batch statistics with ranks "
-            f"{dist.get_process_group_ranks(group)}"))
+        bounded(dist.all_gather, gathered, local, group=group, timeout=timeout,
+                what="observation normalizer all_gather of batch statistics")
         table = torch.stack(gathered)
         size = mean.numel()
         counts, means, m2s = table[:, 0], table[:, 1:1 + size], table[:, 1 + size:]

@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from spmd_rl.config import ModelSection
+from spmd_rl.api import Policy, StepField
 from spmd_rl.errors import UserError
 from spmd_rl.modules.actor_critic import ACTIVATIONS, LOG_SQRT_2PI
+from spmd_rl.modules.configs import SquashedGaussianConfig
 from spmd_rl.modules.normalizer import RunningNormalizer
 
 # The log std is squashed into [LOG_STD_MIN, LOG_STD_MAX] with a tanh rather than clamped, so it keeps a gradient.
@@ -45,7 +46,7 @@ def sac_mlp(in_features: int, hidden_sizes: list[int], out_features: int, activa
 def check_sac_spaces(obs_space: gym.Space, action_space: gym.Space) -> None:
     """SAC's MLPs need a 1-D Box of observations and a 1-D Box of actions with finite bounds."""
     if not isinstance(action_space, gym.spaces.Box):
-        raise UserError(f"SAC needs continuous (Box) actions; got {action_space}: use algo.name=ppo for "
+        raise UserError(f"SAC needs continuous (Box) actions; got {action_space}: use algo.class=ppo for "
                         "discrete actions")
     if len(action_space.shape) != 1:
         raise UserError(f"SAC needs a 1-D Box of actions; got {action_space}: flatten it with a gymnasium "
@@ -58,20 +59,21 @@ def check_sac_spaces(obs_space: gym.Space, action_space: gym.Space) -> None:
                         "it with a gymnasium wrapper such as FlattenObservation")
 
 
-class SquashedGaussianActor(nn.Module):
+class SquashedGaussianActor(Policy):
     """pi(a|s): a Gaussian over u, squashed to a = action_scale * tanh(u) + action_bias, over normalized obs.
 
     `forward(obs)` gives the Gaussian's (mean, log_std); `sample(obs)` draws reparameterized actions with their
-    log-probs (for the updates); `act(obs)` is the inference server's no-grad sampling.
+    log-probs (for the updates); `act(obs)` is the inference server's no-grad sampling. Its only per-step output
+    is the action: SAC learns from (s, a, r, s') alone.
     """
 
-    def __init__(self, obs_space: gym.Space, action_space: gym.Space, model_cfg: ModelSection):
-        super().__init__()
+    Config = SquashedGaussianConfig
+
+    def __init__(self, obs_space: gym.Space, action_space: gym.Space, model_cfg: SquashedGaussianConfig):
+        super().__init__(obs_space, action_space, model_cfg)
         check_sac_spaces(obs_space, action_space)
         obs_size = int(obs_space.shape[0])
         act_dim = int(action_space.shape[0])
-        self.action_shape: tuple[int, ...] = (act_dim,)
-        self.action_dtype = torch.float32
         # Always present (fixed state layout for weight buckets and checkpoints); the critics see the same
         # normalized observations through `features`.
         self.obs_normalizer = RunningNormalizer((obs_size,), enabled=model_cfg.normalize_obs)
@@ -105,12 +107,20 @@ class SquashedGaussianActor(nn.Module):
         action = torch.tanh(u) * self.action_scale + self.action_bias
         return action, (gaussian_log_prob - log_det).sum(-1)
 
+    def outputs(self) -> dict[str, StepField]:
+        return {"action": StepField(tuple(self.action_scale.shape), torch.float32)}
+
+    def update_normalizer(self, obs: Tensor, context) -> None:
+        context.merge_normalizer(self.obs_normalizer, obs)
+
     @torch.no_grad()
-    def act(self, obs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(action, log_prob, value) for the inference server; value is zeros: SAC acts without a critic, and the
-        tuple has ActorCritic.act's shape so one inference server serves both algorithms."""
-        action, log_prob = self.sample(obs)
-        return action, log_prob, torch.zeros_like(log_prob)
+    def act(self, obs: Tensor, deterministic: bool = False) -> dict[str, Tensor]:
+        """Actions for the inference server: sampled, or the squashed mean when deterministic."""
+        if deterministic:
+            mean, _ = self(obs)
+            return {"action": torch.tanh(mean) * self.action_scale + self.action_bias}
+        action, _ = self.sample(obs)
+        return {"action": action}
 
 
 class TwinQ(nn.Module):
@@ -120,11 +130,10 @@ class TwinQ(nn.Module):
     the actor's normalizer is the only one.
     """
 
-    def __init__(self, obs_space: gym.Space, action_space: gym.Space, model_cfg: ModelSection):
+    def __init__(self, obs_space: gym.Space, action_space: gym.Space, hidden: list[int], activation: str):
         super().__init__()
         check_sac_spaces(obs_space, action_space)
         in_features = int(obs_space.shape[0]) + int(action_space.shape[0])
-        hidden, activation = list(model_cfg.hidden_sizes), model_cfg.activation
         self.q1 = sac_mlp(in_features, hidden, 1, activation)
         self.q2 = sac_mlp(in_features, hidden, 1, activation)
 

@@ -11,22 +11,33 @@ import time
 
 import numpy as np
 
+from spmd_rl import spaces
+from spmd_rl.errors import UserCodeError
+
 
 class EnvWorker:
-    def __init__(self, envs, first_obs, to_inference, from_inference, to_trainer, num_steps: int):
+    def __init__(self, envs, first_obs, to_inference, from_inference, to_trainer, num_steps: int,
+                 policy_outputs: list[str], describe: str = "env worker", env_id: str = "env"):
         self.envs = envs
         self.num_steps = num_steps
         self.to_inference = to_inference
         self.from_inference = from_inference
         self.to_trainer = to_trainer
+        self.policy_outputs = policy_outputs  # the fields of each reply copied into the rollout (action first)
+        self.describe = describe
+        self.env_id = env_id
         # Both outgoing buffers are written in place, so the channels send them without another copy. The writes
         # go through numpy views of the (CPU) buffers: a numpy assignment costs a fraction of a torch op's
-        # dispatch, and this loop runs once per env step.
-        self.obs_out = to_inference.buffer["obs"].numpy()
+        # dispatch, and this loop runs once per env step. Observations keep the env's dtype and shape (nested
+        # dicts of views for Dict spaces).
+        self.obs_out = spaces.numpy_views(to_inference.buffer["obs"])
         self.segment = to_trainer.buffer
-        self.rollout = {key: tensor.numpy() for key, tensor in self.segment["rollout"].items()}
+        self.rollout = {key: spaces.numpy_views(value) for key, value in self.segment["rollout"].items()}
+        self.next_obs_out = spaces.numpy_views(self.segment["next_obs"])
         self.versions = self.segment["policy_version"].numpy()
-        self.obs = np.asarray(first_obs, dtype=np.float32)
+        self.obs = first_obs
+        self.steps_taken = 0
+        self._check_finite(first_obs, None, "reset")
         # After a step that ends an episode, the next step only resets that env: its transition is not real.
         self.next_step_valid = np.ones(envs.num_envs, dtype=bool)
         self._reset_timers()
@@ -35,9 +46,9 @@ class EnvWorker:
         self.env_s = self.action_wait_s = self.inference_s = 0.0
 
     def send_observations(self, t: int) -> None:
-        self.rollout["obs"][t] = self.obs
+        spaces.write(self.rollout["obs"], self.obs, t)
         self.rollout["valid"][t] = self.next_step_valid
-        self.obs_out[:] = self.obs
+        spaces.write(self.obs_out, self.obs)
         self._action_clock = time.perf_counter()
         self.to_inference.send()
 
@@ -45,22 +56,34 @@ class EnvWorker:
         reply = self.from_inference.recv()
         self.action_wait_s += time.perf_counter() - self._action_clock
         self.inference_s += reply["inference_s"].item()
-        action = reply["action"].numpy()
-        self.rollout["action"][t] = action
-        self.rollout["log_prob"][t] = reply["log_prob"].numpy()
-        self.rollout["value"][t] = reply["value"].numpy()
+        for key in self.policy_outputs:
+            self.rollout[key][t] = reply[key].numpy()
+        action = self.rollout["action"][t]
         self.versions[t] = reply["policy_version"].item()
 
         clock = time.perf_counter()
         obs, reward, terminated, truncated, info = self.envs.step(action)
         self.env_s += time.perf_counter() - clock
+        self.steps_taken += 1
+        self._check_finite(obs, reward, f"step {self.steps_taken}")
 
         self.rollout["reward"][t] = reward
         self.rollout["terminated"][t] = terminated
         self.rollout["truncated"][t] = truncated
         self._record_episodes(t, info)
-        self.obs = np.asarray(obs, dtype=np.float32)
+        self.obs = obs
         self.next_step_valid = ~(terminated | truncated)
+
+    def _check_finite(self, obs, reward, when: str) -> None:
+        """NaN or inf from an env would be trained on silently: name the env, this rank, the env index, the step.
+        One vectorized check over the whole batch per step (cheap next to env.step)."""
+        for what, values in (("reward", reward), ("observation", obs)):
+            if values is None or spaces.all_finite(values):
+                continue
+            bad = spaces.non_finite_envs(values)
+            raise UserCodeError(f"{self.describe}: env '{self.env_id}' returned a non-finite {what} (NaN or inf) at "
+                                f"{when} in env index(es) {bad}; fix the env or wrap it (e.g. clip or check its "
+                                f"outputs)")
 
     def _record_episodes(self, t: int, info: dict) -> None:
         episode = info.get("episode")
@@ -73,7 +96,7 @@ class EnvWorker:
         self.rollout["episode_length"][t] = np.where(finished, episode["l"], 0)
 
     def send_segment(self) -> None:
-        self.segment["next_obs"].numpy()[:] = self.obs
+        spaces.write(self.next_obs_out, self.obs)
         self.segment["env_s"].fill_(self.env_s)
         self.segment["action_wait_s"].fill_(self.action_wait_s)
         self.segment["inference_s"].fill_(self.inference_s)

@@ -9,24 +9,48 @@ from __future__ import annotations
 
 import time
 
+import gymnasium as gym
 import torch
+
+
+class UniformActions:
+    """Off-policy warm-up (SAC's random steps): actions uniform over the action space, the policy's other outputs
+    zero. Drawn from torch's generator, so a run stays reproducible from its seed."""
+
+    def __init__(self, action_space: gym.Space, outputs: dict):
+        self.outputs = outputs
+        self.discrete = isinstance(action_space, gym.spaces.Discrete)
+        if self.discrete:
+            self.n = int(action_space.n)
+            self.start = int(action_space.start)
+        elif isinstance(action_space, gym.spaces.Box):
+            self.low = torch.as_tensor(action_space.low, dtype=torch.float32)
+            self.high = torch.as_tensor(action_space.high, dtype=torch.float32)
+        else:
+            raise ValueError(f"random warm-up steps need a Discrete or Box action space, not {action_space}")
+
+    def __call__(self, batch: int) -> dict[str, torch.Tensor]:
+        if self.discrete:
+            action = self.start + torch.randint(self.n, (batch,))
+        else:
+            action = self.low + torch.rand(batch, *self.low.shape) * (self.high - self.low)
+        out = {key: torch.zeros(batch, *f.shape, dtype=f.dtype) for key, f in self.outputs.items()}
+        out["action"] = action.to(out["action"].dtype)
+        return out
 
 
 class InferenceServer:
     def __init__(self, policy, obs_channels: list, action_channels: list, device: torch.device, weight_sync=None,
-                 action_space=None):
+                 uniform_actions: UniformActions | None = None):
         self.policy = policy
         self.obs_channels = obs_channels
         self.action_channels = action_channels
         self.device = device
         self.weight_sync = weight_sync      # None in the colocated layout: the trainer's module is this module
         self.policy_version = 0
-        # Off-policy warm-up (SAC's learning_starts): act uniformly at random within the action bounds.
-        self.explore_uniformly = False
-        self.action_low = self.action_high = None
-        if action_space is not None and hasattr(action_space, "low"):
-            self.action_low = torch.as_tensor(action_space.low, dtype=torch.float32)
-            self.action_high = torch.as_tensor(action_space.high, dtype=torch.float32)
+        self.explore_uniformly = False      # act with uniform_actions instead of the policy (warm-up steps)
+        self.uniform_actions = uniform_actions
+        self.output_keys = list(policy.outputs())
         # numpy views of the reply buffers: cheaper per-step writes than torch ops (see EnvWorker)
         self.replies = [{key: tensor.numpy() for key, tensor in ch.buffer.items()} for ch in action_channels]
         self.splits = [reply["action"].shape[0] for reply in self.replies]
@@ -38,21 +62,17 @@ class InferenceServer:
 
         clock = time.perf_counter()
         if self.explore_uniformly:
-            action = self.action_low + torch.rand(obs.shape[0], *self.action_low.shape) * (
-                self.action_high - self.action_low)
-            log_prob = value = torch.zeros(obs.shape[0])
+            out = self.uniform_actions(obs.shape[0])
         else:
-            action, log_prob, value = self.policy.act(obs.to(self.device, non_blocking=True))
-            action, log_prob, value = action.cpu(), log_prob.cpu(), value.cpu()
+            out = self.policy.act(obs.to(self.device, non_blocking=True))
+        outputs = [out[key].cpu().numpy() for key in self.output_keys]
         inference_s = time.perf_counter() - clock
 
-        action, log_prob, value = action.numpy(), log_prob.numpy(), value.numpy()
         sends = []
         offset = 0
         for channel, reply, count in zip(self.action_channels, self.replies, self.splits):
-            reply["action"][:] = action[offset:offset + count]
-            reply["log_prob"][:] = log_prob[offset:offset + count]
-            reply["value"][:] = value[offset:offset + count]
+            for key, value in zip(self.output_keys, outputs):
+                reply[key][:] = value[offset:offset + count]
             reply["policy_version"][0] = self.policy_version
             reply["inference_s"][0] = inference_s
             sends.append(channel.isend())

@@ -18,9 +18,9 @@ class StalePolicyError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, learner, segment_channels: list, segment_sources: list[str], episode_slots: int, group,
+    def __init__(self, algorithm, segment_channels: list, segment_sources: list[str], episode_slots: int, group,
                  weight_sync=None, experience_log=None, describe: str = "trainer"):
-        self.learner = learner              # PPOLearner or SACLearner (roles/learners.py)
+        self.algorithm = algorithm          # the user's (or a built-in) spmd_rl.api.Algorithm
         self.segment_channels = segment_channels
         self.segment_sources = segment_sources  # who sends each segment, for error messages
         # Every trainer gathers the same fixed number of episode slots (the most env columns any trainer has).
@@ -60,7 +60,7 @@ class Trainer:
             self.experience_log.append(rollout, policy_version=int(segment["policy_version"][0]),
                                        env_step=iteration * rollout.numel())
         try:
-            metrics = self.learner.learn(segment, iteration)
+            metrics = self.algorithm.learn(segment, iteration)
         except dist.DistError as exc:  # DDP's all-reduce failed (bounded waits raise CommError themselves)
             raise CommError(f"{self.describe}: a collective in the trainer group (gradient or statistics "
                             f"all-reduce) failed: {str(exc).splitlines()[0]}") from exc
@@ -68,7 +68,7 @@ class Trainer:
         return metrics
 
     def close(self) -> None:
-        self.learner.close()
+        self.algorithm.close()
         if self.experience_log is not None:
             self.experience_log.close()
 

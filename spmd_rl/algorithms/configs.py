@@ -1,0 +1,57 @@
+"""The built-in algorithms' own config sections (`algo:` in YAML), kept free of torch so that `--help` and config
+errors answer without importing it. PPO.Config is PPOConfig, SAC.Config is SACConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from spmd_rl.config import AlgorithmConfig, knob
+
+
+@dataclass
+class PPOConfig(AlgorithmConfig):
+    """PPO's hyperparameters; the defaults are RL Zoo's tuned CartPole-v1 settings."""
+    default_policy: ClassVar[str] = "actor_critic"
+    learning_rate: float = knob(1e-3, "Adam learning rate", min=0.0)
+    anneal_lr: bool = knob(True, "anneal the learning rate linearly to 0 over the run")
+    gamma: float = knob(0.98, "discount factor", min=0.0, max=1.0)
+    gae_lambda: float = knob(0.8, "GAE lambda", min=0.0, max=1.0)
+    num_minibatches: int = knob(1, "minibatches per epoch (each trainer splits its share of the batch)", min=1)
+    update_epochs: int = knob(20, "passes over the rollout per iteration", min=1)
+    clip_coef: float = knob(0.2, "PPO clipping coefficient", min=0.0)
+    anneal_clip: bool = knob(True, "anneal the clipping coefficient linearly to 0 over the run")
+    clip_value_loss: bool = knob(False, "clip the value loss around the old values")
+    ent_coef: float = knob(0.0, "entropy bonus coefficient", min=0.0)
+    vf_coef: float = knob(0.5, "value loss coefficient", min=0.0)
+    max_grad_norm: float = knob(0.5, "gradient norm clipping", min=0.0)
+    normalize_advantages: bool = knob(True, "normalize advantages per minibatch")
+    target_kl: float | None = knob(None, "stop the epochs early when approx_kl exceeds this (null = never)", min=0.0)
+
+
+@dataclass
+class SACConfig(AlgorithmConfig):
+    """SAC's hyperparameters (CleanRL's sac_continuous_action defaults) and its critics' shape."""
+    default_policy: ClassVar[str] = "squashed_gaussian"
+    num_steps: int = knob(8, "env steps per segment an env rank streams to its trainer's replay shard", min=1)
+    gamma: float = knob(0.99, "discount factor", min=0.0, max=1.0)
+    tau: float = knob(0.005, "Polyak averaging rate of the target critics", min=0.0, max=1.0)
+    batch_size: int = knob(256, "sampled transitions per gradient step, all trainers together", min=1)
+    learning_starts: int = knob(5000, "env steps (all env ranks) of uniform random actions before learning", min=0)
+    updates_per_step: float = knob(1.0, "gradient steps per env step (all env ranks together)", min=0.0)
+    policy_lr: float = knob(3e-4, "actor (and entropy temperature) learning rate", min=0.0)
+    q_lr: float = knob(1e-3, "critic learning rate", min=0.0)
+    policy_frequency: int = knob(2, "update the actor every N critic updates (N times, TD3-style delay)", min=1)
+    target_network_frequency: int = knob(1, "Polyak-update the target critics every N critic updates", min=1)
+    alpha: float = knob(0.2, "entropy temperature (initial value when autotune)", min=0.0)
+    autotune: bool = knob(True, "tune the temperature towards the target entropy -|A|")
+    weight_sync_every: int = knob(1, "iterations between weight broadcasts to the inference ranks", min=1)
+    critic_hidden_sizes: list[int] = knob(None, "hidden layer widths of each Q network",
+                                          factory=lambda: [256, 256], item_min=1)
+    critic_activation: str = knob("relu", "hidden activation of the Q networks", choices=["tanh", "relu", "elu"])
+
+    def __post_init__(self):
+        from spmd_rl.errors import UserError
+        if self.autotune and self.alpha <= 0:
+            raise UserError(f"algo.alpha={self.alpha} with algo.autotune=true: the temperature is tuned in log space "
+                            "from its initial value algo.alpha, which must be > 0")

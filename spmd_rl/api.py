@@ -1,0 +1,292 @@
+"""The extension API of spmd_rl: what a researcher writes to bring a network, a loss or a loop, named in YAML.
+
+    policy:    {class: my_pkg.nets:CNNActorCritic, channels: [32, 64]}   # or a built-in: actor_critic, ...
+    algo:      {class: my_pkg.a2c:A2C, learning_rate: 7e-4}              # or: ppo, sac
+    engine:    {class: sync}
+    callbacks: [my_pkg.hooks:LogGradNorm]
+
+Policy     A torch module that acts. Built the same way (same seed) on every rank that acts or trains, from the
+           env's spaces and its own config section. Everything it holds (parameters and buffers) is what ships to
+           the inference ranks and what policy.pt holds; nothing else ships. It declares its per-step outputs
+           (`outputs()`: the action plus any extra fields, with shapes and dtypes) so every channel, segment and
+           experience file is laid out before the first message.
+Algorithm  Learns, on trainer ranks only. Owns its optimizers and whatever need not ship (critics, targets,
+           replay). Declares the step fields it needs (`requires`), its schedule (weight-sync period, random
+           warm-up, tolerated policy lag) and its whole state (`state_dict` / `load_state_dict`).
+Context    What the framework hands an Algorithm so it never writes distributed code: the trainer group, device,
+           timeout, run directory, and helpers (data parallelism, gradient averaging, bounded collectives,
+           a sharded replay buffer, normalizer merging).
+Callback   Called on trainer ranks after every iteration; may add scalars to metrics.jsonl and TensorBoard.
+Engine     Drives the role loops (`engine.class: sync`).
+
+Each class has a `Config` dataclass of its own keys (see spmd_rl.config.knob): they are validated like every
+other key (unknown key: exit 2 with a did-you-mean), listed by `--help`, saved in config.yaml.
+
+What an Algorithm's `learn` receives, per iteration, from its env ranks (a TensorDict, batch_size []):
+    rollout         [T, N] time-major: obs (as the env gives it: dtype, shape, Dict spaces as nested keys),
+                    every field of the policy's outputs() (action, ...), reward (float32), terminated,
+                    truncated (bool), valid (bool: False on the step after an episode end, which only reset
+                    the env: its action was ignored and it is no transition), episode_return, episode_length,
+                    episode_done (set where an episode ended)
+    next_obs        [N] the observation after the last step
+    policy_version  [T] the policy version each step acted with
+T is algo.num_steps; N counts the env columns of all env ranks this trainer learns from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import gymnasium as gym
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch import Tensor, nn
+
+from spmd_rl.config import AlgorithmConfig, NoConfig
+from spmd_rl.runtime import bounded
+
+__all__ = ["Algorithm", "AlgorithmConfig", "Callback", "Context", "Engine", "NoConfig", "Policy", "Schedule",
+           "StepField", "ENV_FIELDS"]
+
+
+@dataclass(frozen=True)
+class StepField:
+    """One per-step value for one env: its shape (without the env dimension) and dtype."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+# What the env side records for every step, besides the observation and the policy's outputs.
+ENV_FIELDS = {
+    "reward": StepField((), torch.float32),
+    "terminated": StepField((), torch.bool),
+    "truncated": StepField((), torch.bool),
+    "valid": StepField((), torch.bool),
+    "episode_return": StepField((), torch.float32),
+    "episode_length": StepField((), torch.int64),
+    "episode_done": StepField((), torch.bool),
+}
+
+
+class Policy(nn.Module):
+    """A module that acts. Subclass it, set `Config` to a dataclass of your keys, and implement `outputs` and
+    `act`. Add whatever your algorithm needs from it (PPO: `evaluate` and `value`; SAC: `sample` and `features`)."""
+
+    Config: ClassVar[type] = NoConfig
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: Any):
+        super().__init__()
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self.config = config
+
+    def outputs(self) -> dict[str, StepField]:
+        """The per-step fields `act` returns, "action" first; each reaches the trainer in every rollout."""
+        raise NotImplementedError
+
+    def act(self, obs: Tensor | TensorDict, deterministic: bool = False) -> dict[str, Tensor]:
+        """Actions (and the other declared outputs) for a batch of observations [B, ...]; called without grad."""
+        raise NotImplementedError
+
+    def update_normalizer(self, obs: Tensor | TensorDict, context: Context) -> None:
+        """Fold a batch of observations into running statistics the policy holds (merged across trainers with
+        `context.merge_normalizer`). Algorithms call it; the default holds no statistics."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When weights move and how the policy acts, per algorithm; the engine plans every rank's sends with it."""
+    weight_sync_every: int = 1      # iterations between weight broadcasts to the inference ranks
+    random_steps: int = 0           # env steps (all env ranks) acting uniformly at random before the policy acts
+    max_policy_lag: int = 0         # policy versions a step may lag behind the learner (0: on-policy)
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """What an algorithm may check its config against before any process group exists."""
+    trainer_ranks: int
+    env_ranks: int
+    steps_per_iteration: int        # all env ranks together
+    samples_per_trainer: int        # env steps a trainer learns from per iteration
+    num_iterations: int
+
+
+class Algorithm:
+    """Learns from the segments its trainer receives. Subclass it; set `Config` (a dataclass subclassing
+    AlgorithmConfig, which gives `num_steps`), `default_policy` on the Config, and `requires`."""
+
+    Config: ClassVar[type] = AlgorithmConfig
+    requires: ClassVar[tuple[str, ...]] = ()            # step fields beyond obs/action/ENV_FIELDS (e.g. log_prob)
+    policy_methods: ClassVar[tuple[str, ...]] = ()      # methods the policy must have (e.g. PPO: evaluate, value)
+
+    @classmethod
+    def schedule(cls, config: AlgorithmConfig) -> Schedule:
+        return Schedule()
+
+    @classmethod
+    def check_plan(cls, config: AlgorithmConfig, plan: PlanFacts) -> None:
+        """Raise spmd_rl.errors.UserError for a config that cannot work with this layout (runs before any
+        process group, on every rank)."""
+
+    @classmethod
+    def summary(cls, config: AlgorithmConfig, plan: PlanFacts) -> str:
+        """What rank 0 adds to the plan it prints at start (batch sizes and the like); '' for nothing."""
+        return ""
+
+    def __init__(self, policy: Policy, config: AlgorithmConfig, context: Context):
+        self.policy = policy
+        self.config = config
+        self.context = context
+
+    def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
+        """One iteration's learning; returns scalars for metrics.jsonl (the first trainer's are logged)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """Everything beyond the policy's weights needed to continue exactly (optimizers, critics, ...)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        """Release files (replay shards); called once at the end, and on the way out after an error."""
+
+
+class Callback:
+    """Called on every trainer rank after every iteration. `metrics` is that iteration's record (on the first
+    trainer, the full metrics.jsonl line; elsewhere the algorithm's own scalars). Return scalars to add to
+    metrics.jsonl and TensorBoard (the first trainer's are logged), or None."""
+
+    Config: ClassVar[type] = NoConfig
+
+    def __init__(self, config: Any, context: Context):
+        self.config = config
+        self.context = context
+
+    def on_iteration_end(self, iteration: int, metrics: dict, algorithm: Algorithm) -> dict[str, float] | None:
+        return None
+
+
+class Engine:
+    """Drives the role loops of one run on this rank. The sync engine (spmd_rl.engine.SyncEngine) is the
+    built-in; an engine is chosen by `engine.class`."""
+
+    Config: ClassVar[type] = NoConfig
+
+    def __init__(self, config: Any):
+        self.config = config
+
+    def run(self, setup) -> Policy | None:
+        """Run this rank's role for the whole run; return the policy (trainer rank 0's is saved)."""
+        raise NotImplementedError
+
+
+@dataclass
+class Context:
+    """The trainer's surroundings, handed to its Algorithm (and Callbacks)."""
+    rank: int                               # global rank of this trainer
+    trainer_index: int                      # 0 .. num_trainers-1
+    num_trainers: int
+    group: dist.ProcessGroup | None         # the trainer group; None with a single trainer
+    device: torch.device
+    timeout: datetime.timedelta
+    run_dir: Path
+    seed: int
+    num_iterations: int
+    steps_per_iteration: int                # env steps per iteration, all env ranks together
+    observation_space: gym.Space
+    action_space: gym.Space
+    buffer: Any = None                      # the buffer config section (replay capacity, backend, files)
+
+    @classmethod
+    def local(cls, observation_space: gym.Space, action_space: gym.Space, *, group: dist.ProcessGroup | None = None,
+              num_iterations: int = 1, steps_per_iteration: int = 1, run_dir: str | Path = ".", seed: int = 1,
+              device: str = "cpu", timeout_s: float = 300.0, buffer: Any = None) -> Context:
+        """A context outside a launched run: for unit tests of an algorithm and for notebooks. With a group, this
+        process is one of its trainers."""
+        from spmd_rl.config import BufferSection
+        in_group = group is not None
+        return cls(rank=dist.get_rank() if in_group else 0,
+                   trainer_index=dist.get_rank(group) if in_group else 0,
+                   num_trainers=dist.get_world_size(group) if in_group else 1, group=group,
+                   device=torch.device(device), timeout=datetime.timedelta(seconds=timeout_s), run_dir=Path(run_dir),
+                   seed=seed, num_iterations=num_iterations, steps_per_iteration=steps_per_iteration,
+                   observation_space=observation_space, action_space=action_space,
+                   buffer=buffer if buffer is not None else BufferSection())
+
+    # -- data parallelism ---------------------------------------------------------------------------------------
+
+    def data_parallel(self, module: nn.Module) -> nn.Module:
+        """The module to run forward/backward through: DDP over the trainer group, or the module itself alone.
+        Only forward() is hooked, so route your loss through `wrapped(...)`."""
+        if self.group is None:
+            return module
+        from torch.nn.parallel import DistributedDataParallel
+        # Buffers (normalizer statistics) are merged by their own all-reduce, not synced on every forward.
+        return DistributedDataParallel(module, process_group=self.group, forward_sync_buffers=False)
+
+    def average_gradients(self, grads: list[Tensor] | tuple[Tensor, ...], what: str = "gradients"
+                          ) -> tuple[Tensor, ...]:
+        """The mean over trainers of these gradients, in one flat all-reduce (identity for one trainer)."""
+        if self.group is None:
+            return tuple(grads)
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+        flat = _flatten_dense_tensors(list(grads))
+        self.all_reduce(flat, what, mean=True)
+        return _unflatten_dense_tensors(flat, list(grads))
+
+    # -- bounded collectives over the trainer group --------------------------------------------------------------
+
+    def all_reduce(self, tensor: Tensor, what: str, mean: bool = False) -> Tensor:
+        """Sum (or mean) over trainers, in place; bounded by dist.timeout_s; `what` names it in errors."""
+        if self.group is None:
+            return tensor
+        bounded(dist.all_reduce, tensor, group=self.group, timeout=self.timeout, what=f"{what} all_reduce")
+        if mean:
+            tensor /= self.num_trainers  # gloo has no AVG reduction
+        return tensor
+
+    def broadcast(self, tensor: Tensor, what: str, src_index: int = 0) -> Tensor:
+        """Trainer src_index's tensor to every trainer, in place."""
+        if self.group is None:
+            return tensor
+        src = dist.get_process_group_ranks(self.group)[src_index]
+        bounded(dist.broadcast, tensor, src=src, group=self.group, timeout=self.timeout,
+                what=f"{what} broadcast from rank {src}")
+        return tensor
+
+    def merge_normalizer(self, normalizer: nn.Module, obs: Tensor) -> None:
+        """Fold obs into a RunningNormalizer with every trainer's batch (all trainers end with equal statistics)."""
+        normalizer.update(obs, group=self.group, timeout=self.timeout)
+
+    # -- replay ---------------------------------------------------------------------------------------------------
+
+    def replay_buffer(self, example: TensorDict, name: str = "replay"):
+        """This trainer's shard of a replay buffer sampled uniformly over all trainers' shards: `add(rows)`,
+        `sample(batch_size)` (batch_size over all trainers; each gets its share), `close()`. Rows are laid out
+        like `example` (a TensorDict with one batch dimension). Memory or HDF5 by buffer.backend."""
+        from spmd_rl.storage.replay import LocalReplay, ReplayBuffer, ShardedReplay
+        cfg = self.buffer
+        shard = ReplayBuffer(cfg.capacity, example, backend=cfg.backend,
+                             path=self.run_dir / "buffer" / f"{name}_rank{self.rank}.h5", chunk_rows=cfg.chunk_rows,
+                             compression=cfg.h5_compression, **_flush_kwargs(cfg))
+        if self.group is None:
+            return LocalReplay(shard)
+        return ShardedReplay(shard, self.group, self.timeout, seed=self.seed)
+
+
+def _flush_kwargs(buffer_cfg) -> dict:
+    # buffer.flush_every_s bounds what a crash can lose; older storage code may not take it yet.
+    value = getattr(buffer_cfg, "flush_every_s", None)
+    return {} if value is None else {"flush_every_s": value}
+
+
+def describe_outputs(outputs: dict[str, StepField]) -> str:
+    return ", ".join(f"{k} {tuple(f.shape)} {str(f.dtype).replace('torch.', '')}" for k, f in outputs.items())
+

@@ -1,0 +1,111 @@
+"""The plug-in contract, checked before any process group exists: the classes named in the config import and
+subclass the API, the policy builds from the env's spaces, declares its outputs, and `act` returns exactly them,
+and the algorithm finds every step field and policy method it needs. Each failure is one UserError naming the class
+and what to change (exit 2 on every rank, before any rank waits for another)."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import torch
+from tensordict import TensorDict
+
+from spmd_rl import plugins
+from spmd_rl.api import ENV_FIELDS, Algorithm, Policy, StepField, describe_outputs
+from spmd_rl.config import Config
+from spmd_rl.envs import EnvSpec
+from spmd_rl.errors import UserError, describe_exception
+from spmd_rl.spaces import zeros_of
+
+
+def load_classes(cfg: Config) -> tuple[type[Policy], type[Algorithm], type, list]:
+    """(policy class, algorithm class, engine class, [(callback class, its config)])."""
+    policy_cls = plugins.load_class(plugins.POLICY, cfg.classes["policy"])
+    algorithm_cls = plugins.load_class(plugins.ALGORITHM, cfg.classes["algo"])
+    engine_cls = plugins.load_class(plugins.ENGINE, cfg.classes["engine"])
+    callbacks = [(plugins.load_class(plugins.CALLBACK, name), config) for name, config in cfg.callbacks]
+    return policy_cls, algorithm_cls, engine_cls, callbacks
+
+
+def check_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm_cls: type[Algorithm]
+                 ) -> dict[str, StepField]:
+    """Build the policy on the CPU, act on a batch of sample observations, compare with its declared outputs.
+    Returns the outputs, which lay out every channel, segment and experience file."""
+    from spmd_rl.engine import build_policy
+    name = f"policy.class '{cfg.classes['policy']}'"
+    try:
+        policy = build_policy(cfg, spec, policy_cls)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"{name} could not be built for observation space {spec.observation_space} and action "
+                        f"space {spec.action_space}: {describe_exception(exc)}") from None
+    try:
+        outputs = dict(policy.outputs())
+    except Exception as exc:
+        raise UserError(f"{name}: outputs() failed: {describe_exception(exc)}") from None
+    _check_declared(name, outputs, spec.action_space)
+    _check_act(name, policy, outputs, spec)
+    _check_algorithm_needs(cfg, policy, outputs, algorithm_cls)
+    return outputs
+
+
+def _check_declared(name: str, outputs: dict, action_space: gym.Space) -> None:
+    if "action" not in outputs:
+        raise UserError(f"{name}: outputs() must declare 'action' (got {list(outputs)}); return "
+                        f"{{'action': StepField(shape, dtype), ...}}")
+    for key, field in outputs.items():
+        if not isinstance(field, StepField):
+            raise UserError(f"{name}: outputs()['{key}'] must be a spmd_rl.api.StepField(shape, dtype), got {field!r}")
+        if key == "obs" or key in ENV_FIELDS:
+            raise UserError(f"{name}: outputs() declares '{key}', which the env side records; rename that output")
+    if list(outputs)[0] != "action":
+        raise UserError(f"{name}: outputs() must list 'action' first (got {list(outputs)})")
+
+
+def _check_act(name: str, policy: Policy, outputs: dict, spec: EnvSpec) -> None:
+    batch = 2
+    space = spec.observation_space
+    obs = zeros_of(space, batch)
+    samples = [space.sample() for _ in range(batch)]
+    if isinstance(obs, TensorDict):
+        for key in obs.keys(include_nested=True, leaves_only=True):
+            path = key if isinstance(key, tuple) else (key,)
+            for i, sample in enumerate(samples):
+                for part in path:
+                    sample = sample[part]
+                obs[key][i] = torch.as_tensor(sample)
+    else:
+        for i, sample in enumerate(samples):
+            obs[i] = torch.as_tensor(sample)
+    for deterministic in (False, True):
+        try:
+            with torch.no_grad():
+                out = policy.act(obs, deterministic=deterministic)
+        except Exception as exc:
+            raise UserError(f"{name}: act(obs, deterministic={deterministic}) failed on a batch of {batch} sample "
+                            f"observations: {describe_exception(exc)}") from None
+        if not hasattr(out, "keys") or set(out.keys()) != set(outputs):
+            got = list(out.keys()) if hasattr(out, "keys") else type(out).__name__
+            raise UserError(f"{name}: act() returned {got}, but outputs() declares {list(outputs)}; return a dict "
+                            f"with exactly the declared keys")
+        for key, field in outputs.items():
+            value = out[key]
+            expected = (batch, *field.shape)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != field.dtype:
+                got = (f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
+                       else type(value).__name__)
+                raise UserError(f"{name}: act() returned '{key}' as {got} for a batch of {batch}; outputs() "
+                                f"declares {describe_outputs({key: field})} per env (so {expected} {field.dtype})")
+
+
+def _check_algorithm_needs(cfg: Config, policy: Policy, outputs: dict, algorithm_cls: type[Algorithm]) -> None:
+    algo = f"algo.class '{cfg.classes['algo']}'"
+    available = {"obs", *outputs, *ENV_FIELDS}
+    missing = [key for key in algorithm_cls.requires if key not in available]
+    if missing:
+        raise UserError(f"{algo} needs the step field(s) {missing}, which policy.class '{cfg.classes['policy']}' "
+                        f"does not emit (its outputs: {list(outputs)}); choose a policy that declares them")
+    lacking = [m for m in algorithm_cls.policy_methods if not callable(getattr(policy, m, None))]
+    if lacking:
+        raise UserError(f"{algo} calls the policy's {', '.join(lacking)}, which policy.class "
+                        f"'{cfg.classes['policy']}' lacks; add them or choose another policy")

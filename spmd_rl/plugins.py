@@ -1,0 +1,100 @@
+"""Classes named in the config by `module:Class` (like `env.id`), or by a short alias for the built-ins.
+
+Resolving a built-in's config class imports no torch, so `--help` and config errors answer quickly; a user's
+class is imported to find its `Config`. Every failure is a UserError naming the section, the class and what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+
+from spmd_rl.errors import UserError
+
+
+@dataclass(frozen=True)
+class Kind:
+    section: str        # the config section that names the class
+    what: str           # what the class is, for messages
+    base: str           # the spmd_rl.api class it must subclass
+    aliases: dict       # alias -> (class path, config class path or None)
+
+
+ALGORITHM = Kind("algo", "algorithm", "Algorithm", {
+    "ppo": ("spmd_rl.algorithms.ppo:PPO", "spmd_rl.algorithms.configs:PPOConfig"),
+    "sac": ("spmd_rl.algorithms.sac:SAC", "spmd_rl.algorithms.configs:SACConfig"),
+})
+POLICY = Kind("policy", "policy", "Policy", {
+    "actor_critic": ("spmd_rl.modules.actor_critic:ActorCritic", "spmd_rl.modules.configs:ActorCriticConfig"),
+    "squashed_gaussian": ("spmd_rl.modules.sac_networks:SquashedGaussianActor",
+                          "spmd_rl.modules.configs:SquashedGaussianConfig"),
+})
+ENGINE = Kind("engine", "engine", "Engine", {
+    "sync": ("spmd_rl.engine:SyncEngine", "spmd_rl.config:NoConfig"),
+})
+CALLBACK = Kind("callbacks", "callback", "Callback", {})
+KINDS = {kind.section: kind for kind in (ALGORITHM, POLICY, ENGINE, CALLBACK)}
+
+
+def class_path(kind: Kind, name: str) -> str:
+    """The `module:Class` a config value names (an alias, or the value itself)."""
+    if name in kind.aliases:
+        return kind.aliases[name][0]
+    if ":" not in name:
+        aliases = ", ".join(kind.aliases) or "none"
+        raise UserError(f"{kind.section}.class '{name}' is neither a built-in {kind.what} ({aliases}) nor "
+                        f"'package.module:Class'; name your class as module:Class (the working directory is "
+                        f"importable)")
+    return name
+
+
+def config_class(kind: Kind, name: str) -> type:
+    """The dataclass holding the named class's own config keys (imports a user's module, not a built-in's)."""
+    if name in kind.aliases and kind.aliases[name][1] is not None:
+        return _import(kind, kind.aliases[name][1])
+    cls = load_class(kind, name)
+    config = getattr(cls, "Config", None)
+    if config is None:
+        from spmd_rl.config import NoConfig
+        return NoConfig
+    if not (isinstance(config, type) and dataclasses.is_dataclass(config)):
+        raise UserError(f"{kind.section}.class '{name}': its Config attribute must be a dataclass (the class's own "
+                        f"config keys), not {config!r}")
+    return config
+
+
+def load_class(kind: Kind, name: str) -> type:
+    """Import the named class and check it is a subclass of the spmd_rl.api base it must extend."""
+    cls = _import(kind, class_path(kind, name))
+    import spmd_rl.api as api
+    base = getattr(api, kind.base)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise UserError(f"{kind.section}.class '{name}' must be a subclass of spmd_rl.api.{kind.base}; got {cls!r}")
+    return cls
+
+
+def _import(kind: Kind, path: str):
+    module_name, _, attr = path.partition(":")
+    _import_path_for_user_code()
+    try:
+        module = importlib.import_module(module_name)
+    except UserError:
+        raise
+    except Exception as exc:  # a user's module may fail in any way while importing
+        raise UserError(f"{kind.section}.class '{path}': importing module '{module_name}' failed: "
+                        f"{type(exc).__name__}: {exc}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise UserError(f"{kind.section}.class '{path}': module '{module_name}' has no attribute '{attr}'") from None
+
+
+def _import_path_for_user_code() -> None:
+    # A module in the working directory is found the same way under every launcher (python -m puts the cwd on
+    # sys.path; torchrun's workers and mpirun's ranks may not).
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.append(cwd)
