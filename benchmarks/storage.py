@@ -1,6 +1,8 @@
-"""HDF5 storage benchmark: append throughput, replay sampling throughput, resident memory of a disk-backed buffer.
+"""HDF5 storage benchmark: append throughput, replay sampling throughput, resident memory of a disk-backed buffer,
+and the cost of the time bound on unwritten rows (buffer.flush_every_s).
 
     python benchmarks/storage.py [--rows 2000000] [--big-rows 10000000] [--dir /tmp]
+    python benchmarks/storage.py --only time-bound      # just the flush_every_s table (~1 min)
 
 Transitions of a 17-dim observation (HalfCheetah-like): obs and next_obs float32[17], action float32[6], reward
 float32, terminated bool, 165 bytes a row. Baselines are measured in the same run: raw h5py writing the same arrays
@@ -10,6 +12,7 @@ as whole chunks (no staging, no flushes), and the in-memory replay buffer for sa
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import tempfile
@@ -81,6 +84,47 @@ def writer_append(path: str, td: TensorDict, batch_rows: int) -> float:
     return time.perf_counter() - start
 
 
+def paced_append(path: str, td: TensorDict, batch_rows: int, rows_per_s: float, seconds: float,
+                 flush_every_s: float) -> tuple[float, int]:
+    """Append batch_rows-row slices of td at rows_per_s (as a trainer does between its learning steps) for `seconds`;
+    return the seconds spent inside append and close (the writer's cost) and the rows appended."""
+    batches = [td[first:first + batch_rows] for first in range(0, len(td) - batch_rows + 1, batch_rows)]
+    inside, rows = 0.0, 0
+    with HDF5Writer(path, td[:1], chunk_rows=CHUNK_ROWS, overwrite=True, flush_every_s=flush_every_s) as writer:
+        start = time.perf_counter()
+        for step in range(int(seconds * rows_per_s / batch_rows)):
+            due = start + step * batch_rows / rows_per_s
+            while (now := time.perf_counter()) < due:
+                time.sleep(min(due - now, 0.001))
+            writer.append(batches[step % len(batches)], policy_version=1, env_id=0, env_step=rows)
+            inside += time.perf_counter() - now
+            rows += batch_rows
+        now = time.perf_counter()
+    return inside + time.perf_counter() - now, rows
+
+
+def time_bound_table(work: str, repeats: int) -> list[tuple[str, str, str, str]]:
+    """The writer's cost per row with a time bound on unwritten rows, against no bound (inf), in the same run."""
+    td = transitions(1 << 16, seed=2)
+    with HDF5Writer(f"{work}/paced.h5", td[:1], chunk_rows=CHUNK_ROWS, overwrite=True) as writer:
+        stage_rows = writer.stage_rows  # a full stage is written whatever the bound
+    table = []
+    bounds = (math.inf, 2.0, 0.5, 0.1, 0.0)
+    for rows_per_s, seconds in ((10_000, 4.0), (100_000, 2.0)):
+        best = {bound: math.inf for bound in bounds}
+        for _ in range(repeats):  # interleaved, best of each: the machine is shared
+            for bound in bounds:
+                inside, rows = paced_append(f"{work}/paced.h5", td, 256, rows_per_s, seconds, bound)
+                best[bound] = min(best[bound], inside / rows)
+        for bound in bounds:
+            unwritten = min(stage_rows, max(bound * rows_per_s, 256))  # rows a kill -9 can lose, at most
+            table.append((f"append 256 rows at {rows_per_s:,} rows/s, flush_every_s={bound:g}",
+                          f"{best[bound] * 1e6:.2f} us/row", f"{best[bound] / best[math.inf]:.2f}",
+                          f"unwritten at most {unwritten:,.0f} rows ({unwritten / rows_per_s:.2f} s)"
+                          + (", baseline: whole stages only" if bound == math.inf else "")))
+    return table
+
+
 def sample_rate(buffer: ReplayBuffer, seconds: float = 2.0) -> float:
     generator = torch.Generator().manual_seed(0)
     buffer.sample(SAMPLE_BATCH, generator)  # warm-up
@@ -97,11 +141,16 @@ def main() -> None:
     parser.add_argument("--big-rows", type=int, default=10_000_000, help="rows of the disk-backed buffer (RSS)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the benchmark's files go")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the append tests")
+    parser.add_argument("--only", choices=["time-bound"], help="run only this part")
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="spmd_rl_storage_bench_", dir=args.dir)
     table: list[tuple[str, str, str, str]] = []
     try:
+        table += time_bound_table(work, args.repeats)
+        if args.only == "time-bound":
+            print_table(table)
+            return
         td = transitions(args.rows)
         mb = args.rows * row_bytes(td) / 1e6
         # Interleaved repeats, best of each: the machine is shared, so a single run is mostly noise.
@@ -162,7 +211,10 @@ def main() -> None:
                       f"{rate / memory_rate:.2f}", "vs memory baseline above"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print_table(table)
 
+
+def print_table(table: list[tuple[str, str, str, str]]) -> None:
     width = max(len(row[0]) for row in table)
     print(f"{'measure':<{width}}  {'value':>28}  {'ratio':>6}  note")
     for name, value, ratio, note in table:

@@ -2,7 +2,8 @@
 
 Prints, per file: rows, keys with shapes and dtypes, the policy version range, the episode count (ends of episodes
 from a done / terminated / truncated key when there is one) and the size on disk. A missing directory, a corrupt
-file or a file that is not an spmd_rl experience file is a one-line error and exit code 2.
+file or a file that is not an spmd_rl experience file is a one-line error and exit code 2; a truncated or corrupt file is
+found within seconds (see storage.hdf5.open_swmr_reader).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from spmd_rl.errors import USER_ERROR_EXIT_CODE, UserError
-from spmd_rl.storage.hdf5 import HDF5Reader, describe_field
+from spmd_rl.storage.hdf5 import DAMAGED_FILE_ERRORS, HDF5Reader, damaged, describe_field
 
 EPISODE_END_KEYS = ("done", "terminated", "truncated")
 SCAN_ROWS = 1 << 20  # read columns in slices this long, so inspecting a huge file needs little memory
@@ -33,6 +34,13 @@ def experience_files(target: Path) -> list[Path]:
 
 
 def summarize(path: Path) -> str:
+    try:
+        return _summary(path)
+    except DAMAGED_FILE_ERRORS as exc:
+        raise damaged(path, exc) from None
+
+
+def _summary(path: Path) -> str:
     with HDF5Reader(path) as reader:
         rows = len(reader)
         capacity = f", ring of {reader.capacity}" if reader.capacity else ""

@@ -1,5 +1,9 @@
 """What the user sees, on rank 0 only: a progress bar, a compact line every few seconds, metrics.jsonl,
-TensorBoard events, and a final summary line."""
+TensorBoard events, and a final summary line.
+
+metrics.jsonl gets one whole line per iteration in one write (fileio.LineAppender): after a crash or on a full disk
+it ends with the last whole record, never half of one.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from spmd_rl.fileio import LineAppender, file_error
+
 # The mean over the last RETURN_WINDOW finished episodes (all env ranks) is the headline return.
 RETURN_WINDOW = 20
 
@@ -21,11 +27,15 @@ class MetricsLogger:
         self.run_dir = run_dir
         self.total_steps = total_steps
         self.interval_s = interval_s
-        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.jsonl = LineAppender(run_dir / "metrics.jsonl")
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imported only where used: it is slow to import
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            try:
+                self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            except OSError as exc:
+                self.jsonl.close()
+                raise file_error(run_dir / "tensorboard", exc, "cannot create TensorBoard's directory") from None
         show_bar = sys.stderr.isatty() if progress is None else progress
         self.bar = tqdm(total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True, disable=not show_bar)
         self.recent_returns = collections.deque(maxlen=RETURN_WINDOW)
@@ -60,7 +70,7 @@ class MetricsLogger:
             "cpu_s": time.process_time() - self.start_cpu,  # this rank's CPU time: robust to a busy machine
         }
         # JSON has no NaN: an iteration before the first finished episode has no return yet.
-        self.jsonl.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}) + "\n")
+        self.jsonl.append(json.dumps({k: _finite_or_none(v) for k, v in record.items()}))
         if self.writer is not None:
             for key, value in record.items():
                 if key not in ("iteration", "env_steps") and value is not None and math.isfinite(value):

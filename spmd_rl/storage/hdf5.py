@@ -22,15 +22,21 @@ dataset rather than in attributes because the file is kept in SWMR mode (single 
 refresh datasets to see new rows.
 
 Appends are staged in memory and written as whole chunks, up to ~4 MiB at a time (tiny HDF5 writes are ~10x slower
-per byte). After kill -9 the file opens and holds every row up to the last write.
+per byte), or sooner: when the oldest staged row has waited `flush_every_s` seconds, the append that notices it
+writes what is staged (checked on every append). After kill -9 the file opens and holds every row up to the last
+write: what is missing was appended in the last flush_every_s seconds (plus the time since the last append). Every
+orderly exit path calls fileio.flush_open_files(), which writes what every open writer has staged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
+import math
 import os
 import socket
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -40,6 +46,8 @@ import torch
 from tensordict import TensorDict
 
 from spmd_rl.errors import UserError
+from spmd_rl.fileio import file_error, make_dirs, register_open_file, unregister_open_file
+from spmd_rl.runtime import signals_deferred
 
 FORMAT_NAME = "spmd_rl.hdf5"
 FORMAT_VERSION = 1
@@ -49,7 +57,11 @@ CURSOR = "cursor"
 META_FIELDS = ("policy_version", "env_id", "env_step")
 COMPRESSIONS = (None, "lzf")  # fast codecs only: gzip writes at 30-70 MB/s, far below the hot path
 STAGE_BYTES = 4 << 20  # small appends are staged in memory up to this many bytes (whole chunks) per write
-_OPEN_FOR_WRITING: set[Path] = set()  # files this process writes: HDF5 would silently share a second handle
+DEFAULT_FLUSH_EVERY_S = 2.0  # staged rows wait at most this long before an append writes them (config default)
+# A SWMR reader retries a metadata read whose checksum fails (the writer may be rewriting it), sleeping 1 ns, 2 ns,
+# 4 ns, ... in between; HDF5's default of 100 tries makes a corrupt file hang a reader for hours. 28 tries wait
+# ~0.3 s in all: ample for a live writer to finish a metadata write, short for a file that is really corrupt.
+SWMR_READ_ATTEMPTS = 28
 
 # A field of the layout: the shape of one row and its numpy dtype.
 Field = tuple[tuple[int, ...], np.dtype]
@@ -150,17 +162,119 @@ def rows_of(td: TensorDict | Mapping, layout: dict[str, Field]) -> tuple[dict[st
 
 
 def open_h5(path: Path, mode: str, **kwargs) -> h5py.File:
-    """h5py.File, with a missing, corrupt or foreign file turned into a UserError naming it."""
+    """h5py.File, with a missing, corrupt or foreign file, or one that cannot be created, as a UserError naming it."""
     try:
         return h5py.File(path, mode, **kwargs)
+    except FileNotFoundError as exc:
+        raise UserError(f"{path}: no such file") from exc
+    except OSError as exc:
+        if mode == "w":
+            raise _write_error(path, exc, "cannot create the file") from None
+        raise UserError(f"{path} is not a readable HDF5 file: {_first_line(exc)}") from exc
+
+
+def open_swmr_reader(path: Path) -> h5py.File:
+    """Open for reading while a writer may append (SWMR), failing within about a second on a damaged file.
+
+    A SWMR reader skips HDF5's end-of-file check (the file may grow) and retries failed metadata reads: on a
+    truncated or corrupt file it would retry for hours. So the superblock's end of file is checked against the
+    file's size first, and the retries are capped (SWMR_READ_ATTEMPTS).
+    """
+    check_not_truncated(path)
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_EARLIEST, h5py.h5f.LIBVER_LATEST)
+    set_attempts = _loaded_libhdf5().H5Pset_metadata_read_attempts
+    set_attempts.argtypes = [ctypes.c_int64, ctypes.c_uint]
+    set_attempts.restype = ctypes.c_int
+    if set_attempts(fapl.id, SWMR_READ_ATTEMPTS) < 0:
+        raise UserError(f"{path}: cannot limit HDF5's metadata read retries; read the file when no writer runs")
+    try:
+        return h5py.File(h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDONLY | h5py.h5f.ACC_SWMR_READ, fapl=fapl))
     except FileNotFoundError as exc:
         raise UserError(f"{path}: no such file") from exc
     except OSError as exc:
         raise UserError(f"{path} is not a readable HDF5 file: {_first_line(exc)}") from exc
 
 
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def check_not_truncated(path: Path) -> None:
+    """A UserError if the file is shorter than the end of file its superblock records (a cut copy, a full disk).
+
+    A writer extends the file right after it records a new end (one flush), so a short file is re-checked a few
+    times over ~0.3 s before it is called truncated.
+    """
+    for pause in (0.0, 0.1, 0.2):
+        time.sleep(pause)
+        size, needed = _size_and_recorded_end(path)
+        if needed is None or size >= needed:
+            return
+    raise UserError(f"{path} is truncated: {size} bytes, its HDF5 superblock says {needed}; the file was cut short "
+                    f"(an incomplete copy, or a full disk): restore it or remove it")
+
+
+def _size_and_recorded_end(path: Path) -> tuple[int, int | None]:
+    """The file's size and base address + end-of-file address from its superblock (None: no HDF5 superblock found,
+    left for HDF5 to report)."""
+    try:
+        with open(path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            offset = 0
+            while offset + 64 <= size:  # the superblock is at 0, 512, 1024, 2048, ... (after a user block)
+                file.seek(offset)
+                head = file.read(64)
+                if head.startswith(HDF5_SIGNATURE):
+                    return size, _recorded_end(head)
+                offset = 512 if offset == 0 else offset * 2
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise file_error(path, exc, "cannot read") from None
+    return size, None
+
+
+def _recorded_end(head: bytes) -> int | None:
+    version = head[8]
+    if version in (0, 1):
+        width = head[13]
+        base_at = 24 if version == 0 else 28  # version 1 adds the indexed storage K and two reserved bytes
+        base_end = (base_at, base_at + 2 * width)  # base address, then (after the free-space address) end of file
+    elif version in (2, 3):
+        width = head[9]
+        base_end = (12, 12 + 2 * width)  # base address, extension address, end of file
+    else:
+        return None
+    if width not in (2, 4, 8):
+        return None
+    base, end = (int.from_bytes(head[at:at + width], "little") for at in base_end)
+    undefined = (1 << (8 * width)) - 1
+    return None if undefined in (base, end) else base + end
+
+
+def _write_error(path: Path, exc: Exception, doing: str) -> UserError:
+    """HDF5's errors carry the system's errno in their text ("errno = 28"): name the cause and what to do."""
+    number = getattr(exc, "errno", None)
+    if number is None:
+        for known in (28, 27, 30, 13, 1, 122):  # ENOSPC, EFBIG, EROFS, EACCES, EPERM, EDQUOT
+            if f"errno = {known}," in str(exc):
+                number = known
+    if number is not None:
+        return file_error(path, OSError(number, os.strerror(number)), doing)
+    return UserError(f"{path}: {doing}: {_first_line(exc)}")
+
+
 def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # KeyError's str() quotes
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+DAMAGED_FILE_ERRORS = (KeyError, ValueError, OSError, RuntimeError)  # what h5py raises for damaged objects
+
+
+def damaged(path: Path, exc: BaseException) -> UserError:
+    """The UserError for a file HDF5 opened but cannot read (corrupt metadata, a missing object)."""
+    return UserError(f"{path} is damaged: {_first_line(exc)}; restore it or remove it")
 
 
 def check_format(path: Path, file: h5py.File) -> None:
@@ -231,11 +345,15 @@ class HDF5Writer:
     Opening an existing file continues it (contents and cursor are restored) if its layout, capacity and chunking
     match; a different layout is a UserError naming the file, the key and the difference. `capacity` makes it a
     ring of that many rows (the replay buffer); None grows without bound (the experience log). chunk_rows None
-    or 0 picks about 1 MiB of rows per chunk for a new file and keeps an existing file's.
+    or 0 picks about 1 MiB of rows per chunk for a new file and keeps an existing file's. Staged rows are written
+    once the oldest has waited flush_every_s seconds (0: every append writes; math.inf: only whole stages).
     """
 
     def __init__(self, path: str | os.PathLike, layout: Mapping | TensorDict, *, chunk_rows: int | None = None,
-                 compression: str | None = None, capacity: int | None = None, overwrite: bool = False):
+                 compression: str | None = None, capacity: int | None = None, overwrite: bool = False,
+                 flush_every_s: float = DEFAULT_FLUSH_EVERY_S):
+        if not flush_every_s >= 0:  # also refuses NaN
+            raise UserError(f"buffer.flush_every_s must be >= 0 (0: write on every append), got {flush_every_s}")
         if compression not in COMPRESSIONS:
             raise UserError(f"HDF5 compression {compression!r} is not supported; choose one of {COMPRESSIONS} "
                             f"(gzip is too slow for appends on the training path)")
@@ -243,8 +361,15 @@ class HDF5Writer:
             raise UserError(f"HDF5 chunk_rows ({chunk_rows}) must be >= 0 (0: automatic) and capacity "
                             f"({capacity}) at least 1")
         self.path = Path(path)
-        if self.path.resolve() in _OPEN_FOR_WRITING:
-            raise UserError(f"{self.path} is already open for writing in this process; one writer per file")
+        register_open_file(self.path, self)
+        try:
+            self._open(layout, chunk_rows, compression, capacity, overwrite, flush_every_s)
+        except BaseException:
+            unregister_open_file(self.path)
+            raise
+
+    def _open(self, layout, chunk_rows, compression, capacity, overwrite, flush_every_s) -> None:
+        self.flush_every_s = flush_every_s
         self.layout = layout_of(layout)
         self.capacity = capacity or 0
         self._chunk_rows_asked = chunk_rows
@@ -259,7 +384,7 @@ class HDF5Writer:
         if self.path.exists() and not overwrite:
             self._file = self._open_existing()
         else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.path.parent)
             self._file = self._create()
         self._datasets = {name: self._file[name] for name in self._fields}
         self._cursor = self._file[CURSOR]
@@ -270,9 +395,10 @@ class HDF5Writer:
         self._staging = {name: np.empty((self.stage_rows, *shape), dtype) for name, (shape, dtype)
                          in self._fields.items()}
         self._staged = 0
+        self._write_due = math.inf  # monotonic time by which the staged rows are to be written
         self._direct_fd = os.open(self.path, os.O_RDONLY) if compression is None else None
         self._chunk_addresses: dict[str, dict[int, int]] = {}
-        _OPEN_FOR_WRITING.add(self.path.resolve())
+        self._released = False  # closed, or given up after a failed write
 
     # -- opening -----------------------------------------------------------------------------------------------
 
@@ -295,7 +421,7 @@ class HDF5Writer:
             if "already open for write" not in str(exc):
                 raise UserError(f"{self.path} is not a readable HDF5 file: {_first_line(exc)}") from exc
             # Left open by a writer: refuse if it still runs here, otherwise it crashed and the file is sound.
-            with open_h5(self.path, "r", swmr=True) as previous:
+            with open_swmr_reader(self.path) as previous:
                 check_format(self.path, previous)
                 pid = _writer_is_alive(previous)
             if pid is not None:
@@ -304,9 +430,9 @@ class HDF5Writer:
             file = open_h5(self.path, "r+", libver="latest", **self._chunk_cache)
         try:
             self._check_matches(file)
-        except UserError:
+        except (UserError, *DAMAGED_FILE_ERRORS) as exc:
             file.close()
-            raise
+            raise exc if isinstance(exc, UserError) else damaged(self.path, exc) from None
         self._mark_writer(file)
         return file
 
@@ -365,8 +491,14 @@ class HDF5Writer:
     def append(self, td: TensorDict | Mapping, *, policy_version=-1, env_id=-1, env_step=-1) -> None:
         """Append rows (a TensorDict with batch dims, flattened to rows, or a mapping of arrays by key).
 
-        The metadata are per-row arrays or one value for every row.
+        The metadata are per-row arrays or one value for every row. A stop signal that arrives meanwhile is raised
+        once the rows are staged or written (see runtime.signals_deferred), so a flush on the way out finds the
+        writer consistent.
         """
+        with signals_deferred():
+            self._append(td, policy_version, env_id, env_step)
+
+    def _append(self, td: TensorDict | Mapping, policy_version, env_id, env_step) -> None:
         arrays, rows = rows_of(td, self.layout)
         if rows == 0:
             return
@@ -386,6 +518,8 @@ class HDF5Writer:
                 done += block
                 continue
             take = min(rows - done, self.stage_rows - self._staged)
+            if self._staged == 0:
+                self._write_due = time.monotonic() + self.flush_every_s
             for name, array in arrays.items():
                 self._staging[name][self._staged:self._staged + take] = array if array.ndim == 0 \
                     else array[done:done + take]
@@ -393,6 +527,8 @@ class HDF5Writer:
             done += take
             if self._staged == self.stage_rows:
                 self._write_staged()
+        if self._staged and time.monotonic() >= self._write_due:  # the time bound on what a crash can lose
+            self._write_staged()
 
     def _chunks_per_ring(self) -> int:
         return self.capacity // self.chunk_rows if self.capacity else 1 << 62
@@ -405,8 +541,9 @@ class HDF5Writer:
 
     def flush(self) -> None:
         """Write the staged rows (even a partial chunk) and commit them."""
-        if self._staged:
-            self._write_staged()
+        with signals_deferred():
+            if self._staged:
+                self._write_staged()
 
     def rewind(self, total_rows: int) -> None:
         """Forget the rows appended after the first total_rows, e.g. to resume from a checkpoint taken then.
@@ -414,6 +551,10 @@ class HDF5Writer:
         In ring mode this is possible only while no row held at that point has been overwritten since.
         """
         check_rewind(self.path, total_rows, max(self.total_rows, self._reserved), self.capacity)
+        with signals_deferred():
+            self._rewind(total_rows)
+
+    def _rewind(self, total_rows: int) -> None:
         self.flush()
         # Cursor first: a crash right after it leaves rows past the cursor, which reopening drops.
         self._committed = self._reserved = total_rows
@@ -428,6 +569,19 @@ class HDF5Writer:
         self._staged = 0
 
     def _write(self, arrays: dict[str, np.ndarray]) -> None:
+        if self._released:
+            raise UserError(f"{self.path}: closed after a failed write; no more rows can be added to it")
+        try:
+            self._write_and_commit(arrays)
+        except (OSError, RuntimeError) as exc:  # HDF5 could not write: a full disk, a size limit, a read-only disk
+            error = _write_error(self.path, exc, "cannot write rows")
+            # Close at once: HDF5 crashes the interpreter at exit (SIGSEGV) if a file whose write failed is still
+            # open then. The cursor still covers only rows that were written whole.
+            with contextlib.suppress(OSError, RuntimeError):
+                self._release()
+            raise error from None
+
+    def _write_and_commit(self, arrays: dict[str, np.ndarray]) -> None:
         rows = len(next(iter(arrays.values())))
         pieces = self._positions(self._committed, rows)
         if self.capacity and self._committed + rows > max(self.capacity, self._reserved):
@@ -510,12 +664,22 @@ class HDF5Writer:
         return rows
 
     def close(self) -> None:
-        if self._file.id.valid:
-            self.flush()
-            self._file.close()
-            if self._direct_fd is not None:
-                os.close(self._direct_fd)
-            _OPEN_FOR_WRITING.discard(self.path.resolve())
+        if not self._released:
+            try:
+                self.flush()
+            finally:
+                try:
+                    self._release()
+                except (OSError, RuntimeError) as exc:  # its last metadata could not be written
+                    raise _write_error(self.path, exc, "cannot close") from None
+
+    def _release(self) -> None:
+        self._released = True
+        unregister_open_file(self.path)
+        if self._direct_fd is not None:
+            os.close(self._direct_fd)
+            self._direct_fd = None
+        self._file.close()
 
     def __enter__(self) -> "HDF5Writer":
         return self
@@ -529,17 +693,17 @@ class HDF5Reader:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._file = open_h5(self.path, "r", swmr=True)
+        self._file = open_swmr_reader(self.path)
         try:
             check_format(self.path, self._file)
             self.layout = layout_from_schema(self._file.attrs["schema"])
-        except (UserError, KeyError, ValueError) as exc:
+            self.capacity = int(self._file.attrs["capacity"])
+            self.attrs = dict(self._file.attrs)
+            self._cursor = self._file[CURSOR]
+            self.total_rows, self.reserved_rows = (int(n) for n in self._cursor[:])
+        except (UserError, *DAMAGED_FILE_ERRORS) as exc:
             self._file.close()
-            raise exc if isinstance(exc, UserError) else UserError(f"{self.path}: unreadable schema ({exc})")
-        self.capacity = int(self._file.attrs["capacity"])
-        self.attrs = dict(self._file.attrs)
-        self._cursor = self._file[CURSOR]
-        self.total_rows, self.reserved_rows = (int(n) for n in self._cursor[:])
+            raise exc if isinstance(exc, UserError) else damaged(self.path, exc) from None
 
     def refresh(self) -> int:
         """See the rows committed since opening (or the last refresh); return the readable row count."""
@@ -609,9 +773,11 @@ class ExperienceLog:
     """
 
     def __init__(self, run_dir: str | os.PathLike, rank: int, example_td: TensorDict, *,
-                 chunk_rows: int | None = None, compression: str | None = None):
+                 chunk_rows: int | None = None, compression: str | None = None,
+                 flush_every_s: float = DEFAULT_FLUSH_EVERY_S):
         self.path = Path(run_dir) / "buffer" / f"experience_rank{rank}.h5"
-        self._writer = HDF5Writer(self.path, example_td, chunk_rows=chunk_rows, compression=compression)
+        self._writer = HDF5Writer(self.path, example_td, chunk_rows=chunk_rows, compression=compression,
+                                  flush_every_s=flush_every_s)
 
     def append(self, td_rollout: TensorDict, policy_version: int, env_step: int) -> None:
         """Append a rollout shaped [T, N, ...] (or rows [B, ...]).

@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 from spmd_rl.errors import UserError
 from spmd_rl.runtime import wait
-from spmd_rl.storage.hdf5 import HDF5Writer, check_rewind, layout_of
+from spmd_rl.storage.hdf5 import DEFAULT_FLUSH_EVERY_S, HDF5Writer, check_rewind, layout_of
 
 BACKENDS = ("memory", "hdf5")
 
@@ -73,9 +73,10 @@ class HDF5Storage:
     """A ring in an HDF5 file (see storage/hdf5.py): staged rows in memory, the rest read back on demand."""
 
     def __init__(self, capacity: int, layout, path: str | os.PathLike, chunk_rows: int | None,
-                 compression: str | None):
+                 compression: str | None, flush_every_s: float):
         self.capacity = capacity
-        self.writer = HDF5Writer(path, layout, chunk_rows=chunk_rows, compression=compression, capacity=capacity)
+        self.writer = HDF5Writer(path, layout, chunk_rows=chunk_rows, compression=compression, capacity=capacity,
+                                 flush_every_s=flush_every_s)
 
     def __len__(self) -> int:
         return len(self.writer)
@@ -104,13 +105,14 @@ class ReplayBuffer:
     """A ring buffer of transitions (TensorDict rows: obs, action, reward, next_obs, terminated, ...).
 
     backend "memory" preallocates `capacity` rows; "hdf5" keeps them in the file at `path` (a reopened file
-    continues where it stopped). `add` takes a batch of rows (any batch dims, flattened); `sample` draws uniformly
-    with replacement among the rows held.
+    continues where it stopped; rows staged in memory reach it within flush_every_s seconds of being added, see
+    storage/hdf5.py). `add` takes a batch of rows (any batch dims, flattened); `sample` draws uniformly with
+    replacement among the rows held.
     """
 
     def __init__(self, capacity: int, example_td: TensorDict, *, backend: str = "memory",
                  path: str | os.PathLike | None = None, chunk_rows: int | None = None,
-                 compression: str | None = None):
+                 compression: str | None = None, flush_every_s: float = DEFAULT_FLUSH_EVERY_S):
         if capacity < 1:
             raise UserError(f"buffer.capacity must be at least 1, got {capacity}")
         layout = layout_of(example_td)
@@ -119,7 +121,7 @@ class ReplayBuffer:
         elif backend == "hdf5":
             if path is None:
                 raise UserError("buffer.backend=hdf5 needs a file path for the replay buffer")
-            self.storage = HDF5Storage(capacity, layout, path, chunk_rows, compression)
+            self.storage = HDF5Storage(capacity, layout, path, chunk_rows, compression, flush_every_s)
         else:
             raise UserError(f"buffer.backend={backend!r} is not one of {BACKENDS}")
         self.capacity = capacity
@@ -217,3 +219,13 @@ class ShardedReplay:
     def load_state_dict(self, state: dict) -> None:
         self.shared.set_state(state["shared"])
         self.local.set_state(state["local"])
+
+
+class LocalReplay:
+    """A single trainer's replay: its shard is the whole buffer (ShardedReplay's interface, no group)."""
+
+    def __init__(self, shard: ReplayBuffer):
+        self.shard = shard
+
+    def sample(self, batch_size: int) -> TensorDict:
+        return self.shard.sample(batch_size)

@@ -1,0 +1,195 @@
+"""Files the program writes, written so that a crash or a full disk never leaves a torn line or half a file.
+
+- append_line: one whole line per os.write on an O_APPEND descriptor; a short or failed write is cut back off, so
+  a reader may miss the last record but never reads half of one.
+- write_atomic / torch_save_atomic: the new content goes to a temporary file in the same directory, is fsynced,
+  then renamed over the old one (and the directory fsynced): the path holds the old file or the new one, whole.
+- make_dirs, file_error: every OSError on a path (disk full, read-only, a file where a directory should be) becomes
+  a UserError naming the path and what to do.
+- register_open_file / flush_open_files: writers that stage data in memory (the HDF5 writers) register here, and
+  every exit path flushes them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+from pathlib import Path
+from typing import BinaryIO, Iterator, Protocol
+
+from spmd_rl.errors import UserError
+
+_WHAT_TO_DO = {
+    errno.ENOSPC: "disk full; free space on that file system or choose another run.dir",
+    errno.EDQUOT: "disk quota exceeded; free space or choose another run.dir",
+    errno.EFBIG: "file size limit reached (ulimit -f); raise the limit or choose another run.dir",
+    errno.EROFS: "read-only file system; choose a writable run.dir",
+    errno.EACCES: "permission denied; choose a writable run.dir or fix its permissions",
+    errno.EPERM: "permission denied; choose a writable run.dir or fix its permissions",
+    errno.ENOTDIR: "a file stands where a directory is needed; remove it or choose another run.dir",
+    errno.EEXIST: "a file stands where a directory is needed; remove it or choose another run.dir",
+    errno.EISDIR: "a directory stands where a file is needed; remove it or choose another run.dir",
+}
+
+
+def file_error(path: str | os.PathLike, exc: OSError, doing: str = "cannot write") -> UserError:
+    """The one-line UserError for an OSError on path: what happened and what to do."""
+    what = _WHAT_TO_DO.get(exc.errno, exc.strerror or str(exc) or type(exc).__name__)
+    return UserError(f"{path}: {doing}: {what}")
+
+
+def make_dirs(path: str | os.PathLike) -> Path:
+    """mkdir -p, with a read-only parent or a file in the way as a UserError naming the path."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # FileExistsError (EEXIST) when a file has the name of a directory on the path
+        raise file_error(path, exc, "cannot create the directory") from None
+    return path
+
+
+class LineAppender:
+    """Appends whole lines to a file: each line in one os.write on an O_APPEND descriptor.
+
+    A write that fails or stops short (disk full, file size limit) is cut back to the file's previous length and
+    raised as a UserError, so the file ends with the last whole line; the lines before it are untouched.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise file_error(self.path, exc, "cannot open for appending") from None
+
+    def append(self, line: str) -> None:
+        data = line.encode() if line.endswith("\n") else (line + "\n").encode()
+        before = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):  # the disk filled up (or a size limit was hit) mid-line
+                os.write(self._fd, data[written:])  # raises the reason; if space came back, the line is whole
+        except OSError as exc:
+            self._cut_back(before)
+            raise file_error(self.path, exc) from None
+
+    def _cut_back(self, length: int) -> None:
+        try:
+            os.ftruncate(self._fd, length)
+        except OSError:
+            pass  # nothing more can be done; the UserError about the write is what the user needs
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+@contextlib.contextmanager
+def _replacing(path: Path) -> Iterator[BinaryIO]:
+    """A binary file object whose content replaces path, whole, when the block ends without an error."""
+    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(temporary, "wb") as file:
+            yield file
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+        _fsync_directory(path.parent)
+    except OSError as exc:
+        _remove_quietly(temporary)
+        raise file_error(path, exc) from None
+    except BaseException:
+        _remove_quietly(temporary)
+        raise
+
+
+def _fsync_directory(directory: Path) -> None:
+    # The rename is durable only once the directory entry is on disk.
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def write_atomic(path: str | os.PathLike, content: bytes | str) -> None:
+    """Replace path with content: readers see the old file or the new one, never a part of it."""
+    path = Path(path)
+    with _replacing(path) as file:
+        file.write(content.encode() if isinstance(content, str) else content)
+
+
+def torch_save_atomic(obj, path: str | os.PathLike) -> None:
+    """torch.save(obj, path), written to a temporary file first and renamed over path (see write_atomic)."""
+    import torch  # imported here: the text helpers above are used by modules that need not load torch
+
+    path = Path(path)
+    with _replacing(path) as file:
+        recording = _RecordingWriter(file)
+        try:
+            torch.save(obj, recording)
+        except RuntimeError:  # torch's writer reports a failed write as a RuntimeError: raise the OSError behind it
+            if recording.error is None:
+                raise
+            raise recording.error from None
+
+
+class _RecordingWriter:
+    """A file object that keeps the OSError of a failed write (torch.save hides it in a RuntimeError)."""
+
+    def __init__(self, file: BinaryIO):
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+class Flushable(Protocol):
+    def flush(self) -> None: ...
+
+
+_OPEN_FILES: dict[Path, Flushable] = {}  # resolved path -> its open writer in this process
+
+
+def register_open_file(path: Path, writer: Flushable) -> None:
+    """Claim path for writer (one writer per file: HDF5 would silently share a second handle) and have
+    flush_open_files flush it until unregister_open_file."""
+    key = path.resolve()
+    if key in _OPEN_FILES:
+        raise UserError(f"{path} is already open for writing in this process; one writer per file")
+    _OPEN_FILES[key] = writer
+
+
+def unregister_open_file(path: Path) -> None:
+    _OPEN_FILES.pop(path.resolve(), None)
+
+
+def flush_open_files() -> None:
+    """Write what every registered writer holds in memory: for every exit path (a finally-block in main).
+
+    Safe to call twice. A writer that cannot flush (disk full, a signal meanwhile) is reported in one line on stderr
+    and the others are still flushed; nothing is raised, so the error that ended the run stays the one reported.
+    """
+    for path, writer in list(_OPEN_FILES.items()):
+        try:
+            writer.flush()
+        except BaseException as exc:  # noqa: BLE001 - on the way out: report, never mask the original error
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            print(f"spmd_rl: error: {first if isinstance(exc, UserError) else f'{path}: could not flush: {first}'}",
+                  file=sys.stderr, flush=True)
