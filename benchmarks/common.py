@@ -28,8 +28,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_spmd(overrides: list[str], nproc: int = 0, config: str | None = None, timeout: float = 1800) -> list[dict]:
-    """Run `python -m spmd_rl.main` (under torchrun when nproc > 0) and return its metrics records."""
+def run_spmd(overrides: list[str], nproc: int = 0, config: str | None = None, timeout: float = 1800,
+             root: Path = ROOT) -> list[dict]:
+    """Run `python -m spmd_rl.main` (under torchrun when nproc > 0) and return its metrics records. root: the
+    checkout whose spmd_rl runs (another one, e.g. a `git worktree` of an older commit, to compare in one run)."""
     run_dir = Path(tempfile.mkdtemp(prefix="spmd_bench_"))
     args = (["--config", config] if config else []) + overrides + [
         f"run.dir={run_dir}", "log.progress=false", "log.tensorboard=false", "log.interval_s=1000000"]
@@ -38,8 +40,8 @@ def run_spmd(overrides: list[str], nproc: int = 0, config: str | None = None, ti
                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "spmd_rl.main", *args]
     else:
         cmd = [sys.executable, "-m", "spmd_rl.main", *args]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,7 +1,10 @@
 """Env steps per second of a full PPO run: spmd_rl against Stable-Baselines3 with the same hyperparameters, and the
 split layout's scaling with the number of env ranks on a slow env.
 
-    python benchmarks/throughput.py [--parts sb3,scaling]
+    python benchmarks/throughput.py [--parts sb3,scaling] [--compare-tree DIR]
+
+--compare-tree DIR adds the spmd_rl of another checkout (e.g. `git worktree add /tmp/old <commit>`) to the SB3
+table, run alternately with this one: a refactor's before and after, measured in one run.
 
 SPS is measured over training (spmd_rl: env steps / wall_s of its last metrics record; SB3: timesteps / the
 duration of learn()), both with one torch thread, on CartPole-v1. Scaling: split layouts with 1 trainer,
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -52,28 +56,38 @@ def sb3_sps(kwargs: dict, budget: int) -> tuple[float, float]:
             model.num_timesteps / (time.process_time() - start_cpu))
 
 
-def spmd_sps(overrides: list[str], budget: int, nproc: int = 0, steady: bool = False) -> tuple[float, float]:
+def spmd_sps(overrides: list[str], budget: int, nproc: int = 0, steady: bool = False, root: Path | None = None
+             ) -> tuple[float, float]:
     """(SPS over wall time, SPS over rank 0's CPU time) of training. steady: from the end of the first iteration
     on, leaving out start-up (channel handshakes, the first weight broadcast), which grows with the ranks."""
-    records = run_spmd(overrides + [f"train.total_steps={budget}"], nproc=nproc)
+    records = run_spmd(overrides + [f"train.total_steps={budget}"], nproc=nproc, **({"root": root} if root else {}))
     first = records[0] if steady else {"env_steps": 0, "wall_s": 0.0, "cpu_s": 0.0}
     steps = records[-1]["env_steps"] - first["env_steps"]
     return steps / (records[-1]["wall_s"] - first["wall_s"]), steps / (records[-1]["cpu_s"] - first["cpu_s"])
 
 
-def compare_with_sb3(repeats: int) -> None:
+def compare_with_sb3(repeats: int, other_tree: Path | None = None) -> None:
     rows = []
     for name, (sb3_kwargs, overrides, budget) in SETTINGS.items():
-        ours, theirs = [], []
-        for _ in range(repeats):  # alternating, so a change in the machine's load hits both sides alike
+        ours, theirs, other = [], [], []
+        for _ in range(repeats):  # alternating, so a change in the machine's load hits every side alike
             ours.append(spmd_sps(overrides, budget))
             theirs.append(sb3_sps(sb3_kwargs, budget))
+            if other_tree:
+                other.append(spmd_sps(overrides, budget, root=other_tree))
         (wall_ours, cpu_ours), (wall_theirs, cpu_theirs) = _best(ours), _best(theirs)
-        rows.append([name, budget, f"{wall_theirs:.0f}", f"{wall_ours:.0f}", f"{wall_ours / wall_theirs:.2f}x",
-                     f"{cpu_theirs:.0f}", f"{cpu_ours:.0f}", f"{cpu_ours / cpu_theirs:.2f}x"])
+        row = [name, budget, f"{wall_theirs:.0f}", f"{wall_ours:.0f}", f"{wall_ours / wall_theirs:.2f}x",
+               f"{cpu_theirs:.0f}", f"{cpu_ours:.0f}", f"{cpu_ours / cpu_theirs:.2f}x"]
+        if other_tree:
+            wall_other, cpu_other = _best(other)
+            row += [f"{wall_other:.0f}", f"{wall_other / wall_theirs:.2f}x", f"{cpu_other / cpu_theirs:.2f}x"]
+        rows.append(row)
     print("best of", repeats, "runs each, alternating; SPS over wall time, and over the process's CPU time")
-    print(table(["settings", "env steps", "SB3 SPS", "spmd_rl SPS", "ratio", "SB3 SPS (CPU)", "spmd_rl SPS (CPU)",
-                 "ratio (CPU)"], rows))
+    headers = ["settings", "env steps", "SB3 SPS", "spmd_rl SPS", "ratio", "SB3 SPS (CPU)", "spmd_rl SPS (CPU)",
+               "ratio (CPU)"]
+    if other_tree:
+        headers += [f"{other_tree} SPS", "its ratio", "its ratio (CPU)"]
+    print(table(headers, rows))
 
 
 def _best(results: list[tuple[float, float]]) -> tuple[float, float]:
@@ -98,10 +112,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="sb3,scaling")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--compare-tree", type=Path, default=None, help="another checkout to measure alongside")
     args = parser.parse_args()
     print(f"machine: {machine()}")
     if "sb3" in args.parts:
-        compare_with_sb3(args.repeats)
+        compare_with_sb3(args.repeats, args.compare_tree)
     if "scaling" in args.parts:
         split_scaling()
 

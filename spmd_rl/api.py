@@ -39,16 +39,18 @@ import dataclasses
 import datetime
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import gymnasium as gym
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
 from torch import Tensor, nn
 
 from spmd_rl.config import AlgorithmConfig, NoConfig
 from spmd_rl.runtime import bounded
+
+if TYPE_CHECKING:  # annotations only: importing tensordict costs seconds (torch._dynamo), and a user's module
+    from tensordict import TensorDict  # imports this one to answer --help and config errors
 
 __all__ = ["Algorithm", "AlgorithmConfig", "Callback", "Context", "Engine", "NoConfig", "Policy", "Schedule",
            "StepField", "ENV_FIELDS"]
@@ -271,20 +273,19 @@ class Context:
         """This trainer's shard of a replay buffer sampled uniformly over all trainers' shards: `add(rows)`,
         `sample(batch_size)` (batch_size over all trainers; each gets its share), `close()`. Rows are laid out
         like `example` (a TensorDict with one batch dimension). Memory or HDF5 by buffer.backend."""
+        from spmd_rl.limits import check_memory
         from spmd_rl.storage.replay import LocalReplay, ReplayBuffer, ShardedReplay
         cfg = self.buffer
+        if cfg.backend == "memory":  # checked before allocating: an absurd capacity is a user error, not an OOM
+            row_bytes = sum(t.element_size() * t[0].numel() for t in example.values(True, True))
+            check_memory(cfg.capacity * row_bytes, f"the replay shard of rank {self.rank} ({cfg.capacity} rows of "
+                         f"{row_bytes} bytes)", "buffer.capacity (or use buffer.backend=hdf5)")
         shard = ReplayBuffer(cfg.capacity, example, backend=cfg.backend,
                              path=self.run_dir / "buffer" / f"{name}_rank{self.rank}.h5", chunk_rows=cfg.chunk_rows,
-                             compression=cfg.h5_compression, **_flush_kwargs(cfg))
+                             compression=cfg.h5_compression, flush_every_s=cfg.flush_every_s)
         if self.group is None:
             return LocalReplay(shard)
         return ShardedReplay(shard, self.group, self.timeout, seed=self.seed)
-
-
-def _flush_kwargs(buffer_cfg) -> dict:
-    # buffer.flush_every_s bounds what a crash can lose; older storage code may not take it yet.
-    value = getattr(buffer_cfg, "flush_every_s", None)
-    return {} if value is None else {"flush_every_s": value}
 
 
 def describe_outputs(outputs: dict[str, StepField]) -> str:

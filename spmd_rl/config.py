@@ -33,7 +33,16 @@ def knob(default, help: str, *, min=None, max=None, choices=None, item_min=None,
 @dataclass
 class RunSection:
     name: str = knob("ppo_cartpole", "run name; the default run directory is runs/<name>-<timestamp>")
-    dir: str = knob("", "run directory (config.yaml, metrics.jsonl, TensorBoard events, policy); '' = default")
+    dir: str = knob("", "run directory (config.yaml, metrics.jsonl, TensorBoard events, policy, checkpoints); '' = "
+                        "runs/<name>-<timestamp>, or runs/<name>-<torchrun run id> under torchrun (stable across "
+                        "its restarts)")
+    resume: str = knob("auto", "auto: a run directory with a checkpoint resumes from the latest one; never: refuse a "
+                       "run directory that holds a run; or the path of a checkpoint (or of its run directory)")
+    init_from: str = knob("", "start from trained weights: a run directory, a checkpoint or a policy.pt (fine-tune)")
+    init_algorithm: bool = knob(False, "with run.init_from a checkpoint: also take the algorithm's state "
+                                "(optimizers, critics, ...), not only the policy")
+    stop_after_iterations: int = knob(0, "stop after this many iterations with a checkpoint (exit 75), as a signal "
+                                      "would; rerun to continue (0 = run to the end)", min=0)
 
 
 @dataclass
@@ -45,6 +54,15 @@ class EnvSection:
         "auto", "auto: the env's own vectorized implementation if it has one, else sync",
         choices=["auto", "vector_entry_point", "sync", "async"])
     normalize_reward: bool = knob(False, "scale rewards by a running estimate of the return's std (per env rank)")
+
+
+@dataclass
+class CheckpointSection:
+    every_iterations: int = knob(0, "checkpoint every N iterations (0 = by time only); always after the last one",
+                                 min=0)
+    every_s: float = knob(600.0, "checkpoint when this many seconds passed since the last one (rank 0's clock, "
+                          "agreed by all ranks; 0 = never by time)", min=0.0)
+    keep: int = knob(2, "complete checkpoints kept (older ones are deleted)", min=1)
 
 
 @dataclass
@@ -85,6 +103,9 @@ class TrainSection:
     torch_threads: int = knob(1, "torch intra-op threads per rank", min=1, max=1024)
     device: str = knob("auto", "auto: cuda:LOCAL_RANK when CUDA is available, else cpu",
                        choices=["auto", "cpu", "cuda"])
+    skip_nonfinite_updates: bool = knob(False, "an update whose loss or policy weights come out NaN/inf is undone "
+                                               "and counted (metric nonfinite_updates_skipped) instead of ending "
+                                               "the run with exit code 4")
 
 
 @dataclass
@@ -135,6 +156,7 @@ class Config:
     dist: DistSection = field(default_factory=DistSection)
     weights: WeightsSection = field(default_factory=WeightsSection)
     log: LogSection = field(default_factory=LogSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     classes: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -158,6 +180,13 @@ class Config:
     def digest(self) -> str:
         """A hash of the resolved config; every rank compares it with rank 0's."""
         return hashlib.sha256(yaml.safe_dump(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    def resume_digest(self) -> str:
+        """A hash of what a resumed run must share with the run it continues: everything but where and how it is
+        run (run, checkpoint, log) and the bound on waits."""
+        data = {k: v for k, v in self.to_dict().items() if k not in ("run", "checkpoint", "log")}
+        data["dist"] = {k: v for k, v in data["dist"].items() if k != "timeout_s"}
+        return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------------------

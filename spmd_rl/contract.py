@@ -49,6 +49,19 @@ def check_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm
     return outputs
 
 
+def check_planned_memory(cfg: Config, spec: EnvSpec, outputs: dict, plan) -> None:
+    """The rollout buffers a trainer holds (its segments, double-buffered, and their concatenation), against this
+    host's memory, before anything is allocated."""
+    from spmd_rl.limits import check_memory
+    from spmd_rl.roles.messages import segment_message
+    segment = segment_message(spec, outputs, 1, 1)  # one step of one env: bytes scale with steps x envs
+    step_bytes = sum(t.element_size() * t.numel() for t in segment["rollout"].values(True, True))
+    columns = plan.max_env_columns_per_trainer
+    check_memory(3 * step_bytes * plan.num_steps * columns,
+                 f"the rollout buffers of a trainer ({plan.num_steps} steps x {columns} envs x {step_bytes} bytes, "
+                 f"3 copies)", "algo.num_steps or env.num_envs")
+
+
 def _check_declared(name: str, outputs: dict, action_space: gym.Space) -> None:
     if "action" not in outputs:
         raise UserError(f"{name}: outputs() must declare 'action' (got {list(outputs)}); return "

@@ -25,6 +25,9 @@ from spmd_rl.roles.env_worker import EnvWorker, run_env_rank
 from spmd_rl.roles.inference_server import InferenceServer, UniformActions, run_inference_rank
 from spmd_rl.roles.messages import action_message, observation_message, segment_message
 from spmd_rl.roles.trainer import Trainer, run_trainer_rank
+from spmd_rl.checkpoint import restore_rng_state
+from spmd_rl.env_state import capture_env_state, restore_env_state
+from spmd_rl.run_control import Resume, RunControl
 from spmd_rl.runtime import Runtime
 from spmd_rl.topology import ENV, INFERENCE, ProcessGroups, Topology
 
@@ -124,6 +127,19 @@ class Setup:
     policy_cls: type[Policy]
     algorithm_cls: type[Algorithm]
     callback_classes: list               # [(class, config)]
+    control: RunControl                  # the end-of-iteration agreement: checkpoints and stops
+    resume: Resume                       # where the run starts (a checkpoint every rank loads, or iteration 0)
+    final_policy: Policy | None = None   # rank 0's policy, saved as policy.pt at the end or on a stop
+
+    @property
+    def iterations(self) -> range:
+        return range(self.resume.start_iteration, self.plan.num_iterations)
+
+    def load_checkpoint(self) -> dict | None:
+        """This rank's state in the checkpoint the run resumes from, or None for a fresh start."""
+        if self.resume.checkpoint is None:
+            return None
+        return self.control.store.load(self.resume.checkpoint, self.runtime.rank, map_location=self.runtime.device)
 
 
 def build_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], device: torch.device | str = "cpu") -> Policy:
@@ -151,7 +167,7 @@ def make_experience_log(setup: Setup, rank: int):
     from spmd_rl.storage.hdf5 import ExperienceLog
     example = segment_message(setup.spec, setup.outputs, setup.plan.num_steps, cfg.env.num_envs)["rollout"]
     return ExperienceLog(setup.run_dir, rank, example, chunk_rows=cfg.buffer.chunk_rows,
-                         compression=cfg.buffer.h5_compression)
+                         compression=cfg.buffer.h5_compression, flush_every_s=cfg.buffer.flush_every_s)
 
 
 class Reporter:
@@ -183,28 +199,39 @@ class SyncEngine(Engine):
         logger = None
         if rank == 0:
             logger = MetricsLogger(setup.run_dir, plan.num_iterations * plan.steps_per_iteration, cfg.log.progress,
-                                   cfg.log.interval_s, cfg.log.tensorboard)
+                                   cfg.log.interval_s, cfg.log.tensorboard,
+                                   resumed_env_steps=setup.resume.start_iteration * plan.steps_per_iteration)
         finished = False
         try:
             if topology.colocated:
-                policy = _run_colocated(setup, logger)
+                    _run_colocated(setup, logger)
             elif topology.role_of(rank) == ENV:
-                policy = _run_env(setup)
+                _run_env(setup)
             elif topology.role_of(rank) == INFERENCE:
-                policy = _run_inference(setup)
+                _run_inference(setup)
             else:
-                policy = _run_trainer(setup, logger)
+                _run_trainer(setup, logger)
             finished = True
         finally:
             if logger is not None:
                 logger.close(summary=finished)
-        return policy
+        return setup.final_policy
 
 
 def save_policy(policy: Policy, run_dir: Path) -> None:
+    from spmd_rl.fileio import torch_save_atomic
     # Clones: with a weight sync, tensors of several dtypes are views of one byte bucket, which torch.save
     # refuses; the file should hold plain tensors anyway.
-    torch.save({k: v.detach().clone() for k, v in policy.state_dict().items()}, run_dir / "policy.pt")
+    torch_save_atomic({k: v.detach().clone() for k, v in policy.state_dict().items()}, run_dir / "policy.pt")
+
+
+def mark_finished(run_dir: Path) -> None:
+    """A finished run's directory is never resumed (run_control.decide_resume)."""
+    import json
+
+    from spmd_rl.fileio import write_atomic
+    from spmd_rl.run_control import FINISHED
+    write_atomic(run_dir / FINISHED, json.dumps({"finished": True}) + "\n")
 
 
 def _seed_rank(cfg: Config, rank: int) -> int:
@@ -241,10 +268,22 @@ def _run_colocated(setup: Setup, logger) -> Policy:
                        describe=f"rank {rank}", env_id=cfg.env.id)
     server = InferenceServer(policy, [obs_in], [actions_out], device, uniform_actions=_uniform_actions(setup))
     trainer = Trainer(algorithm, [segments_in], [f"rank {rank}"], plan.max_env_columns_per_trainer * t, group,
-                      experience_log=make_experience_log(setup, rank), describe=f"rank {rank}")
+                      experience_log=make_experience_log(setup, rank), describe=f"rank {rank}",
+                      timeout=runtime.timeout, skip_nonfinite_updates=cfg.train.skip_nonfinite_updates)
     report = Reporter(plan, logger, callbacks)
+    state = setup.load_checkpoint()
+    if state is not None:
+        _restore_trainer(state, policy, trainer, logger)
+        _restore_env(state, worker)
+        restore_rng_state(state["rng"])  # last: building the envs above drew from the generators
+    if rank == 0:
+        setup.final_policy = policy
+
+    def capture() -> dict:
+        return {**_trainer_state(policy, trainer, logger), **_env_state(worker)}
+
     try:
-        for iteration in range(plan.num_iterations):
+        for iteration in setup.iterations:
             # The module is shared with the trainer: every step acts with the latest weights.
             server.policy_version = plan.version_at(iteration)
             server.explore_uniformly = plan.explores_at(iteration)
@@ -256,6 +295,7 @@ def _run_colocated(setup: Setup, logger) -> Policy:
             segment = trainer.receive_segments(expected_version=plan.version_at(iteration))
             losses = trainer.learn(segment, iteration)
             report(iteration, losses, trainer.gather_statistics(segment), trainer)
+            setup.control.after_iteration(iteration, capture)
     finally:  # files are flushed and closed on every way out
         worker.close()
         trainer.close()
@@ -276,7 +316,12 @@ def _run_env(setup: Setup) -> None:
         describe_rank=topology.describe, timeout=setup.runtime.timeout)
     worker = EnvWorker(envs, first_obs, to_inference, from_inference, to_trainer, t, list(setup.outputs),
                        describe=topology.describe(rank), env_id=cfg.env.id)
-    run_env_rank(worker, plan.num_iterations)
+    state = setup.load_checkpoint()
+    if state is not None:
+        _restore_env(state, worker)
+        restore_rng_state(state["rng"])
+    run_env_rank(worker, setup.iterations,
+                 lambda iteration: setup.control.after_iteration(iteration, lambda: _env_state(worker)))
     return None
 
 
@@ -302,7 +347,11 @@ def _run_inference(setup: Setup) -> Policy:
         describe_rank=topology.describe, timeout=runtime.timeout)
     server = InferenceServer(policy, obs_channels, action_channels, runtime.device, weight_sync,
                              uniform_actions=_uniform_actions(setup))
-    run_inference_rank(server, plan, plan.num_steps, cfg.weights.verify_every)
+    state = setup.load_checkpoint()
+    if state is not None:
+        restore_rng_state(state["rng"])  # the weights come from trainer 0
+    run_inference_rank(server, plan, plan.num_steps, cfg.weights.verify_every, setup.iterations,
+                       lambda iteration: setup.control.after_iteration(iteration, dict))
     return policy
 
 
@@ -323,9 +372,53 @@ def _run_trainer(setup: Setup, logger) -> Policy:
         describe_rank=topology.describe, timeout=runtime.timeout)
     trainer = Trainer(algorithm, segment_channels, [topology.describe(e) for e in sources],
                       plan.max_env_columns_per_trainer * t, group, weight_sync,
-                      make_experience_log(setup, rank), describe=topology.describe(rank))
+                      make_experience_log(setup, rank), describe=topology.describe(rank), timeout=runtime.timeout,
+                      skip_nonfinite_updates=cfg.train.skip_nonfinite_updates)
+    state = setup.load_checkpoint()
+    if state is not None:
+        _restore_trainer(state, policy, trainer, logger)
+        restore_rng_state(state["rng"])
+    if rank == 0:
+        setup.final_policy = policy
     try:
-        run_trainer_rank(trainer, plan, cfg.weights.verify_every, Reporter(plan, logger, callbacks))
+        run_trainer_rank(trainer, plan, cfg.weights.verify_every, Reporter(plan, logger, callbacks),
+                         setup.iterations,
+                         lambda iteration: setup.control.after_iteration(
+                             iteration, lambda: _trainer_state(policy, trainer, logger)))
     finally:  # files are flushed and closed on every way out
         trainer.close()
     return policy
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What each role puts in a checkpoint (RunControl adds the iteration and every generator's state)
+
+
+def _trainer_state(policy: Policy, trainer: Trainer, logger) -> dict:
+    log = trainer.experience_log
+    return {
+        "policy": {k: v.detach().clone() for k, v in policy.state_dict().items()},
+        "algorithm": trainer.algorithm.state_dict(),
+        "experience_rows": log.total_rows if log is not None else -1,
+        "metrics": logger.state_dict() if logger is not None else {},
+    }
+
+
+def _restore_trainer(state: dict, policy: Policy, trainer: Trainer, logger) -> None:
+    policy.load_state_dict(state["policy"])
+    trainer.algorithm.load_state_dict(state["algorithm"])
+    if trainer.experience_log is not None:
+        trainer.experience_log.rewind(state["experience_rows"])
+    if logger is not None:
+        logger.load_state_dict(state["metrics"])
+
+
+def _env_state(worker: EnvWorker) -> dict:
+    return {"env": capture_env_state(worker.envs), "worker": worker.state_dict()}
+
+
+def _restore_env(state: dict, worker: EnvWorker) -> None:
+    # Envs whose state cannot be saved begin fresh episodes (said at start); the rest continue exactly.
+    if state["env"] is not None:
+        restore_env_state(worker.envs, state["env"])
+        worker.load_state_dict(state["worker"])

@@ -55,14 +55,16 @@ def probe_env(cfg: EnvSection) -> EnvSpec:
         env.close()
 
 
-def make_vector_env(cfg: EnvSection, spec: EnvSpec, seed: int) -> tuple[gym.vector.VectorEnv, int]:
+def make_vector_env(cfg: EnvSection, spec: EnvSpec, seed: int, wrappers: list | None = None
+                    ) -> tuple[gym.vector.VectorEnv, int]:
     """This rank's envs with episode statistics (and action clipping / reward scaling where asked).
+    `wrappers` wrap each single env (sync or async vectorization only; evaluate's video recorder).
 
     Returns the vector env and its first observation batch.
     """
     mode = spec.vectorization
     try:
-        envs = gym.make_vec(cfg.id, num_envs=cfg.num_envs, vectorization_mode=mode, **cfg.kwargs)
+        envs = gym.make_vec(cfg.id, num_envs=cfg.num_envs, vectorization_mode=mode, wrappers=wrappers, **cfg.kwargs)
     except gym.error.Error as exc:
         raise UserError(f"env.id '{cfg.id}' cannot be vectorized with env.vectorization={mode}: {exc}") from None
     envs = vector_wrappers.RecordEpisodeStatistics(envs)

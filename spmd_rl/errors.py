@@ -15,8 +15,21 @@ class UserError(Exception):
     """Bad input: printed without a traceback, exit code 2."""
 
 
+class SharedUserError(UserError):
+    """A user error every rank raises alike (rank 0 found it and told the others): only rank 0 prints it."""
+
+
 class CommError(RuntimeError):
-    """A point-to-point or collective wait that failed or timed out."""
+    """A point-to-point or collective wait that failed or timed out (see runtime.comm_error for the wording).
+
+    peers: the ranks this rank was waiting on or talking to (all other members for a collective; empty when
+    unknown); timed_out: the wait expired (rather than a connection closing). With both, rank 0's job summary can
+    tell the rank everyone waited on from the ranks that waited (spmd_rl.postmortem)."""
+
+    def __init__(self, message: str, peers: tuple[int, ...] = (), timed_out: bool = False):
+        super().__init__(message)
+        self.peers = tuple(peers)
+        self.timed_out = timed_out
 
 
 class StopSignal(BaseException):

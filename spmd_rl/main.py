@@ -16,12 +16,13 @@ import datetime
 import os
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
 from spmd_rl.config import Config, describe_schema, load_config
-from spmd_rl.errors import (COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE, CommError, StopSignal,
-                            UserCodeError, UserError, describe_exception, user_frame)
+from spmd_rl.errors import (COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE, CommError, SharedUserError,
+                            StopSignal, UserCodeError, UserError, describe_exception, user_frame)
 from spmd_rl.launch import detect_launch, rank_from_env
 
 USAGE_EXAMPLES = """\
@@ -88,73 +89,118 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = probe_env(cfg.env)
         outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls)
+        contract.check_planned_memory(cfg, spec, outputs, plan)
     except UserError as exc:
         return _user_error(exc, speaker=launch.local_rank == 0, rank=launch.rank if launch.world_size > 1 else None)
 
     import torch
 
     from spmd_rl.fileio import flush_open_files
-    from spmd_rl.runtime import install_signal_handlers, shutdown_runtime, start_runtime
+    from spmd_rl.run_control import STOPPED_EXIT_CODE, RunControl, StoppedWithCheckpoint
+    from spmd_rl.runtime import install_signal_handlers, shutdown_runtime, start_runtime, stop_at_iteration_boundary
     from spmd_rl.topology import create_process_groups
     torch.set_num_threads(cfg.train.torch_threads)
     install_signal_handlers()
     runtime = None
     exit_code = 0
+    who = topology.describe(launch.rank)  # 'rank 2 (env 0)': how every failure line starts
+    waited: CommError | None = None      # whom this rank was waiting on when it failed, and whether it timed out
     try:
         runtime = start_runtime(launch, cfg.train.device, cfg.dist.timeout_s)
-        run_dir = _agree_on_run(cfg, runtime, dry_run=args.dry_run)
+        run_dir, resume = _agree_on_run(cfg, runtime, dry_run=args.dry_run)
         if runtime.rank == 0:
+            start = (f"; resuming from {resume.checkpoint} (iteration {resume.start_iteration})"
+                     if resume.checkpoint else "")
             print(f"spmd_rl: launcher {launch.launcher}, backend {runtime.backend}, device {runtime.device}; "
                   f"{plan.describe(cfg, launch.world_size, _layout_name(topology), algorithm_cls)}; "
-                  f"run directory {run_dir}", flush=True)
+                  f"run directory {run_dir}{start}", flush=True)
         groups = create_process_groups(topology, runtime.timeout)
+        control = RunControl(cfg, plan.num_iterations, runtime.rank, runtime.world_size, runtime.distributed,
+                             run_dir, runtime.timeout)
         setup = engine.Setup(cfg=cfg, plan=plan, runtime=runtime, topology=topology, groups=groups, spec=spec,
                              outputs=outputs, run_dir=run_dir, policy_cls=policy_cls, algorithm_cls=algorithm_cls,
-                             callback_classes=callback_classes)
-        policy = engine_cls(cfg.engine).run(setup)
+                             callback_classes=callback_classes, control=control, resume=resume)
+        stop_at_iteration_boundary(True)  # from here a signal stops the run at an iteration boundary, checkpointed
+        try:
+            engine_cls(cfg.engine).run(setup)
+        except StoppedWithCheckpoint:
+            if runtime.rank == 0:
+                engine.save_policy(setup.final_policy, run_dir)
+            raise
+        finally:
+            stop_at_iteration_boundary(False)
         if runtime.rank == 0:
-            engine.save_policy(policy, run_dir)
+            engine.save_policy(setup.final_policy, run_dir)
+            engine.mark_finished(run_dir)
             if args.dry_run:
                 print(f"spmd_rl: dry run passed: one iteration in the real layout, every role and channel, one "
                       f"weight sync ({run_dir})", flush=True)
+    except StoppedWithCheckpoint as exc:
+        if launch.rank == 0:
+            print(f"spmd_rl: {exc}", file=sys.stderr, flush=True)
+        exit_code = STOPPED_EXIT_CODE
     except UserError as exc:  # found while running (a rank's files, a config that differs): say which rank
-        exit_code = _user_error(exc, speaker=True, rank=launch.rank)
+        exit_code = _user_error(exc, speaker=launch.rank == 0 or not isinstance(exc, SharedUserError),
+                                rank=launch.rank)
     except CommError as exc:
-        print(f"spmd_rl: rank {launch.rank}: communication error: {exc}", file=sys.stderr, flush=True)
-        exit_code = COMM_ERROR_EXIT_CODE
+        _say(who, "communication error", exc)
+        exit_code, waited = COMM_ERROR_EXIT_CODE, exc
     except UserCodeError as exc:
-        print(f"spmd_rl: rank {launch.rank}: error in user code: {exc}", file=sys.stderr, flush=True)
+        _say(who, "error in user code", exc)
         exit_code = USER_CODE_EXIT_CODE
     except KeyboardInterrupt:
-        print(f"spmd_rl: rank {launch.rank}: interrupted (SIGINT)", file=sys.stderr, flush=True)
+        print(f"spmd_rl: {who}: interrupted (SIGINT)", file=sys.stderr, flush=True)
         exit_code = 130
     except StopSignal as exc:
-        print(f"spmd_rl: rank {launch.rank}: stopped by {exc.signal_name}", file=sys.stderr, flush=True)
+        print(f"spmd_rl: {who}: stopped by {exc.signal_name}", file=sys.stderr, flush=True)
         exit_code = 128 + exc.signal_number
     except Exception as exc:
-        exit_code = _unexpected_error(exc, launch.rank)
+        exit_code = _unexpected_error(exc, who)
     finally:
+        failed_at = time.time()
         flush_open_files()  # staged experience rows reach their files on every exit path
+        if exit_code not in (0, STOPPED_EXIT_CODE) and runtime is not None and runtime.distributed:
+            from spmd_rl.postmortem import Failure, after_failure  # rank 0 names the first cause
+            after_failure(Failure(launch.rank, exit_code, failed_at, waited.peers if waited else (),
+                                  bool(waited and waited.timed_out)), launch.world_size, topology.describe)
         shutdown_runtime(runtime, exit_code)
     return exit_code
+
+
+# How long a rank that leaves an error's line to the speaking rank waits before exiting. Launchers stop every rank
+# as soon as one exits, so a quiet rank exiting first would stop a speaker that finds the same error a moment later
+# (a busier rank) before its line is printed; the speaker's exit stops the quiet ranks instead.
+QUIET_RANK_LINGER_S = 10.0
 
 
 def _user_error(exc: UserError, speaker: bool, rank: int | None = None) -> int:
     if speaker:
         where = f"rank {rank}: " if rank is not None else ""
         print(f"spmd_rl: {where}error: {exc}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(QUIET_RANK_LINGER_S)
     return USER_ERROR_EXIT_CODE
 
 
-def _unexpected_error(exc: Exception, rank: int) -> int:
+def _say(who: str, kind: str, exc: Exception) -> None:
+    """One line: 'spmd_rl: rank 2 (env 0): communication error: ...' (the message's own 'rank 2 ...: ' dropped)."""
+    message = str(exc)
+    for prefix in (f"{who}: ", f"{who.split(' (')[0]}: "):
+        message = message.removeprefix(prefix)
+    print(f"spmd_rl: {who}: {kind}: {message}", file=sys.stderr, flush=True)
+    if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+        traceback.print_exception(exc)
+
+
+def _unexpected_error(exc: Exception, who: str) -> int:
     """An exception raised in the user's code (env, plug-in) is one line naming the user's file:line (exit 4);
     anything else is a bug of ours, shown with its traceback (exit 1). SPMD_RL_DEBUG=1 shows every traceback."""
     debug = os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
     if user_frame(exc) and not debug:
-        print(f"spmd_rl: rank {rank}: error in user code: {describe_exception(exc)} (set {DEBUG_VARIABLE}=1 for the "
+        print(f"spmd_rl: {who}: error in user code: {describe_exception(exc)} (set {DEBUG_VARIABLE}=1 for the "
               f"traceback)", file=sys.stderr, flush=True)
         return USER_CODE_EXIT_CODE
-    print(f"spmd_rl: rank {rank} failed:", file=sys.stderr)
+    print(f"spmd_rl: {who} failed:", file=sys.stderr)
     traceback.print_exc()
     return USER_CODE_EXIT_CODE if user_frame(exc) else 1
 
@@ -166,18 +212,33 @@ def _layout_name(topology) -> str:
             f"env {len(topology.env_ranks)})")
 
 
-def _agree_on_run(cfg: Config, runtime, dry_run: bool = False) -> Path:
-    """Rank 0 names the run directory; every rank checks it runs rank 0's exact config; rank 0 saves it."""
+def _agree_on_run(cfg: Config, runtime, dry_run: bool = False):
+    """Rank 0 names the run directory and decides where the run starts (a checkpoint to resume from, or
+    iteration 0; a run directory that would mix two runs is refused); every rank checks it runs rank 0's exact
+    config; rank 0 saves it. Returns (run directory, Resume)."""
     import torch
     import torch.distributed as dist
 
+    from spmd_rl.run_control import Resume, checkpoint_iteration, decide_resume, prepare_run_dir
     from spmd_rl.runtime import broadcast_text
-    if dry_run:
-        run_dir = tempfile.mkdtemp(prefix=f"spmd_rl-dry-run-{cfg.run.name}-") if runtime.rank == 0 else ""
+    resume, verdict = Resume(), ""
+    if runtime.rank == 0:
+        run_dir = _default_run_dir(cfg, dry_run)
+        if not dry_run:
+            try:
+                resume = decide_resume(cfg, Path(run_dir), runtime.world_size)
+                verdict = str(resume.checkpoint or "")
+            except UserError as exc:
+                verdict = f"error: {exc}"
     else:
-        run_dir = cfg.run.dir or f"runs/{cfg.run.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    if runtime.distributed:
-        run_dir = broadcast_text(run_dir, src=0, timeout=runtime.timeout)  # plain bytes: nothing is unpickled
+        run_dir = ""
+    if runtime.distributed:  # plain bytes: nothing is unpickled
+        run_dir = broadcast_text(run_dir, src=0, timeout=runtime.timeout)
+        verdict = broadcast_text(verdict, src=0, timeout=runtime.timeout)
+    if verdict.startswith("error: "):
+        raise SharedUserError(verdict[len("error: "):])
+    if verdict:
+        resume = Resume(checkpoint=Path(verdict), iteration=checkpoint_iteration(Path(verdict)))
     cfg.run.dir = run_dir
     if runtime.distributed:
         mine = torch.frombuffer(bytearray.fromhex(cfg.digest()), dtype=torch.uint8)
@@ -191,8 +252,25 @@ def _agree_on_run(cfg: Config, runtime, dry_run: bool = False) -> Path:
     if runtime.rank == 0:
         from spmd_rl.fileio import make_dirs, write_atomic
         make_dirs(path)  # a read-only or misplaced run.dir is a UserError naming it
+        prepare_run_dir(path, resume)
         write_atomic(path / "config.yaml", cfg.to_yaml())
-    return path
+    return path, resume
+
+
+def _default_run_dir(cfg: Config, dry_run: bool) -> str:
+    if dry_run:
+        return tempfile.mkdtemp(prefix=f"spmd_rl-dry-run-{cfg.run.name}-")
+    if cfg.run.dir:
+        return cfg.run.dir
+    if cfg.run.resume not in ("auto", "never"):  # a checkpoint path: continue in its run directory
+        from spmd_rl.checkpoint import find_checkpoint
+        return str(find_checkpoint(cfg.run.resume).parent.parent)
+    # Under torchrun the run id is the same after a restart (--max-restarts), so the restarted workers find the
+    # checkpoints of the run they continue.
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None:
+        return f"runs/{cfg.run.name}-{run_id}"
+    return f"runs/{cfg.run.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ RETURN_WINDOW = 20
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, total_steps: int, progress: bool | None, interval_s: float, tensorboard: bool):
+    def __init__(self, run_dir: Path, total_steps: int, progress: bool | None, interval_s: float, tensorboard: bool,
+                 resumed_env_steps: int = 0):
         self.run_dir = run_dir
         self.total_steps = total_steps
         self.interval_s = interval_s
@@ -32,12 +33,16 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imported only where used: it is slow to import
             try:
-                self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+                # A resumed run drops the events a stopped run wrote after its checkpoint (purge_step), so TensorBoard
+                # continues at the right step.
+                self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
+                                            purge_step=resumed_env_steps + 1 if resumed_env_steps else None)
             except OSError as exc:
                 self.jsonl.close()
                 raise file_error(run_dir / "tensorboard", exc, "cannot create TensorBoard's directory") from None
         show_bar = sys.stderr.isatty() if progress is None else progress
-        self.bar = tqdm(total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True, disable=not show_bar)
+        self.bar = tqdm(total=total_steps, initial=resumed_env_steps, unit="step", unit_scale=True, dynamic_ncols=True,
+                        disable=not show_bar)
         self.recent_returns = collections.deque(maxlen=RETURN_WINDOW)
         self.recent_lengths = collections.deque(maxlen=RETURN_WINDOW)
         self.episodes = 0
@@ -83,6 +88,16 @@ class MetricsLogger:
         self.last_record = record
         return record
 
+    def state_dict(self) -> dict:
+        """What the next records depend on, for a checkpoint (timings restart)."""
+        return {"episodes": self.episodes, "recent_returns": list(self.recent_returns),
+                "recent_lengths": list(self.recent_lengths)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.episodes = state["episodes"]
+        self.recent_returns.extend(state["recent_returns"])
+        self.recent_lengths.extend(state["recent_lengths"])
+
     # The losses worth a glance, per algorithm, in the compact line (all of them are in metrics.jsonl).
     GLANCE = (("approx_kl", "kl", ".4f"), ("clip_fraction", "clip", ".3f"), ("qf_loss", "qf", ".3f"),
               ("alpha", "alpha", ".3f"))
@@ -123,3 +138,19 @@ def _finite_or_none(value):
 
 def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
+
+
+def drop_records_after(path: Path, iteration: int) -> None:
+    """Keep the records of iterations <= iteration (a resumed run rewrites those a stopped run logged after its
+    checkpoint); the file is replaced atomically. A torn last line is dropped too."""
+    from spmd_rl.fileio import write_atomic
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["iteration"] <= iteration:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    write_atomic(path, "".join(f"{line}\n" for line in kept))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import sys
 import threading
@@ -73,25 +74,96 @@ def _single_host(launch: LaunchInfo) -> bool:
     return launch.local_world_size == launch.world_size
 
 
-def wait(work, timeout: datetime.timedelta, describe) -> None:
-    """Wait for an async operation, turning an expired or broken wait into a CommError.
+@dataclass(frozen=True)
+class Peer:
+    """Whom a wait depends on, for its failure message: a name ('rank 0 (inference 0)') and the rank(s)."""
+    name: str
+    ranks: tuple[int, ...]
 
-    describe() builds the message lazily (who waited for whom, for what), so the fast path costs nothing.
+
+def group_peer(group: dist.ProcessGroup | None) -> Peer:
+    """The other members of a collective's group (None: the default group)."""
+    me = dist.get_rank()
+    others = tuple(r for r in dist.get_process_group_ranks(group or dist.group.WORLD) if r != me)
+    return Peer(f"rank {others[0]}" if len(others) == 1 else f"one of ranks {list(others)}", others)
+
+
+# How gloo and NCCL word the two failures a peer causes (lower case). Everything else is shown as it is.
+_TIMED_OUT = ("timed out", "timeout")
+_CLOSED = ("closed by peer", "reset by peer", "broken pipe", "connection refused", "socket closed")
+_COMM_LIBRARIES = ("gloo", "nccl", "connection closed", "connection reset", "timed out waiting")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The library's message without its source path prefix ('[.../pair.cc:537] ') and boilerplate advice."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(" This is typically caused")[0].rstrip(". ")
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """Whether exc (or an exception it was raised from) is torch.distributed failing to talk to a peer, e.g. DDP's
+    gradient all-reduce inside backward(), which surfaces as a plain RuntimeError."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (CommError, dist.DistError)) or any(m in str(exc).lower() for m in _COMM_LIBRARIES):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def comm_error(what: str, exc: BaseException, timeout: datetime.timedelta | None,
+               peer: Peer | None = None) -> CommError:
+    """The CommError for a failed wait or post: `what` names this rank and the operation ('rank 2 (env 0): receive
+    of message 7 on channel ...'); the reason says in words what the peer did, then the library's own words.
+
+    A timeout cannot tell a stopped peer from one that waits on a third rank itself, so it says both; rank 0's job
+    summary (spmd_rl.postmortem) names the rank the others waited on."""
+    if isinstance(exc, CommError):
+        return exc
+    text = _first_line(exc)
+    lowered = text.lower()
+    name = peer.name if peer is not None else "a peer"
+    timed_out = any(marker in lowered for marker in _TIMED_OUT)
+    if timed_out:
+        bound = f"dist.timeout_s={timeout.total_seconds():g}s" if timeout is not None else "the group's timeout"
+        reason = (f"{name} did not respond within {bound}: it is stopped or hung, or it may itself be waiting on "
+                  f"another rank (a knock-on)")
+    elif any(marker in lowered for marker in _CLOSED):
+        reason = f"{name} closed the connection: it exited first (its own line says why; a killed rank prints none)"
+    else:
+        reason = f"error talking to {name}"
+    return CommError(f"{what} failed: {reason} [{text}]", peer.ranks if peer is not None else (), timed_out)
+
+
+def wait(work, timeout: datetime.timedelta, describe, peer: Peer | None = None) -> None:
+    """Wait for an async operation, turning an expired or broken wait into a CommError (see comm_error).
+
+    describe() builds the message lazily (this rank, the operation), so the fast path costs nothing; peer is who
+    the wait depends on.
     """
     try:
         work.wait(timeout)
     except Exception as exc:
-        raise CommError(f"{describe()} failed after at most {timeout.total_seconds():g}s: "
-                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+        raise comm_error(describe(), exc, timeout, peer) from exc
 
 
 def bounded(collective, *args, group, timeout: datetime.timedelta, what: str, **kwargs):
     """Run a torch.distributed collective (all_reduce, broadcast, all_gather, ...) on `group` with a bounded wait.
 
-    The one idiom for every collective: async_op=True, then `wait` within the timeout; an expired or broken wait
-    is a CommError naming this rank, the operation and the group's members."""
-    work = collective(*args, group=group, async_op=True, **kwargs)
-    wait(work, timeout, lambda: f"rank {dist.get_rank()}: {what} with ranks {dist.get_process_group_ranks(group)}")
+    The one idiom for every collective: async_op=True, then `wait` within the timeout; a failed post, an expired or
+    a broken wait is a CommError naming this rank, the operation and the group's other members."""
+    peer = group_peer(group)
+
+    def describe() -> str:
+        return f"rank {dist.get_rank()}: {what} with ranks {dist.get_process_group_ranks(group or dist.group.WORLD)}"
+
+    try:
+        work = collective(*args, group=group, async_op=True, **kwargs)
+    except RuntimeError as exc:  # a peer that is already gone can fail the post itself
+        raise comm_error(describe(), exc, timeout, peer) from exc
+    wait(work, timeout, describe, peer)
     return work
 
 
@@ -130,17 +202,17 @@ def broadcast_text(text: str, src: int = 0, max_bytes: int = 4096, group: dist.P
         data = text.encode()
         length = len(data) if len(data) <= max_bytes else too_long
         message[:4] = torch.frombuffer(bytearray(length.to_bytes(4, "little")), dtype=torch.uint8)
-        if length != too_long:
+        if 0 < length != too_long:  # (frombuffer refuses an empty buffer)
             message[4:4 + length] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     describe = f"rank {dist.get_rank()}: broadcast_text from rank {src}"
+    peer = Peer(f"rank {src}", (src,)) if dist.get_rank() != src else group_peer(group)
     if timeout is not None:
-        wait(dist.broadcast(message, src=src, group=group, async_op=True), timeout, lambda: describe)
+        wait(dist.broadcast(message, src=src, group=group, async_op=True), timeout, lambda: describe, peer)
     else:  # bounded by the process group's own timeout
         try:
             dist.broadcast(message, src=src, group=group)
         except Exception as exc:
-            raise CommError(f"{describe} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
-                from exc
+            raise comm_error(describe, exc, None, peer) from exc
     length = int.from_bytes(message[:4].numpy().tobytes(), "little")
     if length == too_long:
         raise UserError(f"rank {src}'s text to broadcast is longer than {max_bytes} bytes (UTF-8); use a shorter "
@@ -149,15 +221,32 @@ def broadcast_text(text: str, src: int = 0, max_bytes: int = 4096, group: dist.P
 
 
 def install_signal_handlers() -> None:
-    """Turn SIGTERM and SIGUSR1 into StopSignal and SIGINT into KeyboardInterrupt, raised in the main thread.
+    """SIGINT, SIGTERM and SIGUSR1, in the main thread.
 
-    Without this, SIGTERM (what torchrun, Slurm and `kill` send) ends the process at once: no finally-block runs
-    and staged experience rows are lost. The exception is held back while a file commit is in progress (see
-    signals_deferred) and raised when it ends. Python runs handlers between bytecodes, so a rank blocked inside a
-    C++ wait sees the signal when that wait returns (at most dist.timeout_s later). Main thread only.
+    While the engine's loop runs (`stop_at_iteration_boundary(True)`), the first signal only asks for a stop: the
+    ranks finish the iteration, agree, save a checkpoint and exit (run_control.RunControl). Otherwise, and for a
+    second signal, SIGTERM/SIGUSR1 raise StopSignal and SIGINT KeyboardInterrupt, so every finally-block (and the
+    flush of open files) still runs: without a handler SIGTERM ends the process at once. The exception is held
+    back while a file commit is in progress (see signals_deferred). Python runs handlers between bytecodes, so a
+    rank blocked inside a C++ wait sees the signal when that wait returns (at most dist.timeout_s later).
     """
     for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(signum, _on_signal)
+
+
+class _Graceful:
+    enabled = False
+    requested: tuple[str, int] | None = None
+
+
+def stop_at_iteration_boundary(enabled: bool) -> None:
+    """Whether a first signal asks for a stop at the next iteration boundary (True) or raises at once (False)."""
+    _Graceful.enabled = enabled
+
+
+def requested_stop() -> tuple[str, int] | None:
+    """(signal name, number) of a stop this process was asked for and has not acted on, or None."""
+    return _Graceful.requested
 
 
 class _Deferral:
@@ -166,7 +255,13 @@ class _Deferral:
 
 
 def _on_signal(signum: int, frame) -> None:
-    stop = KeyboardInterrupt() if signum == signal.SIGINT else StopSignal(signal.Signals(signum).name, signum)
+    name = signal.Signals(signum).name
+    if _Graceful.enabled and _Graceful.requested is None:
+        _Graceful.requested = (name, signum)
+        print(f"spmd_rl: {name}: stopping after this iteration with a checkpoint (send it again to stop at once)",
+              file=sys.stderr, flush=True)
+        return
+    stop = KeyboardInterrupt() if signum == signal.SIGINT else StopSignal(name, signum)
     if _Deferral.depth:
         _Deferral.pending = _Deferral.pending or stop
         return

@@ -38,7 +38,7 @@ def _silent_peer(rank, world_size):
             obs.recv()                                           # rank 0 never sends
         text = str(error.value)
         assert text.startswith("rank 1 (env 0): receive of message 1 on channel 'obs' from rank 0 (inference 0)")
-        assert "failed after at most 2s" in text
+        assert "failed: rank 0 (inference 0) did not respond within dist.timeout_s=2s" in text
         raise error.value
     (_,), (done,) = open_channels(sends=[(1, "obs", message())], recvs=[(1, "done", None)], me=0, timeout=SETUP,
                                   describe_rank=describe)

@@ -247,6 +247,8 @@ class SAC(Algorithm):
             "alpha_optimizer": None if self.alpha_optimizer is None else self.alpha_optimizer.state_dict(),
             "num_updates": self.num_updates,
             "updates_owed": self.updates_owed,
+            "replay_shard": self.replay.shard.state_dict(),
+            "replay_sampler": self.replay.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -260,3 +262,5 @@ class SAC(Algorithm):
             self.alpha_optimizer.load_state_dict(state["alpha_optimizer"])
         self.num_updates = state["num_updates"]
         self.updates_owed = state["updates_owed"]
+        self.replay.shard.load_state_dict(state["replay_shard"])
+        self.replay.load_state_dict(state["replay_sampler"])

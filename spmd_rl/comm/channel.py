@@ -38,7 +38,7 @@ import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
 from spmd_rl.errors import CommError
-from spmd_rl.runtime import wait
+from spmd_rl.runtime import Peer, comm_error, wait
 
 HEADER_BYTES = 16   # int64 sequence number, int64 layout digest
 ALIGNMENT = 64      # leaf offsets in the flat buffer: any dtype's alignment, and whole cache lines
@@ -214,7 +214,7 @@ class SendHandle:
         if not self._done:
             channel = self._channel
             wait(self._work, channel.timeout, lambda: f"{channel.describe_rank(channel.me)}: send of message "
-                 f"{self._seq} on channel {channel.name!r} to {channel.describe_rank(channel.peer)}")
+                 f"{self._seq} on channel {channel.name!r} to {channel.peer_name.name}", channel.peer_name)
             self._done = True
 
 
@@ -232,6 +232,7 @@ class SendChannel:
                  group=None, device: torch.device | str = "cpu"):
         self.layout, self.me, self.peer, self.name, self.tag = layout, me, peer, name, tag
         self.timeout, self.describe_rank, self.group = _as_timedelta(timeout), describe_rank, group
+        self.peer_name = Peer(describe_rank(peer), (peer,))
         self._flat, self._buffer = layout.allocate(device)
         self._header = _header(self._flat)
         self._header[1] = layout.digest
@@ -257,7 +258,11 @@ class SendChannel:
                 view.copy_(value)
         self._seq += 1
         self._header[0] = self._seq
-        work = dist.isend(self._flat, dst=self.peer, group=self.group, tag=self.tag)
+        try:
+            work = dist.isend(self._flat, dst=self.peer, group=self.group, tag=self.tag)
+        except RuntimeError as exc:  # gloo fails the post itself when the connection is already closed
+            raise comm_error(f"{self.describe_rank(self.me)}: send of message {self._seq} on channel "
+                             f"{self.name!r} to {self.peer_name.name}", exc, self.timeout, self.peer_name) from exc
         self._in_flight = SendHandle(self, work, self._seq)
         return self._in_flight
 
@@ -281,14 +286,14 @@ class RecvHandle:
         header, td = channel._buffers[self._slot]
         if not self._done:
             wait(self._work, channel.timeout, lambda: f"{channel.describe_rank(channel.me)}: receive of message "
-                 f"{self._seq} on channel {channel.name!r} from {channel.describe_rank(channel.peer)}")
+                 f"{self._seq} on channel {channel.name!r} from {channel.peer_name.name}", channel.peer_name)
             self._done = True
             channel._posted -= 1
             seq, digest = header.tolist()
             if digest != channel.layout.digest or seq != self._seq:
                 raise CommError(
                     f"{channel.describe_rank(channel.me)}: channel {channel.name!r} from "
-                    f"{channel.describe_rank(channel.peer)} expected message {self._seq} with layout digest "
+                    f"{channel.peer_name.name} expected message {self._seq} with layout digest "
                     f"{channel.layout.digest}, got message {seq} with digest {digest}")
         return td
 
@@ -308,6 +313,7 @@ class RecvChannel:
             raise ValueError(f"channel {name!r}: num_buffers must be >= 1, got {num_buffers}")
         self.layout, self.me, self.peer, self.name, self.tag = layout, me, peer, name, tag
         self.timeout, self.describe_rank, self.group = _as_timedelta(timeout), describe_rank, group
+        self.peer_name = Peer(describe_rank(peer), (peer,))
         self._flats, self._buffers = [], []     # per slot: the flat buffer; (its header, its TensorDict)
         for _ in range(num_buffers):
             flat, td = layout.allocate(device)
@@ -322,7 +328,11 @@ class RecvChannel:
                                f"{self._posted} receive(s) posted, one per buffer; wait one before posting another")
         self._seq += 1
         slot = (self._seq - 1) % len(self._buffers)
-        work = dist.irecv(self._flats[slot], src=self.peer, group=self.group, tag=self.tag)
+        try:
+            work = dist.irecv(self._flats[slot], src=self.peer, group=self.group, tag=self.tag)
+        except RuntimeError as exc:  # gloo fails the post itself when the connection is already closed
+            raise comm_error(f"{self.describe_rank(self.me)}: receive of message {self._seq} on channel "
+                             f"{self.name!r} from {self.peer_name.name}", exc, self.timeout, self.peer_name) from exc
         self._posted += 1
         return RecvHandle(self, work, slot, self._seq)
 
@@ -370,6 +380,16 @@ def open_channels(sends: Sequence[tuple[int, str, TensorDictBase]],
         return lambda: (f"{describe_rank(me)}: layout handshake ({step}) of channel {name!r} from "
                         f"{describe_rank(peer_from)} to {describe_rank(peer_to)}")
 
+    def post(operation, tensor: torch.Tensor, peer: int, tag: int, describe: Callable[[], str]):
+        """dist.isend or dist.irecv; a peer already gone can fail the post itself."""
+        try:
+            return operation(tensor, peer, group=group, tag=tag)
+        except RuntimeError as exc:
+            raise comm_error(describe(), exc, timeout, Peer(describe_rank(peer), (peer,))) from exc
+
+    def finish(work, peer: int, describe: Callable[[], str]) -> None:
+        wait(work, timeout, describe, Peer(describe_rank(peer), (peer,)))
+
     # Post everything that does not depend on a peer: our layouts out, their headers and verdicts in.
     outgoing, verdicts_in, headers_in = [], [], []
     for peer, name, example in sends:
@@ -378,23 +398,26 @@ def open_channels(sends: Sequence[tuple[int, str, TensorDictBase]],
         encoded = torch.frombuffer(bytearray(layout.encode()), dtype=torch.uint8)
         header = torch.tensor([encoded.numel(), layout.digest], dtype=torch.int64)
         for tensor in (header, encoded):     # same tag, same peer: they arrive in this order
-            outgoing.append((dist.isend(tensor, dst=peer, group=group, tag=layout_tag), tensor,
-                             what(me, peer, name, "send layout")))
+            describe = what(me, peer, name, "send layout")
+            outgoing.append((post(dist.isend, tensor, peer, layout_tag, describe), tensor, peer, describe))
         verdict = torch.zeros(1, dtype=torch.int64)
-        verdicts_in.append((dist.irecv(verdict, src=peer, group=group, tag=verdict_tag), verdict, layout))
+        verdicts_in.append((post(dist.irecv, verdict, peer, verdict_tag, what(peer, me, name, "receive verdict")),
+                            verdict, layout))
     for peer, name, _ in recvs:
         header = torch.zeros(2, dtype=torch.int64)
-        headers_in.append((dist.irecv(header, src=peer, group=group, tag=channel_tags(name, tag_base)[1]), header))
+        headers_in.append((post(dist.irecv, header, peer, channel_tags(name, tag_base)[1],
+                                what(peer, me, name, "receive length")), header))
 
     # Receive each sender's layout; judge it against what we expected.
     bodies_in = []
     for (peer, name, _), (work, header) in zip(recvs, headers_in):
-        wait(work, timeout, what(peer, me, name, "receive length"))
+        finish(work, peer, what(peer, me, name, "receive length"))
         body = torch.zeros(int(header[0]), dtype=torch.uint8)
-        bodies_in.append((dist.irecv(body, src=peer, group=group, tag=channel_tags(name, tag_base)[1]), body))
+        bodies_in.append((post(dist.irecv, body, peer, channel_tags(name, tag_base)[1],
+                               what(peer, me, name, "receive layout")), body))
     recv_layouts, problems = [], []
     for (peer, name, expected), (work, body) in zip(recvs, bodies_in):
-        wait(work, timeout, what(peer, me, name, "receive layout"))
+        finish(work, peer, what(peer, me, name, "receive layout"))
         theirs = TensorLayout.decode(body.numpy().tobytes())
         if isinstance(expected, TensorDictBase):
             expected = TensorLayout.of(expected)
@@ -404,16 +427,17 @@ def open_channels(sends: Sequence[tuple[int, str, TensorDictBase]],
                             f"layout differs from the receiver's (sender vs receiver): {difference}")
         recv_layouts.append(theirs)
         verdict = torch.tensor([1 if difference else 0], dtype=torch.int64)
-        outgoing.append((dist.isend(verdict, dst=peer, group=group, tag=channel_tags(name, tag_base)[2]), verdict,
-                         what(me, peer, name, "send verdict")))
+        describe = what(me, peer, name, "send verdict")
+        outgoing.append((post(dist.isend, verdict, peer, channel_tags(name, tag_base)[2], describe), verdict, peer,
+                         describe))
 
     for (peer, name, _), (work, verdict, layout) in zip(sends, verdicts_in):
-        wait(work, timeout, what(peer, me, name, "receive verdict"))
+        finish(work, peer, what(peer, me, name, "receive verdict"))
         if int(verdict[0]) != 0:
             problems.append(f"channel {name!r} from {describe_rank(me)} to {describe_rank(peer)}: the receiver "
                             f"rejected the sender's layout {layout.describe()} (its error names the difference)")
-    for work, _tensor, describe in outgoing:
-        wait(work, timeout, describe)
+    for work, _tensor, peer, describe in outgoing:
+        finish(work, peer, describe)
     if problems:
         raise ValueError("; ".join(problems))
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spmd_rl.runtime import wait
+from spmd_rl.runtime import Peer, comm_error, wait
 
 HEADER_BYTES = 16          # int64 version, int64 layout digest, at the front of bucket 0
 ALIGNMENT = 16             # every tensor's byte offset: enough for any dtype's element size
@@ -170,9 +170,17 @@ class WeightSync:
         """values from every member, in the order of self.members."""
         mine = torch.tensor(values, dtype=torch.int64, device=self.buckets[0].device)
         gathered = [torch.empty_like(mine) for _ in self.members]
-        work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
-        wait(work, self.timeout, lambda: f"{self.describe_rank(self.me)}: {what} (all_gather over the weight "
-             f"group {self.members})")
+        others = tuple(rank for rank in self.members if rank != self.me)
+        peer = Peer(self.describe_rank(others[0]) if len(others) == 1 else f"one of ranks {list(others)}", others)
+
+        def describe() -> str:
+            return f"{self.describe_rank(self.me)}: {what} (all_gather over the weight group {self.members})"
+
+        try:
+            work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
+        except RuntimeError as exc:  # a member already gone can fail the post itself
+            raise comm_error(describe(), exc, self.timeout, peer) from exc
+        wait(work, self.timeout, describe, peer)
         return [t.tolist() for t in gathered]
 
     def _check_same_models(self) -> None:
@@ -204,12 +212,23 @@ class WeightSync:
         if is_source:
             self._adopt_module_tensors()
             self._header[0] = version
-        works = [dist.broadcast(bucket, src=self.src, group=self.group, async_op=True) for bucket in self.buckets]
+        receivers = tuple(rank for rank in self.members if rank != self.src)
+        peer = (Peer(self.describe_rank(self.src), (self.src,)) if not is_source else
+                Peer(self.describe_rank(receivers[0]) if len(receivers) == 1 else f"one of ranks {list(receivers)}",
+                     receivers))
+
+        def describe(index: int) -> str:
+            return (f"{self.describe_rank(self.me)}: weight broadcast from {self.describe_rank(self.src)} (bucket "
+                    f"{index + 1} of {len(self.buckets)}{f', version {version}' if is_source else ''})")
+
+        works = []
+        for index, bucket in enumerate(self.buckets):
+            try:
+                works.append(dist.broadcast(bucket, src=self.src, group=self.group, async_op=True))
+            except RuntimeError as exc:  # a member already gone can fail the post itself
+                raise comm_error(describe(index), exc, self.timeout, peer) from exc
         for index, work in enumerate(works):
-            wait(work, self.timeout, lambda: (
-                f"{self.describe_rank(self.me)}: weight broadcast from {self.describe_rank(self.src)} "
-                f"({self.describe_bucket(index)} of {len(self.buckets)}"
-                f"{f', version {version}' if is_source else ''})"))
+            wait(work, self.timeout, lambda: describe(index), peer)
         received_version, digest = self._header.tolist()
         if digest != self.digest:
             raise WeightMismatchError(f"{self.describe_rank(self.me)}: weights from {self.describe_rank(self.src)} "

@@ -10,9 +10,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 
 from spmd_rl import spaces
-from spmd_rl.errors import UserCodeError
+from spmd_rl.errors import UserCodeError, describe_exception
 
 
 class EnvWorker:
@@ -62,7 +63,11 @@ class EnvWorker:
         self.versions[t] = reply["policy_version"].item()
 
         clock = time.perf_counter()
-        obs, reward, terminated, truncated, info = self.envs.step(action)
+        try:
+            obs, reward, terminated, truncated, info = self.envs.step(action)
+        except Exception as exc:  # the env's own error: its type, message and file:line, not the vector env's stack
+            raise UserCodeError(f"{self.describe}: env '{self.env_id}' raised at step {self.steps_taken + 1}: "
+                                f"{describe_exception(exc)}") from exc
         self.env_s += time.perf_counter() - clock
         self.steps_taken += 1
         self._check_finite(obs, reward, f"step {self.steps_taken}")
@@ -103,15 +108,32 @@ class EnvWorker:
         self.to_trainer.send()
         self._reset_timers()
 
+    def state_dict(self) -> dict:
+        """Where the envs stand between rollouts (with their own state, see env_state.py): the observation the next
+        step acts on, which envs' next step is a reset, the step counter."""
+        from spmd_rl.run_control import as_tensors
+        return {"obs": as_tensors(self.obs), "next_step_valid": torch.from_numpy(self.next_step_valid.copy()),
+                "steps_taken": self.steps_taken}
+
+    def load_state_dict(self, state: dict) -> None:
+        from spmd_rl.run_control import as_arrays
+        self.obs = as_arrays(state["obs"])
+        self.next_step_valid = state["next_step_valid"].numpy().copy()
+        self.steps_taken = state["steps_taken"]
+
     def close(self) -> None:
         self.envs.close()
 
 
-def run_env_rank(worker: EnvWorker, num_iterations: int) -> None:
-    """A split-layout env rank: its schedule of sends and receives follows from the config alone."""
-    for _ in range(num_iterations):
-        for t in range(worker.num_steps):
-            worker.send_observations(t)
-            worker.receive_actions_and_step(t)
-        worker.send_segment()
-    worker.close()
+def run_env_rank(worker: EnvWorker, iterations: range, after_iteration) -> None:
+    """A split-layout env rank: its schedule of sends and receives follows from the config alone.
+    after_iteration(iteration) is the run's end-of-iteration agreement (checkpoints, stops)."""
+    try:
+        for iteration in iterations:
+            for t in range(worker.num_steps):
+                worker.send_observations(t)
+                worker.receive_actions_and_step(t)
+            worker.send_segment()
+            after_iteration(iteration)
+    finally:
+        worker.close()

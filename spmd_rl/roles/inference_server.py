@@ -64,7 +64,8 @@ class InferenceServer:
         if self.explore_uniformly:
             out = self.uniform_actions(obs.shape[0])
         else:
-            out = self.policy.act(obs.to(self.device, non_blocking=True))
+            with torch.no_grad():  # the API promises act() runs without grad; a user's act need not say so
+                out = self.policy.act(obs.to(self.device, non_blocking=True))
         outputs = [out[key].cpu().numpy() for key in self.output_keys]
         inference_s = time.perf_counter() - clock
 
@@ -85,9 +86,10 @@ class InferenceServer:
         self.policy_version = self.weight_sync.broadcast(self.policy_version)  # receivers get the sender's version
 
 
-def run_inference_rank(server: InferenceServer, schedule, num_steps: int, verify_every: int) -> None:
+def run_inference_rank(server: InferenceServer, schedule, num_steps: int, verify_every: int, iterations: range,
+                       after_iteration) -> None:
     server.receive_weights()  # the initial weights come from trainer rank 0, never from matching seeds
-    for iteration in range(schedule.num_iterations):
+    for iteration in iterations:
         server.explore_uniformly = schedule.explores_at(iteration)
         for _ in range(num_steps):
             server.serve_step()
@@ -95,3 +97,4 @@ def run_inference_rank(server: InferenceServer, schedule, num_steps: int, verify
             server.receive_weights()
             if verify_every and server.policy_version % verify_every == 0:
                 server.weight_sync.verify(server.policy_version)
+        after_iteration(iteration)

@@ -4,6 +4,7 @@ my fellow trainers (DDP over the trainer group), and publish the new weights to 
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
@@ -11,6 +12,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from spmd_rl.errors import CommError
+from spmd_rl.roles.update_guard import UpdateGuard
+from spmd_rl.runtime import bounded, comm_error, group_peer, is_comm_failure
 
 
 class StalePolicyError(RuntimeError):
@@ -19,7 +22,8 @@ class StalePolicyError(RuntimeError):
 
 class Trainer:
     def __init__(self, algorithm, segment_channels: list, segment_sources: list[str], episode_slots: int, group,
-                 weight_sync=None, experience_log=None, describe: str = "trainer"):
+                 weight_sync=None, experience_log=None, describe: str = "trainer",
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=300), skip_nonfinite_updates: bool = False):
         self.algorithm = algorithm          # the user's (or a built-in) spmd_rl.api.Algorithm
         self.segment_channels = segment_channels
         self.segment_sources = segment_sources  # who sends each segment, for error messages
@@ -29,6 +33,8 @@ class Trainer:
         self.weight_sync = weight_sync      # trainer rank 0 of a split layout only
         self.experience_log = experience_log
         self.describe = describe
+        self.timeout = timeout              # bound on the trainer group's collectives (dist.timeout_s)
+        self.update_guard = UpdateGuard(algorithm, skip_nonfinite_updates, describe)
         self.learn_s = self.weight_sync_s = 0.0
 
     # -- one iteration -------------------------------------------------------------------------------------------
@@ -60,10 +66,15 @@ class Trainer:
             self.experience_log.append(rollout, policy_version=int(segment["policy_version"][0]),
                                        env_step=iteration * rollout.numel())
         try:
-            metrics = self.algorithm.learn(segment, iteration)
-        except dist.DistError as exc:  # DDP's all-reduce failed (bounded waits raise CommError themselves)
-            raise CommError(f"{self.describe}: a collective in the trainer group (gradient or statistics "
-                            f"all-reduce) failed: {str(exc).splitlines()[0]}") from exc
+            metrics = self.update_guard.learn(segment, iteration)
+        except Exception as exc:
+            # DDP's gradient all-reduce fails inside backward() as a plain RuntimeError; bounded collectives raise
+            # CommError themselves. Anything else is the algorithm's own error.
+            if isinstance(exc, CommError) or not is_comm_failure(exc):
+                raise
+            raise comm_error(f"{self.describe}: learning (iteration {iteration}): a collective in the trainer group "
+                             f"(DDP's gradient all-reduce or the algorithm's own)", exc,
+                             self.timeout, group_peer(self.group) if self.group is not None else None) from exc
         self.learn_s = time.perf_counter() - clock
         return metrics
 
@@ -104,11 +115,8 @@ class Trainer:
         packed[2 * slots:] = torch.tensor([local["env_s"], local["action_wait_s"], local["inference_s"],
                                            local["env_ranks"]], dtype=torch.float64)
         gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(self.group))]
-        try:
-            dist.all_gather(gathered, packed, group=self.group)
-        except RuntimeError as exc:
-            raise CommError(f"{self.describe}: all_gather of episode statistics in the trainer group failed: "
-                            f"{str(exc).splitlines()[0]}") from exc
+        bounded(dist.all_gather, gathered, packed, group=self.group, timeout=self.timeout,
+                what="all_gather of episode statistics in the trainer group")
         if dist.get_rank(self.group) != 0:
             return None
         merged = torch.stack(gathered)
@@ -121,11 +129,14 @@ class Trainer:
         }
 
 
-def run_trainer_rank(trainer: Trainer, schedule, verify_every: int, report) -> None:
+def run_trainer_rank(trainer: Trainer, schedule, verify_every: int, report, iterations: range,
+                     after_iteration) -> None:
     """A split-layout trainer rank. report(iteration, metrics, statistics, trainer) runs on every trainer; the
-    metrics logger inside it writes on the first trainer only."""
-    trainer.publish_weights(0, verify=False)  # inference ranks start from trainer rank 0's initial weights
-    for iteration in range(schedule.num_iterations):
+    metrics logger inside it writes on the first trainer only. after_iteration(iteration) is the run's
+    end-of-iteration agreement (checkpoints, stops)."""
+    # Inference ranks start from trainer rank 0's weights (initial or resumed), never from matching seeds.
+    trainer.publish_weights(schedule.version_at(iterations.start), verify=False)
+    for iteration in iterations:
         trainer.weight_sync_s = 0.0
         segment = trainer.receive_segments(expected_version=schedule.version_at(iteration))
         metrics = trainer.learn(segment, iteration)
@@ -133,3 +144,4 @@ def run_trainer_rank(trainer: Trainer, schedule, verify_every: int, report) -> N
             version = schedule.version_at(iteration + 1)
             trainer.publish_weights(version, verify=bool(verify_every) and version % verify_every == 0)
         report(iteration, metrics, trainer.gather_statistics(segment), trainer)
+        after_iteration(iteration)

@@ -156,6 +156,23 @@ class ReplayBuffer:
         """
         self.storage.rewind(total_rows)
 
+    def state_dict(self) -> dict:
+        """For a checkpoint: the cursor, and for the memory backend the rows themselves (the hdf5 backend's rows are
+        in its file, which a resume rewinds to the cursor)."""
+        state = {"total_rows": self.total_rows}
+        if isinstance(self.storage, MemoryStorage):
+            held = min(self.total_rows, self.capacity)
+            state["rows"] = self.storage.rows[:held].to_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if isinstance(self.storage, MemoryStorage):
+            held = min(state["total_rows"], self.capacity)
+            self.storage.rows[:held] = TensorDict(state["rows"], batch_size=[held])
+            self.storage._total = state["total_rows"]
+        else:
+            self.rewind(state["total_rows"])
+
     def close(self) -> None:
         self.storage.close()
 
@@ -228,4 +245,10 @@ class LocalReplay:
         self.shard = shard
 
     def sample(self, batch_size: int) -> TensorDict:
-        return self.shard.sample(batch_size)
+        return self.shard.sample(batch_size)  # draws from torch's global generator, which checkpoints save
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

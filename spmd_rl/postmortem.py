@@ -1,0 +1,153 @@
+"""After a failure: which rank failed first? Rank 0 says it in one summary line.
+
+A rank whose wait on a peer fails cannot tell a dead or stopped peer from one that waits on a third rank itself,
+so its own line may name an innocent peer (a knock-on). To name the cause, every failing rank leaves a record in
+the job's key-value store (the store init_process_group met through): when it failed, its exit code, the ranks it
+was waiting on and whether its wait expired. Rank 0, when its own failure is a communication error, waits a few
+seconds for the others' records and prints one line naming the first cause:
+  1. the earliest failure that is not a communication error (an env that raised, a signal, a bug): the
+     communication errors of the others follow from it;
+  2. else the ranks that others waited on and that left no record: killed, stopped or hung, they cannot speak;
+  3. else the ranks others timed out waiting on that did not time out themselves (a rank that was stopped and
+     resumed finds its peers gone: a closed connection, not a timeout);
+  4. else the ranks that left no record at all, or, when every rank reported, the earliest communication error.
+The store may be gone after a failure (its host died) or frozen (its host is stopped), so every store operation
+runs in a daemon thread joined within a bound: a failing rank always exits promptly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from spmd_rl.errors import COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE
+
+KEY = "spmd_rl/failure/rank{}"
+PUBLISH_BOUND_S = 2.0   # how long a failing rank tries to leave its record before it exits anyway
+COLLECT_GRACE_S = 3.0   # how long rank 0 waits for the other ranks' records
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Failure:
+    rank: int
+    exit_code: int
+    at: float                       # time.time() when the rank failed
+    peers: tuple[int, ...] = ()     # the ranks it was waiting on (a communication error's)
+    timed_out: bool = False         # its wait expired (rather than a connection closing)
+
+    @property
+    def kind(self) -> str:
+        known = {USER_ERROR_EXIT_CODE: "user error", COMM_ERROR_EXIT_CODE: "communication error",
+                 USER_CODE_EXIT_CODE: "error in user code", 130: "interrupted (SIGINT)"}
+        if self.exit_code in known:
+            return known[self.exit_code]
+        if self.exit_code > 128:
+            import signal
+            try:
+                return f"stopped by {signal.Signals(self.exit_code - 128).name}"
+            except ValueError:
+                pass
+        return f"exit code {self.exit_code}"
+
+    def encode(self) -> bytes:
+        return json.dumps([self.rank, self.exit_code, self.at, list(self.peers), self.timed_out]).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Failure:
+        rank, exit_code, at, peers, timed_out = json.loads(data.decode())
+        return cls(int(rank), int(exit_code), float(at), tuple(int(p) for p in peers), bool(timed_out))
+
+
+def first_cause(own: Failure, others: dict[int, Failure], world_size: int, describe_rank: Callable[[int], str]
+                ) -> str:
+    """The summary rank 0 prints, from its own failure and the records that reached it (see the module doc)."""
+    records = {**others, own.rank: own}
+    communication = sorted(r for r, f in records.items() if f.exit_code == COMM_ERROR_EXIT_CODE)
+    causes = [f for f in records.values() if f.exit_code != COMM_ERROR_EXIT_CODE]
+    if causes:
+        first = min(causes, key=lambda f: f.at)
+        follow = f"; the communication errors of ranks {communication} follow from it" if communication else ""
+        return f"{describe_rank(first.rank)} failed first ({first.kind}: see its line){follow}"
+    silent = [r for r in range(world_size) if r not in records]
+    waited_on = sorted({p for f in records.values() for p in f.peers if p in silent})
+    if waited_on:
+        waiters = sorted(r for r, f in records.items() if set(f.peers) & set(waited_on))
+        return (f"{_names(waited_on, describe_rank)} stopped responding first: ranks {waiters} waited on "
+                f"{_it(waited_on)} and {_it(waited_on)} reported no error (killed, stopped or hung); the other "
+                f"ranks' errors follow from it")
+    timed_out = [f for f in records.values() if f.timed_out]
+    stalled = sorted({p for f in timed_out for p in f.peers} - {f.rank for f in timed_out})
+    if timed_out and stalled:
+        waiters = sorted(f.rank for f in timed_out if set(f.peers) & set(stalled))
+        return (f"{_names(stalled, describe_rank)} stopped responding first: ranks {waiters} timed out waiting on "
+                f"{_it(stalled)} and {_it(stalled)} did not time out (stopped or stalled, then found its peers gone)")
+    if silent:
+        return (f"ranks {silent} reported no error (killed, stopped or hung): the likely first cause; ranks "
+                f"{communication} failed waiting")
+    first = min(records.values(), key=lambda f: f.at)
+    return f"every rank failed with a communication error; the first was {describe_rank(first.rank)}"
+
+
+def _names(ranks: list[int], describe_rank: Callable[[int], str]) -> str:
+    return ", ".join(describe_rank(r) for r in ranks)
+
+
+def _it(ranks: list[int]) -> str:
+    return "it" if len(ranks) == 1 else "they"
+
+
+def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[int], str]) -> None:
+    """On a failing rank of a distributed run, before it exits: leave this rank's record, or, on rank 0 after a
+    communication error, gather the others' and print the summary. Never raises, never blocks for long."""
+    try:
+        store = _default_store()
+        if store is None:
+            return
+        if failure.rank != 0:
+            _bounded(lambda: store.set(KEY.format(failure.rank), failure.encode()), PUBLISH_BOUND_S)
+        elif failure.exit_code == COMM_ERROR_EXIT_CODE:
+            others: dict[int, Failure] = {}
+            _bounded(lambda: _collect(store, world_size, others), COLLECT_GRACE_S + PUBLISH_BOUND_S)
+            print(f"spmd_rl: job summary: {first_cause(failure, dict(others), world_size, describe_rank)}",
+                  file=sys.stderr, flush=True)
+    except BaseException:  # noqa: BLE001 - a broken store or a second signal must not change how the rank exits
+        pass
+
+
+def _collect(store, world_size: int, into: dict[int, Failure]) -> None:
+    """Records of ranks 1..world_size-1 into `into` as they arrive, for at most COLLECT_GRACE_S."""
+    give_up_at = time.monotonic() + COLLECT_GRACE_S
+    missing = set(range(1, world_size))
+    while missing and time.monotonic() < give_up_at:
+        for rank in sorted(missing):
+            key = KEY.format(rank)
+            if store.check([key]):
+                into[rank] = Failure.decode(store.get(key))
+                missing.discard(rank)
+        time.sleep(POLL_S)
+
+
+def _bounded(action: Callable[[], None], bound_s: float) -> None:
+    def quietly() -> None:
+        try:
+            action()
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to report to, nothing to print
+            pass
+
+    thread = threading.Thread(target=quietly, daemon=True)
+    thread.start()
+    thread.join(bound_s)
+
+
+def _default_store():
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+        return distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - no store, no summary
+        return None

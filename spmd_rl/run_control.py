@@ -1,0 +1,197 @@
+"""The end of every iteration, on every rank: do we checkpoint now, and do we stop?
+
+Every rank computes the same answer at the same iteration: periodic checkpoints follow from the config
+(`checkpoint.every_iterations`, the last iteration, `run.stop_after_iterations`), and what only one rank can know
+(a signal it received, rank 0's clock for `checkpoint.every_s`) travels in one tiny all_reduce over all ranks.
+So every rank saves at the same iteration and no rank stops alone. A checkpoint is committed by rank 0 once every
+rank reported its file written (a second all_reduce), so a kill at any moment leaves the previous one loadable.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from spmd_rl.checkpoint import CheckpointStore, capture_rng_state
+from spmd_rl.errors import UserError
+from spmd_rl.runtime import bounded, requested_stop
+
+STOPPED_EXIT_CODE = 75  # stopped on a signal with a checkpoint: rerun the same command to resume (EX_TEMPFAIL)
+
+
+class StoppedWithCheckpoint(Exception):
+    """Every rank agreed to stop after a signal; the checkpoint is committed. main prints one line, exit 75."""
+
+    def __init__(self, signal_name: str, iteration: int, checkpoint: Path):
+        super().__init__(f"stopped by {signal_name} after iteration {iteration}; checkpoint {checkpoint}; rerun the "
+                         f"same command to resume")
+        self.checkpoint = checkpoint
+
+
+@dataclass
+class Resume:
+    """Where a run starts: iteration 0, or the iteration after a checkpoint (whose files every rank loads)."""
+    checkpoint: Path | None = None
+    iteration: int = -1          # the checkpoint's iteration (-1: a fresh start)
+
+    @property
+    def start_iteration(self) -> int:
+        return self.iteration + 1
+
+
+class RunControl:
+    def __init__(self, cfg, num_iterations: int, rank: int, world_size: int, distributed: bool, run_dir: Path,
+                 timeout):
+        self.every_iterations = cfg.checkpoint.every_iterations
+        self.every_s = cfg.checkpoint.every_s
+        self.stop_after = cfg.run.stop_after_iterations
+        self.num_iterations = num_iterations
+        self.rank, self.world_size, self.distributed = rank, world_size, distributed
+        self.store = CheckpointStore(run_dir, keep=cfg.checkpoint.keep)
+        self.timeout = timeout
+        self.last_checkpoint = time.monotonic()
+        self.save_s = 0.0         # seconds this rank spent on its last checkpoint (0 when none this iteration)
+
+    def after_iteration(self, iteration: int, capture: Callable[[], dict]) -> None:
+        """Checkpoint when due; raise StoppedWithCheckpoint when the ranks agreed to stop. capture() builds this
+        rank's state (called only when a checkpoint is taken)."""
+        self.save_s = 0.0
+        last = iteration == self.num_iterations - 1
+        stop_here = bool(self.stop_after) and iteration + 1 == self.stop_after and not last
+        due = last or stop_here or (self.every_iterations > 0 and (iteration + 1) % self.every_iterations == 0)
+        timed_out = self.every_s > 0 and time.monotonic() - self.last_checkpoint >= self.every_s
+        stop = requested_stop()
+        signal_number, timed_out = self._agree(stop[1] if stop else 0, timed_out)
+        if not (due or timed_out or signal_number):
+            return
+        clock = time.perf_counter()
+        directory = self._save(iteration, capture)
+        self.save_s = time.perf_counter() - clock
+        self.last_checkpoint = time.monotonic()
+        if signal_number:
+            import signal
+            raise StoppedWithCheckpoint(signal.Signals(signal_number).name, iteration, directory)
+        if stop_here:
+            raise StoppedWithCheckpoint(f"run.stop_after_iterations={self.stop_after}", iteration, directory)
+
+    def _agree(self, signal_number: int, timed_out: bool) -> tuple[int, bool]:
+        """(a signal any rank received, rank 0's clock says a timed checkpoint is due), the same on every rank."""
+        if not self.distributed:
+            return signal_number, timed_out
+        flags = torch.tensor([signal_number, int(timed_out and self.rank == 0)], dtype=torch.int64)
+        bounded(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=None, timeout=self.timeout,
+                what="end-of-iteration agreement (checkpoint or stop) all_reduce")
+        return int(flags[0]), bool(flags[1])
+
+    def _save(self, iteration: int, capture: Callable[[], dict]) -> Path:
+        """Every rank writes its file; rank 0 commits once all succeeded (a failure anywhere fails everywhere)."""
+        error = None
+        try:
+            state = capture()
+            state.update(iteration=iteration, rng=capture_rng_state())
+            self.store.save(state, iteration, self.rank)
+        except UserError as exc:  # a full disk, a read-only directory: still take part in the vote below
+            error = exc
+        ok = torch.tensor([0 if error else 1], dtype=torch.int64)
+        if self.distributed:
+            bounded(dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=None, timeout=self.timeout,
+                    what=f"checkpoint {iteration} completion all_reduce")
+        if error is not None:
+            raise error
+        if not int(ok):
+            raise UserError(f"checkpoint of iteration {iteration} failed on another rank (see its line); the "
+                            f"previous checkpoint stays the latest")
+        directory = self.store.directory(iteration)
+        if self.rank == 0:
+            self.store.commit(iteration, world_size=self.world_size)
+        return directory
+
+
+def as_tensors(value):
+    """numpy arrays (and dicts of them, Dict observations) as tensors, for weights_only checkpoints."""
+    if isinstance(value, dict):
+        return {key: as_tensors(item) for key, item in value.items()}
+    return torch.from_numpy(np.array(value, copy=True))
+
+
+def as_arrays(value):
+    if isinstance(value, dict):
+        return {key: as_arrays(item) for key, item in value.items()}
+    return value.numpy()
+
+
+FINISHED = "finished.json"  # written by rank 0 when a run completed: such a directory is never resumed
+
+
+def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
+    """Rank 0: where this run starts, from run.resume and what run_dir holds; refuses (UserError) to mix runs.
+
+    auto: the latest checkpoint of run_dir, else a fresh start; never: a fresh start, refused if run_dir holds a
+    run; a path: that checkpoint. A finished run, or one with another config, is never continued."""
+    from spmd_rl.checkpoint import find_checkpoint
+    from spmd_rl.config import load_config
+    mode = cfg.run.resume
+    store = CheckpointStore(run_dir, keep=cfg.checkpoint.keep)
+    holds_run = (run_dir / "config.yaml").exists()
+    if mode == "never":
+        if holds_run:
+            raise UserError(f"run directory {run_dir} already holds a run and run.resume=never; choose another "
+                            f"run.dir, or set run.resume=auto to continue it")
+        return Resume()
+    if mode == "auto":
+        if not holds_run:
+            return Resume()
+        if (run_dir / FINISHED).exists():
+            raise UserError(f"run directory {run_dir} holds a finished run; choose another run.dir (or run.init_from="
+                            f"{run_dir} to fine-tune from it)")
+        checkpoint = store.latest()
+        config_dir = run_dir
+    else:
+        checkpoint = find_checkpoint(mode)
+        config_dir = checkpoint.parent.parent
+        if config_dir.resolve() != run_dir.resolve():
+            raise UserError(f"run.resume={mode} continues the run in {config_dir}, not in run.dir={run_dir}; leave "
+                            f"run.dir unset (or set it to {config_dir}), or start a new run from those weights with "
+                            f"run.init_from={mode}")
+    try:
+        previous = load_config(config_dir / "config.yaml")
+    except UserError as exc:
+        raise UserError(f"cannot resume from {config_dir}: its config.yaml does not load ({exc})") from None
+    if previous.resume_digest() != cfg.resume_digest():
+        raise UserError(f"run directory {config_dir} holds a run with a different config (beyond run, checkpoint and "
+                        f"log keys); rerun with its config.yaml, or choose another run.dir")
+    if checkpoint is None:
+        return Resume()  # the same run, stopped before its first checkpoint: it starts over (see prepare_run_dir)
+    ranks = len(list(checkpoint.glob("rank*.pt")))
+    if ranks != world_size:
+        raise UserError(f"checkpoint {checkpoint} holds {ranks} rank(s) but this run has {world_size}; resume with "
+                        f"the same number of ranks")
+    return Resume(checkpoint=checkpoint, iteration=checkpoint_iteration(checkpoint))
+
+
+def checkpoint_iteration(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("_")[-1])
+
+
+def prepare_run_dir(run_dir: Path, resume: Resume) -> None:
+    """Rank 0: make run_dir's outputs consistent with where the run starts. Resuming, metrics.jsonl keeps the
+    records up to the checkpoint (HDF5 files are rewound by their owners, TensorBoard by purge_step); starting
+    over in a directory of the same run that had no checkpoint, its outputs are cleared."""
+    import shutil
+
+    from spmd_rl.metrics import drop_records_after
+    if resume.checkpoint is not None:
+        drop_records_after(run_dir / "metrics.jsonl", resume.iteration)
+        return
+    for name in ("metrics.jsonl", "tensorboard", "buffer", "checkpoints"):
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
