@@ -57,6 +57,14 @@ class EnvSection:
 
 
 @dataclass
+class EvalSection:
+    every: int = knob(0, "evaluate the policy every N iterations on separate envs (0 = never); logged as "
+                      "eval_return_mean / eval_length_mean", min=0)
+    episodes: int = knob(10, "episodes per evaluation", min=1)
+    deterministic: bool = knob(True, "act with the policy's mode (argmax / mean) when evaluating")
+
+
+@dataclass
 class CheckpointSection:
     every_iterations: int = knob(0, "checkpoint every N iterations (0 = by time only); always after the last one",
                                  min=0)
@@ -157,6 +165,7 @@ class Config:
     weights: WeightsSection = field(default_factory=WeightsSection)
     log: LogSection = field(default_factory=LogSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     classes: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:

@@ -26,7 +26,7 @@ from spmd_rl.roles.inference_server import InferenceServer, UniformActions, run_
 from spmd_rl.roles.messages import action_message, observation_message, segment_message
 from spmd_rl.roles.trainer import Trainer, run_trainer_rank
 from spmd_rl.checkpoint import restore_rng_state
-from spmd_rl.env_state import capture_env_state, restore_env_state
+from spmd_rl.env_state import capture_env_state, restore_env_state, unsaved_env_reason
 from spmd_rl.run_control import Resume, RunControl
 from spmd_rl.runtime import Runtime
 from spmd_rl.topology import ENV, INFERENCE, ProcessGroups, Topology
@@ -174,10 +174,12 @@ class Reporter:
     """Called after every iteration on every trainer: runs the callbacks; only the first trainer (global rank 0)
     logs."""
 
-    def __init__(self, plan: Plan, logger: MetricsLogger | None, callbacks: list):
-        self.plan = plan
+    def __init__(self, setup: Setup, logger: MetricsLogger | None, callbacks: list, policy: Policy):
+        self.plan = setup.plan
+        self.eval_cfg, self.env_cfg, self.seed = setup.cfg.eval, setup.cfg.env, setup.cfg.train.seed
         self.logger = logger
         self.callbacks = callbacks
+        self.policy = policy
 
     def __call__(self, iteration: int, metrics: dict, statistics: dict | None, trainer: Trainer) -> None:
         for callback in self.callbacks:
@@ -186,8 +188,18 @@ class Reporter:
                 metrics = {**metrics, **{key: float(value) for key, value in extra.items()}}
         if self.logger is None or statistics is None:
             return
+        if self.eval_cfg.every and (iteration + 1) % self.eval_cfg.every == 0:
+            metrics = {**metrics, **self.evaluate(iteration)}
         times = {"time_learn_s": trainer.learn_s, "time_weight_sync_s": trainer.weight_sync_s}
         self.logger.log(iteration, (iteration + 1) * self.plan.steps_per_iteration, metrics, statistics, times)
+
+    def evaluate(self, iteration: int) -> dict[str, float]:
+        """Episodes on envs of their own, with a generator of their own: training's RNG streams are untouched."""
+        from spmd_rl.evaluate import evaluate
+        result = evaluate(self.policy, self.env_cfg, self.eval_cfg.episodes, seed=self.seed * 1_000_003 + iteration,
+                          deterministic=self.eval_cfg.deterministic)
+        return {"eval_return_mean": result["return_mean"], "eval_return_std": result["return_std"],
+                "eval_length_mean": result["length_mean"]}
 
 
 class SyncEngine(Engine):
@@ -270,9 +282,12 @@ def _run_colocated(setup: Setup, logger) -> Policy:
     trainer = Trainer(algorithm, [segments_in], [f"rank {rank}"], plan.max_env_columns_per_trainer * t, group,
                       experience_log=make_experience_log(setup, rank), describe=f"rank {rank}",
                       timeout=runtime.timeout, skip_nonfinite_updates=cfg.train.skip_nonfinite_updates)
-    report = Reporter(plan, logger, callbacks)
+    report = Reporter(setup, logger, callbacks, policy)
+    _say_if_env_state_unsaved(setup, worker)
     state = setup.load_checkpoint()
-    if state is not None:
+    if state is None:
+        _init_from(setup, policy, algorithm)
+    else:
         _restore_trainer(state, policy, trainer, logger)
         _restore_env(state, worker)
         restore_rng_state(state["rng"])  # last: building the envs above drew from the generators
@@ -316,6 +331,7 @@ def _run_env(setup: Setup) -> None:
         describe_rank=topology.describe, timeout=setup.runtime.timeout)
     worker = EnvWorker(envs, first_obs, to_inference, from_inference, to_trainer, t, list(setup.outputs),
                        describe=topology.describe(rank), env_id=cfg.env.id)
+    _say_if_env_state_unsaved(setup, worker)
     state = setup.load_checkpoint()
     if state is not None:
         _restore_env(state, worker)
@@ -375,13 +391,15 @@ def _run_trainer(setup: Setup, logger) -> Policy:
                       make_experience_log(setup, rank), describe=topology.describe(rank), timeout=runtime.timeout,
                       skip_nonfinite_updates=cfg.train.skip_nonfinite_updates)
     state = setup.load_checkpoint()
-    if state is not None:
+    if state is None:
+        _init_from(setup, policy, algorithm)
+    else:
         _restore_trainer(state, policy, trainer, logger)
         restore_rng_state(state["rng"])
     if rank == 0:
         setup.final_policy = policy
     try:
-        run_trainer_rank(trainer, plan, cfg.weights.verify_every, Reporter(plan, logger, callbacks),
+        run_trainer_rank(trainer, plan, cfg.weights.verify_every, Reporter(setup, logger, callbacks, policy),
                          setup.iterations,
                          lambda iteration: setup.control.after_iteration(
                              iteration, lambda: _trainer_state(policy, trainer, logger)))
@@ -392,6 +410,23 @@ def _run_trainer(setup: Setup, logger) -> Policy:
 
 # ---------------------------------------------------------------------------------------------------------------
 # What each role puts in a checkpoint (RunControl adds the iteration and every generator's state)
+
+
+def _init_from(setup: Setup, policy: Policy, algorithm: Algorithm) -> None:
+    """run.init_from: a new run starts from trained weights (and, with run.init_algorithm, the algorithm's state)."""
+    run = setup.cfg.run
+    if not run.init_from:
+        return
+    from spmd_rl.evaluate import read_trained_state
+    policy_state, algorithm_state = read_trained_state(run.init_from, with_algorithm=run.init_algorithm)
+    try:
+        policy.load_state_dict(policy_state)
+        if algorithm_state is not None:
+            algorithm.load_state_dict(algorithm_state)
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise UserError(f"run.init_from={run.init_from}: its state does not fit policy.class "
+                        f"'{setup.cfg.classes['policy']}' / algo.class '{setup.cfg.classes['algo']}' with this "
+                        f"config: {' '.join(str(exc).split())[:300]}") from None
 
 
 def _trainer_state(policy: Policy, trainer: Trainer, logger) -> dict:
@@ -415,6 +450,15 @@ def _restore_trainer(state: dict, policy: Policy, trainer: Trainer, logger) -> N
 
 def _env_state(worker: EnvWorker) -> dict:
     return {"env": capture_env_state(worker.envs), "worker": worker.state_dict()}
+
+
+def _say_if_env_state_unsaved(setup: Setup, worker: EnvWorker) -> None:
+    """Once per run (the first rank with envs): a checkpoint cannot hold these envs' state, so a resume begins
+    fresh episodes."""
+    first = 0 if setup.topology.colocated else setup.topology.env_ranks[0]
+    reason = unsaved_env_reason(worker.envs) if setup.runtime.rank == first else None
+    if reason:
+        print(f"spmd_rl: note: {reason}", flush=True)
 
 
 def _restore_env(state: dict, worker: EnvWorker) -> None:

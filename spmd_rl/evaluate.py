@@ -67,6 +67,22 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", config_ove
     return policy.eval(), cfg
 
 
+def read_trained_state(path: str | Path, with_algorithm: bool = False) -> tuple[dict, dict | None]:
+    """(the Policy's state_dict, the Algorithm's state or None) of a run directory, checkpoint or policy file:
+    what `run.init_from` starts a new run from. The algorithm's state exists only in checkpoints."""
+    path = Path(path)
+    # The algorithm's state lives in checkpoints: from a run directory, take its latest one, not policy.pt.
+    weights = find_checkpoint(path) if with_algorithm and path.is_dir() else _weights_location(path)
+    policy_state = _read_policy_state(weights)
+    if not with_algorithm:
+        return policy_state, None
+    checkpoint = weights if weights.is_dir() else (weights.parent if (weights.parent / COMPLETE).exists() else None)
+    if checkpoint is None:
+        raise UserError(f"run.init_algorithm=true needs a checkpoint, and {path} gives {weights} (a policy file "
+                        f"holds no algorithm state); point run.init_from at a checkpoint or its run directory")
+    return policy_state, load_checkpoint(checkpoint, rank=0)["algorithm"]
+
+
 def evaluate(policy, env_cfg: EnvSection, episodes: int, seed: int, deterministic: bool,
              video_dir: str | Path | None = None) -> dict:
     """Play `episodes` episodes on envs of its own and return their statistics:

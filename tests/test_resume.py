@@ -119,3 +119,38 @@ def test_one_process_sigterm_exits_75_with_one_line(tmp_path):
     assert process.returncode == 75, stderr
     assert stderr.strip().splitlines()[-1].startswith("spmd_rl: stopped by SIGTERM after iteration")
     assert (run_dir / "policy.pt").is_file() and (run_dir / "checkpoints" / "latest").is_file()
+
+
+def test_a_truncated_checkpoint_is_a_user_error_naming_the_file(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_main("--config", TINY, f"run.dir={run_dir}", "run.stop_after_iterations=2").returncode == 75
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    rank_file = latest / "rank0.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:100])
+    result = run_main("--config", TINY, f"run.dir={run_dir}")
+    assert result.returncode == 2, result.stderr
+    assert "rank0.pt" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_fine_tune_from_a_run_and_periodic_evaluation(tmp_path):
+    first = tmp_path / "first"
+    assert run_main("--config", TINY, f"run.dir={first}", "eval.every=4", "eval.episodes=2").returncode == 0
+    records = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
+    assert [("eval_return_mean" in r) for r in records] == [i % 4 == 3 for i in range(8)]
+    # Evaluating on envs of its own does not change training: the same run without it has the same weights.
+    plain = tmp_path / "plain"
+    assert run_main("--config", TINY, f"run.dir={plain}").returncode == 0
+    a, b = torch.load(first / "policy.pt"), torch.load(plain / "policy.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # A new run starts from the trained policy (and, from a checkpoint, the optimizer's state).
+    tuned = tmp_path / "tuned"
+    result = run_main("--config", TINY, f"run.dir={tuned}", f"run.init_from={first}", "run.init_algorithm=true",
+                      "train.total_steps=32")
+    assert result.returncode == 0, result.stderr
+    initial = torch.load(first / "policy.pt")
+    after_one_update = torch.load(tuned / "policy.pt")
+    moved = [k for k in initial if not torch.equal(initial[k], after_one_update[k])]
+    fresh = tmp_path / "fresh"
+    assert run_main("--config", TINY, f"run.dir={fresh}", "train.total_steps=32").returncode == 0
+    assert moved and not torch.equal(torch.load(fresh / "policy.pt")["actor.0.weight"],
+                                      after_one_update["actor.0.weight"])
