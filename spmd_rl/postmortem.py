@@ -112,9 +112,11 @@ def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[in
             _bounded(lambda: store.set(KEY.format(failure.rank), failure.encode()), PUBLISH_BOUND_S)
         elif failure.exit_code == COMM_ERROR_EXIT_CODE:
             others: dict[int, Failure] = {}
-            _bounded(lambda: _collect(store, world_size, others), COLLECT_GRACE_S + PUBLISH_BOUND_S)
-            print(f"spmd_rl: job summary: {first_cause(failure, dict(others), world_size, describe_rank)}",
-                  file=sys.stderr, flush=True)
+            try:
+                _bounded(lambda: _collect(store, world_size, others), COLLECT_GRACE_S + PUBLISH_BOUND_S)
+            finally:  # a launcher's SIGTERM cuts the wait short, not the summary of what arrived
+                print(f"spmd_rl: job summary: {first_cause(failure, dict(others), world_size, describe_rank)}",
+                      file=sys.stderr, flush=True)
     except BaseException:  # noqa: BLE001 - a broken store or a second signal must not change how the rank exits
         pass
 
