@@ -25,8 +25,9 @@ def _agree(rank, world_size, run_dir, seed_of_rank):
         with pytest.raises(UserError, match=r"rank\(s\) \[2\] run a different config than rank 0"):
             _agree_on_run(cfg, _runtime(rank, world_size))
         return
-    path = _agree_on_run(cfg, _runtime(rank, world_size))
+    path, resume = _agree_on_run(cfg, _runtime(rank, world_size))
     assert str(path) == run_dir, "every rank uses rank 0's run directory"
+    assert resume.checkpoint is None and resume.start_iteration == 0
 
 
 def test_ranks_share_rank0_run_dir_and_config(tmp_path):

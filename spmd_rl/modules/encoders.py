@@ -59,11 +59,13 @@ class ImageEncoder(nn.Module):
         self.out_features = features
 
     def forward(self, obs: Tensor) -> Tensor:
-        x = obs.to(torch.float32) * self.scale
-        x = x.reshape(obs.shape[0], *((self.image_shape[1], self.image_shape[2], self.image_shape[0])
-                                     if self.channel_last else self.image_shape))
+        c, h, w = self.image_shape
+        x = obs.reshape(obs.shape[0], *((h, w, c) if self.channel_last else (c, h, w)))
         if self.channel_last:
             x = x.permute(0, 3, 1, 2)
+        # A permuted single-channel image already counts as contiguous; without an explicit copy the convolution's
+        # weight gradients come out channels-last, which DDP's gradient buckets warn about (and copy every step).
+        x = x.to(torch.float32, memory_format=torch.contiguous_format) * self.scale
         return self.linear(self.conv(x))
 
     def update_normalizer(self, obs: Tensor, context) -> None:

@@ -69,23 +69,23 @@ class SquashedGaussianActor(Policy):
 
     Config = SquashedGaussianConfig
 
-    def __init__(self, obs_space: gym.Space, action_space: gym.Space, model_cfg: SquashedGaussianConfig):
-        super().__init__(obs_space, action_space, model_cfg)
+    def __init__(self, obs_space: gym.Space, action_space: gym.Space, config: SquashedGaussianConfig):
+        super().__init__(obs_space, action_space, config)
         check_sac_spaces(obs_space, action_space)
         obs_size = int(obs_space.shape[0])
         act_dim = int(action_space.shape[0])
         # Always present (fixed state layout for weight buckets and checkpoints); the critics see the same
         # normalized observations through `features`.
-        self.obs_normalizer = RunningNormalizer((obs_size,), enabled=model_cfg.normalize_obs)
+        self.obs_normalizer = RunningNormalizer((obs_size,), enabled=config.normalize_obs)
         # One head for mean and log std: a single matmul instead of two.
-        self.net = sac_mlp(obs_size, list(model_cfg.hidden_sizes), 2 * act_dim, model_cfg.activation)
+        self.net = sac_mlp(obs_size, list(config.hidden_sizes), 2 * act_dim, config.activation)
         low = torch.as_tensor(action_space.low, dtype=torch.float32)
         high = torch.as_tensor(action_space.high, dtype=torch.float32)
         self.register_buffer("action_scale", (high - low) / 2)
         self.register_buffer("action_bias", (high + low) / 2)
 
     def features(self, obs: Tensor) -> Tensor:
-        """Observations as the networks see them: float32, normalized when model.normalize_obs."""
+        """Observations as the networks see them: float32, normalized when policy.normalize_obs."""
         return self.obs_normalizer(obs.to(torch.float32))
 
     def forward(self, obs: Tensor) -> tuple[Tensor, Tensor]:
