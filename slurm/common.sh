@@ -40,21 +40,55 @@ prepare_run_dir() {
 }
 
 # ---- PREEMPTION HOOK ----------------------------------------------------------------------------------------
-# Slurm sends SIGUSR1 120 s before the time limit (and on preemption with a grace time). Today this only logs:
-# spmd_rl cannot resume yet, so a requeued job starts over. Once checkpoint resume exists, this will tell the
-# ranks to write $RUN_DIR/checkpoints/latest (forward the signal: scancel --signal=USR1 "$SLURM_JOB_ID.0"),
-# wait for it, and `scontrol requeue "$SLURM_JOB_ID"`; the requeued job (same id, same RUN_DIR) resumes from
-# $RUN_DIR/checkpoints/latest.
+# What reaches the ranks (measured with Slurm 22.05):
+# - The time limit: --signal=B:USR1@120 sends SIGUSR1 to this script only, 120 s ahead. on_usr1 passes it on with
+#   `scancel --signal=USR1 JOB`, which Slurm delivers to every process of the job's steps (the srun task and its
+#   children alike), so every rank gets one SIGUSR1.
+# - A preemption (measured: PreemptMode=REQUEUE with a GraceTime, with and without SchedulerParameters=
+#   preempt_send_user_signal) sends SIGTERM to every process of the job's steps, not to this script, and sets the
+#   job's PreemptTime. A job that ends within its grace time is not requeued by Slurm: this hook does it.
+# On either signal the ranks finish the iteration, agree, save a checkpoint in $RUN_DIR/checkpoints/ and exit 75.
+# Once the step has ended, a preempted run that did not finish (no finished.json) requeues this job: it goes back
+# in the queue with the same job id, so the same RUN_DIR, where the ranks resume from the latest checkpoint
+# (run.resume=auto; Slurm holds a requeued job for 2 minutes before it may start again). The stop must fit in the
+# warning: raise @120 in --signal (or ask for a longer GraceTime) when an iteration plus a checkpoint take longer.
+# A job cancelled with scancel is not requeued; srun answers the SIGTERM that scancel sends this script with
+# SIGKILL to the ranks, so only the last periodic checkpoint survives a cancel.
+USR1_AT=""
 # shellcheck disable=SC2317  # reached through the trap
 on_usr1() {
-    echo "[$(date -Is)] job $SLURM_JOB_ID: SIGUSR1 (time limit or preemption ahead). Checkpoint resume does not" \
-         "exist yet: nothing is saved, the run ends when Slurm stops it." >&2
+    USR1_AT=$(date -Is)
+    echo "[$USR1_AT] job $SLURM_JOB_ID: SIGUSR1 (time limit or preemption ahead): the ranks save a checkpoint" \
+         "and stop, then the job requeues itself" >&2
+    scancel --signal=USR1 "$SLURM_JOB_ID" || echo "job $SLURM_JOB_ID: scancel --signal=USR1 failed" >&2
 }
 trap on_usr1 USR1
+
+# requeue_if_preempted: after the step ended, put a preempted run that did not finish back in the queue. The
+# requeued job resumes from the newest checkpoint there is (the one the ranks saved on the signal, or an earlier
+# one if they had no time for it).
+requeue_if_preempted() {
+    if [[ -e $RUN_DIR/finished.json ]]; then
+        return 0
+    fi
+    local preempted=$USR1_AT
+    if [[ -z $preempted ]]; then
+        preempted=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/.*PreemptTime=\([^ ]*\).*/\1/p')
+    fi
+    if [[ -z $preempted || $preempted == None ]]; then
+        return 0
+    fi
+    local latest
+    latest=$(cat "$RUN_DIR/checkpoints/latest" 2>/dev/null || echo "none")
+    echo "[$(date -Is)] job $SLURM_JOB_ID: preempted ($preempted); requeued to resume from checkpoint $latest"
+    scontrol requeue "$SLURM_JOB_ID" ||
+        echo "job $SLURM_JOB_ID: scontrol requeue failed; resubmit with RUN_DIR=$RUN_DIR to resume" >&2
+}
 # --------------------------------------------------------------------------------------------------------------
 
-# run_step COMMAND...: run a job step and exit with its status. The step runs in the background so the USR1 trap
-# runs at once (bash runs traps only between commands); a wait that a trap interrupted is resumed.
+# run_step COMMAND...: run a job step, requeue the job if it was preempted, and exit with the step's status. The
+# step runs in the background so the traps run at once (bash runs traps only between commands); a wait that a
+# trap interrupted is resumed.
 run_step() {
     "$@" &
     local step_pid=$! status=0
@@ -64,5 +98,6 @@ run_step() {
         wait "$step_pid" || status=$?
     done
     echo "[$(date -Is)] job $SLURM_JOB_ID: srun exited with status $status"
+    requeue_if_preempted
     exit "$status"
 }

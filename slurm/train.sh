@@ -16,6 +16,10 @@
 #   SPMD_RL_HOME    the repository root, where slurm/common.sh is (default: the directory sbatch ran in)
 # Logs: this script's output goes to --output (Slurm opens it before the script runs, so it cannot be in the run
 # directory; a link to it is put there), each rank's output to RUN_DIR/logs/ as well.
+# Preemption and time limits: on SIGUSR1 (120 s before the time limit) or a preemption's SIGTERM, the ranks save
+# a checkpoint and stop; the job then requeues itself and, with the same job id and RUN_DIR, resumes from that
+# checkpoint until the run is finished (slurm/common.sh, PREEMPTION HOOK). To continue a run by hand, submit the
+# same command with RUN_DIR (or run.dir=) set to its directory.
 #
 #SBATCH --job-name=spmd_rl
 #SBATCH --nodes=1
@@ -25,7 +29,7 @@
 #SBATCH --output=slurm-%x-%j.out     # relative to the directory sbatch ran in
 #SBATCH --open-mode=append           # a requeued job appends to its log instead of truncating it
 #SBATCH --signal=B:USR1@120          # SIGUSR1 to this script (B: the batch shell only) 120 s before the time limit
-#SBATCH --requeue                    # preempted or failed nodes: Slurm puts the job back in the queue
+#SBATCH --requeue                    # a preempted or warned job may requeue itself (slurm/common.sh)
 ##SBATCH --gpus-per-node=8           # GPU nodes: uncomment (RANKS_PER_NODE then defaults to the GPU count)
 set -euo pipefail
 source "${SPMD_RL_HOME:-$SLURM_SUBMIT_DIR}/slurm/common.sh" || {
@@ -42,9 +46,15 @@ echo "[$(date -Is)] job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) x $RANKS_PER
 # --cpus-per-task is passed on explicitly: srun 22.05 no longer reads it from the batch job, and a task with one
 # CPU would confine all ranks of a node to it where Slurm binds tasks to CPUs.
 # --mpi=none: no PMI variables for the agents, whatever the cluster's MpiDefault (they would read as an MPI launch).
+# Signals: Slurm signals every process of the step, so the ranks hear SIGUSR1/SIGTERM from Slurm directly. The agent
+# must stay out of it: SIGUSR1 would kill it (and Slurm then the ranks, mid-checkpoint), and on SIGTERM it would
+# send the ranks a second SIGTERM (a stop without a checkpoint) and SIGKILL them 30 s later. So the agent ignores
+# both (trap '' in the shell that execs it; --signals-to-handle leaves SIGTERM out) and waits for the ranks to
+# stop, which install their own handlers.
 run_step srun --kill-on-bad-exit=1 --mpi=none --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
     --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
-    "${PYTHON:-python}" -m torch.distributed.run \
+    bash -c 'trap "" USR1 TERM; exec "$@"' torchrun \
+    "${PYTHON:-python}" -m torch.distributed.run --signals-to-handle=SIGINT,SIGHUP,SIGQUIT \
         --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$RANKS_PER_NODE" \
         --rdzv_backend=c10d --rdzv_endpoint="$head_addr:$rdzv_port" --rdzv_id="$SLURM_JOB_ID" \
         --log-dir="$RUN_DIR/logs/torchrun" --tee=3 \

@@ -6,13 +6,18 @@
 #   sbatch --nodes=2 --ntasks-per-node=8 slurm/train_srun.sh configs/ppo_halfcheetah.yaml
 #
 # Environment (all optional):
-#   RUN_DIR      run directory (default runs/<job name>-<job id>; a run.dir=... override wins)
+#   RUN_DIR      run directory (default runs/<job name>-<job id>; a run.dir=... override wins). A requeued job
+#                keeps its job id, so it finds the same directory.
 #   MASTER_ADDR  address of the first node (default: the address Slurm knows for it)
 #   MASTER_PORT  port (default 20000 + job id % 20000, derived by every task on its own)
 #   PYTHON       interpreter with spmd_rl installed (default python on PATH)
 #   SPMD_RL_HOME the repository root, where slurm/common.sh is (default: the directory sbatch ran in)
 # Logs: this script's output, every line of the ranks prefixed with its rank, goes to --output; a link to it is
 # put into RUN_DIR/logs/.
+# Preemption and time limits: on SIGUSR1 (120 s before the time limit) or a preemption's SIGTERM, the ranks save
+# a checkpoint and stop; the job then requeues itself and, with the same job id and RUN_DIR, resumes from that
+# checkpoint until the run is finished (slurm/common.sh, PREEMPTION HOOK). To continue a run by hand, submit the
+# same command with RUN_DIR (or run.dir=) set to its directory.
 #
 #SBATCH --job-name=spmd_rl
 #SBATCH --nodes=1
@@ -22,7 +27,7 @@
 #SBATCH --output=slurm-%x-%j.out     # relative to the directory sbatch ran in
 #SBATCH --open-mode=append           # a requeued job appends to its log instead of truncating it
 #SBATCH --signal=B:USR1@120          # SIGUSR1 to this script (B: the batch shell only) 120 s before the time limit
-#SBATCH --requeue                    # preempted or failed nodes: Slurm puts the job back in the queue
+#SBATCH --requeue                    # a preempted or warned job may requeue itself (slurm/common.sh)
 ##SBATCH --gpus-per-task=1           # GPU nodes: uncomment, one GPU per rank
 set -euo pipefail
 source "${SPMD_RL_HOME:-$SLURM_SUBMIT_DIR}/slurm/common.sh" || {

@@ -9,6 +9,9 @@ directory, along with the state, spool, log and pid files. With node_count > 1 e
 (`slurmd -N n<i>`) with its own port, all on 127.0.0.1, so multi-node jobs run on one machine. The daemons are
 stopped by their pid files at the end, also when a test failed. Tests skip when the Slurm binaries are absent
 (.ci/install-system.sh installs them).
+
+With preemption=True the node is in two partitions: `low` (the default; its jobs can be preempted, and requeued,
+after a grace time) and `high` (a job there preempts low's jobs when the CPUs do not suffice for both).
 """
 
 from __future__ import annotations
@@ -77,9 +80,13 @@ class SlurmCluster:
                 raise TimeoutError(f"slurm job {job_id} still queued or running after {timeout:.0f} s; cancelled.\n"
                                    f"{self.job_output(job_id)}")
             time.sleep(0.5)
-        fields = dict(item.split("=", 1) for item in self.run("scontrol", "-o", "show", "job", job_id).stdout.split()
-                      if "=" in item)
+        fields = self.job_fields(job_id)
         return JobResult(job_id, fields.get("JobState", "?"), fields.get("ExitCode", "?"), self.job_output(job_id))
+
+    def job_fields(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job`'s KEY=VALUE fields (JobState, Restarts, PreemptTime, ...)."""
+        return dict(item.split("=", 1) for item in self.run("scontrol", "-o", "show", "job", job_id).stdout.split()
+                    if "=" in item)
 
     def job_output(self, job_id: str) -> str:
         path = self.root / f"job-{job_id}.out"
@@ -101,7 +108,11 @@ def _free_ports(count: int) -> list[int]:
             probe.close()
 
 
-def write_slurm_conf(root: Path, node_count: int) -> tuple[Path, list[str]]:
+# A preempted job gets this long between its SIGTERM and its SIGKILL: far more than a checkpoint of the tiny config.
+PREEMPT_GRACE_S = 60
+
+
+def write_slurm_conf(root: Path, node_count: int, preemption: bool = False) -> tuple[Path, list[str]]:
     """A minimal slurm.conf for one host: root runs everything, no cgroups, no accounting, no munge."""
     host = socket.gethostname().split(".")[0]
     controller_port, *node_ports = _free_ports(1 + node_count)
@@ -109,6 +120,16 @@ def write_slurm_conf(root: Path, node_count: int) -> tuple[Path, list[str]]:
     nodes = [host] if node_count == 1 else [f"n{i + 1}" for i in range(node_count)]
     node_lines = [f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={CPUS_PER_NODE} "
                   f"State=UNKNOWN" for name, port in zip(nodes, node_ports)]
+    partition = f"Nodes={','.join(nodes)} MaxTime=INFINITE State=UP"
+    if preemption:
+        # No oversubscription: a job in `high` that needs CPUs a `low` job holds preempts it (SIGTERM to the job's
+        # steps, then SIGKILL and a requeue after the grace time).
+        partition_lines = ["PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
+                           f"PartitionName=low {partition} Default=YES PriorityTier=1 OverSubscribe=NO "
+                           f"PreemptMode=REQUEUE GraceTime={PREEMPT_GRACE_S}",
+                           f"PartitionName=high {partition} Default=NO PriorityTier=2 OverSubscribe=NO"]
+    else:
+        partition_lines = [f"PartitionName=test {partition} Default=YES OverSubscribe=YES"]
     conf = root / "slurm.conf"
     conf.write_text("\n".join([
         "ClusterName=spmd-rl-test",
@@ -139,16 +160,17 @@ def write_slurm_conf(root: Path, node_count: int) -> tuple[Path, list[str]]:
         f"SlurmctldLogFile={root}/slurmctld.log",
         f"SlurmdLogFile={root}/slurmd-%n.log",
         *node_lines,
-        f"PartitionName=test Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
+        *partition_lines,
         "",
     ]))
     return conf, nodes
 
 
-def start_slurm_cluster(root: Path, node_count: int = 1, ready_timeout: float = 30) -> SlurmCluster:
+def start_slurm_cluster(root: Path, node_count: int = 1, ready_timeout: float = 30,
+                        preemption: bool = False) -> SlurmCluster:
     root.mkdir(parents=True, exist_ok=True)
     (root / "state").mkdir(exist_ok=True)
-    conf, nodes = write_slurm_conf(root, node_count)
+    conf, nodes = write_slurm_conf(root, node_count, preemption)
     cluster = SlurmCluster(root, conf, nodes)
     env = cluster.env
     # -i: ignore state left by an earlier run of this directory; the daemons fork into the background.
@@ -160,8 +182,8 @@ def start_slurm_cluster(root: Path, node_count: int = 1, ready_timeout: float = 
         cluster.pid_files.append(root / f"slurmd-{name}.pid")
     deadline = time.monotonic() + ready_timeout
     while True:
-        states = cluster.run("sinfo", "-h", "-N", "-o", "%N %T").stdout.split("\n")
-        if sum(line.split()[-1] in ("idle", "mixed") for line in states if line.strip()) == len(nodes):
+        states = cluster.run("sinfo", "-h", "-N", "-o", "%N %T").stdout.split("\n")  # a line per node and partition
+        if {line.split()[0] for line in states if line.strip() and line.split()[-1] in ("idle", "mixed")} == set(nodes):
             return cluster
         if time.monotonic() > deadline:
             stop_slurm_cluster(cluster)
@@ -203,14 +225,14 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def slurm_cluster_fixture(tmp_path_factory: pytest.TempPathFactory, node_count: int):
+def slurm_cluster_fixture(tmp_path_factory: pytest.TempPathFactory, node_count: int, preemption: bool = False):
     """Body of a pytest fixture: skip without Slurm, else yield a running cluster and always stop it."""
     missing = missing_slurm_binaries()
     if missing:
         pytest.skip(f"Slurm is not installed ({', '.join(missing)} not found); run .ci/install-system.sh as root")
     if os.geteuid() != 0:
         pytest.skip("the throw-away Slurm cluster runs its daemons as root (SlurmUser=root); run the tests as root")
-    cluster = start_slurm_cluster(tmp_path_factory.mktemp(f"slurm{node_count}"), node_count)
+    cluster = start_slurm_cluster(tmp_path_factory.mktemp(f"slurm{node_count}"), node_count, preemption=preemption)
     try:
         yield cluster
     finally:

@@ -1,7 +1,9 @@
 """Slurm end to end on a throw-away cluster (real slurmctld + slurmd on this host, see tests/slurm_cluster.py):
 `sbatch slurm/train.sh` (torchrun per node) and `sbatch slurm/train_srun.sh` (one srun task per rank) train the tiny
-config; the preemption hook logs SIGUSR1 without stopping the run; a 2-node job runs across two emulated nodes; a
-job whose rank 1 crashes ends FAILED instead of hanging.
+config; a 2-node job runs across two emulated nodes; a job whose rank 1 crashes ends FAILED instead of hanging.
+Preemption: a train.sh job warned of its time limit (SIGUSR1 to the batch script) and a train_srun.sh job preempted
+by a job of a higher partition (SIGTERM to its ranks) each stop with a checkpoint, requeue themselves, resume in the
+same run directory and complete.
 
 Skipped when the Slurm binaries are absent (.ci/install-system.sh installs them).
 """
@@ -9,13 +11,14 @@ Skipped when the Slurm binaries are absent (.ci/install-system.sh installs them)
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from slurm_cluster import SlurmCluster, slurm_cluster_fixture
+from slurm_cluster import FINISHED_STATES, SlurmCluster, slurm_cluster_fixture
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 180  # a bound for a hang, far above the seconds a job takes on a quiet machine
@@ -31,6 +34,11 @@ def two_nodes(tmp_path_factory):
     yield from slurm_cluster_fixture(tmp_path_factory, node_count=2)
 
 
+@pytest.fixture(scope="module")
+def preemptible(tmp_path_factory):
+    yield from slurm_cluster_fixture(tmp_path_factory, node_count=1, preemption=True)
+
+
 def submit_only(cluster: SlurmCluster, script: str, run_dir: Path, *overrides: str,
                 sbatch_options: tuple[str, ...] = (), ranks_per_node: int = 2) -> str:
     """sbatch a training script on the tiny config; returns the job id."""
@@ -43,14 +51,6 @@ def submit_only(cluster: SlurmCluster, script: str, run_dir: Path, *overrides: s
 def submit(cluster: SlurmCluster, script: str, run_dir: Path, *overrides: str, **options):
     """sbatch a training script on the tiny config and wait for the job to leave the queue."""
     return cluster.wait_job(submit_only(cluster, script, run_dir, *overrides, **options), JOB_TIMEOUT_S)
-
-
-def wait_for_output(cluster: SlurmCluster, job_id: str, text: str) -> None:
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while text not in cluster.job_output(job_id):
-        if time.monotonic() > deadline or not cluster.run("squeue", "-h", "-j", job_id).stdout.strip():
-            pytest.fail(f"job {job_id} never printed {text!r}:\n{cluster.job_output(job_id)[-4000:]}")
-        time.sleep(0.2)
 
 
 def assert_trained(job, run_dir: Path, launcher: str) -> None:
@@ -72,16 +72,9 @@ def test_sbatch_train_sh_runs_torchrun_on_one_node(one_node, tmp_path):
     assert_trained(job, tmp_path / "run", "torchrun")
 
 
-def test_sbatch_train_srun_sh_runs_one_task_per_rank_and_survives_the_preemption_signal(one_node, tmp_path):
-    job_id = submit_only(one_node, "slurm/train_srun.sh", tmp_path / "run", sbatch_options=("--ntasks-per-node=2",))
-    # What Slurm does 120 s before the time limit (--signal=B:USR1@120), sent as soon as the script announced its
-    # start (its trap is set by then) while the ranks are still starting: the hook logs, the run goes on.
-    wait_for_output(one_node, job_id, "run dir")
-    signalled = one_node.run("scancel", "--batch", "--signal=USR1", job_id)
-    assert signalled.returncode == 0, signalled.stderr
-    job = one_node.wait_job(job_id, JOB_TIMEOUT_S)
+def test_sbatch_train_srun_sh_runs_one_task_per_rank(one_node, tmp_path):
+    job = submit(one_node, "slurm/train_srun.sh", tmp_path / "run", sbatch_options=("--ntasks-per-node=2",))
     assert_trained(job, tmp_path / "run", "slurm")
-    assert "SIGUSR1 (time limit or preemption ahead)" in job.output, job.output[-4000:]
 
 
 def test_sbatch_train_sh_across_two_nodes(two_nodes, tmp_path):
@@ -95,3 +88,75 @@ def test_srun_job_with_a_crashing_rank_fails(one_node, tmp_path):
                  "dist.timeout_s=20", sbatch_options=("--ntasks-per-node=2",))
     assert job.state == "FAILED" and job.exit_code != "0:0", (job.state, job.exit_code, job.output[-4000:])
     assert "deliberate failure on rank 1" in job.output, job.output[-4000:]
+
+
+# Long enough that the job is still running when it is signalled after its first checkpoint: 150 iterations of 64 env
+# steps with 2 ranks (tens of seconds), a checkpoint every 5.
+PREEMPTIBLE_RUN = ("train.total_steps=9600", "checkpoint.every_iterations=5")
+PREEMPTIBLE_ITERATIONS = 150
+
+
+@pytest.mark.slow
+def test_train_sh_warned_of_its_time_limit_checkpoints_requeues_and_resumes(one_node, tmp_path):
+    run_dir = tmp_path / "run"
+    job_id = submit_only(one_node, "slurm/train.sh", run_dir, *PREEMPTIBLE_RUN, ranks_per_node=2)
+    wait_for_checkpoint(one_node, job_id, run_dir)
+    # What --signal=B:USR1@120 sends 120 s before the time limit: SIGUSR1 to the batch script alone.
+    signalled = one_node.run("scancel", "--batch", "--signal=USR1", job_id)
+    assert signalled.returncode == 0, signalled.stderr
+    job = resume_requeued(one_node, job_id)
+    assert_preempted_and_resumed(job, run_dir, "SIGUSR1")
+
+
+@pytest.mark.slow
+def test_train_srun_sh_preempted_by_a_higher_partition_checkpoints_requeues_and_resumes(preemptible, tmp_path):
+    run_dir = tmp_path / "run"
+    # Two ranks holding all 8 CPUs of the node, so that a job of the `high` partition preempts them.
+    job_id = submit_only(preemptible, "slurm/train_srun.sh", run_dir, *PREEMPTIBLE_RUN,
+                         sbatch_options=("--ntasks-per-node=2", "--cpus-per-task=4"))
+    wait_for_checkpoint(preemptible, job_id, run_dir)
+    # A real preemption: Slurm sends SIGTERM to every process of the job's steps and gives them a grace time.
+    preemptor = preemptible.run("sbatch", "--parsable", "--partition=high", "--ntasks=1", "--output=/dev/null",
+                                "--wrap=true")
+    assert preemptor.returncode == 0, preemptor.stderr
+    job = resume_requeued(preemptible, job_id)
+    assert_preempted_and_resumed(job, run_dir, "SIGTERM")
+
+
+def wait_for_checkpoint(cluster: SlurmCluster, job_id: str, run_dir: Path) -> None:
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not latest.exists():
+        if time.monotonic() > deadline or not cluster.run("squeue", "-h", "-j", job_id).stdout.strip():
+            pytest.fail(f"job {job_id} wrote no checkpoint:\n{cluster.job_output(job_id)[-4000:]}")
+        time.sleep(0.2)
+
+
+def resume_requeued(cluster: SlurmCluster, job_id: str):
+    """Wait until the job requeued itself, let it start soon (Slurm holds a requeued job for 2 minutes), and wait
+    for it to leave the queue."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while ((fields := cluster.job_fields(job_id)).get("Restarts") == "0" or fields.get("JobState") != "PENDING"
+           or set(cluster.run("sinfo", "-h", "-N", "-o", "%T").stdout.split()) != {"idle"}):
+        if time.monotonic() > deadline or fields.get("JobState") in FINISHED_STATES:
+            pytest.fail(f"job {job_id} was not requeued ({fields.get('JobState')}):\n"
+                        f"{cluster.job_output(job_id)[-4000:]}")
+        time.sleep(0.2)
+    # The node is idle, the previous run cleaned up. slurmd revoked that run's credential, and refuses a launch of
+    # the same job id within the same second ("Job credential revoked", the job then FAILS): start 2 s later.
+    time.sleep(2)
+    released = cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    assert released.returncode == 0, released.stderr
+    return cluster.wait_job(job_id, JOB_TIMEOUT_S)
+
+
+def assert_preempted_and_resumed(job, run_dir: Path, signal_name: str) -> None:
+    output = _all_output(job, run_dir)
+    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), output[-4000:]
+    stopped = re.search(rf"stopped by {signal_name} after iteration (\d+)", output)
+    assert stopped, output[-4000:]
+    assert f"resuming from {run_dir}/checkpoints/iter_{int(stopped[1]):09d}" in output, output[-4000:]
+    assert "requeued to resume" in job.output
+    assert (run_dir / "finished.json").is_file()
+    iterations = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert iterations == list(range(PREEMPTIBLE_ITERATIONS))  # each once: the resumed run continued the records
