@@ -48,7 +48,8 @@ def run_in(folder: Path, args: list[str], nproc: int = 0, timeout: float = 240) 
     return subprocess.run(launcher + args, cwd=folder, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.slow] if ranks else [])
+                                    for name, (ranks, *_) in LAYOUTS.items()])
 @pytest.mark.parametrize("name", CASES)
 def test_example_runs_from_a_copy_of_its_folder(name, layout, tmp_path):
     config, overrides, steps_per_env_rank, algo_metrics = CASES[name]

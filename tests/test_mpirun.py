@@ -20,8 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 SPLIT_4 = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]
 JOB_TIMEOUT_S = 180  # a bound for a hang, far above the few seconds a run takes on a quiet machine
 
-pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed; "
-                                "run .ci/install-system.sh as root")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed; "
+                                 "run .ci/install-system.sh as root")]
 
 
 def run_job(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:

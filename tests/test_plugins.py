@@ -280,7 +280,8 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.slow] if spec[1] else [])
+                                    for name, spec in LAYOUTS.items()])
 def test_user_policy_algorithm_and_callback_train_in_every_layout(plugins, tmp_path, layout):
     overrides, nproc, trainers, iterations, found_through = LAYOUTS[layout]
     run_dir = tmp_path / "run"
@@ -324,6 +325,7 @@ def test_user_policy_algorithm_and_callback_train_in_every_layout(plugins, tmp_p
 # Weight sync ships exactly the Policy's state
 
 
+@pytest.mark.slow
 def test_sac_split_ships_exactly_the_policy_state_and_no_critic(plugins, tmp_path):
     # 4 ranks: trainer 0, inference 1, env 2 and 3. RecordingActor is SAC's actor recording, on every act(), the
     # state keys of the module that acts; weights.verify_every=1 compares the weight group's checksums every sync.
@@ -382,7 +384,8 @@ BAD_PLUGINS = {
 }
 
 
-@pytest.mark.parametrize("nproc", [0, 2], ids=["one_process", "torchrun_2"])
+@pytest.mark.parametrize("nproc", [pytest.param(0, id="one_process"),
+                                   pytest.param(2, id="torchrun_2", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", list(BAD_PLUGINS))
 def test_a_bad_plugin_exits_2_with_one_line_naming_it(plugins, tmp_path, case, nproc):
     overrides, expected = BAD_PLUGINS[case]
@@ -401,6 +404,7 @@ def test_a_bad_plugin_exits_2_with_one_line_naming_it(plugins, tmp_path, case, n
     assert not run_dir.exists()  # every check runs before the run directory is made
 
 
+@pytest.mark.slow
 def test_under_torchrun_the_error_line_is_printed_when_rank_0_finds_it_last(plugins, tmp_path):
     # Rank 1 finds the error 3 s before rank 0, which speaks for both: torchrun stops every worker as soon as one
     # exits, so rank 1 must not exit first.
@@ -434,6 +438,7 @@ def test_help_lists_the_keys_of_the_selected_classes(plugins, capsys):
         print(f"\n--help wall time: {', '.join(f'{k} {v:.2f}s' for k, v in timings.items())}")
 
 
+@pytest.mark.slow
 def test_dry_run_runs_one_iteration_in_the_split_layout(plugins):
     # A budget of many iterations; --dry-run runs one, with every role, channel and one weight sync.
     result = run_main("--config", "plug.yaml", "train.total_steps=100000", *SPLIT_4, "--dry-run", nproc=4,

@@ -60,6 +60,7 @@ def test_n_iterations_equal_half_then_resume(tmp_path, case):
     assert_same_run(tmp_path / "full", tmp_path / "split")
 
 
+@pytest.mark.slow
 def test_a_finished_run_and_a_different_config_are_refused(tmp_path):
     run_dir = tmp_path / "run"
     assert run_main("--config", TINY, f"run.dir={run_dir}").returncode == 0
@@ -132,6 +133,7 @@ def test_a_truncated_checkpoint_is_a_user_error_naming_the_file(tmp_path):
     assert "rank0.pt" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_fine_tune_from_a_run_and_periodic_evaluation(tmp_path):
     first = tmp_path / "first"
     assert run_main("--config", TINY, f"run.dir={first}", "eval.every=4", "eval.episodes=2").returncode == 0

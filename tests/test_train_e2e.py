@@ -71,12 +71,14 @@ def test_one_process_learns_cartpole_clearly_above_random(tmp_path):
     assert records[-1]["episode_return_mean"] > 100
 
 
+@pytest.mark.slow
 def test_torchrun_colocated_two_ranks_data_parallel(tmp_path):
     result = run_main("--config", TINY, f"run.dir={tmp_path}", nproc=2)
     records = assert_run_complete(result, tmp_path, iterations=4)  # 2 ranks x 2 envs x 16 steps = 64 per iteration
     assert records[-1]["env_steps"] == 256
 
 
+@pytest.mark.slow
 def test_torchrun_split_layout_two_trainers_weights_verified_every_sync(tmp_path):
     # 5 ranks: 2 trainers (DDP), 1 inference server for 2 env ranks. weights.verify_every=1 compares checksums of
     # every inference rank's weights with trainer 0's after every sync, and fails the run on any difference.
@@ -101,6 +103,7 @@ def test_sac_one_process_with_hdf5_replay_and_experience_log(tmp_path):
     assert "experience_rank0.h5" in inspect.stdout and "replay_rank0.h5" in inspect.stdout
 
 
+@pytest.mark.slow
 def test_sac_torchrun_split_two_trainer_shards(tmp_path):
     # 5 ranks: 2 trainers (each with its replay shard, gradients averaged), 1 inference server, 2 env ranks.
     result = run_main(*SAC_TINY, f"run.dir={tmp_path}", "layout.mode=split", "layout.trainer=2",
