@@ -11,6 +11,13 @@
 #   MASTER_ADDR  several hosts: rank 0's address, when its host name does not resolve to it (forwarded with -x)
 #   MPIRUN_ARGS  further mpirun flags, word-split (e.g. "--mca btl_tcp_if_include eth0")
 #   PYTHON       interpreter (default python on PATH; must exist at the same path on every host)
+#
+# Stopping and resuming: Ctrl-C, SIGTERM or SIGUSR1 to mpirun reaches every rank (mpirun passes SIGINT and SIGTERM
+# on as SIGTERM, SIGUSR1 as it is); the ranks finish the iteration, save a checkpoint in <run dir>/checkpoints/ and
+# exit 75, and so does mpirun. After such a stop, or a crash (a rank killed or a host lost: mpirun then stops the
+# other ranks), rerun the same command: it resumes from the latest checkpoint (run.resume=auto), losing at most the
+# work since it (checkpoint.every_iterations / checkpoint.every_s). Give run.dir= so that the rerun finds the run:
+# without it every run starts in a new, time-stamped directory. mpirun does not restart ranks by itself.
 set -euo pipefail
 NP=${NP:-2}
 flags=(

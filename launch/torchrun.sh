@@ -9,12 +9,20 @@
 #
 # Environment:
 #   NPROC        ranks on this node (default 2)
+#   MAX_RESTARTS times torchrun restarts all ranks after one failed (default 0)
 #   NNODES       nodes taking part (default 1: --standalone, torchrun picks a free local port itself)
 #   MASTER_ADDR  NNODES > 1: address of the node hosting the rendezvous (any one of them, the same everywhere)
 #   MASTER_PORT  NNODES > 1: rendezvous port (default 29500)
 #   RDZV_ID      NNODES > 1: a name shared by the nodes of one job and no other (default spmd_rl)
 #   PYTHON       interpreter (default python on PATH); torchrun is run as `$PYTHON -m torch.distributed.run`
 #                so the ranks use the same environment as the agent
+#
+# Stopping and resuming: Ctrl-C or SIGTERM to torchrun reaches every rank (torchrun passes it on); the ranks finish
+# the iteration, save a checkpoint in <run dir>/checkpoints/ and exit 75 (torchrun then exits 1). Rerun the command
+# with run.dir=<that run directory> to resume from it: without run.dir the directory is runs/<run.name>-<run id>,
+# and --standalone draws a new run id for every command. With MAX_RESTARTS=N, a rank that dies (or exits with an
+# error) makes torchrun restart all ranks, up to N times; they share the run id, so they resume from the latest
+# checkpoint of the same directory and go on, losing the work since it (checkpoint.every_iterations / every_s).
 set -euo pipefail
 NPROC=${NPROC:-2}
 NNODES=${NNODES:-1}
@@ -27,4 +35,4 @@ else
 fi
 # torchrun sets OMP_NUM_THREADS=1 for its workers unless it is already set.
 exec "${PYTHON:-python}" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" "${rendezvous[@]}" \
-    -m spmd_rl.main "$@"
+    --max-restarts="${MAX_RESTARTS:-0}" -m spmd_rl.main "$@"
