@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         except StoppedWithCheckpoint:
             if runtime.rank == 0:
                 engine.save_policy(setup.final_policy, run_dir)
+            control.wait_for_stop_files()
             raise
         finally:
             stop_at_iteration_boundary(False)

@@ -80,6 +80,14 @@ class RunControl:
         if stop_here:
             raise StoppedWithCheckpoint(f"run.stop_after_iterations={self.stop_after}", iteration, directory)
 
+    def wait_for_stop_files(self) -> None:
+        """After a stop: no rank exits before rank 0 has committed the checkpoint and written policy.pt (a launcher
+        that sees the first rank exit may kill the rest)."""
+        if self.distributed:
+            done = torch.ones(1, dtype=torch.int64)
+            bounded(dist.all_reduce, done, group=None, timeout=self.timeout,
+                    what="stop: wait for rank 0's checkpoint and policy.pt")
+
     def _agree(self, signal_number: int, timed_out: bool) -> tuple[int, bool]:
         """(a signal any rank received, rank 0's clock says a timed checkpoint is due), the same on every rank."""
         if not self.distributed:

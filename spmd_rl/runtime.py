@@ -37,6 +37,18 @@ class Runtime:
         return dist.is_available() and dist.is_initialized()
 
 
+def _rendezvous(launch: LaunchInfo, timeout: datetime.timedelta) -> dict:
+    """init_process_group's init_method; under torchrun, its store with a prefix per restart. torchrun keeps one
+    store for all restarts (--max-restarts), keys included: restarted ranks would read the addresses of the
+    previous attempt's ranks (gloo: "Connection refused", then a wait until the timeout)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if launch.launcher != "torchrun" or attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {"init_method": launch.init_method}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launch.world_size,
+                          is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"spmd_rl/attempt_{attempt}", store)}
+
+
 def choose_device(preference: str, local_rank: int) -> torch.device:
     if preference == "cpu":
         return torch.device("cpu")
@@ -62,8 +74,8 @@ def start_runtime(launch: LaunchInfo, device_preference: str, timeout_s: float) 
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: keep gloo off other interfaces
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         try:
-            dist.init_process_group(runtime.backend, init_method=launch.init_method, rank=launch.rank,
-                                    world_size=launch.world_size, timeout=runtime.timeout, **kwargs)
+            dist.init_process_group(runtime.backend, rank=launch.rank, world_size=launch.world_size,
+                                    timeout=runtime.timeout, **_rendezvous(launch, runtime.timeout), **kwargs)
         except Exception as exc:  # the store could not be reached or a peer never arrived
             raise CommError(f"rank {launch.rank}: init_process_group ({launch.launcher}, {launch.init_method}) "
                             f"failed within dist.timeout_s={timeout_s}: {exc}") from exc
