@@ -67,6 +67,9 @@ from spmd_rl.roles.trainer import Trainer
 from spmd_rl.topology import ENV, INFERENCE
 
 
+WEIGHTS = -1  # the event index of a completed weight broadcast (env ranks are 0, 1, ...)
+
+
 class PolicyLagError(RuntimeError):
     """A step acted with weights older than engine.max_policy_lag allows (an engine bug, never a user's)."""
 
@@ -214,6 +217,9 @@ class AsyncInferenceServer:
         self.taken = 0
         self.policy_version = -1
         self.weight_wait_s = 0.0
+        # What the main thread waits for: (env index, observations) from the receiver threads, (WEIGHTS, number)
+        # when a staged broadcast completed, (either, exception) when a wait failed.
+        self.events: queue.Queue = queue.Queue()
 
     # -- weights --------------------------------------------------------------------------------------------------
 
@@ -224,6 +230,17 @@ class AsyncInferenceServer:
     def _post_next_broadcast(self) -> None:
         if self.taken < len(self.syncs):
             self.staged.post()
+            threading.Thread(target=self._await_weights, args=(self.staged.posted,), daemon=True,
+                             name=f"spmd_rl-weights-{self.staged.posted}").start()
+
+    def _await_weights(self, number: int) -> None:
+        """A thread: wake the main thread once broadcast `number` is complete (gloo's wait releases the GIL)."""
+        try:
+            self.staged.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
+            self.events.put((WEIGHTS, exc))
+            return
+        self.events.put((WEIGHTS, number))
 
     def _take_weights(self) -> None:
         """Swap the staged broadcast in (between forward passes), verify when due, post the next one."""
@@ -235,19 +252,25 @@ class AsyncInferenceServer:
 
     # -- observations ---------------------------------------------------------------------------------------------
 
-    def _start_receivers(self, events: queue.Queue) -> list[threading.Semaphore]:
+    def _start_receivers(self) -> list[threading.Semaphore]:
         """One thread per env rank waits for its observations (gloo's receive reports completion only through
-        wait()); the main thread acts. A thread posts its next receive once the main thread has used the last."""
-        used = [threading.Semaphore(0) for _ in self.obs_channels]
+        wait()); the main thread acts. Two buffers per channel: as a message arrives the thread posts the receive
+        of the next one (so the env rank's next send finds it posted), into the buffer of the message before,
+        once the main thread has used that one (`used`)."""
+        used = [threading.Semaphore(1) for _ in self.obs_channels]
 
         def receive(index: int, count: int) -> None:
             channel = self.obs_channels[index]
             try:
-                for _ in range(count):
-                    events.put((index, channel.irecv().wait()))
-                    used[index].acquire()
+                pending = channel.irecv() if count else None
+                for number in range(count):
+                    message = pending.wait()
+                    if number + 1 < count:
+                        used[index].acquire()
+                        pending = channel.irecv()
+                    self.events.put((index, message))
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
-                events.put((index, exc))
+                self.events.put((index, exc))
 
         for index in range(len(self.obs_channels)):
             count = self.end_step - self.next_step[index]
@@ -257,41 +280,35 @@ class AsyncInferenceServer:
 
     def run(self) -> None:
         lockstep = self.schedule.lag == 0
-        events: queue.Queue = queue.Queue()
-        used = self._start_receivers(events)
+        used = self._start_receivers()
         ready: dict[int, TensorDict] = {}
-        last_progress = time.monotonic()
         while True:
             if self.agreements and self._reached_agreement(self.agreements[0]):
                 iteration = self.agreements.popleft()
                 self.setup.control.after_iteration(iteration, dict)  # the weights come from trainer 0
-                last_progress = time.monotonic()
                 continue
             if self._finished():
                 return
-            # Wait for an observation (or, while a broadcast is in flight, poll it every millisecond).
-            wait_s = 0.001 if self.staged.in_flight else max(self.timeout.total_seconds(), 0.001)
+            # Sleep until an observation or a broadcast arrives (every wait behind them is bounded itself).
             items = []
             try:
-                items.append(events.get(timeout=wait_s))
+                items.append(self.events.get(timeout=self.timeout.total_seconds() + 5.0))
                 while True:
-                    items.append(events.get_nowait())
+                    items.append(self.events.get_nowait())
             except queue.Empty:
-                pass
+                if not items:
+                    raise self._stuck(ready) from None
             for index, item in items:
                 if isinstance(item, BaseException):
                     raise item
-                self._check_segment(index, item)
-                ready[index] = item
+                if index != WEIGHTS:
+                    self._check_segment(index, item)
+                    ready[index] = item
             if self.staged.in_flight and self.staged.ready():
                 self._take_weights()
-                last_progress = time.monotonic()
             serve = self._servable(ready, lockstep)
             if serve:
                 self._serve(serve, ready, used)
-                last_progress = time.monotonic()
-            elif time.monotonic() - last_progress > self.timeout.total_seconds():
-                raise self._stuck(ready)
 
     def _check_segment(self, index: int, message: TensorDict) -> None:
         expected = self.next_step[index] // self.num_steps
@@ -370,7 +387,7 @@ class AsyncInferenceServer:
         source = self.setup.topology.describe(self.weight_sync.src)
         needed = min((self.schedule.required_version(self.next_step[index] // self.num_steps) for index in ready),
                      default=self.policy_version + 1)
-        return CommError(f"{self.describe}: waited {self.timeout.total_seconds():g}s without progress: holding "
+        return CommError(f"{self.describe}: waited {self.timeout.total_seconds():g}s for anything: holding "
                          f"observations of {held or 'no env rank'} for weights version {needed} (holding "
                          f"{self.policy_version}) from {source}; no observations from {silent or 'no env rank'}")
 
@@ -387,7 +404,7 @@ def _run_inference(setup: Setup, schedule: AsyncSchedule) -> Policy:
         me=rank,
         sends=[(env, "actions", action_message(setup.outputs, n)) for env in served],
         recvs=[(env, "observations", async_observation_message(setup.spec, n)) for env in served],
-        describe_rank=topology.describe, timeout=runtime.timeout)
+        describe_rank=topology.describe, timeout=runtime.timeout, num_recv_buffers=2)
     server = AsyncInferenceServer(setup, schedule, policy, weight_sync, served, obs_channels, action_channels)
     state = setup.load_checkpoint()
     if state is not None:

@@ -84,6 +84,26 @@ def test_lag_0_gives_exactly_the_sync_engines_metrics_and_weights(tmp_path, layo
     assert all(r["policy_lag_max"] == 0 for r in records(tmp_path / "async"))
 
 
+SAC_TINY = ("--config", str(ROOT / "configs" / "sac_pendulum.yaml"), "algo.num_steps=4", "train.total_steps=96",
+            "algo.learning_starts=32", "algo.batch_size=16", "policy.hidden_sizes=[16,16]", "log.progress=false",
+            "log.tensorboard=false", "layout.mode=split", "layout.trainer=2", "layout.inference=1", "layout.env=2",
+            "weights.verify_every=1")
+
+
+def test_sac_async_at_lag_0_equals_sync_and_runs_with_any_lag(tmp_path):
+    """SAC (random warm-up, replay sharded over 2 trainers) runs async unchanged; at lag 0 exactly as sync."""
+    sync = run_main(*SAC_TINY, f"run.dir={tmp_path / 'sync'}", nproc=5)
+    assert sync.returncode == 0, sync.stderr[-3000:]
+    exact = run_main(*SAC_TINY, f"run.dir={tmp_path / 'exact'}", "engine.class=async", "engine.max_policy_lag=0",
+                     nproc=5)
+    assert exact.returncode == 0, exact.stderr[-3000:]
+    assert learning_records(tmp_path / "sync") == learning_records(tmp_path / "exact")
+    assert same_weights(tmp_path / "sync", tmp_path / "exact")
+    free = run_main(*SAC_TINY, f"run.dir={tmp_path / 'free'}", "engine.class=async", nproc=5)
+    assert free.returncode == 0, free.stderr[-3000:]
+    assert len(records(tmp_path / "free")) == 12
+
+
 def test_a_stopped_async_run_resumes_to_the_same_result(tmp_path):
     """Checkpoints at an agreed iteration (run.stop_after_iterations): stop + resume equals one run (lag 0)."""
     common = ("--config", TINY, "train.total_steps=512", *SPLIT4, "engine.class=async")
