@@ -2,12 +2,14 @@
 whichever of its env ranks have sent, trainers learn from segments as they arrive, and trainer 0 broadcasts new
 weights after every update, which inference ranks take into a staging copy and swap in between forward passes.
 
-Policy lag. Segment j of an env rank (its j-th rollout, one per iteration) could at best act with version
+Policy lag. Segment j of an env rank (its j-th rollout, one per iteration) may at best act with version
 `version_at(j)` (the version the sync engine uses for iteration j). A step acting with version v lags by
 `version_at(j) - v`. An inference rank acts for an env rank's segment j only once it holds a version
->= version_at(j) - max_policy_lag; it can never hold a newer one than version_at(j), since that needs every env
-rank's earlier segments learned. So with max_policy_lag=0 every step uses exactly the sync engine's weights, and
-the trainer checks the bound on every step it receives (metrics policy_lag_mean / policy_lag_max).
+>= version_at(j) - max_policy_lag, and it swaps a newer version in only once none of its env ranks still acts for
+a segment that version is too new for (trainer 0 may publish version j+1 before another trainer has an env rank's
+segment j, when an update has no collective in it, like SAC's random warm-up). So with max_policy_lag=0 every step
+uses exactly the sync engine's weights, and the trainer checks every step it receives against the bound
+(metrics policy_lag_mean / policy_lag_max).
 
 Exactness at lag 0. Sampling an action draws random numbers for the whole batch of a forward pass, so which env
 ranks share a batch decides which numbers each env gets. With max_policy_lag=0 the lag bound already makes the env
@@ -27,8 +29,12 @@ Rules that keep it deadlock-free (the async form of DESIGN.md's rules):
    (k-1)-th is taken, so the source never waits long; the world's end-of-iteration agreement (stops, checkpoints)
    happens after iterations every rank computes alike (`agrees_after`).
 3. The slowest env rank can always be served: it needs a version at most version_at(j_min), and that version
-   needs only segments before j_min, which every env rank has sent. An inference rank keeps serving every env
-   rank whose lag allows it while it waits for weights, so it never blocks a segment the trainer needs.
+   needs only segments before j_min, which every env rank has sent; the weights it holds are never too new for
+   it (they are swapped in only when no env rank is behind them). An inference rank keeps serving every env rank
+   the lag allows while it waits for weights, so it never blocks a segment a trainer needs. A staged broadcast
+   held back (an env rank still behind it) delays trainer 0's next broadcast; the env rank behind it is one
+   whose trainer has not yet learned that segment, and that trainer's progress never waits for the broadcast
+   (trainers meet only in their own group, once per iteration, which also keeps them within one iteration).
 4. Before an agreement after iteration c, every rank has done all of its part of iterations <= c: env ranks sent
    segment c; trainers learned it and trainer 0 broadcast the next version; inference ranks served segment c of
    all their env ranks and took every broadcast up to that version. No rank waits in the agreement for a rank
@@ -304,11 +310,20 @@ class AsyncInferenceServer:
                 if index != WEIGHTS:
                     self._check_segment(index, item)
                     ready[index] = item
-            if self.staged.in_flight and self.staged.ready():
-                self._take_weights()
-            serve = self._servable(ready, lockstep)
-            if serve:
+            while True:  # serving may let the staged weights in, which may let held env ranks act
+                if self.staged.in_flight and self.staged.ready() and self._may_take(self.staged.version()):
+                    self._take_weights()
+                serve = self._servable(ready, lockstep)
+                if not serve:
+                    break
                 self._serve(serve, ready, used)
+
+    def _may_take(self, version: int) -> bool:
+        """Whether every env rank still acting may use this version: none may act for a segment j with a version
+        newer than version_at(j). (Trainer 0 may publish before a trainer of another env rank has that rank's
+        segment, e.g. an update with no collective in it, like SAC's random warm-up.)"""
+        return all(version <= self.plan.version_at(step // self.num_steps)
+                   for step in self.next_step if step < self.end_step)
 
     def _check_segment(self, index: int, message: TensorDict) -> None:
         expected = self.next_step[index] // self.num_steps

@@ -86,20 +86,22 @@ def test_lag_0_gives_exactly_the_sync_engines_metrics_and_weights(tmp_path, layo
 
 SAC_TINY = ("--config", str(ROOT / "configs" / "sac_pendulum.yaml"), "algo.num_steps=4", "train.total_steps=96",
             "algo.learning_starts=32", "algo.batch_size=16", "policy.hidden_sizes=[16,16]", "log.progress=false",
-            "log.tensorboard=false", "layout.mode=split", "layout.trainer=2", "layout.inference=1", "layout.env=2",
+            "log.tensorboard=false", "layout.mode=split", "layout.trainer=2", "layout.inference=2", "layout.env=2",
             "weights.verify_every=1")
 
 
 def test_sac_async_at_lag_0_equals_sync_and_runs_with_any_lag(tmp_path):
-    """SAC (random warm-up, replay sharded over 2 trainers) runs async unchanged; at lag 0 exactly as sync."""
-    sync = run_main(*SAC_TINY, f"run.dir={tmp_path / 'sync'}", nproc=5)
+    """SAC (random warm-up, replay sharded over 2 trainers) runs async unchanged; at lag 0 exactly as sync. Its
+    warm-up updates have no collective, so trainer 0 publishes versions before trainer 1 has its segments: the
+    inference rank of env 1 must not take them in early."""
+    sync = run_main(*SAC_TINY, f"run.dir={tmp_path / 'sync'}", nproc=6)
     assert sync.returncode == 0, sync.stderr[-3000:]
     exact = run_main(*SAC_TINY, f"run.dir={tmp_path / 'exact'}", "engine.class=async", "engine.max_policy_lag=0",
-                     nproc=5)
+                     nproc=6)
     assert exact.returncode == 0, exact.stderr[-3000:]
     assert learning_records(tmp_path / "sync") == learning_records(tmp_path / "exact")
     assert same_weights(tmp_path / "sync", tmp_path / "exact")
-    free = run_main(*SAC_TINY, f"run.dir={tmp_path / 'free'}", "engine.class=async", nproc=5)
+    free = run_main(*SAC_TINY, f"run.dir={tmp_path / 'free'}", "engine.class=async", nproc=6)
     assert free.returncode == 0, free.stderr[-3000:]
     assert len(records(tmp_path / "free")) == 12
 

@@ -58,6 +58,11 @@ class StagedWeights:
         for work in self._works:
             wait(work, self.sync.timeout, self._describe, self.peer)
 
+    def version(self) -> int:
+        """The version a completed broadcast carries (read before swapping it in)."""
+        self.wait()
+        return int(self._header[0])
+
     def swap(self) -> int:
         """Take the completed broadcast: its bytes into the live buckets (between forward passes); its version."""
         self.wait()
