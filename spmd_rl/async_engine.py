@@ -222,7 +222,6 @@ class AsyncInferenceServer:
         self.agreements = deque(i for i in iterations if schedule.agrees_after(i))
         self.taken = 0
         self.policy_version = -1
-        self.weight_wait_s = 0.0
         # What the main thread waits for: (env index, observations) from the receiver threads, (WEIGHTS, number)
         # when a staged broadcast completed, (either, exception) when a wait failed.
         self.events: queue.Queue = queue.Queue()
@@ -379,17 +378,13 @@ class AsyncInferenceServer:
             return False
         due = sum(1 for i in self.syncs if i <= iteration)
         while self.taken < due:
-            clock = time.perf_counter()
-            self.staged.wait()
-            self.weight_wait_s += time.perf_counter() - clock
-            self._take_weights()
+            self._take_weights()  # swap() waits for the broadcast, bounded
         return True
 
     def _finished(self) -> bool:
         if any(step < self.end_step for step in self.next_step):
             return False
         while self.taken < len(self.syncs):
-            self.staged.wait()
             self._take_weights()
         for channel in self.action_channels:
             channel.wait()
