@@ -119,6 +119,21 @@ def test_a_stopped_async_run_resumes_to_the_same_result(tmp_path):
     assert same_weights(tmp_path / "whole", tmp_path / "parts")
 
 
+def test_checkpoints_and_a_stop_at_lag_2_are_taken_at_agreed_iterations_and_the_run_resumes(tmp_path):
+    """With env ranks ahead of the trainer, every rank still meets at the agreed iterations (rule 4)."""
+    run_dir = tmp_path / "run"
+    common = ("--config", TINY, f"run.dir={run_dir}", "train.total_steps=2880", "layout.mode=split",
+              "layout.trainer=1", "layout.inference=1", "layout.env=3", "engine.class=async",
+              "engine.max_policy_lag=2", "algo.vtrace=true", "checkpoint.every_iterations=4")
+    stopped = run_main(*common, "run.stop_after_iterations=10", nproc=5)
+    assert stopped.returncode != 0 and "rerun the same command to resume" in stopped.stderr, stopped.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip().endswith("9")
+    resumed = run_main(*common, nproc=5)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
+    assert [r["iteration"] for r in records(run_dir)] == list(range(30))
+    assert all(r["policy_lag_max"] <= 2 for r in records(run_dir))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The lag bound
 
