@@ -26,6 +26,7 @@ LAYOUTS = {
     "one": (0, None, []),
     "colocated2": (2, None, ["env.num_envs=4"]),
     "split8": (8, "configs/ppo_cartpole_split.yaml", []),
+    "async6": (6, "configs/ppo_cartpole_async.yaml", []),   # async engine, V-trace, max_policy_lag 2
 }
 
 

@@ -105,6 +105,11 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
         explore_iterations=math.ceil(schedule.random_steps / steps_per_iteration),
     )
     algorithm_cls.check_plan(cfg.algo, plan.facts())
+    # An engine may refuse a layout or a schedule it cannot run (e.g. the async engine: split layouts only).
+    from spmd_rl import plugins
+    engine_check = getattr(plugins.load_class(plugins.ENGINE, cfg.classes.get("engine", "sync")), "check_plan", None)
+    if engine_check is not None:
+        engine_check(cfg, topology, plan, schedule)
     return plan
 
 

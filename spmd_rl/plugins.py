@@ -34,6 +34,7 @@ POLICY = Kind("policy", "policy", "Policy", {
 })
 ENGINE = Kind("engine", "engine", "Engine", {
     "sync": ("spmd_rl.engine:SyncEngine", "spmd_rl.config:NoConfig"),
+    "async": ("spmd_rl.async_engine:AsyncEngine", "spmd_rl.async_config:AsyncEngineConfig"),
 })
 CALLBACK = Kind("callbacks", "callback", "Callback", {})
 KINDS = {kind.section: kind for kind in (ALGORITHM, POLICY, ENGINE, CALLBACK)}

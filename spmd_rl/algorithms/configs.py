@@ -27,6 +27,12 @@ class PPOConfig(AlgorithmConfig):
     max_grad_norm: float = knob(0.5, "gradient norm clipping", min=0.0)
     normalize_advantages: bool = knob(True, "normalize advantages per minibatch")
     target_kl: float | None = knob(None, "stop the epochs early when approx_kl exceeds this (null = never)", min=0.0)
+    vtrace: bool = knob(False, "V-trace targets and advantages (off-policy correction for the async engine's policy "
+                               "lag); declares a tolerated lag of 8 versions (0 without)")
+    vtrace_rho_bar: float = knob(1.0, "V-trace: truncation of the importance weights rho (advantages, targets)",
+                                 min=0.0)
+    vtrace_c_bar: float = knob(1.0, "V-trace: truncation of the trace-cutting weights c (gae_lambda scales them)",
+                               min=0.0)
 
 
 @dataclass

@@ -16,7 +16,8 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from spmd_rl.algorithms.configs import PPOConfig
-from spmd_rl.api import Algorithm, Context, PlanFacts, Policy
+from spmd_rl.algorithms.vtrace import vtrace
+from spmd_rl.api import Algorithm, Context, PlanFacts, Policy, Schedule
 from spmd_rl.errors import UserError
 
 
@@ -52,6 +53,8 @@ def compute_gae(rewards: Tensor, values: Tensor, next_value: Tensor, terminated:
 # ---------------------------------------------------------------------------------------------------------------
 # Update
 
+
+VTRACE_MAX_POLICY_LAG = 8   # the lag PPO declares with algo.vtrace (engine.max_policy_lag may lower it)
 
 LOSS_NAMES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
 
@@ -142,6 +145,11 @@ class PPO(Algorithm):
     policy_methods = ("evaluate", "value")
 
     @classmethod
+    def schedule(cls, config: PPOConfig) -> Schedule:
+        # On-policy without V-trace; with it, a few versions of lag (its truncated weights cut a staler signal).
+        return Schedule(max_policy_lag=VTRACE_MAX_POLICY_LAG if config.vtrace else 0)
+
+    @classmethod
     def check_plan(cls, config: PPOConfig, plan: PlanFacts) -> None:
         if plan.samples_per_trainer < config.num_minibatches:
             raise UserError(f"algo.num_minibatches={config.num_minibatches} is more than the "
@@ -169,17 +177,36 @@ class PPO(Algorithm):
         cfg = self.cfg
         with torch.no_grad():
             next_value = self.policy.value(segment["next_obs"].to(self.context.device))
-        advantage, return_ = compute_gae(rollout["reward"], rollout["value"], next_value,
-                                         rollout["terminated"], rollout["truncated"], cfg.gamma, cfg.gae_lambda)
+        value = rollout["value"]
+        if cfg.vtrace:
+            advantage, return_, value = self.vtrace_targets(rollout, next_value)
+        else:
+            advantage, return_ = compute_gae(rollout["reward"], value, next_value,
+                                             rollout["terminated"], rollout["truncated"], cfg.gamma, cfg.gae_lambda)
         batch = TensorDict({
             "obs": rollout["obs"], "action": rollout["action"], "log_prob": rollout["log_prob"],
-            "value": rollout["value"], "valid": rollout["valid"], "advantage": advantage, "return_": return_,
+            "value": value, "valid": rollout["valid"], "advantage": advantage, "return_": return_,
         }, batch_size=rollout.batch_size).reshape(-1)
         metrics = self.update(batch, iteration)
         # The statistics used to collect this rollout stay fixed while learning from it; fold the rollout's
         # observations in afterwards, so the next rollout (and its learning) use the merged statistics.
         self.policy.update_normalizer(batch["obs"][batch["valid"]], self.context)
         return metrics
+
+    def vtrace_targets(self, rollout: TensorDict, next_value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(advantage, return_, value) by V-trace: the learner's current policy is the target pi, the rollout's
+        log_prob (what the acting weights gave) the behaviour mu, and the learner's values the baseline. The
+        clipped surrogate's ratio stays relative to the behaviour log-probs."""
+        cfg = self.cfg
+        flat = rollout.reshape(-1)
+        with torch.no_grad():
+            target_log_prob, _, value = self.policy.evaluate(flat["obs"], flat["action"])
+        target_log_prob = target_log_prob.reshape(rollout.batch_size)
+        value = value.reshape(rollout.batch_size)
+        return_, advantage = vtrace(rollout["log_prob"], target_log_prob, rollout["reward"], value, next_value,
+                                    rollout["terminated"], rollout["truncated"], cfg.gamma, cfg.gae_lambda,
+                                    cfg.vtrace_rho_bar, cfg.vtrace_c_bar)
+        return advantage, return_, value
 
     def annealed(self, iteration: int) -> tuple[float, float]:
         """(learning rate, clip coefficient) for a 0-based iteration: linear decay towards 0 when annealing."""

@@ -65,7 +65,9 @@ class SAC(Algorithm):
 
     @classmethod
     def schedule(cls, config: SACConfig) -> Schedule:
-        return Schedule(weight_sync_every=config.weight_sync_every, random_steps=config.learning_starts)
+        # Off-policy: any lag (the async engine's backpressure keeps it to a few versions).
+        return Schedule(weight_sync_every=config.weight_sync_every, random_steps=config.learning_starts,
+                        max_policy_lag=2**31 - 1)
 
     @classmethod
     def check_plan(cls, config: SACConfig, plan: PlanFacts) -> None:

@@ -1,0 +1,100 @@
+"""The async engine against the sync engine, in one run: env steps per second on envs of uneven speed, and the
+split layout's scaling on the 5 ms env.
+
+    python benchmarks/async.py [--parts uneven,slow_rank,scaling] [--repeats 2] [--lag 2]
+
+Every run: PPO on a CartPole stand-in (benchmarks/uneven_env.py, benchmarks/slow_env.py), one env per env rank,
+64 steps per rollout, 4 epochs, 1 trainer and 1 inference rank. Async runs use algo.vtrace=true and
+engine.max_policy_lag=LAG; sync runs the same PPO without V-trace (V-trace changes the math, not the schedule).
+SPS from the end of the first iteration on (start-up excluded), best of --repeats, sync and async alternating so a
+change in the machine's load hits both alike.
+
+- uneven:    4 env ranks, every step sleeping a random 1-10 ms (goal: async >= 1.5x sync)
+- slow_rank: 4 env ranks at 5 ms per step, one of them at 20 ms (4x)
+- scaling:   1, 2, 4 env ranks at 5 ms per step; linear = k x the better engine's 1-rank SPS
+             (goal: async >= 0.9x linear at 4 env ranks)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import machine, run_spmd, table
+
+BASE = ["env.num_envs=1", "env.vectorization=sync", "algo.num_steps=64", "algo.update_epochs=4",
+        "layout.mode=split", "layout.trainer=1", "layout.inference=1"]
+ITERATIONS = 16
+
+
+def engine(name: str, lag: int) -> list[str]:
+    if name == "sync":
+        return ["engine.class=sync"]
+    return ["engine.class=async", f"engine.max_policy_lag={lag}", "algo.vtrace=true"]
+
+
+def steady_sps(overrides: list[str], env_ranks: int) -> tuple[float, dict]:
+    records = run_spmd(BASE + overrides + [f"layout.env={env_ranks}",
+                                           f"train.total_steps={64 * env_ranks * ITERATIONS}"], nproc=2 + env_ranks)
+    first, last = records[0], records[-1]
+    sps = (last["env_steps"] - first["env_steps"]) / (last["wall_s"] - first["wall_s"])
+    lags = [r.get("policy_lag_mean", 0.0) for r in records[1:]]
+    return sps, {"lag_mean": sum(lags) / len(lags), "lag_max": max(r.get("policy_lag_max", 0.0) for r in records)}
+
+
+def versus(env: list[str], env_ranks: int, repeats: int, lag: int) -> list:
+    results = {"sync": [], "async": []}
+    for _ in range(repeats):
+        for name in results:
+            results[name].append(steady_sps(env + engine(name, lag), env_ranks))
+    sync = max(sps for sps, _ in results["sync"])
+    best_async, info = max(results["async"], key=lambda r: r[0])
+    return [f"{sync:.0f}", f"{best_async:.0f}", f"{best_async / sync:.2f}x", f"{info['lag_mean']:.2f}",
+            f"{info['lag_max']:.0f}"]
+
+
+def uneven(repeats: int, lag: int) -> None:
+    rows = [["random 1-10 ms per step", 4, *versus(["env.id=benchmarks.uneven_env:UnevenCartPole-v1"], 4,
+                                                   repeats, lag)],
+            ]
+    print(table(["env ranks' step time", "env ranks", "sync SPS", "async SPS", "async / sync", "lag mean",
+                 "lag max"], rows))
+
+
+def slow_rank(repeats: int, lag: int) -> None:
+    # World ranks: trainer 0, inference 1, env ranks 2-5; rank 5 is the slow one.
+    env = ["env.id=benchmarks.uneven_env:SlowRankCartPole-v1", "env.kwargs={slow_rank: 5}"]
+    rows = [["5 ms, one rank 20 ms", 4, *versus(env, 4, repeats, lag)]]
+    print(table(["env ranks' step time", "env ranks", "sync SPS", "async SPS", "async / sync", "lag mean",
+                 "lag max"], rows))
+
+
+def scaling(repeats: int, lag: int) -> None:
+    env = ["env.id=benchmarks.slow_env:SlowCartPole-v1"]
+    rows, base = [], None
+    for env_ranks in (1, 2, 4):
+        best = {}
+        for _ in range(repeats):
+            for name in ("sync", "async"):
+                sps, _ = steady_sps(env + engine(name, lag), env_ranks)
+                best[name] = max(best.get(name, 0.0), sps)
+        # Linear: k x the better engine's 1-rank SPS (a slower 1-rank run must not flatter its own ratio).
+        base = base or max(best.values())
+        rows.append([env_ranks, 2 + env_ranks, f"{best['sync']:.0f}", f"{best['sync'] / (base * env_ranks):.2f}",
+                     f"{best['async']:.0f}", f"{best['async'] / (base * env_ranks):.2f}"])
+    print(table(["env ranks", "world size", "sync SPS", "sync vs linear", "async SPS", "async vs linear"], rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="uneven,slow_rank,scaling")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--lag", type=int, default=2)
+    args = parser.parse_args()
+    print(f"machine: {machine()}")
+    print(f"async: engine.max_policy_lag={args.lag}, algo.vtrace=true; best of {args.repeats}, alternating")
+    for part in args.parts.split(","):
+        {"uneven": uneven, "slow_rank": slow_rank, "scaling": scaling}[part](args.repeats, args.lag)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""An inference rank's next weight broadcast, received in the background into a staging copy.
+
+WeightSync.broadcast receives straight into the buckets the policy's tensors are views of, which is right when
+weights arrive at a fixed point between rollouts (sync engine) and wrong when they may arrive in the middle of a
+forward pass (async engine). StagedWeights posts the k-th broadcast of the weight group (async_op) into buckets of
+its own, ahead of time; the inference rank polls it between forward passes and, once it is complete, copies it
+into the live buckets (`swap`). The broadcasts are the same collectives, in the same order, as the source's
+`WeightSync.broadcast` calls: the k-th one a receiver posts is the k-th the source makes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.comm.weights import HEADER_BYTES, WeightMismatchError, WeightSync
+from spmd_rl.runtime import Peer, comm_error, wait
+
+
+class StagedWeights:
+    def __init__(self, sync: WeightSync):
+        if sync.me == sync.src:
+            raise ValueError("StagedWeights is for the receivers of a weight broadcast, not its source")
+        self.sync = sync
+        self.staging = [torch.empty_like(bucket) for bucket in sync.buckets]
+        header = self.staging[0][:HEADER_BYTES].view(torch.int64)
+        self._header = header.numpy() if header.device.type == "cpu" else header
+        self.peer = Peer(sync.describe_rank(sync.src), (sync.src,))
+        self._works: list | None = None
+        self.posted = 0           # broadcasts posted so far (the one in flight is number `posted`)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._works is not None
+
+    def _describe(self) -> str:
+        return (f"{self.sync.describe_rank(self.sync.me)}: weight broadcast number {self.posted} from "
+                f"{self.sync.describe_rank(self.sync.src)} (into the staging copy)")
+
+    def post(self) -> None:
+        """Post the next broadcast of the weight group into the staging buckets."""
+        assert self._works is None, "one staged broadcast at a time"
+        self.posted += 1
+        works = []
+        for bucket in self.staging:
+            try:
+                works.append(dist.broadcast(bucket, src=self.sync.src, group=self.sync.group, async_op=True))
+            except RuntimeError as exc:  # a member already gone can fail the post itself
+                raise comm_error(self._describe(), exc, self.sync.timeout, self.peer) from exc
+        self._works = works
+
+    def ready(self) -> bool:
+        """Whether the posted broadcast has completed (a failed one counts as complete; swap() raises it)."""
+        return self._works is not None and all(work.is_completed() for work in self._works)
+
+    def wait(self) -> None:
+        """Block until the posted broadcast is complete, bounded by dist.timeout_s."""
+        for work in self._works:
+            wait(work, self.sync.timeout, self._describe, self.peer)
+
+    def version(self) -> int:
+        """The version a completed broadcast carries (read before swapping it in)."""
+        self.wait()
+        return int(self._header[0])
+
+    def swap(self) -> int:
+        """Take the completed broadcast: its bytes into the live buckets (between forward passes); its version."""
+        self.wait()
+        self._works = None
+        version, digest = (int(value) for value in self._header.tolist())
+        if digest != self.sync.digest:
+            raise WeightMismatchError(f"{self.sync.describe_rank(self.sync.me)}: weights from "
+                                      f"{self.sync.describe_rank(self.sync.src)} carry layout digest {digest}, this "
+                                      f"rank's is {self.sync.digest}")
+        for live, staged in zip(self.sync.buckets, self.staging):
+            live.copy_(staged)
+        for entry in self.sync.entries:  # a module that replaced a tensor is pointed back at its bucket
+            if entry.current().data_ptr() != entry.view.data_ptr():
+                entry.point_at_view()
+        return version
