@@ -68,6 +68,7 @@ def same_weights(a: Path, b: Path) -> bool:
 # Correctness anchor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [SPLIT4, ("layout.mode=split", "layout.trainer=2", "layout.inference=2",
                                              "layout.env=2", "weights.verify_every=1")],
                          ids=["t1-i1-e2", "t2-i2-e2-verify"])
@@ -90,6 +91,7 @@ SAC_TINY = ("--config", str(ROOT / "configs" / "sac_pendulum.yaml"), "algo.num_s
             "weights.verify_every=1")
 
 
+@pytest.mark.slow
 def test_sac_async_at_lag_0_equals_sync_and_runs_with_any_lag(tmp_path):
     """SAC (random warm-up, replay sharded over 2 trainers) runs async unchanged; at lag 0 exactly as sync. Its
     warm-up updates have no collective, so trainer 0 publishes versions before trainer 1 has its segments: the
@@ -106,6 +108,7 @@ def test_sac_async_at_lag_0_equals_sync_and_runs_with_any_lag(tmp_path):
     assert len(records(tmp_path / "free")) == 12
 
 
+@pytest.mark.slow
 def test_a_stopped_async_run_resumes_to_the_same_result(tmp_path):
     """Checkpoints at an agreed iteration (run.stop_after_iterations): stop + resume equals one run (lag 0)."""
     common = ("--config", TINY, "train.total_steps=512", *SPLIT4, "engine.class=async")
@@ -119,6 +122,7 @@ def test_a_stopped_async_run_resumes_to_the_same_result(tmp_path):
     assert same_weights(tmp_path / "whole", tmp_path / "parts")
 
 
+@pytest.mark.slow
 def test_checkpoints_and_a_stop_at_lag_2_are_taken_at_agreed_iterations_and_the_run_resumes(tmp_path):
     """With env ranks ahead of the trainer, every rank still meets at the agreed iterations (rule 4)."""
     run_dir = tmp_path / "run"
@@ -194,6 +198,7 @@ def _start_ranks(world: int, args: list[str]) -> list[subprocess.Popen]:
     return procs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
 def test_a_killed_or_stopped_env_rank_ends_the_async_job_within_the_timeout_naming_it(tmp_path, how):
     run_dir = tmp_path / "run"
