@@ -39,8 +39,10 @@ CASES = {
     "ppo-split-4": ([TINY, *SPLIT4], 4, 2),
     "sac-one-process-memory": ([*SAC_TINY], 0, 20),
     "sac-one-process-hdf5": ([*SAC_TINY, "buffer.backend=hdf5", "buffer.log_experience=true"], 0, 20),
+    "sac-colocated-2-memory": ([*SAC_TINY], 2, 10),
     "sac-colocated-2-hdf5": ([*SAC_TINY, "buffer.backend=hdf5"], 2, 10),
     "sac-split-4-memory": ([*SAC_TINY, *SPLIT4], 4, 10),
+    "sac-split-4-hdf5": ([*SAC_TINY, *SPLIT4, "buffer.backend=hdf5", "buffer.log_experience=true"], 4, 10),
 }
 
 
