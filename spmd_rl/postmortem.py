@@ -29,6 +29,10 @@ from spmd_rl.errors import COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, USER_ERROR
 KEY = "spmd_rl/failure/rank{}"
 PUBLISH_BOUND_S = 2.0   # how long a failing rank tries to leave its record before it exits anyway
 COLLECT_GRACE_S = 3.0   # how long rank 0 waits for the other ranks' records
+# ...and up to how long while several silent ranks could be the first cause: survivors that were blocked in a
+# collective with the dead rank report later than those it talked to directly, and each record that arrives
+# narrows the candidates down to the rank that really stopped.
+AMBIGUOUS_GRACE_S = 10.0
 POLL_S = 0.05
 
 
@@ -78,7 +82,7 @@ def first_cause(own: Failure, others: dict[int, Failure], world_size: int, descr
     if waited_on:
         waiters = sorted(r for r, f in records.items() if set(f.peers) & set(waited_on))
         return (f"{_names(waited_on, describe_rank)} stopped responding first: ranks {waiters} waited on "
-                f"{_it(waited_on)} and {_it(waited_on)} reported no error (killed, stopped or hung); the other "
+                f"{_them(waited_on)} and {_it(waited_on)} reported no error (killed, stopped or hung); the other "
                 f"ranks' errors follow from it")
     timed_out = [f for f in records.values() if f.timed_out]
     stalled = sorted({p for f in timed_out for p in f.peers} - {f.rank for f in timed_out})
@@ -101,6 +105,10 @@ def _it(ranks: list[int]) -> str:
     return "it" if len(ranks) == 1 else "they"
 
 
+def _them(ranks: list[int]) -> str:
+    return "it" if len(ranks) == 1 else "them"
+
+
 def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[int], str]) -> None:
     """On a failing rank of a distributed run, before it exits: leave this rank's record, or, on rank 0 after a
     communication error, gather the others' and print the summary. Never raises, never blocks for long."""
@@ -113,7 +121,7 @@ def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[in
         elif failure.exit_code == COMM_ERROR_EXIT_CODE:
             others: dict[int, Failure] = {}
             try:
-                _bounded(lambda: _collect(store, world_size, others), COLLECT_GRACE_S + PUBLISH_BOUND_S)
+                _bounded(lambda: _collect(store, world_size, others, failure), AMBIGUOUS_GRACE_S + PUBLISH_BOUND_S)
             finally:  # a launcher's SIGTERM cuts the wait short, not the summary of what arrived
                 print(f"spmd_rl: job summary: {first_cause(failure, dict(others), world_size, describe_rank)}",
                       file=sys.stderr, flush=True)
@@ -121,11 +129,21 @@ def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[in
         pass
 
 
-def _collect(store, world_size: int, into: dict[int, Failure]) -> None:
-    """Records of ranks 1..world_size-1 into `into` as they arrive, for at most COLLECT_GRACE_S."""
-    give_up_at = time.monotonic() + COLLECT_GRACE_S
+def _collect(store, world_size: int, into: dict[int, Failure], own: Failure) -> None:
+    """Records of ranks 1..world_size-1 into `into` as they arrive: for COLLECT_GRACE_S, and on (up to
+    AMBIGUOUS_GRACE_S) while more than one silent rank is among those the failed ranks waited on."""
+    start = time.monotonic()
     missing = set(range(1, world_size))
-    while missing and time.monotonic() < give_up_at:
+
+    def keep_waiting() -> bool:
+        waited = time.monotonic() - start
+        if waited < COLLECT_GRACE_S:
+            return True
+        records = [own, *into.values()]
+        candidates = {p for f in records for p in f.peers if p in missing}
+        return waited < AMBIGUOUS_GRACE_S and len(candidates) > 1
+
+    while missing and keep_waiting():
         for rank in sorted(missing):
             key = KEY.format(rank)
             if store.check([key]):
