@@ -28,7 +28,9 @@ class VectorEncoder(nn.Module):
         self.normalizer = RunningNormalizer((self.out_features,), enabled=normalize)
 
     def forward(self, obs: Tensor) -> Tensor:
-        return self.normalizer(obs.reshape(obs.shape[0], self.out_features).to(torch.float32))
+        if obs.dim() != 2:  # a multi-dimensional Box; vectors skip the reshape (this runs once per env step)
+            obs = obs.reshape(obs.shape[0], self.out_features)
+        return self.normalizer(obs.to(torch.float32))
 
     def update_normalizer(self, obs: Tensor, context) -> None:
         context.merge_normalizer(self.normalizer, obs.reshape(obs.shape[0], self.out_features))

@@ -51,6 +51,7 @@ class InferenceServer:
         self.explore_uniformly = False      # act with uniform_actions instead of the policy (warm-up steps)
         self.uniform_actions = uniform_actions
         self.output_keys = list(policy.outputs())
+        self.no_grad = torch.no_grad()  # one reusable context: this runs once per env step
         # numpy views of the reply buffers: cheaper per-step writes than torch ops (see EnvWorker)
         self.replies = [{key: tensor.numpy() for key, tensor in ch.buffer.items()} for ch in action_channels]
         self.splits = [reply["action"].shape[0] for reply in self.replies]
@@ -64,9 +65,12 @@ class InferenceServer:
         if self.explore_uniformly:
             out = self.uniform_actions(obs.shape[0])
         else:
-            with torch.no_grad():  # the API promises act() runs without grad; a user's act need not say so
+            with self.no_grad:  # the API promises act() runs without grad; a user's act need not say so
                 out = self.policy.act(obs.to(self.device, non_blocking=True))
-        outputs = [out[key].cpu().numpy() for key in self.output_keys]
+        if self.device.type == "cpu":
+            outputs = [out[key].numpy() for key in self.output_keys]
+        else:
+            outputs = [out[key].cpu().numpy() for key in self.output_keys]
         inference_s = time.perf_counter() - clock
 
         sends = []
