@@ -159,7 +159,11 @@ def test_a_killed_rank_ends_the_job_with_one_line_per_rank(jobs, layout, victim)
     summary = check_lines(job, {r: (COMM_ERROR_EXIT_CODE, "communication error") for r in survivors})
     check_ended_in_time(job, killed_at, survivors)
     if victim != 0:  # rank 0 holds the job's store: when it dies, nobody can gather the records
-        assert summary.startswith(f"spmd_rl: job summary: {job.name(victim)} stopped responding first"), summary
+        # The killed rank is named first; a survivor still blocked in a collective with it (the end-of-iteration
+        # agreement spans every rank) may not have reported yet, and is then named beside it.
+        first = summary.removeprefix("spmd_rl: job summary: ").split(" stopped responding first")[0]
+        assert summary.startswith("spmd_rl: job summary: ") and " stopped responding first" in summary, summary
+        assert job.name(victim) in first.split(", "), summary
 
 
 # -- a rank stopped (SIGSTOP): the others time out; the stopped one, resumed, finds them gone -------------------------
