@@ -1,5 +1,5 @@
-"""mpirun end to end (real Open MPI, real gloo): launch/mpirun.sh trains the tiny config colocated and split, and a
-job whose rank 1 crashes ends non-zero instead of hanging.
+"""mpirun end to end (real Open MPI, real gloo): launch/mpirun.sh trains the tiny config colocated and split, and split
+with the async engine within its lag bound; a job whose rank 1 crashes ends non-zero instead of hanging.
 
 Skipped when mpirun or mpi4py is missing (.ci/install-system.sh installs Open MPI).
 """
@@ -52,6 +52,19 @@ def test_mpirun_trains_the_tiny_config(tmp_path, layout):
     assert "launcher mpi" in done.stdout
     metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert metrics and all(json.loads(line) for line in metrics)
+
+
+def test_mpirun_runs_the_async_engine_within_its_lag_bound(tmp_path):
+    # 10 iterations of 2 env ranks at lag 2: env ranks run ahead of the trainer as far as the bound lets them.
+    run_dir = tmp_path / "run"
+    done = run_job(["launch/mpirun.sh", "--config", "configs/ci_tiny.yaml", f"run.dir={run_dir}", *SPLIT_4,
+                    "train.total_steps=640", "engine.class=async", "engine.max_policy_lag=2", "algo.vtrace=true"],
+                   mpirun_env(4))
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "launcher mpi" in done.stdout and "async engine, max policy lag 2" in done.stdout, done.stdout[-4000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == list(range(10))
+    assert all(0 <= r["policy_lag_mean"] <= r["policy_lag_max"] <= 2 for r in records), records
 
 
 def test_mpirun_job_with_a_crashing_rank_fails(tmp_path):

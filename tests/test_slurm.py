@@ -1,6 +1,7 @@
 """Slurm end to end on a throw-away cluster (real slurmctld + slurmd on this host, see tests/slurm_cluster.py):
 `sbatch slurm/train.sh` (torchrun per node) and `sbatch slurm/train_srun.sh` (one srun task per rank) train the tiny
-config; a 2-node job runs across two emulated nodes; a job whose rank 1 crashes ends FAILED instead of hanging.
+config, train_srun.sh also split by role under the async engine (within its lag bound); a 2-node job runs across
+two emulated nodes; a job whose rank 1 crashes ends FAILED instead of hanging.
 Preemption: a train.sh job warned of its time limit (SIGUSR1 to the batch script) and a train_srun.sh job preempted
 by a job of a higher partition (SIGTERM to its ranks) each stop with a checkpoint, requeue themselves, resume in the
 same run directory and complete.
@@ -81,6 +82,20 @@ def test_sbatch_train_sh_across_two_nodes(two_nodes, tmp_path):
     job = submit(two_nodes, "slurm/train.sh", tmp_path / "run", sbatch_options=("--nodes=2",), ranks_per_node=2)
     assert_trained(job, tmp_path / "run", "torchrun")
     assert "world size 4" in _all_output(job, tmp_path / "run")
+
+
+@pytest.mark.slow  # a job of tens of seconds; the quick run covers the async engine under torchrun (tests/test_async.py)
+def test_sbatch_train_srun_sh_runs_the_async_engine_within_its_lag_bound(one_node, tmp_path):
+    # One srun task per rank, split by role (1 trainer, 1 inference, 2 env ranks), 10 iterations at lag 2.
+    run_dir = tmp_path / "run"
+    job = submit(one_node, "slurm/train_srun.sh", run_dir, "layout.mode=split", "layout.trainer=1",
+                 "layout.inference=1", "layout.env=2", "train.total_steps=640", "engine.class=async",
+                 "engine.max_policy_lag=2", "algo.vtrace=true", sbatch_options=("--ntasks-per-node=4",))
+    assert_trained(job, run_dir, "slurm")
+    assert "async engine, max policy lag 2" in job.output, job.output[-4000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == list(range(10))
+    assert all(0 <= r["policy_lag_mean"] <= r["policy_lag_max"] <= 2 for r in records), records
 
 
 def test_srun_job_with_a_crashing_rank_fails(one_node, tmp_path):
