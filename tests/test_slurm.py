@@ -84,7 +84,7 @@ def test_sbatch_train_sh_across_two_nodes(two_nodes, tmp_path):
     assert "world size 4" in _all_output(job, tmp_path / "run")
 
 
-@pytest.mark.slow  # a job of tens of seconds; the quick run covers the async engine under torchrun (tests/test_async.py)
+@pytest.mark.slow  # tens of seconds; the quick run covers the async engine under torchrun (tests/test_async.py)
 def test_sbatch_train_srun_sh_runs_the_async_engine_within_its_lag_bound(one_node, tmp_path):
     # One srun task per rank, split by role (1 trainer, 1 inference, 2 env ranks), 10 iterations at lag 2.
     run_dir = tmp_path / "run"
