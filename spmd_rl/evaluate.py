@@ -64,7 +64,8 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", config_ove
         detail = detail if len(detail) <= 300 else detail[:300] + " ..."
         raise UserError(f"{weights}: its weights do not fit policy.class '{cfg.classes['policy']}' built from "
                         f"{config_file} (was the config changed?): {detail}") from None
-    return policy.eval(), cfg
+    # An acting copy: no parameter needs grad, so act()'s outputs convert to numpy without a no_grad block.
+    return policy.eval().requires_grad_(False), cfg
 
 
 def read_trained_state(path: str | Path, with_algorithm: bool = False) -> tuple[dict, dict | None]:
@@ -135,7 +136,8 @@ def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, devi
     returns, lengths = [], []
     while quotas.any():
         spaces.write(views, obs)
-        action = policy.act(buffer.to(device), deterministic=deterministic)["action"]
+        with torch.no_grad():  # act() is always called without grad (the API's promise)
+            action = policy.act(buffer.to(device), deterministic=deterministic)["action"]
         obs, _, _, _, info = envs.step(action.cpu().numpy())
         if "episode" not in info:
             continue

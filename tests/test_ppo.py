@@ -62,7 +62,8 @@ def model_cfg(**changes) -> ActorCriticConfig:
 
 
 def act(policy, obs):
-    out = policy.act(obs)
+    with torch.no_grad():  # as every caller of act() does (the API's promise)
+        out = policy.act(obs)
     return out["action"], out["log_prob"], out["value"]
 
 

@@ -87,10 +87,10 @@ class ActorCritic(Policy):
         """V(obs), shape [B]."""
         return self.critic(self.encoder(obs)).squeeze(-1)
 
-    @torch.no_grad()
     def act(self, obs, deterministic: bool = False) -> dict[str, Tensor]:
         """Sample actions (the mode when deterministic) with their log-probs and values. Continuous actions are
-        unclipped; the env side clips."""
+        unclipped; the env side clips. Every caller runs it under torch.no_grad() (the API's promise), so it adds
+        no grad context of its own: this runs once per env step."""
         x = self.encoder(obs)
         out = self.actor(x)
         if self.discrete:

@@ -30,7 +30,9 @@ class VectorEncoder(nn.Module):
     def forward(self, obs: Tensor) -> Tensor:
         if obs.dim() != 2:  # a multi-dimensional Box; vectors skip the reshape (this runs once per env step)
             obs = obs.reshape(obs.shape[0], self.out_features)
-        return self.normalizer(obs.to(torch.float32))
+        obs = obs.to(torch.float32)
+        # Without normalization, skip the normalizer's module call too (a few us of hook checks per env step).
+        return self.normalizer(obs) if self.normalizer.enabled else obs
 
     def update_normalizer(self, obs: Tensor, context) -> None:
         context.merge_normalizer(self.normalizer, obs.reshape(obs.shape[0], self.out_features))
