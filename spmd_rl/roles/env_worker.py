@@ -37,6 +37,7 @@ class EnvWorker:
         self.rollout = {key: spaces.numpy_views(value) for key, value in self.segment["rollout"].items()}
         self.next_obs_out = spaces.numpy_views(self.segment["next_obs"])
         self.versions = self.segment["policy_version"].numpy()
+        self._reply_views: dict[int, tuple] = {}
         self.obs = first_obs
         self.steps_taken = 0
         self._check_finite(first_obs, None, "reset")
@@ -56,13 +57,13 @@ class EnvWorker:
         self.to_inference.send()
 
     def receive_actions_and_step(self, t: int) -> None:
-        reply = self.from_inference.recv()
+        reply = self._numpy_views(self.from_inference.recv())
         self.action_wait_s += time.perf_counter() - self._action_clock
-        self.inference_s += reply["inference_s"].item()
+        self.inference_s += float(reply["inference_s"][0])
         for key in self.policy_outputs:
-            self.rollout[key][t] = reply[key].numpy()
+            self.rollout[key][t] = reply[key]
         action = self.rollout["action"][t]
-        self.versions[t] = reply["policy_version"].item()
+        self.versions[t] = reply["policy_version"][0]
 
         clock = time.perf_counter()
         try:
@@ -83,6 +84,14 @@ class EnvWorker:
         self._record_episodes(t, info)
         self.obs = obs
         self.next_step_valid = ~(terminated | truncated)
+
+    def _numpy_views(self, reply) -> dict:
+        """numpy views of a reply's fields. A channel hands out the same few receive buffers again and again, so
+        the views are made once per buffer: reading a TensorDict's fields costs ~5 us a step, the views ~1 us."""
+        cached = self._reply_views.get(id(reply))
+        if cached is None or cached[0] is not reply:
+            cached = self._reply_views[id(reply)] = (reply, {key: value.numpy() for key, value in reply.items()})
+        return cached[1]
 
     def _check_finite(self, obs, reward, when: str) -> None:
         """NaN or inf from an env would be trained on silently: name the env, this rank, the env index, the step.
