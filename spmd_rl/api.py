@@ -161,8 +161,9 @@ class Algorithm:
 
 
 class Callback:
-    """Called on every trainer rank after every iteration. `metrics` is that iteration's record (on the first
-    trainer, the full metrics.jsonl line; elsewhere the algorithm's own scalars). Return scalars to add to
+    """Called on every trainer rank after every iteration. `metrics` is that iteration's record: on the first
+    trainer (global rank 0) the whole metrics.jsonl line (episode returns, timings, evaluation results when
+    `eval.every` asks); elsewhere iteration, env_steps and the algorithm's own scalars. Return scalars to add to
     metrics.jsonl and TensorBoard (the first trainer's are logged), or None."""
 
     Config: ClassVar[type] = NoConfig

@@ -187,16 +187,21 @@ class Reporter:
         self.policy = policy
 
     def __call__(self, iteration: int, metrics: dict, statistics: dict | None, trainer: Trainer) -> None:
+        env_steps = (iteration + 1) * self.plan.steps_per_iteration
+        logs = self.logger is not None and statistics is not None
+        if logs:  # the whole metrics.jsonl line, periodic evaluation included, is what the callbacks see here
+            if self.eval_cfg.every and (iteration + 1) % self.eval_cfg.every == 0:
+                metrics = {**metrics, **self.evaluate(iteration)}
+            times = {"time_learn_s": trainer.learn_s, "time_weight_sync_s": trainer.weight_sync_s}
+            record = self.logger.record(iteration, env_steps, metrics, statistics, times)
+        else:
+            record = {"iteration": iteration, "env_steps": env_steps, **metrics}
         for callback in self.callbacks:
-            extra = callback.on_iteration_end(iteration, dict(metrics), trainer.algorithm)
+            extra = callback.on_iteration_end(iteration, dict(record), trainer.algorithm)
             if extra:
-                metrics = {**metrics, **{key: float(value) for key, value in extra.items()}}
-        if self.logger is None or statistics is None:
-            return
-        if self.eval_cfg.every and (iteration + 1) % self.eval_cfg.every == 0:
-            metrics = {**metrics, **self.evaluate(iteration)}
-        times = {"time_learn_s": trainer.learn_s, "time_weight_sync_s": trainer.weight_sync_s}
-        self.logger.log(iteration, (iteration + 1) * self.plan.steps_per_iteration, metrics, statistics, times)
+                record.update({key: float(value) for key, value in extra.items()})
+        if logs:
+            self.logger.write(record)
 
     def evaluate(self, iteration: int) -> dict[str, float]:
         """Episodes on envs of their own, with a generator of their own: training's RNG streams are untouched."""

@@ -51,7 +51,9 @@ class MetricsLogger:
         self.last_line = -math.inf
         self.last_record: dict = {}
 
-    def log(self, iteration: int, env_steps: int, losses: dict, statistics: dict, trainer_times: dict) -> dict:
+    def record(self, iteration: int, env_steps: int, losses: dict, statistics: dict, trainer_times: dict) -> dict:
+        """This iteration's metrics.jsonl line (episode statistics folded into the recent window), not yet
+        written: callbacks see it whole and may add scalars before `write`."""
         self.recent_returns.extend(statistics["returns"].tolist())
         self.recent_lengths.extend(statistics["lengths"].tolist())
         self.episodes += statistics["returns"].numel()
@@ -74,6 +76,11 @@ class MetricsLogger:
             "wall_s": elapsed,
             "cpu_s": time.process_time() - self.start_cpu,  # this rank's CPU time: robust to a busy machine
         }
+        return record
+
+    def write(self, record: dict) -> None:
+        """Append the record to metrics.jsonl and TensorBoard; update the progress bar and the periodic line."""
+        elapsed, env_steps = record["wall_s"], record["env_steps"]
         # JSON has no NaN: an iteration before the first finished episode has no return yet.
         self.jsonl.append(json.dumps({k: _finite_or_none(v) for k, v in record.items()}))
         if self.writer is not None:
@@ -86,7 +93,6 @@ class MetricsLogger:
             self.last_line = elapsed
             self._print(self.line(record))
         self.last_record = record
-        return record
 
     def state_dict(self) -> dict:
         """What the next records depend on, for a checkpoint (timings restart)."""

@@ -206,7 +206,9 @@ from spmd_rl.api import Callback
 
 class CountIterations(Callback):
     def on_iteration_end(self, iteration, metrics, algorithm):
-        assert "reinforce_loss" in metrics, sorted(metrics)
+        assert "reinforce_loss" in metrics and metrics["iteration"] == iteration, sorted(metrics)
+        if self.context.rank == 0:  # the first trainer sees the whole metrics.jsonl line
+            assert "episode_return_mean" in metrics and "time_env_s" in metrics, sorted(metrics)
         with open(self.context.run_dir / f"callback_rank{self.context.rank}.txt", "a") as f:
             f.write(f"{iteration}\\n")
         return {"callback_iteration_x10": 10.0 * iteration}
