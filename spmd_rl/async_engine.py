@@ -48,7 +48,6 @@ Rules that keep it deadlock-free (the async form of DESIGN.md's rules):
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
@@ -60,20 +59,15 @@ from spmd_rl.api import Engine, Policy
 from spmd_rl.async_config import AsyncEngineConfig
 from spmd_rl.comm.channel import open_channels
 from spmd_rl.comm.staged_weights import StagedWeights
-from spmd_rl.engine import (Reporter, Setup, _build_algorithm, _env_state, _init_from, _restore_env,
-                            _restore_trainer, _say_if_env_state_unsaved, _seed_rank, _trainer_state,
-                            _uniform_actions, _weight_sync, build_policy, make_experience_log)
+from spmd_rl.engine import (Reporter, Setup, _build_algorithm, _env_state, _init_from, _restore_trainer, _seed_rank,
+                            _trainer_state, _uniform_actions, _weight_sync, build_env_worker, build_policy,
+                            make_experience_log)
 from spmd_rl.checkpoint import restore_rng_state
-from spmd_rl.envs import make_vector_env
 from spmd_rl.errors import CommError, UserError
 from spmd_rl.metrics import MetricsLogger
-from spmd_rl.roles.env_worker import EnvWorker
 from spmd_rl.roles.messages import action_message, observation_message, segment_message
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.topology import ENV, INFERENCE
-
-
-WEIGHTS = -1  # the event index of a completed weight broadcast (env ranks are 0, 1, ...)
 
 
 class PolicyLagError(RuntimeError):
@@ -163,25 +157,9 @@ class AsyncEngine(Engine):
 
 
 def _run_env(setup: Setup, schedule: AsyncSchedule) -> None:
-    cfg, plan, topology, spec = setup.cfg, setup.plan, setup.topology, setup.spec
-    rank = setup.runtime.rank
-    inference, trainer = topology.env_to_inference[rank], topology.env_to_trainer[rank]
-    n, t = cfg.env.num_envs, plan.num_steps
-    envs, first_obs = make_vector_env(cfg.env, spec, _seed_rank(cfg, rank))
-    (to_inference, to_trainer), (from_inference,) = open_channels(
-        me=rank,
-        sends=[(inference, "observations", async_observation_message(spec, n)),
-               (trainer, "segments", segment_message(spec, setup.outputs, t, n))],
-        recvs=[(inference, "actions", action_message(setup.outputs, n))],
-        describe_rank=topology.describe, timeout=setup.runtime.timeout)
-    worker = EnvWorker(envs, first_obs, to_inference, from_inference, to_trainer, t, list(setup.outputs),
-                       describe=topology.describe(rank), env_id=cfg.env.id)
-    segment_index = to_inference.buffer["segment"].numpy()
-    _say_if_env_state_unsaved(setup, worker)
-    state = setup.load_checkpoint()
-    if state is not None:
-        _restore_env(state, worker)
-        restore_rng_state(state["rng"])
+    worker = build_env_worker(setup, async_observation_message)
+    segment_index = worker.to_inference.buffer["segment"].numpy()
+    t = setup.plan.num_steps
     try:
         for iteration in setup.iterations:
             segment_index[0] = iteration  # observations are sent whole, so the previous send is complete here
@@ -200,6 +178,13 @@ def _run_env(setup: Setup, schedule: AsyncSchedule) -> None:
 
 
 class AsyncInferenceServer:
+    """Serves its env ranks from the threads that receive their observations. One thread per env rank waits for
+    that rank's next observation (gloo reports a receive's completion only through wait()) and, once it has one,
+    serves every env rank ready then, in one forward pass, unless another thread is serving already, which then
+    serves it too before it lets go (`serving`: one server at a time, so forward passes, weight swaps and replies
+    never overlap). A thread per staged broadcast does the same once the broadcast is complete. An observation so
+    costs one thread wake-up, as in the sync engine; the main thread only takes part in the agreements."""
+
     def __init__(self, setup: Setup, schedule: AsyncSchedule, policy: Policy, weight_sync, served: tuple[int, ...],
                  obs_channels: list, action_channels: list):
         self.setup, self.schedule, self.plan = setup, schedule, setup.plan
@@ -213,18 +198,24 @@ class AsyncInferenceServer:
         self.uniform_actions = _uniform_actions(setup)
         self.replies = [{key: tensor.numpy() for key, tensor in ch.buffer.items()} for ch in action_channels]
         self.verify_every = setup.cfg.weights.verify_every
+        self.lockstep = schedule.lag == 0
         iterations = setup.iterations
         self.num_steps = self.plan.num_steps
         self.end_step = iterations.stop * self.num_steps
         self.next_step = [iterations.start * self.num_steps] * len(served)   # per env rank: the next step to serve
-        # Broadcasts after each iteration, in order; taken[i]: how many a rank must have taken once iteration i ends.
+        # Broadcasts after each iteration, in order; the agreement after iteration i needs those up to i taken.
         self.syncs = [i for i in iterations if self.plan.syncs_after(i)]
         self.agreements = deque(i for i in iterations if schedule.agrees_after(i))
         self.taken = 0
         self.policy_version = -1
-        # What the main thread waits for: (env index, observations) from the receiver threads, (WEIGHTS, number)
-        # when a staged broadcast completed, (either, exception) when a wait failed.
-        self.events: queue.Queue = queue.Queue()
+        # Guarded by `lock` (the main thread waits on it): observations received and not yet served, whether a
+        # thread is serving, whether the staged broadcast is complete, the first error of any thread.
+        self.lock = threading.Condition()
+        self.ready: dict[int, TensorDict] = {}
+        self.serving = False
+        self.weights_complete = False
+        self.failure: BaseException | None = None
+        self.progress_at = time.monotonic()
 
     # -- weights --------------------------------------------------------------------------------------------------
 
@@ -235,87 +226,30 @@ class AsyncInferenceServer:
     def _post_next_broadcast(self) -> None:
         if self.taken < len(self.syncs):
             self.staged.post()
-            threading.Thread(target=self._await_weights, args=(self.staged.posted,), daemon=True,
+            threading.Thread(target=self._await_weights, daemon=True,
                              name=f"spmd_rl-weights-{self.staged.posted}").start()
 
-    def _await_weights(self, number: int) -> None:
-        """A thread: wake the main thread once broadcast `number` is complete (gloo's wait releases the GIL)."""
+    def _await_weights(self) -> None:
+        """A thread: once the posted broadcast is complete (a bounded wait), serve: that swaps it in when allowed."""
+        self._enter_serving_thread()
         try:
             self.staged.wait()
+            with self.lock:
+                self.weights_complete = True
+            self._serve_while_possible()
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
-            self.events.put((WEIGHTS, exc))
-            return
-        self.events.put((WEIGHTS, number))
+            self._fail(exc)
 
     def _take_weights(self) -> None:
         """Swap the staged broadcast in (between forward passes), verify when due, post the next one."""
-        self.policy_version = self.staged.swap()
-        self.taken += 1
-        if self.verify_every and self.policy_version % self.verify_every == 0:
-            self.weight_sync.verify(self.policy_version)
+        version = self.staged.swap()
+        if self.verify_every and version % self.verify_every == 0:
+            self.weight_sync.verify(version)
+        with self.lock:
+            self.policy_version = version
+            self.taken += 1
+            self.weights_complete = False
         self._post_next_broadcast()
-
-    # -- observations ---------------------------------------------------------------------------------------------
-
-    def _start_receivers(self) -> list[threading.Semaphore]:
-        """One thread per env rank waits for its observations (gloo's receive reports completion only through
-        wait()); the main thread acts. Two buffers per channel: as a message arrives the thread posts the receive
-        of the next one (so the env rank's next send finds it posted), into the buffer of the message before,
-        once the main thread has used that one (`used`)."""
-        used = [threading.Semaphore(1) for _ in self.obs_channels]
-
-        def receive(index: int, count: int) -> None:
-            channel = self.obs_channels[index]
-            try:
-                pending = channel.irecv() if count else None
-                for number in range(count):
-                    message = pending.wait()
-                    if number + 1 < count:
-                        used[index].acquire()
-                        pending = channel.irecv()
-                    self.events.put((index, message))
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
-                self.events.put((index, exc))
-
-        for index in range(len(self.obs_channels)):
-            count = self.end_step - self.next_step[index]
-            threading.Thread(target=receive, args=(index, count), daemon=True,
-                             name=f"spmd_rl-obs-{self.env_names[index]}").start()
-        return used
-
-    def run(self) -> None:
-        lockstep = self.schedule.lag == 0
-        used = self._start_receivers()
-        ready: dict[int, TensorDict] = {}
-        while True:
-            if self.agreements and self._reached_agreement(self.agreements[0]):
-                iteration = self.agreements.popleft()
-                self.setup.control.after_iteration(iteration, dict)  # the weights come from trainer 0
-                continue
-            if self._finished():
-                return
-            # Sleep until an observation or a broadcast arrives (every wait behind them is bounded itself).
-            items = []
-            try:
-                items.append(self.events.get(timeout=self.timeout.total_seconds() + 5.0))
-                while True:
-                    items.append(self.events.get_nowait())
-            except queue.Empty:
-                if not items:
-                    raise self._stuck(ready) from None
-            for index, item in items:
-                if isinstance(item, BaseException):
-                    raise item
-                if index != WEIGHTS:
-                    self._check_segment(index, item)
-                    ready[index] = item
-            while True:  # serving may let the staged weights in, which may let held env ranks act
-                if self.staged.in_flight and self.staged.ready() and self._may_take(self.staged.version()):
-                    self._take_weights()
-                serve = self._servable(ready, lockstep)
-                if not serve:
-                    break
-                self._serve(serve, ready, used)
 
     def _may_take(self, version: int) -> bool:
         """Whether every env rank still acting may use this version: none may act for a segment j with a version
@@ -323,6 +257,71 @@ class AsyncInferenceServer:
         segment, e.g. an update with no collective in it, like SAC's random warm-up.)"""
         return all(version <= self.plan.version_at(step // self.num_steps)
                    for step in self.next_step if step < self.end_step)
+
+    # -- observations ---------------------------------------------------------------------------------------------
+
+    def _start_receivers(self) -> None:
+        for index in range(len(self.obs_channels)):
+            threading.Thread(target=self._receive, args=(index, self.end_step - self.next_step[index]), daemon=True,
+                             name=f"spmd_rl-obs-{self.env_names[index]}").start()
+
+    def _receive(self, index: int, count: int) -> None:
+        """A thread: receive env rank `index`'s observations and serve. Its receive of the next observation is
+        posted as soon as one arrives (so the env rank's next send finds it posted), into the channel's other
+        buffer, which held the observation before: that one was served before the env rank could send this."""
+        self._enter_serving_thread()
+        channel = self.obs_channels[index]
+        try:
+            pending = channel.irecv() if count else None
+            for number in range(count):
+                message = pending.wait()
+                if number + 1 < count:
+                    pending = channel.irecv()
+                with self.lock:
+                    self._check_segment(index, message)
+                    self.ready[index] = message
+                self._serve_while_possible()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
+            self._fail(exc)
+
+    def _serve_while_possible(self) -> None:
+        """Become the server unless a thread is serving already (it then sees what this thread added): swap in a
+        complete broadcast when allowed, act for every env rank the weights allow, until nothing is left to do."""
+        with self.lock:
+            if self.serving or self.failure is not None:
+                return
+            self.serving = True
+        try:
+            while True:
+                with self.lock:
+                    take = self.weights_complete and self._may_take(self.staged.version())
+                    serve = [] if take else self._servable()
+                    if not (take or serve):
+                        self.serving = False
+                        self.lock.notify_all()  # the main thread may have reached an agreement
+                        return
+                    messages = [self.ready.pop(index) for index in serve]
+                if take:
+                    self._take_weights()
+                else:
+                    self._serve(serve, messages)
+                self.progress_at = time.monotonic()
+        except BaseException:
+            with self.lock:
+                self.serving = False
+            raise
+
+    def _enter_serving_thread(self) -> None:
+        """What a thread that may act sets for itself (both are per thread): no autograd, this rank's GPU."""
+        torch.set_grad_enabled(False)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self.lock:
+            if self.failure is None:
+                self.failure = exc
+            self.lock.notify_all()
 
     def _check_segment(self, index: int, message: TensorDict) -> None:
         expected = self.next_step[index] // self.num_steps
@@ -332,32 +331,32 @@ class AsyncInferenceServer:
                             f"expected segment {expected} (step {self.next_step[index]}); the ranks' schedules "
                             f"differ")
 
-    def _servable(self, ready: dict, lockstep: bool) -> list[int]:
+    def _servable(self) -> list[int]:
         """The env ranks to act for now, in the fixed order: with lag 0 all of them or none (exactly the sync
         engine's batches), else every ready one whose segment the current weights may act for."""
-        allowed = [index for index in sorted(ready)
+        allowed = [index for index in sorted(self.ready)
                    if self.policy_version >= self.schedule.required_version(self.next_step[index] // self.num_steps)]
-        if lockstep:
+        if self.lockstep:
             return allowed if len(allowed) == len(self.obs_channels) else []
         return allowed
 
-    def _serve(self, serve: list[int], ready: dict, used: list) -> None:
+    def _serve(self, serve: list[int], messages: list[TensorDict]) -> None:
         # Env ranks in one forward pass act alike: uniformly at random during warm-up, else with the policy.
         explores = [self.plan.explores_at(self.next_step[index] // self.num_steps) for index in serve]
         for flag in sorted(set(explores)):
-            group = [index for index, explore in zip(serve, explores) if explore == flag]
-            observations = [ready[index]["obs"] for index in group]
+            group = [(index, message) for index, message, explore in zip(serve, messages, explores)
+                     if explore == flag]
+            observations = [message["obs"] for _, message in group]
             obs = observations[0] if len(observations) == 1 else torch.cat(observations)
             clock = time.perf_counter()
             if flag:
                 out = self.uniform_actions(obs.shape[0])
             else:
-                with torch.no_grad():
-                    out = self.policy.act(obs.to(self.device, non_blocking=True))
+                out = self.policy.act(obs.to(self.device, non_blocking=True))
             outputs = [out[key].cpu().numpy() for key in self.output_keys]
             inference_s = time.perf_counter() - clock
             offset = 0
-            for index in group:
+            for index, _ in group:
                 channel, reply = self.action_channels[index], self.replies[index]
                 channel.wait()  # the previous reply to this env rank is out of the buffer
                 count = reply["action"].shape[0]
@@ -367,37 +366,49 @@ class AsyncInferenceServer:
                 reply["inference_s"][0] = inference_s
                 channel.isend()
                 offset += count
-                del ready[index]
-                self.next_step[index] += 1
-                used[index].release()
+                with self.lock:
+                    self.next_step[index] += 1
 
-    def _reached_agreement(self, iteration: int) -> bool:
-        """Every env rank served through segment `iteration` and every broadcast made by then taken (rule 4)."""
-        end = (iteration + 1) * self.num_steps
-        if any(step < end for step in self.next_step):
-            return False
-        due = sum(1 for i in self.syncs if i <= iteration)
-        while self.taken < due:
-            self._take_weights()  # swap() waits for the broadcast, bounded
-        return True
+    # -- the main thread: agreements, the end ---------------------------------------------------------------------
 
-    def _finished(self) -> bool:
-        if any(step < self.end_step for step in self.next_step):
-            return False
-        while self.taken < len(self.syncs):
-            self._take_weights()
+    def run(self) -> None:
+        self._start_receivers()
+        # The last iteration ends with an agreement, so after the last one everything is served and taken.
+        while self.agreements:
+            iteration = self.agreements.popleft()
+            self._wait_until(lambda: self._served_through(iteration), f"the end of iteration {iteration}")
+            self.setup.control.after_iteration(iteration, dict)  # the weights come from trainer 0
         for channel in self.action_channels:
             channel.wait()
-        return not self.agreements
 
-    def _stuck(self, ready: dict) -> CommError:
-        held = [self.env_names[index] for index in sorted(ready)]
+    def _served_through(self, iteration: int) -> bool:
+        """Every env rank served through segment `iteration` and every broadcast made by then taken (rule 4)."""
+        end = (iteration + 1) * self.num_steps
+        due = sum(1 for i in self.syncs if i <= iteration)
+        return all(step >= end for step in self.next_step) and self.taken >= due and not self.serving
+
+    def _wait_until(self, done, what: str) -> None:
+        """The main thread waits for the serving threads to reach a point; a thread's error is raised here. Every
+        thread's own waits are bounded; this one is a backstop, counted from the last progress."""
+        limit = self.timeout.total_seconds() + 5.0
+        with self.lock:
+            while not done():
+                if self.failure is not None:
+                    raise self.failure
+                if time.monotonic() - self.progress_at > limit:
+                    raise self._stuck(what)
+                self.lock.wait(timeout=1.0)
+            if self.failure is not None:
+                raise self.failure
+
+    def _stuck(self, what: str) -> CommError:
+        held = [self.env_names[index] for index in sorted(self.ready)]
         silent = [self.env_names[index] for index in range(len(self.obs_channels))
-                  if index not in ready and self.next_step[index] < self.end_step]
+                  if index not in self.ready and self.next_step[index] < self.end_step]
         source = self.setup.topology.describe(self.weight_sync.src)
-        needed = min((self.schedule.required_version(self.next_step[index] // self.num_steps) for index in ready),
-                     default=self.policy_version + 1)
-        return CommError(f"{self.describe}: waited {self.timeout.total_seconds():g}s for anything: holding "
+        needed = min((self.schedule.required_version(self.next_step[index] // self.num_steps)
+                      for index in self.ready), default=self.policy_version + 1)
+        return CommError(f"{self.describe}: waited {self.timeout.total_seconds():g}s for {what}: holding "
                          f"observations of {held or 'no env rank'} for weights version {needed} (holding "
                          f"{self.policy_version}) from {source}; no observations from {silent or 'no env rank'}")
 

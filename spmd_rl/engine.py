@@ -327,7 +327,10 @@ def _run_colocated(setup: Setup, logger) -> Policy:
     return policy
 
 
-def _run_env(setup: Setup) -> None:
+def build_env_worker(setup: Setup, observation_layout=observation_message) -> EnvWorker:
+    """A split-layout env rank's worker: its envs, its channels (observations to its inference rank and actions
+    back, segments to its trainer), restored from the checkpoint the run resumes from. observation_layout(spec,
+    num_envs) is the observation message's layout (both engines share everything else)."""
     cfg, plan, topology, spec = setup.cfg, setup.plan, setup.topology, setup.spec
     rank = setup.runtime.rank
     inference, trainer = topology.env_to_inference[rank], topology.env_to_trainer[rank]
@@ -335,7 +338,7 @@ def _run_env(setup: Setup) -> None:
     envs, first_obs = make_vector_env(cfg.env, spec, _seed_rank(cfg, rank))
     (to_inference, to_trainer), (from_inference,) = open_channels(
         me=rank,
-        sends=[(inference, "observations", observation_message(spec, n)),
+        sends=[(inference, "observations", observation_layout(spec, n)),
                (trainer, "segments", segment_message(spec, setup.outputs, t, n))],
         recvs=[(inference, "actions", action_message(setup.outputs, n))],
         describe_rank=topology.describe, timeout=setup.runtime.timeout)
@@ -346,9 +349,13 @@ def _run_env(setup: Setup) -> None:
     if state is not None:
         _restore_env(state, worker)
         restore_rng_state(state["rng"])
+    return worker
+
+
+def _run_env(setup: Setup) -> None:
+    worker = build_env_worker(setup)
     run_env_rank(worker, setup.iterations,
                  lambda iteration: setup.control.after_iteration(iteration, lambda: _env_state(worker)))
-    return None
 
 
 def _weight_sync(setup: Setup, policy: Policy) -> WeightSync:
