@@ -1,7 +1,7 @@
 """The async engine against the sync engine, in one run: env steps per second on envs of uneven speed, and the
 split layout's scaling on the 5 ms env.
 
-    python benchmarks/async.py [--parts uneven,slow_rank,scaling] [--repeats 2] [--lag 2]
+    python benchmarks/async.py [--parts uneven,slow_rank,scaling] [--env-ranks 4,8] [--repeats 2] [--lag 2]
 
 Every run: PPO on a CartPole stand-in (benchmarks/uneven_env.py, benchmarks/slow_env.py), one env per env rank,
 64 steps per rollout, 4 epochs, 1 trainer and 1 inference rank. Async runs use algo.vtrace=true and
@@ -9,8 +9,11 @@ engine.max_policy_lag=LAG; sync runs the same PPO without V-trace (V-trace chang
 SPS from the end of the first iteration on (start-up excluded), best of --repeats, sync and async alternating so a
 change in the machine's load hits both alike.
 
-- uneven:    4 env ranks, every step sleeping a random 1-10 ms (goal: async >= 1.5x sync)
-- slow_rank: 4 env ranks at 5 ms per step, one of them at 20 ms (4x)
+- uneven:    --env-ranks env ranks (one row each), every step sleeping a random 1-10 ms (goal: async >= 1.5x
+             sync). "ideal" is the ratio with no overhead at all: sync waits for the slowest env rank every step
+             (the mean of the largest of k uniform draws), async steps at the mean draw.
+- slow_rank: --env-ranks env ranks at 5 ms per step, the last of them at 20 ms (4x). Ideal 1.00x: an iteration
+             takes one segment from every env rank, so both engines go at the slow rank's pace.
 - scaling:   1, 2, 4 env ranks at 5 ms per step; linear = k x the better engine's 1-rank SPS
              (goal: async >= 0.9x linear at 4 env ranks)
 """
@@ -20,10 +23,13 @@ from __future__ import annotations
 import argparse
 
 from common import machine, run_spmd, table
+from uneven_env import HIGH_S, LOW_S
 
 BASE = ["env.num_envs=1", "env.vectorization=sync", "algo.num_steps=64", "algo.update_epochs=4",
         "layout.mode=split", "layout.trainer=1", "layout.inference=1"]
 ITERATIONS = 16
+VERSUS_HEADERS = ["env ranks' step time", "env ranks", "sync SPS", "async SPS", "async / sync", "ideal",
+                  "lag mean", "lag max"]
 
 
 def engine(name: str, lag: int) -> list[str]:
@@ -41,59 +47,67 @@ def steady_sps(overrides: list[str], env_ranks: int) -> tuple[float, dict]:
     return sps, {"lag_mean": sum(lags) / len(lags), "lag_max": max(r.get("policy_lag_max", 0.0) for r in records)}
 
 
-def versus(env: list[str], env_ranks: int, repeats: int, lag: int) -> list:
+def versus(env: list[str], env_ranks: int, repeats: int, lag: int, ideal: float) -> list:
     results = {"sync": [], "async": []}
     for _ in range(repeats):
         for name in results:
             results[name].append(steady_sps(env + engine(name, lag), env_ranks))
     sync = max(sps for sps, _ in results["sync"])
     best_async, info = max(results["async"], key=lambda r: r[0])
-    return [f"{sync:.0f}", f"{best_async:.0f}", f"{best_async / sync:.2f}x", f"{info['lag_mean']:.2f}",
+    return [f"{sync:.0f}", f"{best_async:.0f}", f"{best_async / sync:.2f}x", f"{ideal:.2f}x", f"{info['lag_mean']:.2f}",
             f"{info['lag_max']:.0f}"]
 
 
-def uneven(repeats: int, lag: int) -> None:
-    rows = [["random 1-10 ms per step", 4, *versus(["env.id=benchmarks.uneven_env:UnevenCartPole-v1"], 4,
-                                                   repeats, lag)],
-            ]
-    print(table(["env ranks' step time", "env ranks", "sync SPS", "async SPS", "async / sync", "lag mean",
-                 "lag max"], rows))
+def uneven_ideal(env_ranks: int) -> float:
+    """Sync's mean step (the largest of env_ranks uniform draws) over async's (the mean draw), with no overhead."""
+    slowest = LOW_S + (HIGH_S - LOW_S) * env_ranks / (env_ranks + 1)
+    return slowest / ((LOW_S + HIGH_S) / 2)
 
 
-def slow_rank(repeats: int, lag: int) -> None:
-    # World ranks: trainer 0, inference 1, env ranks 2-5; rank 5 is the slow one.
-    env = ["env.id=benchmarks.uneven_env:SlowRankCartPole-v1", "env.kwargs={slow_rank: 5}"]
-    rows = [["5 ms, one rank 20 ms", 4, *versus(env, 4, repeats, lag)]]
-    print(table(["env ranks' step time", "env ranks", "sync SPS", "async SPS", "async / sync", "lag mean",
-                 "lag max"], rows))
+def uneven(env_ranks: list[int], repeats: int, lag: int) -> None:
+    env = ["env.id=benchmarks.uneven_env:UnevenCartPole-v1"]
+    rows = [[f"random {LOW_S * 1e3:g}-{HIGH_S * 1e3:g} ms per step", k,
+             *versus(env, k, repeats, lag, uneven_ideal(k))] for k in env_ranks]
+    print(table(VERSUS_HEADERS, rows))
 
 
-def scaling(repeats: int, lag: int) -> None:
+def slow_rank(env_ranks: list[int], repeats: int, lag: int) -> None:
+    rows = []
+    for k in env_ranks:
+        # World ranks: trainer 0, inference 1, env ranks 2 .. k+1; the last one is slow.
+        env = ["env.id=benchmarks.uneven_env:SlowRankCartPole-v1", f"env.kwargs={{slow_rank: {k + 1}}}"]
+        rows.append(["5 ms, one rank 20 ms", k, *versus(env, k, repeats, lag, 1.0)])
+    print(table(VERSUS_HEADERS, rows))
+
+
+def scaling(env_ranks: list[int], repeats: int, lag: int) -> None:
     env = ["env.id=benchmarks.slow_env:SlowCartPole-v1"]
     rows, base = [], None
-    for env_ranks in (1, 2, 4):
+    for k in (1, 2, 4):
         best = {}
         for _ in range(repeats):
             for name in ("sync", "async"):
-                sps, _ = steady_sps(env + engine(name, lag), env_ranks)
+                sps, _ = steady_sps(env + engine(name, lag), k)
                 best[name] = max(best.get(name, 0.0), sps)
         # Linear: k x the better engine's 1-rank SPS (a slower 1-rank run must not flatter its own ratio).
         base = base or max(best.values())
-        rows.append([env_ranks, 2 + env_ranks, f"{best['sync']:.0f}", f"{best['sync'] / (base * env_ranks):.2f}",
-                     f"{best['async']:.0f}", f"{best['async'] / (base * env_ranks):.2f}"])
+        rows.append([k, 2 + k, f"{best['sync']:.0f}", f"{best['sync'] / (base * k):.2f}",
+                     f"{best['async']:.0f}", f"{best['async'] / (base * k):.2f}"])
     print(table(["env ranks", "world size", "sync SPS", "sync vs linear", "async SPS", "async vs linear"], rows))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="uneven,slow_rank,scaling")
+    parser.add_argument("--env-ranks", default="4,8", help="env ranks of the uneven and slow_rank rows")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--lag", type=int, default=2)
     args = parser.parse_args()
+    env_ranks = [int(k) for k in args.env_ranks.split(",")]
     print(f"machine: {machine()}")
     print(f"async: engine.max_policy_lag={args.lag}, algo.vtrace=true; best of {args.repeats}, alternating")
     for part in args.parts.split(","):
-        {"uneven": uneven, "slow_rank": slow_rank, "scaling": scaling}[part](args.repeats, args.lag)
+        {"uneven": uneven, "slow_rank": slow_rank, "scaling": scaling}[part](env_ranks, args.repeats, args.lag)
 
 
 if __name__ == "__main__":

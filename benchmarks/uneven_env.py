@@ -22,8 +22,11 @@ def launcher_rank() -> int:
     return 0
 
 
+LOW_S, HIGH_S = 0.001, 0.010  # UnevenCartPole's step time range (benchmarks/async.py derives its ideal ratio)
+
+
 class UnevenCartPole(CartPoleEnv):
-    def __init__(self, low_s: float = 0.001, high_s: float = 0.010, **kwargs):
+    def __init__(self, low_s: float = LOW_S, high_s: float = HIGH_S, **kwargs):
         super().__init__(**kwargs)
         self.low_s, self.high_s = low_s, high_s
         self.sleeps = random.Random(1000 + launcher_rank())
