@@ -2,8 +2,8 @@
 
     python benchmarks/learning.py [--seeds 5] [--layouts one,colocated2,split8] [--no-sb3]
 
-spmd_rl runs its default config (the RL Zoo's tuned CartPole settings) as a user would; Stable-Baselines3 PPO runs
-the same RL Zoo settings in this process (needs the bench extra). Wall time is training time: from the first
+spmd_rl runs its default config as a user would; Stable-Baselines3 PPO runs the same hyperparameters, read from
+that default config, in this process (needs the bench extra). Wall time is training time: from the first
 iteration (spmd_rl: its metrics' wall_s; SB3: learn()) to the solving iteration, imports and start-up excluded.
 """
 
@@ -16,6 +16,7 @@ import time
 import torch
 
 from common import machine, run_spmd, table
+from spmd_rl.config import load_config
 
 SOLVED = 475.0
 BUDGET = 100_000
@@ -56,10 +57,21 @@ def sb3_solve(seed: int) -> dict:
                 self.solved_at, self.solved_wall = self.num_timesteps, time.perf_counter() - start
             return self.solved_at is None
 
+    # The default config's values, so that both sides always run the same settings (SB3's MlpPolicy is the same
+    # 64x64 tanh actor and critic, with Adam eps 1e-5 as ours).
+    cfg = load_config(None)
+    algo = cfg.algo
+    assert cfg.env.id == "CartPole-v1" and not algo.clip_value_loss and algo.target_kl is None
+    assert cfg.policy.hidden_sizes == [64, 64] and cfg.policy.activation == "tanh" and not cfg.policy.normalize_obs
     torch.set_num_threads(1)
-    env = make_vec_env("CartPole-v1", n_envs=8, seed=seed)
-    model = PPO("MlpPolicy", env, n_steps=32, batch_size=256, gae_lambda=0.8, gamma=0.98, n_epochs=20,
-                ent_coef=0.0, learning_rate=linear(1e-3), clip_range=linear(0.2), seed=seed, device="cpu")
+    env = make_vec_env("CartPole-v1", n_envs=cfg.env.num_envs, seed=seed)
+    model = PPO("MlpPolicy", env, n_steps=algo.num_steps,
+                batch_size=cfg.env.num_envs * algo.num_steps // algo.num_minibatches,
+                gae_lambda=algo.gae_lambda, gamma=algo.gamma, n_epochs=algo.update_epochs,
+                ent_coef=algo.ent_coef, vf_coef=algo.vf_coef, max_grad_norm=algo.max_grad_norm,
+                normalize_advantage=algo.normalize_advantages,
+                learning_rate=linear(algo.learning_rate) if algo.anneal_lr else algo.learning_rate,
+                clip_range=linear(algo.clip_coef) if algo.anneal_clip else algo.clip_coef, seed=seed, device="cpu")
     callback = StopWhenSolved()
     start = time.perf_counter()
     model.learn(total_timesteps=BUDGET, callback=callback)
@@ -81,12 +93,12 @@ def main() -> None:
     runs: dict[str, list[dict]] = {}
     for seed in range(1, args.seeds + 1):
         if not args.no_sb3:
-            runs.setdefault("sb3 (RL Zoo settings)", []).append(sb3_solve(seed))
+            runs.setdefault("sb3 (same settings)", []).append(sb3_solve(seed))
         for layout in args.layouts.split(","):
             runs.setdefault(f"spmd_rl {layout}", []).append(spmd_solve(layout, seed))
         print(f"seed {seed} done", flush=True)
 
-    baseline = runs.get("sb3 (RL Zoo settings)")
+    baseline = runs.get("sb3 (same settings)")
     baseline_wall = statistics.median([r["wall_s"] for r in baseline if r["wall_s"]]) if baseline else None
     rows = []
     for name, results in runs.items():
