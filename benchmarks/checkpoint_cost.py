@@ -16,7 +16,7 @@ from common import machine, run_spmd, table
 
 RUNS = {
     # name: (config, overrides, iterations)
-    "PPO CartPole (8 envs x 32 steps, 20 epochs)": (None, ["train.total_steps=25600"], 100),
+    "PPO CartPole (8 envs x 32 steps, 20 epochs)": (None, ["train.total_steps=25600", "algo.num_minibatches=1"], 100),
     "SAC Pendulum (8 steps, 256x256, 100k replay)": ("configs/sac_pendulum.yaml",
                                                      ["train.total_steps=4000", "algo.learning_starts=1000"], 500),
 }
