@@ -305,7 +305,8 @@ from spmd_rl.api import Algorithm, AlgorithmConfig, Schedule
 class Config(AlgorithmConfig):
     default_policy: ClassVar[str] = "actor_critic"
     learning_rate: float = 1e-3
-    update_epochs: int = 1  # a key of ci_tiny's algo section
+    update_epochs: int = 1  # keys of ci_tiny's algo section
+    num_minibatches: int = 1
 
 
 class LaggyReinforce(Algorithm):

@@ -54,10 +54,13 @@ class EnvWorker:
         self.rollout["valid"][t] = self.next_step_valid
         spaces.write(self.obs_out, self.obs)
         self._action_clock = time.perf_counter()
+        # The reply's receive is posted before the observation goes out: with gloo, a reply that arrives before
+        # its receive is posted waits a round trip more whenever this process wakes late (async engine, busy cores).
+        self._reply = self.from_inference.irecv()
         self.to_inference.send()
 
     def receive_actions_and_step(self, t: int) -> None:
-        reply = self._numpy_views(self.from_inference.recv())
+        reply = self._numpy_views(self._reply.wait())
         self.action_wait_s += time.perf_counter() - self._action_clock
         self.inference_s += float(reply["inference_s"][0])
         for key in self.policy_outputs:
