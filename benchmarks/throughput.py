@@ -70,11 +70,14 @@ def compare_with_sb3(repeats: int, other_tree: Path | None = None) -> None:
     rows = []
     for name, (sb3_kwargs, overrides, budget) in SETTINGS.items():
         ours, theirs, other = [], [], []
-        for _ in range(repeats):  # alternating, so a change in the machine's load hits every side alike
-            ours.append(spmd_sps(overrides, budget))
+        for repeat in range(repeats):  # alternating, so a change in the machine's load hits every side alike
+            # ...and in turn first and last, so neither tree always follows SB3's in-process run
+            trees = [(ours, None), (other, other_tree)] if other_tree else [(ours, None)]
+            first, *rest = trees if repeat % 2 == 0 else trees[::-1]
+            first[0].append(spmd_sps(overrides, budget, root=first[1]))
             theirs.append(sb3_sps(sb3_kwargs, budget))
-            if other_tree:
-                other.append(spmd_sps(overrides, budget, root=other_tree))
+            for results, root in rest:
+                results.append(spmd_sps(overrides, budget, root=root))
         (wall_ours, cpu_ours), (wall_theirs, cpu_theirs) = _best(ours), _best(theirs)
         row = [name, budget, f"{wall_theirs:.0f}", f"{wall_ours:.0f}", f"{wall_ours / wall_theirs:.2f}x",
                f"{cpu_theirs:.0f}", f"{cpu_ours:.0f}", f"{cpu_ours / cpu_theirs:.2f}x"]
