@@ -61,7 +61,7 @@ from spmd_rl.comm.channel import open_channels
 from spmd_rl.comm.staged_weights import StagedWeights
 from spmd_rl.engine import (Reporter, Setup, _build_algorithm, _env_state, _init_from, _restore_trainer, _seed_rank,
                             _trainer_state, _uniform_actions, _weight_sync, build_env_worker, build_policy,
-                            make_experience_log)
+                            make_experience_log, run_with_metrics)
 from spmd_rl.checkpoint import restore_rng_state
 from spmd_rl.errors import CommError, UserError
 from spmd_rl.metrics import MetricsLogger
@@ -126,30 +126,22 @@ class AsyncEngine(Engine):
                                if hasattr(cfg.algo, "vtrace") and not cfg.algo.vtrace else ""))
 
     def run(self, setup: Setup) -> Policy | None:
-        cfg, plan, runtime, topology = setup.cfg, setup.plan, setup.runtime, setup.topology
-        rank = runtime.rank
+        rank = setup.runtime.rank
         schedule = AsyncSchedule(setup)
-        logger = None
         if rank == 0:
-            logger = MetricsLogger(setup.run_dir, plan.num_iterations * plan.steps_per_iteration, cfg.log.progress,
-                                   cfg.log.interval_s, cfg.log.tensorboard,
-                                   resumed_env_steps=setup.resume.start_iteration * plan.steps_per_iteration)
             print(f"spmd_rl: async engine, max policy lag {schedule.lag}; all ranks agree (stops, checkpoints) "
                   f"every {schedule.every} iteration(s)", flush=True)
-        finished = False
-        try:
-            role = topology.role_of(rank)
+
+        def run_role(logger: MetricsLogger | None) -> None:
+            role = setup.topology.role_of(rank)
             if role == ENV:
                 _run_env(setup, schedule)
             elif role == INFERENCE:
                 _run_inference(setup, schedule)
             else:
                 _run_trainer(setup, schedule, logger)
-            finished = True
-        finally:
-            if logger is not None:
-                logger.close(summary=finished)
-        return setup.final_policy
+
+        return run_with_metrics(setup, run_role)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -216,28 +216,38 @@ class SyncEngine(Engine):
     """The sync engine: every rank runs the story of its role; weights move at fixed points between rollouts."""
 
     def run(self, setup: Setup) -> Policy | None:
-        cfg, plan, runtime, topology = setup.cfg, setup.plan, setup.runtime, setup.topology
-        rank = runtime.rank
-        logger = None
-        if rank == 0:
-            logger = MetricsLogger(setup.run_dir, plan.num_iterations * plan.steps_per_iteration, cfg.log.progress,
-                                   cfg.log.interval_s, cfg.log.tensorboard,
-                                   resumed_env_steps=setup.resume.start_iteration * plan.steps_per_iteration)
-        finished = False
-        try:
+        topology, rank = setup.topology, setup.runtime.rank
+
+        def run_role(logger: MetricsLogger | None) -> None:
             if topology.colocated:
-                    _run_colocated(setup, logger)
+                _run_colocated(setup, logger)
             elif topology.role_of(rank) == ENV:
                 _run_env(setup)
             elif topology.role_of(rank) == INFERENCE:
                 _run_inference(setup)
             else:
                 _run_trainer(setup, logger)
-            finished = True
-        finally:
-            if logger is not None:
-                logger.close(summary=finished)
-        return setup.final_policy
+
+        return run_with_metrics(setup, run_role)
+
+
+def run_with_metrics(setup: Setup, run_role) -> Policy | None:
+    """Run this rank's role, run_role(logger), with rank 0 logging metrics.jsonl (logger None elsewhere); the
+    logger writes its summary only when the role finished. Returns the policy trainer rank 0 saves."""
+    logger = None
+    if setup.runtime.rank == 0:
+        plan, log = setup.plan, setup.cfg.log
+        logger = MetricsLogger(setup.run_dir, plan.num_iterations * plan.steps_per_iteration, log.progress,
+                               log.interval_s, log.tensorboard,
+                               resumed_env_steps=setup.resume.start_iteration * plan.steps_per_iteration)
+    finished = False
+    try:
+        run_role(logger)
+        finished = True
+    finally:
+        if logger is not None:
+            logger.close(summary=finished)
+    return setup.final_policy
 
 
 def save_policy(policy: Policy, run_dir: Path) -> None:
