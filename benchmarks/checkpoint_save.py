@@ -20,8 +20,8 @@ import torch
 from gymnasium.wrappers import vector as vector_wrappers
 
 from benchmarks.common import machine
-from spmd_rl.checkpoint import CheckpointStore, capture_rng_state
-from spmd_rl.env_state import capture_env_state
+from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state
+from spmd_rl.envs.state import capture_env_state
 
 
 def mlp(sizes: list[int]) -> torch.nn.Sequential:

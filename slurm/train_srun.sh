@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train under Slurm with one srun task per rank, no torchrun: every task finds its rank in SLURM_PROCID and
-# joins the process group at the first node of the step (spmd_rl.launch, "slurm" launch source).
+# joins the process group at the first node of the step (spmd_rl.runtime.launch, "slurm" launch source).
 #
 #   sbatch slurm/train_srun.sh configs/ppo_cartpole.yaml [section.key=value ...]
 #   sbatch --nodes=2 --ntasks-per-node=8 slurm/train_srun.sh configs/ppo_halfcheetah.yaml

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spmd_rl.errors import USER_ERROR_EXIT_CODE, UserError
+from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
 from spmd_rl.storage.hdf5 import DAMAGED_FILE_ERRORS, HDF5Reader, damaged, describe_field
 
 EPISODE_END_KEYS = ("done", "terminated", "truncated")

@@ -20,10 +20,10 @@ import time
 import traceback
 from pathlib import Path
 
-from spmd_rl.config import Config, describe_schema, load_config
-from spmd_rl.errors import (COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE, CommError, SharedUserError,
+from spmd_rl.config.schema import Config, describe_schema, load_config
+from spmd_rl.runtime.errors import (COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE, CommError, SharedUserError,
                             StopSignal, UserCodeError, UserError, describe_exception, user_frame)
-from spmd_rl.launch import detect_launch, rank_from_env
+from spmd_rl.runtime.launch import detect_launch, rank_from_env
 
 USAGE_EXAMPLES = """\
 examples:
@@ -75,15 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         return _user_error(exc, speaker=True)
 
-    from spmd_rl import contract, engine
-    from spmd_rl.envs import probe_env
-    from spmd_rl.topology import build_topology
+    from spmd_rl.envs.vector import probe_env
+    from spmd_rl.run import contract
+    from spmd_rl.run.plan import dry_run_plan, plan_run
+    from spmd_rl.runtime.topology import build_topology
     try:
         topology = build_topology(cfg.layout, launch.world_size)
         policy_cls, algorithm_cls, engine_cls, callback_classes = contract.load_classes(cfg)
-        plan = engine.plan_run(cfg, topology, algorithm_cls)
+        plan = plan_run(cfg, topology, algorithm_cls)
         if args.dry_run:
-            plan = engine.dry_run_plan(plan)
+            plan = dry_run_plan(plan)
     except UserError as exc:
         return _user_error(exc, speaker=launch.rank == 0)
     try:
@@ -95,10 +96,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from spmd_rl.fileio import flush_open_files
-    from spmd_rl.run_control import STOPPED_EXIT_CODE, RunControl, StoppedWithCheckpoint
-    from spmd_rl.runtime import install_signal_handlers, shutdown_runtime, start_runtime, stop_at_iteration_boundary
-    from spmd_rl.topology import create_process_groups
+    from spmd_rl.persist.fileio import flush_open_files
+    from spmd_rl.persist.run_control import STOPPED_EXIT_CODE, RunControl, StoppedWithCheckpoint
+    from spmd_rl.runtime.distributed import install_signal_handlers, shutdown_runtime, start_runtime, stop_at_iteration_boundary
+    from spmd_rl.run.policies import save_policy
+    from spmd_rl.run.setup import Run, mark_finished
+    from spmd_rl.runtime.topology import create_process_groups
     torch.set_num_threads(cfg.train.torch_threads)
     install_signal_handlers()
     runtime = None
@@ -117,22 +120,22 @@ def main(argv: list[str] | None = None) -> int:
         groups = create_process_groups(topology, runtime.timeout)
         control = RunControl(cfg, plan.num_iterations, runtime.rank, runtime.world_size, runtime.distributed,
                              run_dir, runtime.timeout)
-        setup = engine.Setup(cfg=cfg, plan=plan, runtime=runtime, topology=topology, groups=groups, spec=spec,
+        run = Run(cfg=cfg, plan=plan, runtime=runtime, topology=topology, groups=groups, spec=spec,
                              outputs=outputs, run_dir=run_dir, policy_cls=policy_cls, algorithm_cls=algorithm_cls,
                              callback_classes=callback_classes, control=control, resume=resume)
         stop_at_iteration_boundary(True)  # from here a signal stops the run at an iteration boundary, checkpointed
         try:
-            engine_cls(cfg.engine).run(setup)
+            engine_cls(cfg.engine).run(run)
         except StoppedWithCheckpoint:
             if runtime.rank == 0:
-                engine.save_policy(setup.final_policy, run_dir)
+                save_policy(run.final_policy, run_dir)
             control.wait_for_stop_files()
             raise
         finally:
             stop_at_iteration_boundary(False)
         if runtime.rank == 0:
-            engine.save_policy(setup.final_policy, run_dir)
-            engine.mark_finished(run_dir)
+            save_policy(run.final_policy, run_dir)
+            mark_finished(run_dir)
             if args.dry_run:
                 print(f"spmd_rl: dry run passed: one iteration in the real layout, every role and channel, one "
                       f"weight sync ({run_dir})", flush=True)
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         failed_at = time.time()
         flush_open_files()  # staged experience rows reach their files on every exit path
         if exit_code not in (0, STOPPED_EXIT_CODE) and runtime is not None and runtime.distributed:
-            from spmd_rl.postmortem import Failure, after_failure  # rank 0 names the first cause
+            from spmd_rl.runtime.postmortem import Failure, after_failure  # rank 0 names the first cause
             after_failure(Failure(launch.rank, exit_code, failed_at, waited.peers if waited else (),
                                   bool(waited and waited.timed_out)), launch.world_size, topology.describe)
         shutdown_runtime(runtime, exit_code)
@@ -220,8 +223,8 @@ def _agree_on_run(cfg: Config, runtime, dry_run: bool = False):
     import torch
     import torch.distributed as dist
 
-    from spmd_rl.run_control import Resume, checkpoint_iteration, decide_resume, prepare_run_dir
-    from spmd_rl.runtime import broadcast_text
+    from spmd_rl.persist.run_control import Resume, checkpoint_iteration, decide_resume, prepare_run_dir
+    from spmd_rl.runtime.distributed import broadcast_text
     resume, verdict = Resume(), ""
     if runtime.rank == 0:
         run_dir = _default_run_dir(cfg, dry_run)
@@ -251,7 +254,7 @@ def _agree_on_run(cfg: Config, runtime, dry_run: bool = False):
                             f"give every rank the same --config file and the same overrides")
     path = Path(run_dir)
     if runtime.rank == 0:
-        from spmd_rl.fileio import make_dirs, write_atomic
+        from spmd_rl.persist.fileio import make_dirs, write_atomic
         make_dirs(path)  # a read-only or misplaced run.dir is a UserError naming it
         prepare_run_dir(path, resume)
         write_atomic(path / "config.yaml", cfg.to_yaml())
@@ -264,7 +267,7 @@ def _default_run_dir(cfg: Config, dry_run: bool) -> str:
     if cfg.run.dir:
         return cfg.run.dir
     if cfg.run.resume not in ("auto", "never"):  # a checkpoint path: continue in its run directory
-        from spmd_rl.checkpoint import find_checkpoint
+        from spmd_rl.persist.checkpoint import find_checkpoint
         return str(find_checkpoint(cfg.run.resume).parent.parent)
     # Under torchrun the run id is the same after a restart (--max-restarts), so the restarted workers find the
     # checkpoints of the run they continue.

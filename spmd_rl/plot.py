@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from spmd_rl.errors import USER_ERROR_EXIT_CODE, UserError
+from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
 
 # What a curve's identity ignores when grouping seeds.
 _PER_RUN_KEYS = (("train", "seed"), ("run", "dir"), ("run", "name"))

@@ -15,7 +15,7 @@ from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
 CRASH_RANK = 1
 CRASH_AFTER_STEPS = 20
-# The launcher's rank variables in spmd_rl.launch's precedence: torchrun, MPI, then srun.
+# The launcher's rank variables in spmd_rl.runtime.launch's precedence: torchrun, MPI, then srun.
 RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
 
 

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from spmd_rl.errors import COMM_ERROR_EXIT_CODE, CommError
+from spmd_rl.runtime.errors import COMM_ERROR_EXIT_CODE, CommError
 
 KILLED = -9  # the exit code run_ranks reports for a child it had to kill at the deadline
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from multiproc import assert_all_ok, run_ranks
-from spmd_rl.config import load_config
-from spmd_rl.errors import UserError
-from spmd_rl.launch import LaunchInfo
+from spmd_rl.config.schema import load_config
+from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.main import _agree_on_run
-from spmd_rl.runtime import Runtime
+from spmd_rl.runtime.distributed import Runtime
 
 
 def _runtime(rank: int, world_size: int) -> Runtime:

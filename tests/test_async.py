@@ -157,15 +157,16 @@ def test_the_lag_bound_is_never_exceeded_and_lag_happens(tmp_path):
 
 
 def test_the_trainer_refuses_a_step_beyond_the_bound():
-    from spmd_rl.async_engine import PolicyLagError, _policy_lag
+    from spmd_rl.roles.trainer import PolicyLagError, Trainer
+    trainer = Trainer(algorithm=None, segment_channels=[], segment_sources=["rank 3 (env 0)"], episode_slots=1,
+                      group=None)
     segment = {"policy_version": torch.tensor([3, 3, 2])}
-    assert _policy_lag([segment], ["rank 3 (env 0)"], freshest=4, bound=2, describe="trainer",
-                       iteration=4) == {"policy_lag_mean": pytest.approx(4 / 3), "policy_lag_max": 2.0}
+    assert trainer.check_policy_lag([segment], freshest=4, bound=2, iteration=4) == {
+        "policy_lag_mean": pytest.approx(4 / 3), "policy_lag_max": 2.0}
     with pytest.raises(PolicyLagError, match=r"rank 3 \(env 0\)"):
-        _policy_lag([segment], ["rank 3 (env 0)"], freshest=4, bound=1, describe="trainer", iteration=4)
+        trainer.check_policy_lag([segment], freshest=4, bound=1, iteration=4)
     with pytest.raises(PolicyLagError):  # a version newer than the freshest possible is a schedule bug as well
-        _policy_lag([{"policy_version": torch.tensor([5])}], ["env"], freshest=4, bound=1, describe="t",
-                    iteration=4)
+        trainer.check_policy_lag([{"policy_version": torch.tensor([5])}], freshest=4, bound=1, iteration=4)
 
 
 def test_async_config_errors_exit_2_before_any_group(tmp_path):

@@ -10,7 +10,7 @@ from tensordict import TensorDict
 from multiproc import assert_all_ok, run_ranks
 from spmd_rl.comm.channel import (ALIGNMENT, HEADER_BYTES, RecvChannel, SendChannel, TensorLayout, channel_tags,
                                   local_channel, open_channels)
-from spmd_rl.errors import CommError
+from spmd_rl.runtime.errors import CommError
 
 TIMEOUT = datetime.timedelta(seconds=20)
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from gymnasium.wrappers import vector as vector_wrappers
 
-from spmd_rl.checkpoint import CheckpointStore, capture_rng_state, find_checkpoint, load_checkpoint, restore_rng_state
-from spmd_rl.env_state import capture_env_state, restore_env_state, unsaved_env_reason
-from spmd_rl.errors import UserError
+from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state, find_checkpoint, load_checkpoint, restore_rng_state
+from spmd_rl.envs.state import capture_env_state, restore_env_state, unsaved_env_reason
+from spmd_rl.runtime.errors import UserError
 
 
 def weights_only_round_trip(state: dict) -> dict:
@@ -184,7 +184,7 @@ def test_rng_state_round_trip():
 # --- env state ---
 
 def make_envs(env_id: str, mode: str, num_envs: int, seed: int, normalize_reward: bool = False):
-    """As spmd_rl.envs.make_vector_env builds a rank's envs."""
+    """As spmd_rl.envs.vector.make_vector_env builds a rank's envs."""
     envs = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode=mode)
     envs = vector_wrappers.RecordEpisodeStatistics(envs)
     if isinstance(envs.single_action_space, gym.spaces.Box):

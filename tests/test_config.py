@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from spmd_rl.config import Config, load_config
-from spmd_rl.errors import UserError
+from spmd_rl.config.schema import Config, load_config
+from spmd_rl.runtime.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,8 +114,8 @@ def test_help_documents_the_sections():
 def test_plan_rejects_unequal_trainer_shares_and_indivisible_sac_batches():
     from spmd_rl.algorithms.ppo import PPO
     from spmd_rl.algorithms.sac import SAC
-    from spmd_rl.engine import plan_run
-    from spmd_rl.topology import build_topology
+    from spmd_rl.run.plan import plan_run
+    from spmd_rl.runtime.topology import build_topology
 
     split = ["layout.mode=split", "layout.trainer=2", "layout.inference=1"]
     cfg = load_config(None, split + ["layout.env=3"])
@@ -202,7 +202,7 @@ def test_absurd_sizes_and_times_are_out_of_range(override, message):
 
 
 def test_list_items_are_range_checked_by_item_min():
-    from spmd_rl.config import _check_value, knob
+    from spmd_rl.config.schema import _check_value, knob
 
     widths = knob(None, "hidden layer widths", item_min=1, factory=list).metadata
     assert _check_value("policy.hidden_sizes", [64, 64], list[int], widths) == [64, 64]
@@ -213,7 +213,7 @@ def test_list_items_are_range_checked_by_item_min():
 
 
 def test_check_memory_names_the_key_when_a_plan_cannot_fit():
-    from spmd_rl.limits import available_memory, check_memory
+    from spmd_rl.runtime.limits import available_memory, check_memory
 
     assert available_memory() > 2**20
     check_memory(2**20, "the replay buffer of rank 0", "buffer.capacity")
@@ -228,7 +228,7 @@ def test_check_memory_names_the_key_when_a_plan_cannot_fit():
     ({"SLURM_PROCID": "4"}, 4), ({"RANK": "x"}, None),
 ])
 def test_the_rank_a_launcher_announced_is_read_without_starting_anything(env, rank):
-    from spmd_rl.launch import rank_from_env
+    from spmd_rl.runtime.launch import rank_from_env
 
     assert rank_from_env(env) == rank
 

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from multiproc import assert_all_ok, run_ranks
-from spmd_rl.errors import UserError
-from spmd_rl.fileio import LineAppender, make_dirs, write_atomic
-from spmd_rl.metrics import MetricsLogger
+from spmd_rl.runtime.errors import UserError
+from spmd_rl.persist.fileio import LineAppender, make_dirs, write_atomic
+from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.storage.hdf5 import HDF5Reader, HDF5Writer
 
 PYTHON = sys.executable
@@ -102,9 +102,9 @@ def test_kill_9_loses_at_most_flush_every_s_of_rows(tmp_path, trial):
 
 STOPPED_BY_SIGNAL = ROLLOUT + textwrap.dedent("""
     import sys, time
-    from spmd_rl.errors import StopSignal
-    from spmd_rl.fileio import flush_open_files
-    from spmd_rl.runtime import install_signal_handlers
+    from spmd_rl.runtime.errors import StopSignal
+    from spmd_rl.persist.fileio import flush_open_files
+    from spmd_rl.runtime.distributed import install_signal_handlers
     from spmd_rl.storage.hdf5 import ExperienceLog
     install_signal_handlers()
     log = ExperienceLog(sys.argv[1], 0, rollout(0), flush_every_s=float("inf"))  # only a flush writes
@@ -143,8 +143,8 @@ def test_a_stop_signal_flushes_every_staged_row(tmp_path, signum):
 
 
 def test_signals_wait_for_the_end_of_a_deferred_section():
-    from spmd_rl.errors import StopSignal
-    from spmd_rl.runtime import install_signal_handlers, signals_deferred
+    from spmd_rl.runtime.errors import StopSignal
+    from spmd_rl.runtime.distributed import install_signal_handlers, signals_deferred
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     install_signal_handlers()
     try:
@@ -171,8 +171,8 @@ FILL_THE_DISK = textwrap.dedent("""
     import json, resource, sys, torch
     from pathlib import Path
     from tensordict import TensorDict
-    from spmd_rl.errors import UserError
-    from spmd_rl.fileio import LineAppender, flush_open_files, torch_save_atomic, write_atomic
+    from spmd_rl.runtime.errors import UserError
+    from spmd_rl.persist.fileio import LineAppender, flush_open_files, torch_save_atomic, write_atomic
     from spmd_rl.storage.hdf5 import HDF5Writer
     run = Path(sys.argv[1])
     if len(sys.argv) > 2:  # a file size limit stands in for a full disk: writes past it fail with EFBIG
@@ -287,7 +287,7 @@ def test_write_atomic_replaces_whole_files(tmp_path):
 # -- no pickle on the wire -------------------------------------------------------------------------------------
 
 def broadcast_texts(rank: int, world_size: int) -> None:
-    from spmd_rl.runtime import broadcast_text
+    from spmd_rl.runtime.distributed import broadcast_text
     text = "runs/ppo-été-20261130-120000 ✓" if rank == 1 else ""
     assert broadcast_text(text, src=1) == "runs/ppo-été-20261130-120000 ✓"
     assert broadcast_text("", src=0) == ""

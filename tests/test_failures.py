@@ -15,7 +15,7 @@ from torch import nn
 from multiproc import run_ranks
 from spmd_rl.comm.channel import open_channels
 from spmd_rl.comm.weights import WeightSync
-from spmd_rl.errors import COMM_ERROR_EXIT_CODE, CommError
+from spmd_rl.runtime.errors import COMM_ERROR_EXIT_CODE, CommError
 
 SHORT = datetime.timedelta(seconds=2)
 SETUP = datetime.timedelta(seconds=20)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 from spmd_rl.plot import curves, group_seeds, main, read_metrics, read_run
 
 

@@ -17,7 +17,7 @@ from spmd_rl.algorithms.ppo import PPO, compute_gae, ppo_losses, rollout_tensors
 from spmd_rl.algorithms.configs import PPOConfig
 from spmd_rl.api import Context, StepField
 from spmd_rl.modules.configs import ActorCriticConfig
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 from spmd_rl.modules.actor_critic import ActorCritic
 
 CARTPOLE_OBS = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
@@ -269,7 +269,7 @@ def test_optimizer_state_round_trips():
                       "state": gym.spaces.Box(-1.0, 1.0, (5,), np.float32)}), "DictEncoder"),
 ])
 def test_the_encoder_is_chosen_from_the_observation_space_and_acts_on_the_env_dtype(obs_space, encoder):
-    from spmd_rl.spaces import zeros_of
+    from spmd_rl.envs.spaces import zeros_of
     torch.manual_seed(0)
     policy = ActorCritic(obs_space, gym.spaces.Discrete(3), model_cfg())
     assert type(policy.encoder).__name__ == encoder

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 from spmd_rl.storage.replay import ReplayBuffer, ShardedReplay
 from multiproc import assert_all_ok, run_ranks
 

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from spmd_rl.comm.channel import local_channel
-from spmd_rl.config import EnvSection
-from spmd_rl.envs import EnvSpec, make_vector_env, probe_env
-from spmd_rl.roles.env_worker import EnvWorker
+from spmd_rl.config.schema import EnvSection
+from spmd_rl.envs.vector import EnvSpec, make_vector_env, probe_env
+from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.algorithms.sac import transitions_of
 from spmd_rl.api import StepField
 from spmd_rl.roles.messages import action_message, observation_message, segment_message
-from spmd_rl.roles.trainer import StalePolicyError, Trainer
+from spmd_rl.roles.trainer import PolicyLagError, Trainer
 
 
 OUTPUTS = {"action": StepField((), torch.int64), "log_prob": StepField((), torch.float32),
@@ -50,7 +50,7 @@ def test_env_worker_marks_the_step_after_an_episode_end_invalid():
     obs_out, obs_in = local_channel("observations", observation_message(spec, 3))
     actions_out, actions_in = local_channel("actions", action_message(OUTPUTS, 3))
     segments_out, segments_in = local_channel("segments", segment_message(spec, OUTPUTS, steps, 3))
-    worker = EnvWorker(envs, first_obs, obs_out, actions_in, segments_out, steps, list(OUTPUTS))
+    worker = EnvRunner(envs, first_obs, obs_out, actions_in, segments_out, steps, list(OUTPUTS))
     for t in range(steps):
         worker.send_observations(t)
         obs_in.recv()
@@ -77,5 +77,6 @@ def test_trainer_rejects_a_segment_acted_on_with_stale_weights():
     segment_out.send()
     trainer = Trainer(algorithm=None, segment_channels=[segment_in], segment_sources=["rank 5 (env 1)"],
                       episode_slots=8, group=None)
-    with pytest.raises(StalePolicyError, match=r"rank 5 \(env 1\) used policy versions \[3, 4\], expected only 4"):
-        trainer.receive_segments(expected_version=4)
+    with pytest.raises(PolicyLagError, match=r"iteration 7: segments from \['rank 5 \(env 1\)'\] acted with policy "
+                                             r"versions outside \[4, 4\]"):
+        trainer.receive_segments(iteration=7, version=4)

@@ -17,7 +17,7 @@ from spmd_rl.algorithms.sac import SAC
 from spmd_rl.algorithms.configs import SACConfig
 from spmd_rl.api import Context
 from spmd_rl.modules.configs import SquashedGaussianConfig
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 from spmd_rl.modules.sac_networks import SquashedGaussianActor, TwinQ
 
 OBS = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)

@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from spmd_rl import data
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 from spmd_rl.storage.hdf5 import ExperienceLog, HDF5Reader, HDF5Writer
 
 PYTHON = sys.executable

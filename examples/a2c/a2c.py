@@ -13,7 +13,7 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from spmd_rl.api import Algorithm, AlgorithmConfig
-from spmd_rl.config import knob
+from spmd_rl.config.schema import knob
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from spmd_rl.api import Policy, StepField
-from spmd_rl.config import knob
+from spmd_rl.config.schema import knob
 
 
 @dataclass

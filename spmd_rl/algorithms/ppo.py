@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from spmd_rl.algorithms.configs import PPOConfig
 from spmd_rl.algorithms.vtrace import vtrace
 from spmd_rl.api import Algorithm, Context, PlanFacts, Policy, Schedule
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -23,9 +23,9 @@ from torch import Tensor
 
 from spmd_rl.algorithms.configs import SACConfig
 from spmd_rl.api import Algorithm, Context, PlanFacts, Schedule
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 from spmd_rl.modules.sac_networks import SquashedGaussianActor, TwinQ
-from spmd_rl.spaces import zeros_of
+from spmd_rl.envs.spaces import zeros_of
 
 
 def transitions_of(segment: TensorDict) -> TensorDict:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.comm.weights import HEADER_BYTES, WeightMismatchError, WeightSync
-from spmd_rl.runtime import Peer, comm_error, wait
+from spmd_rl.runtime.distributed import Peer, comm_error, wait
 
 
 class StagedWeights:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spmd_rl.runtime import Peer, comm_error, wait
+from spmd_rl.runtime.distributed import Peer, comm_error, wait
 
 HEADER_BYTES = 16          # int64 version, int64 layout digest, at the front of bucket 0
 ALIGNMENT = 16             # every tensor's byte offset: enough for any dtype's element size

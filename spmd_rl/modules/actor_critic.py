@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from spmd_rl.api import Policy, StepField
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 from spmd_rl.modules.configs import ActorCriticConfig
 from spmd_rl.modules.encoders import make_encoder
 

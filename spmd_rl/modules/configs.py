@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spmd_rl.config import knob
+from spmd_rl.config.schema import knob
 
 
 @dataclass

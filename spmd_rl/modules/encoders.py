@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 from spmd_rl.modules.normalizer import RunningNormalizer
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from spmd_rl.runtime import bounded
+from spmd_rl.runtime.distributed import bounded
 
 CLIP = 10.0
 EPS = 1e-8

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spmd_rl.api import Policy, StepField
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 from spmd_rl.modules.actor_critic import ACTIVATIONS, LOG_SQRT_2PI
 from spmd_rl.modules.configs import SquashedGaussianConfig
 from spmd_rl.modules.normalizer import RunningNormalizer

@@ -1,5 +1,5 @@
-"""The inference server's story: every step, gather the observations of all my env ranks, act for all of them in
-one batched forward pass, and send each its actions; between rollouts, take the trainer's new weights.
+"""The inference server (sync engine): every step, gather the observations of all its env ranks, act for all of
+them in one batched forward pass, and send each its actions; between rollouts, take the trainer's new weights.
 
 Env ranks are served in a fixed order (post all receives, wait, one forward pass, post all sends), so the
 schedule never depends on data.
@@ -8,6 +8,7 @@ schedule never depends on data.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import gymnasium as gym
 import torch
@@ -37,6 +38,16 @@ class UniformActions:
         out = {key: torch.zeros(batch, *f.shape, dtype=f.dtype) for key, f in self.outputs.items()}
         out["action"] = action.to(out["action"].dtype)
         return out
+
+
+@dataclass
+class InferenceParts:
+    """What an inference rank serves with (built by the run), for the sync server or an engine's own server."""
+    policy: torch.nn.Module
+    weight_sync: object                       # spmd_rl.comm.weights.WeightSync (weights come from trainer 0)
+    obs_channels: list
+    action_channels: list
+    uniform_actions: UniformActions | None    # off-policy warm-up actions (None when the plan has none)
 
 
 class InferenceServer:
@@ -89,16 +100,8 @@ class InferenceServer:
         """Split layout, at the fixed point between rollouts: the trainer's weights and their version."""
         self.policy_version = self.weight_sync.broadcast(self.policy_version)  # receivers get the sender's version
 
-
-def run_inference_rank(server: InferenceServer, schedule, num_steps: int, verify_every: int, iterations: range,
-                       after_iteration) -> None:
-    server.receive_weights()  # the initial weights come from trainer rank 0, never from matching seeds
-    for iteration in iterations:
-        server.explore_uniformly = schedule.explores_at(iteration)
-        for _ in range(num_steps):
-            server.serve_step()
-        if schedule.syncs_after(iteration):
-            server.receive_weights()
-            if verify_every and server.policy_version % verify_every == 0:
-                server.weight_sync.verify(server.policy_version)
-        after_iteration(iteration)
+    def take_weights(self, verify_every: int) -> None:
+        """receive_weights, then check them against trainer 0's checksums when weights.verify_every says so."""
+        self.receive_weights()
+        if verify_every and self.policy_version % verify_every == 0:
+            self.weight_sync.verify(self.policy_version)

@@ -1,5 +1,5 @@
-"""The trainer's story: receive the rollout segments of my env ranks, compute advantages, update the policy with
-my fellow trainers (DDP over the trainer group), and publish the new weights to the inference ranks.
+"""The trainer: receives the rollout segments of its env ranks, has its Algorithm learn from them (with its fellow
+trainers: DDP over the trainer group), and publishes the new weights to the inference ranks (trainer 0).
 """
 
 from __future__ import annotations
@@ -11,20 +11,38 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from spmd_rl.errors import CommError
+from spmd_rl.runtime.errors import CommError
 from spmd_rl.roles.update_guard import UpdateGuard
-from spmd_rl.runtime import bounded, comm_error, group_peer, is_comm_failure
+from spmd_rl.runtime.distributed import bounded, comm_error, group_peer, is_comm_failure
 
 
-class StalePolicyError(RuntimeError):
-    """In sync mode every env step must use the weights of the current iteration."""
+class PolicyLagError(RuntimeError):
+    """A step acted with weights older than the engine allows (0 versions in the sync engine, engine.max_policy_lag
+    in the async one): an engine bug, never a user's."""
+
+
+def combine_segments(segments: list[TensorDict], copy: bool = False) -> TensorDict:
+    """The segments of several env ranks as one (env columns side by side); with copy, never a view of a
+    receive buffer (one segment is cloned, several are concatenated anyway)."""
+    if len(segments) == 1:
+        return segments[0].clone() if copy else segments[0]
+    return TensorDict({
+        "rollout": torch.cat([s["rollout"] for s in segments], dim=1),
+        "next_obs": torch.cat([s["next_obs"] for s in segments]),
+        "policy_version": segments[0]["policy_version"].clone() if copy else segments[0]["policy_version"],
+        "env_s": torch.cat([s["env_s"] for s in segments]),
+        "action_wait_s": torch.cat([s["action_wait_s"] for s in segments]),
+        "inference_s": torch.cat([s["inference_s"] for s in segments]),
+    }, batch_size=[])
 
 
 class Trainer:
     def __init__(self, algorithm, segment_channels: list, segment_sources: list[str], episode_slots: int, group,
                  weight_sync=None, experience_log=None, describe: str = "trainer",
-                 timeout: datetime.timedelta = datetime.timedelta(seconds=300), skip_nonfinite_updates: bool = False):
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=300), skip_nonfinite_updates: bool = False,
+                 policy=None):
         self.algorithm = algorithm          # the user's (or a built-in) spmd_rl.api.Algorithm
+        self.policy = policy if policy is not None else getattr(algorithm, "policy", None)
         self.segment_channels = segment_channels
         self.segment_sources = segment_sources  # who sends each segment, for error messages
         # Every trainer gathers the same fixed number of episode slots (the most env columns any trainer has).
@@ -39,27 +57,28 @@ class Trainer:
 
     # -- one iteration -------------------------------------------------------------------------------------------
 
-    def receive_segments(self, expected_version: int) -> TensorDict:
+    def receive_segments(self, iteration: int, version: int) -> TensorDict:
+        """Sync engine: one segment from each env rank, every step of it acted with `version`."""
         pending = [ch.irecv() for ch in self.segment_channels]
         segments = [message.wait() for message in pending]
-        for source, segment in zip(self.segment_sources, segments):
-            versions = segment["policy_version"]
-            if bool((versions != expected_version).any()):
-                raise StalePolicyError(
-                    f"{self.describe}: segment from {source} used policy versions "
-                    f"{sorted(set(versions.tolist()))}, expected only {expected_version} (sync mode)")
-        if len(segments) == 1:
-            return segments[0]
-        return TensorDict({
-            "rollout": torch.cat([s["rollout"] for s in segments], dim=1),
-            "next_obs": torch.cat([s["next_obs"] for s in segments]),
-            "policy_version": segments[0]["policy_version"],
-            "env_s": torch.cat([s["env_s"] for s in segments]),
-            "action_wait_s": torch.cat([s["action_wait_s"] for s in segments]),
-            "inference_s": torch.cat([s["inference_s"] for s in segments]),
-        }, batch_size=[])
+        self.check_policy_lag(segments, version, 0, iteration)
+        return combine_segments(segments)
+
+    def check_policy_lag(self, segments: list[TensorDict], freshest: int, bound: int, iteration: int) -> dict[str, float]:
+        """The lag of every step received for an iteration: versions behind `freshest`, the version the sync
+        engine acts with; a step outside [freshest - bound, freshest] is a PolicyLagError naming its env rank."""
+        lags = torch.cat([freshest - segment["policy_version"] for segment in segments])
+        worst = int(lags.max())
+        if worst > bound or int(lags.min()) < 0:
+            who = [name for name, segment in zip(self.segment_sources, segments)
+                   if bool(((freshest - segment["policy_version"]) > bound).any()
+                           or (segment["policy_version"] > freshest).any())]
+            raise PolicyLagError(f"{self.describe}: iteration {iteration}: segments from {who} acted with policy "
+                                 f"versions outside [{freshest - bound}, {freshest}] (max_policy_lag {bound})")
+        return {"policy_lag_mean": float(lags.double().mean()), "policy_lag_max": float(worst)}
 
     def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
+        self.weight_sync_s = 0.0  # until this iteration's publish_weights
         clock = time.perf_counter()
         if self.experience_log is not None:
             rollout = segment["rollout"]
@@ -77,6 +96,21 @@ class Trainer:
                              self.timeout, group_peer(self.group) if self.group is not None else None) from exc
         self.learn_s = time.perf_counter() - clock
         return metrics
+
+    def state_dict(self) -> dict:
+        """What a checkpoint holds of this trainer: the policy, the algorithm's state, the experience log's rows."""
+        log = self.experience_log
+        return {
+            "policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items()},
+            "algorithm": self.algorithm.state_dict(),
+            "experience_rows": log.total_rows if log is not None else -1,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.algorithm.load_state_dict(state["algorithm"])
+        if self.experience_log is not None:
+            self.experience_log.rewind(state["experience_rows"])
 
     def close(self) -> None:
         self.algorithm.close()
@@ -127,21 +161,3 @@ class Trainer:
             "env_s": sums[0].item(), "action_wait_s": sums[1].item(), "inference_s": sums[2].item(),
             "env_ranks": sums[3].item(),
         }
-
-
-def run_trainer_rank(trainer: Trainer, schedule, verify_every: int, report, iterations: range,
-                     after_iteration) -> None:
-    """A split-layout trainer rank. report(iteration, metrics, statistics, trainer) runs on every trainer; the
-    metrics logger inside it writes on the first trainer only. after_iteration(iteration) is the run's
-    end-of-iteration agreement (checkpoints, stops)."""
-    # Inference ranks start from trainer rank 0's weights (initial or resumed), never from matching seeds.
-    trainer.publish_weights(schedule.version_at(iterations.start), verify=False)
-    for iteration in iterations:
-        trainer.weight_sync_s = 0.0
-        segment = trainer.receive_segments(expected_version=schedule.version_at(iteration))
-        metrics = trainer.learn(segment, iteration)
-        if schedule.syncs_after(iteration):
-            version = schedule.version_at(iteration + 1)
-            trainer.publish_weights(version, verify=bool(verify_every) and version % verify_every == 0)
-        report(iteration, metrics, trainer.gather_statistics(segment), trainer)
-        after_iteration(iteration)

@@ -21,7 +21,7 @@ import math
 import torch
 from torch import nn
 
-from spmd_rl.errors import UserCodeError
+from spmd_rl.runtime.errors import UserCodeError
 
 SKIPPED_METRIC = "nonfinite_updates_skipped"
 

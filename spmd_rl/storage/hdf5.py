@@ -45,9 +45,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from spmd_rl.errors import UserError
-from spmd_rl.fileio import file_error, make_dirs, register_open_file, unregister_open_file
-from spmd_rl.runtime import signals_deferred
+from spmd_rl.runtime.errors import UserError
+from spmd_rl.persist.fileio import file_error, make_dirs, register_open_file, unregister_open_file
+from spmd_rl.runtime.distributed import signals_deferred
 
 FORMAT_NAME = "spmd_rl.hdf5"
 FORMAT_VERSION = 1

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from spmd_rl.errors import UserError
-from spmd_rl.runtime import wait
+from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.distributed import wait
 from spmd_rl.storage.hdf5 import DEFAULT_FLUSH_EVERY_S, HDF5Writer, check_rewind, layout_of
 
 BACKENDS = ("memory", "hdf5")

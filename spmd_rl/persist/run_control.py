@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from spmd_rl.checkpoint import CheckpointStore, capture_rng_state
-from spmd_rl.errors import UserError
-from spmd_rl.runtime import bounded, requested_stop
+from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state
+from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.distributed import bounded, requested_stop
 
 STOPPED_EXIT_CODE = 75  # stopped on a signal with a checkpoint: rerun the same command to resume (EX_TEMPFAIL)
 
@@ -121,19 +121,6 @@ class RunControl:
         return directory
 
 
-def as_tensors(value):
-    """numpy arrays (and dicts of them, Dict observations) as tensors, for weights_only checkpoints."""
-    if isinstance(value, dict):
-        return {key: as_tensors(item) for key, item in value.items()}
-    return torch.from_numpy(np.array(value, copy=True))
-
-
-def as_arrays(value):
-    if isinstance(value, dict):
-        return {key: as_arrays(item) for key, item in value.items()}
-    return value.numpy()
-
-
 FINISHED = "finished.json"  # written by rank 0 when a run completed: such a directory is never resumed
 
 
@@ -142,8 +129,8 @@ def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
 
     auto: the latest checkpoint of run_dir, else a fresh start; never: a fresh start, refused if run_dir holds a
     run; a path: that checkpoint. A finished run, or one with another config, is never continued."""
-    from spmd_rl.checkpoint import find_checkpoint
-    from spmd_rl.config import load_config
+    from spmd_rl.persist.checkpoint import find_checkpoint
+    from spmd_rl.config.schema import load_config
     mode = cfg.run.resume
     store = CheckpointStore(run_dir, keep=cfg.checkpoint.keep)
     holds_run = (run_dir / "config.yaml").exists()
@@ -193,7 +180,7 @@ def prepare_run_dir(run_dir: Path, resume: Resume) -> None:
     over in a directory of the same run that had no checkpoint, its outputs are cleared."""
     import shutil
 
-    from spmd_rl.metrics import drop_records_after
+    from spmd_rl.run.metrics import drop_records_after
     if resume.checkpoint is not None:
         drop_records_after(run_dir / "metrics.jsonl", resume.iteration)
         return

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:

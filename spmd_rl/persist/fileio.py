@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import BinaryIO, Iterator, Protocol
 
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 
 _WHAT_TO_DO = {
     errno.ENOSPC: "disk full; free space on that file system or choose another run.dir",

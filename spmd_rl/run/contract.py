@@ -9,20 +9,22 @@ import gymnasium as gym
 import torch
 from tensordict import TensorDict
 
-from spmd_rl import plugins
-from spmd_rl.api import ENV_FIELDS, Algorithm, Policy, StepField, describe_outputs
-from spmd_rl.config import Config
-from spmd_rl.envs import EnvSpec
-from spmd_rl.errors import UserError, describe_exception
-from spmd_rl.spaces import zeros_of
+from spmd_rl.config import plugins
+from spmd_rl.interfaces.algorithm import Algorithm, Callback
+from spmd_rl.interfaces.engine import Engine
+from spmd_rl.interfaces.policy import ENV_FIELDS, Policy, StepField, describe_outputs
+from spmd_rl.config.schema import Config
+from spmd_rl.envs.vector import EnvSpec
+from spmd_rl.runtime.errors import UserError, describe_exception
+from spmd_rl.envs.spaces import zeros_of
 
 
 def load_classes(cfg: Config) -> tuple[type[Policy], type[Algorithm], type, list]:
     """(policy class, algorithm class, engine class, [(callback class, its config)])."""
-    policy_cls = plugins.load_class(plugins.POLICY, cfg.classes["policy"])
-    algorithm_cls = plugins.load_class(plugins.ALGORITHM, cfg.classes["algo"])
-    engine_cls = plugins.load_class(plugins.ENGINE, cfg.classes["engine"])
-    callbacks = [(plugins.load_class(plugins.CALLBACK, name), config) for name, config in cfg.callbacks]
+    policy_cls = plugins.load_class(plugins.POLICY, cfg.classes["policy"], Policy)
+    algorithm_cls = plugins.load_class(plugins.ALGORITHM, cfg.classes["algo"], Algorithm)
+    engine_cls = plugins.load_class(plugins.ENGINE, cfg.classes["engine"], Engine)
+    callbacks = [(plugins.load_class(plugins.CALLBACK, name, Callback), config) for name, config in cfg.callbacks]
     return policy_cls, algorithm_cls, engine_cls, callbacks
 
 
@@ -30,7 +32,7 @@ def check_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm
                  ) -> dict[str, StepField]:
     """Build the policy on the CPU, act on a batch of sample observations, compare with its declared outputs.
     Returns the outputs, which lay out every channel, segment and experience file."""
-    from spmd_rl.engine import build_policy
+    from spmd_rl.run.setup import build_policy
     name = f"policy.class '{cfg.classes['policy']}'"
     try:
         policy = build_policy(cfg, spec, policy_cls)
@@ -52,7 +54,7 @@ def check_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm
 def check_planned_memory(cfg: Config, spec: EnvSpec, outputs: dict, plan) -> None:
     """The rollout buffers a trainer holds (its segments, double-buffered, and their concatenation), against this
     host's memory, before anything is allocated."""
-    from spmd_rl.limits import check_memory
+    from spmd_rl.runtime.limits import check_memory
     from spmd_rl.roles.messages import segment_message
     segment = segment_message(spec, outputs, 1, 1)  # one step of one env: bytes scale with steps x envs
     step_bytes = sum(t.element_size() * t.numel() for t in segment["rollout"].values(True, True))

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from spmd_rl.errors import CommError, StopSignal, UserError
-from spmd_rl.launch import LaunchInfo
+from spmd_rl.runtime.errors import CommError, StopSignal, UserError
+from spmd_rl.runtime.launch import LaunchInfo
 
 
 @dataclass
@@ -131,7 +131,7 @@ def comm_error(what: str, exc: BaseException, timeout: datetime.timedelta | None
     of message 7 on channel ...'); the reason says in words what the peer did, then the library's own words.
 
     A timeout cannot tell a stopped peer from one that waits on a third rank itself, so it says both; rank 0's job
-    summary (spmd_rl.postmortem) names the rank the others waited on."""
+    summary (spmd_rl.runtime.postmortem) names the rank the others waited on."""
     if isinstance(exc, CommError):
         return exc
     text = _first_line(exc)

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 
 
 def knob(default, help: str, *, min=None, max=None, choices=None, item_min=None, item_max=None, factory=None):
@@ -231,7 +231,7 @@ def _build_plugin_sections(cfg: Config, raw: dict, source: str) -> None:
     """algo, policy, engine and callbacks: each names its class, whose own Config dataclass validates the rest.
 
     The algorithm is resolved first: an absent policy.class means the algorithm's default policy."""
-    from spmd_rl import plugins
+    from spmd_rl.config import plugins
 
     def build(section: str, kind, value, default_class: str, prefix: str):
         if value is None:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from spmd_rl.errors import COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE
+from spmd_rl.runtime.errors import COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE
 
 KEY = "spmd_rl/failure/rank{}"
 PUBLISH_BOUND_S = 2.0   # how long a failing rank tries to leave its record before it exits anyway

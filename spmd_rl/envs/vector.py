@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import gymnasium as gym
 from gymnasium.wrappers import vector as vector_wrappers
 
-from spmd_rl.config import EnvSection
-from spmd_rl.errors import UserError
+from spmd_rl.config.schema import EnvSection
+from spmd_rl.runtime.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ class CommError(RuntimeError):
 
     peers: the ranks this rank was waiting on or talking to (all other members for a collective; empty when
     unknown); timed_out: the wait expired (rather than a connection closing). With both, rank 0's job summary can
-    tell the rank everyone waited on from the ranks that waited (spmd_rl.postmortem)."""
+    tell the rank everyone waited on from the ranks that waited (spmd_rl.runtime.postmortem)."""
 
     def __init__(self, message: str, peers: tuple[int, ...] = (), timed_out: bool = False):
         super().__init__(message)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 

@@ -24,7 +24,7 @@ from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
 from gymnasium.wrappers import common as single_wrappers
 from gymnasium.wrappers import vector as vector_wrappers
 
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 
 # Attributes of classic-control envs beyond `state` that a step reads (CartPole's termination warning) or writes.
 _CLASSIC_CONTROL_EXTRAS = ("steps_beyond_terminated", "last_u")
@@ -190,3 +190,16 @@ def _decode(value):
     if isinstance(value, dict):
         return {k: _decode(v) for k, v in value.items()}
     return value
+
+
+def as_tensors(value):
+    """numpy arrays (and dicts of them, Dict observations) as tensors, for weights_only checkpoints."""
+    if isinstance(value, dict):
+        return {key: as_tensors(item) for key, item in value.items()}
+    return torch.from_numpy(np.array(value, copy=True))
+
+
+def as_arrays(value):
+    if isinstance(value, dict):
+        return {key: as_arrays(item) for key, item in value.items()}
+    return value.numpy()

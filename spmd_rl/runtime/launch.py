@@ -22,7 +22,7 @@ import socket
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from spmd_rl.errors import UserError
+from spmd_rl.runtime.errors import UserError
 
 
 @dataclass(frozen=True)

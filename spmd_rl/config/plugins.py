@@ -12,7 +12,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-from spmd_rl.errors import UserError
+from spmd_rl.config.schema import NoConfig
+from spmd_rl.runtime.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,8 @@ POLICY = Kind("policy", "policy", "Policy", {
                           "spmd_rl.modules.configs:SquashedGaussianConfig"),
 })
 ENGINE = Kind("engine", "engine", "Engine", {
-    "sync": ("spmd_rl.engine:SyncEngine", "spmd_rl.config:NoConfig"),
-    "async": ("spmd_rl.async_engine:AsyncEngine", "spmd_rl.async_config:AsyncEngineConfig"),
+    "sync": ("spmd_rl.engines.sync:SyncEngine", "spmd_rl.config.schema:NoConfig"),
+    "async": ("spmd_rl.engines.asynchronous:AsyncEngine", "spmd_rl.engines.configs:AsyncEngineConfig"),
 })
 CALLBACK = Kind("callbacks", "callback", "Callback", {})
 KINDS = {kind.section: kind for kind in (ALGORITHM, POLICY, ENGINE, CALLBACK)}
@@ -59,7 +60,7 @@ def config_class(kind: Kind, name: str) -> type:
     cls = load_class(kind, name)
     config = getattr(cls, "Config", None)
     if config is None:
-        from spmd_rl.config import NoConfig
+        from spmd_rl.config.schema import NoConfig
         return NoConfig
     if not (isinstance(config, type) and dataclasses.is_dataclass(config)):
         raise UserError(f"{kind.section}.class '{name}': its Config attribute must be a dataclass (the class's own "
@@ -67,12 +68,10 @@ def config_class(kind: Kind, name: str) -> type:
     return config
 
 
-def load_class(kind: Kind, name: str) -> type:
-    """Import the named class and check it is a subclass of the spmd_rl.api base it must extend."""
+def load_class(kind: Kind, name: str, base: type | None = None) -> type:
+    """Import the named class; with `base` (the spmd_rl.api class named by kind.base), check it subclasses it."""
     cls = _import(kind, class_path(kind, name))
-    import spmd_rl.api as api
-    base = getattr(api, kind.base)
-    if not (isinstance(cls, type) and issubclass(cls, base)):
+    if base is not None and not (isinstance(cls, type) and issubclass(cls, base)):
         raise UserError(f"{kind.section}.class '{name}' must be a subclass of spmd_rl.api.{kind.base}; got {cls!r}")
     return cls
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from spmd_rl.config import LayoutSection
-from spmd_rl.errors import UserError
+from spmd_rl.config.schema import LayoutSection
+from spmd_rl.runtime.errors import UserError
 
 TRAINER, INFERENCE, ENV, COLOCATED = "trainer", "inference", "env", "colocated"
 

@@ -1,8 +1,8 @@
-"""The env worker's story: step my envs with actions from my inference server, record the rollout, and hand each
-finished rollout segment to my trainer.
+"""The env runner: steps its envs with actions from its inference server, records the rollout, and hands each
+finished rollout segment to its trainer.
 
-One step is two halves (send observations / receive actions and step) so the colocated engine can run the
-inference server in between, in the same process, through local channels.
+One step is two halves (send observations / receive actions and step) so that in the colocated layout the
+inference server can run in between, in the same process, through local channels.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import time
 import numpy as np
 import torch
 
-from spmd_rl import spaces
-from spmd_rl.errors import UserCodeError, describe_exception
+from spmd_rl.envs import spaces
+from spmd_rl.envs.state import as_arrays, as_tensors, capture_env_state, restore_env_state
+from spmd_rl.runtime.errors import UserCodeError, describe_exception
 
 
-class EnvWorker:
+class EnvRunner:
     def __init__(self, envs, first_obs, to_inference, from_inference, to_trainer, num_steps: int,
-                 policy_outputs: list[str], describe: str = "env worker", env_id: str = "env"):
+                 policy_outputs: list[str], describe: str = "env runner", env_id: str = "env"):
         self.envs = envs
         self.num_steps = num_steps
         self.to_inference = to_inference
@@ -37,6 +38,9 @@ class EnvWorker:
         self.rollout = {key: spaces.numpy_views(value) for key, value in self.segment["rollout"].items()}
         self.next_obs_out = spaces.numpy_views(self.segment["next_obs"])
         self.versions = self.segment["policy_version"].numpy()
+        # The async engine's observations carry the index of the segment they belong to (see collect_segment).
+        message = to_inference.buffer
+        self.segment_index = message["segment"].numpy() if "segment" in message.keys() else None
         self._reply_views: dict[int, tuple] = {}
         self.obs = first_obs
         self.steps_taken = 0
@@ -125,32 +129,37 @@ class EnvWorker:
         self.to_trainer.send()
         self._reset_timers()
 
+    def collect_segment(self, index: int) -> None:
+        """One rollout acting on the inference server's replies (an env rank of the split layout), then the
+        segment to the trainer. `index` is the rollout's number (the iteration), which async observations carry."""
+        if self.segment_index is not None:
+            self.segment_index[0] = index  # observations are sent whole: the previous send is complete here
+        for t in range(self.num_steps):
+            self.send_observations(t)
+            self.receive_actions_and_step(t)
+        self.send_segment()
+
     def state_dict(self) -> dict:
         """Where the envs stand between rollouts (with their own state, see env_state.py): the observation the next
         step acts on, which envs' next step is a reset, the step counter."""
-        from spmd_rl.run_control import as_tensors
         return {"obs": as_tensors(self.obs), "next_step_valid": torch.from_numpy(self.next_step_valid.copy()),
                 "steps_taken": self.steps_taken}
 
     def load_state_dict(self, state: dict) -> None:
-        from spmd_rl.run_control import as_arrays
         self.obs = as_arrays(state["obs"])
         self.next_step_valid = state["next_step_valid"].numpy().copy()
         self.steps_taken = state["steps_taken"]
 
+    def checkpoint(self) -> dict:
+        """What a checkpoint holds of this runner: its envs' own state (None where it cannot be saved) and its
+        place between rollouts."""
+        return {"env": capture_env_state(self.envs), "worker": self.state_dict()}
+
+    def restore(self, state: dict) -> None:
+        # Envs whose state cannot be saved begin fresh episodes (said at start); the rest continue exactly.
+        if state["env"] is not None:
+            restore_env_state(self.envs, state["env"])
+            self.load_state_dict(state["worker"])
+
     def close(self) -> None:
         self.envs.close()
-
-
-def run_env_rank(worker: EnvWorker, iterations: range, after_iteration) -> None:
-    """A split-layout env rank: its schedule of sends and receives follows from the config alone.
-    after_iteration(iteration) is the run's end-of-iteration agreement (checkpoints, stops)."""
-    try:
-        for iteration in iterations:
-            for t in range(worker.num_steps):
-                worker.send_observations(t)
-                worker.receive_actions_and_step(t)
-            worker.send_segment()
-            after_iteration(iteration)
-    finally:
-        worker.close()

@@ -1,0 +1,148 @@
+"""Where a policy comes from and where it goes: built from the config (the same module on every rank), saved as
+policy.pt, and loaded back from a run directory, a checkpoint or a policy file (evaluation, `run.init_from`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from spmd_rl.config import plugins
+from spmd_rl.config.schema import Config, load_config
+from spmd_rl.envs.vector import EnvSpec, probe_env
+from spmd_rl.interfaces.policy import Policy
+from spmd_rl.persist.checkpoint import CHECKPOINTS_DIR, COMPLETE, find_checkpoint, load_checkpoint
+from spmd_rl.persist.fileio import torch_save_atomic
+from spmd_rl.run.evaluation import cuda_indices
+from spmd_rl.runtime.errors import UserError
+
+CONFIG_FILE = "config.yaml"
+POLICY_FILE = "policy.pt"
+CHECKPOINT_POLICY_KEY = "policy"  # rank 0's checkpoint file holds the Policy's state_dict under this key
+_RANK_FILE = re.compile(r"rank(\d+)\.pt")
+
+
+
+def build_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], device: torch.device | str = "cpu") -> Policy:
+    """The module inference ranks act with and trainer rank 0 broadcasts; the same initial module everywhere
+    (trainer 0's is the one that counts)."""
+    torch.manual_seed(cfg.train.seed)
+    return policy_cls(spec.observation_space, spec.action_space, cfg.policy).to(device)
+
+
+def save_policy(policy: Policy, run_dir: Path) -> None:
+    # Clones: with a weight sync, tensors of several dtypes are views of one byte bucket, which torch.save
+    # refuses; the file should hold plain tensors anyway.
+    torch_save_atomic({k: v.detach().clone() for k, v in policy.state_dict().items()}, run_dir / POLICY_FILE)
+
+
+def load_policy(path: str | Path, device: str | torch.device = "cpu", config_overrides=()):
+    """(policy, cfg): the trained Policy, in eval mode on `device`, and the run's Config (config.yaml with
+    `section.key=value` overrides). `path` is a run directory, a checkpoint directory (or a run's checkpoints/),
+    or a policy.pt / checkpoint rank0.pt file. Any failure is a one-line UserError naming the path."""
+    path = Path(path)
+    weights = _weights_location(path)
+    config_file = _config_next_to(weights)
+    device = _device(device)
+    state = _read_policy_state(weights)
+
+    try:  # the run's classes must still import (load_config imports a user's policy to read its Config)
+        cfg = load_config(config_file, list(config_overrides))
+        spec = probe_env(cfg.env)
+        policy_cls = plugins.load_class(plugins.POLICY, cfg.classes["policy"], Policy)
+    except UserError as exc:
+        raise UserError(str(exc) if str(config_file) in str(exc) else f"{config_file}: {exc}") from None
+    with torch.random.fork_rng(devices=cuda_indices(device)):  # build_policy seeds torch: keep the caller's RNG
+        policy = build_policy(cfg, spec, policy_cls, device)
+    try:
+        policy.load_state_dict(state)
+    except RuntimeError as exc:  # missing / unexpected keys, shape mismatches
+        detail = " ".join(str(exc).split())
+        detail = detail if len(detail) <= 300 else detail[:300] + " ..."
+        raise UserError(f"{weights}: its weights do not fit policy.class '{cfg.classes['policy']}' built from "
+                        f"{config_file} (was the config changed?): {detail}") from None
+    # An acting copy: no parameter needs grad, so act()'s outputs convert to numpy without a no_grad block.
+    return policy.eval().requires_grad_(False), cfg
+
+
+def read_trained_state(path: str | Path, with_algorithm: bool = False) -> tuple[dict, dict | None]:
+    """(the Policy's state_dict, the Algorithm's state or None) of a run directory, checkpoint or policy file:
+    what `run.init_from` starts a new run from. The algorithm's state exists only in checkpoints."""
+    path = Path(path)
+    # The algorithm's state lives in checkpoints: from a run directory, take its latest one, not policy.pt.
+    weights = find_checkpoint(path) if with_algorithm and path.is_dir() else _weights_location(path)
+    policy_state = _read_policy_state(weights)
+    if not with_algorithm:
+        return policy_state, None
+    checkpoint = weights if weights.is_dir() else (weights.parent if (weights.parent / COMPLETE).exists() else None)
+    if checkpoint is None:
+        raise UserError(f"run.init_algorithm=true needs a checkpoint, and {path} gives {weights} (a policy file "
+                        f"holds no algorithm state); point run.init_from at a checkpoint or its run directory")
+    return policy_state, load_checkpoint(checkpoint, rank=0)["algorithm"]
+
+
+# -- locating and reading the weights ----------------------------------------------------------------------------
+
+def _weights_location(path: Path) -> Path:
+    """The policy file or checkpoint directory that `path` means."""
+    if not path.exists():
+        raise UserError(f"{path} does not exist: give a run directory, a checkpoint directory or a {POLICY_FILE}")
+    if path.is_file():
+        return path
+    if (path / POLICY_FILE).is_file():
+        return path / POLICY_FILE
+    if (path / CONFIG_FILE).is_file() and not (path / CHECKPOINTS_DIR).is_dir():
+        raise UserError(f"run directory {path} holds no weights yet (no {POLICY_FILE}, no {CHECKPOINTS_DIR}/)")
+    return find_checkpoint(path)
+
+
+def _config_next_to(weights: Path) -> Path:
+    """The run's config.yaml: next to a policy file, or up in the run directory (a checkpoint directory is
+    <run dir>/checkpoints/iter_N, its rank files one level deeper)."""
+    start = weights if weights.is_dir() else weights.parent
+    for directory in (start, *list(start.parents)[:3]):
+        if (directory / CONFIG_FILE).is_file():
+            return directory / CONFIG_FILE
+    raise UserError(f"no {CONFIG_FILE} next to {weights} or in the run directory above it: the policy is built "
+                    f"from the run's config; copy the run's {CONFIG_FILE} next to the weights")
+
+
+def _read_policy_state(weights: Path) -> dict:
+    if weights.is_dir():
+        state = load_checkpoint(weights, rank=0)
+        source = weights / "rank0.pt"
+    else:
+        source = weights
+        match = _RANK_FILE.fullmatch(weights.name)
+        if match and (weights.parent / COMPLETE).exists():  # through the checkpoint's own size check
+            state = load_checkpoint(weights.parent, rank=int(match.group(1)))
+        else:
+            state = _torch_load(weights)
+    if isinstance(state, dict) and isinstance(state.get(CHECKPOINT_POLICY_KEY), dict):
+        state = state[CHECKPOINT_POLICY_KEY]
+    elif weights.is_dir() or _RANK_FILE.fullmatch(weights.name):
+        raise UserError(f"{source} holds no '{CHECKPOINT_POLICY_KEY}' entry: give the checkpoint directory (the "
+                        f"policy is in its rank0.pt)")
+    if not (isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values())):
+        raise UserError(f"{source} holds no policy weights (expected a Policy's state_dict, as policy.pt holds)")
+    return state
+
+
+def _torch_load(file: Path):
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for damaged or foreign files; each means the same here
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{file} cannot be read as weights ({first_line}): is it a complete {POLICY_FILE} or "
+                        f"checkpoint file?") from None
+
+
+def _device(name: str | torch.device) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"device '{name}' is not a torch device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device '{name}': CUDA is not available here; use --device cpu")
+    return device

@@ -1,0 +1,55 @@
+"""What happens on every trainer after every iteration: periodic evaluation, the metrics line, the callbacks.
+Only the first trainer (global rank 0) holds a MetricsLogger and writes."""
+
+from __future__ import annotations
+
+from spmd_rl.config.schema import Config
+from spmd_rl.interfaces.policy import Policy
+from spmd_rl.roles.trainer import Trainer
+from spmd_rl.run.evaluation import evaluate
+from spmd_rl.run.metrics import MetricsLogger
+from spmd_rl.run.plan import Plan
+
+
+class Reporter:
+    """report(iteration, metrics, statistics, trainer): evaluates when eval.every says so, builds the metrics.jsonl
+    line (rank 0), lets the callbacks see it and add to it, and writes it."""
+
+    def __init__(self, cfg: Config, plan: Plan, logger: MetricsLogger | None, callbacks: list, policy: Policy):
+        self.plan = plan
+        self.eval_cfg, self.env_cfg, self.seed = cfg.eval, cfg.env, cfg.train.seed
+        self.logger = logger
+        self.callbacks = callbacks
+        self.policy = policy
+
+    def __call__(self, iteration: int, metrics: dict, statistics: dict | None, trainer: Trainer) -> None:
+        env_steps = (iteration + 1) * self.plan.steps_per_iteration
+        logs = self.logger is not None and statistics is not None
+        if logs:  # the whole metrics.jsonl line, periodic evaluation included, is what the callbacks see here
+            if self.eval_cfg.every and (iteration + 1) % self.eval_cfg.every == 0:
+                metrics = {**metrics, **self.evaluate(iteration)}
+            times = {"time_learn_s": trainer.learn_s, "time_weight_sync_s": trainer.weight_sync_s}
+            record = self.logger.record(iteration, env_steps, metrics, statistics, times)
+        else:
+            record = {"iteration": iteration, "env_steps": env_steps, **metrics}
+        for callback in self.callbacks:
+            extra = callback.on_iteration_end(iteration, dict(record), trainer.algorithm)
+            if extra:
+                record.update({key: float(value) for key, value in extra.items()})
+        if logs:
+            self.logger.write(record)
+
+    def evaluate(self, iteration: int) -> dict[str, float]:
+        """Episodes on envs of their own, with a generator of their own: training's RNG streams are untouched."""
+        result = evaluate(self.policy, self.env_cfg, self.eval_cfg.episodes, seed=self.seed * 1_000_003 + iteration,
+                          deterministic=self.eval_cfg.deterministic)
+        return {"eval_return_mean": result["return_mean"], "eval_return_std": result["return_std"],
+                "eval_length_mean": result["length_mean"]}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint holds of the report: the logger's running statistics (rank 0), else nothing."""
+        return self.logger.state_dict() if self.logger is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.logger is not None:
+            self.logger.load_state_dict(state)

@@ -1,0 +1,305 @@
+"""The run as an engine sees it on one rank (`Run`): the plan, this rank's role, builders that hand out role
+components ready to use (channels open, state restored from the checkpoint the run resumes from), and the run's
+control points (the end-of-iteration agreement, the metrics report). Engines are loops over what it builds.
+
+Every builder keeps one order of the steps that draw random numbers (policy, algorithm, the rank's seed, envs,
+then the checkpoint's generators last), which is what makes a resumed run continue exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from spmd_rl.comm.channel import local_channel, open_channels
+from spmd_rl.comm.weights import WeightSync
+from spmd_rl.config.schema import Config
+from spmd_rl.envs.state import unsaved_env_reason
+from spmd_rl.envs.vector import EnvSpec, make_vector_env
+from spmd_rl.interfaces.algorithm import Algorithm, Context
+from spmd_rl.interfaces.policy import Policy, StepField
+from spmd_rl.persist.checkpoint import restore_rng_state
+from spmd_rl.persist.fileio import write_atomic
+from spmd_rl.persist.run_control import FINISHED, Resume, RunControl
+from spmd_rl.roles.env_runner import EnvRunner
+from spmd_rl.roles.inference_server import InferenceParts, InferenceServer, UniformActions
+from spmd_rl.roles.messages import action_message, observation_message, segment_message
+from spmd_rl.roles.trainer import Trainer
+from spmd_rl.run.metrics import MetricsLogger
+from spmd_rl.run.plan import Plan
+from spmd_rl.run.policies import build_policy, read_trained_state
+from spmd_rl.run.report import Reporter
+from spmd_rl.runtime.distributed import Runtime
+from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.topology import COLOCATED, ENV, INFERENCE, TRAINER, ProcessGroups, Topology
+from spmd_rl.storage.hdf5 import ExperienceLog
+
+@dataclass
+class Run:
+    """Everything an engine needs on one rank, resolved and validated before any process group existed.
+
+    An engine reads `plan`, `role`, `iterations`, `rank`, `cfg` and calls the builders and control points below;
+    the other fields are the parts they are built from."""
+    cfg: Config
+    plan: Plan
+    runtime: Runtime
+    topology: Topology
+    groups: ProcessGroups
+    spec: EnvSpec
+    outputs: dict[str, StepField]        # the policy's declared per-step outputs
+    run_dir: Path
+    policy_cls: type[Policy]
+    algorithm_cls: type[Algorithm]
+    callback_classes: list               # [(class, config)]
+    control: RunControl                  # the end-of-iteration agreement: checkpoints and stops
+    resume: Resume                       # where the run starts (a checkpoint every rank loads, or iteration 0)
+    final_policy: Policy | None = None   # rank 0's policy, saved as policy.pt at the end or on a stop
+
+    # -- where this rank stands ------------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.runtime.rank
+
+    @property
+    def role(self) -> str:
+        """COLOCATED, or in the split layout this rank's role: ENV, INFERENCE or TRAINER."""
+        return COLOCATED if self.topology.colocated else self.topology.role_of(self.rank)
+
+    @property
+    def iterations(self) -> range:
+        """The iterations this rank runs: from the one after the resumed checkpoint to the plan's last."""
+        return range(self.resume.start_iteration, self.plan.num_iterations)
+
+    def describe(self, rank: int | None = None) -> str:
+        """'rank 2 (env 0)': how messages name a rank (this one by default)."""
+        return self.topology.describe(self.rank if rank is None else rank)
+
+    # -- control points --------------------------------------------------------------------------------------------
+
+    def end_iteration(self, iteration: int, capture: Callable[[], dict]) -> None:
+        """The end-of-iteration agreement of all ranks: a checkpoint (capture() is this rank's part of it) and a
+        stop on a signal happen here, at iterations every rank computes alike. Every rank must call it after the
+        same iterations."""
+        self.control.after_iteration(iteration, capture)
+
+    def verifies(self, version: int) -> bool:
+        """Whether weights of this version are checked against trainer 0's checksums (weights.verify_every)."""
+        every = self.cfg.weights.verify_every
+        return bool(every) and version % every == 0
+
+    def with_metrics(self, run_role: Callable[[MetricsLogger | None], None]) -> Policy | None:
+        """Run this rank's role, run_role(logger), with rank 0 logging metrics.jsonl (logger None elsewhere); the
+        logger writes its summary only when the role finished. Returns the policy trainer rank 0 saves."""
+        logger = None
+        if self.rank == 0:
+            plan, log = self.plan, self.cfg.log
+            logger = MetricsLogger(self.run_dir, plan.num_iterations * plan.steps_per_iteration, log.progress,
+                                   log.interval_s, log.tensorboard,
+                                   resumed_env_steps=self.resume.start_iteration * plan.steps_per_iteration)
+        finished = False
+        try:
+            run_role(logger)
+            finished = True
+        finally:
+            if logger is not None:
+                logger.close(summary=finished)
+        return self.final_policy
+
+    # -- role components -------------------------------------------------------------------------------------------
+
+    def build_colocated(self, logger: MetricsLogger | None) -> tuple[EnvRunner, InferenceServer, Trainer, Reporter]:
+        """The colocated layout: this rank's envs, its own policy copy (the trainer's module is the one that acts)
+        and data-parallel learning across ranks, joined by local channels."""
+        cfg, plan, rank = self.cfg, self.plan, self.rank
+        group = self.groups.trainer if self.runtime.world_size > 1 else None
+        policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
+        algorithm, callbacks = self._build_algorithm(policy, group)
+        envs, first_obs = make_vector_env(cfg.env, self.spec, self._seed_rank())
+        n, t = cfg.env.num_envs, plan.num_steps
+        obs_out, obs_in = local_channel("observations", observation_message(self.spec, n))
+        actions_out, actions_in = local_channel("actions", action_message(self.outputs, n))
+        segments_out, segments_in = local_channel("segments", segment_message(self.spec, self.outputs, t, n))
+        runner = EnvRunner(envs, first_obs, obs_out, actions_in, segments_out, t, list(self.outputs),
+                           describe=f"rank {rank}", env_id=cfg.env.id)
+        server = InferenceServer(policy, [obs_in], [actions_out], self.runtime.device,
+                                 uniform_actions=self._uniform_actions())
+        trainer = Trainer(algorithm, [segments_in], [f"rank {rank}"], plan.max_env_columns_per_trainer * t, group,
+                          experience_log=self._experience_log(), describe=f"rank {rank}",
+                          timeout=self.runtime.timeout, skip_nonfinite_updates=cfg.train.skip_nonfinite_updates,
+                          policy=policy)
+        report = Reporter(cfg, plan, logger, callbacks, policy)
+        self._say_if_env_state_unsaved(runner)
+        state = self._load_checkpoint()
+        if state is None:
+            self._init_from(policy, algorithm)
+        else:
+            trainer.load_state_dict(state)
+            report.load_state_dict(state["metrics"])
+            runner.restore(state)
+            restore_rng_state(state["rng"])  # last: building the envs above drew from the generators
+        if rank == 0:
+            self.final_policy = policy
+        return runner, server, trainer, report
+
+    def build_env_runner(self, observation_layout=observation_message) -> EnvRunner:
+        """A split-layout env rank's runner: its envs, its channels (observations to its inference rank and actions
+        back, segments to its trainer). observation_layout(spec, num_envs) lays out the observation message."""
+        cfg, topology, spec, rank = self.cfg, self.topology, self.spec, self.rank
+        inference, trainer = topology.env_to_inference[rank], topology.env_to_trainer[rank]
+        n, t = cfg.env.num_envs, self.plan.num_steps
+        envs, first_obs = make_vector_env(cfg.env, spec, self._seed_rank())
+        (to_inference, to_trainer), (from_inference,) = open_channels(
+            me=rank,
+            sends=[(inference, "observations", observation_layout(spec, n)),
+                   (trainer, "segments", segment_message(spec, self.outputs, t, n))],
+            recvs=[(inference, "actions", action_message(self.outputs, n))],
+            describe_rank=topology.describe, timeout=self.runtime.timeout)
+        runner = EnvRunner(envs, first_obs, to_inference, from_inference, to_trainer, t, list(self.outputs),
+                           describe=self.describe(), env_id=cfg.env.id)
+        self._say_if_env_state_unsaved(runner)
+        state = self._load_checkpoint()
+        if state is not None:
+            runner.restore(state)
+            restore_rng_state(state["rng"])
+        return runner
+
+    def build_inference_server(self) -> InferenceServer:
+        """A split-layout inference rank's server for the sync engine (fixed order, one forward pass a step)."""
+        parts = self.inference_parts()
+        return InferenceServer(parts.policy, parts.obs_channels, parts.action_channels, self.runtime.device,
+                               parts.weight_sync, uniform_actions=parts.uniform_actions)
+
+    def inference_parts(self, observation_layout=observation_message, recv_buffers: int = 1) -> InferenceParts:
+        """An inference rank's policy (its weights come from trainer 0), weight sync and channels to and from its
+        env ranks, for an engine that serves in its own way."""
+        cfg, topology, rank = self.cfg, self.topology, self.rank
+        served = topology.envs_served_by(rank)
+        n = cfg.env.num_envs
+        policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
+        weight_sync = self._weight_sync(policy)
+        self._seed_rank()
+        action_channels, obs_channels = open_channels(
+            me=rank,
+            sends=[(env, "actions", action_message(self.outputs, n)) for env in served],
+            recvs=[(env, "observations", observation_layout(self.spec, n)) for env in served],
+            describe_rank=topology.describe, timeout=self.runtime.timeout, num_recv_buffers=recv_buffers)
+        state = self._load_checkpoint()
+        if state is not None:
+            restore_rng_state(state["rng"])  # the weights come from trainer 0
+        return InferenceParts(policy, weight_sync, obs_channels, action_channels, self._uniform_actions())
+
+    def build_trainer(self, logger: MetricsLogger | None, recv_buffers: int = 1) -> tuple[Trainer, Reporter]:
+        """A split-layout trainer rank's trainer (trainer 0's also publishes weights) and its report.
+        recv_buffers: segment receives an engine may keep posted per env rank."""
+        cfg, plan, topology, rank = self.cfg, self.plan, self.topology, self.rank
+        sources = topology.envs_trained_by(rank)
+        n, t = cfg.env.num_envs, plan.num_steps
+        group = self.groups.trainer if len(topology.trainer_ranks) > 1 else None
+        policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
+        # Built before the optimizer and DDP: it points the parameters into its flat buckets.
+        weight_sync = self._weight_sync(policy) if rank == topology.trainer_ranks[0] else None
+        algorithm, callbacks = self._build_algorithm(policy, group)
+        self._seed_rank()
+        _, segment_channels = open_channels(
+            me=rank, sends=[],
+            recvs=[(env, "segments", segment_message(self.spec, self.outputs, t, n)) for env in sources],
+            describe_rank=topology.describe, timeout=self.runtime.timeout, num_recv_buffers=recv_buffers)
+        trainer = Trainer(algorithm, segment_channels, [topology.describe(e) for e in sources],
+                          plan.max_env_columns_per_trainer * t, group, weight_sync, self._experience_log(),
+                          describe=self.describe(), timeout=self.runtime.timeout,
+                          skip_nonfinite_updates=cfg.train.skip_nonfinite_updates, policy=policy)
+        report = Reporter(cfg, plan, logger, callbacks, policy)
+        state = self._load_checkpoint()
+        if state is None:
+            self._init_from(policy, algorithm)
+        else:
+            trainer.load_state_dict(state)
+            report.load_state_dict(state["metrics"])
+            restore_rng_state(state["rng"])
+        if rank == 0:
+            self.final_policy = policy
+        return trainer, report
+
+    # -- the parts the builders share ------------------------------------------------------------------------------
+
+    def _seed_rank(self) -> int:
+        # Distinct, reproducible streams per rank: each rank's envs get seeds seed*1000003 + rank*num_envs + i.
+        cfg = self.cfg
+        torch.manual_seed(cfg.train.seed * 1_000_003 + self.rank)
+        return cfg.train.seed * 1_000_003 + self.rank * cfg.env.num_envs
+
+    def _load_checkpoint(self) -> dict | None:
+        """This rank's state in the checkpoint the run resumes from, or None for a fresh start."""
+        if self.resume.checkpoint is None:
+            return None
+        return self.control.store.load(self.resume.checkpoint, self.rank, map_location=self.runtime.device)
+
+    def _context(self, group) -> Context:
+        topology = self.topology
+        trainers = topology.trainer_ranks if not topology.colocated else list(range(self.runtime.world_size))
+        return Context(rank=self.rank, trainer_index=trainers.index(self.rank), num_trainers=len(trainers),
+                       group=group, device=self.runtime.device, timeout=self.runtime.timeout, run_dir=self.run_dir,
+                       seed=self.cfg.train.seed, num_iterations=self.plan.num_iterations,
+                       steps_per_iteration=self.plan.steps_per_iteration,
+                       observation_space=self.spec.observation_space, action_space=self.spec.action_space,
+                       buffer=self.cfg.buffer)
+
+    def _build_algorithm(self, policy: Policy, group) -> tuple[Algorithm, list]:
+        context = self._context(group)
+        algorithm = self.algorithm_cls(policy, self.cfg.algo, context)
+        callbacks = [cls(config, context) for cls, config in self.callback_classes]
+        return algorithm, callbacks
+
+    def _weight_sync(self, policy: Policy) -> WeightSync:
+        topology, runtime = self.topology, self.runtime
+        return WeightSync(policy, self.groups.weights, src=topology.trainer_ranks[0], me=runtime.rank,
+                          bucket_bytes=int(self.cfg.weights.bucket_mb * 2**20), timeout=runtime.timeout,
+                          describe_rank=topology.describe)
+
+    def _uniform_actions(self) -> UniformActions | None:
+        return UniformActions(self.spec.action_space, self.outputs) if self.plan.explore_iterations else None
+
+    def _experience_log(self) -> ExperienceLog | None:
+        buffer = self.cfg.buffer
+        if not buffer.log_experience:
+            return None
+        example = segment_message(self.spec, self.outputs, self.plan.num_steps, self.cfg.env.num_envs)["rollout"]
+        return ExperienceLog(self.run_dir, self.rank, example, chunk_rows=buffer.chunk_rows,
+                             compression=buffer.h5_compression, flush_every_s=buffer.flush_every_s)
+
+    def _init_from(self, policy: Policy, algorithm: Algorithm) -> None:
+        """run.init_from: a new run starts from trained weights (and, with run.init_algorithm, the algorithm's
+        state)."""
+        run = self.cfg.run
+        if not run.init_from:
+            return
+        policy_state, algorithm_state = read_trained_state(run.init_from, with_algorithm=run.init_algorithm)
+        try:
+            policy.load_state_dict(policy_state)
+            if algorithm_state is not None:
+                algorithm.load_state_dict(algorithm_state)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise UserError(f"run.init_from={run.init_from}: its state does not fit policy.class "
+                            f"'{self.cfg.classes['policy']}' / algo.class '{self.cfg.classes['algo']}' with this "
+                            f"config: {' '.join(str(exc).split())[:300]}") from None
+
+    def _say_if_env_state_unsaved(self, runner: EnvRunner) -> None:
+        """Once per run (the first rank with envs): a checkpoint cannot hold these envs' state, so a resume begins
+        fresh episodes."""
+        first = 0 if self.topology.colocated else self.topology.env_ranks[0]
+        reason = unsaved_env_reason(runner.envs) if self.rank == first else None
+        if reason:
+            print(f"spmd_rl: note: {reason}", flush=True)
+
+
+def mark_finished(run_dir: Path) -> None:
+    """A finished run's directory is never resumed (run_control.decide_resume)."""
+    write_atomic(run_dir / FINISHED, json.dumps({"finished": True}) + "\n")
+
+
+__all__ = ["COLOCATED", "ENV", "INFERENCE", "TRAINER", "InferenceParts", "Run", "mark_finished"]
