@@ -16,7 +16,7 @@ import time
 import torch
 
 from common import machine, run_spmd, table
-from spmd_rl.config.schema import load_config
+from spmd_rl.config.loading import load_config
 
 SOLVED = 475.0
 BUDGET = 100_000

@@ -17,7 +17,8 @@ a preflight checks that. Each case writes its run to <out>/<case> (run.dir) and 
 
 What is compared, per case: the number of metrics.jsonl lines, each line's keys, each line's values except the
 timing keys (names starting with `time_`, containing `sps`, or ending in `_s`: wall_s, cpu_s, time_env_s, ...),
-policy.pt's sha256 (and, when it differs, whether the tensors are equal), and for HDF5 runs the contents of
+policy.pt's sha256 (and, when it differs, whether the tensors are equal), config.yaml (the resolved config, but
+run.dir), and for HDF5 runs the contents of
 buffer/*.h5 (every dataset's bytes and the file attributes except writer_pid/writer_host). Cases marked
 timing-dependent (the async engine with max_policy_lag > 0) report their differences without failing; their
 line count and keys must still match. Exit code 0 when nothing that counts differs.
@@ -52,6 +53,8 @@ CASES: dict[str, tuple[str, list[str], int, bool]] = {
     "sac-pendulum-memory": ("configs/sac_pendulum.yaml", [*SAC_SHORT, "buffer.backend=memory"], 0, False),
     "sac-pendulum-hdf5-log": ("configs/sac_pendulum.yaml",
                               [*SAC_SHORT, "buffer.backend=hdf5", "buffer.log_experience=true"], 0, False),
+    "sac-split4-hdf5-log": ("configs/sac_pendulum.yaml",
+                            [*SAC_SHORT, *SPLIT4, "buffer.backend=hdf5", "buffer.log_experience=true"], 4, False),
     "async-lag0-split4": (TINY, ["train.total_steps=512", *SPLIT4, "engine.class=async",
                                  "engine.max_policy_lag=0"], 4, False),
     "async-lag2-vtrace-split4": (TINY, ["train.total_steps=512", *SPLIT4, "engine.class=async",
@@ -78,7 +81,8 @@ def child_env(tree: Path) -> dict:
 
 def command(tree: Path, out: Path, case: str) -> list[str]:
     config, overrides, nproc, _ = CASES[case]
-    args = ["-m", "spmd_rl.main", "--config", str(tree / config), *overrides, *COMMON, f"run.dir={out / case}"]
+    # config relative to cwd=<tree>: the command lines of two trees differ only in run.dir
+    args = ["-m", "spmd_rl.main", "--config", config, *overrides, *COMMON, f"run.dir={out / case}"]
     if not nproc:
         return [sys.executable, *args]
     torchrun = Path(sys.executable).parent / "torchrun"
@@ -159,6 +163,25 @@ def same_tensors(a: Path, b: Path) -> bool:
     return sa.keys() == sb.keys() and all(same(sa[k], sb[k]) for k in sa)
 
 
+def resolved_config(run_dir: Path) -> dict | None:
+    """config.yaml flattened to dotted keys, without run.dir (it names the output directory)."""
+    import yaml
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return None
+    flat: dict = {}
+
+    def walk(prefix: str, node) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            flat[prefix[:-1]] = node
+    walk("", yaml.safe_load(path.read_text()))
+    flat.pop("run.dir", None)
+    return flat
+
+
 def h5_digest(path: Path) -> dict:
     """Dataset name -> (shape, dtype, sha256 of bytes); plus the file attributes that do not name the writer."""
     import h5py
@@ -181,7 +204,7 @@ def compare_case(a: Path, b: Path, case: str, timing_dependent: bool, ignored: s
     notes, fail = [], False
     ra, rb = read_records(a / case), read_records(b / case)
     if ra is None or rb is None:
-        return {"lines": "-", "metrics": "MISSING", "policy": "-", "buffer": "-", "fail": True,
+        return {"lines": "-", "metrics": "MISSING", "policy": "-", "config": "-", "buffer": "-", "fail": True,
                 "notes": [f"metrics.jsonl missing in {a / case if ra is None else b / case}"]}
     lines = f"{len(ra)}" if len(ra) == len(rb) else f"{len(ra)} vs {len(rb)}"
     structural = len(ra) != len(rb)
@@ -217,6 +240,16 @@ def compare_case(a: Path, b: Path, case: str, timing_dependent: bool, ignored: s
         policy = "no (tensors equal)" if same_tensors(a / case / "policy.pt", b / case / "policy.pt") else "no"
         fail = fail or not timing_dependent
 
+    ca, cb = resolved_config(a / case), resolved_config(b / case)
+    if ca is None or cb is None:
+        config, fail = "MISSING", True
+    elif ca == cb:
+        config = "yes"
+    else:
+        config, fail = "NO", True
+        notes.append("config.yaml differs: " + ", ".join(
+            f"{k}: {ca.get(k)!r} vs {cb.get(k)!r}" for k in sorted(ca.keys() | cb.keys()) if ca.get(k) != cb.get(k)))
+
     files_a = sorted(p.name for p in (a / case / "buffer").glob("*.h5"))
     files_b = sorted(p.name for p in (b / case / "buffer").glob("*.h5"))
     if not files_a and not files_b:
@@ -231,7 +264,8 @@ def compare_case(a: Path, b: Path, case: str, timing_dependent: bool, ignored: s
             fail = fail or not timing_dependent
     if timing_dependent and (differing_lines or buffer.startswith("no") or policy.startswith("no")):
         notes.append("timing-dependent case: differences reported, not counted")
-    return {"lines": lines, "metrics": metrics, "policy": policy, "buffer": buffer, "notes": notes, "fail": fail}
+    return {"lines": lines, "metrics": metrics, "policy": policy, "config": config, "buffer": buffer,
+            "notes": notes, "fail": fail}
 
 
 def compare(a: Path, b: Path) -> bool:
@@ -246,10 +280,10 @@ def compare(a: Path, b: Path) -> bool:
         verdict = compare_case(a, b, case, CASES[case][3], ignored)
         ok = ok and not verdict["fail"]
         rows.append([case + (" (timing-dependent)" if CASES[case][3] else ""), verdict["lines"], verdict["metrics"],
-                     verdict["policy"], verdict["buffer"], "FAIL" if verdict["fail"] else "ok"])
+                     verdict["policy"], verdict["config"], verdict["buffer"], "FAIL" if verdict["fail"] else "ok"])
         all_notes += [f"  {case}: {n}" for n in verdict["notes"]]
-    print(table(["case", "lines", "metrics identical?", "policy.pt identical?", "buffer/*.h5 identical?", "verdict"],
-                rows))
+    print(table(["case", "lines", "metrics identical?", "policy.pt identical?", "config.yaml same?",
+                 "buffer/*.h5 identical?", "verdict"], rows))
     print(f"timing keys ignored: {', '.join(sorted(ignored)) or '(none)'}")
     if all_notes:
         print("notes:\n" + "\n".join(all_notes))

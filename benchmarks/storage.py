@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from spmd_rl.storage.hdf5 import HDF5Writer
+from spmd_rl.storage.writer import HDF5Writer
 from spmd_rl.storage.replay import ReplayBuffer
 
 OBS_DIM, ACTION_DIM = 17, 6

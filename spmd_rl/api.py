@@ -17,9 +17,13 @@ Context    What the framework hands an Algorithm so it never writes distributed 
            timeout, run directory, and helpers (data parallelism, gradient averaging, bounded collectives,
            a sharded replay buffer, normalizer merging).
 Callback   Called on trainer ranks after every iteration; may add scalars to metrics.jsonl and TensorBoard.
-Engine     Drives the role loops (`engine.class: sync`).
+Engine     The loops one rank runs for the whole run (`engine.class: sync`, `async`, or module:Class). Its
+           `run(run)` gets a `Run`: the plan, this rank's role, builders of the role components (EnvRunner,
+           InferenceServer, Trainer, each with its channels open and its state restored) and the run's control
+           points (`end_iteration` for checkpoints and stops, the report for metrics and callbacks). The built-in
+           engines (spmd_rl/engines/) are written with exactly these names; see docs/architecture.md.
 
-Each class has a `Config` dataclass of its own keys (see spmd_rl.config.schema.knob): they are validated like every
+Each class has a `Config` dataclass of its own keys (see spmd_rl.config.sections.knob): they are validated like every
 other key (unknown key: exit 2 with a did-you-mean), listed by `--help`, saved in config.yaml.
 
 What an Algorithm's `learn` receives, per iteration, from its env ranks (a TensorDict, batch_size []):
@@ -34,11 +38,38 @@ T is algo.num_steps; N counts the env columns of all env ranks this trainer lear
 """
 from __future__ import annotations
 
-from spmd_rl.config.schema import AlgorithmConfig, NoConfig, knob
-from spmd_rl.interfaces.algorithm import Algorithm, Callback, Context, PlanFacts, Schedule
+import importlib
+
+from spmd_rl.config.sections import AlgorithmConfig, NoConfig, knob
+from spmd_rl.interfaces.algorithm import Algorithm, Callback, PlanFacts, Schedule
+from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.interfaces.policy import ENV_FIELDS, Policy, StepField, describe_outputs
 from spmd_rl.runtime.errors import UserCodeError, UserError
 
+# What an engine is written with. Imported when first used: they pull in tensordict (seconds: torch._dynamo), and
+# a user's policy or algorithm module imports this one to answer --help and config errors at once.
+_ENGINE_TYPES = {
+    "Run": "spmd_rl.run.setup", "COLOCATED": "spmd_rl.run.setup", "ENV": "spmd_rl.run.setup",
+    "INFERENCE": "spmd_rl.run.setup", "TRAINER": "spmd_rl.run.setup",
+    "Plan": "spmd_rl.run.plan", "Reporter": "spmd_rl.run.report", "MetricsLogger": "spmd_rl.run.metrics",
+    "EnvRunner": "spmd_rl.roles.env_runner", "InferenceServer": "spmd_rl.roles.inference_server",
+    "InferenceParts": "spmd_rl.roles.inference_server", "UniformActions": "spmd_rl.roles.inference_server",
+    "Trainer": "spmd_rl.roles.trainer", "PolicyLagError": "spmd_rl.roles.trainer",
+    "combine_segments": "spmd_rl.roles.trainer", "observation_message": "spmd_rl.roles.messages",
+    "action_message": "spmd_rl.roles.messages", "segment_message": "spmd_rl.roles.messages",
+    "evaluate": "spmd_rl.run.evaluation",
+}
+
 __all__ = ["Algorithm", "AlgorithmConfig", "Callback", "Context", "Engine", "ENV_FIELDS", "NoConfig", "PlanFacts",
-           "Policy", "Schedule", "StepField", "UserCodeError", "UserError", "describe_outputs", "knob"]
+           "Policy", "Schedule", "StepField", "UserCodeError", "UserError", "describe_outputs", "knob",
+           *_ENGINE_TYPES]
+
+
+def __getattr__(name: str):
+    module = _ENGINE_TYPES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'spmd_rl.api' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
-from spmd_rl.storage.hdf5 import DAMAGED_FILE_ERRORS, HDF5Reader, damaged, describe_field
+from spmd_rl.storage.h5file import DAMAGED_FILE_ERRORS, damaged
+from spmd_rl.storage.reader import HDF5Reader
+from spmd_rl.storage.schema import describe_field
 
 EPISODE_END_KEYS = ("done", "terminated", "truncated")
 SCAN_ROWS = 1 << 20  # read columns in slices this long, so inspecting a huge file needs little memory

@@ -24,7 +24,7 @@ from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
 from spmd_rl.algorithms.configs import PPOConfig
 from spmd_rl.algorithms.ppo import PPO
-from spmd_rl.config.schema import knob
+from spmd_rl.config.sections import knob
 
 
 class FaultyCartPole(CartPoleEnv):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from spmd_rl.config.schema import Config, load_config
+from spmd_rl.config.loading import load_config
+from spmd_rl.config.sections import Config
 from spmd_rl.runtime.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +116,7 @@ def test_plan_rejects_unequal_trainer_shares_and_indivisible_sac_batches():
     from spmd_rl.algorithms.ppo import PPO
     from spmd_rl.algorithms.sac import SAC
     from spmd_rl.run.plan import plan_run
-    from spmd_rl.runtime.topology import build_topology
+    from spmd_rl.run.topology import build_topology
 
     split = ["layout.mode=split", "layout.trainer=2", "layout.inference=1"]
     cfg = load_config(None, split + ["layout.env=3"])
@@ -202,7 +203,7 @@ def test_absurd_sizes_and_times_are_out_of_range(override, message):
 
 
 def test_list_items_are_range_checked_by_item_min():
-    from spmd_rl.config.schema import _check_value, knob
+    from spmd_rl.config.sections import _check_value, knob
 
     widths = knob(None, "hidden layer widths", item_min=1, factory=list).metadata
     assert _check_value("policy.hidden_sizes", [64, 64], list[int], widths) == [64, 64]

@@ -27,7 +27,8 @@ from multiproc import assert_all_ok, run_ranks
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.persist.fileio import LineAppender, make_dirs, write_atomic
 from spmd_rl.run.metrics import MetricsLogger
-from spmd_rl.storage.hdf5 import HDF5Reader, HDF5Writer
+from spmd_rl.storage.reader import HDF5Reader
+from spmd_rl.storage.writer import HDF5Writer
 
 PYTHON = sys.executable
 ROWS_PER_APPEND = 8  # a rollout of 4 steps x 2 envs
@@ -44,7 +45,7 @@ def rollout(first):
 
 APPEND_UNTIL_KILLED = ROLLOUT + textwrap.dedent("""
     import random, sys, time
-    from spmd_rl.storage.hdf5 import ExperienceLog
+    from spmd_rl.storage.experience_log import ExperienceLog
     log = ExperienceLog(sys.argv[1], 0, rollout(0), flush_every_s=float(sys.argv[2]))
     pause = random.Random(int(sys.argv[3]))
     rows = 0
@@ -105,7 +106,7 @@ STOPPED_BY_SIGNAL = ROLLOUT + textwrap.dedent("""
     from spmd_rl.runtime.errors import StopSignal
     from spmd_rl.persist.fileio import flush_open_files
     from spmd_rl.runtime.distributed import install_signal_handlers
-    from spmd_rl.storage.hdf5 import ExperienceLog
+    from spmd_rl.storage.experience_log import ExperienceLog
     install_signal_handlers()
     log = ExperienceLog(sys.argv[1], 0, rollout(0), flush_every_s=float("inf"))  # only a flush writes
     rows = 0
@@ -173,7 +174,7 @@ FILL_THE_DISK = textwrap.dedent("""
     from tensordict import TensorDict
     from spmd_rl.runtime.errors import UserError
     from spmd_rl.persist.fileio import LineAppender, flush_open_files, torch_save_atomic, write_atomic
-    from spmd_rl.storage.hdf5 import HDF5Writer
+    from spmd_rl.storage.writer import HDF5Writer
     run = Path(sys.argv[1])
     if len(sys.argv) > 2:  # a file size limit stands in for a full disk: writes past it fail with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]),) * 2)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from spmd_rl.persist.checkpoint import CheckpointStore
-from spmd_rl.config.schema import load_config
+from spmd_rl.config.loading import load_config
 from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
 from spmd_rl.evaluate import evaluate, load_policy, main
 from spmd_rl.run.evaluation import _quotas

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from spmd_rl.api import Policy, StepField
-from spmd_rl.config.schema import knob
+from spmd_rl.config.sections import knob
 
 
 @dataclass
@@ -116,7 +116,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from spmd_rl.config.schema import knob
+from spmd_rl.config.sections import knob
 from spmd_rl.modules.configs import SquashedGaussianConfig
 from spmd_rl.modules.sac_networks import SquashedGaussianActor
 
@@ -149,7 +149,7 @@ from typing import ClassVar
 import torch
 
 from spmd_rl.api import Algorithm, AlgorithmConfig
-from spmd_rl.config.schema import knob
+from spmd_rl.config.sections import knob
 
 
 @dataclass

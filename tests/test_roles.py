@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from spmd_rl.comm.channel import local_channel
-from spmd_rl.config.schema import EnvSection
+from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.vector import EnvSpec, make_vector_env, probe_env
 from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.algorithms.sac import transitions_of

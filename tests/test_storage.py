@@ -15,7 +15,9 @@ from tensordict import TensorDict
 
 from spmd_rl import data
 from spmd_rl.runtime.errors import UserError
-from spmd_rl.storage.hdf5 import ExperienceLog, HDF5Reader, HDF5Writer
+from spmd_rl.storage.experience_log import ExperienceLog
+from spmd_rl.storage.reader import HDF5Reader
+from spmd_rl.storage.writer import HDF5Writer
 
 PYTHON = sys.executable
 
@@ -165,7 +167,7 @@ def test_rows_that_do_not_fit_the_layout_are_user_errors(tmp_path):
 WRITER_SCRIPT = textwrap.dedent("""
     import sys, torch
     from tensordict import TensorDict
-    from spmd_rl.storage.hdf5 import HDF5Writer
+    from spmd_rl.storage.writer import HDF5Writer
     writer = HDF5Writer(sys.argv[1], {"id": ((), "int64"), "obs": ((4,), "float32")}, chunk_rows=64)
     row = 0
     while True:  # until killed: every append is one whole chunk, so it is written and committed at once
@@ -206,7 +208,7 @@ def test_kill_9_mid_append_keeps_every_flushed_row(tmp_path):
 TORN_WRITE_SCRIPT = textwrap.dedent("""
     import os, sys, h5py, torch
     from tensordict import TensorDict
-    from spmd_rl.storage.hdf5 import HDF5Writer
+    from spmd_rl.storage.writer import HDF5Writer
 
     def rows(first, stop):
         ids = torch.arange(first, stop)
@@ -248,7 +250,7 @@ def test_a_ring_write_cut_short_leaves_no_torn_rows(tmp_path):
 READER_SCRIPT = textwrap.dedent("""
     import sys, time
     import numpy as np
-    from spmd_rl.storage.hdf5 import HDF5Reader
+    from spmd_rl.storage.reader import HDF5Reader
     reader = HDF5Reader(sys.argv[1])
     print(len(reader), flush=True)
     deadline = time.monotonic() + 30

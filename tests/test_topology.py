@@ -2,9 +2,9 @@
 
 import pytest
 
-from spmd_rl.config.schema import LayoutSection
+from spmd_rl.config.sections import LayoutSection
 from spmd_rl.runtime.errors import UserError
-from spmd_rl.runtime.topology import build_topology
+from spmd_rl.run.topology import build_topology
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8, 16])

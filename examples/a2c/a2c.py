@@ -12,8 +12,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
-from spmd_rl.api import Algorithm, AlgorithmConfig
-from spmd_rl.config.schema import knob
+from spmd_rl.api import Algorithm, AlgorithmConfig, knob
 
 
 @dataclass

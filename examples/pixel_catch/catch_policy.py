@@ -12,8 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from spmd_rl.api import Policy, StepField
-from spmd_rl.config.schema import knob
+from spmd_rl.api import Policy, StepField, knob
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from spmd_rl.config.schema import AlgorithmConfig, knob
+from spmd_rl.config.sections import AlgorithmConfig, knob
 
 
 @dataclass

@@ -17,9 +17,10 @@ from torch import Tensor, nn
 
 from spmd_rl.algorithms.configs import PPOConfig
 from spmd_rl.algorithms.vtrace import vtrace
-from spmd_rl.api import Algorithm, Context, PlanFacts, Policy, Schedule
+from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, Schedule
+from spmd_rl.interfaces.context import Context
+from spmd_rl.interfaces.policy import Policy
 from spmd_rl.runtime.errors import UserError
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Advantages

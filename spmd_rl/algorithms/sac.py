@@ -22,10 +22,11 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from spmd_rl.algorithms.configs import SACConfig
-from spmd_rl.api import Algorithm, Context, PlanFacts, Schedule
-from spmd_rl.runtime.errors import UserError
-from spmd_rl.modules.sac_networks import SquashedGaussianActor, TwinQ
 from spmd_rl.envs.spaces import zeros_of
+from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, Schedule
+from spmd_rl.interfaces.context import Context
+from spmd_rl.modules.sac_networks import SquashedGaussianActor, TwinQ
+from spmd_rl.runtime.errors import UserError
 
 
 def transitions_of(segment: TensorDict) -> TensorDict:

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
-from spmd_rl.runtime.errors import CommError
 from spmd_rl.runtime.distributed import Peer, comm_error, wait
+from spmd_rl.runtime.errors import CommError
 
 HEADER_BYTES = 16   # int64 sequence number, int64 layout digest
 ALIGNMENT = 64      # leaf offsets in the flat buffer: any dtype's alignment, and whole cache lines

@@ -12,7 +12,6 @@ import os
 import sys
 from dataclasses import dataclass
 
-from spmd_rl.config.schema import NoConfig
 from spmd_rl.runtime.errors import UserError
 
 
@@ -34,7 +33,7 @@ POLICY = Kind("policy", "policy", "Policy", {
                           "spmd_rl.modules.configs:SquashedGaussianConfig"),
 })
 ENGINE = Kind("engine", "engine", "Engine", {
-    "sync": ("spmd_rl.engines.sync:SyncEngine", "spmd_rl.config.schema:NoConfig"),
+    "sync": ("spmd_rl.engines.sync:SyncEngine", "spmd_rl.config.sections:NoConfig"),
     "async": ("spmd_rl.engines.asynchronous:AsyncEngine", "spmd_rl.engines.configs:AsyncEngineConfig"),
 })
 CALLBACK = Kind("callbacks", "callback", "Callback", {})
@@ -60,7 +59,7 @@ def config_class(kind: Kind, name: str) -> type:
     cls = load_class(kind, name)
     config = getattr(cls, "Config", None)
     if config is None:
-        from spmd_rl.config.schema import NoConfig
+        from spmd_rl.config.sections import NoConfig
         return NoConfig
     if not (isinstance(config, type) and dataclasses.is_dataclass(config)):
         raise UserError(f"{kind.section}.class '{name}': its Config attribute must be a dataclass (the class's own "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spmd_rl.config.schema import knob
+from spmd_rl.config.sections import knob
 
 
 @dataclass

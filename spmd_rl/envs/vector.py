@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import gymnasium as gym
 from gymnasium.wrappers import vector as vector_wrappers
 
-from spmd_rl.config.schema import EnvSection
+from spmd_rl.config.sections import EnvSection
 from spmd_rl.runtime.errors import UserError
 
 

@@ -2,20 +2,39 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from spmd_rl.config.schema import NoConfig
+from spmd_rl.config.sections import NoConfig
+
+if TYPE_CHECKING:  # annotations only: the run and its components are built above this layer
+    from spmd_rl.interfaces.policy import Policy
 
 
 class Engine:
-    """Drives the role loops of one run on this rank. The sync engine (spmd_rl.run.setup.SyncEngine) is the
-    built-in; an engine is chosen by `engine.class`."""
+    """The loops of one run on this rank, chosen by `engine.class` (built-ins: `sync`, spmd_rl.engines.sync;
+    `async`, spmd_rl.engines.asynchronous). Subclass it and set `Config` to a dataclass of your keys.
+
+    `run(run)` receives a spmd_rl.api.Run and typically reads `run.role` (COLOCATED, or ENV / INFERENCE / TRAINER
+    in the split layout) and runs one loop per role over `run.iterations`:
+      - build the role's component: `run.build_colocated(logger)` -> (EnvRunner, InferenceServer, Trainer,
+        Reporter); `run.build_env_runner()`; `run.build_inference_server()` (or `run.inference_parts()` for a
+        server of your own); `run.build_trainer(logger)` -> (Trainer, Reporter);
+      - call their step-level methods (EnvRunner.collect_segment, InferenceServer.serve_step / take_weights,
+        Trainer.receive_segments / learn / publish_weights / gather_statistics), following `run.plan`
+        (version_at, syncs_after, explores_at);
+      - end every iteration with `run.end_iteration(iteration, capture)` on every rank after the same
+        iterations (checkpoints and stops are agreed there; capture() returns this rank's checkpoint state).
+    Wrap the loop in `run.with_metrics(lambda logger: ...)`: rank 0 gets the MetricsLogger, others None. Every
+    rank's sends and receives must follow from the plan alone, as in the built-in engines.
+
+    `check_plan(cfg, topology, plan, schedule)` (a classmethod, optional) may refuse a layout or schedule before
+    any process group exists, with a spmd_rl.api.UserError."""
 
     Config: ClassVar[type] = NoConfig
 
     def __init__(self, config: Any):
         self.config = config
 
-    def run(self, setup) -> Policy | None:
+    def run(self, run) -> Policy | None:
         """Run this rank's role for the whole run; return the policy (trainer rank 0's is saved)."""
         raise NotImplementedError

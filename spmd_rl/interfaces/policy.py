@@ -9,12 +9,12 @@ import gymnasium as gym
 import torch
 from torch import Tensor, nn
 
-from spmd_rl.config.schema import NoConfig
+from spmd_rl.config.sections import NoConfig
 
 if TYPE_CHECKING:  # annotations only: importing tensordict costs seconds (torch._dynamo), and a user's module
     from tensordict import TensorDict  # imports this one to answer --help and config errors
 
-    from spmd_rl.interfaces.algorithm import Context
+    from spmd_rl.interfaces.context import Context
 
 
 @dataclass(frozen=True)

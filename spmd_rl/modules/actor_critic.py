@@ -15,10 +15,10 @@ import gymnasium as gym
 import torch
 from torch import Tensor, nn
 
-from spmd_rl.api import Policy, StepField
-from spmd_rl.runtime.errors import UserError
+from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.modules.configs import ActorCriticConfig
 from spmd_rl.modules.encoders import make_encoder
+from spmd_rl.runtime.errors import UserError
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)

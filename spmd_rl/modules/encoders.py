@@ -15,8 +15,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
-from spmd_rl.runtime.errors import UserError
 from spmd_rl.modules.normalizer import RunningNormalizer
+from spmd_rl.runtime.errors import UserError
 
 
 class VectorEncoder(nn.Module):

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from spmd_rl.api import Policy, StepField
-from spmd_rl.runtime.errors import UserError
+from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.modules.actor_critic import ACTIVATIONS, LOG_SQRT_2PI
 from spmd_rl.modules.configs import SquashedGaussianConfig
 from spmd_rl.modules.normalizer import RunningNormalizer
+from spmd_rl.runtime.errors import UserError
 
 # The log std is squashed into [LOG_STD_MIN, LOG_STD_MAX] with a tanh rather than clamped, so it keeps a gradient.
 LOG_STD_MIN = -5.0

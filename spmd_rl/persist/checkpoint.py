@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spmd_rl.runtime.errors import UserError
 from spmd_rl.persist.fileio import make_dirs, torch_save_atomic, write_atomic
+from spmd_rl.runtime.errors import UserError
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST = "latest"

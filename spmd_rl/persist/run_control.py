@@ -10,17 +10,15 @@ rank reported its file written (a second all_reduce), so a kill at any moment le
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state
-from spmd_rl.runtime.errors import UserError
 from spmd_rl.runtime.distributed import bounded, requested_stop
+from spmd_rl.runtime.errors import UserError
 
 STOPPED_EXIT_CODE = 75  # stopped on a signal with a checkpoint: rerun the same command to resume (EX_TEMPFAIL)
 
@@ -32,17 +30,6 @@ class StoppedWithCheckpoint(Exception):
         super().__init__(f"stopped by {signal_name} after iteration {iteration}; checkpoint {checkpoint}; rerun the "
                          f"same command to resume")
         self.checkpoint = checkpoint
-
-
-@dataclass
-class Resume:
-    """Where a run starts: iteration 0, or the iteration after a checkpoint (whose files every rank loads)."""
-    checkpoint: Path | None = None
-    iteration: int = -1          # the checkpoint's iteration (-1: a fresh start)
-
-    @property
-    def start_iteration(self) -> int:
-        return self.iteration + 1
 
 
 class RunControl:
@@ -119,74 +106,3 @@ class RunControl:
         if self.rank == 0:
             self.store.commit(iteration, world_size=self.world_size)
         return directory
-
-
-FINISHED = "finished.json"  # written by rank 0 when a run completed: such a directory is never resumed
-
-
-def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
-    """Rank 0: where this run starts, from run.resume and what run_dir holds; refuses (UserError) to mix runs.
-
-    auto: the latest checkpoint of run_dir, else a fresh start; never: a fresh start, refused if run_dir holds a
-    run; a path: that checkpoint. A finished run, or one with another config, is never continued."""
-    from spmd_rl.persist.checkpoint import find_checkpoint
-    from spmd_rl.config.schema import load_config
-    mode = cfg.run.resume
-    store = CheckpointStore(run_dir, keep=cfg.checkpoint.keep)
-    holds_run = (run_dir / "config.yaml").exists()
-    if mode == "never":
-        if holds_run:
-            raise UserError(f"run directory {run_dir} already holds a run and run.resume=never; choose another "
-                            f"run.dir, or set run.resume=auto to continue it")
-        return Resume()
-    if mode == "auto":
-        if not holds_run:
-            return Resume()
-        if (run_dir / FINISHED).exists():
-            raise UserError(f"run directory {run_dir} holds a finished run; choose another run.dir (or run.init_from="
-                            f"{run_dir} to fine-tune from it)")
-        checkpoint = store.latest()
-        config_dir = run_dir
-    else:
-        checkpoint = find_checkpoint(mode)
-        config_dir = checkpoint.parent.parent
-        if config_dir.resolve() != run_dir.resolve():
-            raise UserError(f"run.resume={mode} continues the run in {config_dir}, not in run.dir={run_dir}; leave "
-                            f"run.dir unset (or set it to {config_dir}), or start a new run from those weights with "
-                            f"run.init_from={mode}")
-    try:
-        previous = load_config(config_dir / "config.yaml")
-    except UserError as exc:
-        raise UserError(f"cannot resume from {config_dir}: its config.yaml does not load ({exc})") from None
-    if previous.resume_digest() != cfg.resume_digest():
-        raise UserError(f"run directory {config_dir} holds a run with a different config (beyond run, checkpoint and "
-                        f"log keys); rerun with its config.yaml, or choose another run.dir")
-    if checkpoint is None:
-        return Resume()  # the same run, stopped before its first checkpoint: it starts over (see prepare_run_dir)
-    ranks = len(list(checkpoint.glob("rank*.pt")))
-    if ranks != world_size:
-        raise UserError(f"checkpoint {checkpoint} holds {ranks} rank(s) but this run has {world_size}; resume with "
-                        f"the same number of ranks")
-    return Resume(checkpoint=checkpoint, iteration=checkpoint_iteration(checkpoint))
-
-
-def checkpoint_iteration(checkpoint: Path) -> int:
-    return int(checkpoint.name.split("_")[-1])
-
-
-def prepare_run_dir(run_dir: Path, resume: Resume) -> None:
-    """Rank 0: make run_dir's outputs consistent with where the run starts. Resuming, metrics.jsonl keeps the
-    records up to the checkpoint (HDF5 files are rewound by their owners, TensorBoard by purge_step); starting
-    over in a directory of the same run that had no checkpoint, its outputs are cleared."""
-    import shutil
-
-    from spmd_rl.run.metrics import drop_records_after
-    if resume.checkpoint is not None:
-        drop_records_after(run_dir / "metrics.jsonl", resume.iteration)
-        return
-    for name in ("metrics.jsonl", "tensorboard", "buffer", "checkpoints"):
-        path = run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()

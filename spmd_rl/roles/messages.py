@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from spmd_rl.interfaces.policy import ENV_FIELDS, StepField
-from spmd_rl.envs.vector import EnvSpec
 from spmd_rl.envs.spaces import zeros_of
+from spmd_rl.envs.vector import EnvSpec
+from spmd_rl.interfaces.policy import ENV_FIELDS, StepField
 
 
 def _fields(fields: dict[str, StepField], *batch: int) -> dict[str, torch.Tensor]:

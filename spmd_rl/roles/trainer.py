@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from spmd_rl.runtime.errors import CommError
 from spmd_rl.roles.update_guard import UpdateGuard
 from spmd_rl.runtime.distributed import bounded, comm_error, group_peer, is_comm_failure
+from spmd_rl.runtime.errors import CommError
 
 
 class PolicyLagError(RuntimeError):

@@ -10,7 +10,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from spmd_rl.config.schema import EnvSection
+from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs import spaces
 from spmd_rl.envs.vector import make_vector_env, probe_env
 from spmd_rl.roles.messages import observation_message

@@ -8,11 +8,11 @@ import math
 from dataclasses import dataclass, replace
 
 from spmd_rl.config import plugins
-from spmd_rl.config.schema import Config
+from spmd_rl.config.sections import Config
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts
 from spmd_rl.interfaces.engine import Engine
+from spmd_rl.run.topology import Topology
 from spmd_rl.runtime.errors import UserError
-from spmd_rl.runtime.topology import Topology
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from spmd_rl.config import plugins
-from spmd_rl.config.schema import Config, load_config
+from spmd_rl.config.loading import load_config
+from spmd_rl.config.sections import Config
 from spmd_rl.envs.vector import EnvSpec, probe_env
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.checkpoint import CHECKPOINTS_DIR, COMPLETE, find_checkpoint, load_checkpoint

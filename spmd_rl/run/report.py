@@ -3,7 +3,7 @@ Only the first trainer (global rank 0) holds a MetricsLogger and writes."""
 
 from __future__ import annotations
 
-from spmd_rl.config.schema import Config
+from spmd_rl.config.sections import Config
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.evaluation import evaluate

@@ -8,7 +8,6 @@ then the checkpoint's generators last), which is what makes a resumed run contin
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -17,14 +16,14 @@ import torch
 
 from spmd_rl.comm.channel import local_channel, open_channels
 from spmd_rl.comm.weights import WeightSync
-from spmd_rl.config.schema import Config
+from spmd_rl.config.sections import Config
 from spmd_rl.envs.state import unsaved_env_reason
 from spmd_rl.envs.vector import EnvSpec, make_vector_env
-from spmd_rl.interfaces.algorithm import Algorithm, Context
+from spmd_rl.interfaces.algorithm import Algorithm
+from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.persist.checkpoint import restore_rng_state
-from spmd_rl.persist.fileio import write_atomic
-from spmd_rl.persist.run_control import FINISHED, Resume, RunControl
+from spmd_rl.persist.run_control import RunControl
 from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.roles.inference_server import InferenceParts, InferenceServer, UniformActions
 from spmd_rl.roles.messages import action_message, observation_message, segment_message
@@ -33,10 +32,12 @@ from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.plan import Plan
 from spmd_rl.run.policies import build_policy, read_trained_state
 from spmd_rl.run.report import Reporter
+from spmd_rl.run.resume import Resume
+from spmd_rl.run.topology import COLOCATED, ENV, INFERENCE, TRAINER, ProcessGroups, Topology
 from spmd_rl.runtime.distributed import Runtime
 from spmd_rl.runtime.errors import UserError
-from spmd_rl.runtime.topology import COLOCATED, ENV, INFERENCE, TRAINER, ProcessGroups, Topology
-from spmd_rl.storage.hdf5 import ExperienceLog
+from spmd_rl.storage.experience_log import ExperienceLog
+
 
 @dataclass
 class Run:
@@ -297,9 +298,4 @@ class Run:
             print(f"spmd_rl: note: {reason}", flush=True)
 
 
-def mark_finished(run_dir: Path) -> None:
-    """A finished run's directory is never resumed (run_control.decide_resume)."""
-    write_atomic(run_dir / FINISHED, json.dumps({"finished": True}) + "\n")
-
-
-__all__ = ["COLOCATED", "ENV", "INFERENCE", "TRAINER", "InferenceParts", "Run", "mark_finished"]
+__all__ = ["COLOCATED", "ENV", "INFERENCE", "TRAINER", "Run"]

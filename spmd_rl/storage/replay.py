@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from spmd_rl.runtime.errors import UserError
 from spmd_rl.runtime.distributed import wait
-from spmd_rl.storage.hdf5 import DEFAULT_FLUSH_EVERY_S, HDF5Writer, check_rewind, layout_of
+from spmd_rl.runtime.errors import UserError
+from spmd_rl.storage.schema import layout_of
+from spmd_rl.storage.writer import DEFAULT_FLUSH_EVERY_S, HDF5Writer, check_rewind
 
 BACKENDS = ("memory", "hdf5")
 
@@ -70,7 +71,7 @@ class MemoryStorage:
 
 
 class HDF5Storage:
-    """A ring in an HDF5 file (see storage/hdf5.py): staged rows in memory, the rest read back on demand."""
+    """A ring in an HDF5 file (see storage/writer.py): staged rows in memory, the rest read back on demand."""
 
     def __init__(self, capacity: int, layout, path: str | os.PathLike, chunk_rows: int | None,
                  compression: str | None, flush_every_s: float):
@@ -106,7 +107,7 @@ class ReplayBuffer:
 
     backend "memory" preallocates `capacity` rows; "hdf5" keeps them in the file at `path` (a reopened file
     continues where it stopped; rows staged in memory reach it within flush_every_s seconds of being added, see
-    storage/hdf5.py). `add` takes a batch of rows (any batch dims, flattened); `sample` draws uniformly with
+    storage/writer.py). `add` takes a batch of rows (any batch dims, flattened); `sample` draws uniformly with
     replacement among the rows held.
     """
 

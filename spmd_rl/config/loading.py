@@ -1,205 +1,22 @@
-"""The run's configuration: a typed schema, YAML files, `a.b=value` overrides, and strict validation.
-
-Every knob has one place: a field of a section dataclass below, with its default, its allowed range and a help
-line. Loading rejects unknown keys (suggesting the nearest valid one), wrong types and out-of-range values with a
-UserError that names the key; main turns that into exit code 2.
-"""
+"""Loading the run's config: defaults <- a YAML file <- `a.b=value` overrides, each value checked against its
+knob (type, range, choices), the plug-in sections built from the Config of the class they name; and --help's
+listing of every key. Every failure is a UserError naming the key (main: exit 2)."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
 import math
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from spmd_rl.config import plugins
+from spmd_rl.config.sections import PLUGIN_SECTIONS, AlgorithmConfig, Config
 from spmd_rl.runtime.errors import UserError
-
-
-def knob(default, help: str, *, min=None, max=None, choices=None, item_min=None, item_max=None, factory=None):
-    """A config field with its help text and its allowed values (item_min/item_max: bounds on a list's items)."""
-    meta = {"help": help, "min": min, "max": max, "choices": choices, "item_min": item_min, "item_max": item_max}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-@dataclass
-class RunSection:
-    name: str = knob("ppo_cartpole", "run name; the default run directory is runs/<name>-<timestamp>")
-    dir: str = knob("", "run directory (config.yaml, metrics.jsonl, TensorBoard events, policy, checkpoints); '' = "
-                        "runs/<name>-<timestamp>, or runs/<name>-<torchrun run id> under torchrun (stable across "
-                        "its restarts)")
-    resume: str = knob("auto", "auto: a run directory with a checkpoint resumes from the latest one; never: refuse a "
-                       "run directory that holds a run; or the path of a checkpoint (or of its run directory)")
-    init_from: str = knob("", "start from trained weights: a run directory, a checkpoint or a policy.pt (fine-tune)")
-    init_algorithm: bool = knob(False, "with run.init_from a checkpoint: also take the algorithm's state "
-                                "(optimizers, critics, ...), not only the policy")
-    stop_after_iterations: int = knob(0, "stop after this many iterations with a checkpoint (exit 75), as a signal "
-                                      "would; rerun to continue (0 = run to the end)", min=0)
-
-
-@dataclass
-class EnvSection:
-    id: str = knob("CartPole-v1", "gymnasium id, or 'package.module:EnvId' to import a user's env first")
-    num_envs: int = knob(8, "environments per env rank (per rank in the colocated layout)", min=1)
-    kwargs: dict = knob(None, "keyword arguments passed to gymnasium.make", factory=dict)
-    vectorization: str = knob(
-        "auto", "auto: the env's own vectorized implementation if it has one, else sync",
-        choices=["auto", "vector_entry_point", "sync", "async"])
-    normalize_reward: bool = knob(False, "scale rewards by a running estimate of the return's std (per env rank)")
-
-
-@dataclass
-class EvalSection:
-    every: int = knob(0, "evaluate the policy every N iterations on separate envs (0 = never); logged as "
-                      "eval_return_mean / eval_length_mean", min=0)
-    episodes: int = knob(10, "episodes per evaluation", min=1)
-    deterministic: bool = knob(True, "act with the policy's mode (argmax / mean) when evaluating")
-
-
-@dataclass
-class CheckpointSection:
-    every_iterations: int = knob(0, "checkpoint every N iterations (0 = by time only); always after the last one",
-                                 min=0)
-    every_s: float = knob(600.0, "checkpoint when this many seconds passed since the last one (rank 0's clock, "
-                          "agreed by all ranks; 0 = never by time)", min=0.0)
-    keep: int = knob(2, "complete checkpoints kept (older ones are deleted)", min=1)
-
-
-@dataclass
-class AlgorithmConfig:
-    """The keys every algorithm has: its own Config subclasses this (spmd_rl.api re-exports it)."""
-    num_steps: int = knob(32, "steps per environment in one rollout (one iteration)", min=1)
-
-
-@dataclass
-class NoConfig:
-    """The config of a plug-in class that has no keys of its own."""
-
-
-@dataclass
-class BufferSection:
-    capacity: int = knob(1_000_000, "replay capacity in transitions per trainer shard", min=1, max=10**9)
-    backend: str = knob("memory", "replay storage: memory, or hdf5 (bounded memory, survives restarts)",
-                        choices=["memory", "hdf5"])
-    chunk_rows: int = knob(0, "HDF5 rows per chunk (appends are batched to whole chunks); 0 = automatic: ~1 MiB "
-                              "of rows, or the existing file's", min=0, max=2**22)
-    compression: str = knob("none", "HDF5 compression (fast codecs only)", choices=["none", "lzf"])
-    log_experience: bool = knob(False, "append every collected rollout to <run dir>/buffer/experience_rank<R>.h5")
-    flush_every_s: float = knob(2.0, "HDF5 files (experience log, hdf5 replay): rows staged in memory are written "
-                                     "within this many seconds of being added (what kill -9 can lose); 0 = on every "
-                                     "append", min=0.0)
-
-    @property
-    def h5_compression(self) -> str | None:
-        """The compression argument for h5py (None for "none")."""
-        return None if self.compression == "none" else self.compression
-
-
-@dataclass
-class TrainSection:
-    total_steps: int = knob(100_000, "budget in env steps, summed over all env ranks", min=1, max=10**12)
-    seed: int = knob(1, "seeds torch, numpy and the environments (each rank offsets it by its rank)", min=0,
-                     max=2**32 - 1)
-    torch_threads: int = knob(1, "torch intra-op threads per rank", min=1, max=1024)
-    device: str = knob("auto", "auto: cuda:LOCAL_RANK when CUDA is available, else cpu",
-                       choices=["auto", "cpu", "cuda"])
-    skip_nonfinite_updates: bool = knob(False, "an update whose loss or policy weights come out NaN/inf is undone "
-                                               "and counted (metric nonfinite_updates_skipped) instead of ending "
-                                               "the run with exit code 4")
-
-
-@dataclass
-class LayoutSection:
-    mode: str = knob("colocated", "colocated: every rank plays every role; split: ranks divided into roles",
-                     choices=["colocated", "split"])
-    trainer: int = knob(0, "split: trainer ranks (-1 = the rest)", min=-1)
-    inference: int = knob(0, "split: inference ranks (-1 = the rest)", min=-1)
-    env: int = knob(0, "split: env ranks (-1 = the rest)", min=-1)
-
-
-@dataclass
-class DistSection:
-    timeout_s: float = knob(300.0, "bound on every wait between ranks; an expired wait fails the job", min=0.001,
-                            max=7 * 24 * 3600.0)
-
-
-@dataclass
-class WeightsSection:
-    bucket_mb: float = knob(64.0, "size of one flat weight bucket broadcast to inference ranks", min=0.001)
-    verify_every: int = knob(10, "compare weight checksums across the weight group every N syncs (0 = never)",
-                             min=0)
-
-
-@dataclass
-class LogSection:
-    progress: bool | None = knob(None, "progress bar on rank 0: true, false, or null = only on a terminal")
-    interval_s: float = knob(5.0, "seconds between printed progress lines", min=0.0)
-    tensorboard: bool = knob(True, "write TensorBoard event files to the run directory")
-
-
-PLUGIN_SECTIONS = ("algo", "policy", "engine")  # each names a class (`class: module:Class`) and holds its keys
-
-
-@dataclass
-class Config:
-    run: RunSection = field(default_factory=RunSection)
-    env: EnvSection = field(default_factory=EnvSection)
-    # The plug-in sections hold an instance of the named class's own Config dataclass; `classes` records which
-    # class each names (section -> alias or module:Class), and `callbacks` is a list of (class, config) pairs.
-    algo: Any = None
-    policy: Any = None
-    engine: Any = None
-    callbacks: list = field(default_factory=list)
-    buffer: BufferSection = field(default_factory=BufferSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    layout: LayoutSection = field(default_factory=LayoutSection)
-    dist: DistSection = field(default_factory=DistSection)
-    weights: WeightsSection = field(default_factory=WeightsSection)
-    log: LogSection = field(default_factory=LogSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    eval: EvalSection = field(default_factory=EvalSection)
-    classes: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        """The resolved config as plain data: what config.yaml holds and what --config reads back."""
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "classes":
-                continue
-            if f.name in PLUGIN_SECTIONS:
-                out[f.name] = {"class": self.classes[f.name], **dataclasses.asdict(value)}
-            elif f.name == "callbacks":
-                out[f.name] = [{"class": name, **dataclasses.asdict(config)} for name, config in value]
-            else:
-                out[f.name] = dataclasses.asdict(value)
-        return out
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    def digest(self) -> str:
-        """A hash of the resolved config; every rank compares it with rank 0's."""
-        return hashlib.sha256(yaml.safe_dump(self.to_dict(), sort_keys=True).encode()).hexdigest()
-
-    def resume_digest(self) -> str:
-        """A hash of what a resumed run must share with the run it continues: everything but where and how it is
-        run (run, checkpoint, log) and the bound on waits."""
-        data = {k: v for k, v in self.to_dict().items() if k not in ("run", "checkpoint", "log")}
-        data["dist"] = {k: v for k, v in data["dist"].items() if k != "timeout_s"}
-        return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Loading
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -231,8 +48,6 @@ def _build_plugin_sections(cfg: Config, raw: dict, source: str) -> None:
     """algo, policy, engine and callbacks: each names its class, whose own Config dataclass validates the rest.
 
     The algorithm is resolved first: an absent policy.class means the algorithm's default policy."""
-    from spmd_rl.config import plugins
-
     def build(section: str, kind, value, default_class: str, prefix: str):
         if value is None:
             value = {}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from spmd_rl.config.schema import LayoutSection
+from spmd_rl.config.sections import LayoutSection
 from spmd_rl.runtime.errors import UserError
 
 TRAINER, INFERENCE, ENV, COLOCATED = "trainer", "inference", "env", "colocated"

@@ -1,0 +1,160 @@
+"""Where a run starts, decided by rank 0 and agreed by all: the run directory (named once, the same on every rank),
+a checkpoint to resume from or iteration 0 (a directory that would mix two runs is refused), and every rank's
+check that it runs rank 0's exact config."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.config.loading import load_config
+from spmd_rl.config.sections import Config
+from spmd_rl.persist.checkpoint import CheckpointStore, find_checkpoint
+from spmd_rl.persist.fileio import make_dirs, write_atomic
+from spmd_rl.run.metrics import drop_records_after
+from spmd_rl.runtime.distributed import broadcast_text
+from spmd_rl.runtime.errors import SharedUserError, UserError
+
+
+@dataclass
+class Resume:
+    """Where a run starts: iteration 0, or the iteration after a checkpoint (whose files every rank loads)."""
+    checkpoint: Path | None = None
+    iteration: int = -1          # the checkpoint's iteration (-1: a fresh start)
+
+    @property
+    def start_iteration(self) -> int:
+        return self.iteration + 1
+
+
+def agree_on_run(cfg: Config, runtime, dry_run: bool = False):
+    """Rank 0 names the run directory and decides where the run starts (a checkpoint to resume from, or
+    iteration 0; a run directory that would mix two runs is refused); every rank checks it runs rank 0's exact
+    config; rank 0 saves it. Returns (run directory, Resume)."""
+    resume, verdict = Resume(), ""
+    if runtime.rank == 0:
+        run_dir = _default_run_dir(cfg, dry_run)
+        if not dry_run:
+            try:
+                resume = decide_resume(cfg, Path(run_dir), runtime.world_size)
+                verdict = str(resume.checkpoint or "")
+            except UserError as exc:
+                verdict = f"error: {exc}"
+    else:
+        run_dir = ""
+    if runtime.distributed:  # plain bytes: nothing is unpickled
+        run_dir = broadcast_text(run_dir, src=0, timeout=runtime.timeout)
+        verdict = broadcast_text(verdict, src=0, timeout=runtime.timeout)
+    if verdict.startswith("error: "):
+        raise SharedUserError(verdict[len("error: "):])
+    if verdict:
+        resume = Resume(checkpoint=Path(verdict), iteration=checkpoint_iteration(Path(verdict)))
+    cfg.run.dir = run_dir
+    if runtime.distributed:
+        mine = torch.frombuffer(bytearray.fromhex(cfg.digest()), dtype=torch.uint8)
+        digests = [torch.empty_like(mine) for _ in range(runtime.world_size)]
+        dist.all_gather(digests, mine)
+        differing = [r for r, d in enumerate(digests) if not torch.equal(d, digests[0])]
+        if differing:
+            raise UserError(f"rank(s) {differing} run a different config than rank 0 (config hash differs); "
+                            f"give every rank the same --config file and the same overrides")
+    path = Path(run_dir)
+    if runtime.rank == 0:
+        make_dirs(path)  # a read-only or misplaced run.dir is a UserError naming it
+        prepare_run_dir(path, resume)
+        write_atomic(path / "config.yaml", cfg.to_yaml())
+    return path, resume
+
+
+def _default_run_dir(cfg: Config, dry_run: bool) -> str:
+    if dry_run:
+        return tempfile.mkdtemp(prefix=f"spmd_rl-dry-run-{cfg.run.name}-")
+    if cfg.run.dir:
+        return cfg.run.dir
+    if cfg.run.resume not in ("auto", "never"):  # a checkpoint path: continue in its run directory
+        return str(find_checkpoint(cfg.run.resume).parent.parent)
+    # Under torchrun the run id is the same after a restart (--max-restarts), so the restarted workers find the
+    # checkpoints of the run they continue.
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None:
+        return f"runs/{cfg.run.name}-{run_id}"
+    return f"runs/{cfg.run.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+
+
+FINISHED = "finished.json"  # written by rank 0 when a run completed: such a directory is never resumed
+
+
+def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
+    """Rank 0: where this run starts, from run.resume and what run_dir holds; refuses (UserError) to mix runs.
+
+    auto: the latest checkpoint of run_dir, else a fresh start; never: a fresh start, refused if run_dir holds a
+    run; a path: that checkpoint. A finished run, or one with another config, is never continued."""
+    mode = cfg.run.resume
+    store = CheckpointStore(run_dir, keep=cfg.checkpoint.keep)
+    holds_run = (run_dir / "config.yaml").exists()
+    if mode == "never":
+        if holds_run:
+            raise UserError(f"run directory {run_dir} already holds a run and run.resume=never; choose another "
+                            f"run.dir, or set run.resume=auto to continue it")
+        return Resume()
+    if mode == "auto":
+        if not holds_run:
+            return Resume()
+        if (run_dir / FINISHED).exists():
+            raise UserError(f"run directory {run_dir} holds a finished run; choose another run.dir (or run.init_from="
+                            f"{run_dir} to fine-tune from it)")
+        checkpoint = store.latest()
+        config_dir = run_dir
+    else:
+        checkpoint = find_checkpoint(mode)
+        config_dir = checkpoint.parent.parent
+        if config_dir.resolve() != run_dir.resolve():
+            raise UserError(f"run.resume={mode} continues the run in {config_dir}, not in run.dir={run_dir}; leave "
+                            f"run.dir unset (or set it to {config_dir}), or start a new run from those weights with "
+                            f"run.init_from={mode}")
+    try:
+        previous = load_config(config_dir / "config.yaml")
+    except UserError as exc:
+        raise UserError(f"cannot resume from {config_dir}: its config.yaml does not load ({exc})") from None
+    if previous.resume_digest() != cfg.resume_digest():
+        raise UserError(f"run directory {config_dir} holds a run with a different config (beyond run, checkpoint and "
+                        f"log keys); rerun with its config.yaml, or choose another run.dir")
+    if checkpoint is None:
+        return Resume()  # the same run, stopped before its first checkpoint: it starts over (see prepare_run_dir)
+    ranks = len(list(checkpoint.glob("rank*.pt")))
+    if ranks != world_size:
+        raise UserError(f"checkpoint {checkpoint} holds {ranks} rank(s) but this run has {world_size}; resume with "
+                        f"the same number of ranks")
+    return Resume(checkpoint=checkpoint, iteration=checkpoint_iteration(checkpoint))
+
+
+def checkpoint_iteration(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("_")[-1])
+
+
+def prepare_run_dir(run_dir: Path, resume: Resume) -> None:
+    """Rank 0: make run_dir's outputs consistent with where the run starts. Resuming, metrics.jsonl keeps the
+    records up to the checkpoint (HDF5 files are rewound by their owners, TensorBoard by purge_step); starting
+    over in a directory of the same run that had no checkpoint, its outputs are cleared."""
+    if resume.checkpoint is not None:
+        drop_records_after(run_dir / "metrics.jsonl", resume.iteration)
+        return
+    for name in ("metrics.jsonl", "tensorboard", "buffer", "checkpoints"):
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def mark_finished(run_dir: Path) -> None:
+    """A finished run's directory is never resumed (decide_resume)."""
+    write_atomic(run_dir / FINISHED, json.dumps({"finished": True}) + "\n")

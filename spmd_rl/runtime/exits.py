@@ -1,0 +1,52 @@
+"""How a rank ends when something failed: one line on stderr naming the rank and the cause, and the exit code
+(0 done, 2 user error, 3 communication error, 4 an error in the user's code, 1 a bug of ours, 128 + N a signal).
+A user's exception shows its type, message and the user's file:line, not the framework's stack."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, describe_exception, user_frame
+
+# Set to 1 to print full tracebacks instead of the one-line summaries of errors in user code.
+DEBUG_VARIABLE = "SPMD_RL_DEBUG"
+
+# How long a rank that leaves an error's line to the speaking rank waits before exiting. Launchers stop every rank
+# as soon as one exits, so a quiet rank exiting first would stop a speaker that finds the same error a moment later
+# (a busier rank) before its line is printed; the speaker's exit stops the quiet ranks instead.
+QUIET_RANK_LINGER_S = 10.0
+
+
+def user_error(exc: UserError, speaker: bool, rank: int | None = None) -> int:
+    if speaker:
+        where = f"rank {rank}: " if rank is not None else ""
+        print(f"spmd_rl: {where}error: {exc}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(QUIET_RANK_LINGER_S)
+    return USER_ERROR_EXIT_CODE
+
+
+def say(who: str, kind: str, exc: Exception) -> None:
+    """One line: 'spmd_rl: rank 2 (env 0): communication error: ...' (the message's own 'rank 2 ...: ' dropped)."""
+    message = str(exc)
+    for prefix in (f"{who}: ", f"{who.split(' (')[0]}: "):
+        message = message.removeprefix(prefix)
+    print(f"spmd_rl: {who}: {kind}: {message}", file=sys.stderr, flush=True)
+    if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+        traceback.print_exception(exc)
+
+
+def unexpected_error(exc: Exception, who: str) -> int:
+    """An exception raised in the user's code (env, plug-in) is one line naming the user's file:line (exit 4);
+    anything else is a bug of ours, shown with its traceback (exit 1). SPMD_RL_DEBUG=1 shows every traceback."""
+    debug = os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+    if user_frame(exc) and not debug:
+        print(f"spmd_rl: {who}: error in user code: {describe_exception(exc)} (set {DEBUG_VARIABLE}=1 for the "
+              f"traceback)", file=sys.stderr, flush=True)
+        return USER_CODE_EXIT_CODE
+    print(f"spmd_rl: {who} failed:", file=sys.stderr)
+    traceback.print_exc()
+    return USER_CODE_EXIT_CODE if user_frame(exc) else 1

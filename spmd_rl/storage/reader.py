@@ -1,0 +1,93 @@
+"""Reading an experience file (its layout: schema.py), also while its writer is running."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from spmd_rl.runtime.errors import UserError
+from spmd_rl.storage.h5file import DAMAGED_FILE_ERRORS, damaged, open_swmr_reader
+from spmd_rl.storage.schema import CURSOR, DATA_GROUP, META_FIELDS, META_GROUP, check_format, layout_from_schema
+
+
+class HDF5Reader:
+    """Read an spmd_rl experience file, also while its writer is running (SWMR): refresh() to see new rows."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._file = open_swmr_reader(self.path)
+        try:
+            check_format(self.path, self._file)
+            self.layout = layout_from_schema(self._file.attrs["schema"])
+            self.capacity = int(self._file.attrs["capacity"])
+            self.attrs = dict(self._file.attrs)
+            self._cursor = self._file[CURSOR]
+            self.total_rows, self.reserved_rows = (int(n) for n in self._cursor[:])
+        except (UserError, *DAMAGED_FILE_ERRORS) as exc:
+            self._file.close()
+            raise exc if isinstance(exc, UserError) else damaged(self.path, exc) from None
+
+    def refresh(self) -> int:
+        """See the rows committed since opening (or the last refresh); return the readable row count."""
+        self._cursor.refresh()
+        self.total_rows, self.reserved_rows = (int(n) for n in self._cursor[:])
+        return len(self)
+
+    @property
+    def first_row(self) -> int:
+        """The oldest valid row (0 unless a ring has overwritten rows)."""
+        return max(0, self.reserved_rows - self.capacity) if self.capacity else 0
+
+    def __len__(self) -> int:
+        return self.total_rows - self.first_row
+
+    def dataset(self, name: str) -> h5py.Dataset:
+        """A dataset by its path ("data/obs", "meta/policy_version"), refreshed to the writer's latest state.
+
+        In ring mode its positions are not in row order: read() and column() put them in order.
+        """
+        dataset = self._file[name]
+        dataset.refresh()
+        return dataset
+
+    def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Valid rows [start, stop) of one dataset ("data/obs", "meta/env_step"), oldest first."""
+        stop = len(self) if stop is None else min(stop, len(self))
+        first = self.first_row + start
+        dataset = self.dataset(name)
+        if stop <= start:
+            return dataset[0:0]
+        if not self.capacity:
+            return dataset[first:first + stop - start]
+        head = first % self.capacity
+        count = stop - start
+        if head + count <= self.capacity:
+            return dataset[head:head + count]
+        return np.concatenate([dataset[head:], dataset[:head + count - self.capacity]])
+
+    def read(self, start: int = 0, stop: int | None = None, meta: bool = False) -> dict[str, np.ndarray]:
+        """Valid rows [start, stop), oldest first, as numpy arrays keyed by layout key (and meta/<name>)."""
+        names = [f"{DATA_GROUP}/{key}" for key in self.layout]
+        names += [f"{META_GROUP}/{name}" for name in META_FIELDS] if meta else []
+        return {name.removeprefix(f"{DATA_GROUP}/"): self.column(name, start, stop) for name in names}
+
+    def read_tensordict(self, start: int = 0, stop: int | None = None) -> TensorDict:
+        arrays = self.read(start, stop)
+        rows = len(next(iter(arrays.values()))) if arrays else 0
+        return TensorDict({tuple(key.split("/")): torch.from_numpy(array) for key, array in arrays.items()},
+                          batch_size=[rows])
+
+    def close(self) -> None:
+        if self._file.id.valid:
+            self._file.close()
+
+    def __enter__(self) -> HDF5Reader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
