@@ -268,10 +268,9 @@ def compare_case(a: Path, b: Path, case: str, timing_dependent: bool, ignored: s
             "notes": notes, "fail": fail}
 
 
-def compare(a: Path, b: Path) -> bool:
+def compare(a: Path, b: Path, cases: list[str]) -> bool:
     manifest_a = json.loads((a / "manifest.json").read_text()) if (a / "manifest.json").is_file() else {}
     manifest_b = json.loads((b / "manifest.json").read_text()) if (b / "manifest.json").is_file() else {}
-    cases = [c for c in CASES if (a / c).exists() or (b / c).exists()]
     print(f"\ncompare {a} ({manifest_a.get('commit', '?')[:12]}, tree {manifest_a.get('tree', '?')})\n"
           f"   with {b} ({manifest_b.get('commit', '?')[:12]}, tree {manifest_b.get('tree', '?')})")
     ignored: set = set()
@@ -304,7 +303,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="where the runs go (one directory per case)")
     parser.add_argument("--compare", type=Path, metavar="OTHER_OUT", help="compare --out with this output")
     parser.add_argument("--no-run", action="store_true", help="only compare --out with --compare")
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="a subset to run")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+                        help="a subset to run and compare")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per case")
     args = parser.parse_args()
     out = args.out.resolve()
@@ -314,7 +314,7 @@ def main() -> int:
     elif args.compare is None:
         parser.error("--no-run needs --compare")
     if args.compare is not None:
-        ok = compare(out, args.compare.resolve()) and ok
+        ok = compare(out, args.compare.resolve(), args.cases) and ok
     return 0 if ok else 1
 
 

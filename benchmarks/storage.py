@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from spmd_rl.storage.writer import HDF5Writer
 from spmd_rl.storage.replay import ReplayBuffer
+from spmd_rl.storage.writer import HDF5Writer
 
 OBS_DIM, ACTION_DIM = 17, 6
 CHUNK_ROWS = 4096  # what default_chunk_rows picks for these 165-byte rows
@@ -202,7 +202,7 @@ def main() -> None:
         disk_mib = os.path.getsize(f"{work}/big.h5") / 2**20
         table.append((f"fill HDF5 buffer with {args.big_rows:,} rows", f"{data_mib / 1.048576 / fill_s:.0f} MB/s",
                       "", f"{disk_mib:,.0f} MiB on disk"))
-        table.append((f"  RSS before fill / after fill / after sampling", f"{rss_before:,.0f} / {rss_after:,.0f} / "
+        table.append(("  RSS before fill / after fill / after sampling", f"{rss_before:,.0f} / {rss_after:,.0f} / "
                       f"{rss_sampled:,.0f} MiB", f"{(rss_sampled - rss_before) / data_mib:.3f}",
                       f"growth / data size ({data_mib:,.0f} MiB)"))
         table.append((f"sample {SAMPLE_BATCH}, HDF5 buffer, {args.big_rows:,} rows, first 2 s",

@@ -3,7 +3,7 @@
 Prints, per file: rows, keys with shapes and dtypes, the policy version range, the episode count (ends of episodes
 from a done / terminated / truncated key when there is one) and the size on disk. A missing directory, a corrupt
 file or a file that is not an spmd_rl experience file is a one-line error and exit code 2; a truncated or corrupt file is
-found within seconds (see storage.hdf5.open_swmr_reader).
+found within seconds (see storage.h5file.open_swmr_reader).
 """
 
 from __future__ import annotations

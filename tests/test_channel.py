@@ -5,11 +5,19 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import assert_all_ok, run_ranks
 from tensordict import TensorDict
 
-from multiproc import assert_all_ok, run_ranks
-from spmd_rl.comm.channel import (ALIGNMENT, HEADER_BYTES, RecvChannel, SendChannel, TensorLayout, channel_tags,
-                                  local_channel, open_channels)
+from spmd_rl.comm.channel import (
+    HEADER_BYTES,
+    RecvChannel,
+    SendChannel,
+    TensorLayout,
+    channel_tags,
+    local_channel,
+    open_channels,
+)
+from spmd_rl.comm.flat import ALIGNMENT
 from spmd_rl.runtime.errors import CommError
 
 TIMEOUT = datetime.timedelta(seconds=20)

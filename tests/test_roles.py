@@ -1,18 +1,17 @@
-"""Role pieces that need no other rank: the env worker's rollout bookkeeping and the segment -> transitions view."""
+"""Role pieces that need no other rank: the env runner's rollout bookkeeping and the segment -> transitions view."""
 
 import gymnasium as gym
 import pytest
 import torch
 
+from spmd_rl.algorithms.sac import transitions_of
+from spmd_rl.api import StepField
 from spmd_rl.comm.channel import local_channel
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.vector import EnvSpec, make_vector_env, probe_env
 from spmd_rl.roles.env_runner import EnvRunner
-from spmd_rl.algorithms.sac import transitions_of
-from spmd_rl.api import StepField
 from spmd_rl.roles.messages import action_message, observation_message, segment_message
 from spmd_rl.roles.trainer import PolicyLagError, Trainer
-
 
 OUTPUTS = {"action": StepField((), torch.int64), "log_prob": StepField((), torch.float32),
            "value": StepField((), torch.float32)}

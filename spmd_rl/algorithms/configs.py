@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from spmd_rl.config.sections import AlgorithmConfig, knob
+from spmd_rl.runtime.errors import UserError
 
 
 @dataclass
@@ -57,7 +58,6 @@ class SACConfig(AlgorithmConfig):
     critic_activation: str = knob("relu", "hidden activation of the Q networks", choices=["tanh", "relu", "elu"])
 
     def __post_init__(self):
-        from spmd_rl.runtime.errors import UserError
         if self.autotune and self.alpha <= 0:
             raise UserError(f"algo.alpha={self.alpha} with algo.autotune=true: the temperature is tuned in log space "
                             "from its initial value algo.alpha, which must be > 0")

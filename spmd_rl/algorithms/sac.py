@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from spmd_rl.algorithms.configs import SACConfig
 from spmd_rl.envs.spaces import zeros_of
@@ -229,7 +230,6 @@ class SAC(Algorithm):
         trainer's. Every trainer calls it, once at start-up; a no-op for a single trainer."""
         if self.context.group is None:
             return
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
         tensors = [*self.actor.parameters(), *self.actor.buffers(), *self.critic_params, *self.target_params,
                    self.log_alpha]
         for dtype in sorted({t.dtype for t in tensors}, key=str):  # one broadcast per dtype (the normalizer's f64)

@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
+from spmd_rl.comm.flat import aligned
 from spmd_rl.runtime.distributed import Peer, comm_error, wait
 from spmd_rl.runtime.errors import CommError
 
 HEADER_BYTES = 16   # int64 sequence number, int64 layout digest
-ALIGNMENT = 64      # leaf offsets in the flat buffer: any dtype's alignment, and whole cache lines
 
 Key = tuple[str, ...]
 
@@ -52,10 +52,6 @@ def plain_rank(rank: int) -> str:
 
 def key_name(key: Key) -> str:
     return ".".join(key)
-
-
-def _aligned(offset: int) -> int:
-    return -(-offset // ALIGNMENT) * ALIGNMENT
 
 
 def _as_key(key) -> Key:
@@ -134,7 +130,7 @@ class TensorLayout:
         """Byte offset of each leaf in the flat buffer, after the header."""
         offsets, end = [], HEADER_BYTES
         for leaf in self.leaves:
-            offsets.append(_aligned(end))
+            offsets.append(aligned(end))
             end = offsets[-1] + leaf.nbytes
         return tuple(offsets)
 
@@ -143,7 +139,7 @@ class TensorLayout:
         """Size of the flat buffer: header, leaves, alignment padding."""
         if not self.leaves:
             return HEADER_BYTES
-        return _aligned(self.offsets[-1] + self.leaves[-1].nbytes)
+        return aligned(self.offsets[-1] + self.leaves[-1].nbytes)
 
     def describe(self) -> str:
         return "{" + ", ".join(leaf.describe() for leaf in self.leaves) + "}"

@@ -10,11 +10,18 @@ into the live buckets (`swap`). The broadcasts are the same collectives, in the 
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
 from spmd_rl.comm.weights import HEADER_BYTES, WeightMismatchError, WeightSync
 from spmd_rl.runtime.distributed import Peer, comm_error, wait
+
+# Polling a posted broadcast: the first pause, doubled up to the longest (a swap waits at most that long after the
+# broadcast completed).
+POLL_FIRST_S = 0.0001
+POLL_LONGEST_S = 0.002
 
 
 class StagedWeights:
@@ -28,10 +35,6 @@ class StagedWeights:
         self.peer = Peer(sync.describe_rank(sync.src), (sync.src,))
         self._works: list | None = None
         self.posted = 0           # broadcasts posted so far (the one in flight is number `posted`)
-
-    @property
-    def in_flight(self) -> bool:
-        return self._works is not None
 
     def _describe(self) -> str:
         return (f"{self.sync.describe_rank(self.sync.me)}: weight broadcast number {self.posted} from "
@@ -54,7 +57,18 @@ class StagedWeights:
         return self._works is not None and all(work.is_completed() for work in self._works)
 
     def wait(self) -> None:
-        """Block until the posted broadcast is complete, bounded by dist.timeout_s."""
+        """Block until the posted broadcast is complete, bounded by dist.timeout_s. Completion is polled first and
+        the work waited on only once it is done: NCCL's wait() makes the current CUDA stream wait for the
+        broadcast, which would stall this rank's forward passes until trainer 0 sends, and trainer 0 sends only
+        after segments those forward passes must produce (gloo's wait blocks only the CPU)."""
+        deadline = time.monotonic() + self.sync.timeout.total_seconds()
+        pause = POLL_FIRST_S
+        while not self.ready():
+            if time.monotonic() > deadline:
+                raise comm_error(self._describe(), TimeoutError("timed out waiting for the broadcast"),
+                                 self.sync.timeout, self.peer)
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_LONGEST_S)
         for work in self._works:
             wait(work, self.sync.timeout, self._describe, self.peer)
 

@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from spmd_rl.comm.flat import aligned
 from spmd_rl.runtime.distributed import Peer, comm_error, wait
 
 HEADER_BYTES = 16          # int64 version, int64 layout digest, at the front of bucket 0
-ALIGNMENT = 16             # every tensor's byte offset: enough for any dtype's element size
 CHECKSUM_CHUNK = 1 << 20   # int32 words per checksum step: bounds the temporary int64 copies to 8 MB
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # 2**64 / golden ratio, as a signed int64: spreads position weights
 
@@ -44,10 +44,6 @@ class WeightMismatchError(RuntimeError):
 
 def _plain_rank(rank: int) -> str:
     return f"rank {rank}"
-
-
-def _aligned(offset: int) -> int:
-    return -(-offset // ALIGNMENT) * ALIGNMENT
 
 
 @dataclass
@@ -137,13 +133,13 @@ class WeightSync:
         used = start = 0    # bytes used in the open bucket, and where its data starts
         for name, (owner, attr, is_param, tensor) in tensors.items():
             nbytes = tensor.numel() * tensor.element_size()
-            if not sizes or (used > start and _aligned(used) + nbytes > bucket_bytes):
+            if not sizes or (used > start and aligned(used) + nbytes > bucket_bytes):
                 used = start = 0 if sizes else HEADER_BYTES
                 sizes.append(used)
-            offset = _aligned(used)
+            offset = aligned(used)
             entries.append(_Entry(name, owner, attr, is_param, len(sizes) - 1, offset))
             used = sizes[-1] = offset + nbytes
-        buckets = [torch.zeros(_aligned(size), dtype=torch.uint8, device=device) for size in sizes]
+        buckets = [torch.zeros(aligned(size), dtype=torch.uint8, device=device) for size in sizes]
         for entry in entries:
             tensor = entry.current()
             nbytes = tensor.numel() * tensor.element_size()

@@ -12,6 +12,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from spmd_rl.config.sections import NoConfig
 from spmd_rl.runtime.errors import UserError
 
 
@@ -59,7 +60,6 @@ def config_class(kind: Kind, name: str) -> type:
     cls = load_class(kind, name)
     config = getattr(cls, "Config", None)
     if config is None:
-        from spmd_rl.config.sections import NoConfig
         return NoConfig
     if not (isinstance(config, type) and dataclasses.is_dataclass(config)):
         raise UserError(f"{kind.section}.class '{name}': its Config attribute must be a dataclass (the class's own "

@@ -1,7 +1,7 @@
 """Gymnasium environments: probe an id up front, then build a rank's vectorized envs.
 
 Vector envs run in gymnasium's default NEXT_STEP autoreset mode: the step that ends an episode returns the
-episode's final observation, and the following step resets that env (its action is ignored). The env worker marks
+episode's final observation, and the following step resets that env (its action is ignored). The env runner marks
 such reset steps invalid, and GAE bootstraps truncated episodes from the final observation's value.
 """
 

@@ -9,6 +9,7 @@ rank reported its file written (a second all_reduce), so a kill at any moment le
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -62,8 +63,7 @@ class RunControl:
         self.save_s = time.perf_counter() - clock
         self.last_checkpoint = time.monotonic()
         if signal_number:
-            import signal
-            raise StoppedWithCheckpoint(signal.Signals(signal_number).name, iteration, directory)
+                raise StoppedWithCheckpoint(signal.Signals(signal_number).name, iteration, directory)
         if stop_here:
             raise StoppedWithCheckpoint(f"run.stop_after_iterations={self.stop_after}", iteration, directory)
 

@@ -63,7 +63,7 @@ class InferenceServer:
         self.uniform_actions = uniform_actions
         self.output_keys = list(policy.outputs())
         self.no_grad = torch.no_grad()  # one reusable context: this runs once per env step
-        # numpy views of the reply buffers: cheaper per-step writes than torch ops (see EnvWorker)
+        # numpy views of the reply buffers: cheaper per-step writes than torch ops (see EnvRunner)
         self.replies = [{key: tensor.numpy() for key, tensor in ch.buffer.items()} for ch in action_channels]
         self.splits = [reply["action"].shape[0] for reply in self.replies]
 

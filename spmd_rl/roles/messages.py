@@ -20,12 +20,12 @@ def _fields(fields: dict[str, StepField], *batch: int) -> dict[str, torch.Tensor
 
 
 def observation_message(spec: EnvSpec, num_envs: int) -> TensorDict:
-    """env worker -> inference server, every step: the observations as the env gives them."""
+    """env runner -> inference server, every step: the observations as the env gives them."""
     return TensorDict({"obs": zeros_of(spec.observation_space, num_envs)}, batch_size=[])
 
 
 def action_message(outputs: dict[str, StepField], num_envs: int) -> TensorDict:
-    """inference server -> env worker, every step: the policy's outputs (action first). The policy version lets the
+    """inference server -> env runner, every step: the policy's outputs (action first). The policy version lets the
     env prove it acted on fresh weights; inference_s (seconds in the forward pass) lets the trainer tell inference
     time from transfer time."""
     return TensorDict({
@@ -36,7 +36,7 @@ def action_message(outputs: dict[str, StepField], num_envs: int) -> TensorDict:
 
 
 def segment_message(spec: EnvSpec, outputs: dict[str, StepField], num_steps: int, num_envs: int) -> TensorDict:
-    """env worker -> trainer, once per rollout: the rollout [T, N] (obs, the policy's outputs, the env fields), the
+    """env runner -> trainer, once per rollout: the rollout [T, N] (obs, the policy's outputs, the env fields), the
     observation after it, and the env side's timings."""
     t, n = num_steps, num_envs
     rollout = TensorDict({

@@ -16,7 +16,10 @@ from spmd_rl.envs.vector import EnvSpec
 from spmd_rl.interfaces.algorithm import Algorithm, Callback
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.interfaces.policy import ENV_FIELDS, Policy, StepField, describe_outputs
+from spmd_rl.roles.messages import segment_message
+from spmd_rl.run.policies import build_policy
 from spmd_rl.runtime.errors import UserError, describe_exception
+from spmd_rl.runtime.limits import check_memory
 
 
 def load_classes(cfg: Config) -> tuple[type[Policy], type[Algorithm], type, list]:
@@ -32,7 +35,6 @@ def check_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm
                  ) -> dict[str, StepField]:
     """Build the policy on the CPU, act on a batch of sample observations, compare with its declared outputs.
     Returns the outputs, which lay out every channel, segment and experience file."""
-    from spmd_rl.run.setup import build_policy
     name = f"policy.class '{cfg.classes['policy']}'"
     try:
         policy = build_policy(cfg, spec, policy_cls)
@@ -54,8 +56,6 @@ def check_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm
 def check_planned_memory(cfg: Config, spec: EnvSpec, outputs: dict, plan) -> None:
     """The rollout buffers a trainer holds (its segments, double-buffered, and their concatenation), against this
     host's memory, before anything is allocated."""
-    from spmd_rl.roles.messages import segment_message
-    from spmd_rl.runtime.limits import check_memory
     segment = segment_message(spec, outputs, 1, 1)  # one step of one env: bytes scale with steps x envs
     step_bytes = sum(t.element_size() * t.numel() for t in segment["rollout"].values(True, True))
     columns = plan.max_env_columns_per_trainer

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from spmd_rl.persist.fileio import LineAppender, file_error
+from spmd_rl.persist.fileio import LineAppender, file_error, write_atomic
 
 # The mean over the last RETURN_WINDOW finished episodes (all env ranks) is the headline return.
 RETURN_WINDOW = 20
@@ -149,7 +149,6 @@ def _mean(values) -> float:
 def drop_records_after(path: Path, iteration: int) -> None:
     """Keep the records of iterations <= iteration (a resumed run rewrites those a stopped run logged after its
     checkpoint); the file is replaced atomically. A torn last line is dropped too."""
-    from spmd_rl.persist.fileio import write_atomic
     if not path.exists():
         return
     kept = []

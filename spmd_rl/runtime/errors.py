@@ -7,6 +7,10 @@ CommError: a wait between ranks failed or expired. The message names this rank a
 and the message; the process exits non-zero so the launcher takes the rest of the job down.
 """
 
+import os
+import sys
+import traceback
+
 USER_ERROR_EXIT_CODE = 2
 COMM_ERROR_EXIT_CODE = 3
 
@@ -54,9 +58,6 @@ class UserCodeError(Exception):
 def user_frame(exc: BaseException) -> str:
     """'file:line' of the innermost frame of exc's traceback that is the user's code (not spmd_rl, torch,
     gymnasium or the standard library); '' when there is none."""
-    import os
-    import sys
-    import traceback
     framework = (os.path.dirname(os.path.abspath(__file__)), sys.prefix, sys.base_prefix)
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if not os.path.abspath(f.filename).startswith(framework) and not f.filename.startswith("<")]

@@ -18,11 +18,15 @@ runs in a daemon thread joined within a bound: a failing rank always exits promp
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from spmd_rl.runtime.errors import COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE
 
@@ -51,7 +55,6 @@ class Failure:
         if self.exit_code in known:
             return known[self.exit_code]
         if self.exit_code > 128:
-            import signal
             try:
                 return f"stopped by {signal.Signals(self.exit_code - 128).name}"
             except ValueError:
@@ -166,8 +169,6 @@ def _bounded(action: Callable[[], None], bound_s: float) -> None:
 
 def _default_store():
     try:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d
         return distributed_c10d._get_default_store() if dist.is_initialized() else None
     except Exception:  # noqa: BLE001 - no store, no summary
         return None
