@@ -12,16 +12,14 @@ import argparse
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import gymnasium as gym
-import numpy as np
 import torch
 from gymnasium.wrappers import vector as vector_wrappers
 
 from benchmarks.common import machine
-from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state
 from spmd_rl.envs.state import capture_env_state
+from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state
 
 
 def mlp(sizes: list[int]) -> torch.nn.Sequential:

@@ -14,8 +14,8 @@ import statistics
 import time
 
 import torch
-
 from common import machine, run_spmd, table
+
 from spmd_rl.config.loading import load_config
 
 SOLVED = 475.0

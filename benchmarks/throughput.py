@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import machine, run_spmd, table
 
 SETTINGS = {

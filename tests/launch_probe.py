@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spmd_rl.runtime.launch import detect_launch
 from spmd_rl.runtime.distributed import shutdown_runtime, start_runtime, wait
+from spmd_rl.runtime.launch import detect_launch
 
 
 def main(out_dir: Path) -> None:

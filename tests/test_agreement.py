@@ -4,13 +4,13 @@ import datetime
 
 import pytest
 import torch
-
 from multiproc import assert_all_ok, run_ranks
+
 from spmd_rl.config.loading import load_config
-from spmd_rl.runtime.errors import UserError
-from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.run.resume import agree_on_run as _agree_on_run
 from spmd_rl.runtime.distributed import Runtime
+from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.launch import LaunchInfo
 
 
 def _runtime(rank: int, world_size: int) -> Runtime:

@@ -22,11 +22,11 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from multiproc import assert_all_ok, run_ranks
-from spmd_rl.runtime.errors import UserError
+
 from spmd_rl.persist.fileio import LineAppender, make_dirs, write_atomic
 from spmd_rl.run.metrics import MetricsLogger
+from spmd_rl.runtime.errors import UserError
 from spmd_rl.storage.reader import HDF5Reader
 from spmd_rl.storage.writer import HDF5Writer
 
@@ -144,8 +144,8 @@ def test_a_stop_signal_flushes_every_staged_row(tmp_path, signum):
 
 
 def test_signals_wait_for_the_end_of_a_deferred_section():
-    from spmd_rl.runtime.errors import StopSignal
     from spmd_rl.runtime.distributed import install_signal_handlers, signals_deferred
+    from spmd_rl.runtime.errors import StopSignal
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     install_signal_handlers()
     try:

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from spmd_rl.persist.checkpoint import CheckpointStore
 from spmd_rl.config.loading import load_config
-from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
 from spmd_rl.evaluate import evaluate, load_policy, main
+from spmd_rl.persist.checkpoint import CheckpointStore
 from spmd_rl.run.evaluation import _quotas
+from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,9 +148,9 @@ def test_evaluation_leaves_the_callers_random_state_and_mode_alone(tiny_run):
 
 def test_exactly_the_requested_episodes_with_a_fixed_quota_per_env():
     assert _quotas(5, 2).tolist() == [3, 2] and _quotas(3, 8).tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
-    from spmd_rl.run.policies import build_policy
-    from spmd_rl.envs.vector import probe_env
     from spmd_rl.config.plugins import POLICY, load_class
+    from spmd_rl.envs.vector import probe_env
+    from spmd_rl.run.policies import build_policy
     cfg = load_config(None, ["env.num_envs=4"])
     policy = build_policy(cfg, probe_env(cfg.env), load_class(POLICY, cfg.classes["policy"]))
     for episodes in (1, 6, 9):
@@ -173,9 +173,9 @@ class DictObservations(gym.ObservationWrapper):
 def test_dict_observations_are_laid_out_as_the_framework_does():
     if "DictCartPole-v0" not in gym.registry:
         gym.register(id="DictCartPole-v0", entry_point=lambda: DictObservations(gym.make("CartPole-v1")))
-    from spmd_rl.run.policies import build_policy
-    from spmd_rl.envs.vector import probe_env
     from spmd_rl.config.plugins import POLICY, load_class
+    from spmd_rl.envs.vector import probe_env
+    from spmd_rl.run.policies import build_policy
     cfg = load_config(None, ["env.id=DictCartPole-v0", "env.num_envs=2"])
     policy = build_policy(cfg, probe_env(cfg.env), load_class(POLICY, cfg.classes["policy"]))
     result = evaluate(policy, cfg.env, episodes=3, seed=0, deterministic=True)

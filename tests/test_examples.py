@@ -12,17 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_train_e2e import PPO_METRICS, ROOT, _env, _free_port, assert_run_complete
 
 EXAMPLES = ROOT / "examples"
 
 # name: (config file, overrides for a few iterations, env steps per iteration per env rank, the algorithm's metrics).
-# Each env steps at least 50 times, so some CartPole episode ends (metrics hold returns) in every layout.
+# Each env steps at least 50 times, so some CartPole episode ends (metrics hold returns) in every layout; on
+# Pendulum-v1 (200-step episodes) at least 256 times.
 CASES = {
     "pixel_catch": ("catch.yaml", ["env.num_envs=4", "algo.num_steps=8", "train.total_steps=256"], 32, PPO_METRICS),
     "a2c": ("a2c_cartpole.yaml", ["env.num_envs=2", "algo.num_steps=5", "train.total_steps=200"], 10,
             {"policy_loss", "value_loss", "entropy"}),
+    "heldout_eval": ("heldout_pendulum.yaml", ["env.num_envs=2", "algo.num_steps=64", "algo.num_minibatches=2",
+                                               "algo.update_epochs=2", "engine.every=3", "engine.episodes=2",
+                                               "train.total_steps=1024"], 128, PPO_METRICS),
 }
 # layout: (torchrun processes (0 = plain python), env ranks, overrides)
 LAYOUTS = {
@@ -63,6 +66,19 @@ def test_example_runs_from_a_copy_of_its_folder(name, layout, tmp_path):
                                   algo_metrics=algo_metrics)
     assert records[-1]["env_steps"] == total_steps
     assert records[-1]["episodes"] > 0
+    CHECKS.get(name, lambda records: None)(records)
+
+
+def heldout_only_before_every_third_sync(records: list[dict]) -> None:
+    # engine.every=3 with PPO (weights synced after every iteration): held-out episodes after iterations 2, 5, ...
+    # on the metrics rank, and on no other iteration.
+    heldout = {r["iteration"]: r["heldout_return_mean"] for r in records if "heldout_return_mean" in r}
+    assert list(heldout) == [i for i in range(len(records)) if (i + 1) % 3 == 0]
+    assert all(-3300 < value <= 0 for value in heldout.values())  # Pendulum-v1: >= -16.3 a step, 200 steps
+
+
+# name: what its metrics hold beyond every example's
+CHECKS = {"heldout_eval": heldout_only_before_every_third_sync}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -76,10 +92,9 @@ def example_modules(monkeypatch):
 
 
 def test_catch_pays_one_at_the_bottom_row_and_draws_ball_and_paddle(example_modules):
+    import catch_env
     import gymnasium as gym
     import numpy as np
-
-    import catch_env
     env = gym.make("catch_env:Catch-v0", rows=10, columns=5)
     obs, _ = env.reset(seed=3)
     assert obs.shape == (10, 5, 1) and obs.dtype == np.uint8 and (obs > 0).sum() == 2
@@ -107,3 +122,24 @@ def test_a2c_returns_stop_at_terminations_and_bootstrap_truncations(example_modu
     assert returns[0].item() == 1.0                  # no bootstrap past a termination
     assert returns[2].item() == 2.0 + gamma * 8.0    # bootstrap from V(final obs), not from the reset step's return
     assert returns[3].item() == 3.0 + gamma * 4.0    # bootstrap from V(next obs)
+
+
+def test_heldout_env_lays_its_settings_over_the_training_env_kwargs_and_refuses_unknown_ones(example_modules):
+    import types
+
+    import gymnasium as gym
+    from heldout_engine import HeldOutEvalConfig, HeldOutEvalEngine, heldout_env
+
+    from spmd_rl.api import UserError
+    from spmd_rl.config import EnvSection
+    training = EnvSection(id="Pendulum-v1", num_envs=4, kwargs={"g": 10.0, "max_episode_steps": 50})
+    heldout = heldout_env(training, {"g": 12.0})
+    assert heldout.kwargs == {"g": 12.0, "max_episode_steps": 50} and heldout.num_envs == 4
+    assert training.kwargs == {"g": 10.0, "max_episode_steps": 50}  # the training envs keep theirs
+    assert gym.make(heldout.id, **heldout.kwargs).unwrapped.g == 12.0
+    # Refused before any rank starts (check_plan), not at the first evaluation.
+    HeldOutEvalEngine.check_plan(types.SimpleNamespace(env=training, engine=HeldOutEvalConfig(kwargs={"g": 12.0})),
+                                 None, None, None)
+    with pytest.raises(UserError, match="engine.kwargs .*'gravity'"):
+        HeldOutEvalEngine.check_plan(types.SimpleNamespace(env=training, engine=HeldOutEvalConfig(
+            kwargs={"gravity": 12.0})), None, None, None)

@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import run_ranks
 from tensordict import TensorDict
 from torch import nn
 
-from multiproc import run_ranks
 from spmd_rl.comm.channel import open_channels
 from spmd_rl.comm.weights import WeightSync
 from spmd_rl.runtime.errors import COMM_ERROR_EXIT_CODE, CommError

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from multiproc import run_ranks
+
+from spmd_rl.runtime.distributed import Peer, comm_error
 from spmd_rl.runtime.errors import COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, CommError
 from spmd_rl.runtime.postmortem import Failure, first_cause
-from spmd_rl.runtime.distributed import Peer, comm_error
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 15          # dist.timeout_s of every job: long enough for 4 ranks to start on a loaded 2-core machine

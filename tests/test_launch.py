@@ -11,8 +11,17 @@ from pathlib import Path
 import pytest
 
 from spmd_rl.runtime.errors import UserError
-from spmd_rl.runtime.launch import (LAUNCH_SOURCES, detect_launch, expand_nodelist, expand_tasks_per_node, from_mpi,
-                            from_slurm, from_torchrun, mpi_rank_from_env, slurm_default_port)
+from spmd_rl.runtime.launch import (
+    LAUNCH_SOURCES,
+    detect_launch,
+    expand_nodelist,
+    expand_tasks_per_node,
+    from_mpi,
+    from_slurm,
+    from_torchrun,
+    mpi_rank_from_env,
+    slurm_default_port,
+)
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
+from multiproc import assert_all_ok, run_ranks
 
 from spmd_rl.modules.normalizer import RunningNormalizer
-from multiproc import assert_all_ok, run_ranks
 
 SHAPE = (3,)
 

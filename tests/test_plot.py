@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import yaml
 
-from spmd_rl.runtime.errors import UserError
 from spmd_rl.plot import curves, group_seeds, main, read_metrics, read_run
+from spmd_rl.runtime.errors import UserError
 
 
 def make_run(root: Path, name: str, seed: int, returns: list[float], steps_per_iteration: int = 100,

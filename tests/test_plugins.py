@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
-
 from multiproc import assert_all_ok, run_ranks
+from tensordict import TensorDict
 from test_train_e2e import REQUIRED_METRICS, ROOT, SAC_TINY, TINY, _env, _free_port, read_metrics
 
 from spmd_rl.roles.trainer import Trainer

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import assert_all_ok, run_ranks
 from tensordict import TensorDict
 
-from multiproc import assert_all_ok, run_ranks
-from spmd_rl.algorithms.ppo import PPO, compute_gae, ppo_losses, rollout_tensors, total_loss
 from spmd_rl.algorithms.configs import PPOConfig
+from spmd_rl.algorithms.ppo import PPO, compute_gae, ppo_losses, rollout_tensors, total_loss
 from spmd_rl.api import Context, StepField
+from spmd_rl.modules.actor_critic import ActorCritic
 from spmd_rl.modules.configs import ActorCriticConfig
 from spmd_rl.runtime.errors import UserError
-from spmd_rl.modules.actor_critic import ActorCritic
 
 CARTPOLE_OBS = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
 PENDULUM_ACTIONS = gym.spaces.Box(-2.0, 2.0, (2,), np.float32)

@@ -5,11 +5,11 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import assert_all_ok, run_ranks
 from tensordict import TensorDict
 
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.storage.replay import ReplayBuffer, ShardedReplay
-from multiproc import assert_all_ok, run_ranks
 
 
 def transitions(ids) -> TensorDict:

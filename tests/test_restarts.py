@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from test_train_e2e import TINY, _env
 
 SPLIT4 = ("layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2")

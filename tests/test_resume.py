@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-
 from test_train_e2e import ROOT, TINY, _env, run_main
 
 TIMINGS = ("sps", "wall_s", "cpu_s")

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import assert_all_ok, run_ranks
 from tensordict import TensorDict
 
-from multiproc import assert_all_ok, run_ranks
-from spmd_rl.algorithms.sac import SAC
 from spmd_rl.algorithms.configs import SACConfig
+from spmd_rl.algorithms.sac import SAC
 from spmd_rl.api import Context
 from spmd_rl.modules.configs import SquashedGaussianConfig
-from spmd_rl.runtime.errors import UserError
 from spmd_rl.modules.sac_networks import SquashedGaussianActor, TwinQ
+from spmd_rl.runtime.errors import UserError
 
 OBS = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
 ACTIONS = gym.spaces.Box(np.array([-2.0, 0.0], np.float32), np.array([1.0, 10.0], np.float32))  # asymmetric bounds

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from slurm_cluster import FINISHED_STATES, SlurmCluster, slurm_cluster_fixture
 
 REPO = Path(__file__).resolve().parents[1]

@@ -3,8 +3,8 @@
 import pytest
 
 from spmd_rl.config.sections import LayoutSection
-from spmd_rl.runtime.errors import UserError
 from spmd_rl.run.topology import build_topology
+from spmd_rl.runtime.errors import UserError
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8, 16])

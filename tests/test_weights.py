@@ -5,9 +5,9 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import assert_all_ok, run_ranks
 from torch import nn
 
-from multiproc import assert_all_ok, run_ranks
 from spmd_rl.comm.weights import WeightMismatchError, WeightSync, bucket_checksum
 
 TIMEOUT = datetime.timedelta(seconds=20)

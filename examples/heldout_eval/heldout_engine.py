@@ -13,8 +13,22 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from spmd_rl.api import (COLOCATED, ENV, INFERENCE, TRAINER, Engine, MetricsLogger, Policy, Run, Trainer, evaluate,
-                         knob)
+import gymnasium as gym
+
+from spmd_rl.api import (
+    COLOCATED,
+    ENV,
+    INFERENCE,
+    TRAINER,
+    Engine,
+    MetricsLogger,
+    Policy,
+    Run,
+    Trainer,
+    UserError,
+    evaluate,
+    knob,
+)
 
 
 @dataclass
@@ -35,6 +49,15 @@ class HeldOutEvalEngine(Engine):
         loop = {COLOCATED: self.colocated_loop, ENV: env_loop, INFERENCE: inference_loop,
                 TRAINER: self.trainer_loop}[run.role]
         return run.with_metrics(lambda logger: loop(run, logger))
+
+    @classmethod
+    def check_plan(cls, cfg, topology, plan, schedule) -> None:
+        """Held-out settings the env does not take are refused before any rank starts, not at the first evaluation."""
+        env = heldout_env(cfg.env, cfg.engine.kwargs)
+        try:
+            gym.make(env.id, **env.kwargs).close()
+        except Exception as exc:  # whatever the env raises for a keyword it does not know
+            raise UserError(f"engine.kwargs {cfg.engine.kwargs}: env.id '{env.id}' does not take them: {exc}") from None
 
     def heldout(self, run: Run, trainer: Trainer, iteration: int, logger: MetricsLogger | None) -> dict[str, float]:
         """Held-out metrics for this iteration: played only where the metrics are written, before the syncs the

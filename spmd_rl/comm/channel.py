@@ -371,69 +371,13 @@ def open_channels(sends: Sequence[tuple[int, str, TensorDictBase]],
     timeout = _as_timedelta(timeout)
     _check_tags(((peer, name) for peer, name, _ in sends), "to", tag_base)
     _check_tags(((peer, name) for peer, name, _ in recvs), "from", tag_base)
-
-    def what(peer_from: int, peer_to: int, name: str, step: str) -> Callable[[], str]:
-        return lambda: (f"{describe_rank(me)}: layout handshake ({step}) of channel {name!r} from "
-                        f"{describe_rank(peer_from)} to {describe_rank(peer_to)}")
-
-    def post(operation, tensor: torch.Tensor, peer: int, tag: int, describe: Callable[[], str]):
-        """dist.isend or dist.irecv; a peer already gone can fail the post itself."""
-        try:
-            return operation(tensor, peer, group=group, tag=tag)
-        except RuntimeError as exc:
-            raise comm_error(describe(), exc, timeout, Peer(describe_rank(peer), (peer,))) from exc
-
-    def finish(work, peer: int, describe: Callable[[], str]) -> None:
-        wait(work, timeout, describe, Peer(describe_rank(peer), (peer,)))
-
+    handshake = _Handshake(me, timeout, describe_rank, group, tag_base)
     # Post everything that does not depend on a peer: our layouts out, their headers and verdicts in.
-    outgoing, verdicts_in, headers_in = [], [], []
-    for peer, name, example in sends:
-        layout = TensorLayout.of(example)
-        _, layout_tag, verdict_tag = channel_tags(name, tag_base)
-        encoded = torch.frombuffer(bytearray(layout.encode()), dtype=torch.uint8)
-        header = torch.tensor([encoded.numel(), layout.digest], dtype=torch.int64)
-        for tensor in (header, encoded):     # same tag, same peer: they arrive in this order
-            describe = what(me, peer, name, "send layout")
-            outgoing.append((post(dist.isend, tensor, peer, layout_tag, describe), tensor, peer, describe))
-        verdict = torch.zeros(1, dtype=torch.int64)
-        verdicts_in.append((post(dist.irecv, verdict, peer, verdict_tag, what(peer, me, name, "receive verdict")),
-                            verdict, layout))
-    for peer, name, _ in recvs:
-        header = torch.zeros(2, dtype=torch.int64)
-        headers_in.append((post(dist.irecv, header, peer, channel_tags(name, tag_base)[1],
-                                what(peer, me, name, "receive length")), header))
-
-    # Receive each sender's layout; judge it against what we expected.
-    bodies_in = []
-    for (peer, name, _), (work, header) in zip(recvs, headers_in):
-        finish(work, peer, what(peer, me, name, "receive length"))
-        body = torch.zeros(int(header[0]), dtype=torch.uint8)
-        bodies_in.append((post(dist.irecv, body, peer, channel_tags(name, tag_base)[1],
-                               what(peer, me, name, "receive layout")), body))
-    recv_layouts, problems = [], []
-    for (peer, name, expected), (work, body) in zip(recvs, bodies_in):
-        finish(work, peer, what(peer, me, name, "receive layout"))
-        theirs = TensorLayout.decode(body.numpy().tobytes())
-        if isinstance(expected, TensorDictBase):
-            expected = TensorLayout.of(expected)
-        difference = "" if expected is None else theirs.difference(expected, "sender", "receiver")
-        if difference:
-            problems.append(f"channel {name!r} from {describe_rank(peer)} to {describe_rank(me)}: the sender's "
-                            f"layout differs from the receiver's (sender vs receiver): {difference}")
-        recv_layouts.append(theirs)
-        verdict = torch.tensor([1 if difference else 0], dtype=torch.int64)
-        describe = what(me, peer, name, "send verdict")
-        outgoing.append((post(dist.isend, verdict, peer, channel_tags(name, tag_base)[2], describe), verdict, peer,
-                         describe))
-
-    for (peer, name, _), (work, verdict, layout) in zip(sends, verdicts_in):
-        finish(work, peer, what(peer, me, name, "receive verdict"))
-        if int(verdict[0]) != 0:
-            problems.append(f"channel {name!r} from {describe_rank(me)} to {describe_rank(peer)}: the receiver "
-                            f"rejected the sender's layout {layout.describe()} (its error names the difference)")
-    for work, _tensor, peer, describe in outgoing:
-        finish(work, peer, describe)
+    verdicts_in = handshake.send_layouts(sends)
+    headers_in = handshake.post_header_receives(recvs)
+    recv_layouts, problems = handshake.judge_layouts(recvs, headers_in)
+    problems += handshake.read_verdicts(sends, verdicts_in)
+    handshake.finish_sends()
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -443,6 +387,95 @@ def open_channels(sends: Sequence[tuple[int, str, TensorDictBase]],
                                  group, device, num_recv_buffers)
                      for (peer, name, _), layout in zip(recvs, recv_layouts)]
     return send_channels, recv_channels
+
+
+class _Handshake:
+    """One rank's layout handshake over all its channels (open_channels): senders send their layout and learn the
+    receiver's verdict; receivers judge each layout against what they expect."""
+
+    def __init__(self, me: int, timeout: datetime.timedelta, describe_rank: Callable[[int], str], group,
+                 tag_base: int):
+        self.me, self.timeout, self.describe_rank, self.group, self.tag_base = me, timeout, describe_rank, group, tag_base
+        self.outgoing: list = []  # (work, tensor, peer, describe) of every send, finished last
+
+    def what(self, peer_from: int, peer_to: int, name: str, step: str) -> Callable[[], str]:
+        return lambda: (f"{self.describe_rank(self.me)}: layout handshake ({step}) of channel {name!r} from "
+                        f"{self.describe_rank(peer_from)} to {self.describe_rank(peer_to)}")
+
+    def post(self, operation, tensor: torch.Tensor, peer: int, tag: int, describe: Callable[[], str]):
+        """dist.isend or dist.irecv; a peer already gone can fail the post itself."""
+        try:
+            return operation(tensor, peer, group=self.group, tag=tag)
+        except RuntimeError as exc:
+            raise comm_error(describe(), exc, self.timeout, Peer(self.describe_rank(peer), (peer,))) from exc
+
+    def finish(self, work, peer: int, describe: Callable[[], str]) -> None:
+        wait(work, self.timeout, describe, Peer(self.describe_rank(peer), (peer,)))
+
+    def send_layouts(self, sends) -> list:
+        """Each send channel's layout out (a header, then the encoded layout) and its verdict's receive posted."""
+        verdicts_in = []
+        for peer, name, example in sends:
+            layout = TensorLayout.of(example)
+            _, layout_tag, verdict_tag = channel_tags(name, self.tag_base)
+            encoded = torch.frombuffer(bytearray(layout.encode()), dtype=torch.uint8)
+            header = torch.tensor([encoded.numel(), layout.digest], dtype=torch.int64)
+            for tensor in (header, encoded):     # same tag, same peer: they arrive in this order
+                describe = self.what(self.me, peer, name, "send layout")
+                self.outgoing.append((self.post(dist.isend, tensor, peer, layout_tag, describe), tensor, peer,
+                                      describe))
+            verdict = torch.zeros(1, dtype=torch.int64)
+            verdicts_in.append((self.post(dist.irecv, verdict, peer, verdict_tag,
+                                          self.what(peer, self.me, name, "receive verdict")), verdict, layout))
+        return verdicts_in
+
+    def post_header_receives(self, recvs) -> list:
+        headers_in = []
+        for peer, name, _ in recvs:
+            header = torch.zeros(2, dtype=torch.int64)
+            headers_in.append((self.post(dist.irecv, header, peer, channel_tags(name, self.tag_base)[1],
+                                         self.what(peer, self.me, name, "receive length")), header))
+        return headers_in
+
+    def judge_layouts(self, recvs, headers_in) -> tuple[list[TensorLayout], list[str]]:
+        """Receive each sender's layout, judge it against what this rank expected, send the verdict back."""
+        me, describe_rank = self.me, self.describe_rank
+        bodies_in = []
+        for (peer, name, _), (work, header) in zip(recvs, headers_in):
+            self.finish(work, peer, self.what(peer, me, name, "receive length"))
+            body = torch.zeros(int(header[0]), dtype=torch.uint8)
+            bodies_in.append((self.post(dist.irecv, body, peer, channel_tags(name, self.tag_base)[1],
+                                        self.what(peer, me, name, "receive layout")), body))
+        recv_layouts, problems = [], []
+        for (peer, name, expected), (work, body) in zip(recvs, bodies_in):
+            self.finish(work, peer, self.what(peer, me, name, "receive layout"))
+            theirs = TensorLayout.decode(body.numpy().tobytes())
+            if isinstance(expected, TensorDictBase):
+                expected = TensorLayout.of(expected)
+            difference = "" if expected is None else theirs.difference(expected, "sender", "receiver")
+            if difference:
+                problems.append(f"channel {name!r} from {describe_rank(peer)} to {describe_rank(me)}: the sender's "
+                                f"layout differs from the receiver's (sender vs receiver): {difference}")
+            recv_layouts.append(theirs)
+            verdict = torch.tensor([1 if difference else 0], dtype=torch.int64)
+            describe = self.what(me, peer, name, "send verdict")
+            self.outgoing.append((self.post(dist.isend, verdict, peer, channel_tags(name, self.tag_base)[2], describe),
+                                  verdict, peer, describe))
+        return recv_layouts, problems
+
+    def read_verdicts(self, sends, verdicts_in) -> list[str]:
+        problems = []
+        for (peer, name, _), (work, verdict, layout) in zip(sends, verdicts_in):
+            self.finish(work, peer, self.what(peer, self.me, name, "receive verdict"))
+            if int(verdict[0]) != 0:
+                problems.append(f"channel {name!r} from {self.describe_rank(self.me)} to {self.describe_rank(peer)}: "
+                                f"the receiver rejected the sender's layout {layout.describe()} (its error names the "
+                                f"difference)")
+        return problems
+
+    def finish_sends(self) -> None:
+        for work, _tensor, peer, describe in self.outgoing:
+            self.finish(work, peer, describe)
 
 
 class _Done:
