@@ -203,7 +203,8 @@ def test_absurd_sizes_and_times_are_out_of_range(override, message):
 
 
 def test_list_items_are_range_checked_by_item_min():
-    from spmd_rl.config.sections import _check_value, knob
+    from spmd_rl.config.loading import _check_value
+    from spmd_rl.config.sections import knob
 
     widths = knob(None, "hidden layer widths", item_min=1, factory=list).metadata
     assert _check_value("policy.hidden_sizes", [64, 64], list[int], widths) == [64, 64]

@@ -63,7 +63,7 @@ class RunControl:
         self.save_s = time.perf_counter() - clock
         self.last_checkpoint = time.monotonic()
         if signal_number:
-                raise StoppedWithCheckpoint(signal.Signals(signal_number).name, iteration, directory)
+            raise StoppedWithCheckpoint(signal.Signals(signal_number).name, iteration, directory)
         if stop_here:
             raise StoppedWithCheckpoint(f"run.stop_after_iterations={self.stop_after}", iteration, directory)
 
