@@ -25,11 +25,26 @@ import argparse
 from common import machine, run_spmd, table
 from uneven_env import HIGH_S, LOW_S
 
-BASE = ["env.num_envs=1", "env.vectorization=sync", "algo.num_steps=64", "algo.update_epochs=4",
-        "layout.mode=split", "layout.trainer=1", "layout.inference=1"]
+BASE = [
+    "env.num_envs=1",
+    "env.vectorization=sync",
+    "algo.num_steps=64",
+    "algo.update_epochs=4",
+    "layout.mode=split",
+    "layout.trainer=1",
+    "layout.inference=1",
+]
 ITERATIONS = 16
-VERSUS_HEADERS = ["env ranks' step time", "env ranks", "sync SPS", "async SPS", "async / sync", "ideal",
-                  "lag mean", "lag max"]
+VERSUS_HEADERS = [
+    "env ranks' step time",
+    "env ranks",
+    "sync SPS",
+    "async SPS",
+    "async / sync",
+    "ideal",
+    "lag mean",
+    "lag max",
+]
 
 
 def engine(name: str, lag: int) -> list[str]:
@@ -39,8 +54,10 @@ def engine(name: str, lag: int) -> list[str]:
 
 
 def steady_sps(overrides: list[str], env_ranks: int) -> tuple[float, dict]:
-    records = run_spmd(BASE + overrides + [f"layout.env={env_ranks}",
-                                           f"train.total_steps={64 * env_ranks * ITERATIONS}"], nproc=2 + env_ranks)
+    records = run_spmd(
+        BASE + overrides + [f"layout.env={env_ranks}", f"train.total_steps={64 * env_ranks * ITERATIONS}"],
+        nproc=2 + env_ranks,
+    )
     first, last = records[0], records[-1]
     sps = (last["env_steps"] - first["env_steps"]) / (last["wall_s"] - first["wall_s"])
     lags = [r.get("policy_lag_mean", 0.0) for r in records[1:]]
@@ -54,8 +71,14 @@ def versus(env: list[str], env_ranks: int, repeats: int, lag: int, ideal: float)
             results[name].append(steady_sps(env + engine(name, lag), env_ranks))
     sync = max(sps for sps, _ in results["sync"])
     best_async, info = max(results["async"], key=lambda r: r[0])
-    return [f"{sync:.0f}", f"{best_async:.0f}", f"{best_async / sync:.2f}x", f"{ideal:.2f}x", f"{info['lag_mean']:.2f}",
-            f"{info['lag_max']:.0f}"]
+    return [
+        f"{sync:.0f}",
+        f"{best_async:.0f}",
+        f"{best_async / sync:.2f}x",
+        f"{ideal:.2f}x",
+        f"{info['lag_mean']:.2f}",
+        f"{info['lag_max']:.0f}",
+    ]
 
 
 def uneven_ideal(env_ranks: int) -> float:
@@ -66,8 +89,10 @@ def uneven_ideal(env_ranks: int) -> float:
 
 def uneven(env_ranks: list[int], repeats: int, lag: int) -> None:
     env = ["env.id=benchmarks.uneven_env:UnevenCartPole-v1"]
-    rows = [[f"random {LOW_S * 1e3:g}-{HIGH_S * 1e3:g} ms per step", k,
-             *versus(env, k, repeats, lag, uneven_ideal(k))] for k in env_ranks]
+    rows = [
+        [f"random {LOW_S * 1e3:g}-{HIGH_S * 1e3:g} ms per step", k, *versus(env, k, repeats, lag, uneven_ideal(k))]
+        for k in env_ranks
+    ]
     print(table(VERSUS_HEADERS, rows))
 
 
@@ -91,8 +116,16 @@ def scaling(env_ranks: list[int], repeats: int, lag: int) -> None:
                 best[name] = max(best.get(name, 0.0), sps)
         # Linear: k x the better engine's 1-rank SPS (a slower 1-rank run must not flatter its own ratio).
         base = base or max(best.values())
-        rows.append([k, 2 + k, f"{best['sync']:.0f}", f"{best['sync'] / (base * k):.2f}",
-                     f"{best['async']:.0f}", f"{best['async'] / (base * k):.2f}"])
+        rows.append(
+            [
+                k,
+                2 + k,
+                f"{best['sync']:.0f}",
+                f"{best['sync'] / (base * k):.2f}",
+                f"{best['async']:.0f}",
+                f"{best['async'] / (base * k):.2f}",
+            ]
+        )
     print(table(["env ranks", "world size", "sync SPS", "sync vs linear", "async SPS", "async vs linear"], rows))
 
 

@@ -17,8 +17,11 @@ from common import machine, run_spmd, table
 RUNS = {
     # name: (config, overrides, iterations)
     "PPO CartPole (8 envs x 32 steps, 20 epochs)": (None, ["train.total_steps=25600", "algo.num_minibatches=1"], 100),
-    "SAC Pendulum (8 steps, 256x256, 100k replay)": ("configs/sac_pendulum.yaml",
-                                                     ["train.total_steps=4000", "algo.learning_starts=1000"], 500),
+    "SAC Pendulum (8 steps, 256x256, 100k replay)": (
+        "configs/sac_pendulum.yaml",
+        ["train.total_steps=4000", "algo.learning_starts=1000"],
+        500,
+    ),
 }
 
 
@@ -40,11 +43,30 @@ def main() -> None:
             every.append(seconds_per_iteration(config, overrides, iterations, every=1))
             end_only.append(seconds_per_iteration(config, overrides, iterations, every=0))
         per_every, per_end = min(every), min(end_only)
-        rows.append([name, iterations, f"{per_end * 1000:.1f}", f"{per_every * 1000:.1f}",
-                     f"{(per_every - per_end) * 1000:.1f}", f"{per_every / per_end:.2f}x"])
+        rows.append(
+            [
+                name,
+                iterations,
+                f"{per_end * 1000:.1f}",
+                f"{per_every * 1000:.1f}",
+                f"{(per_every - per_end) * 1000:.1f}",
+                f"{per_every / per_end:.2f}x",
+            ]
+        )
     print(f"best of {args.repeats}, alternating; ms per iteration")
-    print(table(["run", "iterations", "checkpoint at the end only", "checkpoint every iteration",
-                 "cost of one checkpoint (ms)", "ratio"], rows))
+    print(
+        table(
+            [
+                "run",
+                "iterations",
+                "checkpoint at the end only",
+                "checkpoint every iteration",
+                "cost of one checkpoint (ms)",
+                "ratio",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

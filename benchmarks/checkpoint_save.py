@@ -39,9 +39,14 @@ def with_adam_state(modules: list[torch.nn.Module]) -> dict:
 
 
 def replay_shard(rows: int, obs_dim: int, act_dim: int) -> dict:
-    return {"obs": torch.randn(rows, obs_dim), "action": torch.randn(rows, act_dim), "reward": torch.randn(rows),
-            "next_obs": torch.randn(rows, obs_dim), "terminated": torch.zeros(rows, dtype=torch.bool),
-            "cursor": rows}
+    return {
+        "obs": torch.randn(rows, obs_dim),
+        "action": torch.randn(rows, act_dim),
+        "reward": torch.randn(rows),
+        "next_obs": torch.randn(rows, obs_dim),
+        "terminated": torch.zeros(rows, dtype=torch.bool),
+        "cursor": rows,
+    }
 
 
 def env_state(env_id: str, num_envs: int) -> dict:
@@ -54,21 +59,28 @@ def states() -> dict[str, dict]:
     common = {"rng": capture_rng_state(), "iteration": 100, "env_steps": 25600}
     return {
         # configs/ppo_cartpole.yaml: actor 4-64-64-2, critic 4-64-64-1, one Adam; 8 CartPoles
-        "PPO CartPole (64x64 + Adam)": {**common, "algorithm": with_adam_state([mlp([4, 64, 64, 2]),
-                                                                              mlp([4, 64, 64, 1])]),
-                                        "env": env_state("CartPole-v1", 8)},
+        "PPO CartPole (64x64 + Adam)": {
+            **common,
+            "algorithm": with_adam_state([mlp([4, 64, 64, 2]), mlp([4, 64, 64, 1])]),
+            "env": env_state("CartPole-v1", 8),
+        },
         # configs/sac_pendulum.yaml: actor 3-256-256-2, two critics 4-256-256-1 and their targets, Adam each;
         # a full 100k-row replay shard
         "SAC Pendulum (256x256 + Adam, 100k replay)": {
-            **common, "algorithm": {**with_adam_state([mlp([3, 256, 256, 2]), mlp([4, 256, 256, 1]),
-                                                       mlp([4, 256, 256, 1])]),
-                                    "targets": [mlp([4, 256, 256, 1]).state_dict() for _ in range(2)]},
-            "replay": replay_shard(100_000, 3, 1), "env": env_state("Pendulum-v1", 1)},
+            **common,
+            "algorithm": {
+                **with_adam_state([mlp([3, 256, 256, 2]), mlp([4, 256, 256, 1]), mlp([4, 256, 256, 1])]),
+                "targets": [mlp([4, 256, 256, 1]).state_dict() for _ in range(2)],
+            },
+            "replay": replay_shard(100_000, 3, 1),
+            "env": env_state("Pendulum-v1", 1),
+        },
         # configs/sac_halfcheetah.yaml with its 1M-row memory replay: the large case
         "SAC HalfCheetah (256x256 + Adam, 1M replay)": {
-            **common, "algorithm": with_adam_state([mlp([17, 256, 256, 12]), mlp([23, 256, 256, 1]),
-                                                    mlp([23, 256, 256, 1])]),
-            "replay": replay_shard(1_000_000, 17, 6)},
+            **common,
+            "algorithm": with_adam_state([mlp([17, 256, 256, 12]), mlp([23, 256, 256, 1]), mlp([23, 256, 256, 1])]),
+            "replay": replay_shard(1_000_000, 17, 6),
+        },
     }
 
 

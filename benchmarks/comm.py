@@ -47,12 +47,15 @@ KB, MB = 1 << 10, 1 << 20
 def payload(nbytes: int) -> TensorDict:
     """Four keys of four dtypes totalling nbytes (nbytes a multiple of 64)."""
     quarter = nbytes // 4
-    return TensorDict({
-        "obs": torch.randn(quarter // 4),
-        "value": torch.randn(quarter // 8, dtype=torch.float64),
-        "action": torch.randint(0, 9, (quarter // 8,)),
-        "pixels": torch.randint(0, 255, (nbytes - 3 * quarter,), dtype=torch.uint8),
-    }, batch_size=[])
+    return TensorDict(
+        {
+            "obs": torch.randn(quarter // 4),
+            "value": torch.randn(quarter // 8, dtype=torch.float64),
+            "action": torch.randint(0, 9, (quarter // 8,)),
+            "pixels": torch.randint(0, 255, (nbytes - 3 * quarter,), dtype=torch.uint8),
+        },
+        batch_size=[],
+    )
 
 
 class SizedModule(nn.Module):
@@ -60,7 +63,7 @@ class SizedModule(nn.Module):
 
     def __init__(self, nbytes: int):
         super().__init__()
-        stats = max(1, nbytes // 64)                                    # 1/8 of the bytes, as float64
+        stats = max(1, nbytes // 64)  # 1/8 of the bytes, as float64
         self.weight = nn.Parameter(torch.randn((nbytes - 8 * stats - 8) // 4))
         self.register_buffer("mean", torch.randn(stats, dtype=torch.float64))
         self.register_buffer("count", torch.zeros((), dtype=torch.int64))
@@ -137,7 +140,7 @@ def _channel_round_trips(rank: int, count: int, to_peer, from_peer) -> list[floa
             from_peer.recv()
         else:
             from_peer.recv()
-            to_peer.send()               # replies from its own buffer, as raw replies with the tensor it received
+            to_peer.send()  # replies from its own buffer, as raw replies with the tensor it received
         times.append(time.perf_counter() - start)
     return times
 
@@ -148,12 +151,19 @@ def point_to_point(rank: int, world_size: int, sizes: list[int], rounds: int, ou
     for nbytes in sizes:
         example = payload(nbytes)
         peer = 1 - rank
-        stream = open_channels(sends=[(1, "stream", example)] if rank == 0 else [],
-                               recvs=[(0, "stream", example)] if rank == 1 else [],
-                               me=rank, timeout=TIMEOUT, num_recv_buffers=RECEIVES_AHEAD + 1)
-        (to_peer,), (from_peer,) = open_channels(sends=[(peer, "ping" if rank == 0 else "pong", example)],
-                                                   recvs=[(peer, "pong" if rank == 0 else "ping", example)],
-                                                   me=rank, timeout=TIMEOUT)
+        stream = open_channels(
+            sends=[(1, "stream", example)] if rank == 0 else [],
+            recvs=[(0, "stream", example)] if rank == 1 else [],
+            me=rank,
+            timeout=TIMEOUT,
+            num_recv_buffers=RECEIVES_AHEAD + 1,
+        )
+        (to_peer,), (from_peer,) = open_channels(
+            sends=[(peer, "ping" if rank == 0 else "pong", example)],
+            recvs=[(peer, "pong" if rank == 0 else "ping", example)],
+            me=rank,
+            timeout=TIMEOUT,
+        )
         raw_buffers = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(RECEIVES_AHEAD + 1)]
         count = messages_per_round(nbytes)
         trips = max(5, min(300, count // 2))
@@ -166,8 +176,8 @@ def point_to_point(rank: int, world_size: int, sizes: list[int], rounds: int, ou
         }
         timings = {name: [] for name in measures}
         order = list(measures)
-        for round_ in range(rounds + 1):                # round 0 warms up (first-touch pages, connections)
-            for name in order[round_ % len(order):] + order[:round_ % len(order)]:  # rotate: no variant always first
+        for round_ in range(rounds + 1):  # round 0 warms up (first-touch pages, connections)
+            for name in order[round_ % len(order) :] + order[: round_ % len(order)]:  # rotate: no variant always first
                 measured = measures[name]()
                 if round_ > 0:
                     timings[name] += measured
@@ -186,6 +196,7 @@ def point_to_point(rank: int, world_size: int, sizes: list[int], rounds: int, ou
 
 # --- weight broadcast --------------------------------------------------------------------------------------------
 
+
 def _timed_broadcasts(count: int, broadcast) -> float:
     start = time.perf_counter()
     for _ in range(count):
@@ -203,25 +214,31 @@ def weight_broadcast(rank: int, world_size: int, sizes: list[int], rounds: int, 
         flat = torch.zeros(sum(b.numel() for b in sync.buckets), dtype=torch.uint8)
         count = max(2, messages_per_round(nbytes) // 4)
         raw, ours = [], []
-        for version in range(rounds + 1):             # round 0 warms up; odd rounds run ours first
+        for version in range(rounds + 1):  # round 0 warms up; odd rounds run ours first
             measured = {}
             for name in ("raw", "ours") if version % 2 == 0 else ("ours", "raw"):
-                measured[name] = _timed_broadcasts(count, lambda: dist.broadcast(flat, src=0, group=group)) \
-                    if name == "raw" else _timed_broadcasts(count, lambda: sync.broadcast(version))
+                measured[name] = (
+                    _timed_broadcasts(count, lambda: dist.broadcast(flat, src=0, group=group))
+                    if name == "raw"
+                    else _timed_broadcasts(count, lambda: sync.broadcast(version))
+                )
             if version > 0:
                 raw.append(measured["raw"])
                 ours.append(measured["ours"])
         sync.verify(rounds)
         if rank == 0:
-            results[nbytes] = {"raw_MBps": flat.numel() / statistics.median(raw) / MB,
-                               "weights_MBps": flat.numel() / statistics.median(ours) / MB,
-                               "buckets": len(sync.buckets)}
+            results[nbytes] = {
+                "raw_MBps": flat.numel() / statistics.median(raw) / MB,
+                "weights_MBps": flat.numel() / statistics.median(ours) / MB,
+                "buckets": len(sync.buckets),
+            }
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
 
 
 # --- driver ------------------------------------------------------------------------------------------------------
+
 
 def _rank_main(fn, rank: int, world_size: int, init_method: str, args: tuple) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -235,8 +252,10 @@ def _rank_main(fn, rank: int, world_size: int, init_method: str, args: tuple) ->
 def spawn(fn, world_size: int, *args) -> None:
     with tempfile.TemporaryDirectory() as store:
         context = multiprocessing.get_context("fork")
-        ranks = [context.Process(target=_rank_main, args=(fn, rank, world_size, f"file://{store}/store", args))
-                 for rank in range(world_size)]
+        ranks = [
+            context.Process(target=_rank_main, args=(fn, rank, world_size, f"file://{store}/store", args))
+            for rank in range(world_size)
+        ]
         for process in ranks:
             process.start()
         for process in ranks:
@@ -261,7 +280,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.max_mb < 1 or args.rounds < 1:
         parser.error("--max-mb and --rounds must be >= 1")
-    sizes = [KB * 4 ** i for i in range(20) if KB * 4 ** i <= args.max_mb * MB]
+    sizes = [KB * 4**i for i in range(20) if KB * 4**i <= args.max_mb * MB]
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -273,18 +292,43 @@ def main() -> None:
             bcast = json.load(f)
 
     cpu = platform.processor() or platform.machine()
-    print(f"torch {torch.__version__}, gloo on CPU, {os.cpu_count()} cores, {cpu}, {args.rounds} rounds, medians; "
-          f"ratio = ours / raw (higher is better for MB/s, lower for round trip)")
-    header = ("payload", "raw MB/s", "channel MB/s", "ratio", "ch+copy MB/s", "ratio", "raw RTT us",
-              "channel RTT us", "ratio", "raw bcast MB/s", "weights MB/s", "ratio")
+    print(
+        f"torch {torch.__version__}, gloo on CPU, {os.cpu_count()} cores, {cpu}, {args.rounds} rounds, medians; "
+        f"ratio = ours / raw (higher is better for MB/s, lower for round trip)"
+    )
+    header = (
+        "payload",
+        "raw MB/s",
+        "channel MB/s",
+        "ratio",
+        "ch+copy MB/s",
+        "ratio",
+        "raw RTT us",
+        "channel RTT us",
+        "ratio",
+        "raw bcast MB/s",
+        "weights MB/s",
+        "ratio",
+    )
     rows = []
     for nbytes in sizes:
         p, b = p2p[str(nbytes)], bcast[str(nbytes)]
-        rows.append((human(nbytes), f"{p['raw_MBps']:.0f}", f"{p['channel_MBps']:.0f}",
-                     f"{p['channel_MBps'] / p['raw_MBps']:.2f}", f"{p['copy_MBps']:.0f}",
-                     f"{p['copy_MBps'] / p['raw_MBps']:.2f}", f"{p['raw_rtt_us']:.0f}", f"{p['channel_rtt_us']:.0f}",
-                     f"{p['channel_rtt_us'] / p['raw_rtt_us']:.2f}", f"{b['raw_MBps']:.0f}",
-                     f"{b['weights_MBps']:.0f}", f"{b['weights_MBps'] / b['raw_MBps']:.2f}"))
+        rows.append(
+            (
+                human(nbytes),
+                f"{p['raw_MBps']:.0f}",
+                f"{p['channel_MBps']:.0f}",
+                f"{p['channel_MBps'] / p['raw_MBps']:.2f}",
+                f"{p['copy_MBps']:.0f}",
+                f"{p['copy_MBps'] / p['raw_MBps']:.2f}",
+                f"{p['raw_rtt_us']:.0f}",
+                f"{p['channel_rtt_us']:.0f}",
+                f"{p['channel_rtt_us'] / p['raw_rtt_us']:.2f}",
+                f"{b['raw_MBps']:.0f}",
+                f"{b['weights_MBps']:.0f}",
+                f"{b['weights_MBps'] / b['raw_MBps']:.2f}",
+            )
+        )
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     print("| " + " | ".join(h.rjust(w) for h, w in zip(header, widths)) + " |")
     print("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")

@@ -17,9 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def machine() -> str:
-    return (f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}, "
-            f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}")
+    return (
+        f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, "
+        f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}"
+    )
 
 
 def free_port() -> int:
@@ -28,16 +30,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_spmd(overrides: list[str], nproc: int = 0, config: str | None = None, timeout: float = 1800,
-             root: Path = ROOT) -> list[dict]:
+def run_spmd(
+    overrides: list[str], nproc: int = 0, config: str | None = None, timeout: float = 1800, root: Path = ROOT
+) -> list[dict]:
     """Run `python -m spmd_rl.main` (under torchrun when nproc > 0) and return its metrics records. root: the
     checkout whose spmd_rl runs (another one, e.g. a `git worktree` of an older commit, to compare in one run)."""
     run_dir = Path(tempfile.mkdtemp(prefix="spmd_bench_"))
-    args = (["--config", config] if config else []) + overrides + [
-        f"run.dir={run_dir}", "log.progress=false", "log.tensorboard=false", "log.interval_s=1000000"]
+    args = (
+        (["--config", config] if config else [])
+        + overrides
+        + [f"run.dir={run_dir}", "log.progress=false", "log.tensorboard=false", "log.interval_s=1000000"]
+    )
     if nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "spmd_rl.main", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+            "-m",
+            "spmd_rl.main",
+            *args,
+        ]
     else:
         cmd = [sys.executable, "-m", "spmd_rl.main", *args]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(root))
@@ -51,5 +67,8 @@ def table(headers: list[str], rows: list[list]) -> str:
     """A Markdown table: pasteable into benchmarks/README.md as printed."""
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    line = lambda values: "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+
+    def line(values: list[str]) -> str:
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])

@@ -25,8 +25,8 @@ from common import ROOT, free_port, machine, table
 
 # name: (config file, stated return, budget in env steps, envs in all (the config's env.num_envs))
 EXAMPLES = {
-    "pixel_catch": ("catch.yaml", 0.8, 40_000, 16),     # +1 per catch, -1 per miss; random play averages about -0.6
-    "a2c": ("a2c_cartpole.yaml", 475.0, 200_000, 8),    # CartPole-v1's "solved"; random play averages about 22
+    "pixel_catch": ("catch.yaml", 0.8, 40_000, 16),  # +1 per catch, -1 per miss; random play averages about -0.6
+    "a2c": ("a2c_cartpole.yaml", 475.0, 200_000, 8),  # CartPole-v1's "solved"; random play averages about 22
 }
 # layout: (torchrun processes (0 = plain python), env ranks, overrides)
 LAYOUTS = {
@@ -44,11 +44,30 @@ def run_example(name: str, layout: str, seed: int) -> list[dict]:
     shutil.copytree(ROOT / "examples" / name, folder, ignore=shutil.ignore_patterns("__pycache__", "runs"))
     launcher = [sys.executable, "-m", "spmd_rl.main"]
     if nproc:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-                    "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "spmd_rl.main"]
-    cmd = [*launcher, "--config", config, *layout_overrides, f"env.num_envs={num_envs // env_ranks}",
-           f"train.seed={seed}", f"train.total_steps={budget}", f"run.dir={work / 'run'}", "log.progress=false",
-           "log.tensorboard=false", "log.interval_s=1000000"]
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+            "-m",
+            "spmd_rl.main",
+        ]
+    cmd = [
+        *launcher,
+        "--config",
+        config,
+        *layout_overrides,
+        f"env.num_envs={num_envs // env_ranks}",
+        f"train.seed={seed}",
+        f"train.total_steps={budget}",
+        f"run.dir={work / 'run'}",
+        "log.progress=false",
+        "log.tensorboard=false",
+        "log.interval_s=1000000",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     result = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
@@ -73,12 +92,36 @@ def main() -> None:
                 records = run_example(name, layout, seed)
                 reached = next((r for r in records if (r["episode_return_mean"] or float("-inf")) >= target), None)
                 last = records[-1]
-                rows.append([name, layout, f">= {target:g}", seed, last["env_steps"],
-                             f"{last['episode_return_mean']:.2f}", reached["env_steps"] if reached else "not reached",
-                             f"{reached['wall_s']:.1f}" if reached else "-", f"{last['wall_s']:.1f}"])
+                rows.append(
+                    [
+                        name,
+                        layout,
+                        f">= {target:g}",
+                        seed,
+                        last["env_steps"],
+                        f"{last['episode_return_mean']:.2f}",
+                        reached["env_steps"] if reached else "not reached",
+                        f"{reached['wall_s']:.1f}" if reached else "-",
+                        f"{last['wall_s']:.1f}",
+                    ]
+                )
                 print(f"{name} {layout} seed {seed} done", flush=True)
-    print(table(["example", "layout", "target return", "seed", "env steps", "final return", "env steps to target",
-                 "wall s to target", "wall s"], rows))
+    print(
+        table(
+            [
+                "example",
+                "layout",
+                "target return",
+                "seed",
+                "env steps",
+                "final return",
+                "env steps to target",
+                "wall s to target",
+                "wall s",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ LAYOUTS = {
     "one": (0, None, []),
     "colocated2": (2, None, ["env.num_envs=4"]),
     "split8": (8, "configs/ppo_cartpole_split.yaml", []),
-    "async6": (6, "configs/ppo_cartpole_async.yaml", []),   # async engine, V-trace, max_policy_lag 2
+    "async6": (6, "configs/ppo_cartpole_async.yaml", []),  # async engine, V-trace, max_policy_lag 2
 }
 
 
@@ -35,8 +35,11 @@ def spmd_solve(layout: str, seed: int) -> dict:
     nproc, config, overrides = LAYOUTS[layout]
     records = run_spmd(overrides + [f"train.seed={seed}", f"train.total_steps={BUDGET}"], nproc=nproc, config=config)
     solved = next((r for r in records if (r["episode_return_mean"] or 0) >= SOLVED), None)
-    return {"steps": solved["env_steps"] if solved else None, "wall_s": solved["wall_s"] if solved else None,
-            "final": records[-1]["episode_return_mean"]}
+    return {
+        "steps": solved["env_steps"] if solved else None,
+        "wall_s": solved["wall_s"] if solved else None,
+        "final": records[-1]["episode_return_mean"],
+    }
 
 
 def sb3_solve(seed: int) -> dict:
@@ -65,13 +68,23 @@ def sb3_solve(seed: int) -> dict:
     assert cfg.policy.hidden_sizes == [64, 64] and cfg.policy.activation == "tanh" and not cfg.policy.normalize_obs
     torch.set_num_threads(1)
     env = make_vec_env("CartPole-v1", n_envs=cfg.env.num_envs, seed=seed)
-    model = PPO("MlpPolicy", env, n_steps=algo.num_steps,
-                batch_size=cfg.env.num_envs * algo.num_steps // algo.num_minibatches,
-                gae_lambda=algo.gae_lambda, gamma=algo.gamma, n_epochs=algo.update_epochs,
-                ent_coef=algo.ent_coef, vf_coef=algo.vf_coef, max_grad_norm=algo.max_grad_norm,
-                normalize_advantage=algo.normalize_advantages,
-                learning_rate=linear(algo.learning_rate) if algo.anneal_lr else algo.learning_rate,
-                clip_range=linear(algo.clip_coef) if algo.anneal_clip else algo.clip_coef, seed=seed, device="cpu")
+    model = PPO(
+        "MlpPolicy",
+        env,
+        n_steps=algo.num_steps,
+        batch_size=cfg.env.num_envs * algo.num_steps // algo.num_minibatches,
+        gae_lambda=algo.gae_lambda,
+        gamma=algo.gamma,
+        n_epochs=algo.update_epochs,
+        ent_coef=algo.ent_coef,
+        vf_coef=algo.vf_coef,
+        max_grad_norm=algo.max_grad_norm,
+        normalize_advantage=algo.normalize_advantages,
+        learning_rate=linear(algo.learning_rate) if algo.anneal_lr else algo.learning_rate,
+        clip_range=linear(algo.clip_coef) if algo.anneal_clip else algo.clip_coef,
+        seed=seed,
+        device="cpu",
+    )
     callback = StopWhenSolved()
     start = time.perf_counter()
     model.learn(total_timesteps=BUDGET, callback=callback)
@@ -106,12 +119,31 @@ def main() -> None:
         walls = [r["wall_s"] for r in results if r["wall_s"] is not None]
         solved = [s for s in steps if s is not None]
         median_wall = statistics.median(walls) if walls else None
-        rows.append([name, f"{len(solved)}/{len(results)}", " ".join(fmt(s) for s in steps),
-                     fmt(statistics.median(solved) if solved else None, 0), fmt(median_wall),
-                     fmt(median_wall / baseline_wall, 2) if median_wall and baseline_wall else "-",
-                     " ".join(fmt(r["final"], 0) for r in results)])
-    print(table(["run", "solved", "env steps to solve (per seed)", "median steps", "median wall s",
-                 "wall vs sb3", "final return (per seed)"], rows))
+        rows.append(
+            [
+                name,
+                f"{len(solved)}/{len(results)}",
+                " ".join(fmt(s) for s in steps),
+                fmt(statistics.median(solved) if solved else None, 0),
+                fmt(median_wall),
+                fmt(median_wall / baseline_wall, 2) if median_wall and baseline_wall else "-",
+                " ".join(fmt(r["final"], 0) for r in results),
+            ]
+        )
+    print(
+        table(
+            [
+                "run",
+                "solved",
+                "env steps to solve (per seed)",
+                "median steps",
+                "median wall s",
+                "wall vs sb3",
+                "final return (per seed)",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -44,19 +44,49 @@ def main() -> None:
         reached, finals, walls, lags = [], [], [], []
         for seed in range(1, args.seeds + 1):
             records = run_spmd(overrides + [f"train.seed={seed}"], nproc=nproc, config=config)
-            hit = next((r for r in records if r["episode_return_mean"] is not None
-                        and r["episode_return_mean"] >= TARGET and r["episodes"] >= 20), None)
+            hit = next(
+                (
+                    r
+                    for r in records
+                    if r["episode_return_mean"] is not None
+                    and r["episode_return_mean"] >= TARGET
+                    and r["episodes"] >= 20
+                ),
+                None,
+            )
             reached.append(hit["env_steps"] if hit else None)
             finals.append(records[-1]["episode_return_mean"])
             walls.append(records[-1]["wall_s"])
             lags.append(lag(records))
-            print(f"{layout} seed {seed}: reached {reached[-1]}, final {finals[-1]:.1f} after "
-                  f"{records[-1]['env_steps']} env steps, lag mean/max {lags[-1]}, wall {walls[-1]:.0f} s", flush=True)
+            print(
+                f"{layout} seed {seed}: reached {reached[-1]}, final {finals[-1]:.1f} after "
+                f"{records[-1]['env_steps']} env steps, lag mean/max {lags[-1]}, wall {walls[-1]:.0f} s",
+                flush=True,
+            )
         ok = sum(1 for f in finals if f >= TARGET)
-        rows.append([layout, f"{ok}/{len(finals)}", " ".join(str(r) if r else "-" for r in reached),
-                     " ".join(f"{f:.0f}" for f in finals), ", ".join(lags), f"{sum(walls) / len(walls):.0f}"])
-    print(table(["layout", "final >= -200", "env steps to reach -200 (per seed)", "final mean of last 20",
-                 "policy lag mean / max (per seed)", "mean wall s"], rows))
+        rows.append(
+            [
+                layout,
+                f"{ok}/{len(finals)}",
+                " ".join(str(r) if r else "-" for r in reached),
+                " ".join(f"{f:.0f}" for f in finals),
+                ", ".join(lags),
+                f"{sum(walls) / len(walls):.0f}",
+            ]
+        )
+    print(
+        table(
+            [
+                "layout",
+                "final >= -200",
+                "env steps to reach -200 (per seed)",
+                "final mean of last 20",
+                "policy lag mean / max (per seed)",
+                "mean wall s",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

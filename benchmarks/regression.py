@@ -47,23 +47,50 @@ CASES: dict[str, tuple[str, list[str], int, bool]] = {
     "tiny-1proc": (TINY, [], 0, False),
     "tiny-colocated2": (TINY, ["train.total_steps=512"], 2, False),
     "tiny-split4": (TINY, ["train.total_steps=512", *SPLIT4], 4, False),
-    "ppo-pendulum-normobs": ("configs/ppo_pendulum.yaml",
-                             ["policy.normalize_obs=true", "algo.num_steps=128", "algo.num_minibatches=8",
-                              "train.total_steps=2048"], 0, False),
+    "ppo-pendulum-normobs": (
+        "configs/ppo_pendulum.yaml",
+        ["policy.normalize_obs=true", "algo.num_steps=128", "algo.num_minibatches=8", "train.total_steps=2048"],
+        0,
+        False,
+    ),
     "sac-pendulum-memory": ("configs/sac_pendulum.yaml", [*SAC_SHORT, "buffer.backend=memory"], 0, False),
-    "sac-pendulum-hdf5-log": ("configs/sac_pendulum.yaml",
-                              [*SAC_SHORT, "buffer.backend=hdf5", "buffer.log_experience=true"], 0, False),
-    "sac-split4-hdf5-log": ("configs/sac_pendulum.yaml",
-                            [*SAC_SHORT, *SPLIT4, "buffer.backend=hdf5", "buffer.log_experience=true"], 4, False),
-    "async-lag0-split4": (TINY, ["train.total_steps=512", *SPLIT4, "engine.class=async",
-                                 "engine.max_policy_lag=0"], 4, False),
-    "async-lag2-vtrace-split4": (TINY, ["train.total_steps=512", *SPLIT4, "engine.class=async",
-                                        "engine.max_policy_lag=2", "algo.vtrace=true"], 4, True),
+    "sac-pendulum-hdf5-log": (
+        "configs/sac_pendulum.yaml",
+        [*SAC_SHORT, "buffer.backend=hdf5", "buffer.log_experience=true"],
+        0,
+        False,
+    ),
+    "sac-split4-hdf5-log": (
+        "configs/sac_pendulum.yaml",
+        [*SAC_SHORT, *SPLIT4, "buffer.backend=hdf5", "buffer.log_experience=true"],
+        4,
+        False,
+    ),
+    "async-lag0-split4": (
+        TINY,
+        ["train.total_steps=512", *SPLIT4, "engine.class=async", "engine.max_policy_lag=0"],
+        4,
+        False,
+    ),
+    "async-lag2-vtrace-split4": (
+        TINY,
+        ["train.total_steps=512", *SPLIT4, "engine.class=async", "engine.max_policy_lag=2", "algo.vtrace=true"],
+        4,
+        True,
+    ),
 }
 
 # Variables that would make spmd_rl.launch detect a launcher that is not there.
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-                 "TORCHELASTIC_RUN_ID")
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "TORCHELASTIC_RUN_ID",
+)
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "PMI_", "TORCHELASTIC_")
 IGNORED_H5_ATTRS = ("writer_pid", "writer_host")
 
@@ -73,8 +100,7 @@ def is_timing_key(key: str) -> bool:
 
 
 def child_env(tree: Path) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIXES)}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIXES)}
     env.update(PYTHONPATH=str(tree), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
 
@@ -97,17 +123,29 @@ def git(tree: Path, *args: str) -> str:
 
 def run_all(tree: Path, out: Path, cases: list[str], timeout: float) -> bool:
     env = child_env(tree)
-    probe = subprocess.run([sys.executable, "-c", "import spmd_rl; print(spmd_rl.__file__)"], cwd=tree, env=env,
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import spmd_rl; print(spmd_rl.__file__)"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     imported = Path(probe.stdout.strip() or "?").resolve()
     if probe.returncode != 0 or tree not in imported.parents:
         sys.exit(f"regression: spmd_rl is imported from {imported}, not from {tree}:\n{probe.stderr[-2000:]}")
-    print(f"tree {tree} (commit {git(tree, 'rev-parse', 'HEAD')[:12]}, "
-          f"{len(git(tree, 'status', '--porcelain').splitlines())} changed files); spmd_rl from {imported}")
+    print(
+        f"tree {tree} (commit {git(tree, 'rev-parse', 'HEAD')[:12]}, "
+        f"{len(git(tree, 'status', '--porcelain').splitlines())} changed files); spmd_rl from {imported}"
+    )
     out.mkdir(parents=True, exist_ok=True)
-    manifest = {"tree": str(tree), "commit": git(tree, "rev-parse", "HEAD"),
-                "dirty_files": git(tree, "status", "--porcelain").splitlines(), "spmd_rl": str(imported),
-                "python": sys.executable, "cases": {}}
+    manifest = {
+        "tree": str(tree),
+        "commit": git(tree, "rev-parse", "HEAD"),
+        "dirty_files": git(tree, "status", "--porcelain").splitlines(),
+        "spmd_rl": str(imported),
+        "python": sys.executable,
+        "cases": {},
+    }
     ok, start = True, time.monotonic()
     for case in cases:
         run_dir = out / case
@@ -122,14 +160,19 @@ def run_all(tree: Path, out: Path, cases: list[str], timeout: float) -> bool:
         except subprocess.TimeoutExpired as e:
             rc, stdout, stderr = "timeout", str(e.stdout or ""), str(e.stderr or "")
         seconds = time.monotonic() - t0
-        (out / f"{case}.log").write_text(f"$ {' '.join(cmd)}\n# rc {rc}, {seconds:.1f}s\n--- stdout\n{stdout}"
-                                         f"--- stderr\n{stderr}")
+        (out / f"{case}.log").write_text(
+            f"$ {' '.join(cmd)}\n# rc {rc}, {seconds:.1f}s\n--- stdout\n{stdout}--- stderr\n{stderr}"
+        )
         print(f"[{case}] rc {rc}, {seconds:.1f}s", flush=True)
         if rc != 0:
             ok = False
             print(f"[{case}] FAILED; last stderr:\n{stderr[-2000:]}", flush=True)
-        manifest["cases"][case] = {"command": cmd, "rc": rc, "seconds": round(seconds, 2),
-                                   "timing_dependent": CASES[case][3]}
+        manifest["cases"][case] = {
+            "command": cmd,
+            "rc": rc,
+            "seconds": round(seconds, 2),
+            "timing_dependent": CASES[case][3],
+        }
     manifest["seconds"] = round(time.monotonic() - start, 2)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"ran {len(cases)} cases in {manifest['seconds']:.0f}s into {out}")
@@ -153,19 +196,27 @@ def sha256(path: Path) -> str | None:
 
 def same_tensors(a: Path, b: Path) -> bool:
     import torch
+
     sa, sb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
 
     def same(x, y) -> bool:
         if torch.is_tensor(x) or torch.is_tensor(y):
-            return (torch.is_tensor(x) and torch.is_tensor(y) and x.dtype == y.dtype and x.shape == y.shape
-                    and torch.equal(x, y))
+            return (
+                torch.is_tensor(x)
+                and torch.is_tensor(y)
+                and x.dtype == y.dtype
+                and x.shape == y.shape
+                and torch.equal(x, y)
+            )
         return x == y
+
     return sa.keys() == sb.keys() and all(same(sa[k], sb[k]) for k in sa)
 
 
 def resolved_config(run_dir: Path) -> dict | None:
     """config.yaml flattened to dotted keys, without run.dir (it names the output directory)."""
     import yaml
+
     path = run_dir / "config.yaml"
     if not path.is_file():
         return None
@@ -177,6 +228,7 @@ def resolved_config(run_dir: Path) -> dict | None:
                 walk(f"{prefix}{k}.", v)
         else:
             flat[prefix[:-1]] = node
+
     walk("", yaml.safe_load(path.read_text()))
     flat.pop("run.dir", None)
     return flat
@@ -186,6 +238,7 @@ def h5_digest(path: Path) -> dict:
     """Dataset name -> (shape, dtype, sha256 of bytes); plus the file attributes that do not name the writer."""
     import h5py
     import numpy as np
+
     digest: dict = {}
     with h5py.File(path, "r") as f:
         digest["@attrs"] = {k: repr(v) for k, v in f.attrs.items() if k not in IGNORED_H5_ATTRS}
@@ -193,8 +246,13 @@ def h5_digest(path: Path) -> dict:
         def visit(name, obj):
             if isinstance(obj, h5py.Dataset):
                 data = np.ascontiguousarray(obj[()])
-                digest[name] = (obj.shape, str(obj.dtype), hashlib.sha256(data.tobytes()).hexdigest(),
-                                {k: repr(v) for k, v in obj.attrs.items()})
+                digest[name] = (
+                    obj.shape,
+                    str(obj.dtype),
+                    hashlib.sha256(data.tobytes()).hexdigest(),
+                    {k: repr(v) for k, v in obj.attrs.items()},
+                )
+
         f.visititems(visit)
     return digest
 
@@ -204,8 +262,15 @@ def compare_case(a: Path, b: Path, case: str, timing_dependent: bool, ignored: s
     notes, fail = [], False
     ra, rb = read_records(a / case), read_records(b / case)
     if ra is None or rb is None:
-        return {"lines": "-", "metrics": "MISSING", "policy": "-", "config": "-", "buffer": "-", "fail": True,
-                "notes": [f"metrics.jsonl missing in {a / case if ra is None else b / case}"]}
+        return {
+            "lines": "-",
+            "metrics": "MISSING",
+            "policy": "-",
+            "config": "-",
+            "buffer": "-",
+            "fail": True,
+            "notes": [f"metrics.jsonl missing in {a / case if ra is None else b / case}"],
+        }
     lines = f"{len(ra)}" if len(ra) == len(rb) else f"{len(ra)} vs {len(rb)}"
     structural = len(ra) != len(rb)
     differing_lines, differing_keys = 0, set()
@@ -213,15 +278,18 @@ def compare_case(a: Path, b: Path, case: str, timing_dependent: bool, ignored: s
         ignored.update(k for k in (*x, *y) if is_timing_key(k))
         if x.keys() != y.keys():
             structural = True
-            notes.append(f"line {i}: keys differ: only in this: {sorted(x.keys() - y.keys())}, "
-                         f"only in other: {sorted(y.keys() - x.keys())}")
+            notes.append(
+                f"line {i}: keys differ: only in this: {sorted(x.keys() - y.keys())}, "
+                f"only in other: {sorted(y.keys() - x.keys())}"
+            )
         keys = [k for k in x.keys() & y.keys() if not is_timing_key(k) and x[k] != y[k]]
         if keys:
             differing_lines += 1
             differing_keys.update(keys)
             if differing_lines == 1:
-                notes.append(f"first differing line {i}: " + ", ".join(f"{k}: {x[k]!r} vs {y[k]!r}"
-                                                                        for k in sorted(keys)[:4]))
+                notes.append(
+                    f"first differing line {i}: " + ", ".join(f"{k}: {x[k]!r} vs {y[k]!r}" for k in sorted(keys)[:4])
+                )
     if structural:
         metrics, fail = "NO (lines/keys)", True
     elif differing_lines:
@@ -247,8 +315,12 @@ def compare_case(a: Path, b: Path, case: str, timing_dependent: bool, ignored: s
         config = "yes"
     else:
         config, fail = "NO", True
-        notes.append("config.yaml differs: " + ", ".join(
-            f"{k}: {ca.get(k)!r} vs {cb.get(k)!r}" for k in sorted(ca.keys() | cb.keys()) if ca.get(k) != cb.get(k)))
+        notes.append(
+            "config.yaml differs: "
+            + ", ".join(
+                f"{k}: {ca.get(k)!r} vs {cb.get(k)!r}" for k in sorted(ca.keys() | cb.keys()) if ca.get(k) != cb.get(k)
+            )
+        )
 
     files_a = sorted(p.name for p in (a / case / "buffer").glob("*.h5"))
     files_b = sorted(p.name for p in (b / case / "buffer").glob("*.h5"))
@@ -264,25 +336,55 @@ def compare_case(a: Path, b: Path, case: str, timing_dependent: bool, ignored: s
             fail = fail or not timing_dependent
     if timing_dependent and (differing_lines or buffer.startswith("no") or policy.startswith("no")):
         notes.append("timing-dependent case: differences reported, not counted")
-    return {"lines": lines, "metrics": metrics, "policy": policy, "config": config, "buffer": buffer,
-            "notes": notes, "fail": fail}
+    return {
+        "lines": lines,
+        "metrics": metrics,
+        "policy": policy,
+        "config": config,
+        "buffer": buffer,
+        "notes": notes,
+        "fail": fail,
+    }
 
 
 def compare(a: Path, b: Path, cases: list[str]) -> bool:
     manifest_a = json.loads((a / "manifest.json").read_text()) if (a / "manifest.json").is_file() else {}
     manifest_b = json.loads((b / "manifest.json").read_text()) if (b / "manifest.json").is_file() else {}
-    print(f"\ncompare {a} ({manifest_a.get('commit', '?')[:12]}, tree {manifest_a.get('tree', '?')})\n"
-          f"   with {b} ({manifest_b.get('commit', '?')[:12]}, tree {manifest_b.get('tree', '?')})")
+    print(
+        f"\ncompare {a} ({manifest_a.get('commit', '?')[:12]}, tree {manifest_a.get('tree', '?')})\n"
+        f"   with {b} ({manifest_b.get('commit', '?')[:12]}, tree {manifest_b.get('tree', '?')})"
+    )
     ignored: set = set()
     rows, all_notes, ok = [], [], True
     for case in cases:
         verdict = compare_case(a, b, case, CASES[case][3], ignored)
         ok = ok and not verdict["fail"]
-        rows.append([case + (" (timing-dependent)" if CASES[case][3] else ""), verdict["lines"], verdict["metrics"],
-                     verdict["policy"], verdict["config"], verdict["buffer"], "FAIL" if verdict["fail"] else "ok"])
+        rows.append(
+            [
+                case + (" (timing-dependent)" if CASES[case][3] else ""),
+                verdict["lines"],
+                verdict["metrics"],
+                verdict["policy"],
+                verdict["config"],
+                verdict["buffer"],
+                "FAIL" if verdict["fail"] else "ok",
+            ]
+        )
         all_notes += [f"  {case}: {n}" for n in verdict["notes"]]
-    print(table(["case", "lines", "metrics identical?", "policy.pt identical?", "config.yaml same?",
-                 "buffer/*.h5 identical?", "verdict"], rows))
+    print(
+        table(
+            [
+                "case",
+                "lines",
+                "metrics identical?",
+                "policy.pt identical?",
+                "config.yaml same?",
+                "buffer/*.h5 identical?",
+                "verdict",
+            ],
+            rows,
+        )
+    )
     print(f"timing keys ignored: {', '.join(sorted(ignored)) or '(none)'}")
     if all_notes:
         print("notes:\n" + "\n".join(all_notes))
@@ -303,8 +405,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="where the runs go (one directory per case)")
     parser.add_argument("--compare", type=Path, metavar="OTHER_OUT", help="compare --out with this output")
     parser.add_argument("--no-run", action="store_true", help="only compare --out with --compare")
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
-                        help="a subset to run and compare")
+    parser.add_argument(
+        "--cases", nargs="+", choices=list(CASES), default=list(CASES), help="a subset to run and compare"
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per case")
     args = parser.parse_args()
     out = args.out.resolve()

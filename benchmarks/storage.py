@@ -33,12 +33,18 @@ SAMPLE_BATCH = 256
 
 def transitions(rows: int, seed: int = 0) -> TensorDict:
     g = torch.Generator().manual_seed(seed)
-    return TensorDict({
-        "obs": torch.randn(rows, OBS_DIM, generator=g),
-        "action": torch.randn(rows, ACTION_DIM, generator=g),
-        "reward": torch.randn(rows, generator=g),
-        "next": {"obs": torch.randn(rows, OBS_DIM, generator=g), "terminated": torch.rand(rows, generator=g) < 0.01},
-    }, batch_size=[rows])
+    return TensorDict(
+        {
+            "obs": torch.randn(rows, OBS_DIM, generator=g),
+            "action": torch.randn(rows, ACTION_DIM, generator=g),
+            "reward": torch.randn(rows, generator=g),
+            "next": {
+                "obs": torch.randn(rows, OBS_DIM, generator=g),
+                "terminated": torch.rand(rows, generator=g) < 0.01,
+            },
+        },
+        batch_size=[rows],
+    )
 
 
 def row_bytes(td: TensorDict) -> int:
@@ -55,17 +61,27 @@ def rss_mib() -> float:
 
 def raw_h5py_append(path: str, td: TensorDict) -> float:
     """Seconds to write td's columns as whole chunks with plain h5py (resize + write per chunk, one close)."""
-    columns = {"/".join(k) if isinstance(k, tuple) else k: v.numpy()
-               for k, v in td.items(include_nested=True, leaves_only=True)}
+    columns = {
+        "/".join(k) if isinstance(k, tuple) else k: v.numpy()
+        for k, v in td.items(include_nested=True, leaves_only=True)
+    }
     # The same metadata columns the writer stores, so both write the same bytes.
-    columns.update({f"meta/{name}": np.arange(len(td), dtype=np.int64) for name in ("policy_version", "env_id",
-                                                                                     "env_step")})
+    columns.update(
+        {f"meta/{name}": np.arange(len(td), dtype=np.int64) for name in ("policy_version", "env_id", "env_step")}
+    )
     rows = len(td)
     start = time.perf_counter()
     with h5py.File(path, "w", libver="latest") as file:
-        datasets = {key: file.create_dataset(key, shape=(0, *a.shape[1:]), maxshape=(None, *a.shape[1:]),
-                                             chunks=(CHUNK_ROWS, *a.shape[1:]), dtype=a.dtype)
-                    for key, a in columns.items()}
+        datasets = {
+            key: file.create_dataset(
+                key,
+                shape=(0, *a.shape[1:]),
+                maxshape=(None, *a.shape[1:]),
+                chunks=(CHUNK_ROWS, *a.shape[1:]),
+                dtype=a.dtype,
+            )
+            for key, a in columns.items()
+        }
         for first in range(0, rows, CHUNK_ROWS):
             last = min(rows, first + CHUNK_ROWS)
             for key, dataset in datasets.items():
@@ -76,7 +92,7 @@ def raw_h5py_append(path: str, td: TensorDict) -> float:
 
 def writer_append(path: str, td: TensorDict, batch_rows: int) -> float:
     """Seconds for HDF5Writer to take td in appends of batch_rows rows (plus metadata), flushed and closed."""
-    batches = [td[first:first + batch_rows] for first in range(0, len(td), batch_rows)]  # as a trainer has them
+    batches = [td[first : first + batch_rows] for first in range(0, len(td), batch_rows)]  # as a trainer has them
     start = time.perf_counter()
     with HDF5Writer(path, td[:1], chunk_rows=CHUNK_ROWS, overwrite=True) as writer:
         for step, batch in enumerate(batches):
@@ -84,11 +100,12 @@ def writer_append(path: str, td: TensorDict, batch_rows: int) -> float:
     return time.perf_counter() - start
 
 
-def paced_append(path: str, td: TensorDict, batch_rows: int, rows_per_s: float, seconds: float,
-                 flush_every_s: float) -> tuple[float, int]:
+def paced_append(
+    path: str, td: TensorDict, batch_rows: int, rows_per_s: float, seconds: float, flush_every_s: float
+) -> tuple[float, int]:
     """Append batch_rows-row slices of td at rows_per_s (as a trainer does between its learning steps) for `seconds`;
     return the seconds spent inside append and close (the writer's cost) and the rows appended."""
-    batches = [td[first:first + batch_rows] for first in range(0, len(td) - batch_rows + 1, batch_rows)]
+    batches = [td[first : first + batch_rows] for first in range(0, len(td) - batch_rows + 1, batch_rows)]
     inside, rows = 0.0, 0
     with HDF5Writer(path, td[:1], chunk_rows=CHUNK_ROWS, overwrite=True, flush_every_s=flush_every_s) as writer:
         start = time.perf_counter()
@@ -118,10 +135,15 @@ def time_bound_table(work: str, repeats: int) -> list[tuple[str, str, str, str]]
                 best[bound] = min(best[bound], inside / rows)
         for bound in bounds:
             unwritten = min(stage_rows, max(bound * rows_per_s, 256))  # rows a kill -9 can lose, at most
-            table.append((f"append 256 rows at {rows_per_s:,} rows/s, flush_every_s={bound:g}",
-                          f"{best[bound] * 1e6:.2f} us/row", f"{best[bound] / best[math.inf]:.2f}",
-                          f"unwritten at most {unwritten:,.0f} rows ({unwritten / rows_per_s:.2f} s)"
-                          + (", baseline: whole stages only" if bound == math.inf else "")))
+            table.append(
+                (
+                    f"append 256 rows at {rows_per_s:,} rows/s, flush_every_s={bound:g}",
+                    f"{best[bound] * 1e6:.2f} us/row",
+                    f"{best[bound] / best[math.inf]:.2f}",
+                    f"unwritten at most {unwritten:,.0f} rows ({unwritten / rows_per_s:.2f} s)"
+                    + (", baseline: whole stages only" if bound == math.inf else ""),
+                )
+            )
     return table
 
 
@@ -154,38 +176,67 @@ def main() -> None:
         td = transitions(args.rows)
         mb = args.rows * row_bytes(td) / 1e6
         # Interleaved repeats, best of each: the machine is shared, so a single run is mostly noise.
-        runs = {"raw": lambda: raw_h5py_append(f"{work}/raw.h5", td)}
-        runs.update({rows: (lambda rows=rows: writer_append(f"{work}/writer.h5", td, rows))
-                     for rows in (256, CHUNK_ROWS * 4)})
+        runs = {"raw": lambda td=td: raw_h5py_append(f"{work}/raw.h5", td)}
+        runs.update(
+            {
+                rows: (lambda rows=rows, td=td: writer_append(f"{work}/writer.h5", td, rows))
+                for rows in (256, CHUNK_ROWS * 4)
+            }
+        )
         best = {name: float("inf") for name in runs}
         for _ in range(args.repeats):
             for name, run in runs.items():
                 best[name] = min(best[name], run())
-        table.append(("append, raw h5py whole chunks (baseline)", f"{mb / best['raw']:.0f} MB/s", "1.00",
-                      f"best of {args.repeats}; MB/s of transition data, both also write 3 int64 metadata columns"))
+        table.append(
+            (
+                "append, raw h5py whole chunks (baseline)",
+                f"{mb / best['raw']:.0f} MB/s",
+                "1.00",
+                f"best of {args.repeats}; MB/s of transition data, both also write 3 int64 metadata columns",
+            )
+        )
         for rows in (256, CHUNK_ROWS * 4):
-            table.append((f"append, HDF5Writer, {rows}-row appends + metadata", f"{mb / best[rows]:.0f} MB/s",
-                          f"{best['raw'] / best[rows]:.2f}", "goal >= 0.8"))
+            table.append(
+                (
+                    f"append, HDF5Writer, {rows}-row appends + metadata",
+                    f"{mb / best[rows]:.0f} MB/s",
+                    f"{best['raw'] / best[rows]:.2f}",
+                    "goal >= 0.8",
+                )
+            )
 
         memory = ReplayBuffer(args.rows, td[:1])
         memory.add(td)
         memory_rate = sample_rate(memory)
-        table.append((f"sample {SAMPLE_BATCH}, memory buffer, {args.rows:,} rows (baseline)",
-                      f"{memory_rate:,.0f} rows/s", "1.00", ""))
+        table.append(
+            (
+                f"sample {SAMPLE_BATCH}, memory buffer, {args.rows:,} rows (baseline)",
+                f"{memory_rate:,.0f} rows/s",
+                "1.00",
+                "",
+            )
+        )
         del memory
         disk = ReplayBuffer(args.rows, td[:1], backend="hdf5", path=f"{work}/replay.h5", chunk_rows=CHUNK_ROWS)
         disk.add(td)
         rate = sample_rate(disk)
-        table.append((f"sample {SAMPLE_BATCH}, HDF5 buffer, {args.rows:,} rows", f"{rate:,.0f} rows/s",
-                      f"{rate / memory_rate:.2f}", ""))
+        table.append(
+            (
+                f"sample {SAMPLE_BATCH}, HDF5 buffer, {args.rows:,} rows",
+                f"{rate:,.0f} rows/s",
+                f"{rate / memory_rate:.2f}",
+                "",
+            )
+        )
         disk.close()
         del td
 
         free_gb = shutil.disk_usage(work).free / 1e9
         big_gb = args.big_rows * 165 / 1e9
         if free_gb < 2 * big_gb:
-            raise SystemExit(f"only {free_gb:.1f} GB free in {work}; the {args.big_rows:,}-row test needs "
-                             f"{2 * big_gb:.1f} GB")
+            raise SystemExit(
+                f"only {free_gb:.1f} GB free in {work}; the {args.big_rows:,}-row test needs {2 * big_gb:.1f} GB"
+            )
         batch = transitions(CHUNK_ROWS * 4, seed=1)
         big = ReplayBuffer(args.big_rows, batch[:1], backend="hdf5", path=f"{work}/big.h5", chunk_rows=CHUNK_ROWS)
         rss_before = rss_mib()
@@ -200,15 +251,38 @@ def main() -> None:
         rss_sampled = rss_mib()
         big.close()
         disk_mib = os.path.getsize(f"{work}/big.h5") / 2**20
-        table.append((f"fill HDF5 buffer with {args.big_rows:,} rows", f"{data_mib / 1.048576 / fill_s:.0f} MB/s",
-                      "", f"{disk_mib:,.0f} MiB on disk"))
-        table.append(("  RSS before fill / after fill / after sampling", f"{rss_before:,.0f} / {rss_after:,.0f} / "
-                      f"{rss_sampled:,.0f} MiB", f"{(rss_sampled - rss_before) / data_mib:.3f}",
-                      f"growth / data size ({data_mib:,.0f} MiB)"))
-        table.append((f"sample {SAMPLE_BATCH}, HDF5 buffer, {args.big_rows:,} rows, first 2 s",
-                      f"{cold_rate:,.0f} rows/s", f"{cold_rate / memory_rate:.2f}", "vs memory baseline above"))
-        table.append((f"sample {SAMPLE_BATCH}, HDF5 buffer, {args.big_rows:,} rows, next 4 s", f"{rate:,.0f} rows/s",
-                      f"{rate / memory_rate:.2f}", "vs memory baseline above"))
+        table.append(
+            (
+                f"fill HDF5 buffer with {args.big_rows:,} rows",
+                f"{data_mib / 1.048576 / fill_s:.0f} MB/s",
+                "",
+                f"{disk_mib:,.0f} MiB on disk",
+            )
+        )
+        table.append(
+            (
+                "  RSS before fill / after fill / after sampling",
+                f"{rss_before:,.0f} / {rss_after:,.0f} / {rss_sampled:,.0f} MiB",
+                f"{(rss_sampled - rss_before) / data_mib:.3f}",
+                f"growth / data size ({data_mib:,.0f} MiB)",
+            )
+        )
+        table.append(
+            (
+                f"sample {SAMPLE_BATCH}, HDF5 buffer, {args.big_rows:,} rows, first 2 s",
+                f"{cold_rate:,.0f} rows/s",
+                f"{cold_rate / memory_rate:.2f}",
+                "vs memory baseline above",
+            )
+        )
+        table.append(
+            (
+                f"sample {SAMPLE_BATCH}, HDF5 buffer, {args.big_rows:,} rows, next 4 s",
+                f"{rate:,.0f} rows/s",
+                f"{rate / memory_rate:.2f}",
+                "vs memory baseline above",
+            )
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(table)

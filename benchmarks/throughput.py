@@ -24,19 +24,57 @@ from common import machine, run_spmd, table
 SETTINGS = {
     # name: (SB3 PPO kwargs, spmd_rl overrides, budget)
     "rl-zoo tuned (8x32, 20 epochs, batch 256)": (
-        dict(n_envs=8, n_steps=32, batch_size=256, n_epochs=20, gamma=0.98, gae_lambda=0.8, learning_rate=1e-3,
-             clip_range=0.2, ent_coef=0.0),
-        ["env.num_envs=8", "algo.num_steps=32", "algo.num_minibatches=1", "algo.update_epochs=20",
-         "algo.gamma=0.98", "algo.gae_lambda=0.8", "algo.learning_rate=1e-3", "algo.clip_coef=0.2",
-         "algo.anneal_lr=false", "algo.anneal_clip=false"],
-        51_200),
+        dict(
+            n_envs=8,
+            n_steps=32,
+            batch_size=256,
+            n_epochs=20,
+            gamma=0.98,
+            gae_lambda=0.8,
+            learning_rate=1e-3,
+            clip_range=0.2,
+            ent_coef=0.0,
+        ),
+        [
+            "env.num_envs=8",
+            "algo.num_steps=32",
+            "algo.num_minibatches=1",
+            "algo.update_epochs=20",
+            "algo.gamma=0.98",
+            "algo.gae_lambda=0.8",
+            "algo.learning_rate=1e-3",
+            "algo.clip_coef=0.2",
+            "algo.anneal_lr=false",
+            "algo.anneal_clip=false",
+        ],
+        51_200,
+    ),
     "sb3 defaults (1x2048, 10 epochs, batch 64)": (
-        dict(n_envs=1, n_steps=2048, batch_size=64, n_epochs=10, gamma=0.99, gae_lambda=0.95, learning_rate=3e-4,
-             clip_range=0.2, ent_coef=0.0),
-        ["env.num_envs=1", "algo.num_steps=2048", "algo.num_minibatches=32", "algo.update_epochs=10",
-         "algo.gamma=0.99", "algo.gae_lambda=0.95", "algo.learning_rate=3e-4", "algo.clip_coef=0.2",
-         "algo.anneal_lr=false", "algo.anneal_clip=false"],
-        40_960),
+        dict(
+            n_envs=1,
+            n_steps=2048,
+            batch_size=64,
+            n_epochs=10,
+            gamma=0.99,
+            gae_lambda=0.95,
+            learning_rate=3e-4,
+            clip_range=0.2,
+            ent_coef=0.0,
+        ),
+        [
+            "env.num_envs=1",
+            "algo.num_steps=2048",
+            "algo.num_minibatches=32",
+            "algo.update_epochs=10",
+            "algo.gamma=0.99",
+            "algo.gae_lambda=0.95",
+            "algo.learning_rate=3e-4",
+            "algo.clip_coef=0.2",
+            "algo.anneal_lr=false",
+            "algo.anneal_clip=false",
+        ],
+        40_960,
+    ),
 }
 
 
@@ -51,12 +89,15 @@ def sb3_sps(kwargs: dict, budget: int) -> tuple[float, float]:
     model = PPO("MlpPolicy", env, seed=1, device="cpu", **kwargs)
     start, start_cpu = time.perf_counter(), time.process_time()
     model.learn(total_timesteps=budget)
-    return (model.num_timesteps / (time.perf_counter() - start),
-            model.num_timesteps / (time.process_time() - start_cpu))
+    return (
+        model.num_timesteps / (time.perf_counter() - start),
+        model.num_timesteps / (time.process_time() - start_cpu),
+    )
 
 
-def spmd_sps(overrides: list[str], budget: int, nproc: int = 0, steady: bool = False, root: Path | None = None
-             ) -> tuple[float, float]:
+def spmd_sps(
+    overrides: list[str], budget: int, nproc: int = 0, steady: bool = False, root: Path | None = None
+) -> tuple[float, float]:
     """(SPS over wall time, SPS over rank 0's CPU time) of training. steady: from the end of the first iteration
     on, leaving out start-up (channel handshakes, the first weight broadcast), which grows with the ranks."""
     records = run_spmd(overrides + [f"train.total_steps={budget}"], nproc=nproc, **({"root": root} if root else {}))
@@ -78,15 +119,31 @@ def compare_with_sb3(repeats: int, other_tree: Path | None = None) -> None:
             for results, root in rest:
                 results.append(spmd_sps(overrides, budget, root=root))
         (wall_ours, cpu_ours), (wall_theirs, cpu_theirs) = _best(ours), _best(theirs)
-        row = [name, budget, f"{wall_theirs:.0f}", f"{wall_ours:.0f}", f"{wall_ours / wall_theirs:.2f}x",
-               f"{cpu_theirs:.0f}", f"{cpu_ours:.0f}", f"{cpu_ours / cpu_theirs:.2f}x"]
+        row = [
+            name,
+            budget,
+            f"{wall_theirs:.0f}",
+            f"{wall_ours:.0f}",
+            f"{wall_ours / wall_theirs:.2f}x",
+            f"{cpu_theirs:.0f}",
+            f"{cpu_ours:.0f}",
+            f"{cpu_ours / cpu_theirs:.2f}x",
+        ]
         if other_tree:
             wall_other, cpu_other = _best(other)
             row += [f"{wall_other:.0f}", f"{wall_other / wall_theirs:.2f}x", f"{cpu_other / cpu_theirs:.2f}x"]
         rows.append(row)
     print("best of", repeats, "runs each, alternating; SPS over wall time, and over the process's CPU time")
-    headers = ["settings", "env steps", "SB3 SPS", "spmd_rl SPS", "ratio", "SB3 SPS (CPU)", "spmd_rl SPS (CPU)",
-               "ratio (CPU)"]
+    headers = [
+        "settings",
+        "env steps",
+        "SB3 SPS",
+        "spmd_rl SPS",
+        "ratio",
+        "SB3 SPS (CPU)",
+        "spmd_rl SPS (CPU)",
+        "ratio (CPU)",
+    ]
     if other_tree:
         headers += [f"{other_tree} SPS", "its ratio", "its ratio (CPU)"]
     print(table(headers, rows))
@@ -100,13 +157,22 @@ def split_scaling() -> None:
     rows = []
     base = None
     for env_ranks in (1, 2, 4):
-        overrides = ["env.id=benchmarks.slow_env:SlowCartPole-v1", "env.num_envs=1", "env.vectorization=sync",
-                     "algo.num_steps=64", "algo.update_epochs=4", "layout.mode=split", "layout.trainer=1",
-                     "layout.inference=1", f"layout.env={env_ranks}"]
+        overrides = [
+            "env.id=benchmarks.slow_env:SlowCartPole-v1",
+            "env.num_envs=1",
+            "env.vectorization=sync",
+            "algo.num_steps=64",
+            "algo.update_epochs=4",
+            "layout.mode=split",
+            "layout.trainer=1",
+            "layout.inference=1",
+            f"layout.env={env_ranks}",
+        ]
         sps, _ = spmd_sps(overrides, budget=64 * env_ranks * 16, nproc=2 + env_ranks, steady=True)
         base = base or sps
-        rows.append([env_ranks, 2 + env_ranks, f"{sps:.0f}", f"{base * env_ranks:.0f}",
-                     f"{sps / (base * env_ranks):.2f}"])
+        rows.append(
+            [env_ranks, 2 + env_ranks, f"{sps:.0f}", f"{base * env_ranks:.0f}", f"{sps / (base * env_ranks):.2f}"]
+        )
     print(table(["env ranks", "world size", "SPS", "linear (k x 1-rank SPS)", "vs linear"], rows))
 
 

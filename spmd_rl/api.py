@@ -36,6 +36,7 @@ What an Algorithm's `learn` receives, per iteration, from its env ranks (a Tenso
     policy_version  [T] the policy version each step acted with
 T is algo.num_steps; N counts the env columns of all env ranks this trainer learns from.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -50,20 +51,45 @@ from spmd_rl.runtime.errors import UserCodeError, UserError
 # What an engine is written with. Imported when first used: they pull in tensordict (seconds: torch._dynamo), and
 # a user's policy or algorithm module imports this one to answer --help and config errors at once.
 _ENGINE_TYPES = {
-    "Run": "spmd_rl.run.setup", "COLOCATED": "spmd_rl.run.setup", "ENV": "spmd_rl.run.setup",
-    "INFERENCE": "spmd_rl.run.setup", "TRAINER": "spmd_rl.run.setup",
-    "Plan": "spmd_rl.run.plan", "Reporter": "spmd_rl.run.report", "MetricsLogger": "spmd_rl.run.metrics",
-    "EnvRunner": "spmd_rl.roles.env_runner", "InferenceServer": "spmd_rl.roles.inference_server",
-    "InferenceParts": "spmd_rl.roles.inference_server", "UniformActions": "spmd_rl.roles.inference_server",
-    "Trainer": "spmd_rl.roles.trainer", "PolicyLagError": "spmd_rl.roles.trainer",
-    "combine_segments": "spmd_rl.roles.trainer", "observation_message": "spmd_rl.roles.messages",
-    "action_message": "spmd_rl.roles.messages", "segment_message": "spmd_rl.roles.messages",
+    "Run": "spmd_rl.run.setup",
+    "COLOCATED": "spmd_rl.run.setup",
+    "ENV": "spmd_rl.run.setup",
+    "INFERENCE": "spmd_rl.run.setup",
+    "TRAINER": "spmd_rl.run.setup",
+    "Plan": "spmd_rl.run.plan",
+    "Reporter": "spmd_rl.run.report",
+    "MetricsLogger": "spmd_rl.run.metrics",
+    "EnvRunner": "spmd_rl.roles.env_runner",
+    "InferenceServer": "spmd_rl.roles.inference_server",
+    "InferenceParts": "spmd_rl.roles.inference_server",
+    "UniformActions": "spmd_rl.roles.inference_server",
+    "Trainer": "spmd_rl.roles.trainer",
+    "PolicyLagError": "spmd_rl.roles.trainer",
+    "combine_segments": "spmd_rl.roles.trainer",
+    "observation_message": "spmd_rl.roles.messages",
+    "action_message": "spmd_rl.roles.messages",
+    "segment_message": "spmd_rl.roles.messages",
     "evaluate": "spmd_rl.run.evaluation",
 }
 
-__all__ = ["Algorithm", "AlgorithmConfig", "Callback", "Context", "Engine", "ENV_FIELDS", "NoConfig", "PlanFacts",
-           "Policy", "Schedule", "StepField", "UserCodeError", "UserError", "describe_outputs", "knob",
-           *_ENGINE_TYPES]
+__all__ = [
+    "Algorithm",
+    "AlgorithmConfig",
+    "Callback",
+    "Context",
+    "Engine",
+    "ENV_FIELDS",
+    "NoConfig",
+    "PlanFacts",
+    "Policy",
+    "Schedule",
+    "StepField",
+    "UserCodeError",
+    "UserError",
+    "describe_outputs",
+    "knob",
+    *_ENGINE_TYPES,
+]
 
 
 def __getattr__(name: str):

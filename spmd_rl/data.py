@@ -2,8 +2,8 @@
 
 Prints, per file: rows, keys with shapes and dtypes, the policy version range, the episode count (ends of episodes
 from a done / terminated / truncated key when there is one) and the size on disk. A missing directory, a corrupt
-file or a file that is not an spmd_rl experience file is a one-line error and exit code 2; a truncated or corrupt file is
-found within seconds (see storage.h5file.open_swmr_reader).
+file or a file that is not an spmd_rl experience file is a one-line error and exit code 2; a truncated or corrupt
+file is found within seconds (see storage.h5file.open_swmr_reader).
 """
 
 from __future__ import annotations
@@ -46,17 +46,27 @@ def _summary(path: Path) -> str:
     with HDF5Reader(path) as reader:
         rows = len(reader)
         capacity = f", ring of {reader.capacity}" if reader.capacity else ""
-        lines = [f"{path}  ({rows} rows{capacity}, {reader.total_rows} appended, "
-                 f"{_human_bytes(path.stat().st_size)} on disk, compression {reader.attrs['compression']})"]
+        lines = [
+            f"{path}  ({rows} rows{capacity}, {reader.total_rows} appended, "
+            f"{_human_bytes(path.stat().st_size)} on disk, compression {reader.attrs['compression']})"
+        ]
         width = max(len(key) for key in reader.layout) if reader.layout else 0
         for key, field in sorted(reader.layout.items()):
             lines.append(f"  {key:<{width}}  {describe_field(field)}")
         versions = _min_max(reader, "meta/policy_version", rows)
-        lines.append("  policy versions: -" if versions is None else "  policy versions: not recorded"
-                     if versions == (-1, -1) else f"  policy versions: {versions[0]}..{versions[1]}")
+        lines.append(
+            "  policy versions: -"
+            if versions is None
+            else "  policy versions: not recorded"
+            if versions == (-1, -1)
+            else f"  policy versions: {versions[0]}..{versions[1]}"
+        )
         keys, episodes = _episode_ends(reader, rows)
-        lines.append(f"  episodes ended: {episodes} (rows with {' or '.join(keys)} set)" if keys
-                     else "  episodes ended: - (no done/terminated/truncated key)")
+        lines.append(
+            f"  episodes ended: {episodes} (rows with {' or '.join(keys)} set)"
+            if keys
+            else "  episodes ended: - (no done/terminated/truncated key)"
+        )
     return "\n".join(lines)
 
 

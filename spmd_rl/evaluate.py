@@ -30,6 +30,7 @@ __all__ = ["evaluate", "load_policy", "main"]
 
 # -- command line ------------------------------------------------------------------------------------------------
 
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, like every other bad input (argparse's default adds the usage)
         self.exit(USER_ERROR_EXIT_CODE, f"{self.prog}: error: {message} (see --help)\n")
@@ -37,10 +38,18 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m spmd_rl.evaluate", description="Evaluate a trained policy on its env.")
-    parser.add_argument("path", type=Path, metavar="RUN_DIR|CHECKPOINT",
-                        help="a run directory, a checkpoint directory, or a policy.pt / rank0.pt file")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="changes to the run's config (e.g. env.kwargs), as for spmd_rl.main")
+    parser.add_argument(
+        "path",
+        type=Path,
+        metavar="RUN_DIR|CHECKPOINT",
+        help="a run directory, a checkpoint directory, or a policy.pt / rank0.pt file",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="changes to the run's config (e.g. env.kwargs), as for spmd_rl.main",
+    )
     parser.add_argument("--episodes", type=int, default=10, help="episodes to evaluate (default: %(default)s)")
     parser.add_argument("--deterministic", action="store_true", help="act with the policy's mode, not a sample")
     parser.add_argument("--seed", type=int, default=0, help="seeds the envs and the policy's sampling (default: 0)")
@@ -64,9 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"path": str(args.path), "env": cfg.env.id, **result}))
     else:
         actions = "deterministic" if args.deterministic else "sampled"
-        print(f"{args.path} on {cfg.env.id}: return {result['return_mean']:.2f} ± {result['return_std']:.2f}, "
-              f"length {result['length_mean']:.1f} ± {result['length_std']:.1f} over {args.episodes} episodes "
-              f"({actions} actions, seed {args.seed})" + (f"; videos in {args.video}" if args.video else ""))
+        print(
+            f"{args.path} on {cfg.env.id}: return {result['return_mean']:.2f} ± {result['return_std']:.2f}, "
+            f"length {result['length_mean']:.1f} ± {result['length_std']:.1f} over {args.episodes} episodes "
+            f"({actions} actions, seed {args.seed})" + (f"; videos in {args.video}" if args.video else "")
+        )
     return 0
 
 

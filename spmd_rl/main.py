@@ -30,18 +30,32 @@ config sections and keys (override any with section.key=value); the algo, policy
 list the keys of the classes this config selects:
 """
 
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m spmd_rl.main", add_help=False,
+        prog="python -m spmd_rl.main",
+        add_help=False,
         description="Train a policy with spmd_rl. Every rank runs this same program (torchrun, mpirun, srun, or "
-                    "one process).",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-h", "--help", action="store_true", help="show this help (with the keys of the classes "
-                        "the given config selects) and exit")
-    parser.add_argument("--config", metavar="FILE", help="YAML config (default: the embedded PPO CartPole-v1 "
-                        "config, the same as configs/ppo_cartpole.yaml)")
-    parser.add_argument("--dry-run", action="store_true", help="run one real iteration in the real layout (every "
-                        "role, every channel, one weight sync) in a temporary run directory, then exit 0")
+        "one process).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "-h",
+        "--help",
+        action="store_true",
+        help="show this help (with the keys of the classes the given config selects) and exit",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML config (default: the embedded PPO CartPole-v1 config, the same as configs/ppo_cartpole.yaml)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run one real iteration in the real layout (every "
+        "role, every channel, one weight sync) in a temporary run directory, then exit 0",
+    )
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     args = parser.parse_args(argv)
     args.format_help = parser.format_help
@@ -67,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported only now: torch, tensordict and the envs take seconds, and --help and config errors answer without.
     from spmd_rl.run.driver import train
+
     return train(cfg, launch, dry_run=args.dry_run)
 
 

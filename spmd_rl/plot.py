@@ -27,9 +27,13 @@ _PER_RUN_KEYS = (("train", "seed"), ("run", "dir"), ("run", "name"))
 GRID_POINTS = 200
 LABEL_DETAIL_CHARS = 70
 LINE_STYLES = ("-", "--", ":", "-.")
-LABELS = {"env_steps": "env steps", "iteration": "iteration", "wall_s": "wall-clock seconds",
-          "episode_return_mean": "episode return (mean of the last 20 episodes)",
-          "episode_length_mean": "episode length (mean of the last 20 episodes)"}
+LABELS = {
+    "env_steps": "env steps",
+    "iteration": "iteration",
+    "wall_s": "wall-clock seconds",
+    "episode_return_mean": "episode return (mean of the last 20 episodes)",
+    "episode_length_mean": "episode length (mean of the last 20 episodes)",
+}
 
 
 @dataclass
@@ -47,8 +51,10 @@ class Run:
         points = [(r[x], r[y]) for r in self.records if _is_number(r.get(x)) and _is_number(r.get(y))]
         if not points:
             keys = sorted({k for r in self.records for k, v in r.items() if _is_number(v)})
-            raise UserError(f"{self.directory / 'metrics.jsonl'} has no values of '{y}' against '{x}': "
-                            f"choose --x and --y among {', '.join(keys)}")
+            raise UserError(
+                f"{self.directory / 'metrics.jsonl'} has no values of '{y}' against '{x}': "
+                f"choose --x and --y among {', '.join(keys)}"
+            )
         xs, ys = np.array(points, dtype=np.float64).T
         return xs, ys
 
@@ -58,7 +64,7 @@ class Curve:
     label: str
     x: np.ndarray
     mean: np.ndarray
-    low: np.ndarray | None = None   # min over seeds, for a group
+    low: np.ndarray | None = None  # min over seeds, for a group
     high: np.ndarray | None = None  # max over seeds
 
 
@@ -100,8 +106,11 @@ def group_seeds(runs: list[Run]) -> tuple[list[list[Run]], list[str]]:
     group whose seeds repeat is split into single runs (see the module docstring)."""
     groups: dict[str, list[Run]] = {}
     for run in runs:
-        identity = json.dumps(_without_per_run_keys(run.config), sort_keys=True, default=str) if run.config \
-            else str(run.directory)  # no config.yaml: a group of its own
+        identity = (
+            json.dumps(_without_per_run_keys(run.config), sort_keys=True, default=str)
+            if run.config
+            else str(run.directory)
+        )  # no config.yaml: a group of its own
         groups.setdefault(identity, []).append(run)
     result, notes = [], []
     for group in groups.values():
@@ -110,8 +119,10 @@ def group_seeds(runs: list[Run]) -> tuple[list[list[Run]], list[str]]:
             result.append(group)
         else:
             result.extend([run] for run in group)
-            notes.append(f"{', '.join(str(run.directory) for run in group)}: the same config and seed, drawn one by "
-                         f"one (they differ in something config.yaml does not hold, such as the number of ranks)")
+            notes.append(
+                f"{', '.join(str(run.directory) for run in group)}: the same config and seed, drawn one by "
+                f"one (they differ in something config.yaml does not hold, such as the number of ranks)"
+            )
     return result, notes
 
 
@@ -133,6 +144,7 @@ def curves(groups: list[list[Run]], x: str, y: str) -> list[Curve]:
 
 def draw(curves_: list[Curve], x: str, y: str, title: str, output: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
@@ -141,8 +153,14 @@ def draw(curves_: list[Curve], x: str, y: str, title: str, output: Path) -> None
         marker = "o" if len(curve.x) < 20 else None  # short runs: show where the points are
         # Line styles differ too: runs that agree exactly (a layout or backend that must not change results) would
         # otherwise hide one another.
-        (line,) = axes.plot(curve.x, curve.mean, label=curve.label, marker=marker, markersize=3,
-                            linestyle=LINE_STYLES[index % len(LINE_STYLES)])
+        (line,) = axes.plot(
+            curve.x,
+            curve.mean,
+            label=curve.label,
+            marker=marker,
+            markersize=3,
+            linestyle=LINE_STYLES[index % len(LINE_STYLES)],
+        )
         if curve.low is not None:
             axes.fill_between(curve.x, curve.low, curve.high, color=line.get_color(), alpha=0.2, linewidth=0)
     axes.set_xlabel(LABELS.get(x, x))

@@ -37,8 +37,10 @@ class CrashingCartPole(CartPoleEnv):
     def step(self, action):
         self.steps_taken += 1
         if self.crashes and self.steps_taken > CRASH_AFTER_STEPS:
-            raise RuntimeError(f"Crashing-v0: deliberate failure on rank {CRASH_RANK} after {CRASH_AFTER_STEPS} "
-                               f"steps (tests/crashing_env.py)")
+            raise RuntimeError(
+                f"Crashing-v0: deliberate failure on rank {CRASH_RANK} after {CRASH_AFTER_STEPS} "
+                f"steps (tests/crashing_env.py)"
+            )
         return super().step(action)
 
 

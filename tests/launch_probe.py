@@ -27,9 +27,15 @@ def main(out_dir: Path) -> None:
     if runtime.distributed:
         work = dist.all_reduce(total, async_op=True)
         wait(work, runtime.timeout, lambda: f"rank {launch.rank}: all_reduce over all {launch.world_size} ranks")
-    report = {"launcher": launch.launcher, "rank": launch.rank, "world_size": launch.world_size,
-              "local_rank": launch.local_rank, "local_world_size": launch.local_world_size,
-              "init_method": launch.init_method, "rank_sum": total.item()}
+    report = {
+        "launcher": launch.launcher,
+        "rank": launch.rank,
+        "world_size": launch.world_size,
+        "local_rank": launch.local_rank,
+        "local_world_size": launch.local_world_size,
+        "init_method": launch.init_method,
+        "rank_sum": total.item(),
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{launch.rank}.json").write_text(json.dumps(report))
     shutdown_runtime(runtime, 0)

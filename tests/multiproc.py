@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,9 @@ from spmd_rl.runtime.errors import COMM_ERROR_EXIT_CODE, CommError
 KILLED = -9  # the exit code run_ranks reports for a child it had to kill at the deadline
 
 
-def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 60.0,
-              deadline_s: float | None = None) -> list[int]:
+def run_ranks(
+    fn: Callable, world_size: int, *args, timeout_s: float = 60.0, deadline_s: float | None = None
+) -> list[int]:
     """Run fn(rank, world_size, *args) on world_size forked ranks; return their exit codes in rank order.
 
     timeout_s is the process group's timeout (the bound on every collective and wait inside fn). deadline_s bounds
@@ -40,8 +41,10 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 60.0,
     store_dir = tempfile.mkdtemp(prefix="spmd_rl_store_")
     init_method = "file://" + os.path.join(store_dir, "store")
     context = multiprocessing.get_context("fork")
-    children = [context.Process(target=_child, args=(fn, rank, world_size, init_method, timeout_s, args),
-                                daemon=True) for rank in range(world_size)]
+    children = [
+        context.Process(target=_child, args=(fn, rank, world_size, init_method, timeout_s, args), daemon=True)
+        for rank in range(world_size)
+    ]
     try:
         for child in children:
             child.start()
@@ -69,8 +72,13 @@ def _child(fn: Callable, rank: int, world_size: int, init_method: str, timeout_s
     try:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         torch.set_num_threads(1)  # N ranks share 2 cores; intra-op threads would only fight each other
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         fn(rank, world_size, *args)
         dist.destroy_process_group()
     except CommError:

@@ -30,8 +30,17 @@ import pytest
 
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol")
 CPUS_PER_NODE = 8  # more than this machine has: SlurmdParameters=config_overrides lets a node claim them
-FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-                   "BOOT_FAIL", "DEADLINE"}
+FINISHED_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def missing_slurm_binaries() -> list[str]:
@@ -42,8 +51,8 @@ def missing_slurm_binaries() -> list[str]:
 class JobResult:
     job_id: str
     state: str
-    exit_code: str        # "0:0" = exit status 0, no signal
-    output: str           # the batch script's stdout and stderr
+    exit_code: str  # "0:0" = exit status 0, no signal
+    output: str  # the batch script's stdout and stderr
 
 
 @dataclass
@@ -61,12 +70,24 @@ class SlurmCluster:
     def run(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=timeout)
 
-    def submit(self, script: str | Path, *args: str, sbatch_options: tuple[str, ...] = (),
-               env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
+    def submit(
+        self,
+        script: str | Path,
+        *args: str,
+        sbatch_options: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> str:
         """sbatch a script; returns the job id."""
         output = self.root / "job-%j.out"
-        done = subprocess.run(["sbatch", "--parsable", f"--output={output}", *sbatch_options, str(script), *args],
-                              env={**self.env, **(env or {})}, cwd=cwd, capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["sbatch", "--parsable", f"--output={output}", *sbatch_options, str(script), *args],
+            env={**self.env, **(env or {})},
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"sbatch failed ({done.returncode}): {done.stderr.strip()}")
         return done.stdout.strip().split(";")[0]
@@ -77,16 +98,21 @@ class SlurmCluster:
         while self.run("squeue", "-h", "-j", job_id).stdout.strip():
             if time.monotonic() > deadline:
                 self.run("scancel", job_id)
-                raise TimeoutError(f"slurm job {job_id} still queued or running after {timeout:.0f} s; cancelled.\n"
-                                   f"{self.job_output(job_id)}")
+                raise TimeoutError(
+                    f"slurm job {job_id} still queued or running after {timeout:.0f} s; cancelled.\n"
+                    f"{self.job_output(job_id)}"
+                )
             time.sleep(0.5)
         fields = self.job_fields(job_id)
         return JobResult(job_id, fields.get("JobState", "?"), fields.get("ExitCode", "?"), self.job_output(job_id))
 
     def job_fields(self, job_id: str) -> dict[str, str]:
         """`scontrol show job`'s KEY=VALUE fields (JobState, Restarts, PreemptTime, ...)."""
-        return dict(item.split("=", 1) for item in self.run("scontrol", "-o", "show", "job", job_id).stdout.split()
-                    if "=" in item)
+        return dict(
+            item.split("=", 1)
+            for item in self.run("scontrol", "-o", "show", "job", job_id).stdout.split()
+            if "=" in item
+        )
 
     def job_output(self, job_id: str) -> str:
         path = self.root / f"job-{job_id}.out"
@@ -118,56 +144,66 @@ def write_slurm_conf(root: Path, node_count: int, preemption: bool = False) -> t
     controller_port, *node_ports = _free_ports(1 + node_count)
     # One node is the host itself (its name resolves, as on a real cluster); several are emulated as n1, n2, ...
     nodes = [host] if node_count == 1 else [f"n{i + 1}" for i in range(node_count)]
-    node_lines = [f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={CPUS_PER_NODE} "
-                  f"State=UNKNOWN" for name, port in zip(nodes, node_ports)]
+    node_lines = [
+        f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={CPUS_PER_NODE} State=UNKNOWN"
+        for name, port in zip(nodes, node_ports)
+    ]
     partition = f"Nodes={','.join(nodes)} MaxTime=INFINITE State=UP"
     if preemption:
         # No oversubscription: a job in `high` that needs CPUs a `low` job holds preempts it (SIGTERM to the job's
         # steps, then SIGKILL and a requeue after the grace time).
-        partition_lines = ["PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
-                           f"PartitionName=low {partition} Default=YES PriorityTier=1 OverSubscribe=NO "
-                           f"PreemptMode=REQUEUE GraceTime={PREEMPT_GRACE_S}",
-                           f"PartitionName=high {partition} Default=NO PriorityTier=2 OverSubscribe=NO"]
+        partition_lines = [
+            "PreemptType=preempt/partition_prio",
+            "PreemptMode=REQUEUE",
+            f"PartitionName=low {partition} Default=YES PriorityTier=1 OverSubscribe=NO "
+            f"PreemptMode=REQUEUE GraceTime={PREEMPT_GRACE_S}",
+            f"PartitionName=high {partition} Default=NO PriorityTier=2 OverSubscribe=NO",
+        ]
     else:
         partition_lines = [f"PartitionName=test {partition} Default=YES OverSubscribe=YES"]
     conf = root / "slurm.conf"
-    conf.write_text("\n".join([
-        "ClusterName=spmd-rl-test",
-        f"SlurmctldHost={host}(127.0.0.1)",
-        f"SlurmctldPort={controller_port}",
-        "SlurmUser=root",
-        "SlurmdUser=root",
-        "AuthType=auth/none",
-        "CredType=cred/none",
-        "MpiDefault=none",
-        "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none",
-        "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
-        "JobCompType=jobcomp/none",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_CPU",
-        "SlurmdParameters=config_overrides",
-        "ReturnToService=2",
-        f"FirstJobId={random.randint(1000, 900_000)}",  # job ids pick ports (slurm/*.sh): vary them per cluster
-        "KillWait=5",          # seconds between SIGTERM and SIGKILL when a step is killed: keeps failing tests short
-        "InactiveLimit=0",
-        "MinJobAge=300",       # keep finished jobs visible to scontrol show job
-        f"StateSaveLocation={root}/state",
-        f"SlurmdSpoolDir={root}/spool-%n",
-        f"SlurmctldPidFile={root}/slurmctld.pid",
-        f"SlurmdPidFile={root}/slurmd-%n.pid",
-        f"SlurmctldLogFile={root}/slurmctld.log",
-        f"SlurmdLogFile={root}/slurmd-%n.log",
-        *node_lines,
-        *partition_lines,
-        "",
-    ]))
+    conf.write_text(
+        "\n".join(
+            [
+                "ClusterName=spmd-rl-test",
+                f"SlurmctldHost={host}(127.0.0.1)",
+                f"SlurmctldPort={controller_port}",
+                "SlurmUser=root",
+                "SlurmdUser=root",
+                "AuthType=auth/none",
+                "CredType=cred/none",
+                "MpiDefault=none",
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "JobAcctGatherType=jobacct_gather/none",
+                "AccountingStorageType=accounting_storage/none",
+                "JobCompType=jobcomp/none",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_CPU",
+                "SlurmdParameters=config_overrides",
+                "ReturnToService=2",
+                f"FirstJobId={random.randint(1000, 900_000)}",  # job ids pick ports (slurm/*.sh): vary them per cluster
+                "KillWait=5",  # seconds between SIGTERM and SIGKILL when a step is killed: keeps failing tests short
+                "InactiveLimit=0",
+                "MinJobAge=300",  # keep finished jobs visible to scontrol show job
+                f"StateSaveLocation={root}/state",
+                f"SlurmdSpoolDir={root}/spool-%n",
+                f"SlurmctldPidFile={root}/slurmctld.pid",
+                f"SlurmdPidFile={root}/slurmd-%n.pid",
+                f"SlurmctldLogFile={root}/slurmctld.log",
+                f"SlurmdLogFile={root}/slurmd-%n.log",
+                *node_lines,
+                *partition_lines,
+                "",
+            ]
+        )
+    )
     return conf, nodes
 
 
-def start_slurm_cluster(root: Path, node_count: int = 1, ready_timeout: float = 30,
-                        preemption: bool = False) -> SlurmCluster:
+def start_slurm_cluster(
+    root: Path, node_count: int = 1, ready_timeout: float = 30, preemption: bool = False
+) -> SlurmCluster:
     root.mkdir(parents=True, exist_ok=True)
     (root / "state").mkdir(exist_ok=True)
     conf, nodes = write_slurm_conf(root, node_count, preemption)

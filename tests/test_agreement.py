@@ -19,8 +19,9 @@ def _runtime(rank: int, world_size: int) -> Runtime:
 
 
 def _agree(rank, world_size, run_dir, seed_of_rank):
-    cfg = load_config(None, [f"run.dir={run_dir}" if rank == 0 else "run.dir=",
-                             f"train.seed={seed_of_rank.get(rank, 1)}"])
+    cfg = load_config(
+        None, [f"run.dir={run_dir}" if rank == 0 else "run.dir=", f"train.seed={seed_of_rank.get(rank, 1)}"]
+    )
     if seed_of_rank:
         with pytest.raises(UserError, match=r"rank\(s\) \[2\] run a different config than rank 0"):
             _agree_on_run(cfg, _runtime(rank, world_size))

@@ -43,10 +43,20 @@ def _free_port() -> int:
 def run_main(*args, nproc: int = 0, timeout: float = 240, cwd: Path = ROOT, **env) -> subprocess.CompletedProcess:
     launcher = [sys.executable, "-m", "spmd_rl.main"]
     if nproc:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-                    "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "-m", "spmd_rl.main"]
-    return subprocess.run(launcher + list(args), cwd=cwd, env=_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
+            "-m",
+            "spmd_rl.main",
+        ]
+    return subprocess.run(
+        launcher + list(args), cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -55,8 +65,10 @@ def records(run_dir: Path) -> list[dict]:
 
 def learning_records(run_dir: Path) -> list[dict]:
     """metrics.jsonl without what depends on the clock or exists only in async mode."""
-    return [{k: v for k, v in r.items() if not (k.startswith("time_") or k.startswith("policy_lag")
-                                                 or k in TIMING_KEYS)} for r in records(run_dir)]
+    return [
+        {k: v for k, v in r.items() if not (k.startswith("time_") or k.startswith("policy_lag") or k in TIMING_KEYS)}
+        for r in records(run_dir)
+    ]
 
 
 def same_weights(a: Path, b: Path) -> bool:
@@ -69,26 +81,41 @@ def same_weights(a: Path, b: Path) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [SPLIT4, ("layout.mode=split", "layout.trainer=2", "layout.inference=2",
-                                             "layout.env=2", "weights.verify_every=1")],
-                         ids=["t1-i1-e2", "t2-i2-e2-verify"])
+@pytest.mark.parametrize(
+    "layout",
+    [SPLIT4, ("layout.mode=split", "layout.trainer=2", "layout.inference=2", "layout.env=2", "weights.verify_every=1")],
+    ids=["t1-i1-e2", "t2-i2-e2-verify"],
+)
 def test_lag_0_gives_exactly_the_sync_engines_metrics_and_weights(tmp_path, layout):
     nproc = 4 if layout == SPLIT4 else 6
     common = ("--config", TINY, "train.total_steps=512", *layout)
     sync = run_main(*common, f"run.dir={tmp_path / 'sync'}", "engine.class=sync", nproc=nproc)
     assert sync.returncode == 0, sync.stderr[-3000:]
-    lagged = run_main(*common, f"run.dir={tmp_path / 'async'}", "engine.class=async", "engine.max_policy_lag=0",
-                      nproc=nproc)
+    lagged = run_main(
+        *common, f"run.dir={tmp_path / 'async'}", "engine.class=async", "engine.max_policy_lag=0", nproc=nproc
+    )
     assert lagged.returncode == 0, lagged.stderr[-3000:]
     assert learning_records(tmp_path / "sync") == learning_records(tmp_path / "async")
     assert same_weights(tmp_path / "sync", tmp_path / "async")
     assert all(r["policy_lag_max"] == 0 for r in records(tmp_path / "async"))
 
 
-SAC_TINY = ("--config", str(ROOT / "configs" / "sac_pendulum.yaml"), "algo.num_steps=4", "train.total_steps=96",
-            "algo.learning_starts=32", "algo.batch_size=16", "policy.hidden_sizes=[16,16]", "log.progress=false",
-            "log.tensorboard=false", "layout.mode=split", "layout.trainer=2", "layout.inference=2", "layout.env=2",
-            "weights.verify_every=1")
+SAC_TINY = (
+    "--config",
+    str(ROOT / "configs" / "sac_pendulum.yaml"),
+    "algo.num_steps=4",
+    "train.total_steps=96",
+    "algo.learning_starts=32",
+    "algo.batch_size=16",
+    "policy.hidden_sizes=[16,16]",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "layout.mode=split",
+    "layout.trainer=2",
+    "layout.inference=2",
+    "layout.env=2",
+    "weights.verify_every=1",
+)
 
 
 @pytest.mark.slow
@@ -98,8 +125,9 @@ def test_sac_async_at_lag_0_equals_sync_and_runs_with_any_lag(tmp_path):
     inference rank of env 1 must not take them in early."""
     sync = run_main(*SAC_TINY, f"run.dir={tmp_path / 'sync'}", nproc=6)
     assert sync.returncode == 0, sync.stderr[-3000:]
-    exact = run_main(*SAC_TINY, f"run.dir={tmp_path / 'exact'}", "engine.class=async", "engine.max_policy_lag=0",
-                     nproc=6)
+    exact = run_main(
+        *SAC_TINY, f"run.dir={tmp_path / 'exact'}", "engine.class=async", "engine.max_policy_lag=0", nproc=6
+    )
     assert exact.returncode == 0, exact.stderr[-3000:]
     assert learning_records(tmp_path / "sync") == learning_records(tmp_path / "exact")
     assert same_weights(tmp_path / "sync", tmp_path / "exact")
@@ -126,9 +154,20 @@ def test_a_stopped_async_run_resumes_to_the_same_result(tmp_path):
 def test_checkpoints_and_a_stop_at_lag_2_are_taken_at_agreed_iterations_and_the_run_resumes(tmp_path):
     """With env ranks ahead of the trainer, every rank still meets at the agreed iterations (rule 4)."""
     run_dir = tmp_path / "run"
-    common = ("--config", TINY, f"run.dir={run_dir}", "train.total_steps=2880", "layout.mode=split",
-              "layout.trainer=1", "layout.inference=1", "layout.env=3", "engine.class=async",
-              "engine.max_policy_lag=2", "algo.vtrace=true", "checkpoint.every_iterations=4")
+    common = (
+        "--config",
+        TINY,
+        f"run.dir={run_dir}",
+        "train.total_steps=2880",
+        "layout.mode=split",
+        "layout.trainer=1",
+        "layout.inference=1",
+        "layout.env=3",
+        "engine.class=async",
+        "engine.max_policy_lag=2",
+        "algo.vtrace=true",
+        "checkpoint.every_iterations=4",
+    )
     stopped = run_main(*common, "run.stop_after_iterations=10", nproc=5)
     assert stopped.returncode != 0 and "rerun the same command to resume" in stopped.stderr, stopped.stderr[-3000:]
     assert (run_dir / "checkpoints" / "latest").read_text().strip().endswith("9")
@@ -145,9 +184,20 @@ def test_checkpoints_and_a_stop_at_lag_2_are_taken_at_agreed_iterations_and_the_
 def test_the_lag_bound_is_never_exceeded_and_lag_happens(tmp_path):
     # 3 env ranks, one of them slower: the others run ahead as far as the bound lets them.
     run_dir = tmp_path / "run"
-    result = run_main("--config", TINY, f"run.dir={run_dir}", "train.total_steps=2880", "layout.mode=split",
-                      "layout.trainer=1", "layout.inference=1", "layout.env=3", "engine.class=async",
-                      "engine.max_policy_lag=1", "algo.vtrace=true", nproc=5)
+    result = run_main(
+        "--config",
+        TINY,
+        f"run.dir={run_dir}",
+        "train.total_steps=2880",
+        "layout.mode=split",
+        "layout.trainer=1",
+        "layout.inference=1",
+        "layout.env=3",
+        "engine.class=async",
+        "engine.max_policy_lag=1",
+        "algo.vtrace=true",
+        nproc=5,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lags = [(r["policy_lag_mean"], r["policy_lag_max"]) for r in records(run_dir)]
     assert len(lags) == 30
@@ -158,11 +208,15 @@ def test_the_lag_bound_is_never_exceeded_and_lag_happens(tmp_path):
 
 def test_the_trainer_refuses_a_step_beyond_the_bound():
     from spmd_rl.roles.trainer import PolicyLagError, Trainer
-    trainer = Trainer(algorithm=None, segment_channels=[], segment_sources=["rank 3 (env 0)"], episode_slots=1,
-                      group=None)
+
+    trainer = Trainer(
+        algorithm=None, segment_channels=[], segment_sources=["rank 3 (env 0)"], episode_slots=1, group=None
+    )
     segment = {"policy_version": torch.tensor([3, 3, 2])}
     assert trainer.check_policy_lag([segment], freshest=4, bound=2, iteration=4) == {
-        "policy_lag_mean": pytest.approx(4 / 3), "policy_lag_max": 2.0}
+        "policy_lag_mean": pytest.approx(4 / 3),
+        "policy_lag_max": 2.0,
+    }
     with pytest.raises(PolicyLagError, match=r"rank 3 \(env 0\)"):
         trainer.check_policy_lag([segment], freshest=4, bound=1, iteration=4)
     with pytest.raises(PolicyLagError):  # a version newer than the freshest possible is a schedule bug as well
@@ -172,12 +226,20 @@ def test_the_trainer_refuses_a_step_beyond_the_bound():
 def test_async_config_errors_exit_2_before_any_group(tmp_path):
     colocated = run_main("--config", TINY, f"run.dir={tmp_path / 'a'}", "engine.class=async")
     assert colocated.returncode == 2 and "split layout only" in colocated.stderr, colocated.stderr
-    on_policy = run_main("--config", TINY, f"run.dir={tmp_path / 'b'}", *SPLIT4, "engine.class=async",
-                         "engine.max_policy_lag=2", "--dry-run")
+    on_policy = run_main(
+        "--config",
+        TINY,
+        f"run.dir={tmp_path / 'b'}",
+        *SPLIT4,
+        "engine.class=async",
+        "engine.max_policy_lag=2",
+        "--dry-run",
+    )
     # --dry-run without a launcher is one process: the layout error comes first; ask the layout of 4 ranks instead
     assert on_policy.returncode == 2
-    lagged = run_main("--config", TINY, f"run.dir={tmp_path / 'c'}", *SPLIT4, "engine.class=async",
-                      "engine.max_policy_lag=2", nproc=4)
+    lagged = run_main(
+        "--config", TINY, f"run.dir={tmp_path / 'c'}", *SPLIT4, "engine.class=async", "engine.max_policy_lag=2", nproc=4
+    )
     assert "algo.vtrace=true" in lagged.stderr and "tolerates (0)" in lagged.stderr, lagged.stderr[-2000:]
     assert not (tmp_path / "c").exists()
 
@@ -192,10 +254,24 @@ def _start_ranks(world: int, args: list[str]) -> list[subprocess.Popen]:
     port = str(_free_port())
     procs = []
     for rank in range(world):
-        env = _env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, "-m", "spmd_rl.main", *args], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = _env(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "spmd_rl.main", *args],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -205,10 +281,24 @@ def test_a_killed_or_stopped_env_rank_ends_the_async_job_within_the_timeout_nami
     run_dir = tmp_path / "run"
     timeout_s = 15
     victim = 3  # rank 3: env 1
-    procs = _start_ranks(5, ["--config", TINY, f"run.dir={run_dir}", "train.total_steps=10000000",
-                             "algo.update_epochs=1", "layout.mode=split", "layout.trainer=1", "layout.inference=1",
-                             "layout.env=3", "engine.class=async", "engine.max_policy_lag=1", "algo.vtrace=true",
-                             f"dist.timeout_s={timeout_s}"])
+    procs = _start_ranks(
+        5,
+        [
+            "--config",
+            TINY,
+            f"run.dir={run_dir}",
+            "train.total_steps=10000000",
+            "algo.update_epochs=1",
+            "layout.mode=split",
+            "layout.trainer=1",
+            "layout.inference=1",
+            "layout.env=3",
+            "engine.class=async",
+            "engine.max_policy_lag=1",
+            "algo.vtrace=true",
+            f"dist.timeout_s={timeout_s}",
+        ],
+    )
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "metrics.jsonl").exists() or len(records(run_dir)) < 3:
@@ -263,8 +353,9 @@ def test_vtrace_stops_at_episode_ends_like_gae():
     values = torch.tensor([[0.5], [9.0], [1.5]])
     terminated = torch.tensor([[True], [False], [False]])
     truncated = torch.tensor([[False], [False], [True]])
-    targets, advantages = vtrace(behaviour, target, rewards, values, torch.tensor([4.0]), terminated, truncated,
-                                 gamma=0.9)
+    targets, advantages = vtrace(
+        behaviour, target, rewards, values, torch.tensor([4.0]), terminated, truncated, gamma=0.9
+    )
     # v_0 = 0.5 + 1*(1 - 0.5) = 1.0 (nothing flows back across the end);  A_0 = 1*(1 - 0.5) = 0.5
     # v_2 = 1.5 + 0.5*(2 + 0.9*4.0 - 1.5) = 3.55;  A_2 = 0.5*(2 + 0.9*4.0 - 1.5) = 2.05
     assert torch.allclose(targets[[0, 2]], torch.tensor([[1.0], [3.55]]))
@@ -277,13 +368,15 @@ def test_vtrace_on_policy_gives_gae_returns():
     rewards, values, next_value = torch.randn(t, n), torch.randn(t, n), torch.randn(n)
     terminated, truncated = torch.rand(t, n) < 0.2, torch.rand(t, n) < 0.1
     log_prob = torch.randn(t, n)
-    targets, advantages = vtrace(log_prob, log_prob, rewards, values, next_value, terminated, truncated,
-                                 gamma=0.95, lam=0.8)
+    targets, advantages = vtrace(
+        log_prob, log_prob, rewards, values, next_value, terminated, truncated, gamma=0.95, lam=0.8
+    )
     gae, returns = compute_gae(rewards, values, next_value, terminated, truncated, 0.95, 0.8)
     assert torch.allclose(targets, returns, atol=1e-6)
     # With lambda = 1 the policy-gradient advantage is the one-step-ahead V-trace return minus V.
-    targets1, advantages1 = vtrace(log_prob, log_prob, rewards, values, next_value, terminated, truncated,
-                                   gamma=0.95, lam=1.0)
+    targets1, advantages1 = vtrace(
+        log_prob, log_prob, rewards, values, next_value, terminated, truncated, gamma=0.95, lam=1.0
+    )
     _, returns1 = compute_gae(rewards, values, next_value, terminated, truncated, 0.95, 1.0)
     assert torch.allclose(advantages1, returns1 - values, atol=1e-5)
 
@@ -341,9 +434,20 @@ class LaggyReinforce(Algorithm):
 def test_a_plugin_algorithm_that_declares_its_lag_runs_async(tmp_path):
     (tmp_path / "laggy.py").write_text(textwrap.dedent(LAGGY_ALGORITHM))
     run_dir = tmp_path / "run"
-    result = run_main("--config", TINY, f"run.dir={run_dir}", "algo.class=laggy:LaggyReinforce",
-                      "train.total_steps=1440", "layout.mode=split", "layout.trainer=1", "layout.inference=1",
-                      "layout.env=3", "engine.class=async", nproc=5, cwd=tmp_path)
+    result = run_main(
+        "--config",
+        TINY,
+        f"run.dir={run_dir}",
+        "algo.class=laggy:LaggyReinforce",
+        "train.total_steps=1440",
+        "layout.mode=split",
+        "layout.trainer=1",
+        "layout.inference=1",
+        "layout.env=3",
+        "engine.class=async",
+        nproc=5,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "max policy lag 2" in result.stdout
     lags = [r["policy_lag_max"] for r in records(run_dir)]

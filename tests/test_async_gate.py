@@ -21,7 +21,7 @@ from spmd_rl.roles.messages import action_message
 from spmd_rl.run.plan import Plan
 from spmd_rl.runtime.errors import CommError
 
-NUM_ENVS = 2     # envs per env rank
+NUM_ENVS = 2  # envs per env rank
 OBS = 3
 
 
@@ -55,9 +55,17 @@ class FakeStaged:
 
 
 def make_plan(num_steps: int = 2, sync_every: int = 1, num_iterations: int = 4) -> Plan:
-    return Plan(env_ranks=2, trainer_ranks=1, envs_total=2 * NUM_ENVS, num_steps=num_steps,
-                steps_per_iteration=2 * NUM_ENVS * num_steps, num_iterations=num_iterations,
-                max_env_columns_per_trainer=2 * NUM_ENVS, sync_every=sync_every, explore_iterations=0)
+    return Plan(
+        env_ranks=2,
+        trainer_ranks=1,
+        envs_total=2 * NUM_ENVS,
+        num_steps=num_steps,
+        steps_per_iteration=2 * NUM_ENVS * num_steps,
+        num_iterations=num_iterations,
+        max_env_columns_per_trainer=2 * NUM_ENVS,
+        sync_every=sync_every,
+        explore_iterations=0,
+    )
 
 
 def make_server(plan: Plan, lag_bound: int, iterations: range, env_ranks: int = 2):
@@ -65,22 +73,40 @@ def make_server(plan: Plan, lag_bound: int, iterations: range, env_ranks: int = 
     policy = TinyPolicy()
     obs_ends = [local_channel("observations", observation(0)) for _ in range(env_ranks)]
     action_ends = [local_channel("actions", action_message(policy.outputs(), NUM_ENVS)) for _ in range(env_ranks)]
-    weight_sync = SimpleNamespace(src=0, me=1, buckets=[torch.zeros(64, dtype=torch.uint8)],
-                                  describe_rank=lambda rank: f"rank {rank}",
-                                  timeout=datetime.timedelta(seconds=5))
-    parts = InferenceParts(policy=policy, weight_sync=weight_sync,
-                           obs_channels=[receive for _, receive in obs_ends],
-                           action_channels=[send for send, _ in action_ends], uniform_actions=None)
-    server = AsyncInferenceServer(parts, plan, lag_bound, iterations, torch.device("cpu"),
-                                  datetime.timedelta(seconds=5), verify_every=0,
-                                  describe_rank=lambda rank: f"rank {rank}", rank=1,
-                                  served=list(range(2, 2 + env_ranks)))
+    weight_sync = SimpleNamespace(
+        src=0,
+        me=1,
+        buckets=[torch.zeros(64, dtype=torch.uint8)],
+        describe_rank=lambda rank: f"rank {rank}",
+        timeout=datetime.timedelta(seconds=5),
+    )
+    parts = InferenceParts(
+        policy=policy,
+        weight_sync=weight_sync,
+        obs_channels=[receive for _, receive in obs_ends],
+        action_channels=[send for send, _ in action_ends],
+        uniform_actions=None,
+    )
+    server = AsyncInferenceServer(
+        parts,
+        plan,
+        lag_bound,
+        iterations,
+        torch.device("cpu"),
+        datetime.timedelta(seconds=5),
+        verify_every=0,
+        describe_rank=lambda rank: f"rank {rank}",
+        rank=1,
+        served=list(range(2, 2 + env_ranks)),
+    )
     return server, [receive for _, receive in action_ends]
 
 
 def observation(segment: int, value: float = 0.0) -> TensorDict:
-    return TensorDict({"obs": torch.full((NUM_ENVS, OBS), value),
-                       "segment": torch.tensor([segment], dtype=torch.int64)}, batch_size=[])
+    return TensorDict(
+        {"obs": torch.full((NUM_ENVS, OBS), value), "segment": torch.tensor([segment], dtype=torch.int64)},
+        batch_size=[],
+    )
 
 
 def test_construction_starts_every_env_rank_at_the_first_step_with_no_weights():
@@ -88,10 +114,10 @@ def test_construction_starts_every_env_rank_at_the_first_step_with_no_weights():
     server, _ = make_server(plan, lag_bound=1, iterations=range(2, 8))
     assert server.next_step == [6, 6]
     assert server.end_step == 24
-    assert server.syncs == [3, 5, 7]         # broadcasts after iterations 3, 5, 7 (sync_every=2)
+    assert server.syncs == [3, 5, 7]  # broadcasts after iterations 3, 5, 7 (sync_every=2)
     assert server.policy_version == -1 and server.taken == 0 and not server.lockstep
     assert server.env_names == ["rank 2", "rank 3"] and server.source == "rank 0"
-    assert server.staged.posted == 0         # StagedWeights built, nothing posted
+    assert server.staged.posted == 0  # StagedWeights built, nothing posted
 
 
 def test_required_version_is_the_segments_version_less_the_lag_bound():
@@ -107,11 +133,11 @@ def test_lag_zero_serves_all_env_ranks_or_none():
     assert server.lockstep
     server.policy_version = 0
     server.ready = {1: observation(0)}
-    assert server._servable() == []                  # one of two ready: wait for the other
+    assert server._servable() == []  # one of two ready: wait for the other
     server.ready = {1: observation(0), 0: observation(0)}
-    assert server._servable() == [0, 1]              # both, in the fixed order
+    assert server._servable() == [0, 1]  # both, in the fixed order
     server.policy_version = -1
-    assert server._servable() == []                  # no weights yet
+    assert server._servable() == []  # no weights yet
     # Segment 1 needs version 1 (sync_every=1); version 0 serves neither, not one.
     server.next_step = [2, 2]
     server.policy_version = 0
@@ -122,14 +148,14 @@ def test_lag_zero_serves_all_env_ranks_or_none():
 
 def test_lag_bound_holds_back_only_the_env_rank_too_far_ahead():
     server, _ = make_server(make_plan(num_iterations=6), lag_bound=2, iterations=range(6))
-    server.next_step = [6, 4]                        # segments 3 and 2: they need versions 1 and 0
+    server.next_step = [6, 4]  # segments 3 and 2: they need versions 1 and 0
     server.policy_version = 0
     server.ready = {0: observation(3), 1: observation(2)}
-    assert server._servable() == [1]                 # rank 0 waits for version 1, rank 1 is served alone
+    assert server._servable() == [1]  # rank 0 waits for version 1, rank 1 is served alone
     server.ready = {0: observation(3)}
     assert server._servable() == []
     server.policy_version = 1
-    assert server._servable() == [0]                 # not lockstep: one ready env rank is served by itself
+    assert server._servable() == [0]  # not lockstep: one ready env rank is served by itself
     server.ready = {1: observation(2), 0: observation(3)}
     assert server._servable() == [0, 1]
     server.ready = {}
@@ -138,14 +164,14 @@ def test_lag_bound_holds_back_only_the_env_rank_too_far_ahead():
 
 def test_may_take_waits_for_env_ranks_acting_for_older_segments():
     server, _ = make_server(make_plan(), lag_bound=2, iterations=range(4))
-    server.next_step = [2, 6]                        # segments 1 and 3: versions 1 and 3
+    server.next_step = [2, 6]  # segments 1 and 3: versions 1 and 3
     assert server._may_take(1)
-    assert not server._may_take(2)                   # rank 0 still acts for segment 1 (version 1)
-    server.next_step = [4, 6]                        # segments 2 and 3
+    assert not server._may_take(2)  # rank 0 still acts for segment 1 (version 1)
+    server.next_step = [4, 6]  # segments 2 and 3
     assert server._may_take(2) and not server._may_take(3)
-    server.next_step = [8, 6]                        # rank 0 is done (end_step 8): only rank 1 counts
+    server.next_step = [8, 6]  # rank 0 is done (end_step 8): only rank 1 counts
     assert server._may_take(3) and not server._may_take(4)
-    server.next_step = [8, 8]                        # everyone is done: any version may be taken
+    server.next_step = [8, 8]  # everyone is done: any version may be taken
     assert server._may_take(99)
 
 
@@ -153,16 +179,16 @@ def test_served_through_needs_every_step_every_broadcast_and_no_server():
     server, _ = make_server(make_plan(sync_every=2), lag_bound=1, iterations=range(4))
     assert server.syncs == [1, 3]
     server.next_step = [2, 2]
-    assert server._served_through(0)                 # iteration 0 is served and no broadcast is due by then
+    assert server._served_through(0)  # iteration 0 is served and no broadcast is due by then
     assert not server._served_through(1)
     server.next_step = [4, 3]
-    assert not server._served_through(1)             # rank 1 has one step of segment 1 left
+    assert not server._served_through(1)  # rank 1 has one step of segment 1 left
     server.next_step = [4, 4]
-    assert not server._served_through(1)             # the broadcast after iteration 1 is not taken yet
+    assert not server._served_through(1)  # the broadcast after iteration 1 is not taken yet
     server.taken = 1
     assert server._served_through(1)
     server.serving = True
-    assert not server._served_through(1)             # a thread is still serving
+    assert not server._served_through(1)  # a thread is still serving
     server.serving = False
     server.next_step = [8, 8]
     assert not server._served_through(3) and server._served_through(2)
@@ -172,11 +198,14 @@ def test_served_through_needs_every_step_every_broadcast_and_no_server():
 
 def test_check_segment_refuses_an_observation_of_another_segment():
     server, _ = make_server(make_plan(num_steps=3), lag_bound=1, iterations=range(4))
-    server.next_step = [3, 5]                        # both in segment 1
+    server.next_step = [3, 5]  # both in segment 1
     server._check_segment(0, observation(1))
     server._check_segment(1, observation(1))
-    with pytest.raises(CommError, match=r"rank 1: observations from rank 3 are of segment 2, expected segment 1 "
-                                        r"\(step 5\); the ranks' schedules differ"):
+    with pytest.raises(
+        CommError,
+        match=r"rank 1: observations from rank 3 are of segment 2, expected segment 1 "
+        r"\(step 5\); the ranks' schedules differ",
+    ):
         server._check_segment(1, observation(2))
     with pytest.raises(CommError, match="rank 2 are of segment 0, expected segment 1"):
         server._check_segment(0, observation(0))
@@ -196,15 +225,15 @@ def test_serving_defers_a_newer_broadcast_until_the_lagging_env_rank_finished_it
     server.ready = {0: observation(1, value=7.0)}
     server._serve_while_possible()
     reply = replies[0].recv()
-    assert int(reply["policy_version"][0]) == 1                  # acted with the old weights
-    assert reply["action"].tolist() == [700] * NUM_ENVS          # with the policy, for that observation
+    assert int(reply["policy_version"][0]) == 1  # acted with the old weights
+    assert reply["action"].tolist() == [700] * NUM_ENVS  # with the policy, for that observation
     assert server.next_step == [4, 4] and server.ready == {}
     assert server.staged.swapped == 1 and server.policy_version == 2 and server.taken == 1
     assert not server.weights_complete and not server.serving
-    assert server.staged.posted == 0                             # no broadcast left to post
+    assert server.staged.posted == 0  # no broadcast left to post
     assert server._served_through(1)
     with pytest.raises(RuntimeError, match="receive with no message sent"):
-        replies[1].recv()                                        # rank 1 was done: nothing was sent to it
+        replies[1].recv()  # rank 1 was done: nothing was sent to it
 
 
 def test_serving_in_lockstep_waits_for_every_env_rank_then_answers_each():

@@ -26,19 +26,25 @@ TIMEOUT = datetime.timedelta(seconds=20)
 def make_message(seed: int) -> TensorDict:
     """A nested TensorDict with every dtype the framework sends; its contents depend on seed."""
     g = torch.Generator().manual_seed(seed)
-    rollout = TensorDict({
-        "obs": torch.randn(5, 3, 4, generator=g),
-        "reward": torch.randn(5, 3, generator=g, dtype=torch.float64),
-        "action": torch.randint(-1000, 1000, (5, 3), generator=g),
-        "done": torch.rand(5, 3, generator=g) > 0.5,
-        "pixels": torch.randint(0, 256, (5, 3, 2, 2), generator=g, dtype=torch.uint8),
-    }, batch_size=[5, 3])
-    return TensorDict({
-        "rollout": rollout,
-        "version": torch.randint(0, 1 << 30, (1,), generator=g, dtype=torch.int32),
-        "scalar": torch.randn((), generator=g),
-        "empty": torch.zeros(0, 7),
-    }, batch_size=[])
+    rollout = TensorDict(
+        {
+            "obs": torch.randn(5, 3, 4, generator=g),
+            "reward": torch.randn(5, 3, generator=g, dtype=torch.float64),
+            "action": torch.randint(-1000, 1000, (5, 3), generator=g),
+            "done": torch.rand(5, 3, generator=g) > 0.5,
+            "pixels": torch.randint(0, 256, (5, 3, 2, 2), generator=g, dtype=torch.uint8),
+        },
+        batch_size=[5, 3],
+    )
+    return TensorDict(
+        {
+            "rollout": rollout,
+            "version": torch.randint(0, 1 << 30, (1,), generator=g, dtype=torch.int32),
+            "scalar": torch.randn((), generator=g),
+            "empty": torch.zeros(0, 7),
+        },
+        batch_size=[],
+    )
 
 
 def assert_same(a: TensorDict, b: TensorDict) -> None:
@@ -53,19 +59,20 @@ def describe(rank: int) -> str:
 
 # --- layout and local, single process ----------------------------------------------------------------------------
 
+
 def test_layout_is_canonical_and_allocates_aligned_views():
     example = make_message(0)
     layout = TensorLayout.of(example)
     assert TensorLayout.decode(layout.encode()) == layout
-    assert TensorLayout.of(make_message(1)).digest == layout.digest      # contents do not matter, layout does
-    assert layout.describe().startswith("{empty: float32[0, 7]")        # keys in sorted order
+    assert TensorLayout.of(make_message(1)).digest == layout.digest  # contents do not matter, layout does
+    assert layout.describe().startswith("{empty: float32[0, 7]")  # keys in sorted order
     flat, views = layout.allocate()
     assert flat.numel() == layout.nbytes >= HEADER_BYTES + sum(leaf.nbytes for leaf in layout.leaves)
     assert views["rollout"].batch_size == torch.Size([5, 3])
     for offset in layout.offsets:
         assert offset % ALIGNMENT == 0 and offset >= HEADER_BYTES
     for (key, view), offset in zip(((leaf.key, views.get(leaf.key)) for leaf in layout.leaves), layout.offsets):
-        assert view.numel() == 0 or view.data_ptr() == flat.data_ptr() + offset, key   # a view into the buffer
+        assert view.numel() == 0 or view.data_ptr() == flat.data_ptr() + offset, key  # a view into the buffer
     views.update_(example)
     assert_same(views, example)
 
@@ -80,8 +87,9 @@ def test_layout_difference_names_the_key():
 
 
 def test_wrong_message_at_send_is_a_value_error_naming_channel_ranks_and_key():
-    channel = SendChannel(TensorLayout.of(make_message(0)), me=0, peer=1, name="segments", tag=0, timeout=TIMEOUT,
-                          describe_rank=describe)
+    channel = SendChannel(
+        TensorLayout.of(make_message(0)), me=0, peer=1, name="segments", tag=0, timeout=TIMEOUT, describe_rank=describe
+    )
     wrong_dtype = make_message(0)
     wrong_dtype["rollout", "action"] = wrong_dtype["rollout", "action"].int()
     missing = make_message(0).exclude("scalar")
@@ -96,8 +104,7 @@ def test_wrong_message_at_send_is_a_value_error_naming_channel_ranks_and_key():
 
 def test_duplicate_channel_names_to_one_peer_are_rejected_before_any_communication():
     with pytest.raises(ValueError, match="'obs' and 'obs'"):
-        open_channels(sends=[(1, "obs", make_message(0)), (1, "obs", make_message(0))], recvs=[], me=0,
-                      timeout=TIMEOUT)
+        open_channels(sends=[(1, "obs", make_message(0)), (1, "obs", make_message(0))], recvs=[], me=0, timeout=TIMEOUT)
     data, layout, verdict = channel_tags("obs", tag_base=100)
     assert data >= 100 and (layout, verdict) == (data + 1, data + 2)
 
@@ -109,8 +116,8 @@ def test_local_channel_hands_over_by_reference_in_order():
     for handle in handles:
         handle.wait()
     pending = recv.irecv()
-    assert pending.wait() is messages[0]                                 # no copy
-    assert recv.recv() is messages[1] and recv.recv() is messages[2]     # FIFO
+    assert pending.wait() is messages[0]  # no copy
+    assert recv.recv() is messages[1] and recv.recv() is messages[2]  # FIFO
     with pytest.raises(RuntimeError, match="receive with no message sent"):
         recv.recv()
     with pytest.raises(RuntimeError, match="receive with no message sent"):
@@ -122,7 +129,7 @@ def test_local_channel_buffer_and_layout_checks():
     send.buffer.update_(make_message(4))
     send.send()
     with pytest.raises(RuntimeError, match="sent again before the receiver took"):
-        send.send()                                                      # would overwrite the unread message
+        send.send()  # would overwrite the unread message
     assert recv.recv() is send.buffer
     assert_same(send.buffer, make_message(4))
     with pytest.raises(ValueError, match="local channel 'obs'.*rollout.obs"):
@@ -131,13 +138,19 @@ def test_local_channel_buffer_and_layout_checks():
 
 # --- between ranks ------------------------------------------------------------------------------------------------
 
+
 def _round_trips(rank, world_size):
     # rank 0 sends 100 messages to rank 1 (half written in place, half copied from a TensorDict); rank 1 reads
     # them double-buffered and echoes each one back through its own send buffer; two more fill both buffers.
     example = make_message(0)
     if rank == 0:
-        (out,), (back,) = open_channels(sends=[(1, "segments", example)], recvs=[(1, "echo", example)], me=0,
-                                        timeout=TIMEOUT, describe_rank=describe)
+        (out,), (back,) = open_channels(
+            sends=[(1, "segments", example)],
+            recvs=[(1, "echo", example)],
+            me=0,
+            timeout=TIMEOUT,
+            describe_rank=describe,
+        )
         for i in range(102):
             if i % 2:
                 out.buffer.update_(make_message(i))
@@ -148,20 +161,26 @@ def _round_trips(rank, world_size):
                 assert_same(back.recv(), make_message(i))
         out.wait()
     else:
-        (echo,), (inbox,) = open_channels(sends=[(0, "echo", example)], recvs=[(0, "segments", None)], me=1,
-                                          timeout=TIMEOUT, describe_rank=describe, num_recv_buffers=2)
+        (echo,), (inbox,) = open_channels(
+            sends=[(0, "echo", example)],
+            recvs=[(0, "segments", None)],
+            me=1,
+            timeout=TIMEOUT,
+            describe_rank=describe,
+            num_recv_buffers=2,
+        )
         pending = inbox.irecv()
         for i in range(100):
             message = pending.wait()
             if i < 99:
-                pending = inbox.irecv()          # the next receive lands in the other buffer
+                pending = inbox.irecv()  # the next receive lands in the other buffer
             assert_same(message, make_message(i))
             echo.buffer.update_(message)
             echo.isend()
         echo.wait()
         last = [inbox.irecv(), inbox.irecv()]
         with pytest.raises(RuntimeError, match="one per buffer"):
-            inbox.irecv()                        # a third would overwrite a buffer whose receive is pending
+            inbox.irecv()  # a third would overwrite a buffer whose receive is pending
         for i, handle in zip((100, 101), last):
             assert_same(handle.wait(), make_message(i))
 
@@ -177,8 +196,13 @@ def _layout_mismatch(rank, world_size):
         if rank == 0:
             open_channels(sends=[(1, "segments", sent)], recvs=[], me=0, timeout=TIMEOUT, describe_rank=describe)
         else:
-            open_channels(sends=[], recvs=[(0, "segments", TensorLayout.of(expected))], me=1, timeout=TIMEOUT,
-                          describe_rank=describe)
+            open_channels(
+                sends=[],
+                recvs=[(0, "segments", TensorLayout.of(expected))],
+                me=1,
+                timeout=TIMEOUT,
+                describe_rank=describe,
+            )
     message = str(error.value)
     assert "'segments' from rank 0 (env 0) to rank 1 (inference 0)" in message
     if rank == 1:

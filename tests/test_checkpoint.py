@@ -35,11 +35,16 @@ def weights_only_round_trip(state: dict) -> dict:
 
 
 def small_state(iteration: int) -> dict:
-    return {"iteration": iteration, "weights": torch.full((16,), float(iteration)), "name": "ppo",
-            "nested": {"steps": [1, 2, 3], "lr": 1e-3, "none": None}}
+    return {
+        "iteration": iteration,
+        "weights": torch.full((16,), float(iteration)),
+        "name": "ppo",
+        "nested": {"steps": [1, 2, 3], "lr": 1e-3, "none": None},
+    }
 
 
 # --- the store ---
+
 
 def test_save_commit_latest_load(tmp_path):
     store = CheckpointStore(tmp_path, keep=2)
@@ -51,8 +56,11 @@ def test_save_commit_latest_load(tmp_path):
         assert committed == store.directory(iteration) == tmp_path / "checkpoints" / f"iter_{iteration:09d}"
         assert store.latest() == committed
     # keep=2: the oldest is pruned
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter_000000020", "iter_000000030",
-                                                                            "latest"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "iter_000000020",
+        "iter_000000030",
+        "latest",
+    ]
     state = store.load(store.latest(), rank=1)
     assert state["iteration"] == 31 and torch.equal(state["weights"], torch.full((16,), 31.0))
     assert state["nested"] == {"steps": [1, 2, 3], "lr": 1e-3, "none": None}
@@ -160,8 +168,9 @@ def test_kill_9_during_saves_always_leaves_the_previous_checkpoint_loadable(tmp_
         latest = store.latest()
         state = store.load(latest, rank=0)
         assert int(state["weights"][0]) == state["iteration"] == int(latest.name.split("_")[1])
-        leftovers = [p for p in store.root.rglob("*") if ".tmp" in p.name or
-                     (p.is_dir() and not (p / "COMPLETE").exists())]
+        leftovers = [
+            p for p in store.root.rglob("*") if ".tmp" in p.name or (p.is_dir() and not (p / "COMPLETE").exists())
+        ]
         interrupted_saves += bool(leftovers)
     # The test means something only if some kills landed inside a save (a save is most of the loop's time).
     assert interrupted_saves > 0
@@ -169,9 +178,16 @@ def test_kill_9_during_saves_always_leaves_the_previous_checkpoint_loadable(tmp_
 
 # --- random generators ---
 
+
 def draw() -> tuple:
-    return (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), np.random.randn(),
-            torch.rand(3).tolist(), torch.randn(2).tolist())
+    return (
+        random.random(),
+        random.gauss(0, 1),
+        np.random.rand(3).tolist(),
+        np.random.randn(),
+        torch.rand(3).tolist(),
+        torch.randn(2).tolist(),
+    )
 
 
 def test_rng_state_round_trip():
@@ -188,6 +204,7 @@ def test_rng_state_round_trip():
 
 
 # --- env state ---
+
 
 def make_envs(env_id: str, mode: str, num_envs: int, seed: int, normalize_reward: bool = False):
     """As spmd_rl.envs.vector.make_vector_env builds a rank's envs."""
@@ -226,10 +243,15 @@ def step_both(a, b, rng: np.random.Generator, steps: int) -> int:
     return episodes
 
 
-@pytest.mark.parametrize("env_id,mode,normalize_reward", [("CartPole-v1", "vector_entry_point", False),
-                                                          ("CartPole-v1", "sync", False),
-                                                          ("Pendulum-v1", "sync", False),
-                                                          ("Pendulum-v1", "sync", True)])
+@pytest.mark.parametrize(
+    "env_id,mode,normalize_reward",
+    [
+        ("CartPole-v1", "vector_entry_point", False),
+        ("CartPole-v1", "sync", False),
+        ("Pendulum-v1", "sync", False),
+        ("Pendulum-v1", "sync", True),
+    ],
+)
 def test_env_state_restored_mid_episode_continues_identically(env_id, mode, normalize_reward):
     reference = make_envs(env_id, mode, 3, seed=5, normalize_reward=normalize_reward)
     saved = make_envs(env_id, mode, 3, seed=5, normalize_reward=normalize_reward)

@@ -24,8 +24,17 @@ def test_every_shipped_config_loads(name):
 
 
 def test_overrides_are_typed_and_nested(tmp_path):
-    cfg = load_config(None, ["train.total_steps=5000", "algo.learning_rate=3e-4", "policy.hidden_sizes=[32,32]",
-                             "env.kwargs={max_episode_steps: 100}", "algo.target_kl=0.02", "log.progress=false"])
+    cfg = load_config(
+        None,
+        [
+            "train.total_steps=5000",
+            "algo.learning_rate=3e-4",
+            "policy.hidden_sizes=[32,32]",
+            "env.kwargs={max_episode_steps: 100}",
+            "algo.target_kl=0.02",
+            "log.progress=false",
+        ],
+    )
     assert cfg.train.total_steps == 5000
     assert cfg.algo.learning_rate == pytest.approx(3e-4)
     assert cfg.policy.hidden_sizes == [32, 32]
@@ -40,18 +49,21 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
         load_config(None, ["train.total_steps=1.5"])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["train.totl_steps=5"], "unknown config key 'train.totl_steps'.*did you mean 'train.total_steps'"),
-    (["trian.seed=5"], "unknown config key 'trian'.*did you mean 'train'"),
-    (["algo.gamma=1.5"], "'algo.gamma' = 1.5 is out of range; it must be <= 1.0"),
-    (["env.num_envs=0"], "'env.num_envs' = 0 is out of range; it must be >= 1"),
-    (["layout.mode=splt"], "'layout.mode' = 'splt' is not allowed.*did you mean 'split'"),
-    (["train.seed=abc"], "'train.seed' must be int, got 'abc'"),
-    (["anneal_lr"], "must look like section.key=value"),
-    (["algo.anneal_lr=yes please"], "'algo.anneal_lr' must be bool"),
-    (["policy.hidden_sizes=[64, x]"], r"'policy.hidden_sizes\[1\]' must be int"),
-    (["train=5"], "'train' must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.totl_steps=5"], "unknown config key 'train.totl_steps'.*did you mean 'train.total_steps'"),
+        (["trian.seed=5"], "unknown config key 'trian'.*did you mean 'train'"),
+        (["algo.gamma=1.5"], "'algo.gamma' = 1.5 is out of range; it must be <= 1.0"),
+        (["env.num_envs=0"], "'env.num_envs' = 0 is out of range; it must be >= 1"),
+        (["layout.mode=splt"], "'layout.mode' = 'splt' is not allowed.*did you mean 'split'"),
+        (["train.seed=abc"], "'train.seed' must be int, got 'abc'"),
+        (["anneal_lr"], "must look like section.key=value"),
+        (["algo.anneal_lr=yes please"], "'algo.anneal_lr' must be bool"),
+        (["policy.hidden_sizes=[64, x]"], r"'policy.hidden_sizes\[1\]' must be int"),
+        (["train=5"], "'train' must be a mapping"),
+    ],
+)
 def test_bad_overrides_name_the_key(overrides, message):
     with pytest.raises(UserError, match=message):
         load_config(None, overrides)
@@ -60,8 +72,11 @@ def test_bad_overrides_name_the_key(overrides, message):
 def test_unknown_nested_key_in_a_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("algo:\n  learning_rat: 0.1\n")
-    with pytest.raises(UserError, match=r"unknown config key 'algo.learning_rat' \(in .*c.yaml; keys of algorithm 'ppo'\).*"
-                                        r"did you mean 'algo.learning_rate'"):
+    with pytest.raises(
+        UserError,
+        match=r"unknown config key 'algo.learning_rat' \(in .*c.yaml; keys of algorithm "
+        r"'ppo'\).*did you mean 'algo.learning_rate'",
+    ):
         load_config(path)
 
 
@@ -79,24 +94,28 @@ def test_missing_file_and_invalid_yaml(tmp_path):
 
 
 def _main(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "spmd_rl.main", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "spmd_rl.main", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["train.total_stps=1"], "did you mean 'train.total_steps'"),
-    (["--config", "configs/nope.yaml"], "configs/nope.yaml does not exist"),
-    (["env.id=NoSuchEnv-v0"], "env.id 'NoSuchEnv-v0' cannot be made"),
-    (["env.id=no_such_module:Env-v0"], "importing its module failed"),
-    (["env.id=Blackjack-v1"], "observation space"),
-    (["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=1"], "world size is 1"),
-    (["train.total_steps=10"], "less than one iteration"),
-    (["env.id=CartPole"], "env.id 'CartPole' cannot be made"),
-    (["env.id=Pendulum-v1", "env.vectorization=vector_entry_point"], "has no vectorized implementation"),
-    (["dist.timeout_s=.inf"], "'dist.timeout_s' = inf must be a finite number"),
-    (["dist.timeout_s=1e300"], "'dist.timeout_s' = 1e+300 is out of range"),
-    (["train.seed=1", "train.seed=2"], "config key 'train.seed' is set twice on the command line"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train.total_stps=1"], "did you mean 'train.total_steps'"),
+        (["--config", "configs/nope.yaml"], "configs/nope.yaml does not exist"),
+        (["env.id=NoSuchEnv-v0"], "env.id 'NoSuchEnv-v0' cannot be made"),
+        (["env.id=no_such_module:Env-v0"], "importing its module failed"),
+        (["env.id=Blackjack-v1"], "observation space"),
+        (["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=1"], "world size is 1"),
+        (["train.total_steps=10"], "less than one iteration"),
+        (["env.id=CartPole"], "env.id 'CartPole' cannot be made"),
+        (["env.id=Pendulum-v1", "env.vectorization=vector_entry_point"], "has no vectorized implementation"),
+        (["dist.timeout_s=.inf"], "'dist.timeout_s' = inf must be a finite number"),
+        (["dist.timeout_s=1e300"], "'dist.timeout_s' = 1e+300 is out of range"),
+        (["train.seed=1", "train.seed=2"], "config key 'train.seed' is set twice on the command line"),
+    ],
+)
 def test_command_line_user_errors_exit_2_with_one_line(args, message):
     result = _main(*args, "log.progress=false")
     assert result.returncode == 2, result.stderr
@@ -142,11 +161,17 @@ def test_an_empty_config_file_is_an_error(tmp_path, text):
         load_config(path)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("train:\n  seed: 1\n  total_steps: 5000\n  seed: 2\n", r"gives key 'train.seed' twice \(lines 2 and 4\)"),
-    ("train:\n  seed: 1\nlog:\n  progress: false\ntrain:\n  seed: 2\n", r"gives key 'train' twice \(lines 1 and 5\)"),
-    ("env:\n  kwargs: {a: 1, b: 2, a: 3}\n", r"gives key 'env.kwargs.a' twice \(lines 2 and 2\)"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("train:\n  seed: 1\n  total_steps: 5000\n  seed: 2\n", r"gives key 'train.seed' twice \(lines 2 and 4\)"),
+        (
+            "train:\n  seed: 1\nlog:\n  progress: false\ntrain:\n  seed: 2\n",
+            r"gives key 'train' twice \(lines 1 and 5\)",
+        ),
+        ("env:\n  kwargs: {a: 1, b: 2, a: 3}\n", r"gives key 'env.kwargs.a' twice \(lines 2 and 2\)"),
+    ],
+)
 def test_a_key_twice_in_a_file_names_the_key_the_file_and_the_lines(tmp_path, text, message):
     path = tmp_path / "twice.yaml"
     path.write_text(text)
@@ -160,13 +185,19 @@ def test_a_yaml_merge_may_override_the_keys_it_brings(tmp_path):
     assert load_config(path).env.kwargs == {"max_episode_steps": 20, "b": 1}
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["train.seed=1", "train.seed=2"], r"'train.seed' is set twice on the command line \('train.seed=1' and "
-                                       r"'train.seed=2'\)"),
-    (["env.kwargs={a: 1}", "train.seed=3", "env.kwargs.a=2"], "'env.kwargs' is set twice"),
-    (["train={seed: 1}", "train.seed=2"], "'train' is set twice"),
-    (["env.kwargs={a: 1, a: 2}"], r"override 'env.kwargs=\{a: 1, a: 2\}' gives key 'a' twice"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["train.seed=1", "train.seed=2"],
+            r"'train.seed' is set twice on the command line \('train.seed=1' and "
+            r"'train.seed=2'\)",
+        ),
+        (["env.kwargs={a: 1}", "train.seed=3", "env.kwargs.a=2"], "'env.kwargs' is set twice"),
+        (["train={seed: 1}", "train.seed=2"], "'train' is set twice"),
+        (["env.kwargs={a: 1, a: 2}"], r"override 'env.kwargs=\{a: 1, a: 2\}' gives key 'a' twice"),
+    ],
+)
 def test_a_key_twice_on_the_command_line_is_an_error(overrides, message):
     with pytest.raises(UserError, match=message):
         load_config(None, overrides)
@@ -177,8 +208,9 @@ def test_keys_that_only_share_letters_are_not_repeats():
         load_config(None, ["train.seed=1", "train.seeds=2"])
 
 
-@pytest.mark.parametrize("text, value", [("1e4", 10_000), ("1.0e6", 1_000_000), ("1.0e+6", 1_000_000),
-                                         ("2E5", 200_000), ("'5000'", 5000)])
+@pytest.mark.parametrize(
+    "text, value", [("1e4", 10_000), ("1.0e6", 1_000_000), ("1.0e+6", 1_000_000), ("2E5", 200_000), ("'5000'", 5000)]
+)
 def test_integer_keys_accept_whole_numbers_in_exponent_notation(text, value):
     total_steps = load_config(None, [f"train.total_steps={text}"]).train.total_steps
     assert total_steps == value and type(total_steps) is int
@@ -190,13 +222,18 @@ def test_integer_keys_reject_what_is_not_a_whole_number(text):
         load_config(None, [f"train.seed={text}"])
 
 
-@pytest.mark.parametrize("override, message", [
-    ("dist.timeout_s=1e300", "'dist.timeout_s' = 1e+300 is out of range; it must be <= 604800.0"),
-    ("train.total_steps=1e30", "'train.total_steps' = 1000000000000000019884624838656 is out of range; it must be "
-                               "<= 1000000000000"),
-    ("buffer.capacity=1e12", "'buffer.capacity' = 1000000000000 is out of range; it must be <= 1000000000"),
-    ("train.seed=1e20", "'train.seed' = 100000000000000000000 is out of range"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("dist.timeout_s=1e300", "'dist.timeout_s' = 1e+300 is out of range; it must be <= 604800.0"),
+        (
+            "train.total_steps=1e30",
+            "'train.total_steps' = 1000000000000000019884624838656 is out of range; it must be <= 1000000000000",
+        ),
+        ("buffer.capacity=1e12", "'buffer.capacity' = 1000000000000 is out of range; it must be <= 1000000000"),
+        ("train.seed=1e20", "'train.seed' = 100000000000000000000 is out of range"),
+    ],
+)
 def test_absurd_sizes_and_times_are_out_of_range(override, message):
     with pytest.raises(UserError, match=re.escape(message)):
         load_config(None, [override])
@@ -219,16 +256,27 @@ def test_check_memory_names_the_key_when_a_plan_cannot_fit():
 
     assert available_memory() > 2**20
     check_memory(2**20, "the replay buffer of rank 0", "buffer.capacity")
-    with pytest.raises(UserError, match=r"the replay buffer of rank 0 needs 931322574.6 GiB of memory but this "
-                                        r"host has .* available; lower buffer.capacity"):
+    with pytest.raises(
+        UserError,
+        match=r"the replay buffer of rank 0 needs 931322574.6 GiB of memory but this "
+        r"host has .* available; lower buffer.capacity",
+    ):
         check_memory(10**18, "the replay buffer of rank 0", "buffer.capacity")
 
 
-@pytest.mark.parametrize("env, rank", [
-    ({}, None), ({"RANK": "0"}, 0), ({"RANK": "3", "SLURM_PROCID": "0"}, 3),
-    ({"OMPI_COMM_WORLD_RANK": "2", "SLURM_PROCID": "0"}, 2), ({"PMIX_RANK": "5"}, 5), ({"PMI_RANK": "1"}, 1),
-    ({"SLURM_PROCID": "4"}, 4), ({"RANK": "x"}, None),
-])
+@pytest.mark.parametrize(
+    "env, rank",
+    [
+        ({}, None),
+        ({"RANK": "0"}, 0),
+        ({"RANK": "3", "SLURM_PROCID": "0"}, 3),
+        ({"OMPI_COMM_WORLD_RANK": "2", "SLURM_PROCID": "0"}, 2),
+        ({"PMIX_RANK": "5"}, 5),
+        ({"PMI_RANK": "1"}, 1),
+        ({"SLURM_PROCID": "4"}, 4),
+        ({"RANK": "x"}, None),
+    ],
+)
 def test_the_rank_a_launcher_announced_is_read_without_starting_anything(env, rank):
     from spmd_rl.runtime.launch import rank_from_env
 
@@ -248,9 +296,22 @@ def test_file_errors_exit_2_with_one_line_naming_the_file(tmp_path):
 
 
 def test_under_torchrun_a_config_error_is_printed_once():
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", "spmd_rl.main", "train.totl_steps=5"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "spmd_rl.main",
+            "train.totl_steps=5",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0  # torchrun reports 1 for any failed worker
     ours = [line for line in result.stderr.splitlines() if line.startswith("spmd_rl:")]
     assert len(ours) == 1, result.stderr

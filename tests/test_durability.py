@@ -74,8 +74,11 @@ def assert_rows_intact(arrays: dict) -> int:
 @pytest.mark.parametrize("trial", range(3))
 def test_kill_9_loses_at_most_flush_every_s_of_rows(tmp_path, trial):
     flush_every_s = 0.5
-    child = subprocess.Popen([PYTHON, "-c", APPEND_UNTIL_KILLED, str(tmp_path), str(flush_every_s), str(trial)],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [PYTHON, "-c", APPEND_UNTIL_KILLED, str(tmp_path), str(flush_every_s), str(trial)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     appends = []  # (monotonic time the append started, when it returned, rows appended after it)
     try:
         line = child.stdout.readline()  # the writer is appending
@@ -146,6 +149,7 @@ def test_a_stop_signal_flushes_every_staged_row(tmp_path, signum):
 def test_signals_wait_for_the_end_of_a_deferred_section():
     from spmd_rl.runtime.distributed import install_signal_handlers, signals_deferred
     from spmd_rl.runtime.errors import StopSignal
+
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     install_signal_handlers()
     try:
@@ -211,17 +215,23 @@ def check_full_disk_run(run_dir, result, cause: str) -> None:
     assert [json.loads(line)["iteration"] for line in lines[:-1]] == list(range(len(lines) - 1))
     assert (run_dir / "config.yaml").read_text() == "old: 1\n"  # the old file, whole
     assert torch.equal(torch.load(run_dir / "policy.pt")["weights"], torch.ones(3))
-    assert sorted(path.name for path in run_dir.iterdir()) == ["buffer", "config.yaml", "metrics.jsonl",
-                                                               "policy.pt"]  # no temporary file left
+    assert sorted(path.name for path in run_dir.iterdir()) == [
+        "buffer",
+        "config.yaml",
+        "metrics.jsonl",
+        "policy.pt",
+    ]  # no temporary file left
     flush_lines = [line for line in result.stderr.splitlines() if "experience_rank0.h5" in line]
     assert len(flush_lines) == 1, result.stderr
-    assert flush_lines[0].startswith(f"spmd_rl: error: {run_dir / 'buffer' / 'experience_rank0.h5'}: cannot write "
-                                     f"rows: {cause}"), flush_lines
+    assert flush_lines[0].startswith(
+        f"spmd_rl: error: {run_dir / 'buffer' / 'experience_rank0.h5'}: cannot write rows: {cause}"
+    ), flush_lines
 
 
 def test_a_file_size_limit_never_tears_a_line_or_a_file(tmp_path):
-    result = subprocess.run([PYTHON, "-c", FILL_THE_DISK, str(tmp_path), "60000"], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [PYTHON, "-c", FILL_THE_DISK, str(tmp_path), "60000"], capture_output=True, text=True, timeout=120
+    )
     check_full_disk_run(tmp_path, result, "file size limit reached")
 
 
@@ -240,8 +250,9 @@ def tmpfs(path, options: str):
 
 def test_a_full_disk_never_tears_a_line_or_a_file(tmp_path):
     with tmpfs(tmp_path / "small", "size=256k") as run_dir:
-        result = subprocess.run([PYTHON, "-c", FILL_THE_DISK, str(run_dir)], capture_output=True, text=True,
-                                timeout=120)
+        result = subprocess.run(
+            [PYTHON, "-c", FILL_THE_DISK, str(run_dir)], capture_output=True, text=True, timeout=120
+        )
         check_full_disk_run(run_dir, result, "disk full")
 
 
@@ -287,8 +298,10 @@ def test_write_atomic_replaces_whole_files(tmp_path):
 
 # -- no pickle on the wire -------------------------------------------------------------------------------------
 
+
 def broadcast_texts(rank: int, world_size: int) -> None:
     from spmd_rl.runtime.distributed import broadcast_text
+
     text = "runs/ppo-été-20261130-120000 ✓" if rank == 1 else ""
     assert broadcast_text(text, src=1) == "runs/ppo-été-20261130-120000 ✓"
     assert broadcast_text("", src=0) == ""

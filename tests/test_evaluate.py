@@ -70,8 +70,14 @@ def test_a_policy_loads_from_its_run_dir_checkpoints_and_files(tiny_run, tmp_pat
     store.save({"iteration": 3}, 3, rank=1)
     checkpoint = store.commit(3, world_size=2)
 
-    for path in (tiny_run, tiny_run / "policy.pt", run_dir, run_dir / "checkpoints", checkpoint,
-                 checkpoint / "rank0.pt"):
+    for path in (
+        tiny_run,
+        tiny_run / "policy.pt",
+        run_dir,
+        run_dir / "checkpoints",
+        checkpoint,
+        checkpoint / "rank0.pt",
+    ):
         policy, cfg = load_policy(path)
         assert cfg.env.id == "CartPole-v1" and not policy.training
         for key, value in policy.state_dict().items():
@@ -91,7 +97,7 @@ def test_a_loaded_policy_acts_like_the_trained_one_in_one_line(tiny_run):
 
 def corrupt_policy(run_dir: Path) -> None:
     data = (run_dir / "policy.pt").read_bytes()
-    (run_dir / "policy.pt").write_bytes(data[:len(data) // 2])
+    (run_dir / "policy.pt").write_bytes(data[: len(data) // 2])
 
 
 def remove_weights(run_dir: Path) -> None:
@@ -104,15 +110,18 @@ def renamed_policy_class(run_dir: Path) -> None:
     (run_dir / "config.yaml").write_text(text.replace("class: actor_critic", "class: gone_module:OldPolicy"))
 
 
-@pytest.mark.parametrize("damage, args, expected", [
-    (corrupt_policy, [], "policy.pt cannot be read as weights"),
-    (lambda d: (d / "config.yaml").unlink(), [], "no config.yaml next to"),
-    (remove_weights, [], "holds no weights yet (no policy.pt, no checkpoints/)"),
-    (renamed_policy_class, [], "importing module 'gone_module' failed"),
-    (None, ["policy.hidden_sizes=[8]"], "its weights do not fit policy.class 'actor_critic'"),
-    (None, ["--episodes", "0"], "--episodes 0: evaluate at least 1 episode"),
-    (None, ["--device", "nonsense"], "device 'nonsense' is not a torch device"),
-])
+@pytest.mark.parametrize(
+    "damage, args, expected",
+    [
+        (corrupt_policy, [], "policy.pt cannot be read as weights"),
+        (lambda d: (d / "config.yaml").unlink(), [], "no config.yaml next to"),
+        (remove_weights, [], "holds no weights yet (no policy.pt, no checkpoints/)"),
+        (renamed_policy_class, [], "importing module 'gone_module' failed"),
+        (None, ["policy.hidden_sizes=[8]"], "its weights do not fit policy.class 'actor_critic'"),
+        (None, ["--episodes", "0"], "--episodes 0: evaluate at least 1 episode"),
+        (None, ["--device", "nonsense"], "device 'nonsense' is not a torch device"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_code_2(tiny_run, tmp_path, capsys, damage, args, expected):
     run_dir = tmp_path / "run"
     shutil.copytree(tiny_run, run_dir)
@@ -151,6 +160,7 @@ def test_exactly_the_requested_episodes_with_a_fixed_quota_per_env():
     from spmd_rl.config.plugins import POLICY, load_class
     from spmd_rl.envs.vector import probe_env
     from spmd_rl.run.policies import build_policy
+
     cfg = load_config(None, ["env.num_envs=4"])
     policy = build_policy(cfg, probe_env(cfg.env), load_class(POLICY, cfg.classes["policy"]))
     for episodes in (1, 6, 9):
@@ -176,6 +186,7 @@ def test_dict_observations_are_laid_out_as_the_framework_does():
     from spmd_rl.config.plugins import POLICY, load_class
     from spmd_rl.envs.vector import probe_env
     from spmd_rl.run.policies import build_policy
+
     cfg = load_config(None, ["env.id=DictCartPole-v0", "env.num_envs=2"])
     policy = build_policy(cfg, probe_env(cfg.env), load_class(POLICY, cfg.classes["policy"]))
     result = evaluate(policy, cfg.env, episodes=3, seed=0, deterministic=True)
@@ -204,4 +215,3 @@ def test_a_trained_cartpole_policy_scores_about_500_deterministically(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["return_mean"] >= 475, report
-

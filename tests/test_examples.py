@@ -21,18 +21,36 @@ EXAMPLES = ROOT / "examples"
 # Pendulum-v1 (200-step episodes) at least 256 times.
 CASES = {
     "pixel_catch": ("catch.yaml", ["env.num_envs=4", "algo.num_steps=8", "train.total_steps=256"], 32, PPO_METRICS),
-    "a2c": ("a2c_cartpole.yaml", ["env.num_envs=2", "algo.num_steps=5", "train.total_steps=200"], 10,
-            {"policy_loss", "value_loss", "entropy"}),
-    "heldout_eval": ("heldout_pendulum.yaml", ["env.num_envs=2", "algo.num_steps=64", "algo.num_minibatches=2",
-                                               "algo.update_epochs=2", "engine.every=3", "engine.episodes=2",
-                                               "train.total_steps=1024"], 128, PPO_METRICS),
+    "a2c": (
+        "a2c_cartpole.yaml",
+        ["env.num_envs=2", "algo.num_steps=5", "train.total_steps=200"],
+        10,
+        {"policy_loss", "value_loss", "entropy"},
+    ),
+    "heldout_eval": (
+        "heldout_pendulum.yaml",
+        [
+            "env.num_envs=2",
+            "algo.num_steps=64",
+            "algo.num_minibatches=2",
+            "algo.update_epochs=2",
+            "engine.every=3",
+            "engine.episodes=2",
+            "train.total_steps=1024",
+        ],
+        128,
+        PPO_METRICS,
+    ),
 }
 # layout: (torchrun processes (0 = plain python), env ranks, overrides)
 LAYOUTS = {
     "one_process": (0, 1, []),
     "colocated2": (2, 2, []),
-    "split4": (4, 2, ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2",
-                      "weights.verify_every=1"]),
+    "split4": (
+        4,
+        2,
+        ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2", "weights.verify_every=1"],
+    ),
 }
 
 
@@ -44,26 +62,40 @@ def copy_example(name: str, tmp_path: Path) -> Path:
 
 def run_in(folder: Path, args: list[str], nproc: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
     if nproc:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-                    "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "-m", "spmd_rl.main"]
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
+            "-m",
+            "spmd_rl.main",
+        ]
     else:
         launcher = [sys.executable, "-m", "spmd_rl.main"]
     return subprocess.run(launcher + args, cwd=folder, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.slow] if ranks else [])
-                                    for name, (ranks, *_) in LAYOUTS.items()])
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=[pytest.mark.slow] if ranks else []) for name, (ranks, *_) in LAYOUTS.items()]
+)
 @pytest.mark.parametrize("name", CASES)
 def test_example_runs_from_a_copy_of_its_folder(name, layout, tmp_path):
     config, overrides, steps_per_env_rank, algo_metrics = CASES[name]
     nproc, env_ranks, layout_overrides = LAYOUTS[layout]
     folder = copy_example(name, tmp_path)
     run_dir = tmp_path / "run"
-    result = run_in(folder, ["--config", config, *overrides, *layout_overrides, f"run.dir={run_dir}",
-                             "log.progress=false"], nproc=nproc)
+    result = run_in(
+        folder,
+        ["--config", config, *overrides, *layout_overrides, f"run.dir={run_dir}", "log.progress=false"],
+        nproc=nproc,
+    )
     total_steps = int(overrides[-1].partition("=")[2])
-    records = assert_run_complete(result, run_dir, iterations=total_steps // (steps_per_env_rank * env_ranks),
-                                  algo_metrics=algo_metrics)
+    records = assert_run_complete(
+        result, run_dir, iterations=total_steps // (steps_per_env_rank * env_ranks), algo_metrics=algo_metrics
+    )
     assert records[-1]["env_steps"] == total_steps
     assert records[-1]["episodes"] > 0
     CHECKS.get(name, lambda records: None)(records)
@@ -95,14 +127,16 @@ def test_catch_pays_one_at_the_bottom_row_and_draws_ball_and_paddle(example_modu
     import catch_env
     import gymnasium as gym
     import numpy as np
+
     env = gym.make("catch_env:Catch-v0", rows=10, columns=5)
     obs, _ = env.reset(seed=3)
     assert obs.shape == (10, 5, 1) and obs.dtype == np.uint8 and (obs > 0).sum() == 2
     ball_column = int(np.flatnonzero(obs[0, :, 0])[0])
     paddle = 2
     for step in range(9):
-        action = catch_env.STAY if paddle == ball_column else (catch_env.LEFT if paddle > ball_column
-                                                               else catch_env.RIGHT)
+        action = (
+            catch_env.STAY if paddle == ball_column else (catch_env.LEFT if paddle > ball_column else catch_env.RIGHT)
+        )
         paddle += action - catch_env.STAY
         obs, reward, terminated, truncated, _ = env.step(action)
         assert terminated == (step == 8) and not truncated
@@ -111,6 +145,7 @@ def test_catch_pays_one_at_the_bottom_row_and_draws_ball_and_paddle(example_modu
 
 def test_a2c_returns_stop_at_terminations_and_bootstrap_truncations(example_modules):
     from a2c import n_step_returns
+
     gamma = 0.5
     # One env, 4 steps: step 0 terminates, step 1 is the reset step, step 2 is truncated (step 3 records V(final
     # obs) = 8), and the rollout ends after step 3 with V(next obs) = 4.
@@ -119,9 +154,9 @@ def test_a2c_returns_stop_at_terminations_and_bootstrap_truncations(example_modu
     terminated = torch.tensor([[True], [False], [False], [False]])
     truncated = torch.tensor([[False], [False], [True], [False]])
     returns = n_step_returns(reward, value, torch.tensor([4.0]), terminated, truncated, gamma)
-    assert returns[0].item() == 1.0                  # no bootstrap past a termination
-    assert returns[2].item() == 2.0 + gamma * 8.0    # bootstrap from V(final obs), not from the reset step's return
-    assert returns[3].item() == 3.0 + gamma * 4.0    # bootstrap from V(next obs)
+    assert returns[0].item() == 1.0  # no bootstrap past a termination
+    assert returns[2].item() == 2.0 + gamma * 8.0  # bootstrap from V(final obs), not from the reset step's return
+    assert returns[3].item() == 3.0 + gamma * 4.0  # bootstrap from V(next obs)
 
 
 def test_heldout_env_lays_its_settings_over_the_training_env_kwargs_and_refuses_unknown_ones(example_modules):
@@ -132,14 +167,17 @@ def test_heldout_env_lays_its_settings_over_the_training_env_kwargs_and_refuses_
 
     from spmd_rl.api import UserError
     from spmd_rl.config import EnvSection
+
     training = EnvSection(id="Pendulum-v1", num_envs=4, kwargs={"g": 10.0, "max_episode_steps": 50})
     heldout = heldout_env(training, {"g": 12.0})
     assert heldout.kwargs == {"g": 12.0, "max_episode_steps": 50} and heldout.num_envs == 4
     assert training.kwargs == {"g": 10.0, "max_episode_steps": 50}  # the training envs keep theirs
     assert gym.make(heldout.id, **heldout.kwargs).unwrapped.g == 12.0
     # Refused before any rank starts (check_plan), not at the first evaluation.
-    HeldOutEvalEngine.check_plan(types.SimpleNamespace(env=training, engine=HeldOutEvalConfig(kwargs={"g": 12.0})),
-                                 None, None, None)
+    HeldOutEvalEngine.check_plan(
+        types.SimpleNamespace(env=training, engine=HeldOutEvalConfig(kwargs={"g": 12.0})), None, None, None
+    )
     with pytest.raises(UserError, match="engine.kwargs .*'gravity'"):
-        HeldOutEvalEngine.check_plan(types.SimpleNamespace(env=training, engine=HeldOutEvalConfig(
-            kwargs={"gravity": 12.0})), None, None, None)
+        HeldOutEvalEngine.check_plan(
+            types.SimpleNamespace(env=training, engine=HeldOutEvalConfig(kwargs={"gravity": 12.0})), None, None, None
+        )

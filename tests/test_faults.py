@@ -29,13 +29,15 @@ from spmd_rl.runtime.errors import COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, Co
 from spmd_rl.runtime.postmortem import Failure, first_cause
 
 REPO = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 15          # dist.timeout_s of every job: long enough for 4 ranks to start on a loaded 2-core machine
-MARGIN_S = 30           # on top of the timeout: the job summary's grace, teardown, a loaded machine
-START_S = 180           # for the first iteration to be logged
+TIMEOUT_S = 15  # dist.timeout_s of every job: long enough for 4 ranks to start on a loaded 2-core machine
+MARGIN_S = 30  # on top of the timeout: the job summary's grace, teardown, a loaded machine
+START_S = 180  # for the first iteration to be logged
 KILLED = -signal.SIGKILL
 SPLIT = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]
-NAMES = {"colocated": {0: "rank 0 (colocated 0)", 1: "rank 1 (colocated 1)"},
-         "split": {0: "rank 0 (trainer 0)", 1: "rank 1 (inference 0)", 2: "rank 2 (env 0)", 3: "rank 3 (env 1)"}}
+NAMES = {
+    "colocated": {0: "rank 0 (colocated 0)", 1: "rank 1 (colocated 1)"},
+    "split": {0: "rank 0 (trainer 0)", 1: "rank 1 (inference 0)", 2: "rank 2 (env 0)", 3: "rank 3 (env 1)"},
+}
 WORLD = {"colocated": 2, "split": 4}
 
 
@@ -44,19 +46,37 @@ class Job:
 
     def __init__(self, tmp_path: Path, layout: str, overrides: list[str] = (), total_steps: int = 10**8):
         self.layout, self.world = layout, WORLD[layout]
-        self.run_dir = tmp_path / "run"   # on every rank's command line: what `pgrep -f` looks for
+        self.run_dir = tmp_path / "run"  # on every rank's command line: what `pgrep -f` looks for
         self.logs = tmp_path
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        command = [sys.executable, "-m", "spmd_rl.main", "--config", "configs/ci_tiny.yaml", f"run.dir={self.run_dir}",
-                   f"train.total_steps={total_steps}", f"dist.timeout_s={TIMEOUT_S}",
-                   *(SPLIT if layout == "split" else []), *overrides]
+        command = [
+            sys.executable,
+            "-m",
+            "spmd_rl.main",
+            "--config",
+            "configs/ci_tiny.yaml",
+            f"run.dir={self.run_dir}",
+            f"train.total_steps={total_steps}",
+            f"dist.timeout_s={TIMEOUT_S}",
+            *(SPLIT if layout == "split" else []),
+            *overrides,
+        ]
         self.procs = []
         for rank in range(self.world):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(self.world), "LOCAL_RANK": str(rank),
-                   "LOCAL_WORLD_SIZE": str(self.world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO), "SPMD_RL_DEBUG": ""}
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(self.world),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(self.world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "GLOO_SOCKET_IFNAME": "lo",
+                "PYTHONPATH": str(REPO),
+                "SPMD_RL_DEBUG": "",
+            }
             with open(self.logs / f"stdout{rank}", "w") as out, open(self.logs / f"stderr{rank}", "w") as err:
                 self.procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=err))
         self.ended_at: dict[int, float] = {}
@@ -134,8 +154,10 @@ def check_lines(job: Job, expected: dict[int, tuple[int, str]]) -> str:
 def check_ended_in_time(job: Job, since: float, ranks) -> None:
     late = {r: round(job.ended_at[r] - since, 1) for r in ranks if job.ended_at[r] - since > TIMEOUT_S + MARGIN_S}
     assert not late, f"ranks ended later than dist.timeout_s + {MARGIN_S}s after the fault (rank: s): {late}"
-    print(f"{job.layout}: seconds from the fault to each rank's exit: "
-          f"{ {r: round(job.ended_at[r] - since, 1) for r in sorted(ranks)} }")
+    print(
+        f"{job.layout}: seconds from the fault to each rank's exit: "
+        f"{ {r: round(job.ended_at[r] - since, 1) for r in sorted(ranks)} }"
+    )
 
 
 # -- a rank killed (kill -9) ---------------------------------------------------------------------------------------
@@ -210,8 +232,9 @@ ENV_CASES = [
 
 @pytest.mark.parametrize("layout, culprit, fault", ENV_CASES)
 def test_an_env_that_fails_is_an_error_in_user_code_naming_it(jobs, layout, culprit, fault):
-    job = jobs(layout, ["env.id=tests.faulty_env:Faulty-v0", f"env.kwargs={{fault: {fault}, rank: {culprit}, "
-                                                             f"after: 40}}"])
+    job = jobs(
+        layout, ["env.id=tests.faulty_env:Faulty-v0", f"env.kwargs={{fault: {fault}, rank: {culprit}, after: 40}}"]
+    )
     job.wait(range(job.world), START_S + TIMEOUT_S + MARGIN_S)
     expected = {r: (COMM_ERROR_EXIT_CODE, "communication error") for r in range(job.world)}
     expected[culprit] = (USER_CODE_EXIT_CODE, "error in user code")
@@ -234,10 +257,19 @@ POISON = ["algo.class=tests.faulty_env:PoisonedPPO", "algo.poison_iteration=2"]
 
 
 def run_alone(tmp_path: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "spmd_rl.main", "--config", "configs/ci_tiny.yaml", f"run.dir={tmp_path / 'run'}",
-               *POISON, *overrides]
-    return subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
-                          text=True, timeout=START_S)
+    command = [
+        sys.executable,
+        "-m",
+        "spmd_rl.main",
+        "--config",
+        "configs/ci_tiny.yaml",
+        f"run.dir={tmp_path / 'run'}",
+        *POISON,
+        *overrides,
+    ]
+    return subprocess.run(
+        command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=START_S
+    )
 
 
 def test_a_nonfinite_update_is_an_error_naming_the_iteration(tmp_path):
@@ -246,7 +278,8 @@ def test_a_nonfinite_update_is_an_error_naming_the_iteration(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "spmd_rl: rank 0 (colocated 0): error in user code: the update of iteration 2 produced a non-finite loss "
         "(policy_loss=nan, value_loss=nan); fix the algorithm or its settings (learning rate, gradient clipping), or "
-        "set train.skip_nonfinite_updates=true to skip such updates"]
+        "set train.skip_nonfinite_updates=true to skip such updates"
+    ]
 
 
 def check_skipped_once(run_dir: Path) -> None:
@@ -275,10 +308,12 @@ def test_trainers_agree_to_skip_a_nonfinite_update(jobs):
 
 # -- the pieces, without a job -------------------------------------------------------------------------------------
 
+
 def _send_to_a_dead_peer(rank, world_size):
     from tensordict import TensorDict
 
     from spmd_rl.comm.channel import open_channels
+
     message = TensorDict({"x": torch.zeros(4)}, batch_size=[])
     if rank == 1:
         _, (channel,) = open_channels(sends=[], recvs=[(0, "segments", None)], me=1, timeout=10)
@@ -287,8 +322,11 @@ def _send_to_a_dead_peer(rank, world_size):
     (channel,), _ = open_channels(sends=[(1, "segments", message)], recvs=[], me=0, timeout=10)
     channel.send()
     time.sleep(1)  # rank 1 is gone: gloo fails the next isend's post itself ("Connection closed by peer")
-    with pytest.raises(CommError, match=r"^rank 0: send of message 2 on channel 'segments' to rank 1 failed: rank 1 "
-                                        r"closed the connection: it exited first") as error:
+    with pytest.raises(
+        CommError,
+        match=r"^rank 0: send of message 2 on channel 'segments' to rank 1 failed: rank 1 "
+        r"closed the connection: it exited first",
+    ) as error:
         channel.send()
     assert error.value.peers == (1,) and not error.value.timed_out
     raise error.value
@@ -301,18 +339,35 @@ def test_a_send_to_a_dead_peer_is_a_comm_error_naming_both():
 def test_comm_error_tells_a_timeout_from_a_closed_connection():
     timeout = datetime.timedelta(seconds=10)
     peer = Peer("rank 2 (env 0)", (2,))
-    expired = comm_error("rank 1 (inference 0): receive of message 7", RuntimeError(
-        "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv "
-        "operation to complete"), timeout, peer)
-    assert str(expired) == ("rank 1 (inference 0): receive of message 7 failed: rank 2 (env 0) did not respond within "
-                            "dist.timeout_s=10s: it is stopped or hung, or it may itself be waiting on another rank (a "
-                            "knock-on) [Timed out waiting 10000ms for recv operation to complete]")
+    expired = comm_error(
+        "rank 1 (inference 0): receive of message 7",
+        RuntimeError(
+            "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv "
+            "operation to complete"
+        ),
+        timeout,
+        peer,
+    )
+    assert str(expired) == (
+        "rank 1 (inference 0): receive of message 7 failed: rank 2 (env 0) did not respond within "
+        "dist.timeout_s=10s: it is stopped or hung, or it may itself be waiting on another rank (a "
+        "knock-on) [Timed out waiting 10000ms for recv operation to complete]"
+    )
     assert expired.timed_out and expired.peers == (2,)
-    closed = comm_error("rank 0 (trainer 0): learning", RuntimeError(
-        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5256: Connection reset by "
-        "peer. This is typically caused by a remote worker hanging or bugs in the application. GLHF!"), timeout, peer)
-    assert str(closed).endswith("rank 2 (env 0) closed the connection: it exited first (its own line says why; a "
-                                "killed rank prints none) [Read error [127.0.0.1]:5256: Connection reset by peer]")
+    closed = comm_error(
+        "rank 0 (trainer 0): learning",
+        RuntimeError(
+            "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5256: "
+            "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the "
+            "application. GLHF!"
+        ),
+        timeout,
+        peer,
+    )
+    assert str(closed).endswith(
+        "rank 2 (env 0) closed the connection: it exited first (its own line says why; a "
+        "killed rank prints none) [Read error [127.0.0.1]:5256: Connection reset by peer]"
+    )
     assert not closed.timed_out
 
 
@@ -322,11 +377,15 @@ def _describe(rank: int) -> str:
 
 def test_first_cause_prefers_an_error_that_is_not_a_knock_on():
     own = Failure(0, COMM_ERROR_EXIT_CODE, 10.0, (2,))
-    others = {3: Failure(3, USER_CODE_EXIT_CODE, 9.0), 1: Failure(1, COMM_ERROR_EXIT_CODE, 9.5, (3,)),
-              2: Failure(2, COMM_ERROR_EXIT_CODE, 9.6, (1,))}
+    others = {
+        3: Failure(3, USER_CODE_EXIT_CODE, 9.0),
+        1: Failure(1, COMM_ERROR_EXIT_CODE, 9.5, (3,)),
+        2: Failure(2, COMM_ERROR_EXIT_CODE, 9.6, (1,)),
+    }
     assert first_cause(own, others, 4, _describe) == (
         "rank 3 (env 1) failed first (error in user code: see its line); the communication errors of ranks [0, 1, 2] "
-        "follow from it")
+        "follow from it"
+    )
 
 
 def test_first_cause_names_the_silent_rank_the_others_waited_on():
@@ -334,17 +393,21 @@ def test_first_cause_names_the_silent_rank_the_others_waited_on():
     own = Failure(0, COMM_ERROR_EXIT_CODE, 10.0, (2,), timed_out=True)
     others = {2: Failure(2, COMM_ERROR_EXIT_CODE, 10.1, (1,), True), 3: Failure(3, COMM_ERROR_EXIT_CODE, 10.1, (1,))}
     assert first_cause(own, others, 4, _describe).startswith(
-        "rank 1 (inference 0) stopped responding first: ranks [2, 3] waited on it and it reported no error")
+        "rank 1 (inference 0) stopped responding first: ranks [2, 3] waited on it and it reported no error"
+    )
 
 
 def test_first_cause_names_a_resumed_rank_that_did_not_time_out_itself():
     # Rank 0 was stopped, then resumed: every other rank timed out on it; it found them gone.
     own = Failure(0, COMM_ERROR_EXIT_CODE, 14.0, (1,), timed_out=False)
-    others = {1: Failure(1, COMM_ERROR_EXIT_CODE, 10.2, (0,), True),
-              2: Failure(2, COMM_ERROR_EXIT_CODE, 10.2, (0, 1, 3), True),
-              3: Failure(3, COMM_ERROR_EXIT_CODE, 10.2, (0, 1, 2), True)}
+    others = {
+        1: Failure(1, COMM_ERROR_EXIT_CODE, 10.2, (0,), True),
+        2: Failure(2, COMM_ERROR_EXIT_CODE, 10.2, (0, 1, 3), True),
+        3: Failure(3, COMM_ERROR_EXIT_CODE, 10.2, (0, 1, 2), True),
+    }
     assert first_cause(own, others, 4, _describe).startswith(
-        "rank 0 (trainer 0) stopped responding first: ranks [1, 2, 3] timed out waiting on it")
+        "rank 0 (trainer 0) stopped responding first: ranks [1, 2, 3] timed out waiting on it"
+    )
 
 
 def test_failure_records_survive_the_store_as_plain_json():

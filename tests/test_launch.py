@@ -23,12 +23,26 @@ from spmd_rl.runtime.launch import (
     slurm_default_port,
 )
 
-TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}
+TORCHRUN = {
+    "RANK": "3",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "node01",
+    "MASTER_PORT": "29500",
+}
 # What srun puts into task 5 of `srun -N 2 -n 8` (two nodes, four tasks each).
-SRUN_TASK = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-             "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[07-08]",
-             "SLURM_STEP_NODELIST": "node[07-08]", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+SRUN_TASK = {
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_STEP_ID": "0",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": "node[07-08]",
+    "SLURM_STEP_NODELIST": "node[07-08]",
+    "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+}
 
 
 def test_no_launcher_is_a_single_process():
@@ -39,8 +53,13 @@ def test_no_launcher_is_a_single_process():
 
 def test_torchrun():
     info = detect_launch(TORCHRUN)
-    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == \
-        ("torchrun", 3, 4, 1, 2)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == (
+        "torchrun",
+        3,
+        4,
+        1,
+        2,
+    )
     assert info.init_method == "env://"
 
 
@@ -57,8 +76,7 @@ def test_torchrun_partial_environment_names_the_missing_variables():
 
 def test_slurm_srun_task():
     info = detect_launch(SRUN_TASK)
-    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == \
-        ("slurm", 5, 8, 1, 4)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == ("slurm", 5, 8, 1, 4)
     assert info.init_method == f"tcp://node07:{slurm_default_port(4242)}"
 
 
@@ -68,8 +86,14 @@ def test_slurm_master_address_and_port_can_be_overridden():
 
 
 def test_slurm_single_node_needs_no_tasks_per_node():
-    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
-           "SLURM_JOB_ID": "7", "SLURM_NODELIST": "vm"}
+    env = {
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "7",
+        "SLURM_NODELIST": "vm",
+    }
     info = detect_launch(env)
     assert (info.rank, info.world_size, info.local_world_size, info.init_method) == (1, 2, 2, "tcp://vm:20007")
 
@@ -110,13 +134,16 @@ def test_slurm_contradictory_rank_is_an_error():
         detect_launch({**SRUN_TASK, "SLURM_NTASKS": "eight"})
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4"}, ("OMPI_COMM_WORLD_RANK", 2, 4)),
-    ({"PMIX_RANK": "1"}, ("PMIX_RANK", 1, None)),
-    ({"PMI_RANK": "0", "PMI_SIZE": "3"}, ("PMI_RANK", 0, 3)),
-    ({**SRUN_TASK}, None),
-    ({}, None),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4"}, ("OMPI_COMM_WORLD_RANK", 2, 4)),
+        ({"PMIX_RANK": "1"}, ("PMIX_RANK", 1, None)),
+        ({"PMI_RANK": "0", "PMI_SIZE": "3"}, ("PMI_RANK", 0, 3)),
+        ({**SRUN_TASK}, None),
+        ({}, None),
+    ],
+)
 def test_mpi_launch_is_read_from_the_launcher_variables(env, expected):
     assert mpi_rank_from_env(env) == expected
 
@@ -133,14 +160,17 @@ def test_precedence_torchrun_then_mpi_then_slurm():
     assert LAUNCH_SOURCES == [from_torchrun, from_mpi, from_slurm]
 
 
-@pytest.mark.parametrize("nodelist, hosts", [
-    ("vm", ["vm"]),
-    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
-    ("gpu[9-11],cpu5", ["gpu9", "gpu10", "gpu11", "cpu5"]),
-    ("a[1,3],b[08-09]", ["a1", "a3", "b08", "b09"]),
-    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
-    ("node-a.cluster,node-b.cluster", ["node-a.cluster", "node-b.cluster"]),
-])
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("vm", ["vm"]),
+        ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+        ("gpu[9-11],cpu5", ["gpu9", "gpu10", "gpu11", "cpu5"]),
+        ("a[1,3],b[08-09]", ["a1", "a3", "b08", "b09"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+        ("node-a.cluster,node-b.cluster", ["node-a.cluster", "node-b.cluster"]),
+    ],
+)
 def test_expand_nodelist(nodelist, hosts):
     assert expand_nodelist(nodelist) == hosts
 
@@ -161,10 +191,17 @@ def test_expand_tasks_per_node():
 def test_torchrun_job_with_a_crashing_rank_fails(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "NPROC": "2", "PYTHON": sys.executable, "PYTHONPATH": str(repo), "GLOO_SOCKET_IFNAME": "lo"}
-    command = ["launch/torchrun.sh", "--config", "configs/ci_tiny.yaml", f"run.dir={tmp_path / 'run'}",
-               "env.id=tests.crashing_env:Crashing-v0", "dist.timeout_s=20"]
-    job = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
+    command = [
+        "launch/torchrun.sh",
+        "--config",
+        "configs/ci_tiny.yaml",
+        f"run.dir={tmp_path / 'run'}",
+        "env.id=tests.crashing_env:Crashing-v0",
+        "dist.timeout_s=20",
+    ]
+    job = subprocess.Popen(
+        command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = job.communicate(timeout=180)
     except subprocess.TimeoutExpired:

@@ -62,8 +62,10 @@ def test_every_import_points_to_the_same_layer_or_below():
 
 def test_module_level_imports_form_no_cycle():
     modules = _modules()
-    graph = {name: {t for t in _imports(path, top_level_only=True) if t in modules and t != name}
-             for name, path in modules.items()}
+    graph = {
+        name: {t for t in _imports(path, top_level_only=True) if t in modules and t != name}
+        for name, path in modules.items()
+    }
     # A package's __init__ is imported with any of its modules: count an edge to a module as one to its package.
     for name in list(graph):
         graph[name] |= {t.rsplit(".", 1)[0] for t in graph[name] if t.rsplit(".", 1)[0] in modules}
@@ -75,7 +77,7 @@ def test_module_level_imports_form_no_cycle():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1 and not node.startswith(nxt + "."):  # a module importing its own package is fine
-                cycles.append(stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt] if nxt in stack else [node, nxt])
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = 2

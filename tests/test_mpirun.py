@@ -20,15 +20,19 @@ REPO = Path(__file__).resolve().parents[1]
 SPLIT_4 = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]
 JOB_TIMEOUT_S = 180  # a bound for a hang, far above the few seconds a run takes on a quiet machine
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed; "
-                                 "run .ci/install-system.sh as root")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed; run .ci/install-system.sh as root"
+    ),
+]
 
 
 def run_job(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     """Run a launcher in its own session; on a hang, kill the whole session so no rank outlives the test."""
-    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
+    job = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -39,15 +43,21 @@ def run_job(command: list[str], env: dict[str, str]) -> subprocess.CompletedProc
 
 
 def mpirun_env(ranks: int) -> dict[str, str]:
-    return {**os.environ, "NP": str(ranks), "PYTHON": sys.executable, "PYTHONPATH": str(REPO),
-            "GLOO_SOCKET_IFNAME": "lo"}
+    return {
+        **os.environ,
+        "NP": str(ranks),
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(REPO),
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
 
 
 @pytest.mark.parametrize("layout", [[], SPLIT_4], ids=["colocated", "split"])
 def test_mpirun_trains_the_tiny_config(tmp_path, layout):
     run_dir = tmp_path / "run"
-    done = run_job(["launch/mpirun.sh", "--config", "configs/ci_tiny.yaml", f"run.dir={run_dir}", *layout],
-                   mpirun_env(4))
+    done = run_job(
+        ["launch/mpirun.sh", "--config", "configs/ci_tiny.yaml", f"run.dir={run_dir}", *layout], mpirun_env(4)
+    )
     assert done.returncode == 0, done.stdout[-4000:]
     assert "launcher mpi" in done.stdout
     metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -57,9 +67,20 @@ def test_mpirun_trains_the_tiny_config(tmp_path, layout):
 def test_mpirun_runs_the_async_engine_within_its_lag_bound(tmp_path):
     # 10 iterations of 2 env ranks at lag 2: env ranks run ahead of the trainer as far as the bound lets them.
     run_dir = tmp_path / "run"
-    done = run_job(["launch/mpirun.sh", "--config", "configs/ci_tiny.yaml", f"run.dir={run_dir}", *SPLIT_4,
-                    "train.total_steps=640", "engine.class=async", "engine.max_policy_lag=2", "algo.vtrace=true"],
-                   mpirun_env(4))
+    done = run_job(
+        [
+            "launch/mpirun.sh",
+            "--config",
+            "configs/ci_tiny.yaml",
+            f"run.dir={run_dir}",
+            *SPLIT_4,
+            "train.total_steps=640",
+            "engine.class=async",
+            "engine.max_policy_lag=2",
+            "algo.vtrace=true",
+        ],
+        mpirun_env(4),
+    )
     assert done.returncode == 0, done.stdout[-4000:]
     assert "launcher mpi" in done.stdout and "async engine, max policy lag 2" in done.stdout, done.stdout[-4000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -68,18 +89,42 @@ def test_mpirun_runs_the_async_engine_within_its_lag_bound(tmp_path):
 
 
 def test_mpirun_job_with_a_crashing_rank_fails(tmp_path):
-    done = run_job(["launch/mpirun.sh", "--config", "configs/ci_tiny.yaml", f"run.dir={tmp_path / 'run'}",
-                    "env.id=tests.crashing_env:Crashing-v0", "dist.timeout_s=20"], mpirun_env(2))
+    done = run_job(
+        [
+            "launch/mpirun.sh",
+            "--config",
+            "configs/ci_tiny.yaml",
+            f"run.dir={tmp_path / 'run'}",
+            "env.id=tests.crashing_env:Crashing-v0",
+            "dist.timeout_s=20",
+        ],
+        mpirun_env(2),
+    )
     assert done.returncode != 0, done.stdout[-4000:]
     assert "deliberate failure on rank 1" in done.stdout, done.stdout[-4000:]
 
 
 def test_mpi_rendezvous_with_the_probe(tmp_path):
     # The launch source alone, without training: every rank agrees on rank 0's address and joins one group.
-    done = run_job(["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", "3",
-                    sys.executable, "tests/launch_probe.py", f"run.dir={tmp_path}"], mpirun_env(3))
+    done = run_job(
+        [
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            "-n",
+            "3",
+            sys.executable,
+            "tests/launch_probe.py",
+            f"run.dir={tmp_path}",
+        ],
+        mpirun_env(3),
+    )
     assert done.returncode == 0, done.stdout[-4000:]
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
     assert {report["init_method"] for report in reports} == {reports[0]["init_method"]}
-    assert [(r["launcher"], r["rank"], r["world_size"], r["local_rank"], r["local_world_size"], r["rank_sum"])
-            for r in reports] == [("mpi", rank, 3, rank, 3, 6.0) for rank in range(3)]
+    assert [
+        (r["launcher"], r["rank"], r["world_size"], r["local_rank"], r["local_world_size"], r["rank_sum"])
+        for r in reports
+    ] == [("mpi", rank, 3, rank, 3, 6.0) for rank in range(3)]

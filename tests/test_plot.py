@@ -16,15 +16,28 @@ from spmd_rl.plot import curves, group_seeds, main, read_metrics, read_run
 from spmd_rl.runtime.errors import UserError
 
 
-def make_run(root: Path, name: str, seed: int, returns: list[float], steps_per_iteration: int = 100,
-             learning_rate: float = 0.001, torn_tail: bool = False) -> Path:
+def make_run(
+    root: Path,
+    name: str,
+    seed: int,
+    returns: list[float],
+    steps_per_iteration: int = 100,
+    learning_rate: float = 0.001,
+    torn_tail: bool = False,
+) -> Path:
     run_dir = root / name
     run_dir.mkdir()
-    config = {"run": {"name": "ppo_cartpole", "dir": str(run_dir)}, "env": {"id": "CartPole-v1", "num_envs": 8},
-              "algo": {"name": "ppo", "learning_rate": learning_rate}, "train": {"seed": seed, "total_steps": 1000}}
+    config = {
+        "run": {"name": "ppo_cartpole", "dir": str(run_dir)},
+        "env": {"id": "CartPole-v1", "num_envs": 8},
+        "algo": {"name": "ppo", "learning_rate": learning_rate},
+        "train": {"seed": seed, "total_steps": 1000},
+    }
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    lines = [json.dumps({"iteration": i, "env_steps": (i + 1) * steps_per_iteration,
-                         "episode_return_mean": value}) for i, value in enumerate(returns)]
+    lines = [
+        json.dumps({"iteration": i, "env_steps": (i + 1) * steps_per_iteration, "episode_return_mean": value})
+        for i, value in enumerate(returns)
+    ]
     text = "\n".join(lines) + "\n"
     if torn_tail:
         text += '{"iteration": 99, "env_st'
@@ -52,8 +65,10 @@ def test_a_damaged_line_before_the_last_is_a_user_error_naming_it(tmp_path):
 
 def test_seeds_of_one_config_are_one_curve_of_mean_and_spread(tmp_path):
     # Seeds logging at different steps: the mean is taken on a common grid over the range all of them reached.
-    seeds = [make_run(tmp_path, f"s{seed}", seed, [float(seed * v) for v in range(1, 11)], steps_per_iteration=step)
-             for seed, step in ((1, 100), (2, 100), (3, 50))]
+    seeds = [
+        make_run(tmp_path, f"s{seed}", seed, [float(seed * v) for v in range(1, 11)], steps_per_iteration=step)
+        for seed, step in ((1, 100), (2, 100), (3, 50))
+    ]
     other = make_run(tmp_path, "lr", 1, [5.0] * 10, learning_rate=0.0003)
     groups, notes = group_seeds([read_run(d) for d in (*seeds, other)])
     assert [[run.directory.name for run in group] for group in groups] == [["s1", "s2", "s3"], ["lr"]]
@@ -84,6 +99,7 @@ def test_the_command_draws_a_picture(tmp_path, capsys):
     assert output.read_bytes().startswith(b"\x89PNG")
     assert "1 curves from 2 runs" in capsys.readouterr().out
     import matplotlib.image
+
     height, width, _ = matplotlib.image.imread(output).shape
     assert width > 400 and height > 300
 
@@ -109,7 +125,11 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, problem):
 def test_without_matplotlib_it_says_what_to_install(tmp_path):
     run_dir = make_run(tmp_path, "a", 1, [1.0, 2.0])
     hide = "import sys; sys.modules['matplotlib'] = None; from spmd_rl.plot import main; sys.exit(main(sys.argv[1:]))"
-    done = subprocess.run([sys.executable, "-c", hide, str(run_dir), "-o", str(tmp_path / "c.png")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", hide, str(run_dir), "-o", str(tmp_path / "c.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr.strip() == 'spmd_rl.plot needs matplotlib: pip install -e ".[plot]"'

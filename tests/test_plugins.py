@@ -213,11 +213,11 @@ class CountIterations(Callback):
         return {"callback_iteration_x10": 10.0 * iteration}
 '''
 
-PLUG_BROKEN = '''
+PLUG_BROKEN = """
 raise RuntimeError("plug_broken refuses to import")
-'''
+"""
 
-PLUG_CONFIG = '''
+PLUG_CONFIG = """
 run:
   name: plug
 env:
@@ -239,27 +239,43 @@ dist:
 log:
   progress: false
   tensorboard: false
-'''
+"""
 
 
 @pytest.fixture(scope="module")
 def plugins(tmp_path_factory) -> Path:
     """A user's folder, outside the package: four modules, a broken one, and a config naming them."""
     folder = tmp_path_factory.mktemp("user_plugins")
-    for name, text in (("plug_nets.py", PLUG_NETS), ("plug_algos.py", PLUG_ALGOS), ("plug_hooks.py", PLUG_HOOKS),
-                       ("plug_sac.py", PLUG_SAC), ("plug_broken.py", PLUG_BROKEN), ("plug.yaml", PLUG_CONFIG)):
+    for name, text in (
+        ("plug_nets.py", PLUG_NETS),
+        ("plug_algos.py", PLUG_ALGOS),
+        ("plug_hooks.py", PLUG_HOOKS),
+        ("plug_sac.py", PLUG_SAC),
+        ("plug_broken.py", PLUG_BROKEN),
+        ("plug.yaml", PLUG_CONFIG),
+    ):
         (folder / name).write_text(textwrap.dedent(text).lstrip())
     return folder
 
 
-def run_main(*args, nproc: int = 0, cwd: Path = ROOT, pythonpath: Path | None = None,
-             timeout: float = 240) -> subprocess.CompletedProcess:
+def run_main(
+    *args, nproc: int = 0, cwd: Path = ROOT, pythonpath: Path | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
     env = _env()
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH", "")]))
     if nproc:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-                    "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "-m", "spmd_rl.main"]
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
+            "-m",
+            "spmd_rl.main",
+        ]
     else:
         launcher = [sys.executable, "-m", "spmd_rl.main"]
     return subprocess.run(launcher + list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -281,14 +297,16 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.slow] if spec[1] else [])
-                                    for name, spec in LAYOUTS.items()])
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=[pytest.mark.slow] if spec[1] else []) for name, spec in LAYOUTS.items()]
+)
 def test_user_policy_algorithm_and_callback_train_in_every_layout(plugins, tmp_path, layout):
     overrides, nproc, trainers, iterations, found_through = LAYOUTS[layout]
     run_dir = tmp_path / "run"
     if found_through == "pythonpath":  # run from the repository: only PYTHONPATH finds the user's modules
-        result = run_main("--config", str(plugins / "plug.yaml"), f"run.dir={run_dir}", *overrides, nproc=nproc,
-                          pythonpath=plugins)
+        result = run_main(
+            "--config", str(plugins / "plug.yaml"), f"run.dir={run_dir}", *overrides, nproc=nproc, pythonpath=plugins
+        )
     else:  # run from the user's folder with no PYTHONPATH: the working directory finds them
         result = run_main("--config", "plug.yaml", f"run.dir={run_dir}", *overrides, nproc=nproc, cwd=plugins)
     _ok(result)
@@ -313,13 +331,18 @@ def test_user_policy_algorithm_and_callback_train_in_every_layout(plugins, tmp_p
     assert sorted(saved) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
 
     # The extra field is a column of every trainer's experience file.
-    inspect = subprocess.run([sys.executable, "-m", "spmd_rl.data", "inspect", str(run_dir)], cwd=ROOT,
-                             env=_env(), capture_output=True, text=True, timeout=60)
+    inspect = subprocess.run(
+        [sys.executable, "-m", "spmd_rl.data", "inspect", str(run_dir)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert inspect.returncode == 0, inspect.stderr
     for rank in trainers:
         assert f"experience_rank{rank}.h5" in inspect.stdout
-    assert len(re.findall(r"^\s+logits_max\s+.*float32", inspect.stdout, re.MULTILINE)) == len(trainers), \
-        inspect.stdout
+    assert len(re.findall(r"^\s+logits_max\s+.*float32", inspect.stdout, re.MULTILINE)) == len(trainers), inspect.stdout
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -332,8 +355,16 @@ def test_sac_split_ships_exactly_the_policy_state_and_no_critic(plugins, tmp_pat
     # state keys of the module that acts; weights.verify_every=1 compares the weight group's checksums every sync.
     run_dir, record = tmp_path / "run", tmp_path / "record"
     record.mkdir()
-    result = run_main(*SAC_TINY, f"run.dir={run_dir}", "policy.class=plug_sac:RecordingActor",
-                      f"policy.record_dir={record}", "weights.verify_every=1", *SPLIT_4, nproc=4, cwd=plugins)
+    result = run_main(
+        *SAC_TINY,
+        f"run.dir={run_dir}",
+        "policy.class=plug_sac:RecordingActor",
+        f"policy.record_dir={record}",
+        "weights.verify_every=1",
+        *SPLIT_4,
+        nproc=4,
+        cwd=plugins,
+    )
     _ok(result)
     assert len(read_metrics(run_dir)) == 12
 
@@ -341,9 +372,11 @@ def test_sac_split_ships_exactly_the_policy_state_and_no_critic(plugins, tmp_pat
 
     from spmd_rl.modules.configs import SquashedGaussianConfig
     from spmd_rl.modules.sac_networks import SquashedGaussianActor
+
     pendulum_obs, pendulum_action = Box(-8.0, 8.0, (3,)), Box(-2.0, 2.0, (1,))
-    actor_keys = sorted(SquashedGaussianActor(pendulum_obs, pendulum_action,
-                                              SquashedGaussianConfig(hidden_sizes=[16, 16])).state_dict())
+    actor_keys = sorted(
+        SquashedGaussianActor(pendulum_obs, pendulum_action, SquashedGaussianConfig(hidden_sizes=[16, 16])).state_dict()
+    )
     # What trainer 0 saves is the actor's state, nothing SAC owns (critics, targets, temperature) ...
     assert sorted(torch.load(run_dir / "policy.pt", weights_only=True)) == actor_keys
     # ... and the inference rank acted all run long with a module holding exactly those keys.
@@ -358,35 +391,60 @@ def test_sac_split_ships_exactly_the_policy_state_and_no_critic(plugins, tmp_pat
 
 BAD_PLUGINS = {
     # name: (overrides, what the line must say)
-    "no_module": (["policy.class=plug_nowhere:Net"],
-                  ["policy.class 'plug_nowhere:Net'", "importing module 'plug_nowhere' failed",
-                   "ModuleNotFoundError"]),
-    "no_attribute": (["policy.class=plug_nets:NoSuchPolicy"],
-                     ["policy.class 'plug_nets:NoSuchPolicy'", "has no attribute 'NoSuchPolicy'"]),
-    "import_raises": (["algo.class=plug_broken:Reinforce"],
-                      ["algo.class 'plug_broken:Reinforce'", "RuntimeError: plug_broken refuses to import"]),
-    "not_a_subclass": (["policy.class=plug_nets:NotAPolicy"],
-                       ["policy.class 'plug_nets:NotAPolicy'", "must be a subclass of spmd_rl.api.Policy"]),
-    "act_missing_key": (["policy.class=plug_nets:MissingOutput"],
-                        ["policy.class 'plug_nets:MissingOutput'", "act() returned ['action', 'log_prob']",
-                         "outputs() declares ['action', 'log_prob', 'logits_max']"]),
-    "act_wrong_shape": (["policy.class=plug_nets:WrongShape"],
-                        ["policy.class 'plug_nets:WrongShape'", "'logits_max' as (2, 1)"]),
-    "act_wrong_dtype": (["policy.class=plug_nets:WrongDtype"],
-                        ["policy.class 'plug_nets:WrongDtype'", "'logits_max' as (2,) torch.float64"]),
-    "requires_missing_field": (["algo.class=plug_algos:NeedsValue"],
-                               ["algo.class 'plug_algos:NeedsValue'", "needs the step field(s) ['value']",
-                                "policy.class 'plug_nets:CategoricalMLP'"]),
-    "unknown_key": (["policy.hiden=8"],
-                    ["unknown config key 'policy.hiden'", "policy 'plug_nets:CategoricalMLP'",
-                     "did you mean 'policy.hidden'?"]),
-    "sac_alpha_0_autotune": (["--config", str(ROOT / "configs" / "sac_pendulum.yaml"), "algo.alpha=0"],
-                             ["algo.alpha=0.0 with algo.autotune=true"]),
+    "no_module": (
+        ["policy.class=plug_nowhere:Net"],
+        ["policy.class 'plug_nowhere:Net'", "importing module 'plug_nowhere' failed", "ModuleNotFoundError"],
+    ),
+    "no_attribute": (
+        ["policy.class=plug_nets:NoSuchPolicy"],
+        ["policy.class 'plug_nets:NoSuchPolicy'", "has no attribute 'NoSuchPolicy'"],
+    ),
+    "import_raises": (
+        ["algo.class=plug_broken:Reinforce"],
+        ["algo.class 'plug_broken:Reinforce'", "RuntimeError: plug_broken refuses to import"],
+    ),
+    "not_a_subclass": (
+        ["policy.class=plug_nets:NotAPolicy"],
+        ["policy.class 'plug_nets:NotAPolicy'", "must be a subclass of spmd_rl.api.Policy"],
+    ),
+    "act_missing_key": (
+        ["policy.class=plug_nets:MissingOutput"],
+        [
+            "policy.class 'plug_nets:MissingOutput'",
+            "act() returned ['action', 'log_prob']",
+            "outputs() declares ['action', 'log_prob', 'logits_max']",
+        ],
+    ),
+    "act_wrong_shape": (
+        ["policy.class=plug_nets:WrongShape"],
+        ["policy.class 'plug_nets:WrongShape'", "'logits_max' as (2, 1)"],
+    ),
+    "act_wrong_dtype": (
+        ["policy.class=plug_nets:WrongDtype"],
+        ["policy.class 'plug_nets:WrongDtype'", "'logits_max' as (2,) torch.float64"],
+    ),
+    "requires_missing_field": (
+        ["algo.class=plug_algos:NeedsValue"],
+        [
+            "algo.class 'plug_algos:NeedsValue'",
+            "needs the step field(s) ['value']",
+            "policy.class 'plug_nets:CategoricalMLP'",
+        ],
+    ),
+    "unknown_key": (
+        ["policy.hiden=8"],
+        ["unknown config key 'policy.hiden'", "policy 'plug_nets:CategoricalMLP'", "did you mean 'policy.hidden'?"],
+    ),
+    "sac_alpha_0_autotune": (
+        ["--config", str(ROOT / "configs" / "sac_pendulum.yaml"), "algo.alpha=0"],
+        ["algo.alpha=0.0 with algo.autotune=true"],
+    ),
 }
 
 
-@pytest.mark.parametrize("nproc", [pytest.param(0, id="one_process"),
-                                   pytest.param(2, id="torchrun_2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "nproc", [pytest.param(0, id="one_process"), pytest.param(2, id="torchrun_2", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("case", list(BAD_PLUGINS))
 def test_a_bad_plugin_exits_2_with_one_line_naming_it(plugins, tmp_path, case, nproc):
     overrides, expected = BAD_PLUGINS[case]
@@ -409,8 +467,14 @@ def test_a_bad_plugin_exits_2_with_one_line_naming_it(plugins, tmp_path, case, n
 def test_under_torchrun_the_error_line_is_printed_when_rank_0_finds_it_last(plugins, tmp_path):
     # Rank 1 finds the error 3 s before rank 0, which speaks for both: torchrun stops every worker as soon as one
     # exits, so rank 1 must not exit first.
-    result = run_main("--config", "plug.yaml", "policy.class=plug_nets:WrongShapeSlowOnRank0",
-                      f"run.dir={tmp_path / 'run'}", nproc=2, cwd=plugins)
+    result = run_main(
+        "--config",
+        "plug.yaml",
+        "policy.class=plug_nets:WrongShapeSlowOnRank0",
+        f"run.dir={tmp_path / 'run'}",
+        nproc=2,
+        cwd=plugins,
+    )
     assert result.returncode == 1
     ours = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("spmd_rl:")]
     assert len(ours) == 1, result.stderr[-3000:]
@@ -424,10 +488,19 @@ def test_under_torchrun_the_error_line_is_printed_when_rank_0_finds_it_last(plug
 def test_help_lists_the_keys_of_the_selected_classes(plugins, capsys):
     timings = {}
     for name, args, cwd, keys in (
-            ("sac_pendulum", ["--config", str(ROOT / "configs" / "sac_pendulum.yaml")], ROOT,
-             ["algo.tau", "algo.autotune", "policy.hidden_sizes", "(class sac;"]),
-            ("user classes", ["--config", "plug.yaml"], plugins,
-             ["policy.hidden", "algo.learning_rate", "(class plug_nets:CategoricalMLP;", "callbacks[0]:"])):
+        (
+            "sac_pendulum",
+            ["--config", str(ROOT / "configs" / "sac_pendulum.yaml")],
+            ROOT,
+            ["algo.tau", "algo.autotune", "policy.hidden_sizes", "(class sac;"],
+        ),
+        (
+            "user classes",
+            ["--config", "plug.yaml"],
+            plugins,
+            ["policy.hidden", "algo.learning_rate", "(class plug_nets:CategoricalMLP;", "callbacks[0]:"],
+        ),
+    ):
         start = time.perf_counter()
         result = run_main(*args, "--help", cwd=cwd)
         timings[name] = time.perf_counter() - start
@@ -442,8 +515,7 @@ def test_help_lists_the_keys_of_the_selected_classes(plugins, capsys):
 @pytest.mark.slow
 def test_dry_run_runs_one_iteration_in_the_split_layout(plugins):
     # A budget of many iterations; --dry-run runs one, with every role, channel and one weight sync.
-    result = run_main("--config", "plug.yaml", "train.total_steps=100000", *SPLIT_4, "--dry-run", nproc=4,
-                      cwd=plugins)
+    result = run_main("--config", "plug.yaml", "train.total_steps=100000", *SPLIT_4, "--dry-run", nproc=4, cwd=plugins)
     _ok(result)
     passed = re.search(r"dry run passed: .*\((.+)\)$", result.stdout, re.MULTILINE)
     assert passed, result.stdout
@@ -468,13 +540,25 @@ def _gather_on_two_trainers(rank: int, world_size: int) -> None:
     for i, (episode_return, length) in enumerate(EPISODES[rank]):
         done[i, i % envs] = True
         returns[i, i % envs], lengths[i, i % envs] = episode_return, length
-    segment = TensorDict({
-        "rollout": TensorDict({"episode_done": done, "episode_return": returns, "episode_length": lengths},
-                              batch_size=[steps, envs]),
-        "env_s": torch.tensor([1.0 + rank]), "action_wait_s": torch.tensor([0.5]), "inference_s": torch.tensor([0.25]),
-    }, batch_size=[])
-    trainer = Trainer(algorithm=None, segment_channels=[], segment_sources=[], episode_slots=steps * envs,
-                      group=dist.group.WORLD, describe=f"rank {rank}")
+    segment = TensorDict(
+        {
+            "rollout": TensorDict(
+                {"episode_done": done, "episode_return": returns, "episode_length": lengths}, batch_size=[steps, envs]
+            ),
+            "env_s": torch.tensor([1.0 + rank]),
+            "action_wait_s": torch.tensor([0.5]),
+            "inference_s": torch.tensor([0.25]),
+        },
+        batch_size=[],
+    )
+    trainer = Trainer(
+        algorithm=None,
+        segment_channels=[],
+        segment_sources=[],
+        episode_slots=steps * envs,
+        group=dist.group.WORLD,
+        describe=f"rank {rank}",
+    )
     statistics = trainer.gather_statistics(segment)
     if rank != 0:
         assert statistics is None  # only the first trainer logs
@@ -492,8 +576,16 @@ def test_gather_statistics_merges_every_trainers_episodes_on_the_first():
 # ---------------------------------------------------------------------------------------------------------------
 # Determinism: what the PPO/SAC regression against the pre-refactor code rests on
 
-TIMINGS = {"sps", "time_env_s", "time_inference_s", "time_transfer_s", "time_learn_s", "time_weight_sync_s",
-           "wall_s", "cpu_s"}
+TIMINGS = {
+    "sps",
+    "time_env_s",
+    "time_inference_s",
+    "time_transfer_s",
+    "time_learn_s",
+    "time_weight_sync_s",
+    "wall_s",
+    "cpu_s",
+}
 
 
 def test_ci_tiny_twice_with_one_seed_gives_identical_metrics_and_weights(tmp_path):

@@ -109,12 +109,15 @@ def test_policy_normalizes_observations_with_its_normalizer():
     assert "encoder.normalizer.mean" in policy.state_dict()
 
 
-@pytest.mark.parametrize("obs_space, action_space, named", [
-    (gym.spaces.Tuple([CARTPOLE_OBS]), gym.spaces.Discrete(2), "Tuple"),
-    (CARTPOLE_OBS, gym.spaces.MultiDiscrete([2, 3]), "MultiDiscrete"),
-    (CARTPOLE_OBS, gym.spaces.Box(-1, 1, (2, 2), np.float32), "Box(-1.0, 1.0, (2, 2)"),
-    (CARTPOLE_OBS, gym.spaces.Discrete(3, start=1), "Discrete(3, start=1)"),
-])
+@pytest.mark.parametrize(
+    "obs_space, action_space, named",
+    [
+        (gym.spaces.Tuple([CARTPOLE_OBS]), gym.spaces.Discrete(2), "Tuple"),
+        (CARTPOLE_OBS, gym.spaces.MultiDiscrete([2, 3]), "MultiDiscrete"),
+        (CARTPOLE_OBS, gym.spaces.Box(-1, 1, (2, 2), np.float32), "Box(-1.0, 1.0, (2, 2)"),
+        (CARTPOLE_OBS, gym.spaces.Discrete(3, start=1), "Discrete(3, start=1)"),
+    ],
+)
 def test_unsupported_spaces_are_user_errors_naming_the_space(obs_space, action_space, named):
     with pytest.raises(UserError, match="supported") as error:
         ActorCritic(obs_space, action_space, model_cfg())
@@ -130,8 +133,11 @@ def algo_cfg(**changes) -> PPOConfig:
 
 
 def make_ppo(policy, cfg, num_iterations, group=None) -> PPO:
-    return PPO(policy, cfg, Context.local(policy.observation_space, policy.action_space,
-                                          num_iterations=num_iterations, group=group))
+    return PPO(
+        policy,
+        cfg,
+        Context.local(policy.observation_space, policy.action_space, num_iterations=num_iterations, group=group),
+    )
 
 
 def rollout_batch(policy: ActorCritic, size: int = 64, seed: int = 0) -> TensorDict:
@@ -141,8 +147,16 @@ def rollout_batch(policy: ActorCritic, size: int = 64, seed: int = 0) -> TensorD
     action, log_prob, value = act(policy, obs)
     advantage = torch.randn(size, generator=generator)
     valid = torch.rand(size, generator=generator) > 0.2
-    return TensorDict(obs=obs, action=action, log_prob=log_prob, value=value, advantage=advantage,
-                      return_=value + advantage, valid=valid, batch_size=[size])
+    return TensorDict(
+        obs=obs,
+        action=action,
+        log_prob=log_prob,
+        value=value,
+        advantage=advantage,
+        return_=value + advantage,
+        valid=valid,
+        batch_size=[size],
+    )
 
 
 def test_first_minibatch_has_ratio_one_and_no_clipping():
@@ -261,15 +275,26 @@ def test_optimizer_state_round_trips():
         torch.testing.assert_close(state["exp_avg"], original_state[index]["exp_avg"])
 
 
-@pytest.mark.parametrize("obs_space, encoder", [
-    (gym.spaces.Box(0, 255, (12, 10, 3), np.uint8), "ImageEncoder"),       # channel-last pixels
-    (gym.spaces.Box(0.0, 1.0, (2, 12, 10), np.float32), "ImageEncoder"),   # channel-first floats
-    (gym.spaces.Box(-1.0, 1.0, (3, 4), np.float32), "VectorEncoder"),     # a matrix, flattened
-    (gym.spaces.Dict({"image": gym.spaces.Box(0, 255, (12, 10, 1), np.uint8),
-                      "state": gym.spaces.Box(-1.0, 1.0, (5,), np.float32)}), "DictEncoder"),
-])
+@pytest.mark.parametrize(
+    "obs_space, encoder",
+    [
+        (gym.spaces.Box(0, 255, (12, 10, 3), np.uint8), "ImageEncoder"),  # channel-last pixels
+        (gym.spaces.Box(0.0, 1.0, (2, 12, 10), np.float32), "ImageEncoder"),  # channel-first floats
+        (gym.spaces.Box(-1.0, 1.0, (3, 4), np.float32), "VectorEncoder"),  # a matrix, flattened
+        (
+            gym.spaces.Dict(
+                {
+                    "image": gym.spaces.Box(0, 255, (12, 10, 1), np.uint8),
+                    "state": gym.spaces.Box(-1.0, 1.0, (5,), np.float32),
+                }
+            ),
+            "DictEncoder",
+        ),
+    ],
+)
 def test_the_encoder_is_chosen_from_the_observation_space_and_acts_on_the_env_dtype(obs_space, encoder):
     from spmd_rl.envs.spaces import zeros_of
+
     torch.manual_seed(0)
     policy = ActorCritic(obs_space, gym.spaces.Discrete(3), model_cfg())
     assert type(policy.encoder).__name__ == encoder

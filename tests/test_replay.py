@@ -15,13 +15,16 @@ from spmd_rl.storage.replay import ReplayBuffer, ShardedReplay
 def transitions(ids) -> TensorDict:
     """Transitions whose every key encodes the row id, so a misplaced or torn row shows."""
     ids = torch.as_tensor(ids, dtype=torch.int64)
-    return TensorDict({
-        "id": ids,
-        "obs": ids[:, None].float().expand(-1, 3).clone(),
-        "action": (ids % 7).to(torch.int32),
-        "reward": ids.double() / 2,
-        "next": {"obs": ids[:, None].float().expand(-1, 3) + 1, "terminated": ids % 5 == 0},
-    }, batch_size=[len(ids)])
+    return TensorDict(
+        {
+            "id": ids,
+            "obs": ids[:, None].float().expand(-1, 3).clone(),
+            "action": (ids % 7).to(torch.int32),
+            "reward": ids.double() / 2,
+            "next": {"obs": ids[:, None].float().expand(-1, 3) + 1, "terminated": ids % 5 == 0},
+        },
+        batch_size=[len(ids)],
+    )
 
 
 def assert_consistent(batch: TensorDict) -> None:
@@ -36,8 +39,14 @@ def assert_consistent(batch: TensorDict) -> None:
 def make_buffer(backend: str, capacity: int, tmp_path, chunk_rows: int = 16) -> ReplayBuffer:
     """backend "hdf5-lzf": compressed chunks, which are read through HDF5 instead of by direct row reads."""
     compression = "lzf" if backend == "hdf5-lzf" else None
-    return ReplayBuffer(capacity, transitions([0]), backend=backend.removesuffix("-lzf"),
-                        path=tmp_path / "replay_rank0.h5", chunk_rows=chunk_rows, compression=compression)
+    return ReplayBuffer(
+        capacity,
+        transitions([0]),
+        backend=backend.removesuffix("-lzf"),
+        path=tmp_path / "replay_rank0.h5",
+        chunk_rows=chunk_rows,
+        compression=compression,
+    )
 
 
 @pytest.mark.parametrize("backend", ["memory", "hdf5", "hdf5-lzf"])
@@ -145,8 +154,7 @@ SHARD_SIZES = (10, 30, 60)
 
 def _sharded_sampling(rank: int, world_size: int, directory: str) -> None:
     backend = "hdf5" if rank == 1 else "memory"  # the helper does not care how a shard is stored
-    shard = ReplayBuffer(100, transitions([0]), backend=backend, path=f"{directory}/replay_rank{rank}.h5",
-                         chunk_rows=8)
+    shard = ReplayBuffer(100, transitions([0]), backend=backend, path=f"{directory}/replay_rank{rank}.h5", chunk_rows=8)
     shard.add(transitions(rank * 1000 + torch.arange(SHARD_SIZES[rank])))
     sharded = ShardedReplay(shard, None, datetime.timedelta(seconds=30), seed=123)
     assert sharded.shard_sizes().tolist() == list(SHARD_SIZES)

@@ -25,16 +25,28 @@ RUN_TIMEOUT_S = 300  # a bound for a hang, far above the tens of seconds a run t
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, layout", [(2, ()), (4, SPLIT4)], ids=["colocated-2", "split-4"])
 def test_a_killed_rank_is_restarted_by_torchrun_and_the_run_resumes_and_finishes(tmp_path, nproc, layout):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1",
-           f"--nproc_per_node={nproc}", "-m", "spmd_rl.main", "--config", TINY, f"train.total_steps={STEPS}",
-           f"checkpoint.every_iterations={CHECKPOINT_EVERY}", *layout]
-    agent = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--max-restarts=1",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "spmd_rl.main",
+        "--config",
+        TINY,
+        f"train.total_steps={STEPS}",
+        f"checkpoint.every_iterations={CHECKPOINT_EVERY}",
+        *layout,
+    ]
+    agent = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         latest = wait_for_first_checkpoint(tmp_path, agent)
         run_dir = latest.parent.parent
-        workers = subprocess.run(["pgrep", "-P", str(agent.pid), "-f", "spmd_rl.main"], capture_output=True,
-                                 text=True).stdout.split()
+        workers = subprocess.run(
+            ["pgrep", "-P", str(agent.pid), "-f", "spmd_rl.main"], capture_output=True, text=True
+        ).stdout.split()
         assert len(workers) == nproc, workers
         victim = max(int(pid) for pid in workers)  # the last rank started: an env rank in the split layout
         subprocess.run(["kill", "-KILL", str(victim)], check=True)

@@ -14,16 +14,26 @@ import torch
 from test_train_e2e import ROOT, TINY, _env, run_main
 
 TIMINGS = ("sps", "wall_s", "cpu_s")
-SAC_TINY = ["--config", str(ROOT / "configs" / "sac_pendulum.yaml"), "algo.num_steps=4", "train.total_steps=160",
-            "algo.learning_starts=32", "algo.batch_size=16", "policy.hidden_sizes=[16,16]",
-            "algo.critic_hidden_sizes=[16,16]", "log.progress=false", "log.tensorboard=false"]
+SAC_TINY = [
+    "--config",
+    str(ROOT / "configs" / "sac_pendulum.yaml"),
+    "algo.num_steps=4",
+    "train.total_steps=160",
+    "algo.learning_starts=32",
+    "algo.batch_size=16",
+    "policy.hidden_sizes=[16,16]",
+    "algo.critic_hidden_sizes=[16,16]",
+    "log.progress=false",
+    "log.tensorboard=false",
+]
 SPLIT4 = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]
 
 
 def records_without_timings(run_dir):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("time_") and k not in TIMINGS}
-            for line in lines]
+    return [
+        {k: v for k, v in json.loads(line).items() if not k.startswith("time_") and k not in TIMINGS} for line in lines
+    ]
 
 
 def assert_same_run(full, resumed):
@@ -86,8 +96,17 @@ def test_sigterm_stops_every_rank_at_one_iteration_with_a_checkpoint_and_the_run
     # Ranks started by torchrun; SIGTERM to ONE worker: the ranks agree to stop at the same iteration.
     run_dir = tmp_path / "run"
     args = [TINY, f"run.dir={run_dir}", "train.total_steps=200000", "algo.update_epochs=1", *SPLIT4]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m",
-           "spmd_rl.main", "--config", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        "-m",
+        "spmd_rl.main",
+        "--config",
+        *args,
+    ]
     process = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
@@ -147,13 +166,20 @@ def test_fine_tune_from_a_run_and_periodic_evaluation(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     # A new run starts from the trained policy (and, from a checkpoint, the optimizer's state).
     tuned = tmp_path / "tuned"
-    result = run_main("--config", TINY, f"run.dir={tuned}", f"run.init_from={first}", "run.init_algorithm=true",
-                      "train.total_steps=32")
+    result = run_main(
+        "--config",
+        TINY,
+        f"run.dir={tuned}",
+        f"run.init_from={first}",
+        "run.init_algorithm=true",
+        "train.total_steps=32",
+    )
     assert result.returncode == 0, result.stderr
     initial = torch.load(first / "policy.pt")
     after_one_update = torch.load(tuned / "policy.pt")
     moved = [k for k in initial if not torch.equal(initial[k], after_one_update[k])]
     fresh = tmp_path / "fresh"
     assert run_main("--config", TINY, f"run.dir={fresh}", "train.total_steps=32").returncode == 0
-    assert moved and not torch.equal(torch.load(fresh / "policy.pt")["actor.0.weight"],
-                                      after_one_update["actor.0.weight"])
+    assert moved and not torch.equal(
+        torch.load(fresh / "policy.pt")["actor.0.weight"], after_one_update["actor.0.weight"]
+    )

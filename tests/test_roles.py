@@ -13,8 +13,11 @@ from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.roles.messages import action_message, observation_message, segment_message
 from spmd_rl.roles.trainer import PolicyLagError, Trainer
 
-OUTPUTS = {"action": StepField((), torch.int64), "log_prob": StepField((), torch.float32),
-           "value": StepField((), torch.float32)}
+OUTPUTS = {
+    "action": StepField((), torch.int64),
+    "log_prob": StepField((), torch.float32),
+    "value": StepField((), torch.float32),
+}
 
 
 def _segment_with(obs, valid, terminated, next_obs):
@@ -74,8 +77,12 @@ def test_trainer_rejects_a_segment_acted_on_with_stale_weights():
     segment_out.buffer["policy_version"].fill_(4)
     segment_out.buffer["policy_version"][2] = 3  # one step acted with the previous weights
     segment_out.send()
-    trainer = Trainer(algorithm=None, segment_channels=[segment_in], segment_sources=["rank 5 (env 1)"],
-                      episode_slots=8, group=None)
-    with pytest.raises(PolicyLagError, match=r"iteration 7: segments from \['rank 5 \(env 1\)'\] acted with policy "
-                                             r"versions outside \[4, 4\]"):
+    trainer = Trainer(
+        algorithm=None, segment_channels=[segment_in], segment_sources=["rank 5 (env 1)"], episode_slots=8, group=None
+    )
+    with pytest.raises(
+        PolicyLagError,
+        match=r"iteration 7: segments from \['rank 5 \(env 1\)'\] acted with policy "
+        r"versions outside \[4, 4\]",
+    ):
         trainer.receive_segments(iteration=7, version=4)

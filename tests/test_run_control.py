@@ -35,6 +35,7 @@ def run(control: RunControl, iterations: range) -> list[int]:
         def capture() -> dict:
             captured.append(iteration)
             return {"payload": torch.tensor([float(iteration)]), "rank": control.rank}
+
         return capture
 
     for iteration in iterations:
@@ -55,8 +56,7 @@ def no_stop_requested(monkeypatch):
 
 
 def control(cfg, run_dir: Path, num_iterations: int) -> RunControl:
-    return RunControl(cfg, num_iterations, rank=0, world_size=1, distributed=False, run_dir=run_dir,
-                      timeout=TIMEOUT)
+    return RunControl(cfg, num_iterations, rank=0, world_size=1, distributed=False, run_dir=run_dir, timeout=TIMEOUT)
 
 
 def test_checkpoints_at_every_iterations_and_the_last_keep_prunes(tmp_path, no_stop_requested):
@@ -81,15 +81,18 @@ def test_keep_one_and_no_periodic_checkpoints_leaves_only_the_last(tmp_path, no_
 
 def test_a_resumed_run_checkpoints_at_the_same_iterations(tmp_path, no_stop_requested):
     rc = control(config("checkpoint.every_iterations=4"), tmp_path, num_iterations=10)
-    assert run(rc, range(5, 10)) == [7, 9]                      # multiples of every_iterations, not of the start
+    assert run(rc, range(5, 10)) == [7, 9]  # multiples of every_iterations, not of the start
 
 
 def test_stop_after_iterations_raises_with_a_committed_checkpoint_that_resume_finds(tmp_path, no_stop_requested):
     cfg = config("run.stop_after_iterations=3", "checkpoint.every_iterations=0")
     rc = control(cfg, tmp_path, num_iterations=10)
     assert run(rc, range(2)) == []
-    with pytest.raises(StoppedWithCheckpoint, match=r"stopped by run.stop_after_iterations=3 after iteration 2; "
-                                                    r"checkpoint .*iter_000000002") as stopped:
+    with pytest.raises(
+        StoppedWithCheckpoint,
+        match=r"stopped by run.stop_after_iterations=3 after iteration 2; "
+        r"checkpoint .*iter_000000002",
+    ) as stopped:
         run(rc, range(2, 3))
     directory = tmp_path / "checkpoints" / "iter_000000002"
     assert stopped.value.checkpoint == directory
@@ -103,14 +106,14 @@ def test_stop_after_iterations_raises_with_a_committed_checkpoint_that_resume_fi
 
 def test_stop_after_the_last_iteration_is_just_the_end(tmp_path, no_stop_requested):
     rc = control(config("run.stop_after_iterations=4"), tmp_path, num_iterations=4)
-    assert run(rc, range(4)) == [3]                              # no StoppedWithCheckpoint: the run is complete
+    assert run(rc, range(4)) == [3]  # no StoppedWithCheckpoint: the run is complete
 
 
 def test_a_requested_stop_checkpoints_and_raises_at_the_next_iteration_end(tmp_path, no_stop_requested):
     rc = control(config("checkpoint.every_iterations=0"), tmp_path, num_iterations=10)
     assert run(rc, range(2)) == []
     distributed.stop_at_iteration_boundary(True)
-    distributed._on_signal(signal.SIGTERM, None)                 # what the installed handler runs on SIGTERM
+    distributed._on_signal(signal.SIGTERM, None)  # what the installed handler runs on SIGTERM
     assert distributed.requested_stop() == ("SIGTERM", signal.SIGTERM)
     with pytest.raises(StoppedWithCheckpoint, match="stopped by SIGTERM after iteration 2"):
         run(rc, range(2, 3))
@@ -118,18 +121,18 @@ def test_a_requested_stop_checkpoints_and_raises_at_the_next_iteration_end(tmp_p
 
 
 def test_checkpoint_every_s_is_due_by_the_clock(tmp_path, no_stop_requested):
-    rc = control(load_config(None, ["checkpoint.every_s=600", "checkpoint.every_iterations=0"]), tmp_path,
-                 num_iterations=10)
+    rc = control(
+        load_config(None, ["checkpoint.every_s=600", "checkpoint.every_iterations=0"]), tmp_path, num_iterations=10
+    )
     assert run(rc, range(2)) == []
     rc.last_checkpoint = time.monotonic() - 601
-    assert run(rc, range(2, 4)) == [2]                           # due once, then the clock starts again
+    assert run(rc, range(2, 4)) == [2]  # due once, then the clock starts again
     assert checkpoints(tmp_path) == ["iter_000000002"]
 
 
 def _agree_across_ranks(rank, world_size, cfg, run_dir):
-    distributed._Graceful.requested, distributed._Graceful.enabled = None, False   # this forked child's own state
-    rc = RunControl(cfg, 10, rank=rank, world_size=world_size, distributed=True, run_dir=Path(run_dir),
-                    timeout=TIMEOUT)
+    distributed._Graceful.requested, distributed._Graceful.enabled = None, False  # this forked child's own state
+    rc = RunControl(cfg, 10, rank=rank, world_size=world_size, distributed=True, run_dir=Path(run_dir), timeout=TIMEOUT)
     # Only rank 0's clock counts: rank 1 believing a timed checkpoint is due changes nothing ...
     if rank == 1:
         rc.last_checkpoint = time.monotonic() - 10_000
@@ -145,7 +148,7 @@ def _agree_across_ranks(rank, world_size, cfg, run_dir):
     with pytest.raises(StoppedWithCheckpoint, match="stopped by SIGUSR1 after iteration 3") as stopped:
         run(rc, range(3, 4))
     assert distributed.requested_stop() == (("SIGUSR1", signal.SIGUSR1) if rank == 1 else None)
-    rc.wait_for_stop_files()                                     # rank 0 has committed by now
+    rc.wait_for_stop_files()  # rank 0 has committed by now
     directory = Path(run_dir) / "checkpoints" / "iter_000000003"
     assert stopped.value.checkpoint == directory
     assert CheckpointStore(run_dir).latest() == directory

@@ -52,9 +52,14 @@ def replay_batch(size: int = 64, seed: int = 0, terminated_fraction: float = 0.2
     low, high = torch.as_tensor(ACTIONS.low), torch.as_tensor(ACTIONS.high)
     action = low + (high - low) * torch.rand(size, 2, generator=generator)
     obs = torch.randn(size, 3, generator=generator)
-    return TensorDict(obs=obs, action=action, reward=obs[:, 0] - 0.1 * action[:, 0].square(),
-                      next_obs=torch.randn(size, 3, generator=generator),
-                      terminated=torch.rand(size, generator=generator) < terminated_fraction, batch_size=[size])
+    return TensorDict(
+        obs=obs,
+        action=action,
+        reward=obs[:, 0] - 0.1 * action[:, 0].square(),
+        next_obs=torch.randn(size, 3, generator=generator),
+        terminated=torch.rand(size, generator=generator) < terminated_fraction,
+        batch_size=[size],
+    )
 
 
 def flat_state(sac: SAC) -> torch.Tensor:
@@ -91,7 +96,8 @@ def test_log_prob_matches_a_tanh_and_affine_transformed_gaussian():
     scale, bias = actor.action_scale.double(), actor.action_bias.double()
     reference = torch.distributions.TransformedDistribution(
         torch.distributions.Independent(torch.distributions.Normal(mean, log_std.exp()), 1),
-        [torch.distributions.TanhTransform(), torch.distributions.AffineTransform(bias, scale)])
+        [torch.distributions.TanhTransform(), torch.distributions.AffineTransform(bias, scale)],
+    )
     inside = ((action.double() - bias) / scale).abs().amax(-1) < 0.999  # atanh of a float32 edge is imprecise
     assert inside.sum() > 200
     expected = reference.log_prob(action.detach().double())
@@ -125,10 +131,13 @@ def test_twin_critics_are_independent_and_output_one_value_per_row():
     assert not torch.equal(q1, q2)
 
 
-@pytest.mark.parametrize("action_space, named", [
-    (gym.spaces.Discrete(3), "Discrete(3)"),
-    (gym.spaces.MultiDiscrete([2, 3]), "MultiDiscrete"),
-])
+@pytest.mark.parametrize(
+    "action_space, named",
+    [
+        (gym.spaces.Discrete(3), "Discrete(3)"),
+        (gym.spaces.MultiDiscrete([2, 3]), "MultiDiscrete"),
+    ],
+)
 def test_non_box_actions_are_user_errors_naming_the_space(action_space, named):
     with pytest.raises(UserError, match=r"SAC needs continuous \(Box\) actions; got") as error:
         SquashedGaussianActor(OBS, action_space, model_cfg())
@@ -137,11 +146,14 @@ def test_non_box_actions_are_user_errors_naming_the_space(action_space, named):
         TwinQ(OBS, action_space, [32, 32], "relu")
 
 
-@pytest.mark.parametrize("obs_space, action_space, match", [
-    (OBS, gym.spaces.Box(-np.inf, np.inf, (2,), np.float32), "infinite bounds"),
-    (OBS, gym.spaces.Box(-1, 1, (2, 2), np.float32), "1-D Box of actions"),
-    (gym.spaces.Box(0, 255, (8, 8, 3), np.uint8), ACTIONS, "observation space"),
-])
+@pytest.mark.parametrize(
+    "obs_space, action_space, match",
+    [
+        (OBS, gym.spaces.Box(-np.inf, np.inf, (2,), np.float32), "infinite bounds"),
+        (OBS, gym.spaces.Box(-1, 1, (2, 2), np.float32), "1-D Box of actions"),
+        (gym.spaces.Box(0, 255, (8, 8, 3), np.uint8), ACTIONS, "observation space"),
+    ],
+)
 def test_unsquashable_spaces_are_user_errors(obs_space, action_space, match):
     with pytest.raises(UserError, match=match):
         SquashedGaussianActor(obs_space, action_space, model_cfg())
@@ -219,10 +231,14 @@ def test_actor_step_leaves_the_critics_untouched():
         torch.manual_seed(3)  # the same next-action noise in the TD target
         metrics = sac.update(replay_batch())
     assert "actor_loss" not in metrics
-    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in with_actor.critic_params]),
-                       torch.cat([p.detach().reshape(-1) for p in critic_only.critic_params]))
-    assert not torch.equal(torch.cat([p.detach().reshape(-1) for p in with_actor.actor_params]),
-                           torch.cat([p.detach().reshape(-1) for p in critic_only.actor_params]))
+    assert torch.equal(
+        torch.cat([p.detach().reshape(-1) for p in with_actor.critic_params]),
+        torch.cat([p.detach().reshape(-1) for p in critic_only.critic_params]),
+    )
+    assert not torch.equal(
+        torch.cat([p.detach().reshape(-1) for p in with_actor.actor_params]),
+        torch.cat([p.detach().reshape(-1) for p in critic_only.actor_params]),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

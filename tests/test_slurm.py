@@ -39,13 +39,30 @@ def preemptible(tmp_path_factory):
     yield from slurm_cluster_fixture(tmp_path_factory, node_count=1, preemption=True)
 
 
-def submit_only(cluster: SlurmCluster, script: str, run_dir: Path, *overrides: str,
-                sbatch_options: tuple[str, ...] = (), ranks_per_node: int = 2) -> str:
+def submit_only(
+    cluster: SlurmCluster,
+    script: str,
+    run_dir: Path,
+    *overrides: str,
+    sbatch_options: tuple[str, ...] = (),
+    ranks_per_node: int = 2,
+) -> str:
     """sbatch a training script on the tiny config; returns the job id."""
-    env = {"PYTHON": sys.executable, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo",
-           "RANKS_PER_NODE": str(ranks_per_node)}
-    return cluster.submit(REPO / script, "configs/ci_tiny.yaml", f"run.dir={run_dir}", *overrides,
-                          sbatch_options=sbatch_options, env=env, cwd=REPO)
+    env = {
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(REPO),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "RANKS_PER_NODE": str(ranks_per_node),
+    }
+    return cluster.submit(
+        REPO / script,
+        "configs/ci_tiny.yaml",
+        f"run.dir={run_dir}",
+        *overrides,
+        sbatch_options=sbatch_options,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def submit(cluster: SlurmCluster, script: str, run_dir: Path, *overrides: str, **options):
@@ -87,9 +104,20 @@ def test_sbatch_train_sh_across_two_nodes(two_nodes, tmp_path):
 def test_sbatch_train_srun_sh_runs_the_async_engine_within_its_lag_bound(one_node, tmp_path):
     # One srun task per rank, split by role (1 trainer, 1 inference, 2 env ranks), 10 iterations at lag 2.
     run_dir = tmp_path / "run"
-    job = submit(one_node, "slurm/train_srun.sh", run_dir, "layout.mode=split", "layout.trainer=1",
-                 "layout.inference=1", "layout.env=2", "train.total_steps=640", "engine.class=async",
-                 "engine.max_policy_lag=2", "algo.vtrace=true", sbatch_options=("--ntasks-per-node=4",))
+    job = submit(
+        one_node,
+        "slurm/train_srun.sh",
+        run_dir,
+        "layout.mode=split",
+        "layout.trainer=1",
+        "layout.inference=1",
+        "layout.env=2",
+        "train.total_steps=640",
+        "engine.class=async",
+        "engine.max_policy_lag=2",
+        "algo.vtrace=true",
+        sbatch_options=("--ntasks-per-node=4",),
+    )
     assert_trained(job, run_dir, "slurm")
     assert "async engine, max policy lag 2" in job.output, job.output[-4000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -98,8 +126,14 @@ def test_sbatch_train_srun_sh_runs_the_async_engine_within_its_lag_bound(one_nod
 
 
 def test_srun_job_with_a_crashing_rank_fails(one_node, tmp_path):
-    job = submit(one_node, "slurm/train_srun.sh", tmp_path / "run", "env.id=tests.crashing_env:Crashing-v0",
-                 "dist.timeout_s=20", sbatch_options=("--ntasks-per-node=2",))
+    job = submit(
+        one_node,
+        "slurm/train_srun.sh",
+        tmp_path / "run",
+        "env.id=tests.crashing_env:Crashing-v0",
+        "dist.timeout_s=20",
+        sbatch_options=("--ntasks-per-node=2",),
+    )
     assert job.state == "FAILED" and job.exit_code != "0:0", (job.state, job.exit_code, job.output[-4000:])
     assert "deliberate failure on rank 1" in job.output, job.output[-4000:]
 
@@ -126,12 +160,18 @@ def test_train_sh_warned_of_its_time_limit_checkpoints_requeues_and_resumes(one_
 def test_train_srun_sh_preempted_by_a_higher_partition_checkpoints_requeues_and_resumes(preemptible, tmp_path):
     run_dir = tmp_path / "run"
     # Two ranks holding all 8 CPUs of the node, so that a job of the `high` partition preempts them.
-    job_id = submit_only(preemptible, "slurm/train_srun.sh", run_dir, *PREEMPTIBLE_RUN,
-                         sbatch_options=("--ntasks-per-node=2", "--cpus-per-task=4"))
+    job_id = submit_only(
+        preemptible,
+        "slurm/train_srun.sh",
+        run_dir,
+        *PREEMPTIBLE_RUN,
+        sbatch_options=("--ntasks-per-node=2", "--cpus-per-task=4"),
+    )
     wait_for_checkpoint(preemptible, job_id, run_dir)
     # A real preemption: Slurm sends SIGTERM to every process of the job's steps and gives them a grace time.
-    preemptor = preemptible.run("sbatch", "--parsable", "--partition=high", "--ntasks=1", "--output=/dev/null",
-                                "--wrap=true")
+    preemptor = preemptible.run(
+        "sbatch", "--parsable", "--partition=high", "--ntasks=1", "--output=/dev/null", "--wrap=true"
+    )
     assert preemptor.returncode == 0, preemptor.stderr
     job = resume_requeued(preemptible, job_id)
     assert_preempted_and_resumed(job, run_dir, "SIGTERM")
@@ -150,11 +190,15 @@ def resume_requeued(cluster: SlurmCluster, job_id: str):
     """Wait until the job requeued itself, let it start soon (Slurm holds a requeued job for 2 minutes), and wait
     for it to leave the queue."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while ((fields := cluster.job_fields(job_id)).get("Restarts") == "0" or fields.get("JobState") != "PENDING"
-           or set(cluster.run("sinfo", "-h", "-N", "-o", "%T").stdout.split()) != {"idle"}):
+    while (
+        (fields := cluster.job_fields(job_id)).get("Restarts") == "0"
+        or fields.get("JobState") != "PENDING"
+        or set(cluster.run("sinfo", "-h", "-N", "-o", "%T").stdout.split()) != {"idle"}
+    ):
         if time.monotonic() > deadline or fields.get("JobState") in FINISHED_STATES:
-            pytest.fail(f"job {job_id} was not requeued ({fields.get('JobState')}):\n"
-                        f"{cluster.job_output(job_id)[-4000:]}")
+            pytest.fail(
+                f"job {job_id} was not requeued ({fields.get('JobState')}):\n{cluster.job_output(job_id)[-4000:]}"
+            )
         time.sleep(0.2)
     # The node is idle, the previous run cleaned up. slurmd revoked that run's credential, and refuses a launch of
     # the same job id within the same second ("Job credential revoked", the job then FAILS): start 2 s later.

@@ -32,8 +32,13 @@ class CompletesAfter:
 
 
 def _staged(timeout_s: float) -> StagedWeights:
-    sync = SimpleNamespace(me=1, src=0, buckets=[torch.zeros(64, dtype=torch.uint8)],
-                           describe_rank=lambda rank: f"rank {rank}", timeout=datetime.timedelta(seconds=timeout_s))
+    sync = SimpleNamespace(
+        me=1,
+        src=0,
+        buckets=[torch.zeros(64, dtype=torch.uint8)],
+        describe_rank=lambda rank: f"rank {rank}",
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     return StagedWeights(sync)
 
 
@@ -48,7 +53,10 @@ def test_a_broadcast_that_never_completes_is_a_named_timeout():
     staged = _staged(timeout_s=0.05)
     staged.posted = 4
     staged._works = [CompletesAfter(10**9)]
-    with pytest.raises(CommError, match=r"rank 1: weight broadcast number 4 from rank 0 .* did not respond within "
-                                        r"dist.timeout_s=0.05s") as raised:
+    with pytest.raises(
+        CommError,
+        match=r"rank 1: weight broadcast number 4 from rank 0 .* did not respond within "
+        r"dist.timeout_s=0.05s",
+    ) as raised:
         staged.wait()
     assert raised.value.timed_out and raised.value.peers == (0,)

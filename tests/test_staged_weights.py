@@ -18,12 +18,14 @@ TIMEOUT = datetime.timedelta(seconds=20)
 
 def sender_weights(version: int) -> dict[str, torch.Tensor]:
     """What trainer 0 holds when it broadcasts `version` (distinct values per version and per element)."""
-    return {"weight": torch.arange(6, dtype=torch.float32).view(2, 3) + 10.0 * version,
-            "bias": torch.tensor([-1.0, -2.0]) * version}
+    return {
+        "weight": torch.arange(6, dtype=torch.float32).view(2, 3) + 10.0 * version,
+        "bias": torch.tensor([-1.0, -2.0]) * version,
+    }
 
 
 def _staged_broadcasts(rank, world_size):
-    torch.manual_seed(rank)                       # the two ranks start from different weights
+    torch.manual_seed(rank)  # the two ranks start from different weights
     policy = nn.Linear(3, 2)
     sync = WeightSync(policy, None, src=0, me=rank, bucket_bytes=1 << 20, timeout=TIMEOUT)
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
@@ -44,19 +46,19 @@ def _staged_broadcasts(rank, world_size):
     for version in (1, 2):
         staged.post()
         assert staged.posted == version
-        staged.wait()                             # the broadcast is complete ...
+        staged.wait()  # the broadcast is complete ...
         assert staged.ready()
         assert staged.version() == version
         for name, value in policy.state_dict().items():
             assert torch.equal(value, before[name]), f"{name} changed before swap() (version {version})"
-        assert torch.equal(policy(x).detach(), out_before)   # ... and the forward pass still uses the old weights
+        assert torch.equal(policy(x).detach(), out_before)  # ... and the forward pass still uses the old weights
         assert staged.swap() == version
-        assert not staged.ready()                 # nothing posted now
+        assert not staged.ready()  # nothing posted now
         for name, value in sender_weights(version).items():
             assert torch.equal(getattr(policy, name).detach(), value), f"{name} after swap (version {version})"
         assert not torch.equal(policy(x).detach(), out_before)
-        assert int(sync._header[0]) == version    # the live buckets carry the version too
-        sync.verify(version)                      # bit for bit the sender's, checked by both ranks
+        assert int(sync._header[0]) == version  # the live buckets carry the version too
+        sync.verify(version)  # bit for bit the sender's, checked by both ranks
         before = {k: v.clone() for k, v in policy.state_dict().items()}
         out_before = policy(x).detach()
 

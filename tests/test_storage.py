@@ -24,14 +24,17 @@ PYTHON = sys.executable
 
 def every_dtype_rows(rows: int, seed: int = 0) -> TensorDict:
     g = torch.Generator().manual_seed(seed)
-    return TensorDict({
-        "obs": torch.randn(rows, 3, generator=g),
-        "value": torch.randn(rows, 2, 2, generator=g, dtype=torch.float64),
-        "action": torch.randint(-5, 5, (rows,), generator=g, dtype=torch.int32),
-        "ids": torch.randint(-2**40, 2**40, (rows, 5), generator=g, dtype=torch.int64),
-        "pixels": torch.randint(0, 256, (rows, 4, 4), generator=g, dtype=torch.uint8),
-        "next": {"terminated": torch.rand(rows, generator=g) < 0.3},
-    }, batch_size=[rows])
+    return TensorDict(
+        {
+            "obs": torch.randn(rows, 3, generator=g),
+            "value": torch.randn(rows, 2, 2, generator=g, dtype=torch.float64),
+            "action": torch.randint(-5, 5, (rows,), generator=g, dtype=torch.int32),
+            "ids": torch.randint(-(2**40), 2**40, (rows, 5), generator=g, dtype=torch.int64),
+            "pixels": torch.randint(0, 256, (rows, 4, 4), generator=g, dtype=torch.uint8),
+            "next": {"terminated": torch.rand(rows, generator=g) < 0.3},
+        },
+        batch_size=[rows],
+    )
 
 
 def id_rows(ids) -> TensorDict:
@@ -54,7 +57,7 @@ def test_round_trip_every_dtype_and_shape(tmp_path, compression):
     with HDF5Writer(path, rows[:1], chunk_rows=512, compression=compression) as writer:
         start = 0
         for size in (1, 700, 1500, 299):  # partial chunks, several whole chunks, a tail
-            writer.append(rows[start:start + size], policy_version=start)
+            writer.append(rows[start : start + size], policy_version=start)
             start += size
     with HDF5Reader(path) as reader:
         assert len(reader) == 2500
@@ -230,8 +233,7 @@ TORN_WRITE_SCRIPT = textwrap.dedent("""
 
 def test_a_ring_write_cut_short_leaves_no_torn_rows(tmp_path):
     path = tmp_path / "ring.h5"
-    result = subprocess.run([PYTHON, "-c", TORN_WRITE_SCRIPT, str(path)], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([PYTHON, "-c", TORN_WRITE_SCRIPT, str(path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 9, result.stderr
     with HDF5Reader(path) as reader:
         arrays = reader.read()
@@ -297,12 +299,14 @@ def test_inspect_summarizes_a_run(tmp_path, capsys):
 def test_inspect_bad_input_exits_2_with_one_line(tmp_path, capsys):
     (tmp_path / "buffer").mkdir()
     (tmp_path / "buffer" / "rank0.h5").write_bytes(b"\x00garbage" * 64)
-    result = subprocess.run([PYTHON, "-m", "spmd_rl.data", "inspect", str(tmp_path)], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [PYTHON, "-m", "spmd_rl.data", "inspect", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path / 'buffer' / 'rank0.h5'} is not a readable "
-                                                   f"HDF5 file: "), lines
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: {tmp_path / 'buffer' / 'rank0.h5'} is not a readable HDF5 file: "
+    ), lines
     for target in (tmp_path / "missing", tmp_path / "buffer" / "rank0.h5"):
         assert data.main(["inspect", str(target)]) == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
@@ -334,8 +338,10 @@ def test_staged_rows_are_written_once_the_oldest_has_waited_flush_every_s(tmp_pa
 
 def test_replay_and_experience_log_pass_flush_every_s_on(tmp_path):
     from spmd_rl.storage.replay import ReplayBuffer
-    replay = ReplayBuffer(100, id_rows([0]), backend="hdf5", path=tmp_path / "replay.h5", chunk_rows=16,
-                          flush_every_s=0)
+
+    replay = ReplayBuffer(
+        100, id_rows([0]), backend="hdf5", path=tmp_path / "replay.h5", chunk_rows=16, flush_every_s=0
+    )
     replay.add(id_rows(range(5)))
     assert replay.storage.writer.stored_rows_committed == 5
     replay.close()
@@ -356,8 +362,9 @@ def test_inspect_answers_at_once_on_a_truncated_or_corrupt_file(tmp_path):
     os.truncate(truncated, len(content) // 2)
     corrupt.write_bytes(content[:48] + b"\xab" * 64 + content[112:])  # the root group's header, after the superblock
     for path, problem in ((truncated, "is truncated: "), (corrupt, "is damaged: ")):
-        result = subprocess.run([PYTHON, "-m", "spmd_rl.data", "inspect", str(path)], capture_output=True,
-                                text=True, timeout=120)
+        result = subprocess.run(
+            [PYTHON, "-m", "spmd_rl.data", "inspect", str(path)], capture_output=True, text=True, timeout=120
+        )
         assert result.returncode == 2, result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {path} {problem}"), lines

@@ -15,10 +15,19 @@ def test_colocated_every_rank_plays_every_role(world):
     assert all(topo.envs_trained_by(r) == (r,) for r in range(world))
 
 
-@pytest.mark.parametrize("world, t, i, e", [
-    (3, 1, 1, 1), (4, 1, 1, 2), (8, 2, 2, 4), (8, 1, 2, -1), (8, -1, 1, 4), (12, 2, 3, 7), (16, 4, 4, 8),
-    (5, 1, -1, 3),
-])
+@pytest.mark.parametrize(
+    "world, t, i, e",
+    [
+        (3, 1, 1, 1),
+        (4, 1, 1, 2),
+        (8, 2, 2, 4),
+        (8, 1, 2, -1),
+        (8, -1, 1, 4),
+        (12, 2, 3, 7),
+        (16, 4, 4, 8),
+        (5, 1, -1, 3),
+    ],
+)
 def test_split_layouts_are_balanced_and_complete(world, t, i, e):
     topo = build_topology(LayoutSection(mode="split", trainer=t, inference=i, env=e), world)
     ranks = topo.trainer_ranks + topo.inference_ranks + topo.env_ranks
@@ -33,17 +42,20 @@ def test_split_layouts_are_balanced_and_complete(world, t, i, e):
     assert topo.describe(topo.env_ranks[0]) == f"rank {topo.env_ranks[0]} (env 0)"
 
 
-@pytest.mark.parametrize("world, layout, message", [
-    (8, dict(trainer=2, inference=2, env=2), "needs 6 ranks but the world size is 8"),
-    (8, dict(trainer=0, inference=2, env=6), "at least one trainer rank"),
-    (8, dict(trainer=2, inference=6, env=0), "at least one env rank"),
-    (8, dict(trainer=2, inference=0, env=6), "at least one inference rank"),
-    (8, dict(trainer=1, inference=4, env=3), "more inference ranks than env ranks"),
-    (8, dict(trainer=5, inference=1, env=2), "more trainer ranks than env ranks"),
-    (8, dict(trainer=-1, inference=-1, env=4), "only one of"),
-    (4, dict(trainer=2, inference=2, env=-1), "at least one env rank"),
-    (2, dict(trainer=2, inference=2, env=-1), "world size is 2"),
-])
+@pytest.mark.parametrize(
+    "world, layout, message",
+    [
+        (8, dict(trainer=2, inference=2, env=2), "needs 6 ranks but the world size is 8"),
+        (8, dict(trainer=0, inference=2, env=6), "at least one trainer rank"),
+        (8, dict(trainer=2, inference=6, env=0), "at least one env rank"),
+        (8, dict(trainer=2, inference=0, env=6), "at least one inference rank"),
+        (8, dict(trainer=1, inference=4, env=3), "more inference ranks than env ranks"),
+        (8, dict(trainer=5, inference=1, env=2), "more trainer ranks than env ranks"),
+        (8, dict(trainer=-1, inference=-1, env=4), "only one of"),
+        (4, dict(trainer=2, inference=2, env=-1), "at least one env rank"),
+        (2, dict(trainer=2, inference=2, env=-1), "world size is 2"),
+    ],
+)
 def test_impossible_split_layouts_say_what_to_change(world, layout, message):
     with pytest.raises(UserError, match=message):
         build_topology(LayoutSection(mode="split", **layout), world)

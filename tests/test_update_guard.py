@@ -37,7 +37,7 @@ class TinyAlgorithm:
         loss.backward()
         self.optimizer.step()
         if self.bad == "nan_weights":
-            return {"grad_steps": 1.0}          # no loss metric: the guard must find it in the parameters
+            return {"grad_steps": 1.0}  # no loss metric: the guard must find it in the parameters
         return {"loss": float("nan") if self.bad == "nan_loss" else loss.item(), "grad_steps": 1.0}
 
 
@@ -53,8 +53,10 @@ def tensors(algorithm: TinyAlgorithm) -> dict[str, torch.Tensor]:
 
 def optimizer_state(algorithm: TinyAlgorithm) -> dict:
     state = algorithm.optimizer.state_dict()["state"]
-    return {index: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-            for index, entry in state.items()}
+    return {
+        index: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        for index, entry in state.items()
+    }
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -66,21 +68,29 @@ def assert_same(a: dict, b: dict) -> None:
             assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), key
 
 
-@pytest.mark.parametrize("bad, problem", [("nan_loss", r"a non-finite loss \(loss=nan\)"),
-                                          ("nan_weights", r"non-finite policy parameters \(weight, bias\)")])
+@pytest.mark.parametrize(
+    "bad, problem",
+    [
+        ("nan_loss", r"a non-finite loss \(loss=nan\)"),
+        ("nan_weights", r"non-finite policy parameters \(weight, bias\)"),
+    ],
+)
 def test_without_skip_a_nonfinite_update_is_an_error_naming_the_iteration(bad, problem):
     algorithm = TinyAlgorithm()
     guard = UpdateGuard(algorithm, skip=False, describe="rank 0 (trainer 0)")
     guard.learn(batch(0), 6)
     algorithm.bad = bad
-    with pytest.raises(UserCodeError, match=rf"rank 0 \(trainer 0\): the update of iteration 7 produced "
-                                            rf"{problem}[^;]*; .*train.skip_nonfinite_updates=true"):
+    with pytest.raises(
+        UserCodeError,
+        match=rf"rank 0 \(trainer 0\): the update of iteration 7 produced "
+        rf"{problem}[^;]*; .*train.skip_nonfinite_updates=true",
+    ):
         guard.learn(batch(1), 7)
 
 
 @pytest.mark.parametrize("bad", ["nan_loss", "nan_weights"])
 def test_skip_restores_parameters_and_optimizer_state_exactly_and_counts(bad):
-    guarded, reference = TinyAlgorithm(), TinyAlgorithm()      # same seed: the reference never sees a bad update
+    guarded, reference = TinyAlgorithm(), TinyAlgorithm()  # same seed: the reference never sees a bad update
     guard = UpdateGuard(guarded, skip=True, describe="rank 0")
     assert guard.learn(batch(0), 0)[SKIPPED_METRIC] == 0.0
     reference.learn(batch(0), 0)
@@ -91,12 +101,12 @@ def test_skip_restores_parameters_and_optimizer_state_exactly_and_counts(bad):
     for count in (1, 2):
         metrics = guard.learn(batch(1), count)
         assert metrics[SKIPPED_METRIC] == float(count) and guard.skipped == count
-        assert metrics["grad_steps"] == 1.0                       # the algorithm's own metrics are passed on
+        assert metrics["grad_steps"] == 1.0  # the algorithm's own metrics are passed on
         assert_same(tensors(guarded), params)
-        assert_same(optimizer_state(guarded), adam)               # step count and both moments, not only weights
+        assert_same(optimizer_state(guarded), adam)  # step count and both moments, not only weights
 
     guarded.bad = ""
-    for i in (2, 3):                                             # later updates are those of a run without the bad one
+    for i in (2, 3):  # later updates are those of a run without the bad one
         metrics = guard.learn(batch(i), i)
         reference.learn(batch(i), i)
         assert math.isfinite(metrics["loss"]) and metrics[SKIPPED_METRIC] == 2.0
@@ -124,9 +134,9 @@ def test_an_overflowing_norm_of_finite_weights_is_not_a_problem(skip):
         for p in algorithm.policy.parameters():
             p.fill_(1e38)
     for p in algorithm.policy.parameters():
-        p.requires_grad_(False)                                   # learn() changes only the temperature
+        p.requires_grad_(False)  # learn() changes only the temperature
     parameters = list(algorithm.policy.parameters())
-    assert not torch.isfinite(torch.nn.utils.get_total_norm(parameters, foreach=True))   # the norm does overflow
+    assert not torch.isfinite(torch.nn.utils.get_total_norm(parameters, foreach=True))  # the norm does overflow
     assert all(bool(torch.isfinite(p).all()) for p in parameters)
     guard = UpdateGuard(algorithm, skip=skip, describe="rank 0")
     alpha_before = algorithm.log_alpha.detach().clone()
@@ -139,5 +149,5 @@ def test_an_overflowing_norm_of_finite_weights_is_not_a_problem(skip):
     algorithm.learn = learn
     metrics = guard.learn(batch(0), 0)
     assert metrics["loss"] == 1.0 and guard.skipped == 0
-    assert torch.equal(algorithm.log_alpha.detach(), alpha_before + 0.5)   # the update was kept
+    assert torch.equal(algorithm.log_alpha.detach(), alpha_before + 0.5)  # the update was kept
     assert all(bool((p == 1e38).all()) for p in parameters)

@@ -11,7 +11,7 @@ from torch import nn
 from spmd_rl.comm.weights import WeightMismatchError, WeightSync, bucket_checksum
 
 TIMEOUT = datetime.timedelta(seconds=20)
-BUCKET_BYTES = 512      # small, so the test model spans several buckets and has an oversized tensor
+BUCKET_BYTES = 512  # small, so the test model spans several buckets and has an oversized tensor
 
 
 class Policy(nn.Module):
@@ -21,7 +21,7 @@ class Policy(nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.body = nn.Sequential(nn.Linear(obs, hidden), nn.Tanh(), nn.Linear(hidden, 3))
-        self.norm = nn.BatchNorm1d(hidden)                   # running stats (float32) and an int64 counter
+        self.norm = nn.BatchNorm1d(hidden)  # running stats (float32) and an int64 counter
         self.log_std = nn.Parameter(torch.randn(3))
         self.register_buffer("obs_mean", torch.randn(obs, dtype=torch.float64))
         self.register_buffer("obs_count", torch.randint(0, 100, (), dtype=torch.int64))
@@ -37,7 +37,7 @@ class Policy(nn.Module):
                 p.add_(0.01 * (step + 1))
         self.norm.running_mean.mul_(0.5)
         self.obs_count += step
-        self.obs_mean = self.obs_mean + 1.0                  # replaced, not updated in place
+        self.obs_mean = self.obs_mean + 1.0  # replaced, not updated in place
 
 
 def state(module: nn.Module) -> dict:
@@ -69,32 +69,31 @@ def test_checksum_sees_every_word_and_its_position():
 
 
 def _broadcast_and_verify(rank, world_size):
-    group = dist.new_group([0, 1, 2], timeout=TIMEOUT)          # rank 3 is not a member, as an env rank is not
-    policy = Policy(seed=rank)                                   # every rank starts from different weights
+    group = dist.new_group([0, 1, 2], timeout=TIMEOUT)  # rank 3 is not a member, as an env rank is not
+    policy = Policy(seed=rank)  # every rank starts from different weights
     if rank == 3:
         with pytest.raises(ValueError, match="rank 3 .* is not a member of the weight group"):
             WeightSync(policy, group, src=0, me=3, bucket_bytes=BUCKET_BYTES, timeout=TIMEOUT, describe_rank=describe)
         return
-    sync = WeightSync(policy, group, src=0, me=rank, bucket_bytes=BUCKET_BYTES, timeout=TIMEOUT,
-                      describe_rank=describe)
+    sync = WeightSync(policy, group, src=0, me=rank, bucket_bytes=BUCKET_BYTES, timeout=TIMEOUT, describe_rank=describe)
     assert len(sync.buckets) >= 3
-    assert len({e.view.dtype for e in sync.entries if e.bucket == sync.entries[-1].bucket}) > 1   # dtypes share
-    assert any(b.numel() > BUCKET_BYTES for b in sync.buckets)   # body.0.weight alone exceeds a bucket
-    reference = Policy(seed=0)                                   # what the source holds, rebuilt locally
+    assert len({e.view.dtype for e in sync.entries if e.bucket == sync.entries[-1].bucket}) > 1  # dtypes share
+    assert any(b.numel() > BUCKET_BYTES for b in sync.buckets)  # body.0.weight alone exceeds a bucket
+    reference = Policy(seed=0)  # what the source holds, rebuilt locally
 
     assert sync.broadcast(version=1 if rank == 0 else 0) == 1
     assert_state_equal(state(policy), state(reference))
     sync.verify(1)
 
-    for step in range(2):                                        # the source trains; receivers follow
+    for step in range(2):  # the source trains; receivers follow
         if rank == 0:
             policy.train_step(step)
-            policy(torch.randn(8, 5)).sum().backward()           # autograd through parameters that are views
-            with torch.no_grad():                                # an SGD step (torch.optim costs seconds to import)
+            policy(torch.randn(8, 5)).sum().backward()  # autograd through parameters that are views
+            with torch.no_grad():  # an SGD step (torch.optim costs seconds to import)
                 for p in policy.parameters():
                     p.sub_(0.1 * p.grad)
         assert sync.broadcast(version=2 + step) == 2 + step
-        if rank == 0:                                            # the receivers' reference: the source's state
+        if rank == 0:  # the receivers' reference: the source's state
             for peer in (1, 2):
                 for tensor in state(policy).values():
                     dist.send(tensor.contiguous(), dst=peer, group=group)
@@ -106,9 +105,10 @@ def _broadcast_and_verify(rank, world_size):
         sync.verify(2 + step)
     assert policy.obs_mean.data_ptr() == sync.entries[[e.name for e in sync.entries].index("obs_mean")].view.data_ptr()
 
-    with pytest.raises(WeightMismatchError, match="the source rank 0 \\(trainer 0\\) holds version 3, not the "
-                       "version 2 being verified"):
-        sync.verify(2)                                           # a stale version is an error, even if bits agree
+    with pytest.raises(
+        WeightMismatchError, match="the source rank 0 \\(trainer 0\\) holds version 3, not the version 2 being verified"
+    ):
+        sync.verify(2)  # a stale version is an error, even if bits agree
 
     # A receiver whose copy drifts (one element of one parameter) is caught by every member.
     corrupted = next(e for e in sync.entries if e.name == "body.2.bias")

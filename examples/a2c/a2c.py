@@ -1,8 +1,9 @@
 """A2C, the synchronous advantage actor-critic (Mnih et al. 2016), as a user's own algorithm: `algo.class: a2c:A2C`.
 
 Per iteration: n-step returns from the rollout, bootstrapped from the critic; then one gradient step on
-policy loss + value loss - entropy bonus, with the learning rate decayed linearly over the run. Written against spmd_rl.api only: `context.data_parallel` averages the
-gradients over trainers (DDP), so this file holds no distributed code.
+policy loss + value loss - entropy bonus, with the learning rate decayed linearly over the run. Written against
+spmd_rl.api only: `context.data_parallel` averages the gradients over trainers (DDP), so this file holds no
+distributed code.
 """
 
 from dataclasses import dataclass
@@ -26,8 +27,9 @@ class A2CConfig(AlgorithmConfig):
     max_grad_norm: float = knob(0.5, "gradient norm clipping", min=0.0)
 
 
-def n_step_returns(reward: Tensor, value: Tensor, next_value: Tensor, terminated: Tensor, truncated: Tensor,
-                   gamma: float) -> Tensor:
+def n_step_returns(
+    reward: Tensor, value: Tensor, next_value: Tensor, terminated: Tensor, truncated: Tensor, gamma: float
+) -> Tensor:
     """R_t = r_t + gamma * R', where R' is 0 after a termination, V(final obs) after a truncation (the value
     recorded on the step that follows it), R_{t+1} otherwise, and V(next_obs) after the last step. [T, N]."""
     following = torch.cat([value[1:], next_value.unsqueeze(0)])
@@ -42,8 +44,8 @@ def n_step_returns(reward: Tensor, value: Tensor, next_value: Tensor, terminated
 
 class A2C(Algorithm):
     Config = A2CConfig
-    requires = ("value",)                       # the critic's value at every step, for bootstrapping
-    policy_methods = ("evaluate", "value")      # evaluate(obs, action) -> (log_prob, entropy, value); value(obs)
+    requires = ("value",)  # the critic's value at every step, for bootstrapping
+    policy_methods = ("evaluate", "value")  # evaluate(obs, action) -> (log_prob, entropy, value); value(obs)
 
     def __init__(self, policy, config: A2CConfig, context):
         super().__init__(policy, config, context)
@@ -58,10 +60,13 @@ class A2C(Algorithm):
         rollout = segment["rollout"].to(device)
         with torch.no_grad():
             next_value = self.policy.value(segment["next_obs"].to(device))
-        returns = n_step_returns(rollout["reward"], rollout["value"], next_value, rollout["terminated"],
-                                 rollout["truncated"], cfg.gamma)
-        batch = TensorDict({"obs": rollout["obs"], "action": rollout["action"], "valid": rollout["valid"],
-                            "return_": returns}, batch_size=rollout.batch_size).reshape(-1)
+        returns = n_step_returns(
+            rollout["reward"], rollout["value"], next_value, rollout["terminated"], rollout["truncated"], cfg.gamma
+        )
+        batch = TensorDict(
+            {"obs": rollout["obs"], "action": rollout["action"], "valid": rollout["valid"], "return_": returns},
+            batch_size=rollout.batch_size,
+        ).reshape(-1)
         # A step right after an episode end only reset its env: no transition, weight 0 in every mean. Its
         # return is zeroed too, so nothing stored there reaches a gradient (0 * inf would be NaN).
         valid = batch["valid"]
@@ -79,8 +84,12 @@ class A2C(Algorithm):
         nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
         self.optimizer.step()
         self.policy.update_normalizer(batch["obs"][valid], self.context)
-        return {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy.item(),
-                "learning_rate": lr}
+        return {
+            "policy_loss": policy_loss.item(),
+            "value_loss": value_loss.item(),
+            "entropy": entropy.item(),
+            "learning_rate": lr,
+        }
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}

@@ -34,8 +34,12 @@ from spmd_rl.api import (
 @dataclass
 class HeldOutEvalConfig:
     every: int = knob(2, "evaluate on the held-out settings before every this-many-th weight sync", min=1)
-    kwargs: dict = knob(None, "the held-out env settings: gymnasium.make keyword arguments laid over env.kwargs "
-                              "(e.g. {g: 12.0} for Pendulum-v1)", factory=dict)
+    kwargs: dict = knob(
+        None,
+        "the held-out env settings: gymnasium.make keyword arguments laid over env.kwargs "
+        "(e.g. {g: 12.0} for Pendulum-v1)",
+        factory=dict,
+    )
     episodes: int = knob(4, "episodes per held-out evaluation", min=1)
     deterministic: bool = knob(True, "act with the policy's mode (mean action) rather than sampling")
 
@@ -46,8 +50,9 @@ class HeldOutEvalEngine(Engine):
     Config = HeldOutEvalConfig
 
     def run(self, run: Run) -> Policy | None:
-        loop = {COLOCATED: self.colocated_loop, ENV: env_loop, INFERENCE: inference_loop,
-                TRAINER: self.trainer_loop}[run.role]
+        loop = {COLOCATED: self.colocated_loop, ENV: env_loop, INFERENCE: inference_loop, TRAINER: self.trainer_loop}[
+            run.role
+        ]
         return run.with_metrics(lambda logger: loop(run, logger))
 
     @classmethod
@@ -65,8 +70,13 @@ class HeldOutEvalEngine(Engine):
         plan = run.plan
         if logger is None or not plan.syncs_after(iteration) or plan.version_at(iteration + 1) % self.config.every:
             return {}
-        result = evaluate(trainer.policy, heldout_env(run.cfg.env, self.config.kwargs), self.config.episodes,
-                          seed=run.cfg.train.seed, deterministic=self.config.deterministic)  # same episodes each time
+        result = evaluate(
+            trainer.policy,
+            heldout_env(run.cfg.env, self.config.kwargs),
+            self.config.episodes,
+            seed=run.cfg.train.seed,
+            deterministic=self.config.deterministic,
+        )  # same episodes each time
         return {"heldout_return_mean": result["return_mean"], "heldout_return_std": result["return_std"]}
 
     def colocated_loop(self, run: Run, logger: MetricsLogger | None) -> None:
@@ -85,8 +95,9 @@ class HeldOutEvalEngine(Engine):
                 metrics = trainer.learn(segment, iteration)
                 metrics = {**metrics, **self.heldout(run, trainer, iteration, logger)}
                 report(iteration, metrics, trainer.gather_statistics(segment), trainer)
-                run.end_iteration(iteration, lambda: {**trainer.state_dict(), "metrics": report.state_dict(),
-                                                      **runner.checkpoint()})
+                run.end_iteration(
+                    iteration, lambda: {**trainer.state_dict(), "metrics": report.state_dict(), **runner.checkpoint()}
+                )
         finally:
             runner.close()
             trainer.close()
@@ -115,6 +126,7 @@ def heldout_env(env_cfg, kwargs: dict):
 
 
 # The env and inference ranks run exactly the sync engine's loops.
+
 
 def env_loop(run: Run, logger: None = None) -> None:
     runner = run.build_env_runner()

@@ -17,8 +17,9 @@ from spmd_rl.api import Policy, StepField, knob
 
 @dataclass
 class CatchCNNConfig:
-    channels: list[int] = knob(None, "output channels of each 3x3 convolution (stride 1, same padding)",
-                               factory=lambda: [16, 32], item_min=1)
+    channels: list[int] = knob(
+        None, "output channels of each 3x3 convolution (stride 1, same padding)", factory=lambda: [16, 32], item_min=1
+    )
     hidden: int = knob(128, "width of the linear layer between the convolutions and the heads", min=1)
 
 
@@ -27,8 +28,11 @@ class CatchCNN(Policy):
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: CatchCNNConfig):
         super().__init__(observation_space, action_space, config)
-        if not (isinstance(observation_space, gym.spaces.Box) and len(observation_space.shape) == 3
-                and observation_space.dtype == np.uint8):
+        if not (
+            isinstance(observation_space, gym.spaces.Box)
+            and len(observation_space.shape) == 3
+            and observation_space.dtype == np.uint8
+        ):
             raise ValueError(f"CatchCNN needs uint8 images (height x width x channels), got {observation_space}")
         if not isinstance(action_space, gym.spaces.Discrete):
             raise ValueError(f"CatchCNN needs a Discrete action space, got {action_space}")
@@ -37,8 +41,9 @@ class CatchCNN(Policy):
         for out_channels in config.channels:
             layers += [nn.Conv2d(channels, out_channels, 3, padding=1), nn.ReLU()]
             channels = out_channels
-        self.trunk = nn.Sequential(*layers, nn.Flatten(), nn.Linear(channels * height * width, config.hidden),
-                                   nn.ReLU())
+        self.trunk = nn.Sequential(
+            *layers, nn.Flatten(), nn.Linear(channels * height * width, config.hidden), nn.ReLU()
+        )
         self.actor = nn.Linear(config.hidden, int(action_space.n))
         self.critic = nn.Linear(config.hidden, 1)
         # Near-uniform first actions: a small actor head (as in PPO's usual initialisation).
@@ -46,8 +51,11 @@ class CatchCNN(Policy):
         nn.init.zeros_(self.actor.bias)
 
     def outputs(self) -> dict[str, StepField]:
-        return {"action": StepField((), torch.int64), "log_prob": StepField((), torch.float32),
-                "value": StepField((), torch.float32)}
+        return {
+            "action": StepField((), torch.int64),
+            "log_prob": StepField((), torch.float32),
+            "value": StepField((), torch.float32),
+        }
 
     def features(self, obs: Tensor) -> Tensor:
         # [B, H, W, C] uint8 as the env gives it -> [B, C, H, W] floats in [0, 1], in plain (channels-first)
@@ -61,8 +69,11 @@ class CatchCNN(Policy):
         x = self.features(obs)
         log_probs = torch.log_softmax(self.actor(x), dim=-1)
         action = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1).squeeze(-1)
-        return {"action": action, "log_prob": log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1),
-                "value": self.critic(x).squeeze(-1)}
+        return {
+            "action": action,
+            "log_prob": log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1),
+            "value": self.critic(x).squeeze(-1),
+        }
 
     def evaluate(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(log_prob, entropy, value) of the given actions, with gradients."""

@@ -13,6 +13,7 @@ from spmd_rl.runtime.errors import UserError
 @dataclass
 class PPOConfig(AlgorithmConfig):
     """PPO's hyperparameters; the defaults are RL Zoo's tuned CartPole-v1 settings with 2 minibatches instead of 1."""
+
     default_policy: ClassVar[str] = "actor_critic"
     learning_rate: float = knob(1e-3, "Adam learning rate", min=0.0)
     anneal_lr: bool = knob(True, "anneal the learning rate linearly to 0 over the run")
@@ -28,17 +29,23 @@ class PPOConfig(AlgorithmConfig):
     max_grad_norm: float = knob(0.5, "gradient norm clipping", min=0.0)
     normalize_advantages: bool = knob(True, "normalize advantages per minibatch")
     target_kl: float | None = knob(None, "stop the epochs early when approx_kl exceeds this (null = never)", min=0.0)
-    vtrace: bool = knob(False, "V-trace targets and advantages (off-policy correction for the async engine's policy "
-                               "lag); declares a tolerated lag of 8 versions (0 without)")
-    vtrace_rho_bar: float = knob(1.0, "V-trace: truncation of the importance weights rho (advantages, targets)",
-                                 min=0.0)
-    vtrace_c_bar: float = knob(1.0, "V-trace: truncation of the trace-cutting weights c (gae_lambda scales them)",
-                               min=0.0)
+    vtrace: bool = knob(
+        False,
+        "V-trace targets and advantages (off-policy correction for the async engine's policy "
+        "lag); declares a tolerated lag of 8 versions (0 without)",
+    )
+    vtrace_rho_bar: float = knob(
+        1.0, "V-trace: truncation of the importance weights rho (advantages, targets)", min=0.0
+    )
+    vtrace_c_bar: float = knob(
+        1.0, "V-trace: truncation of the trace-cutting weights c (gae_lambda scales them)", min=0.0
+    )
 
 
 @dataclass
 class SACConfig(AlgorithmConfig):
     """SAC's hyperparameters (CleanRL's sac_continuous_action defaults) and its critics' shape."""
+
     default_policy: ClassVar[str] = "squashed_gaussian"
     num_steps: int = knob(8, "env steps per segment an env rank streams to its trainer's replay shard", min=1)
     gamma: float = knob(0.99, "discount factor", min=0.0, max=1.0)
@@ -53,11 +60,14 @@ class SACConfig(AlgorithmConfig):
     alpha: float = knob(0.2, "entropy temperature (initial value when autotune)", min=0.0)
     autotune: bool = knob(True, "tune the temperature towards the target entropy -|A|")
     weight_sync_every: int = knob(1, "iterations between weight broadcasts to the inference ranks", min=1)
-    critic_hidden_sizes: list[int] = knob(None, "hidden layer widths of each Q network",
-                                          factory=lambda: [256, 256], item_min=1)
+    critic_hidden_sizes: list[int] = knob(
+        None, "hidden layer widths of each Q network", factory=lambda: [256, 256], item_min=1
+    )
     critic_activation: str = knob("relu", "hidden activation of the Q networks", choices=["tanh", "relu", "elu"])
 
     def __post_init__(self):
         if self.autotune and self.alpha <= 0:
-            raise UserError(f"algo.alpha={self.alpha} with algo.autotune=true: the temperature is tuned in log space "
-                            "from its initial value algo.alpha, which must be > 0")
+            raise UserError(
+                f"algo.alpha={self.alpha} with algo.autotune=true: the temperature is tuned in log space "
+                "from its initial value algo.alpha, which must be > 0"
+            )

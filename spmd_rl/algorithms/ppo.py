@@ -26,8 +26,9 @@ from spmd_rl.runtime.errors import UserError
 # Advantages
 
 
-def compute_gae(rewards: Tensor, values: Tensor, next_value: Tensor, terminated: Tensor, truncated: Tensor,
-                gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+def compute_gae(
+    rewards: Tensor, values: Tensor, next_value: Tensor, terminated: Tensor, truncated: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimation over a [T, N] rollout; next_value [N] is V of the obs after the last step.
 
     delta_t = r_t + gamma * V(s_{t+1}) * (1 - terminated_t) - V(s_t)
@@ -55,13 +56,14 @@ def compute_gae(rewards: Tensor, values: Tensor, next_value: Tensor, terminated:
 # Update
 
 
-VTRACE_MAX_POLICY_LAG = 8   # the lag PPO declares with algo.vtrace (engine.max_policy_lag may lower it)
+VTRACE_MAX_POLICY_LAG = 8  # the lag PPO declares with algo.vtrace (engine.max_policy_lag may lower it)
 
 LOSS_NAMES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
 
 
-def ppo_losses(minibatch: dict[str, Tensor], new_log_prob: Tensor, entropy: Tensor, new_value: Tensor,
-               clip: float, cfg: PPOConfig) -> dict[str, Tensor]:
+def ppo_losses(
+    minibatch: dict[str, Tensor], new_log_prob: Tensor, entropy: Tensor, new_value: Tensor, clip: float, cfg: PPOConfig
+) -> dict[str, Tensor]:
     """The clipped-surrogate, value and entropy terms on one minibatch, each a mean over its valid entries.
 
     minibatch holds the rollout's log_prob, advantage, return_, value and valid (its invalid entries zeroed by
@@ -91,8 +93,13 @@ def ppo_losses(minibatch: dict[str, Tensor], new_log_prob: Tensor, entropy: Tens
     with torch.no_grad():
         approx_kl = ((ratio - 1) - log_ratio) @ share  # the low-variance k3 estimator, as SB3
         clip_fraction = ((ratio - 1).abs() > clip).float() @ share
-    return {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy @ share,
-            "approx_kl": approx_kl, "clip_fraction": clip_fraction}
+    return {
+        "policy_loss": policy_loss,
+        "value_loss": value_loss,
+        "entropy": entropy @ share,
+        "approx_kl": approx_kl,
+        "clip_fraction": clip_fraction,
+    }
 
 
 def total_loss(losses: dict[str, Tensor], cfg: PPOConfig) -> Tensor:
@@ -153,14 +160,18 @@ class PPO(Algorithm):
     @classmethod
     def check_plan(cls, config: PPOConfig, plan: PlanFacts) -> None:
         if plan.samples_per_trainer < config.num_minibatches:
-            raise UserError(f"algo.num_minibatches={config.num_minibatches} is more than the "
-                            f"{plan.samples_per_trainer} samples a trainer holds per iteration; lower it")
+            raise UserError(
+                f"algo.num_minibatches={config.num_minibatches} is more than the "
+                f"{plan.samples_per_trainer} samples a trainer holds per iteration; lower it"
+            )
 
     @classmethod
     def summary(cls, config: PPOConfig, plan: PlanFacts) -> str:
         per_trainer = plan.samples_per_trainer
-        return (f"batch {plan.steps_per_iteration} ({per_trainer} per trainer), {config.num_minibatches} "
-                f"minibatch(es) of {per_trainer // config.num_minibatches} per trainer, {config.update_epochs} epochs")
+        return (
+            f"batch {plan.steps_per_iteration} ({per_trainer} per trainer), {config.num_minibatches} "
+            f"minibatch(es) of {per_trainer // config.num_minibatches} per trainer, {config.update_epochs} epochs"
+        )
 
     def __init__(self, policy: Policy, config: PPOConfig, context: Context):
         super().__init__(policy, config, context)
@@ -182,12 +193,27 @@ class PPO(Algorithm):
         if cfg.vtrace:
             advantage, return_, value = self.vtrace_targets(rollout, next_value)
         else:
-            advantage, return_ = compute_gae(rollout["reward"], value, next_value,
-                                             rollout["terminated"], rollout["truncated"], cfg.gamma, cfg.gae_lambda)
-        batch = TensorDict({
-            "obs": rollout["obs"], "action": rollout["action"], "log_prob": rollout["log_prob"],
-            "value": value, "valid": rollout["valid"], "advantage": advantage, "return_": return_,
-        }, batch_size=rollout.batch_size).reshape(-1)
+            advantage, return_ = compute_gae(
+                rollout["reward"],
+                value,
+                next_value,
+                rollout["terminated"],
+                rollout["truncated"],
+                cfg.gamma,
+                cfg.gae_lambda,
+            )
+        batch = TensorDict(
+            {
+                "obs": rollout["obs"],
+                "action": rollout["action"],
+                "log_prob": rollout["log_prob"],
+                "value": value,
+                "valid": rollout["valid"],
+                "advantage": advantage,
+                "return_": return_,
+            },
+            batch_size=rollout.batch_size,
+        ).reshape(-1)
         metrics = self.update(batch, iteration)
         # The statistics used to collect this rollout stay fixed while learning from it; fold the rollout's
         # observations in afterwards, so the next rollout (and its learning) use the merged statistics.
@@ -204,9 +230,19 @@ class PPO(Algorithm):
             target_log_prob, _, value = self.policy.evaluate(flat["obs"], flat["action"])
         target_log_prob = target_log_prob.reshape(rollout.batch_size)
         value = value.reshape(rollout.batch_size)
-        return_, advantage = vtrace(rollout["log_prob"], target_log_prob, rollout["reward"], value, next_value,
-                                    rollout["terminated"], rollout["truncated"], cfg.gamma, cfg.gae_lambda,
-                                    cfg.vtrace_rho_bar, cfg.vtrace_c_bar)
+        return_, advantage = vtrace(
+            rollout["log_prob"],
+            target_log_prob,
+            rollout["reward"],
+            value,
+            next_value,
+            rollout["terminated"],
+            rollout["truncated"],
+            cfg.gamma,
+            cfg.gae_lambda,
+            cfg.vtrace_rho_bar,
+            cfg.vtrace_c_bar,
+        )
         return advantage, return_, value
 
     def annealed(self, iteration: int) -> tuple[float, float]:

@@ -41,13 +41,16 @@ def transitions_of(segment: TensorDict) -> TensorDict:
     rollout = segment["rollout"]
     next_obs = torch.cat([rollout["obs"][1:], segment["next_obs"].unsqueeze(0)])
     valid = rollout["valid"]
-    return TensorDict({
-        "obs": rollout["obs"][valid],
-        "action": rollout["action"][valid],
-        "reward": rollout["reward"][valid],
-        "next_obs": next_obs[valid],
-        "terminated": rollout["terminated"][valid],
-    }, batch_size=[int(valid.sum())])
+    return TensorDict(
+        {
+            "obs": rollout["obs"][valid],
+            "action": rollout["action"][valid],
+            "reward": rollout["reward"][valid],
+            "next_obs": next_obs[valid],
+            "terminated": rollout["terminated"][valid],
+        },
+        batch_size=[int(valid.sum())],
+    )
 
 
 class SAC(Algorithm):
@@ -68,19 +71,24 @@ class SAC(Algorithm):
     @classmethod
     def schedule(cls, config: SACConfig) -> Schedule:
         # Off-policy: any lag (the async engine's backpressure keeps it to a few versions).
-        return Schedule(weight_sync_every=config.weight_sync_every, random_steps=config.learning_starts,
-                        max_policy_lag=2**31 - 1)
+        return Schedule(
+            weight_sync_every=config.weight_sync_every, random_steps=config.learning_starts, max_policy_lag=2**31 - 1
+        )
 
     @classmethod
     def check_plan(cls, config: SACConfig, plan: PlanFacts) -> None:
         if config.batch_size % plan.trainer_ranks:
-            raise UserError(f"algo.batch_size={config.batch_size} must be a multiple of the {plan.trainer_ranks} "
-                            f"trainer ranks (each samples an equal share of every batch)")
+            raise UserError(
+                f"algo.batch_size={config.batch_size} must be a multiple of the {plan.trainer_ranks} "
+                f"trainer ranks (each samples an equal share of every batch)"
+            )
 
     @classmethod
     def summary(cls, config: SACConfig, plan: PlanFacts) -> str:
-        return (f"replay batch {config.batch_size} (all trainers), {config.updates_per_step:g} updates per env step "
-                f"after {config.learning_starts} random steps")
+        return (
+            f"replay batch {config.batch_size} (all trainers), {config.updates_per_step:g} updates per env step "
+            f"after {config.learning_starts} random steps"
+        )
 
     def __init__(self, actor: SquashedGaussianActor, cfg: SACConfig, context: Context):
         super().__init__(actor, cfg, context)
@@ -101,16 +109,23 @@ class SAC(Algorithm):
         # fused: one kernel over all parameters instead of a dozen small ops per tensor.
         self.actor_optimizer = torch.optim.Adam(self.actor_params, lr=cfg.policy_lr, fused=True)
         self.critic_optimizer = torch.optim.Adam(self.critic_params, lr=cfg.q_lr, fused=True)
-        self.alpha_optimizer = (torch.optim.Adam([self.log_alpha], lr=cfg.policy_lr, fused=True)
-                                if cfg.autotune else None)
+        self.alpha_optimizer = (
+            torch.optim.Adam([self.log_alpha], lr=cfg.policy_lr, fused=True) if cfg.autotune else None
+        )
         self.num_updates = 0  # update() calls so far: schedules the delayed actor and target updates
 
         # Every trainer starts from the first trainer's actor, critics, targets and temperature.
         self.sync_from_first_trainer()
-        example = TensorDict({
-            "obs": zeros_of(obs_space, 1), "action": zeros_of(action_space, 1).float(),
-            "reward": torch.zeros(1), "next_obs": zeros_of(obs_space, 1),
-            "terminated": torch.zeros(1, dtype=torch.bool)}, batch_size=[1])
+        example = TensorDict(
+            {
+                "obs": zeros_of(obs_space, 1),
+                "action": zeros_of(action_space, 1).float(),
+                "reward": torch.zeros(1),
+                "next_obs": zeros_of(obs_space, 1),
+                "terminated": torch.zeros(1, dtype=torch.bool),
+            },
+            batch_size=[1],
+        )
         self.replay = context.replay_buffer(example)
         self.updates_per_iteration = cfg.updates_per_step * context.steps_per_iteration
         self.updates_owed = 0.0  # fractional updates carry over, so the long-run ratio is exact
@@ -194,8 +209,12 @@ class SAC(Algorithm):
                     self._step([self.actor_optimizer], self.actor_params, actor_loss, "actor")
                 else:
                     # Disjoint parameters: one backward of the sum gives both gradients, one all_reduce both.
-                    self._step([self.actor_optimizer, self.alpha_optimizer], [*self.actor_params, self.log_alpha],
-                               actor_loss + alpha_loss, "actor and temperature")
+                    self._step(
+                        [self.actor_optimizer, self.alpha_optimizer],
+                        [*self.actor_params, self.log_alpha],
+                        actor_loss + alpha_loss,
+                        "actor and temperature",
+                    )
                     metrics["alpha_loss"] = alpha_loss
                 metrics["actor_loss"] = actor_loss
 
@@ -205,8 +224,7 @@ class SAC(Algorithm):
         names = list(metrics)
         return dict(zip(names, torch.stack([metrics[name].detach() for name in names]).tolist()))
 
-    def _step(self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], loss: Tensor, what: str
-              ) -> None:
+    def _step(self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], loss: Tensor, what: str) -> None:
         """Gradients of loss for exactly these parameters (none land on the critics during an actor step), averaged
         over the trainer group, then one step of each optimizer."""
         grads = torch.autograd.grad(loss, params)
@@ -230,8 +248,13 @@ class SAC(Algorithm):
         trainer's. Every trainer calls it, once at start-up; a no-op for a single trainer."""
         if self.context.group is None:
             return
-        tensors = [*self.actor.parameters(), *self.actor.buffers(), *self.critic_params, *self.target_params,
-                   self.log_alpha]
+        tensors = [
+            *self.actor.parameters(),
+            *self.actor.buffers(),
+            *self.critic_params,
+            *self.target_params,
+            self.log_alpha,
+        ]
         for dtype in sorted({t.dtype for t in tensors}, key=str):  # one broadcast per dtype (the normalizer's f64)
             same_dtype = [t for t in tensors if t.dtype == dtype]
             flat = _flatten_dense_tensors([t.detach() for t in same_dtype])

@@ -24,9 +24,19 @@ import torch
 from torch import Tensor
 
 
-def vtrace(behaviour_log_prob: Tensor, target_log_prob: Tensor, rewards: Tensor, values: Tensor,
-           next_value: Tensor, terminated: Tensor, truncated: Tensor, gamma: float, lam: float = 1.0,
-           rho_bar: float = 1.0, c_bar: float = 1.0) -> tuple[Tensor, Tensor]:
+def vtrace(
+    behaviour_log_prob: Tensor,
+    target_log_prob: Tensor,
+    rewards: Tensor,
+    values: Tensor,
+    next_value: Tensor,
+    terminated: Tensor,
+    truncated: Tensor,
+    gamma: float,
+    lam: float = 1.0,
+    rho_bar: float = 1.0,
+    c_bar: float = 1.0,
+) -> tuple[Tensor, Tensor]:
     """(v_s targets, policy-gradient advantages A_s), each [T, N]; next_value [N] is V of the obs after the last
     step. All inputs [T, N] except next_value; log-probs of the actions taken."""
     ratio = (target_log_prob - behaviour_log_prob).exp()
@@ -38,8 +48,8 @@ def vtrace(behaviour_log_prob: Tensor, target_log_prob: Tensor, rewards: Tensor,
     not_done = 1.0 - (terminated | truncated).float()
     deltas = rho * (rewards + gamma * not_terminated * next_values - values)
 
-    corrections = torch.empty_like(values)           # v_s - V(x_s)
-    running = torch.zeros_like(next_value)           # v_{T} - V(x_T) = 0: the last value is not corrected
+    corrections = torch.empty_like(values)  # v_s - V(x_s)
+    running = torch.zeros_like(next_value)  # v_{T} - V(x_T) = 0: the last value is not corrected
     for t in reversed(range(rewards.shape[0])):
         running = deltas[t] + gamma * c[t] * not_done[t] * running
         corrections[t] = running

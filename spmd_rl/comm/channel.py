@@ -29,9 +29,9 @@ import datetime
 import hashlib
 import json
 import zlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ from spmd_rl.comm.flat import aligned
 from spmd_rl.runtime.distributed import Peer, comm_error, wait
 from spmd_rl.runtime.errors import CommError
 
-HEADER_BYTES = 16   # int64 sequence number, int64 layout digest
+HEADER_BYTES = 16  # int64 sequence number, int64 layout digest
 
 Key = tuple[str, ...]
 
@@ -86,8 +86,9 @@ class TensorLayout:
     Built from an example with `TensorLayout.of(td)`. Nested TensorDicts keep their batch sizes, so a receiver
     rebuilds exactly the structure the sender has.
     """
+
     batch_size: tuple[int, ...]
-    subtrees: tuple[tuple[Key, tuple[int, ...]], ...]   # nested TensorDicts and their batch sizes
+    subtrees: tuple[tuple[Key, tuple[int, ...]], ...]  # nested TensorDicts and their batch sizes
     leaves: tuple[Leaf, ...]
 
     @classmethod
@@ -100,25 +101,32 @@ class TensorLayout:
             elif isinstance(value, torch.Tensor):
                 leaves.append(Leaf(_as_key(key), tuple(value.shape), value.dtype))
             else:
-                raise ValueError(f"channel payloads hold tensors only; key {key_name(_as_key(key))!r} holds a "
-                                 f"{type(value).__name__}")
+                raise ValueError(
+                    f"channel payloads hold tensors only; key {key_name(_as_key(key))!r} holds a {type(value).__name__}"
+                )
         return cls(tuple(td.batch_size), tuple(sorted(subtrees)), tuple(sorted(leaves, key=lambda leaf: leaf.key)))
 
     def encode(self) -> bytes:
         """A canonical byte string: what the handshake ships and what the digest hashes."""
-        return json.dumps({
-            "batch_size": list(self.batch_size),
-            "subtrees": [[list(key), list(size)] for key, size in self.subtrees],
-            "leaves": [[list(leaf.key), list(leaf.shape), str(leaf.dtype).removeprefix("torch.")]
-                       for leaf in self.leaves],
-        }, separators=(",", ":")).encode()
+        return json.dumps(
+            {
+                "batch_size": list(self.batch_size),
+                "subtrees": [[list(key), list(size)] for key, size in self.subtrees],
+                "leaves": [
+                    [list(leaf.key), list(leaf.shape), str(leaf.dtype).removeprefix("torch.")] for leaf in self.leaves
+                ],
+            },
+            separators=(",", ":"),
+        ).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> TensorLayout:
         raw = json.loads(data.decode())
-        return cls(tuple(raw["batch_size"]),
-                   tuple((tuple(key), tuple(size)) for key, size in raw["subtrees"]),
-                   tuple(Leaf(tuple(key), tuple(shape), getattr(torch, dtype)) for key, shape, dtype in raw["leaves"]))
+        return cls(
+            tuple(raw["batch_size"]),
+            tuple((tuple(key), tuple(size)) for key, size in raw["subtrees"]),
+            tuple(Leaf(tuple(key), tuple(shape), getattr(torch, dtype)) for key, shape, dtype in raw["leaves"]),
+        )
 
     @cached_property
     def digest(self) -> int:
@@ -150,8 +158,10 @@ class TensorLayout:
         if self.batch_size != other.batch_size:
             problems.append(f"batch size {list(self.batch_size)} vs {list(other.batch_size)}")
         if self.subtrees != other.subtrees:
-            problems.append(f"nested TensorDicts {[(key_name(k), list(s)) for k, s in self.subtrees]} vs "
-                            f"{[(key_name(k), list(s)) for k, s in other.subtrees]}")
+            problems.append(
+                f"nested TensorDicts {[(key_name(k), list(s)) for k, s in self.subtrees]} vs "
+                f"{[(key_name(k), list(s)) for k, s in other.subtrees]}"
+            )
         ours, others = {leaf.key: leaf for leaf in self.leaves}, {leaf.key: leaf for leaf in other.leaves}
         for key in sorted(ours.keys() - others.keys()):
             problems.append(f"key {key_name(key)!r} only in the {mine}")
@@ -169,7 +179,7 @@ class TensorLayout:
         for key, size in self.subtrees:
             td.set(key, TensorDict({}, batch_size=size))
         for leaf, offset in zip(self.leaves, self.offsets):
-            td.set(leaf.key, flat[offset:offset + leaf.nbytes].view(leaf.dtype).view(leaf.shape))
+            td.set(leaf.key, flat[offset : offset + leaf.nbytes].view(leaf.dtype).view(leaf.shape))
         return flat, td
 
     def check(self, td: TensorDictBase, where: Callable[[], str]) -> list[torch.Tensor]:
@@ -179,16 +189,20 @@ class TensorLayout:
         for leaf in self.leaves:
             value = td.get(leaf.key, None)
             if not isinstance(value, torch.Tensor):
-                raise ValueError(f"{where()}: key {key_name(leaf.key)!r} is missing; the channel carries "
-                                 f"{self.describe()}")
+                raise ValueError(
+                    f"{where()}: key {key_name(leaf.key)!r} is missing; the channel carries {self.describe()}"
+                )
             if value.shape != leaf.shape or value.dtype != leaf.dtype:
                 got = Leaf(leaf.key, tuple(value.shape), value.dtype)
                 raise ValueError(f"{where()}: got {got.describe()}, the channel carries {leaf.describe()}")
             values.append(value)
         if len(td.keys(include_nested=True, leaves_only=True)) != len(self.leaves):
             expected = {leaf.key for leaf in self.leaves}
-            extra = [key_name(_as_key(k)) for k in td.keys(include_nested=True, leaves_only=True)
-                     if _as_key(k) not in expected]
+            extra = [
+                key_name(_as_key(k))
+                for k in td.keys(include_nested=True, leaves_only=True)
+                if _as_key(k) not in expected
+            ]
             raise ValueError(f"{where()}: unexpected keys {extra}; the channel carries {self.describe()}")
         return values
 
@@ -201,6 +215,7 @@ def _header(flat: torch.Tensor):
 
 class SendHandle:
     """One message in flight; wait() returns once the send buffer may be written again."""
+
     __slots__ = ("_channel", "_work", "_seq", "_done")
 
     def __init__(self, channel: SendChannel, work, seq: int):
@@ -209,8 +224,15 @@ class SendHandle:
     def wait(self) -> None:
         if not self._done:
             channel = self._channel
-            wait(self._work, channel.timeout, lambda: f"{channel.describe_rank(channel.me)}: send of message "
-                 f"{self._seq} on channel {channel.name!r} to {channel.peer_name.name}", channel.peer_name)
+            wait(
+                self._work,
+                channel.timeout,
+                lambda: (
+                    f"{channel.describe_rank(channel.me)}: send of message "
+                    f"{self._seq} on channel {channel.name!r} to {channel.peer_name.name}"
+                ),
+                channel.peer_name,
+            )
             self._done = True
 
 
@@ -223,9 +245,18 @@ class SendChannel:
     buffer must wait() the previous handle before writing.
     """
 
-    def __init__(self, layout: TensorLayout, me: int, peer: int, name: str, tag: int,
-                 timeout: datetime.timedelta | float, describe_rank: Callable[[int], str] = plain_rank,
-                 group=None, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        layout: TensorLayout,
+        me: int,
+        peer: int,
+        name: str,
+        tag: int,
+        timeout: datetime.timedelta | float,
+        describe_rank: Callable[[int], str] = plain_rank,
+        group=None,
+        device: torch.device | str = "cpu",
+    ):
         self.layout, self.me, self.peer, self.name, self.tag = layout, me, peer, name, tag
         self.timeout, self.describe_rank, self.group = _as_timedelta(timeout), describe_rank, group
         self.peer_name = Peer(describe_rank(peer), (peer,))
@@ -257,8 +288,13 @@ class SendChannel:
         try:
             work = dist.isend(self._flat, dst=self.peer, group=self.group, tag=self.tag)
         except RuntimeError as exc:  # gloo fails the post itself when the connection is already closed
-            raise comm_error(f"{self.describe_rank(self.me)}: send of message {self._seq} on channel "
-                             f"{self.name!r} to {self.peer_name.name}", exc, self.timeout, self.peer_name) from exc
+            raise comm_error(
+                f"{self.describe_rank(self.me)}: send of message {self._seq} on channel "
+                f"{self.name!r} to {self.peer_name.name}",
+                exc,
+                self.timeout,
+                self.peer_name,
+            ) from exc
         self._in_flight = SendHandle(self, work, self._seq)
         return self._in_flight
 
@@ -266,12 +302,15 @@ class SendChannel:
         self.isend(td).wait()
 
     def _where(self) -> str:
-        return (f"channel {self.name!r} from {self.describe_rank(self.me)} to {self.describe_rank(self.peer)}, "
-                f"message {self._seq + 1}")
+        return (
+            f"channel {self.name!r} from {self.describe_rank(self.me)} to {self.describe_rank(self.peer)}, "
+            f"message {self._seq + 1}"
+        )
 
 
 class RecvHandle:
     """One posted receive; wait() returns the message (views into the channel's buffer)."""
+
     __slots__ = ("_channel", "_work", "_slot", "_seq", "_done")
 
     def __init__(self, channel: RecvChannel, work, slot: int, seq: int):
@@ -281,8 +320,15 @@ class RecvHandle:
         channel = self._channel
         header, td = channel._buffers[self._slot]
         if not self._done:
-            wait(self._work, channel.timeout, lambda: f"{channel.describe_rank(channel.me)}: receive of message "
-                 f"{self._seq} on channel {channel.name!r} from {channel.peer_name.name}", channel.peer_name)
+            wait(
+                self._work,
+                channel.timeout,
+                lambda: (
+                    f"{channel.describe_rank(channel.me)}: receive of message "
+                    f"{self._seq} on channel {channel.name!r} from {channel.peer_name.name}"
+                ),
+                channel.peer_name,
+            )
             self._done = True
             channel._posted -= 1
             seq, digest = header.tolist()
@@ -290,7 +336,8 @@ class RecvHandle:
                 raise CommError(
                     f"{channel.describe_rank(channel.me)}: channel {channel.name!r} from "
                     f"{channel.peer_name.name} expected message {self._seq} with layout digest "
-                    f"{channel.layout.digest}, got message {seq} with digest {digest}")
+                    f"{channel.layout.digest}, got message {seq} with digest {digest}"
+                )
         return td
 
 
@@ -302,15 +349,25 @@ class RecvChannel:
     buffers a role can post the next receive and still read the last message.
     """
 
-    def __init__(self, layout: TensorLayout, me: int, peer: int, name: str, tag: int,
-                 timeout: datetime.timedelta | float, describe_rank: Callable[[int], str] = plain_rank,
-                 group=None, device: torch.device | str = "cpu", num_buffers: int = 1):
+    def __init__(
+        self,
+        layout: TensorLayout,
+        me: int,
+        peer: int,
+        name: str,
+        tag: int,
+        timeout: datetime.timedelta | float,
+        describe_rank: Callable[[int], str] = plain_rank,
+        group=None,
+        device: torch.device | str = "cpu",
+        num_buffers: int = 1,
+    ):
         if num_buffers < 1:
             raise ValueError(f"channel {name!r}: num_buffers must be >= 1, got {num_buffers}")
         self.layout, self.me, self.peer, self.name, self.tag = layout, me, peer, name, tag
         self.timeout, self.describe_rank, self.group = _as_timedelta(timeout), describe_rank, group
         self.peer_name = Peer(describe_rank(peer), (peer,))
-        self._flats, self._buffers = [], []     # per slot: the flat buffer; (its header, its TensorDict)
+        self._flats, self._buffers = [], []  # per slot: the flat buffer; (its header, its TensorDict)
         for _ in range(num_buffers):
             flat, td = layout.allocate(device)
             self._flats.append(flat)
@@ -320,15 +377,22 @@ class RecvChannel:
 
     def irecv(self) -> RecvHandle:
         if self._posted == len(self._buffers):
-            raise RuntimeError(f"{self.describe_rank(self.me)}: channel {self.name!r} already has "
-                               f"{self._posted} receive(s) posted, one per buffer; wait one before posting another")
+            raise RuntimeError(
+                f"{self.describe_rank(self.me)}: channel {self.name!r} already has "
+                f"{self._posted} receive(s) posted, one per buffer; wait one before posting another"
+            )
         self._seq += 1
         slot = (self._seq - 1) % len(self._buffers)
         try:
             work = dist.irecv(self._flats[slot], src=self.peer, group=self.group, tag=self.tag)
         except RuntimeError as exc:  # gloo fails the post itself when the connection is already closed
-            raise comm_error(f"{self.describe_rank(self.me)}: receive of message {self._seq} on channel "
-                             f"{self.name!r} from {self.peer_name.name}", exc, self.timeout, self.peer_name) from exc
+            raise comm_error(
+                f"{self.describe_rank(self.me)}: receive of message {self._seq} on channel "
+                f"{self.name!r} from {self.peer_name.name}",
+                exc,
+                self.timeout,
+                self.peer_name,
+            ) from exc
         self._posted += 1
         return RecvHandle(self, work, slot, self._seq)
 
@@ -348,18 +412,24 @@ def _check_tags(ends: Iterable[tuple[int, str]], direction: str, tag_base: int) 
         tag = channel_tags(name, tag_base)[0]
         if (peer, tag) in seen:
             other = seen[(peer, tag)]
-            raise ValueError(f"two channels {direction} rank {peer} named {other!r} and {name!r}: "
-                             + ("give them different names" if other == name else
-                                "their tags collide; rename one"))
+            raise ValueError(
+                f"two channels {direction} rank {peer} named {other!r} and {name!r}: "
+                + ("give them different names" if other == name else "their tags collide; rename one")
+            )
         seen[(peer, tag)] = name
 
 
-def open_channels(sends: Sequence[tuple[int, str, TensorDictBase]],
-                  recvs: Sequence[tuple[int, str, TensorLayout | TensorDictBase | None]],
-                  me: int, timeout: datetime.timedelta | float,
-                  describe_rank: Callable[[int], str] = plain_rank, group=None,
-                  device: torch.device | str = "cpu", tag_base: int = 0,
-                  num_recv_buffers: int = 1) -> tuple[list[SendChannel], list[RecvChannel]]:
+def open_channels(
+    sends: Sequence[tuple[int, str, TensorDictBase]],
+    recvs: Sequence[tuple[int, str, TensorLayout | TensorDictBase | None]],
+    me: int,
+    timeout: datetime.timedelta | float,
+    describe_rank: Callable[[int], str] = plain_rank,
+    group=None,
+    device: torch.device | str = "cpu",
+    tag_base: int = 0,
+    num_recv_buffers: int = 1,
+) -> tuple[list[SendChannel], list[RecvChannel]]:
     """Agree on every channel's layout with its peer and return the channels, in the order asked for.
 
     sends: (peer, name, example TensorDict); recvs: (peer, name, expected layout, example, or None to accept the
@@ -381,11 +451,35 @@ def open_channels(sends: Sequence[tuple[int, str, TensorDictBase]],
     if problems:
         raise ValueError("; ".join(problems))
 
-    send_channels = [SendChannel(TensorLayout.of(example), me, peer, name, channel_tags(name, tag_base)[0], timeout,
-                                 describe_rank, group, device) for peer, name, example in sends]
-    recv_channels = [RecvChannel(layout, me, peer, name, channel_tags(name, tag_base)[0], timeout, describe_rank,
-                                 group, device, num_recv_buffers)
-                     for (peer, name, _), layout in zip(recvs, recv_layouts)]
+    send_channels = [
+        SendChannel(
+            TensorLayout.of(example),
+            me,
+            peer,
+            name,
+            channel_tags(name, tag_base)[0],
+            timeout,
+            describe_rank,
+            group,
+            device,
+        )
+        for peer, name, example in sends
+    ]
+    recv_channels = [
+        RecvChannel(
+            layout,
+            me,
+            peer,
+            name,
+            channel_tags(name, tag_base)[0],
+            timeout,
+            describe_rank,
+            group,
+            device,
+            num_recv_buffers,
+        )
+        for (peer, name, _), layout in zip(recvs, recv_layouts)
+    ]
     return send_channels, recv_channels
 
 
@@ -393,14 +487,16 @@ class _Handshake:
     """One rank's layout handshake over all its channels (open_channels): senders send their layout and learn the
     receiver's verdict; receivers judge each layout against what they expect."""
 
-    def __init__(self, me: int, timeout: datetime.timedelta, describe_rank: Callable[[int], str], group,
-                 tag_base: int):
-        self.me, self.timeout, self.describe_rank, self.group, self.tag_base = me, timeout, describe_rank, group, tag_base
+    def __init__(self, me: int, timeout: datetime.timedelta, describe_rank: Callable[[int], str], group, tag_base: int):
+        self.me, self.timeout, self.describe_rank = me, timeout, describe_rank
+        self.group, self.tag_base = group, tag_base
         self.outgoing: list = []  # (work, tensor, peer, describe) of every send, finished last
 
     def what(self, peer_from: int, peer_to: int, name: str, step: str) -> Callable[[], str]:
-        return lambda: (f"{self.describe_rank(self.me)}: layout handshake ({step}) of channel {name!r} from "
-                        f"{self.describe_rank(peer_from)} to {self.describe_rank(peer_to)}")
+        return lambda: (
+            f"{self.describe_rank(self.me)}: layout handshake ({step}) of channel {name!r} from "
+            f"{self.describe_rank(peer_from)} to {self.describe_rank(peer_to)}"
+        )
 
     def post(self, operation, tensor: torch.Tensor, peer: int, tag: int, describe: Callable[[], str]):
         """dist.isend or dist.irecv; a peer already gone can fail the post itself."""
@@ -420,21 +516,39 @@ class _Handshake:
             _, layout_tag, verdict_tag = channel_tags(name, self.tag_base)
             encoded = torch.frombuffer(bytearray(layout.encode()), dtype=torch.uint8)
             header = torch.tensor([encoded.numel(), layout.digest], dtype=torch.int64)
-            for tensor in (header, encoded):     # same tag, same peer: they arrive in this order
+            for tensor in (header, encoded):  # same tag, same peer: they arrive in this order
                 describe = self.what(self.me, peer, name, "send layout")
-                self.outgoing.append((self.post(dist.isend, tensor, peer, layout_tag, describe), tensor, peer,
-                                      describe))
+                self.outgoing.append(
+                    (self.post(dist.isend, tensor, peer, layout_tag, describe), tensor, peer, describe)
+                )
             verdict = torch.zeros(1, dtype=torch.int64)
-            verdicts_in.append((self.post(dist.irecv, verdict, peer, verdict_tag,
-                                          self.what(peer, self.me, name, "receive verdict")), verdict, layout))
+            verdicts_in.append(
+                (
+                    self.post(
+                        dist.irecv, verdict, peer, verdict_tag, self.what(peer, self.me, name, "receive verdict")
+                    ),
+                    verdict,
+                    layout,
+                )
+            )
         return verdicts_in
 
     def post_header_receives(self, recvs) -> list:
         headers_in = []
         for peer, name, _ in recvs:
             header = torch.zeros(2, dtype=torch.int64)
-            headers_in.append((self.post(dist.irecv, header, peer, channel_tags(name, self.tag_base)[1],
-                                         self.what(peer, self.me, name, "receive length")), header))
+            headers_in.append(
+                (
+                    self.post(
+                        dist.irecv,
+                        header,
+                        peer,
+                        channel_tags(name, self.tag_base)[1],
+                        self.what(peer, self.me, name, "receive length"),
+                    ),
+                    header,
+                )
+            )
         return headers_in
 
     def judge_layouts(self, recvs, headers_in) -> tuple[list[TensorLayout], list[str]]:
@@ -444,8 +558,18 @@ class _Handshake:
         for (peer, name, _), (work, header) in zip(recvs, headers_in):
             self.finish(work, peer, self.what(peer, me, name, "receive length"))
             body = torch.zeros(int(header[0]), dtype=torch.uint8)
-            bodies_in.append((self.post(dist.irecv, body, peer, channel_tags(name, self.tag_base)[1],
-                                        self.what(peer, me, name, "receive layout")), body))
+            bodies_in.append(
+                (
+                    self.post(
+                        dist.irecv,
+                        body,
+                        peer,
+                        channel_tags(name, self.tag_base)[1],
+                        self.what(peer, me, name, "receive layout"),
+                    ),
+                    body,
+                )
+            )
         recv_layouts, problems = [], []
         for (peer, name, expected), (work, body) in zip(recvs, bodies_in):
             self.finish(work, peer, self.what(peer, me, name, "receive layout"))
@@ -454,13 +578,21 @@ class _Handshake:
                 expected = TensorLayout.of(expected)
             difference = "" if expected is None else theirs.difference(expected, "sender", "receiver")
             if difference:
-                problems.append(f"channel {name!r} from {describe_rank(peer)} to {describe_rank(me)}: the sender's "
-                                f"layout differs from the receiver's (sender vs receiver): {difference}")
+                problems.append(
+                    f"channel {name!r} from {describe_rank(peer)} to {describe_rank(me)}: the sender's "
+                    f"layout differs from the receiver's (sender vs receiver): {difference}"
+                )
             recv_layouts.append(theirs)
             verdict = torch.tensor([1 if difference else 0], dtype=torch.int64)
             describe = self.what(me, peer, name, "send verdict")
-            self.outgoing.append((self.post(dist.isend, verdict, peer, channel_tags(name, self.tag_base)[2], describe),
-                                  verdict, peer, describe))
+            self.outgoing.append(
+                (
+                    self.post(dist.isend, verdict, peer, channel_tags(name, self.tag_base)[2], describe),
+                    verdict,
+                    peer,
+                    describe,
+                )
+            )
         return recv_layouts, problems
 
     def read_verdicts(self, sends, verdicts_in) -> list[str]:
@@ -468,9 +600,11 @@ class _Handshake:
         for (peer, name, _), (work, verdict, layout) in zip(sends, verdicts_in):
             self.finish(work, peer, self.what(peer, self.me, name, "receive verdict"))
             if int(verdict[0]) != 0:
-                problems.append(f"channel {name!r} from {self.describe_rank(self.me)} to {self.describe_rank(peer)}: "
-                                f"the receiver rejected the sender's layout {layout.describe()} (its error names the "
-                                f"difference)")
+                problems.append(
+                    f"channel {name!r} from {self.describe_rank(self.me)} to {self.describe_rank(peer)}: "
+                    f"the receiver rejected the sender's layout {layout.describe()} (its error names the "
+                    f"difference)"
+                )
         return problems
 
     def finish_sends(self) -> None:
@@ -480,6 +614,7 @@ class _Handshake:
 
 class _Done:
     """The handle of a local send: complete the moment it is made."""
+
     __slots__ = ()
 
     def wait(self) -> None:
@@ -510,8 +645,10 @@ class LocalSendChannel:
         if message is not self._buffer:
             self.layout.check(message, lambda: f"local channel {self.name!r} ({self._describe})")
         elif any(queued is self._buffer for queued in self._queue):
-            raise RuntimeError(f"local channel {self.name!r} ({self._describe}): the send buffer is sent again "
-                               f"before the receiver took the previous message; the schedule is out of step")
+            raise RuntimeError(
+                f"local channel {self.name!r} ({self._describe}): the send buffer is sent again "
+                f"before the receiver took the previous message; the schedule is out of step"
+            )
         self._queue.append(message)
         return _Done()
 
@@ -545,13 +682,16 @@ class LocalRecvChannel:
 
     def _take(self) -> TensorDictBase:
         if not self._queue:
-            raise RuntimeError(f"local channel {self.name!r} ({self._describe}): receive with no message sent; "
-                               f"the schedule is out of step")
+            raise RuntimeError(
+                f"local channel {self.name!r} ({self._describe}): receive with no message sent; "
+                f"the schedule is out of step"
+            )
         return self._queue.popleft()
 
 
-def local_channel(name: str, example: TensorDictBase, describe: str = "in process"
-                  ) -> tuple[LocalSendChannel, LocalRecvChannel]:
+def local_channel(
+    name: str, example: TensorDictBase, describe: str = "in process"
+) -> tuple[LocalSendChannel, LocalRecvChannel]:
     """Both ends of an in-process channel carrying TensorDicts laid out like example (FIFO)."""
     queue: collections.deque = collections.deque()
     layout = TensorLayout.of(example)

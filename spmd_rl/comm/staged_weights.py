@@ -34,11 +34,13 @@ class StagedWeights:
         self._header = header.numpy() if header.device.type == "cpu" else header
         self.peer = Peer(sync.describe_rank(sync.src), (sync.src,))
         self._works: list | None = None
-        self.posted = 0           # broadcasts posted so far (the one in flight is number `posted`)
+        self.posted = 0  # broadcasts posted so far (the one in flight is number `posted`)
 
     def _describe(self) -> str:
-        return (f"{self.sync.describe_rank(self.sync.me)}: weight broadcast number {self.posted} from "
-                f"{self.sync.describe_rank(self.sync.src)} (into the staging copy)")
+        return (
+            f"{self.sync.describe_rank(self.sync.me)}: weight broadcast number {self.posted} from "
+            f"{self.sync.describe_rank(self.sync.src)} (into the staging copy)"
+        )
 
     def post(self) -> None:
         """Post the next broadcast of the weight group into the staging buckets."""
@@ -65,8 +67,9 @@ class StagedWeights:
         pause = POLL_FIRST_S
         while not self.ready():
             if time.monotonic() > deadline:
-                raise comm_error(self._describe(), TimeoutError("timed out waiting for the broadcast"),
-                                 self.sync.timeout, self.peer)
+                raise comm_error(
+                    self._describe(), TimeoutError("timed out waiting for the broadcast"), self.sync.timeout, self.peer
+                )
             time.sleep(pause)
             pause = min(2 * pause, POLL_LONGEST_S)
         for work in self._works:
@@ -83,9 +86,11 @@ class StagedWeights:
         self._works = None
         version, digest = (int(value) for value in self._header.tolist())
         if digest != self.sync.digest:
-            raise WeightMismatchError(f"{self.sync.describe_rank(self.sync.me)}: weights from "
-                                      f"{self.sync.describe_rank(self.sync.src)} carry layout digest {digest}, this "
-                                      f"rank's is {self.sync.digest}")
+            raise WeightMismatchError(
+                f"{self.sync.describe_rank(self.sync.me)}: weights from "
+                f"{self.sync.describe_rank(self.sync.src)} carry layout digest {digest}, this "
+                f"rank's is {self.sync.digest}"
+            )
         for live, staged in zip(self.sync.buckets, self.staging):
             live.copy_(staged)
         for entry in self.sync.entries:  # a module that replaced a tensor is pointed back at its bucket

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,8 @@ from torch import nn
 from spmd_rl.comm.flat import aligned
 from spmd_rl.runtime.distributed import Peer, comm_error, wait
 
-HEADER_BYTES = 16          # int64 version, int64 layout digest, at the front of bucket 0
-CHECKSUM_CHUNK = 1 << 20   # int32 words per checksum step: bounds the temporary int64 copies to 8 MB
+HEADER_BYTES = 16  # int64 version, int64 layout digest, at the front of bucket 0
+CHECKSUM_CHUNK = 1 << 20  # int32 words per checksum step: bounds the temporary int64 copies to 8 MB
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # 2**64 / golden ratio, as a signed int64: spreads position weights
 
 
@@ -49,12 +49,13 @@ def _plain_rank(rank: int) -> str:
 @dataclass
 class _Entry:
     """One parameter or buffer and where it lives in the buckets."""
+
     name: str
-    owner: nn.Module        # the submodule whose _parameters / _buffers hold it
+    owner: nn.Module  # the submodule whose _parameters / _buffers hold it
     attr: str
     is_param: bool
     bucket: int
-    offset: int             # bytes into the bucket
+    offset: int  # bytes into the bucket
     view: torch.Tensor | None = None
 
     def current(self) -> torch.Tensor:
@@ -77,7 +78,7 @@ def bucket_checksum(data: torch.Tensor) -> int:
     words = data.view(torch.int32)
     total = torch.zeros((), dtype=torch.int64, device=data.device)
     for start in range(0, words.numel(), CHECKSUM_CHUNK):
-        chunk = words[start:start + CHECKSUM_CHUNK].to(torch.int64)
+        chunk = words[start : start + CHECKSUM_CHUNK].to(torch.int64)
         position = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=data.device)
         total += chunk.mul_(position.mul_(_GOLDEN).bitwise_or_(1)).sum()
     return int(total)
@@ -90,21 +91,31 @@ class WeightSync:
     collectives in that group; non-members must not (a collective called by a non-member silently does nothing).
     """
 
-    def __init__(self, module: nn.Module, group, src: int, me: int, bucket_bytes: int,
-                 timeout: datetime.timedelta | float, describe_rank: Callable[[int], str] = _plain_rank):
+    def __init__(
+        self,
+        module: nn.Module,
+        group,
+        src: int,
+        me: int,
+        bucket_bytes: int,
+        timeout: datetime.timedelta | float,
+        describe_rank: Callable[[int], str] = _plain_rank,
+    ):
         self.group, self.src, self.me, self.describe_rank = group, src, me, describe_rank
         self.timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
         self.members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         if me not in self.members or src not in self.members:
             who = describe_rank(me) if me not in self.members else f"the source {describe_rank(src)}"
-            raise ValueError(f"WeightSync: {who} is not a member of the weight group {self.members}; only members "
-                             f"may take part in weight broadcasts")
+            raise ValueError(
+                f"WeightSync: {who} is not a member of the weight group {self.members}; only members "
+                f"may take part in weight broadcasts"
+            )
         self.module = module
         self.entries, self.buckets = self._lay_out(module, bucket_bytes)
         self.digest = self._layout_digest(bucket_bytes)
         header = self.buckets[0][:HEADER_BYTES].view(torch.int64)
-        self._header = header.numpy() if header.device.type == "cpu" else header    # numpy: cheap element writes
-        self._header[0] = -1    # no version received yet
+        self._header = header.numpy() if header.device.type == "cpu" else header  # numpy: cheap element writes
+        self._header[0] = -1  # no version received yet
         self._header[1] = self.digest
         self._check_same_models()
 
@@ -118,19 +129,20 @@ class WeightSync:
         for name, is_param in named:
             owner_name, _, attr = name.rpartition(".")
             owner = module.get_submodule(owner_name)
-            tensors[name] = (owner, attr, is_param,
-                             (owner._parameters if is_param else owner._buffers)[attr])
+            tensors[name] = (owner, attr, is_param, (owner._parameters if is_param else owner._buffers)[attr])
         devices = {t.device for *_, t in tensors.values()}
         if len(devices) != 1:
-            raise ValueError(f"WeightSync: the module's tensors are on several devices {sorted(map(str, devices))}; "
-                             f"move it to one device first")
+            raise ValueError(
+                f"WeightSync: the module's tensors are on several devices {sorted(map(str, devices))}; "
+                f"move it to one device first"
+            )
         device = devices.pop()
 
         # Tensors in module order, packed into byte buckets at aligned offsets: every member computes the same
         # layout from the same architecture. Dtypes share buckets (a broadcast moves bytes), so a float32 policy
         # with float64 normalizer statistics and an int64 counter is one collective, not three.
         entries, sizes = [], []
-        used = start = 0    # bytes used in the open bucket, and where its data starts
+        used = start = 0  # bytes used in the open bucket, and where its data starts
         for name, (owner, attr, is_param, tensor) in tensors.items():
             nbytes = tensor.numel() * tensor.element_size()
             if not sizes or (used > start and aligned(used) + nbytes > bucket_bytes):
@@ -143,7 +155,9 @@ class WeightSync:
         for entry in entries:
             tensor = entry.current()
             nbytes = tensor.numel() * tensor.element_size()
-            entry.view = buckets[entry.bucket][entry.offset:entry.offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            entry.view = (
+                buckets[entry.bucket][entry.offset : entry.offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            )
             entry.view.copy_(tensor.detach())
             entry.point_at_view()
         return entries, buckets
@@ -180,16 +194,21 @@ class WeightSync:
         return [t.tolist() for t in gathered]
 
     def _check_same_models(self) -> None:
-        gathered = self._all_gather([self.digest, len(self.entries), sum(b.numel() for b in self.buckets)],
-                                    "weight layout check")
+        gathered = self._all_gather(
+            [self.digest, len(self.entries), sum(b.numel() for b in self.buckets)], "weight layout check"
+        )
         source = gathered[self.members.index(self.src)]
-        differing = [f"{self.describe_rank(rank)} ({count} tensors, {nbytes} bytes)"
-                     for rank, (digest, count, nbytes) in zip(self.members, gathered) if digest != source[0]]
+        differing = [
+            f"{self.describe_rank(rank)} ({count} tensors, {nbytes} bytes)"
+            for rank, (digest, count, nbytes) in zip(self.members, gathered)
+            if digest != source[0]
+        ]
         if differing:
             raise WeightMismatchError(
                 f"the weight layout (parameter and buffer names, shapes, dtypes, weights.bucket_mb) of "
                 f"{', '.join(differing)} differs from the source {self.describe_rank(self.src)} ({source[1]} "
-                f"tensors, {source[2]} bytes): every member must build the same model with the same config")
+                f"tensors, {source[2]} bytes): every member must build the same model with the same config"
+            )
 
     def _adopt_module_tensors(self) -> None:
         """Copy any tensor the module replaced (instead of updating in place) into its bucket; re-point it."""
@@ -209,13 +228,20 @@ class WeightSync:
             self._adopt_module_tensors()
             self._header[0] = version
         receivers = tuple(rank for rank in self.members if rank != self.src)
-        peer = (Peer(self.describe_rank(self.src), (self.src,)) if not is_source else
-                Peer(self.describe_rank(receivers[0]) if len(receivers) == 1 else f"one of ranks {list(receivers)}",
-                     receivers))
+        peer = (
+            Peer(self.describe_rank(self.src), (self.src,))
+            if not is_source
+            else Peer(
+                self.describe_rank(receivers[0]) if len(receivers) == 1 else f"one of ranks {list(receivers)}",
+                receivers,
+            )
+        )
 
         def describe(index: int) -> str:
-            return (f"{self.describe_rank(self.me)}: weight broadcast from {self.describe_rank(self.src)} (bucket "
-                    f"{index + 1} of {len(self.buckets)}{f', version {version}' if is_source else ''})")
+            return (
+                f"{self.describe_rank(self.me)}: weight broadcast from {self.describe_rank(self.src)} (bucket "
+                f"{index + 1} of {len(self.buckets)}{f', version {version}' if is_source else ''})"
+            )
 
         works = []
         for index, bucket in enumerate(self.buckets):
@@ -224,11 +250,13 @@ class WeightSync:
             except RuntimeError as exc:  # a member already gone can fail the post itself
                 raise comm_error(describe(index), exc, self.timeout, peer) from exc
         for index, work in enumerate(works):
-            wait(work, self.timeout, lambda: describe(index), peer)
+            wait(work, self.timeout, lambda index=index: describe(index), peer)
         received_version, digest = self._header.tolist()
         if digest != self.digest:
-            raise WeightMismatchError(f"{self.describe_rank(self.me)}: weights from {self.describe_rank(self.src)} "
-                                      f"carry layout digest {digest}, this rank's is {self.digest}")
+            raise WeightMismatchError(
+                f"{self.describe_rank(self.me)}: weights from {self.describe_rank(self.src)} "
+                f"carry layout digest {digest}, this rank's is {self.digest}"
+            )
         if not is_source:
             for entry in self.entries:
                 if entry.current().data_ptr() != entry.view.data_ptr():
@@ -246,13 +274,16 @@ class WeightSync:
         the buckets and the version.
         """
         self._adopt_module_tensors()
-        gathered = self._all_gather([version, int(self._header[0])] + self.checksums(),
-                                    f"weight verify of version {version}")
+        gathered = self._all_gather(
+            [version, int(self._header[0])] + self.checksums(), f"weight verify of version {version}"
+        )
         source = gathered[self.members.index(self.src)]
-        problems = []     # built from the gathered values only, so every member raises the same message
+        problems = []  # built from the gathered values only, so every member raises the same message
         if source[1] != source[0]:
-            problems.append(f"the source {self.describe_rank(self.src)} holds version {source[1]}, not the "
-                            f"version {source[0]} being verified")
+            problems.append(
+                f"the source {self.describe_rank(self.src)} holds version {source[1]}, not the "
+                f"version {source[0]} being verified"
+            )
         for rank, (asked, held, *sums) in zip(self.members, gathered):
             if asked != source[0]:
                 problems.append(f"{self.describe_rank(rank)} verifies version {asked}, the source {source[0]}")
@@ -260,8 +291,10 @@ class WeightSync:
                 problems.append(f"{self.describe_rank(rank)} holds version {held}, the source {source[1]}")
             for index, (theirs, sources) in enumerate(zip(sums, source[2:])):
                 if theirs != sources:
-                    problems.append(f"{self.describe_rank(rank)} differs from the source "
-                                    f"{self.describe_rank(self.src)} in {self.describe_bucket(index)} at version "
-                                    f"{source[0]}")
+                    problems.append(
+                        f"{self.describe_rank(rank)} differs from the source "
+                        f"{self.describe_rank(self.src)} in {self.describe_bucket(index)} at version "
+                        f"{source[0]}"
+                    )
         if problems:
             raise WeightMismatchError("weight verify failed: " + "; ".join(problems))

@@ -2,15 +2,25 @@
 
 from spmd_rl.config.loading import describe_schema, load_config
 from spmd_rl.config.sections import (
-                                     AlgorithmConfig,
-                                     BufferSection,
-                                     CheckpointSection,
-                                     Config,
-                                     EnvSection,
-                                     EvalSection,
-                                     NoConfig,
-                                     knob,
+    AlgorithmConfig,
+    BufferSection,
+    CheckpointSection,
+    Config,
+    EnvSection,
+    EvalSection,
+    NoConfig,
+    knob,
 )
 
-__all__ = ["AlgorithmConfig", "BufferSection", "CheckpointSection", "Config", "EnvSection", "EvalSection",
-           "NoConfig", "describe_schema", "knob", "load_config"]
+__all__ = [
+    "AlgorithmConfig",
+    "BufferSection",
+    "CheckpointSection",
+    "Config",
+    "EnvSection",
+    "EvalSection",
+    "NoConfig",
+    "describe_schema",
+    "knob",
+    "load_config",
+]

@@ -33,11 +33,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     source = str(path) if path is not None else "the command line"
     for legacy, hint in (("model", "policy"), ("sac", "algo")):
         if legacy in raw:
-            raise UserError(f"config section '{legacy}' (in {source}) was folded into '{hint}': move its keys under "
-                            f"'{hint}:' (see configs/)")
+            raise UserError(
+                f"config section '{legacy}' (in {source}) was folded into '{hint}': move its keys under "
+                f"'{hint}:' (see configs/)"
+            )
     if "classes" in raw:  # bookkeeping of the plug-in sections, not a section of its own
-        raise UserError(f"unknown config key 'classes' (in {source}); name a class with algo.class, policy.class, "
-                        f"engine.class or callbacks")
+        raise UserError(
+            f"unknown config key 'classes' (in {source}); name a class with algo.class, policy.class, "
+            f"engine.class or callbacks"
+        )
     plugin_raw = {name: raw.pop(name) for name in (*PLUGIN_SECTIONS, "callbacks") if name in raw}
     cfg = _build(Config, raw, prefix="", source=source)
     _build_plugin_sections(cfg, plugin_raw, source)
@@ -48,14 +52,17 @@ def _build_plugin_sections(cfg: Config, raw: dict, source: str) -> None:
     """algo, policy, engine and callbacks: each names its class, whose own Config dataclass validates the rest.
 
     The algorithm is resolved first: an absent policy.class means the algorithm's default policy."""
+
     def build(section: str, kind, value, default_class: str, prefix: str):
         if value is None:
             value = {}
         if isinstance(value, str):  # `callbacks: [pkg.mod:Cls]` and `engine: sync` name a class with no keys
             value = {"class": value}
         if not isinstance(value, dict):
-            raise UserError(f"config key '{prefix.rstrip('.')}' must be a mapping with a 'class' key and the "
-                            f"class's own keys (in {source}), got {value!r}")
+            raise UserError(
+                f"config key '{prefix.rstrip('.')}' must be a mapping with a 'class' key and the "
+                f"class's own keys (in {source}), got {value!r}"
+            )
         value = dict(value)
         name = value.pop("class", default_class)
         if not isinstance(name, str) or not name:
@@ -68,17 +75,19 @@ def _build_plugin_sections(cfg: Config, raw: dict, source: str) -> None:
         raise UserError(f"config key 'algo.name' (in {source}) is now 'algo.class' (ppo, sac or module:Class)")
     cfg.classes["algo"], cfg.algo = build("algo", plugins.ALGORITHM, algo_raw, "ppo", "algo.")
     if not isinstance(cfg.algo, AlgorithmConfig):
-        raise UserError(f"algo.class '{cfg.classes['algo']}': its Config must subclass spmd_rl.api.AlgorithmConfig "
-                        f"(which gives every algorithm algo.num_steps)")
+        raise UserError(
+            f"algo.class '{cfg.classes['algo']}': its Config must subclass spmd_rl.api.AlgorithmConfig "
+            f"(which gives every algorithm algo.num_steps)"
+        )
     default_policy = getattr(type(cfg.algo), "default_policy", "actor_critic")
-    cfg.classes["policy"], cfg.policy = build("policy", plugins.POLICY, raw.get("policy"), default_policy,
-                                              "policy.")
+    cfg.classes["policy"], cfg.policy = build("policy", plugins.POLICY, raw.get("policy"), default_policy, "policy.")
     cfg.classes["engine"], cfg.engine = build("engine", plugins.ENGINE, raw.get("engine"), "sync", "engine.")
     callbacks = raw.get("callbacks") or []
     if not isinstance(callbacks, list):
         raise UserError(f"config key 'callbacks' must be a list of classes (module:Class), got {callbacks!r}")
-    cfg.callbacks = [build("callbacks", plugins.CALLBACK, item, "", f"callbacks[{i}].")
-                     for i, item in enumerate(callbacks)]
+    cfg.callbacks = [
+        build("callbacks", plugins.CALLBACK, item, "", f"callbacks[{i}].") for i, item in enumerate(callbacks)
+    ]
 
 
 class _DuplicateKeyError(yaml.YAMLError):
@@ -130,19 +139,22 @@ def _read_yaml(path: Path) -> dict:
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except _DuplicateKeyError as exc:
-        raise UserError(f"config file {path} gives key '{exc.key}' twice (lines {exc.first_line} and {exc.line}); "
-                        f"keep one") from None
+        raise UserError(
+            f"config file {path} gives key '{exc.key}' twice (lines {exc.first_line} and {exc.line}); keep one"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise UserError(f"config file {path} is not valid YAML{where}: {problem}") from None
     if data is None:  # nothing but comments, or nothing at all: probably the wrong file
-        raise UserError(f"config file {path} is empty; give it sections (see configs/), or leave out --config to "
-                        f"run the defaults")
+        raise UserError(
+            f"config file {path} is empty; give it sections (see configs/), or leave out --config to run the defaults"
+        )
     if not isinstance(data, dict):
-        raise UserError(f"config file {path} must hold a mapping of sections (run:, env:, algo:, ...), "
-                        f"not a {type(data).__name__}")
+        raise UserError(
+            f"config file {path} must hold a mapping of sections (run:, env:, algo:, ...), not a {type(data).__name__}"
+        )
     return data
 
 
@@ -175,8 +187,9 @@ def _reject_repeated_override(given: dict[str, str], item: str) -> None:
     for other_key, other in given.items():
         if key == other_key or key.startswith(f"{other_key}.") or other_key.startswith(f"{key}."):
             repeated = min(key, other_key, key=len)
-            raise UserError(f"config key '{repeated}' is set twice on the command line ('{other}' and '{item}'); "
-                            f"give it once")
+            raise UserError(
+                f"config key '{repeated}' is set twice on the command line ('{other}' and '{item}'); give it once"
+            )
     given[key] = item
 
 
@@ -212,8 +225,9 @@ def _check_value(key: str, value: Any, kind, meta) -> Any:
     if meta.get("choices") and value not in meta["choices"]:
         near = difflib.get_close_matches(str(value), meta["choices"], n=1)
         hint = f"; did you mean '{near[0]}'?" if near else ""
-        raise UserError(f"config key '{key}' = {value!r} is not allowed; choose one of "
-                        f"{', '.join(meta['choices'])}{hint}")
+        raise UserError(
+            f"config key '{key}' = {value!r} is not allowed; choose one of {', '.join(meta['choices'])}{hint}"
+        )
     _check_range(key, value, meta.get("min"), meta.get("max"))
     if isinstance(value, list):
         for i, item in enumerate(value):
@@ -311,14 +325,19 @@ def describe_schema(cfg: Config | None = None) -> str:
         if section.name == "classes":
             continue
         if section.name == "callbacks":
-            lines.append("  callbacks: a list of module:Class (or {class: module:Class, ...its keys}), called on "
-                         "trainers after every iteration")
+            lines.append(
+                "  callbacks: a list of module:Class (or {class: module:Class, ...its keys}), called on "
+                "trainers after every iteration"
+            )
             for i, (name, config) in enumerate(cfg.callbacks):
                 lines += _describe_section(f"callbacks[{i}]", type(config), f"class {name}")
             continue
         if section.name in PLUGIN_SECTIONS:
-            lines += _describe_section(section.name, type(getattr(cfg, section.name)),
-                                       f"class {cfg.classes[section.name]}; set {section.name}.class to choose")
+            lines += _describe_section(
+                section.name,
+                type(getattr(cfg, section.name)),
+                f"class {cfg.classes[section.name]}; set {section.name}.class to choose",
+            )
         else:
             lines += _describe_section(section.name, typing.get_type_hints(Config)[section.name])
     return "\n".join(lines)
@@ -333,6 +352,8 @@ def _describe_section(name: str, cls: type, note: str = "") -> list[str]:
         extra = ""
         if f.metadata.get("choices"):
             extra = f" [{'|'.join(f.metadata['choices'])}]"
-        lines.append(f"    {name}.{f.name} ({_type_name(hints[f.name])}, default {default!r}){extra}: "
-                     f"{f.metadata.get('help', '')}")
+        lines.append(
+            f"    {name}.{f.name} ({_type_name(hints[f.name])}, default {default!r}){extra}: "
+            f"{f.metadata.get('help', '')}"
+        )
     return lines

@@ -18,25 +18,42 @@ from spmd_rl.runtime.errors import UserError
 
 @dataclass(frozen=True)
 class Kind:
-    section: str        # the config section that names the class
-    what: str           # what the class is, for messages
-    base: str           # the spmd_rl.api class it must subclass
-    aliases: dict       # alias -> (class path, config class path or None)
+    section: str  # the config section that names the class
+    what: str  # what the class is, for messages
+    base: str  # the spmd_rl.api class it must subclass
+    aliases: dict  # alias -> (class path, config class path or None)
 
 
-ALGORITHM = Kind("algo", "algorithm", "Algorithm", {
-    "ppo": ("spmd_rl.algorithms.ppo:PPO", "spmd_rl.algorithms.configs:PPOConfig"),
-    "sac": ("spmd_rl.algorithms.sac:SAC", "spmd_rl.algorithms.configs:SACConfig"),
-})
-POLICY = Kind("policy", "policy", "Policy", {
-    "actor_critic": ("spmd_rl.modules.actor_critic:ActorCritic", "spmd_rl.modules.configs:ActorCriticConfig"),
-    "squashed_gaussian": ("spmd_rl.modules.sac_networks:SquashedGaussianActor",
-                          "spmd_rl.modules.configs:SquashedGaussianConfig"),
-})
-ENGINE = Kind("engine", "engine", "Engine", {
-    "sync": ("spmd_rl.engines.sync:SyncEngine", "spmd_rl.config.sections:NoConfig"),
-    "async": ("spmd_rl.engines.asynchronous:AsyncEngine", "spmd_rl.engines.configs:AsyncEngineConfig"),
-})
+ALGORITHM = Kind(
+    "algo",
+    "algorithm",
+    "Algorithm",
+    {
+        "ppo": ("spmd_rl.algorithms.ppo:PPO", "spmd_rl.algorithms.configs:PPOConfig"),
+        "sac": ("spmd_rl.algorithms.sac:SAC", "spmd_rl.algorithms.configs:SACConfig"),
+    },
+)
+POLICY = Kind(
+    "policy",
+    "policy",
+    "Policy",
+    {
+        "actor_critic": ("spmd_rl.modules.actor_critic:ActorCritic", "spmd_rl.modules.configs:ActorCriticConfig"),
+        "squashed_gaussian": (
+            "spmd_rl.modules.sac_networks:SquashedGaussianActor",
+            "spmd_rl.modules.configs:SquashedGaussianConfig",
+        ),
+    },
+)
+ENGINE = Kind(
+    "engine",
+    "engine",
+    "Engine",
+    {
+        "sync": ("spmd_rl.engines.sync:SyncEngine", "spmd_rl.config.sections:NoConfig"),
+        "async": ("spmd_rl.engines.asynchronous:AsyncEngine", "spmd_rl.engines.configs:AsyncEngineConfig"),
+    },
+)
 CALLBACK = Kind("callbacks", "callback", "Callback", {})
 KINDS = {kind.section: kind for kind in (ALGORITHM, POLICY, ENGINE, CALLBACK)}
 
@@ -47,9 +64,11 @@ def class_path(kind: Kind, name: str) -> str:
         return kind.aliases[name][0]
     if ":" not in name:
         aliases = ", ".join(kind.aliases) or "none"
-        raise UserError(f"{kind.section}.class '{name}' is neither a built-in {kind.what} ({aliases}) nor "
-                        f"'package.module:Class'; name your class as module:Class (the working directory is "
-                        f"importable)")
+        raise UserError(
+            f"{kind.section}.class '{name}' is neither a built-in {kind.what} ({aliases}) nor "
+            f"'package.module:Class'; name your class as module:Class (the working directory is "
+            f"importable)"
+        )
     return name
 
 
@@ -62,8 +81,10 @@ def config_class(kind: Kind, name: str) -> type:
     if config is None:
         return NoConfig
     if not (isinstance(config, type) and dataclasses.is_dataclass(config)):
-        raise UserError(f"{kind.section}.class '{name}': its Config attribute must be a dataclass (the class's own "
-                        f"config keys), not {config!r}")
+        raise UserError(
+            f"{kind.section}.class '{name}': its Config attribute must be a dataclass (the class's own "
+            f"config keys), not {config!r}"
+        )
     return config
 
 
@@ -83,8 +104,9 @@ def _import(kind: Kind, path: str):
     except UserError:
         raise
     except Exception as exc:  # a user's module may fail in any way while importing
-        raise UserError(f"{kind.section}.class '{path}': importing module '{module_name}' failed: "
-                        f"{type(exc).__name__}: {exc}") from None
+        raise UserError(
+            f"{kind.section}.class '{path}': importing module '{module_name}' failed: {type(exc).__name__}: {exc}"
+        ) from None
     try:
         return getattr(module, attr)
     except AttributeError:

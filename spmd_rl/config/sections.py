@@ -22,16 +22,29 @@ def knob(default, help: str, *, min=None, max=None, choices=None, item_min=None,
 @dataclass
 class RunSection:
     name: str = knob("ppo_cartpole", "run name; the default run directory is runs/<name>-<timestamp>")
-    dir: str = knob("", "run directory (config.yaml, metrics.jsonl, TensorBoard events, policy, checkpoints); '' = "
-                        "runs/<name>-<timestamp>, or runs/<name>-<torchrun run id> under torchrun (stable across "
-                        "its restarts)")
-    resume: str = knob("auto", "auto: a run directory with a checkpoint resumes from the latest one; never: refuse a "
-                       "run directory that holds a run; or the path of a checkpoint (or of its run directory)")
+    dir: str = knob(
+        "",
+        "run directory (config.yaml, metrics.jsonl, TensorBoard events, policy, checkpoints); '' = "
+        "runs/<name>-<timestamp>, or runs/<name>-<torchrun run id> under torchrun (stable across "
+        "its restarts)",
+    )
+    resume: str = knob(
+        "auto",
+        "auto: a run directory with a checkpoint resumes from the latest one; never: refuse a "
+        "run directory that holds a run; or the path of a checkpoint (or of its run directory)",
+    )
     init_from: str = knob("", "start from trained weights: a run directory, a checkpoint or a policy.pt (fine-tune)")
-    init_algorithm: bool = knob(False, "with run.init_from a checkpoint: also take the algorithm's state "
-                                "(optimizers, critics, ...), not only the policy")
-    stop_after_iterations: int = knob(0, "stop after this many iterations with a checkpoint (exit 75), as a signal "
-                                      "would; rerun to continue (0 = run to the end)", min=0)
+    init_algorithm: bool = knob(
+        False,
+        "with run.init_from a checkpoint: also take the algorithm's state "
+        "(optimizers, critics, ...), not only the policy",
+    )
+    stop_after_iterations: int = knob(
+        0,
+        "stop after this many iterations with a checkpoint (exit 75), as a signal "
+        "would; rerun to continue (0 = run to the end)",
+        min=0,
+    )
 
 
 @dataclass
@@ -40,31 +53,43 @@ class EnvSection:
     num_envs: int = knob(8, "environments per env rank (per rank in the colocated layout)", min=1)
     kwargs: dict = knob(None, "keyword arguments passed to gymnasium.make", factory=dict)
     vectorization: str = knob(
-        "auto", "auto: the env's own vectorized implementation if it has one, else sync",
-        choices=["auto", "vector_entry_point", "sync", "async"])
+        "auto",
+        "auto: the env's own vectorized implementation if it has one, else sync",
+        choices=["auto", "vector_entry_point", "sync", "async"],
+    )
     normalize_reward: bool = knob(False, "scale rewards by a running estimate of the return's std (per env rank)")
 
 
 @dataclass
 class EvalSection:
-    every: int = knob(0, "evaluate the policy every N iterations on separate envs (0 = never); logged as "
-                      "eval_return_mean / eval_length_mean", min=0)
+    every: int = knob(
+        0,
+        "evaluate the policy every N iterations on separate envs (0 = never); logged as "
+        "eval_return_mean / eval_length_mean",
+        min=0,
+    )
     episodes: int = knob(10, "episodes per evaluation", min=1)
     deterministic: bool = knob(True, "act with the policy's mode (argmax / mean) when evaluating")
 
 
 @dataclass
 class CheckpointSection:
-    every_iterations: int = knob(0, "checkpoint every N iterations (0 = by time only); always after the last one",
-                                 min=0)
-    every_s: float = knob(600.0, "checkpoint when this many seconds passed since the last one (rank 0's clock, "
-                          "agreed by all ranks; 0 = never by time)", min=0.0)
+    every_iterations: int = knob(
+        0, "checkpoint every N iterations (0 = by time only); always after the last one", min=0
+    )
+    every_s: float = knob(
+        600.0,
+        "checkpoint when this many seconds passed since the last one (rank 0's clock, "
+        "agreed by all ranks; 0 = never by time)",
+        min=0.0,
+    )
     keep: int = knob(2, "complete checkpoints kept (older ones are deleted)", min=1)
 
 
 @dataclass
 class AlgorithmConfig:
     """The keys every algorithm has: its own Config subclasses this (spmd_rl.api re-exports it)."""
+
     num_steps: int = knob(32, "steps per environment in one rollout (one iteration)", min=1)
 
 
@@ -76,15 +101,25 @@ class NoConfig:
 @dataclass
 class BufferSection:
     capacity: int = knob(1_000_000, "replay capacity in transitions per trainer shard", min=1, max=10**9)
-    backend: str = knob("memory", "replay storage: memory, or hdf5 (bounded memory, survives restarts)",
-                        choices=["memory", "hdf5"])
-    chunk_rows: int = knob(0, "HDF5 rows per chunk (appends are batched to whole chunks); 0 = automatic: ~1 MiB "
-                              "of rows, or the existing file's", min=0, max=2**22)
+    backend: str = knob(
+        "memory", "replay storage: memory, or hdf5 (bounded memory, survives restarts)", choices=["memory", "hdf5"]
+    )
+    chunk_rows: int = knob(
+        0,
+        "HDF5 rows per chunk (appends are batched to whole chunks); 0 = automatic: ~1 MiB "
+        "of rows, or the existing file's",
+        min=0,
+        max=2**22,
+    )
     compression: str = knob("none", "HDF5 compression (fast codecs only)", choices=["none", "lzf"])
     log_experience: bool = knob(False, "append every collected rollout to <run dir>/buffer/experience_rank<R>.h5")
-    flush_every_s: float = knob(2.0, "HDF5 files (experience log, hdf5 replay): rows staged in memory are written "
-                                     "within this many seconds of being added (what kill -9 can lose); 0 = on every "
-                                     "append", min=0.0)
+    flush_every_s: float = knob(
+        2.0,
+        "HDF5 files (experience log, hdf5 replay): rows staged in memory are written "
+        "within this many seconds of being added (what kill -9 can lose); 0 = on every "
+        "append",
+        min=0.0,
+    )
 
     @property
     def h5_compression(self) -> str | None:
@@ -95,20 +130,28 @@ class BufferSection:
 @dataclass
 class TrainSection:
     total_steps: int = knob(100_000, "budget in env steps, summed over all env ranks", min=1, max=10**12)
-    seed: int = knob(1, "seeds torch, numpy and the environments (each rank offsets it by its rank)", min=0,
-                     max=2**32 - 1)
+    seed: int = knob(
+        1, "seeds torch, numpy and the environments (each rank offsets it by its rank)", min=0, max=2**32 - 1
+    )
     torch_threads: int = knob(1, "torch intra-op threads per rank", min=1, max=1024)
-    device: str = knob("auto", "auto: cuda:LOCAL_RANK when CUDA is available, else cpu",
-                       choices=["auto", "cpu", "cuda"])
-    skip_nonfinite_updates: bool = knob(False, "an update whose loss or policy weights come out NaN/inf is undone "
-                                               "and counted (metric nonfinite_updates_skipped) instead of ending "
-                                               "the run with exit code 4")
+    device: str = knob(
+        "auto", "auto: cuda:LOCAL_RANK when CUDA is available, else cpu", choices=["auto", "cpu", "cuda"]
+    )
+    skip_nonfinite_updates: bool = knob(
+        False,
+        "an update whose loss or policy weights come out NaN/inf is undone "
+        "and counted (metric nonfinite_updates_skipped) instead of ending "
+        "the run with exit code 4",
+    )
 
 
 @dataclass
 class LayoutSection:
-    mode: str = knob("colocated", "colocated: every rank plays every role; split: ranks divided into roles",
-                     choices=["colocated", "split"])
+    mode: str = knob(
+        "colocated",
+        "colocated: every rank plays every role; split: ranks divided into roles",
+        choices=["colocated", "split"],
+    )
     trainer: int = knob(0, "split: trainer ranks (-1 = the rest)", min=-1)
     inference: int = knob(0, "split: inference ranks (-1 = the rest)", min=-1)
     env: int = knob(0, "split: env ranks (-1 = the rest)", min=-1)
@@ -116,15 +159,15 @@ class LayoutSection:
 
 @dataclass
 class DistSection:
-    timeout_s: float = knob(300.0, "bound on every wait between ranks; an expired wait fails the job", min=0.001,
-                            max=7 * 24 * 3600.0)
+    timeout_s: float = knob(
+        300.0, "bound on every wait between ranks; an expired wait fails the job", min=0.001, max=7 * 24 * 3600.0
+    )
 
 
 @dataclass
 class WeightsSection:
     bucket_mb: float = knob(64.0, "size of one flat weight bucket broadcast to inference ranks", min=0.001)
-    verify_every: int = knob(10, "compare weight checksums across the weight group every N syncs (0 = never)",
-                             min=0)
+    verify_every: int = knob(10, "compare weight checksums across the weight group every N syncs (0 = never)", min=0)
 
 
 @dataclass

@@ -85,8 +85,11 @@ class AsyncPlan:
         self.depth = 2 if self.lag_bound > 0 else 1
 
     def agrees_after(self, iteration: int) -> bool:
-        return (iteration == self.plan.num_iterations - 1 or (iteration + 1) % self.every == 0
-                or (self.stop_after > 0 and iteration + 1 == self.stop_after))
+        return (
+            iteration == self.plan.num_iterations - 1
+            or (iteration + 1) % self.every == 0
+            or (self.stop_after > 0 and iteration + 1 == self.stop_after)
+        )
 
 
 def lag_bound(cfg, schedule) -> int:
@@ -104,21 +107,31 @@ class AsyncEngine(Engine):
     def check_plan(cls, cfg, topology, plan, schedule) -> None:
         """Before any process group: the layout and the lag the algorithm tolerates."""
         if topology.colocated:
-            raise UserError("engine.class=async runs in the split layout only (env, inference and trainer ranks of "
-                            "their own); set layout.mode=split with layout.trainer/inference/env, or use "
-                            "engine.class=sync")
+            raise UserError(
+                "engine.class=async runs in the split layout only (env, inference and trainer ranks of "
+                "their own); set layout.mode=split with layout.trainer/inference/env, or use "
+                "engine.class=sync"
+            )
         asked = cfg.engine.max_policy_lag
         if asked is not None and asked > schedule.max_policy_lag:
-            raise UserError(f"engine.max_policy_lag={asked} is more than algo.class '{cfg.classes['algo']}' declares "
-                            f"it tolerates ({schedule.max_policy_lag}); lower engine.max_policy_lag"
-                            + (" or set algo.vtrace=true (PPO's off-policy correction)"
-                               if hasattr(cfg.algo, "vtrace") and not cfg.algo.vtrace else ""))
+            raise UserError(
+                f"engine.max_policy_lag={asked} is more than algo.class '{cfg.classes['algo']}' declares "
+                f"it tolerates ({schedule.max_policy_lag}); lower engine.max_policy_lag"
+                + (
+                    " or set algo.vtrace=true (PPO's off-policy correction)"
+                    if hasattr(cfg.algo, "vtrace") and not cfg.algo.vtrace
+                    else ""
+                )
+            )
 
     def run(self, run: Run) -> Policy | None:
         async_plan = AsyncPlan(run)
         if run.rank == 0:
-            print(f"spmd_rl: async engine, max policy lag {async_plan.lag_bound}; all ranks agree (stops, "
-                  f"checkpoints) every {async_plan.every} iteration(s)", flush=True)
+            print(
+                f"spmd_rl: async engine, max policy lag {async_plan.lag_bound}; all ranks agree (stops, "
+                f"checkpoints) every {async_plan.every} iteration(s)",
+                flush=True,
+            )
         loop = {ENV: env_loop, INFERENCE: inference_loop, TRAINER: trainer_loop}[run.role]
         return run.with_metrics(lambda logger: loop(run, async_plan, logger))
 
@@ -139,9 +152,18 @@ def inference_loop(run: Run, async_plan: AsyncPlan, logger: None = None) -> None
     """Threads serve whoever is ready within the lag bound (AsyncInferenceServer); this thread only joins the
     agreements, once everything before them is served and taken (rule 4)."""
     parts = run.inference_parts(async_observation_message, recv_buffers=2)
-    server = AsyncInferenceServer(parts, run.plan, async_plan.lag_bound, run.iterations, run.runtime.device,
-                                  run.runtime.timeout, run.cfg.weights.verify_every, run.describe, run.rank,
-                                  run.topology.envs_served_by(run.rank))
+    server = AsyncInferenceServer(
+        parts,
+        run.plan,
+        async_plan.lag_bound,
+        run.iterations,
+        run.runtime.device,
+        run.runtime.timeout,
+        run.cfg.weights.verify_every,
+        run.describe,
+        run.rank,
+        run.topology.envs_served_by(run.rank),
+    )
     server.start()
     # The last iteration ends with an agreement, so after the last one everything is served and taken.
     for iteration in run.iterations:
@@ -172,14 +194,18 @@ def trainer_loop(run: Run, async_plan: AsyncPlan, logger: MetricsLogger | None) 
             segments = [handles.popleft().wait() for handles in posted]
             wait_s = time.perf_counter() - clock
             lag = trainer.check_policy_lag(segments, plan.version_at(iteration), async_plan.lag_bound, iteration)
-            segment = combine_segments(segments, copy=True)   # a copy: the buffers take the next receives
+            segment = combine_segments(segments, copy=True)  # a copy: the buffers take the next receives
             post(iteration + async_plan.depth)
             metrics = trainer.learn(segment, iteration)
             if plan.syncs_after(iteration):
                 version = plan.version_at(iteration + 1)
                 trainer.publish_weights(version, verify=run.verifies(version))
-            report(iteration, {**metrics, **lag, "time_segment_wait_s": wait_s}, trainer.gather_statistics(segment),
-                   trainer)
+            report(
+                iteration,
+                {**metrics, **lag, "time_segment_wait_s": wait_s},
+                trainer.gather_statistics(segment),
+                trainer,
+            )
             if async_plan.agrees_after(iteration):
                 run.end_iteration(iteration, lambda: {**trainer.state_dict(), "metrics": report.state_dict()})
     finally:

@@ -39,8 +39,9 @@ def colocated_loop(run: Run, logger: MetricsLogger | None) -> None:
             segment = trainer.receive_segments(iteration, plan.version_at(iteration))
             metrics = trainer.learn(segment, iteration)
             report(iteration, metrics, trainer.gather_statistics(segment), trainer)
-            run.end_iteration(iteration, lambda: {**trainer.state_dict(), "metrics": report.state_dict(),
-                                                  **runner.checkpoint()})
+            run.end_iteration(
+                iteration, lambda: {**trainer.state_dict(), "metrics": report.state_dict(), **runner.checkpoint()}
+            )
     finally:  # files are flushed and closed on every way out
         runner.close()
         trainer.close()

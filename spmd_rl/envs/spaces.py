@@ -22,8 +22,10 @@ def zeros_of(space: gym.Space, *batch: int) -> torch.Tensor | TensorDict:
     if isinstance(space, (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
         dtype = torch.int64 if isinstance(space, gym.spaces.Discrete) else torch_dtype(space.dtype)
         return torch.zeros(*batch, *space.shape, dtype=dtype)
-    raise UserError(f"observation space {space} ({type(space).__name__}) cannot be laid out as tensors; spaces "
-                    f"supported: Box, Discrete, MultiDiscrete, MultiBinary and Dict of those")
+    raise UserError(
+        f"observation space {space} ({type(space).__name__}) cannot be laid out as tensors; spaces "
+        f"supported: Box, Discrete, MultiDiscrete, MultiBinary and Dict of those"
+    )
 
 
 def numpy_views(tensors: torch.Tensor | TensorDict):

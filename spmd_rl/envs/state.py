@@ -37,8 +37,10 @@ class _Unsaved(Exception):
 def capture_env_state(envs: gym.vector.VectorEnv) -> dict | None:
     """The vector env's state, or None when it cannot be saved (unsaved_env_reason says why)."""
     try:
-        return {"layers": [_capture_layer(layer) for layer in _vector_layers(envs)],
-                "action_space_rng": _encode_rng(envs.action_space.np_random)}
+        return {
+            "layers": [_capture_layer(layer) for layer in _vector_layers(envs)],
+            "action_space_rng": _encode_rng(envs.action_space.np_random),
+        }
     except _Unsaved:
         return None
 
@@ -59,8 +61,10 @@ def restore_env_state(envs: gym.vector.VectorEnv, state: dict) -> None:
     kinds = [type(layer).__name__ for layer in layers]
     saved = [layer["kind"] for layer in state["layers"]]
     if kinds != saved:
-        raise UserError(f"the checkpoint's env is {' > '.join(saved)} but this run builds {' > '.join(kinds)}: "
-                        f"resume with the env config that wrote the checkpoint")
+        raise UserError(
+            f"the checkpoint's env is {' > '.join(saved)} but this run builds {' > '.join(kinds)}: "
+            f"resume with the env config that wrote the checkpoint"
+        )
     for layer, layer_state in zip(layers, state["layers"]):
         _restore_layer(layer, layer_state)
     _restore_rng(envs.action_space.np_random, state["action_space_rng"])
@@ -77,23 +81,39 @@ def _capture_layer(layer) -> dict:
     state = {"kind": type(layer).__name__}
     if isinstance(layer, vector_wrappers.RecordEpisodeStatistics):
         now = time.perf_counter()
-        state.update(episode_count=_encode(layer.episode_count), episode_returns=_encode(layer.episode_returns),
-                     episode_lengths=_encode(layer.episode_lengths), prev_dones=_encode(layer.prev_dones),
-                     # wall-clock ages, not perf_counter stamps (which mean nothing in another process)
-                     episode_ages_s=_encode(now - layer.episode_start_times),
-                     time_queue=_encode(list(layer.time_queue)), return_queue=_encode(list(layer.return_queue)),
-                     length_queue=_encode(list(layer.length_queue)))
+        state.update(
+            episode_count=_encode(layer.episode_count),
+            episode_returns=_encode(layer.episode_returns),
+            episode_lengths=_encode(layer.episode_lengths),
+            prev_dones=_encode(layer.prev_dones),
+            # wall-clock ages, not perf_counter stamps (which mean nothing in another process)
+            episode_ages_s=_encode(now - layer.episode_start_times),
+            time_queue=_encode(list(layer.time_queue)),
+            return_queue=_encode(list(layer.return_queue)),
+            length_queue=_encode(list(layer.length_queue)),
+        )
     elif isinstance(layer, vector_wrappers.NormalizeReward):
         rms = layer.return_rms
-        state.update(mean=_encode(rms.mean), var=_encode(rms.var), count=_encode(rms.count),
-                     accumulated_reward=_encode(layer.accumulated_reward), prev_dones=_encode(layer._prev_dones),
-                     update_running_mean=_encode(layer.update_running_mean))
+        state.update(
+            mean=_encode(rms.mean),
+            var=_encode(rms.var),
+            count=_encode(rms.count),
+            accumulated_reward=_encode(layer.accumulated_reward),
+            prev_dones=_encode(layer._prev_dones),
+            update_running_mean=_encode(layer.update_running_mean),
+        )
     elif isinstance(layer, vector_wrappers.ClipAction):
         pass  # clips each action; holds nothing between steps
     elif type(layer) is CartPoleVectorEnv:
-        state.update(state=_encode(layer.state), steps=_encode(layer.steps), prev_done=_encode(layer.prev_done),
-                     steps_beyond_terminated=_encode(layer.steps_beyond_terminated), low=_encode(layer.low),
-                     high=_encode(layer.high), rng=_encode_rng(layer.np_random))
+        state.update(
+            state=_encode(layer.state),
+            steps=_encode(layer.steps),
+            prev_done=_encode(layer.prev_done),
+            steps_beyond_terminated=_encode(layer.steps_beyond_terminated),
+            low=_encode(layer.low),
+            high=_encode(layer.high),
+            rng=_encode_rng(layer.np_random),
+        )
     elif type(layer) is gym.vector.SyncVectorEnv:
         state.update(autoreset_envs=_encode(layer._autoreset_envs), envs=[_capture_single(env) for env in layer.envs])
     else:
@@ -108,8 +128,11 @@ def _restore_layer(layer, state: dict) -> None:
         layer.episode_lengths = _decode(state["episode_lengths"])
         layer.prev_dones = _decode(state["prev_dones"])
         layer.episode_start_times = time.perf_counter() - _decode(state["episode_ages_s"])
-        for queue, values in ((layer.time_queue, state["time_queue"]), (layer.return_queue, state["return_queue"]),
-                              (layer.length_queue, state["length_queue"])):
+        for queue, values in (
+            (layer.time_queue, state["time_queue"]),
+            (layer.return_queue, state["return_queue"]),
+            (layer.length_queue, state["length_queue"]),
+        ):
             queue.clear()
             queue.extend(_decode(values))
     elif isinstance(layer, vector_wrappers.NormalizeReward):
@@ -124,8 +147,10 @@ def _restore_layer(layer, state: dict) -> None:
         _restore_rng(layer.np_random, state["rng"])
     elif type(layer) is gym.vector.SyncVectorEnv:
         if len(state["envs"]) != layer.num_envs:
-            raise UserError(f"the checkpoint holds {len(state['envs'])} envs on this rank, this run builds "
-                            f"{layer.num_envs}: resume with the env.num_envs that wrote it")
+            raise UserError(
+                f"the checkpoint holds {len(state['envs'])} envs on this rank, this run builds "
+                f"{layer.num_envs}: resume with the env.num_envs that wrote it"
+            )
         layer._autoreset_envs = _decode(state["autoreset_envs"])
         for env, env_state in zip(layer.envs, state["envs"]):
             _restore_single(env, env_state)

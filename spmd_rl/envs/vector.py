@@ -22,10 +22,11 @@ from spmd_rl.runtime.errors import UserError
 @dataclass(frozen=True)
 class EnvSpec:
     """What every rank must know about the env, without stepping it: the spaces of ONE env."""
+
     id: str
     observation_space: gym.Space
     action_space: gym.Space
-    vectorization: str = "sync"   # the resolved env.vectorization
+    vectorization: str = "sync"  # the resolved env.vectorization
 
 
 def probe_env(cfg: EnvSection) -> EnvSpec:
@@ -48,15 +49,18 @@ def probe_env(cfg: EnvSection) -> EnvSpec:
         if mode == "auto":
             mode = "vector_entry_point" if registered.vector_entry_point else "sync"
         elif mode == "vector_entry_point" and not registered.vector_entry_point:
-            raise UserError(f"env.vectorization=vector_entry_point: env.id '{cfg.id}' has no vectorized "
-                            f"implementation; use env.vectorization=auto, sync or async")
+            raise UserError(
+                f"env.vectorization=vector_entry_point: env.id '{cfg.id}' has no vectorized "
+                f"implementation; use env.vectorization=auto, sync or async"
+            )
         return EnvSpec(cfg.id, env.observation_space, env.action_space, mode)
     finally:
         env.close()
 
 
-def make_vector_env(cfg: EnvSection, spec: EnvSpec, seed: int, wrappers: list | None = None
-                    ) -> tuple[gym.vector.VectorEnv, int]:
+def make_vector_env(
+    cfg: EnvSection, spec: EnvSpec, seed: int, wrappers: list | None = None
+) -> tuple[gym.vector.VectorEnv, int]:
     """This rank's envs with episode statistics (and action clipping / reward scaling where asked).
     `wrappers` wrap each single env (sync or async vectorization only; evaluate's video recorder).
 

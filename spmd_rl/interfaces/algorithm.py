@@ -17,18 +17,20 @@ if TYPE_CHECKING:  # annotations only: importing tensordict costs seconds (torch
 @dataclass(frozen=True)
 class Schedule:
     """When weights move and how the policy acts, per algorithm; the engine plans every rank's sends with it."""
-    weight_sync_every: int = 1      # iterations between weight broadcasts to the inference ranks
-    random_steps: int = 0           # env steps (all env ranks) acting uniformly at random before the policy acts
-    max_policy_lag: int = 0         # policy versions a step may lag behind the learner (0: on-policy)
+
+    weight_sync_every: int = 1  # iterations between weight broadcasts to the inference ranks
+    random_steps: int = 0  # env steps (all env ranks) acting uniformly at random before the policy acts
+    max_policy_lag: int = 0  # policy versions a step may lag behind the learner (0: on-policy)
 
 
 @dataclass(frozen=True)
 class PlanFacts:
     """What an algorithm may check its config against before any process group exists."""
+
     trainer_ranks: int
     env_ranks: int
-    steps_per_iteration: int        # all env ranks together
-    samples_per_trainer: int        # env steps a trainer learns from per iteration
+    steps_per_iteration: int  # all env ranks together
+    samples_per_trainer: int  # env steps a trainer learns from per iteration
     num_iterations: int
 
 
@@ -37,8 +39,8 @@ class Algorithm:
     AlgorithmConfig, which gives `num_steps`), `default_policy` on the Config, and `requires`."""
 
     Config: ClassVar[type] = AlgorithmConfig
-    requires: ClassVar[tuple[str, ...]] = ()            # step fields beyond obs/action/ENV_FIELDS (e.g. log_prob)
-    policy_methods: ClassVar[tuple[str, ...]] = ()      # methods the policy must have (e.g. PPO: evaluate, value)
+    requires: ClassVar[tuple[str, ...]] = ()  # step fields beyond obs/action/ENV_FIELDS (e.g. log_prob)
+    policy_methods: ClassVar[tuple[str, ...]] = ()  # methods the policy must have (e.g. PPO: evaluate, value)
 
     @classmethod
     def schedule(cls, config: AlgorithmConfig) -> Schedule:

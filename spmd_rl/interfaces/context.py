@@ -27,34 +27,54 @@ if TYPE_CHECKING:  # annotations only: importing tensordict costs seconds (torch
 @dataclass
 class Context:
     """The trainer's surroundings, handed to its Algorithm (and Callbacks)."""
-    rank: int                               # global rank of this trainer
-    trainer_index: int                      # 0 .. num_trainers-1
+
+    rank: int  # global rank of this trainer
+    trainer_index: int  # 0 .. num_trainers-1
     num_trainers: int
-    group: dist.ProcessGroup | None         # the trainer group; None with a single trainer
+    group: dist.ProcessGroup | None  # the trainer group; None with a single trainer
     device: torch.device
     timeout: datetime.timedelta
     run_dir: Path
     seed: int
     num_iterations: int
-    steps_per_iteration: int                # env steps per iteration, all env ranks together
+    steps_per_iteration: int  # env steps per iteration, all env ranks together
     observation_space: gym.Space
     action_space: gym.Space
-    buffer: Any = None                      # the buffer config section (replay capacity, backend, files)
+    buffer: Any = None  # the buffer config section (replay capacity, backend, files)
 
     @classmethod
-    def local(cls, observation_space: gym.Space, action_space: gym.Space, *, group: dist.ProcessGroup | None = None,
-              num_iterations: int = 1, steps_per_iteration: int = 1, run_dir: str | Path = ".", seed: int = 1,
-              device: str = "cpu", timeout_s: float = 300.0, buffer: Any = None) -> Context:
+    def local(
+        cls,
+        observation_space: gym.Space,
+        action_space: gym.Space,
+        *,
+        group: dist.ProcessGroup | None = None,
+        num_iterations: int = 1,
+        steps_per_iteration: int = 1,
+        run_dir: str | Path = ".",
+        seed: int = 1,
+        device: str = "cpu",
+        timeout_s: float = 300.0,
+        buffer: Any = None,
+    ) -> Context:
         """A context outside a launched run: for unit tests of an algorithm and for notebooks. With a group, this
         process is one of its trainers."""
         in_group = group is not None
-        return cls(rank=dist.get_rank() if in_group else 0,
-                   trainer_index=dist.get_rank(group) if in_group else 0,
-                   num_trainers=dist.get_world_size(group) if in_group else 1, group=group,
-                   device=torch.device(device), timeout=datetime.timedelta(seconds=timeout_s), run_dir=Path(run_dir),
-                   seed=seed, num_iterations=num_iterations, steps_per_iteration=steps_per_iteration,
-                   observation_space=observation_space, action_space=action_space,
-                   buffer=buffer if buffer is not None else BufferSection())
+        return cls(
+            rank=dist.get_rank() if in_group else 0,
+            trainer_index=dist.get_rank(group) if in_group else 0,
+            num_trainers=dist.get_world_size(group) if in_group else 1,
+            group=group,
+            device=torch.device(device),
+            timeout=datetime.timedelta(seconds=timeout_s),
+            run_dir=Path(run_dir),
+            seed=seed,
+            num_iterations=num_iterations,
+            steps_per_iteration=steps_per_iteration,
+            observation_space=observation_space,
+            action_space=action_space,
+            buffer=buffer if buffer is not None else BufferSection(),
+        )
 
     # -- data parallelism ---------------------------------------------------------------------------------------
 
@@ -66,8 +86,9 @@ class Context:
         # Buffers (normalizer statistics) are merged by their own all-reduce, not synced on every forward.
         return DistributedDataParallel(module, process_group=self.group, forward_sync_buffers=False)
 
-    def average_gradients(self, grads: list[Tensor] | tuple[Tensor, ...], what: str = "gradients"
-                          ) -> tuple[Tensor, ...]:
+    def average_gradients(
+        self, grads: list[Tensor] | tuple[Tensor, ...], what: str = "gradients"
+    ) -> tuple[Tensor, ...]:
         """The mean over trainers of these gradients, in one flat all-reduce (identity for one trainer)."""
         if self.group is None:
             return tuple(grads)
@@ -91,8 +112,14 @@ class Context:
         if self.group is None:
             return tensor
         src = dist.get_process_group_ranks(self.group)[src_index]
-        bounded(dist.broadcast, tensor, src=src, group=self.group, timeout=self.timeout,
-                what=f"{what} broadcast from rank {src}")
+        bounded(
+            dist.broadcast,
+            tensor,
+            src=src,
+            group=self.group,
+            timeout=self.timeout,
+            what=f"{what} broadcast from rank {src}",
+        )
         return tensor
 
     def merge_normalizer(self, normalizer: nn.Module, obs: Tensor) -> None:
@@ -108,14 +135,24 @@ class Context:
         # Imported here: replay imports tensordict (seconds), which a policy or algorithm module importing the
         # API must not pay for to answer --help.
         from spmd_rl.storage.replay import LocalReplay, ReplayBuffer, ShardedReplay
+
         cfg = self.buffer
         if cfg.backend == "memory":  # checked before allocating: an absurd capacity is a user error, not an OOM
             row_bytes = sum(t.element_size() * t[0].numel() for t in example.values(True, True))
-            check_memory(cfg.capacity * row_bytes, f"the replay shard of rank {self.rank} ({cfg.capacity} rows of "
-                         f"{row_bytes} bytes)", "buffer.capacity (or use buffer.backend=hdf5)")
-        shard = ReplayBuffer(cfg.capacity, example, backend=cfg.backend,
-                             path=self.run_dir / "buffer" / f"{name}_rank{self.rank}.h5", chunk_rows=cfg.chunk_rows,
-                             compression=cfg.h5_compression, flush_every_s=cfg.flush_every_s)
+            check_memory(
+                cfg.capacity * row_bytes,
+                f"the replay shard of rank {self.rank} ({cfg.capacity} rows of {row_bytes} bytes)",
+                "buffer.capacity (or use buffer.backend=hdf5)",
+            )
+        shard = ReplayBuffer(
+            cfg.capacity,
+            example,
+            backend=cfg.backend,
+            path=self.run_dir / "buffer" / f"{name}_rank{self.rank}.h5",
+            chunk_rows=cfg.chunk_rows,
+            compression=cfg.h5_compression,
+            flush_every_s=cfg.flush_every_s,
+        )
         if self.group is None:
             return LocalReplay(shard)
         return ShardedReplay(shard, self.group, self.timeout, seed=self.seed)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # annotations only: importing tensordict costs seconds (torch
 @dataclass(frozen=True)
 class StepField:
     """One per-step value for one env: its shape (without the env dimension) and dtype."""
+
     shape: tuple[int, ...]
     dtype: torch.dtype
 

@@ -31,8 +31,9 @@ def _layer(in_features: int, out_features: int, gain: float) -> nn.Linear:
     return layer
 
 
-def mlp(in_features: int, hidden_sizes: list[int], out_features: int, activation: str, head_gain: float
-        ) -> nn.Sequential:
+def mlp(
+    in_features: int, hidden_sizes: list[int], out_features: int, activation: str, head_gain: float
+) -> nn.Sequential:
     """Hidden layers with orthogonal init (gain sqrt(2)), then a linear head with its own gain."""
     layers: list[nn.Module] = []
     for width in hidden_sizes:
@@ -49,8 +50,10 @@ def _check_action_space(action_space: gym.Space) -> None:
             raise UserError(f"action space {action_space} is not supported by the actor-critic ({supported})")
         return
     if not (isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1):
-        raise UserError(f"action space {action_space} is not supported by the actor-critic ({supported}); "
-                        f"wrap the env or bring your own policy.class")
+        raise UserError(
+            f"action space {action_space} is not supported by the actor-critic ({supported}); "
+            f"wrap the env or bring your own policy.class"
+        )
 
 
 class ActorCritic(Policy):
@@ -77,8 +80,11 @@ class ActorCritic(Policy):
         self.critic = mlp(self.encoder.out_features, hidden, 1, activation, head_gain=1.0)
 
     def outputs(self) -> dict[str, StepField]:
-        return {"action": self.action_field, "log_prob": StepField((), torch.float32),
-                "value": StepField((), torch.float32)}
+        return {
+            "action": self.action_field,
+            "log_prob": StepField((), torch.float32),
+            "value": StepField((), torch.float32),
+        }
 
     def update_normalizer(self, obs, context) -> None:
         self.encoder.update_normalizer(obs, context)

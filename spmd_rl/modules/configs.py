@@ -11,22 +11,31 @@ from spmd_rl.config.sections import knob
 class ActorCriticConfig:
     """The built-in actor-critic: an encoder per observation (MLP for vectors, CNN for images), then actor and
     critic heads."""
-    hidden_sizes: list[int] = knob(None, "hidden layer widths of the actor and the critic MLPs",
-                                   factory=lambda: [64, 64], item_min=1)
+
+    hidden_sizes: list[int] = knob(
+        None, "hidden layer widths of the actor and the critic MLPs", factory=lambda: [64, 64], item_min=1
+    )
     activation: str = knob("tanh", "hidden activation", choices=["tanh", "relu", "elu"])
     normalize_obs: bool = knob(False, "running normalization of vector observations (merged across trainers)")
     log_std_init: float = knob(0.0, "initial log std of the Gaussian policy (continuous actions)")
-    encoder: str = knob("auto", "auto: an MLP for vector observations, a CNN for images (uint8 HxWxC or CxHxW); "
-                        "or force mlp (flattens) or cnn", choices=["auto", "mlp", "cnn"])
-    cnn_channels: list[int] = knob(None, "CNN encoder: output channels of each 3x3 conv layer (stride 2 after the "
-                                   "first)", factory=lambda: [16, 32], item_min=1)
+    encoder: str = knob(
+        "auto",
+        "auto: an MLP for vector observations, a CNN for images (uint8 HxWxC or CxHxW); or force mlp (flattens) or cnn",
+        choices=["auto", "mlp", "cnn"],
+    )
+    cnn_channels: list[int] = knob(
+        None,
+        "CNN encoder: output channels of each 3x3 conv layer (stride 2 after the first)",
+        factory=lambda: [16, 32],
+        item_min=1,
+    )
     cnn_features: int = knob(256, "CNN encoder: width of the linear layer after the convolutions", min=1)
 
 
 @dataclass
 class SquashedGaussianConfig:
     """SAC's actor: an MLP giving a tanh-squashed Gaussian over actions."""
-    hidden_sizes: list[int] = knob(None, "hidden layer widths of the actor MLP", factory=lambda: [256, 256],
-                                   item_min=1)
+
+    hidden_sizes: list[int] = knob(None, "hidden layer widths of the actor MLP", factory=lambda: [256, 256], item_min=1)
     activation: str = knob("relu", "hidden activation", choices=["tanh", "relu", "elu"])
     normalize_obs: bool = knob(False, "running observation normalization (merged across trainers)")

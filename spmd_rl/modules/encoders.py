@@ -35,7 +35,10 @@ class VectorEncoder(nn.Module):
         return self.normalizer(obs) if self.normalizer.enabled else obs
 
     def update_normalizer(self, obs: Tensor, context) -> None:
-        context.merge_normalizer(self.normalizer, obs.reshape(obs.shape[0], self.out_features))
+        # The statistics of what the network sees: float32, as forward() casts (a float64 env's raw values gave
+        # statistics ~1e-7 apart, enough to send a MuJoCo run down another trajectory than before wave 2).
+        obs = obs.reshape(obs.shape[0], self.out_features).to(torch.float32)
+        context.merge_normalizer(self.normalizer, obs)
 
 
 class ImageEncoder(nn.Module):
@@ -93,8 +96,12 @@ class DictEncoder(nn.Module):
 
 
 def is_image(space: gym.Space) -> bool:
-    return (isinstance(space, gym.spaces.Box) and len(space.shape) in (2, 3)
-            and (space.dtype == np.uint8 or min(space.shape) <= 4) and math.prod(space.shape) >= 64)
+    return (
+        isinstance(space, gym.spaces.Box)
+        and len(space.shape) in (2, 3)
+        and (space.dtype == np.uint8 or min(space.shape) <= 4)
+        and math.prod(space.shape) >= 64
+    )
 
 
 def make_encoder(space: gym.Space, config) -> nn.Module:
@@ -102,8 +109,10 @@ def make_encoder(space: gym.Space, config) -> nn.Module:
     if isinstance(space, gym.spaces.Dict):
         return DictEncoder(space, config)
     if not isinstance(space, gym.spaces.Box):
-        raise UserError(f"observation space {space} is not supported by the built-in actor-critic (Box, Dict of "
-                        f"Box); wrap the env (e.g. gymnasium's FlattenObservation) or bring your own policy.class")
+        raise UserError(
+            f"observation space {space} is not supported by the built-in actor-critic (Box, Dict of "
+            f"Box); wrap the env (e.g. gymnasium's FlattenObservation) or bring your own policy.class"
+        )
     choice = config.encoder
     if choice == "auto":
         choice = "cnn" if is_image(space) else "mlp"

@@ -19,8 +19,9 @@ EPS = 1e-8
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 
 
-def merge_moments(count_a: Tensor, mean_a: Tensor, m2_a: Tensor,
-                  count_b: Tensor, mean_b: Tensor, m2_b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def merge_moments(
+    count_a: Tensor, mean_a: Tensor, m2_a: Tensor, count_b: Tensor, mean_b: Tensor, m2_b: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """Chan et al.'s parallel merge of (count, mean, sum of squared deviations) for two disjoint sets of samples.
 
     Exact up to rounding and free of the cancellation that E[x^2] - E[x]^2 suffers when |mean| >> std.
@@ -58,8 +59,9 @@ class RunningNormalizer(nn.Module):
         return ((x - mean) / std).clamp(-CLIP, CLIP)
 
     @torch.no_grad()
-    def update(self, x: Tensor, group: dist.ProcessGroup | None = None,
-               timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+    def update(
+        self, x: Tensor, group: dist.ProcessGroup | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    ) -> None:
         """Fold a batch x[B, *shape] into the running statistics.
 
         With a group (and torch.distributed initialized), every member's batch statistics are gathered and merged,
@@ -81,19 +83,28 @@ class RunningNormalizer(nn.Module):
         self.mean.copy_(new_mean)
         self.var.copy_(new_m2 / new_count)
 
-    def _merge_across(self, group: dist.ProcessGroup, count: Tensor, mean: Tensor, m2: Tensor,
-                      timeout: datetime.timedelta) -> tuple[Tensor, Tensor, Tensor]:
+    def _merge_across(
+        self, group: dist.ProcessGroup, count: Tensor, mean: Tensor, m2: Tensor, timeout: datetime.timedelta
+    ) -> tuple[Tensor, Tensor, Tensor]:
         if dist.get_rank(group) < 0:
-            raise RuntimeError(f"rank {dist.get_rank()} is not a member of the normalizer's group; "
-                               "a collective called by a non-member silently does nothing")
+            raise RuntimeError(
+                f"rank {dist.get_rank()} is not a member of the normalizer's group; "
+                "a collective called by a non-member silently does nothing"
+            )
         # One message per rank: [count, mean..., m2...] in float64; the merge below is Chan's, over all ranks at once.
         local = torch.cat([count.reshape(1), mean.reshape(-1), m2.reshape(-1)])
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        bounded(dist.all_gather, gathered, local, group=group, timeout=timeout,
-                what="observation normalizer all_gather of batch statistics")
+        bounded(
+            dist.all_gather,
+            gathered,
+            local,
+            group=group,
+            timeout=timeout,
+            what="observation normalizer all_gather of batch statistics",
+        )
         table = torch.stack(gathered)
         size = mean.numel()
-        counts, means, m2s = table[:, 0], table[:, 1:1 + size], table[:, 1 + size:]
+        counts, means, m2s = table[:, 0], table[:, 1 : 1 + size], table[:, 1 + size :]
         total = counts.sum()
         if total == 0:
             return total, mean, m2

@@ -92,8 +92,8 @@ class CheckpointStore:
             return []
         found = []
         for d in self.root.iterdir():
-            if d.is_dir() and d.name.startswith(_PREFIX) and d.name[len(_PREFIX):].isdigit():
-                found.append((int(d.name[len(_PREFIX):]), d))
+            if d.is_dir() and d.name.startswith(_PREFIX) and d.name[len(_PREFIX) :].isdigit():
+                found.append((int(d.name[len(_PREFIX) :]), d))
         return found
 
     def _prune(self, committed: int) -> None:
@@ -102,7 +102,7 @@ class CheckpointStore:
         # interrupted saves.
         earlier = sorted(((it, d) for it, d in self._directories() if it <= committed), reverse=True)
         kept = 0
-        for it, d in earlier:
+        for _, d in earlier:
             if _is_complete(d) and kept < self.keep:
                 kept += 1
                 continue
@@ -122,8 +122,10 @@ def find_checkpoint(path: Path | str) -> Path:
                 return found
             raise UserError(f"{run_dir / CHECKPOINTS_DIR} holds no complete checkpoint")
     if path.name.startswith(_PREFIX) and path.is_dir():
-        raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE} marker: its save was interrupted); "
-                        f"resume from an earlier checkpoint in {path.parent}")
+        raise UserError(
+            f"checkpoint {path} is incomplete (no {COMPLETE} marker: its save was interrupted); "
+            f"resume from an earlier checkpoint in {path.parent}"
+        )
     raise UserError(f"{path} is not a checkpoint: give a run directory or <run dir>/{CHECKPOINTS_DIR}/{_PREFIX}<N>")
 
 
@@ -131,27 +133,37 @@ def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.devic
     """Read rank `rank`'s state from a checkpoint directory (see CheckpointStore.load)."""
     directory = Path(path)
     if not directory.is_dir():
-        raise UserError(f"checkpoint {directory} does not exist: give a directory like "
-                        f"<run dir>/{CHECKPOINTS_DIR}/{_PREFIX}000000100")
+        raise UserError(
+            f"checkpoint {directory} does not exist: give a directory like "
+            f"<run dir>/{CHECKPOINTS_DIR}/{_PREFIX}000000100"
+        )
     if not _is_complete(directory):
-        raise UserError(f"checkpoint {directory} is incomplete (no {COMPLETE} marker: its save was interrupted); "
-                        f"resume from an earlier checkpoint in {directory.parent}")
+        raise UserError(
+            f"checkpoint {directory} is incomplete (no {COMPLETE} marker: its save was interrupted); "
+            f"resume from an earlier checkpoint in {directory.parent}"
+        )
     file = directory / _rank_file(rank)
     if not file.is_file():
         held = sorted(p.name for p in directory.glob("rank*.pt"))
-        raise UserError(f"checkpoint {directory} has no {file.name} (it holds {', '.join(held) or 'no rank files'}): "
-                        f"resume with the number of ranks that wrote it")
+        raise UserError(
+            f"checkpoint {directory} has no {file.name} (it holds {', '.join(held) or 'no rank files'}): "
+            f"resume with the number of ranks that wrote it"
+        )
     expected = _marker(directory).get("files", {}).get(file.name)
     size = file.stat().st_size
     if expected is not None and size != expected:
-        raise UserError(f"checkpoint file {file} is truncated or altered ({size} bytes, {expected} when saved): "
-                        f"delete {directory} to resume from the previous checkpoint")
+        raise UserError(
+            f"checkpoint file {file} is truncated or altered ({size} bytes, {expected} when saved): "
+            f"delete {directory} to resume from the previous checkpoint"
+        )
     try:
         return torch.load(file, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises several types for damaged files; each means the same to the user
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"checkpoint file {file} cannot be read ({first_line}): delete {directory} to resume "
-                        f"from the previous checkpoint") from None
+        raise UserError(
+            f"checkpoint file {file} cannot be read ({first_line}): delete {directory} to resume "
+            f"from the previous checkpoint"
+        ) from None
 
 
 def capture_rng_state() -> dict:
@@ -160,8 +172,12 @@ def capture_rng_state() -> dict:
     _, key, pos, has_gauss, cached_gaussian = np.random.get_state()
     state = {
         "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-        "numpy": {"key": torch.from_numpy(key.copy()), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached_gaussian)},
+        "numpy": {
+            "key": torch.from_numpy(key.copy()),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -174,11 +190,10 @@ def restore_rng_state(state: dict) -> None:
     python = state["python"]
     random.setstate((python["version"], tuple(python["internal"]), python["gauss_next"]))
     numpy = state["numpy"]
-    np.random.set_state(("MT19937", numpy["key"].numpy(), numpy["pos"], numpy["has_gauss"],
-                         numpy["cached_gaussian"]))
+    np.random.set_state(("MT19937", numpy["key"].numpy(), numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        for device, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+        for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(cuda_state, device)
 
 

@@ -16,8 +16,9 @@ import contextlib
 import errno
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, Iterator, Protocol
+from typing import BinaryIO, Protocol
 
 from spmd_rl.runtime.errors import UserError
 
@@ -191,5 +192,8 @@ def flush_open_files() -> None:
             writer.flush()
         except BaseException as exc:  # noqa: BLE001 - on the way out: report, never mask the original error
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            print(f"spmd_rl: error: {first if isinstance(exc, UserError) else f'{path}: could not flush: {first}'}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"spmd_rl: error: {first if isinstance(exc, UserError) else f'{path}: could not flush: {first}'}",
+                file=sys.stderr,
+                flush=True,
+            )

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,14 +28,15 @@ class StoppedWithCheckpoint(Exception):
     """Every rank agreed to stop after a signal; the checkpoint is committed. main prints one line, exit 75."""
 
     def __init__(self, signal_name: str, iteration: int, checkpoint: Path):
-        super().__init__(f"stopped by {signal_name} after iteration {iteration}; checkpoint {checkpoint}; rerun the "
-                         f"same command to resume")
+        super().__init__(
+            f"stopped by {signal_name} after iteration {iteration}; checkpoint {checkpoint}; rerun the "
+            f"same command to resume"
+        )
         self.checkpoint = checkpoint
 
 
 class RunControl:
-    def __init__(self, cfg, num_iterations: int, rank: int, world_size: int, distributed: bool, run_dir: Path,
-                 timeout):
+    def __init__(self, cfg, num_iterations: int, rank: int, world_size: int, distributed: bool, run_dir: Path, timeout):
         self.every_iterations = cfg.checkpoint.every_iterations
         self.every_s = cfg.checkpoint.every_s
         self.stop_after = cfg.run.stop_after_iterations
@@ -44,7 +45,7 @@ class RunControl:
         self.store = CheckpointStore(run_dir, keep=cfg.checkpoint.keep)
         self.timeout = timeout
         self.last_checkpoint = time.monotonic()
-        self.save_s = 0.0         # seconds this rank spent on its last checkpoint (0 when none this iteration)
+        self.save_s = 0.0  # seconds this rank spent on its last checkpoint (0 when none this iteration)
 
     def after_iteration(self, iteration: int, capture: Callable[[], dict]) -> None:
         """Checkpoint when due; raise StoppedWithCheckpoint when the ranks agreed to stop. capture() builds this
@@ -72,16 +73,27 @@ class RunControl:
         that sees the first rank exit may kill the rest)."""
         if self.distributed:
             done = torch.ones(1, dtype=torch.int64)
-            bounded(dist.all_reduce, done, group=None, timeout=self.timeout,
-                    what="stop: wait for rank 0's checkpoint and policy.pt")
+            bounded(
+                dist.all_reduce,
+                done,
+                group=None,
+                timeout=self.timeout,
+                what="stop: wait for rank 0's checkpoint and policy.pt",
+            )
 
     def _agree(self, signal_number: int, timed_out: bool) -> tuple[int, bool]:
         """(a signal any rank received, rank 0's clock says a timed checkpoint is due), the same on every rank."""
         if not self.distributed:
             return signal_number, timed_out
         flags = torch.tensor([signal_number, int(timed_out and self.rank == 0)], dtype=torch.int64)
-        bounded(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=None, timeout=self.timeout,
-                what="end-of-iteration agreement (checkpoint or stop) all_reduce")
+        bounded(
+            dist.all_reduce,
+            flags,
+            op=dist.ReduceOp.MAX,
+            group=None,
+            timeout=self.timeout,
+            what="end-of-iteration agreement (checkpoint or stop) all_reduce",
+        )
         return int(flags[0]), bool(flags[1])
 
     def _save(self, iteration: int, capture: Callable[[], dict]) -> Path:
@@ -95,13 +107,21 @@ class RunControl:
             error = exc
         ok = torch.tensor([0 if error else 1], dtype=torch.int64)
         if self.distributed:
-            bounded(dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=None, timeout=self.timeout,
-                    what=f"checkpoint {iteration} completion all_reduce")
+            bounded(
+                dist.all_reduce,
+                ok,
+                op=dist.ReduceOp.MIN,
+                group=None,
+                timeout=self.timeout,
+                what=f"checkpoint {iteration} completion all_reduce",
+            )
         if error is not None:
             raise error
         if not int(ok):
-            raise UserError(f"checkpoint of iteration {iteration} failed on another rank (see its line); the "
-                            f"previous checkpoint stays the latest")
+            raise UserError(
+                f"checkpoint of iteration {iteration} failed on another rank (see its line); the "
+                f"previous checkpoint stays the latest"
+            )
         directory = self.store.directory(iteration)
         if self.rank == 0:
             self.store.commit(iteration, world_size=self.world_size)

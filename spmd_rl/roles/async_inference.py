@@ -24,8 +24,19 @@ class AsyncInferenceServer:
     never overlap). A thread per staged broadcast does the same once the broadcast is complete. An observation so
     costs one thread wake-up, as in the sync engine; the main thread only takes part in the agreements."""
 
-    def __init__(self, parts: InferenceParts, plan, lag_bound: int, iterations: range, device: torch.device,
-                 timeout: datetime.timedelta, verify_every: int, describe_rank, rank: int, served: list[int]):
+    def __init__(
+        self,
+        parts: InferenceParts,
+        plan,
+        lag_bound: int,
+        iterations: range,
+        device: torch.device,
+        timeout: datetime.timedelta,
+        verify_every: int,
+        describe_rank,
+        rank: int,
+        served: list[int],
+    ):
         self.plan, self.lag_bound = plan, lag_bound
         self.policy, self.weight_sync = parts.policy, parts.weight_sync
         self.staged = StagedWeights(parts.weight_sync)
@@ -41,7 +52,7 @@ class AsyncInferenceServer:
         self.lockstep = lag_bound == 0
         self.num_steps = plan.num_steps
         self.end_step = iterations.stop * self.num_steps
-        self.next_step = [iterations.start * self.num_steps] * len(served)   # per env rank: the next step to serve
+        self.next_step = [iterations.start * self.num_steps] * len(served)  # per env rank: the next step to serve
         # Broadcasts after each iteration, in order; served_through(i) needs those up to i taken.
         self.syncs = [i for i in iterations if plan.syncs_after(i)]
         self.taken = 0
@@ -60,8 +71,9 @@ class AsyncInferenceServer:
     def _post_next_broadcast(self) -> None:
         if self.taken < len(self.syncs):
             self.staged.post()
-            threading.Thread(target=self._await_weights, daemon=True,
-                             name=f"spmd_rl-weights-{self.staged.posted}").start()
+            threading.Thread(
+                target=self._await_weights, daemon=True, name=f"spmd_rl-weights-{self.staged.posted}"
+            ).start()
 
     def _await_weights(self) -> None:
         """A thread: once the posted broadcast is complete (a bounded wait), serve: that swaps it in when allowed."""
@@ -89,15 +101,20 @@ class AsyncInferenceServer:
         """Whether every env rank still acting may use this version: none may act for a segment j with a version
         newer than version_at(j). (Trainer 0 may publish before a trainer of another env rank has that rank's
         segment, e.g. an update with no collective in it, like SAC's random warm-up.)"""
-        return all(version <= self.plan.version_at(step // self.num_steps)
-                   for step in self.next_step if step < self.end_step)
+        return all(
+            version <= self.plan.version_at(step // self.num_steps) for step in self.next_step if step < self.end_step
+        )
 
     # -- observations ---------------------------------------------------------------------------------------------
 
     def _start_receivers(self) -> None:
         for index in range(len(self.obs_channels)):
-            threading.Thread(target=self._receive, args=(index, self.end_step - self.next_step[index]), daemon=True,
-                             name=f"spmd_rl-obs-{self.env_names[index]}").start()
+            threading.Thread(
+                target=self._receive,
+                args=(index, self.end_step - self.next_step[index]),
+                daemon=True,
+                name=f"spmd_rl-obs-{self.env_names[index]}",
+            ).start()
 
     def _receive(self, index: int, count: int) -> None:
         """A thread: receive env rank `index`'s observations and serve. Its receive of the next observation is
@@ -161,15 +178,20 @@ class AsyncInferenceServer:
         expected = self.next_step[index] // self.num_steps
         got = int(message["segment"][0])
         if got != expected:
-            raise CommError(f"{self.describe}: observations from {self.env_names[index]} are of segment {got}, "
-                            f"expected segment {expected} (step {self.next_step[index]}); the ranks' schedules "
-                            f"differ")
+            raise CommError(
+                f"{self.describe}: observations from {self.env_names[index]} are of segment {got}, "
+                f"expected segment {expected} (step {self.next_step[index]}); the ranks' schedules "
+                f"differ"
+            )
 
     def _servable(self) -> list[int]:
         """The env ranks to act for now, in the fixed order: with lag 0 all of them or none (exactly the sync
         engine's batches), else every ready one whose segment the current weights may act for."""
-        allowed = [index for index in sorted(self.ready)
-                   if self.policy_version >= self.required_version(self.next_step[index] // self.num_steps)]
+        allowed = [
+            index
+            for index in sorted(self.ready)
+            if self.policy_version >= self.required_version(self.next_step[index] // self.num_steps)
+        ]
         if self.lockstep:
             return allowed if len(allowed) == len(self.obs_channels) else []
         return allowed
@@ -178,8 +200,7 @@ class AsyncInferenceServer:
         # Env ranks in one forward pass act alike: uniformly at random during warm-up, else with the policy.
         explores = [self.plan.explores_at(self.next_step[index] // self.num_steps) for index in serve]
         for flag in sorted(set(explores)):
-            group = [(index, message) for index, message, explore in zip(serve, messages, explores)
-                     if explore == flag]
+            group = [(index, message) for index, message, explore in zip(serve, messages, explores) if explore == flag]
             observations = [message["obs"] for _, message in group]
             obs = observations[0] if len(observations) == 1 else torch.cat(observations)
             clock = time.perf_counter()
@@ -195,7 +216,7 @@ class AsyncInferenceServer:
                 channel.wait()  # the previous reply to this env rank is out of the buffer
                 count = reply["action"].shape[0]
                 for key, value in zip(self.output_keys, outputs):
-                    reply[key][:] = value[offset:offset + count]
+                    reply[key][:] = value[offset : offset + count]
                 reply["policy_version"][0] = self.policy_version
                 reply["inference_s"][0] = inference_s
                 channel.isend()
@@ -247,10 +268,17 @@ class AsyncInferenceServer:
 
     def _stuck(self, what: str) -> CommError:
         held = [self.env_names[index] for index in sorted(self.ready)]
-        silent = [self.env_names[index] for index in range(len(self.obs_channels))
-                  if index not in self.ready and self.next_step[index] < self.end_step]
-        needed = min((self.required_version(self.next_step[index] // self.num_steps)
-                      for index in self.ready), default=self.policy_version + 1)
-        return CommError(f"{self.describe}: waited {self.timeout.total_seconds():g}s for {what}: holding "
-                         f"observations of {held or 'no env rank'} for weights version {needed} (holding "
-                         f"{self.policy_version}) from {self.source}; no observations from {silent or 'no env rank'}")
+        silent = [
+            self.env_names[index]
+            for index in range(len(self.obs_channels))
+            if index not in self.ready and self.next_step[index] < self.end_step
+        ]
+        needed = min(
+            (self.required_version(self.next_step[index] // self.num_steps) for index in self.ready),
+            default=self.policy_version + 1,
+        )
+        return CommError(
+            f"{self.describe}: waited {self.timeout.total_seconds():g}s for {what}: holding "
+            f"observations of {held or 'no env rank'} for weights version {needed} (holding "
+            f"{self.policy_version}) from {self.source}; no observations from {silent or 'no env rank'}"
+        )

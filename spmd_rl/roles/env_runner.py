@@ -19,8 +19,18 @@ from spmd_rl.runtime.errors import UserCodeError, describe_exception
 
 
 class EnvRunner:
-    def __init__(self, envs, first_obs, to_inference, from_inference, to_trainer, num_steps: int,
-                 policy_outputs: list[str], describe: str = "env runner", env_id: str = "env"):
+    def __init__(
+        self,
+        envs,
+        first_obs,
+        to_inference,
+        from_inference,
+        to_trainer,
+        num_steps: int,
+        policy_outputs: list[str],
+        describe: str = "env runner",
+        env_id: str = "env",
+    ):
         self.envs = envs
         self.num_steps = num_steps
         self.to_inference = to_inference
@@ -76,8 +86,9 @@ class EnvRunner:
         try:
             obs, reward, terminated, truncated, info = self.envs.step(action)
         except Exception as exc:  # the env's own error: its type, message and file:line, not the vector env's stack
-            raise UserCodeError(f"{self.describe}: env '{self.env_id}' raised at step {self.steps_taken + 1}: "
-                                f"{describe_exception(exc)}") from exc
+            raise UserCodeError(
+                f"{self.describe}: env '{self.env_id}' raised at step {self.steps_taken + 1}: {describe_exception(exc)}"
+            ) from exc
         self.env_s += time.perf_counter() - clock
         self.steps_taken += 1
         # NaN and inf survive a sum (overflow aside, which the exact check below then clears): one reduction per
@@ -107,9 +118,11 @@ class EnvRunner:
             if values is None or spaces.all_finite(values):
                 continue
             bad = spaces.non_finite_envs(values)
-            raise UserCodeError(f"{self.describe}: env '{self.env_id}' returned a non-finite {what} (NaN or inf) at "
-                                f"{when} in env index(es) {bad}; fix the env or wrap it (e.g. clip or check its "
-                                f"outputs)")
+            raise UserCodeError(
+                f"{self.describe}: env '{self.env_id}' returned a non-finite {what} (NaN or inf) at "
+                f"{when} in env index(es) {bad}; fix the env or wrap it (e.g. clip or check its "
+                f"outputs)"
+            )
 
     def _record_episodes(self, t: int, info: dict) -> None:
         episode = info.get("episode")
@@ -142,8 +155,11 @@ class EnvRunner:
     def state_dict(self) -> dict:
         """Where the envs stand between rollouts (with their own state, see env_state.py): the observation the next
         step acts on, which envs' next step is a reset, the step counter."""
-        return {"obs": as_tensors(self.obs), "next_step_valid": torch.from_numpy(self.next_step_valid.copy()),
-                "steps_taken": self.steps_taken}
+        return {
+            "obs": as_tensors(self.obs),
+            "next_step_valid": torch.from_numpy(self.next_step_valid.copy()),
+            "steps_taken": self.steps_taken,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.obs = as_arrays(state["obs"])

@@ -43,23 +43,31 @@ class UniformActions:
 @dataclass
 class InferenceParts:
     """What an inference rank serves with (built by the run), for the sync server or an engine's own server."""
+
     policy: torch.nn.Module
-    weight_sync: object                       # spmd_rl.comm.weights.WeightSync (weights come from trainer 0)
+    weight_sync: object  # spmd_rl.comm.weights.WeightSync (weights come from trainer 0)
     obs_channels: list
     action_channels: list
-    uniform_actions: UniformActions | None    # off-policy warm-up actions (None when the plan has none)
+    uniform_actions: UniformActions | None  # off-policy warm-up actions (None when the plan has none)
 
 
 class InferenceServer:
-    def __init__(self, policy, obs_channels: list, action_channels: list, device: torch.device, weight_sync=None,
-                 uniform_actions: UniformActions | None = None):
+    def __init__(
+        self,
+        policy,
+        obs_channels: list,
+        action_channels: list,
+        device: torch.device,
+        weight_sync=None,
+        uniform_actions: UniformActions | None = None,
+    ):
         self.policy = policy
         self.obs_channels = obs_channels
         self.action_channels = action_channels
         self.device = device
-        self.weight_sync = weight_sync      # None in the colocated layout: the trainer's module is this module
+        self.weight_sync = weight_sync  # None in the colocated layout: the trainer's module is this module
         self.policy_version = 0
-        self.explore_uniformly = False      # act with uniform_actions instead of the policy (warm-up steps)
+        self.explore_uniformly = False  # act with uniform_actions instead of the policy (warm-up steps)
         self.uniform_actions = uniform_actions
         self.output_keys = list(policy.outputs())
         self.no_grad = torch.no_grad()  # one reusable context: this runs once per env step
@@ -88,7 +96,7 @@ class InferenceServer:
         offset = 0
         for channel, reply, count in zip(self.action_channels, self.replies, self.splits):
             for key, value in zip(self.output_keys, outputs):
-                reply[key][:] = value[offset:offset + count]
+                reply[key][:] = value[offset : offset + count]
             reply["policy_version"][0] = self.policy_version
             reply["inference_s"][0] = inference_s
             sends.append(channel.isend())

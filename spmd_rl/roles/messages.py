@@ -28,27 +28,36 @@ def action_message(outputs: dict[str, StepField], num_envs: int) -> TensorDict:
     """inference server -> env runner, every step: the policy's outputs (action first). The policy version lets the
     env prove it acted on fresh weights; inference_s (seconds in the forward pass) lets the trainer tell inference
     time from transfer time."""
-    return TensorDict({
-        **_fields(outputs, num_envs),
-        "policy_version": torch.zeros(1, dtype=torch.int64),
-        "inference_s": torch.zeros(1, dtype=torch.float64),
-    }, batch_size=[])
+    return TensorDict(
+        {
+            **_fields(outputs, num_envs),
+            "policy_version": torch.zeros(1, dtype=torch.int64),
+            "inference_s": torch.zeros(1, dtype=torch.float64),
+        },
+        batch_size=[],
+    )
 
 
 def segment_message(spec: EnvSpec, outputs: dict[str, StepField], num_steps: int, num_envs: int) -> TensorDict:
     """env runner -> trainer, once per rollout: the rollout [T, N] (obs, the policy's outputs, the env fields), the
     observation after it, and the env side's timings."""
     t, n = num_steps, num_envs
-    rollout = TensorDict({
-        "obs": zeros_of(spec.observation_space, t, n),
-        **_fields(outputs, t, n),
-        **_fields(ENV_FIELDS, t, n),
-    }, batch_size=[t, n])
-    return TensorDict({
-        "rollout": rollout,
-        "next_obs": zeros_of(spec.observation_space, n),
-        "policy_version": torch.zeros(t, dtype=torch.int64),   # the version each step's actions came from
-        "env_s": torch.zeros(1, dtype=torch.float64),          # seconds in env.step this rollout
-        "action_wait_s": torch.zeros(1, dtype=torch.float64),  # seconds from sending obs to having actions
-        "inference_s": torch.zeros(1, dtype=torch.float64),    # of which the inference server computed
-    }, batch_size=[])
+    rollout = TensorDict(
+        {
+            "obs": zeros_of(spec.observation_space, t, n),
+            **_fields(outputs, t, n),
+            **_fields(ENV_FIELDS, t, n),
+        },
+        batch_size=[t, n],
+    )
+    return TensorDict(
+        {
+            "rollout": rollout,
+            "next_obs": zeros_of(spec.observation_space, n),
+            "policy_version": torch.zeros(t, dtype=torch.int64),  # the version each step's actions came from
+            "env_s": torch.zeros(1, dtype=torch.float64),  # seconds in env.step this rollout
+            "action_wait_s": torch.zeros(1, dtype=torch.float64),  # seconds from sending obs to having actions
+            "inference_s": torch.zeros(1, dtype=torch.float64),  # of which the inference server computed
+        },
+        batch_size=[],
+    )

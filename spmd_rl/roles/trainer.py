@@ -26,32 +26,45 @@ def combine_segments(segments: list[TensorDict], copy: bool = False) -> TensorDi
     receive buffer (one segment is cloned, several are concatenated anyway)."""
     if len(segments) == 1:
         return segments[0].clone() if copy else segments[0]
-    return TensorDict({
-        "rollout": torch.cat([s["rollout"] for s in segments], dim=1),
-        "next_obs": torch.cat([s["next_obs"] for s in segments]),
-        "policy_version": segments[0]["policy_version"].clone() if copy else segments[0]["policy_version"],
-        "env_s": torch.cat([s["env_s"] for s in segments]),
-        "action_wait_s": torch.cat([s["action_wait_s"] for s in segments]),
-        "inference_s": torch.cat([s["inference_s"] for s in segments]),
-    }, batch_size=[])
+    return TensorDict(
+        {
+            "rollout": torch.cat([s["rollout"] for s in segments], dim=1),
+            "next_obs": torch.cat([s["next_obs"] for s in segments]),
+            "policy_version": segments[0]["policy_version"].clone() if copy else segments[0]["policy_version"],
+            "env_s": torch.cat([s["env_s"] for s in segments]),
+            "action_wait_s": torch.cat([s["action_wait_s"] for s in segments]),
+            "inference_s": torch.cat([s["inference_s"] for s in segments]),
+        },
+        batch_size=[],
+    )
 
 
 class Trainer:
-    def __init__(self, algorithm, segment_channels: list, segment_sources: list[str], episode_slots: int, group,
-                 weight_sync=None, experience_log=None, describe: str = "trainer",
-                 timeout: datetime.timedelta = datetime.timedelta(seconds=300), skip_nonfinite_updates: bool = False,
-                 policy=None):
-        self.algorithm = algorithm          # the user's (or a built-in) spmd_rl.api.Algorithm
+    def __init__(
+        self,
+        algorithm,
+        segment_channels: list,
+        segment_sources: list[str],
+        episode_slots: int,
+        group,
+        weight_sync=None,
+        experience_log=None,
+        describe: str = "trainer",
+        timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+        skip_nonfinite_updates: bool = False,
+        policy=None,
+    ):
+        self.algorithm = algorithm  # the user's (or a built-in) spmd_rl.api.Algorithm
         self.policy = policy if policy is not None else getattr(algorithm, "policy", None)
         self.segment_channels = segment_channels
         self.segment_sources = segment_sources  # who sends each segment, for error messages
         # Every trainer gathers the same fixed number of episode slots (the most env columns any trainer has).
         self.episode_slots = episode_slots
-        self.group = group                  # trainer group (None: a single trainer)
-        self.weight_sync = weight_sync      # trainer rank 0 of a split layout only
+        self.group = group  # trainer group (None: a single trainer)
+        self.weight_sync = weight_sync  # trainer rank 0 of a split layout only
         self.experience_log = experience_log
         self.describe = describe
-        self.timeout = timeout              # bound on the trainer group's collectives (dist.timeout_s)
+        self.timeout = timeout  # bound on the trainer group's collectives (dist.timeout_s)
         self.update_guard = UpdateGuard(algorithm, skip_nonfinite_updates, describe)
         self.learn_s = self.weight_sync_s = 0.0
 
@@ -64,17 +77,26 @@ class Trainer:
         self.check_policy_lag(segments, version, 0, iteration)
         return combine_segments(segments)
 
-    def check_policy_lag(self, segments: list[TensorDict], freshest: int, bound: int, iteration: int) -> dict[str, float]:
+    def check_policy_lag(
+        self, segments: list[TensorDict], freshest: int, bound: int, iteration: int
+    ) -> dict[str, float]:
         """The lag of every step received for an iteration: versions behind `freshest`, the version the sync
         engine acts with; a step outside [freshest - bound, freshest] is a PolicyLagError naming its env rank."""
         lags = torch.cat([freshest - segment["policy_version"] for segment in segments])
         worst = int(lags.max())
         if worst > bound or int(lags.min()) < 0:
-            who = [name for name, segment in zip(self.segment_sources, segments)
-                   if bool(((freshest - segment["policy_version"]) > bound).any()
-                           or (segment["policy_version"] > freshest).any())]
-            raise PolicyLagError(f"{self.describe}: iteration {iteration}: segments from {who} acted with policy "
-                                 f"versions outside [{freshest - bound}, {freshest}] (max_policy_lag {bound})")
+            who = [
+                name
+                for name, segment in zip(self.segment_sources, segments)
+                if bool(
+                    ((freshest - segment["policy_version"]) > bound).any()
+                    or (segment["policy_version"] > freshest).any()
+                )
+            ]
+            raise PolicyLagError(
+                f"{self.describe}: iteration {iteration}: segments from {who} acted with policy "
+                f"versions outside [{freshest - bound}, {freshest}] (max_policy_lag {bound})"
+            )
         return {"policy_lag_mean": float(lags.double().mean()), "policy_lag_max": float(worst)}
 
     def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
@@ -82,8 +104,9 @@ class Trainer:
         clock = time.perf_counter()
         if self.experience_log is not None:
             rollout = segment["rollout"]
-            self.experience_log.append(rollout, policy_version=int(segment["policy_version"][0]),
-                                       env_step=iteration * rollout.numel())
+            self.experience_log.append(
+                rollout, policy_version=int(segment["policy_version"][0]), env_step=iteration * rollout.numel()
+            )
         try:
             metrics = self.update_guard.learn(segment, iteration)
         except Exception as exc:
@@ -91,9 +114,13 @@ class Trainer:
             # CommError themselves. Anything else is the algorithm's own error.
             if isinstance(exc, CommError) or not is_comm_failure(exc):
                 raise
-            raise comm_error(f"{self.describe}: learning (iteration {iteration}): a collective in the trainer group "
-                             f"(DDP's gradient all-reduce or the algorithm's own)", exc,
-                             self.timeout, group_peer(self.group) if self.group is not None else None) from exc
+            raise comm_error(
+                f"{self.describe}: learning (iteration {iteration}): a collective in the trainer group "
+                f"(DDP's gradient all-reduce or the algorithm's own)",
+                exc,
+                self.timeout,
+                group_peer(self.group) if self.group is not None else None,
+            ) from exc
         self.learn_s = time.perf_counter() - clock
         return metrics
 
@@ -145,19 +172,29 @@ class Trainer:
         packed = torch.full((2 * slots + 4,), float("nan"), dtype=torch.float64)
         count = local["returns"].numel()
         packed[:count] = local["returns"]
-        packed[slots:slots + count] = local["lengths"]
-        packed[2 * slots:] = torch.tensor([local["env_s"], local["action_wait_s"], local["inference_s"],
-                                           local["env_ranks"]], dtype=torch.float64)
+        packed[slots : slots + count] = local["lengths"]
+        packed[2 * slots :] = torch.tensor(
+            [local["env_s"], local["action_wait_s"], local["inference_s"], local["env_ranks"]], dtype=torch.float64
+        )
         gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(self.group))]
-        bounded(dist.all_gather, gathered, packed, group=self.group, timeout=self.timeout,
-                what="all_gather of episode statistics in the trainer group")
+        bounded(
+            dist.all_gather,
+            gathered,
+            packed,
+            group=self.group,
+            timeout=self.timeout,
+            what="all_gather of episode statistics in the trainer group",
+        )
         if dist.get_rank(self.group) != 0:
             return None
         merged = torch.stack(gathered)
-        returns, lengths = merged[:, :slots], merged[:, slots:2 * slots]
-        sums = merged[:, 2 * slots:].sum(0)
+        returns, lengths = merged[:, :slots], merged[:, slots : 2 * slots]
+        sums = merged[:, 2 * slots :].sum(0)
         return {
-            "returns": returns[~returns.isnan()], "lengths": lengths[~lengths.isnan()],
-            "env_s": sums[0].item(), "action_wait_s": sums[1].item(), "inference_s": sums[2].item(),
+            "returns": returns[~returns.isnan()],
+            "lengths": lengths[~lengths.isnan()],
+            "env_s": sums[0].item(),
+            "action_wait_s": sums[1].item(),
+            "inference_s": sums[2].item(),
             "env_ranks": sums[3].item(),
         }

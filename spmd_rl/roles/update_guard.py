@@ -42,9 +42,11 @@ class UpdateGuard:
         problem = self._problem(metrics)
         if not self.skip:
             if problem:
-                raise UserCodeError(f"{self.describe}: the update of iteration {iteration} produced {problem}; "
-                                    f"fix the algorithm or its settings (learning rate, gradient clipping), or set "
-                                    f"train.skip_nonfinite_updates=true to skip such updates")
+                raise UserCodeError(
+                    f"{self.describe}: the update of iteration {iteration} produced {problem}; "
+                    f"fix the algorithm or its settings (learning rate, gradient clipping), or set "
+                    f"train.skip_nonfinite_updates=true to skip such updates"
+                )
             return metrics
         if self._agree(bool(problem)):
             self._restore(saved)
@@ -55,8 +57,11 @@ class UpdateGuard:
 
     def _problem(self, metrics: dict) -> str:
         """'' when the update looks finite; otherwise what is not, in words."""
-        losses = [f"{key}={value}" for key, value in (metrics or {}).items()
-                  if "loss" in key and isinstance(value, (int, float)) and not math.isfinite(value)]
+        losses = [
+            f"{key}={value}"
+            for key, value in (metrics or {}).items()
+            if "loss" in key and isinstance(value, (int, float)) and not math.isfinite(value)
+        ]
         if losses:
             return f"a non-finite loss ({', '.join(losses)})"
         parameters = [p for p in self.policy.parameters()]
@@ -95,15 +100,18 @@ class UpdateGuard:
 
         add(self.policy)
         for value in vars(self.algorithm).values():
-            for item in (value.values() if isinstance(value, dict) else
-                         value if isinstance(value, (list, tuple)) else (value,)):
+            for item in (
+                value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            ):
                 add(item)
         return list(tensors.values()), list(optimizers.values())
 
     def _snapshot(self):
         tensors, optimizers = self._learnable_state()
-        return ([(t, t.detach().clone()) for t in tensors],
-                [(opt, _clone_tree(opt.state_dict())) for opt in optimizers])
+        return (
+            [(t, t.detach().clone()) for t in tensors],
+            [(opt, _clone_tree(opt.state_dict())) for opt in optimizers],
+        )
 
     def _restore(self, saved) -> None:
         tensors, optimizers = saved

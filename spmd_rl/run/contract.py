@@ -31,8 +31,9 @@ def load_classes(cfg: Config) -> tuple[type[Policy], type[Algorithm], type, list
     return policy_cls, algorithm_cls, engine_cls, callbacks
 
 
-def check_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm_cls: type[Algorithm]
-                 ) -> dict[str, StepField]:
+def check_policy(
+    cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm_cls: type[Algorithm]
+) -> dict[str, StepField]:
     """Build the policy on the CPU, act on a batch of sample observations, compare with its declared outputs.
     Returns the outputs, which lay out every channel, segment and experience file."""
     name = f"policy.class '{cfg.classes['policy']}'"
@@ -41,8 +42,10 @@ def check_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm
     except UserError:
         raise
     except Exception as exc:
-        raise UserError(f"{name} could not be built for observation space {spec.observation_space} and action "
-                        f"space {spec.action_space}: {describe_exception(exc)}") from None
+        raise UserError(
+            f"{name} could not be built for observation space {spec.observation_space} and action "
+            f"space {spec.action_space}: {describe_exception(exc)}"
+        ) from None
     try:
         outputs = dict(policy.outputs())
     except Exception as exc:
@@ -59,15 +62,19 @@ def check_planned_memory(cfg: Config, spec: EnvSpec, outputs: dict, plan) -> Non
     segment = segment_message(spec, outputs, 1, 1)  # one step of one env: bytes scale with steps x envs
     step_bytes = sum(t.element_size() * t.numel() for t in segment["rollout"].values(True, True))
     columns = plan.max_env_columns_per_trainer
-    check_memory(3 * step_bytes * plan.num_steps * columns,
-                 f"the rollout buffers of a trainer ({plan.num_steps} steps x {columns} envs x {step_bytes} bytes, "
-                 f"3 copies)", "algo.num_steps or env.num_envs")
+    check_memory(
+        3 * step_bytes * plan.num_steps * columns,
+        f"the rollout buffers of a trainer ({plan.num_steps} steps x {columns} envs x {step_bytes} bytes, 3 copies)",
+        "algo.num_steps or env.num_envs",
+    )
 
 
 def _check_declared(name: str, outputs: dict, action_space: gym.Space) -> None:
     if "action" not in outputs:
-        raise UserError(f"{name}: outputs() must declare 'action' (got {list(outputs)}); return "
-                        f"{{'action': StepField(shape, dtype), ...}}")
+        raise UserError(
+            f"{name}: outputs() must declare 'action' (got {list(outputs)}); return "
+            f"{{'action': StepField(shape, dtype), ...}}"
+        )
     for key, field in outputs.items():
         if not isinstance(field, StepField):
             raise UserError(f"{name}: outputs()['{key}'] must be a spmd_rl.api.StepField(shape, dtype), got {field!r}")
@@ -97,20 +104,25 @@ def _check_act(name: str, policy: Policy, outputs: dict, spec: EnvSpec) -> None:
             with torch.no_grad():
                 out = policy.act(obs, deterministic=deterministic)
         except Exception as exc:
-            raise UserError(f"{name}: act(obs, deterministic={deterministic}) failed on a batch of {batch} sample "
-                            f"observations: {describe_exception(exc)}") from None
+            raise UserError(
+                f"{name}: act(obs, deterministic={deterministic}) failed on a batch of {batch} sample "
+                f"observations: {describe_exception(exc)}"
+            ) from None
         if not hasattr(out, "keys") or set(out.keys()) != set(outputs):
             got = list(out.keys()) if hasattr(out, "keys") else type(out).__name__
-            raise UserError(f"{name}: act() returned {got}, but outputs() declares {list(outputs)}; return a dict "
-                            f"with exactly the declared keys")
+            raise UserError(
+                f"{name}: act() returned {got}, but outputs() declares {list(outputs)}; return a dict "
+                f"with exactly the declared keys"
+            )
         for key, field in outputs.items():
             value = out[key]
             expected = (batch, *field.shape)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != field.dtype:
-                got = (f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
-                       else type(value).__name__)
-                raise UserError(f"{name}: act() returned '{key}' as {got} for a batch of {batch}; outputs() "
-                                f"declares {describe_outputs({key: field})} per env (so {expected} {field.dtype})")
+                got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise UserError(
+                    f"{name}: act() returned '{key}' as {got} for a batch of {batch}; outputs() "
+                    f"declares {describe_outputs({key: field})} per env (so {expected} {field.dtype})"
+                )
 
 
 def _check_algorithm_needs(cfg: Config, policy: Policy, outputs: dict, algorithm_cls: type[Algorithm]) -> None:
@@ -118,9 +130,13 @@ def _check_algorithm_needs(cfg: Config, policy: Policy, outputs: dict, algorithm
     available = {"obs", *outputs, *ENV_FIELDS}
     missing = [key for key in algorithm_cls.requires if key not in available]
     if missing:
-        raise UserError(f"{algo} needs the step field(s) {missing}, which policy.class '{cfg.classes['policy']}' "
-                        f"does not emit (its outputs: {list(outputs)}); choose a policy that declares them")
+        raise UserError(
+            f"{algo} needs the step field(s) {missing}, which policy.class '{cfg.classes['policy']}' "
+            f"does not emit (its outputs: {list(outputs)}); choose a policy that declares them"
+        )
     lacking = [m for m in algorithm_cls.policy_methods if not callable(getattr(policy, m, None))]
     if lacking:
-        raise UserError(f"{algo} calls the policy's {', '.join(lacking)}, which policy.class "
-                        f"'{cfg.classes['policy']}' lacks; add them or choose another policy")
+        raise UserError(
+            f"{algo} calls the policy's {', '.join(lacking)}, which policy.class "
+            f"'{cfg.classes['policy']}' lacks; add them or choose another policy"
+        )

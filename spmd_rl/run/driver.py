@@ -45,6 +45,7 @@ from spmd_rl.runtime.postmortem import Failure, after_failure
 @dataclass
 class Checked:
     """What the checks before start resolved: the same on every rank."""
+
     topology: Topology
     plan: Plan
     policy_cls: type
@@ -74,8 +75,7 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
             print(f"spmd_rl: {exc}", file=sys.stderr, flush=True)
         exit_code = STOPPED_EXIT_CODE
     except UserError as exc:  # found while running (a rank's files, a config that differs): say which rank
-        exit_code = user_error(exc, speaker=launch.rank == 0 or not isinstance(exc, SharedUserError),
-                               rank=launch.rank)
+        exit_code = user_error(exc, speaker=launch.rank == 0 or not isinstance(exc, SharedUserError), rank=launch.rank)
     except CommError as exc:
         say(who, "communication error", exc)
         exit_code, waited = COMM_ERROR_EXIT_CODE, exc
@@ -95,8 +95,13 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
         flush_open_files()  # staged experience rows reach their files on every exit path
         if exit_code not in (0, STOPPED_EXIT_CODE) and runtime is not None and runtime.distributed:
             # rank 0 names the first cause
-            after_failure(Failure(launch.rank, exit_code, failed_at, waited.peers if waited else (),
-                                  bool(waited and waited.timed_out)), launch.world_size, checked.topology.describe)
+            after_failure(
+                Failure(
+                    launch.rank, exit_code, failed_at, waited.peers if waited else (), bool(waited and waited.timed_out)
+                ),
+                launch.world_size,
+                checked.topology.describe,
+            )
         shutdown_runtime(runtime, exit_code)
     return exit_code
 
@@ -128,16 +133,31 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
     run_dir, resume = agree_on_run(cfg, runtime, dry_run=dry_run)
     if runtime.rank == 0:
         start = f"; resuming from {resume.checkpoint} (iteration {resume.start_iteration})" if resume.checkpoint else ""
-        print(f"spmd_rl: launcher {launch.launcher}, backend {runtime.backend}, device {runtime.device}; "
-              f"{plan.describe(cfg, launch.world_size, _layout_name(topology), checked.algorithm_cls)}; "
-              f"run directory {run_dir}{start}", flush=True)
+        print(
+            f"spmd_rl: launcher {launch.launcher}, backend {runtime.backend}, device {runtime.device}; "
+            f"{plan.describe(cfg, launch.world_size, _layout_name(topology), checked.algorithm_cls)}; "
+            f"run directory {run_dir}{start}",
+            flush=True,
+        )
     groups = create_process_groups(topology, runtime.timeout)
-    control = RunControl(cfg, plan.num_iterations, runtime.rank, runtime.world_size, runtime.distributed, run_dir,
-                         runtime.timeout)
-    run = Run(cfg=cfg, plan=plan, runtime=runtime, topology=topology, groups=groups, spec=checked.spec,
-              outputs=checked.outputs, run_dir=run_dir, policy_cls=checked.policy_cls,
-              algorithm_cls=checked.algorithm_cls, callback_classes=checked.callback_classes, control=control,
-              resume=resume)
+    control = RunControl(
+        cfg, plan.num_iterations, runtime.rank, runtime.world_size, runtime.distributed, run_dir, runtime.timeout
+    )
+    run = Run(
+        cfg=cfg,
+        plan=plan,
+        runtime=runtime,
+        topology=topology,
+        groups=groups,
+        spec=checked.spec,
+        outputs=checked.outputs,
+        run_dir=run_dir,
+        policy_cls=checked.policy_cls,
+        algorithm_cls=checked.algorithm_cls,
+        callback_classes=checked.callback_classes,
+        control=control,
+        resume=resume,
+    )
     stop_at_iteration_boundary(True)  # from here a signal stops the run at an iteration boundary, checkpointed
     try:
         checked.engine_cls(cfg.engine).run(run)
@@ -152,12 +172,17 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
         save_policy(run.final_policy, run_dir)
         mark_finished(run_dir)
         if dry_run:
-            print(f"spmd_rl: dry run passed: one iteration in the real layout, every role and channel, one weight sync "
-                  f"({run_dir})", flush=True)
+            print(
+                f"spmd_rl: dry run passed: one iteration in the real layout, every role and channel, one weight sync "
+                f"({run_dir})",
+                flush=True,
+            )
 
 
 def _layout_name(topology) -> str:
     if topology.colocated:
         return "colocated"
-    return (f"split (trainer {len(topology.trainer_ranks)}, inference {len(topology.inference_ranks)}, "
-            f"env {len(topology.env_ranks)})")
+    return (
+        f"split (trainer {len(topology.trainer_ranks)}, inference {len(topology.inference_ranks)}, "
+        f"env {len(topology.env_ranks)})"
+    )

@@ -17,8 +17,9 @@ from spmd_rl.roles.messages import observation_message
 from spmd_rl.runtime.errors import UserError
 
 
-def evaluate(policy, env_cfg: EnvSection, episodes: int, seed: int, deterministic: bool,
-             video_dir: str | Path | None = None) -> dict:
+def evaluate(
+    policy, env_cfg: EnvSection, episodes: int, seed: int, deterministic: bool, video_dir: str | Path | None = None
+) -> dict:
     """Play `episodes` episodes on envs of its own and return their statistics:
     {episodes, deterministic, seed, return_mean, return_std, length_mean, length_std, returns, lengths}
     (std over episodes, ddof=0; the lists in the order episodes finished).
@@ -36,10 +37,10 @@ def evaluate(policy, env_cfg: EnvSection, episodes: int, seed: int, deterministi
     if video_dir is not None:
         require_moviepy()
         from gymnasium.wrappers import RecordVideo
+
         env_cfg = dataclasses.replace(env_cfg, num_envs=1, kwargs={**env_cfg.kwargs, "render_mode": "rgb_array"})
         spec = dataclasses.replace(spec, vectorization="sync")  # RecordVideo wraps a single env
-        wrappers = [lambda env: RecordVideo(env, str(video_dir), episode_trigger=lambda _: True,
-                                            name_prefix="eval")]
+        wrappers = [lambda env: RecordVideo(env, str(video_dir), episode_trigger=lambda _: True, name_prefix="eval")]
     envs, obs = _make_envs(env_cfg, spec, seed, wrappers)
 
     device = _device_of(policy)
@@ -49,15 +50,23 @@ def evaluate(policy, env_cfg: EnvSection, episodes: int, seed: int, deterministi
             torch.default_generator.manual_seed(seed)
             if device.type == "cuda":
                 torch.cuda.default_generators[cuda_indices(device)[0]].manual_seed(seed)
-            returns, lengths = _play(policy.eval(), spec, envs, obs, _quotas(episodes, envs.num_envs),
-                                     deterministic, device)
+            returns, lengths = _play(
+                policy.eval(), spec, envs, obs, _quotas(episodes, envs.num_envs), deterministic, device
+            )
     finally:
         policy.train(was_training)
         envs.close()  # also writes the last episode's video
-    return {"episodes": episodes, "deterministic": deterministic, "seed": seed,
-            "return_mean": float(np.mean(returns)), "return_std": float(np.std(returns)),
-            "length_mean": float(np.mean(lengths)), "length_std": float(np.std(lengths)),
-            "returns": returns, "lengths": lengths}
+    return {
+        "episodes": episodes,
+        "deterministic": deterministic,
+        "seed": seed,
+        "return_mean": float(np.mean(returns)),
+        "return_std": float(np.std(returns)),
+        "length_mean": float(np.mean(lengths)),
+        "length_std": float(np.std(lengths)),
+        "returns": returns,
+        "lengths": lengths,
+    }
 
 
 def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, device: torch.device):

@@ -23,8 +23,15 @@ RETURN_WINDOW = 20
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, total_steps: int, progress: bool | None, interval_s: float, tensorboard: bool,
-                 resumed_env_steps: int = 0):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        progress: bool | None,
+        interval_s: float,
+        tensorboard: bool,
+        resumed_env_steps: int = 0,
+    ):
         self.run_dir = run_dir
         self.total_steps = total_steps
         self.interval_s = interval_s
@@ -32,17 +39,26 @@ class MetricsLogger:
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imported only where used: it is slow to import
+
             try:
                 # A resumed run drops the events a stopped run wrote after its checkpoint (purge_step), so TensorBoard
                 # continues at the right step.
-                self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
-                                            purge_step=resumed_env_steps + 1 if resumed_env_steps else None)
+                self.writer = SummaryWriter(
+                    log_dir=str(run_dir / "tensorboard"),
+                    purge_step=resumed_env_steps + 1 if resumed_env_steps else None,
+                )
             except OSError as exc:
                 self.jsonl.close()
                 raise file_error(run_dir / "tensorboard", exc, "cannot create TensorBoard's directory") from None
         show_bar = sys.stderr.isatty() if progress is None else progress
-        self.bar = tqdm(total=total_steps, initial=resumed_env_steps, unit="step", unit_scale=True, dynamic_ncols=True,
-                        disable=not show_bar)
+        self.bar = tqdm(
+            total=total_steps,
+            initial=resumed_env_steps,
+            unit="step",
+            unit_scale=True,
+            dynamic_ncols=True,
+            disable=not show_bar,
+        )
         self.recent_returns = collections.deque(maxlen=RETURN_WINDOW)
         self.recent_lengths = collections.deque(maxlen=RETURN_WINDOW)
         self.episodes = 0
@@ -96,8 +112,11 @@ class MetricsLogger:
 
     def state_dict(self) -> dict:
         """What the next records depend on, for a checkpoint (timings restart)."""
-        return {"episodes": self.episodes, "recent_returns": list(self.recent_returns),
-                "recent_lengths": list(self.recent_lengths)}
+        return {
+            "episodes": self.episodes,
+            "recent_returns": list(self.recent_returns),
+            "recent_lengths": list(self.recent_lengths),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.episodes = state["episodes"]
@@ -105,14 +124,20 @@ class MetricsLogger:
         self.recent_lengths.extend(state["recent_lengths"])
 
     # The losses worth a glance, per algorithm, in the compact line (all of them are in metrics.jsonl).
-    GLANCE = (("approx_kl", "kl", ".4f"), ("clip_fraction", "clip", ".3f"), ("qf_loss", "qf", ".3f"),
-              ("alpha", "alpha", ".3f"))
+    GLANCE = (
+        ("approx_kl", "kl", ".4f"),
+        ("clip_fraction", "clip", ".3f"),
+        ("qf_loss", "qf", ".3f"),
+        ("alpha", "alpha", ".3f"),
+    )
 
     @classmethod
     def line(cls, record: dict) -> str:
-        text = (f"iter {record['iteration'] + 1:>5}  steps {record['env_steps']:>9}  "
-                f"return {record['episode_return_mean']:8.2f}  len {record['episode_length_mean']:7.1f}  "
-                f"sps {record['sps']:8.0f}")
+        text = (
+            f"iter {record['iteration'] + 1:>5}  steps {record['env_steps']:>9}  "
+            f"return {record['episode_return_mean']:8.2f}  len {record['episode_length_mean']:7.1f}  "
+            f"sps {record['sps']:8.0f}"
+        )
         for key, label, spec in cls.GLANCE:
             if key in record:
                 text += f"  {label} {record[key]:{spec}}"
@@ -129,10 +154,13 @@ class MetricsLogger:
         self.bar.close()
         record = self.last_record
         if summary:
-            print(f"done: {record.get('env_steps', 0)} env steps in {record.get('wall_s', 0.0):.1f}s "
-                  f"({record.get('sps', 0.0):.0f} steps/s), {self.episodes} episodes, mean return of the last "
-                  f"{RETURN_WINDOW} episodes {record.get('episode_return_mean', float('nan')):.2f}; "
-                  f"run directory {self.run_dir}", flush=True)
+            print(
+                f"done: {record.get('env_steps', 0)} env steps in {record.get('wall_s', 0.0):.1f}s "
+                f"({record.get('sps', 0.0):.0f} steps/s), {self.episodes} episodes, mean return of the last "
+                f"{RETURN_WINDOW} episodes {record.get('episode_return_mean', float('nan')):.2f}; "
+                f"run directory {self.run_dir}",
+                flush=True,
+            )
         if self.writer is not None:
             self.writer.close()
         self.jsonl.close()

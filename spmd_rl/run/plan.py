@@ -20,12 +20,12 @@ class Plan:
     env_ranks: int
     trainer_ranks: int
     envs_total: int
-    num_steps: int                    # env steps per env per iteration (the rollout length)
-    steps_per_iteration: int          # env steps per iteration, all env ranks together
+    num_steps: int  # env steps per env per iteration (the rollout length)
+    steps_per_iteration: int  # env steps per iteration, all env ranks together
     num_iterations: int
     max_env_columns_per_trainer: int  # env columns of the busiest trainer
-    sync_every: int                   # iterations between weight broadcasts
-    explore_iterations: int           # first iterations acting uniformly at random (off-policy warm-up)
+    sync_every: int  # iterations between weight broadcasts
+    explore_iterations: int  # first iterations acting uniformly at random (off-policy warm-up)
 
     def version_at(self, iteration: int) -> int:
         """The policy version every env step of this iteration must use (broadcasts so far)."""
@@ -38,17 +38,22 @@ class Plan:
         return iteration < self.explore_iterations
 
     def facts(self) -> PlanFacts:
-        return PlanFacts(trainer_ranks=self.trainer_ranks, env_ranks=self.env_ranks,
-                         steps_per_iteration=self.steps_per_iteration,
-                         samples_per_trainer=self.steps_per_iteration // self.trainer_ranks,
-                         num_iterations=self.num_iterations)
+        return PlanFacts(
+            trainer_ranks=self.trainer_ranks,
+            env_ranks=self.env_ranks,
+            steps_per_iteration=self.steps_per_iteration,
+            samples_per_trainer=self.steps_per_iteration // self.trainer_ranks,
+            num_iterations=self.num_iterations,
+        )
 
     def describe(self, cfg: Config, world_size: int, layout: str, algorithm_cls: type[Algorithm]) -> str:
-        text = (f"{cfg.classes['algo']} (policy {cfg.classes['policy']}) on {cfg.env.id}; world size {world_size}, "
-                f"layout {layout}; {self.env_ranks} env rank(s) x {cfg.env.num_envs} envs = {self.envs_total} envs; "
-                f"{self.steps_per_iteration} env steps per iteration ({self.num_steps} steps x {self.envs_total} "
-                f"envs); {self.trainer_ranks} trainer rank(s); {self.num_iterations} iterations = "
-                f"{self.num_iterations * self.steps_per_iteration} env steps")
+        text = (
+            f"{cfg.classes['algo']} (policy {cfg.classes['policy']}) on {cfg.env.id}; world size {world_size}, "
+            f"layout {layout}; {self.env_ranks} env rank(s) x {cfg.env.num_envs} envs = {self.envs_total} envs; "
+            f"{self.steps_per_iteration} env steps per iteration ({self.num_steps} steps x {self.envs_total} "
+            f"envs); {self.trainer_ranks} trainer rank(s); {self.num_iterations} iterations = "
+            f"{self.num_iterations * self.steps_per_iteration} env steps"
+        )
         if self.explore_iterations:
             text += f"; {self.explore_iterations} iteration(s) of uniform random actions first"
         if self.sync_every > 1 and layout.startswith("split"):
@@ -65,16 +70,20 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
     steps_per_iteration = envs_total * num_steps
     num_iterations = cfg.train.total_steps // steps_per_iteration
     if num_iterations < 1:
-        raise UserError(f"train.total_steps={cfg.train.total_steps} is less than one iteration "
-                        f"({steps_per_iteration} env steps = algo.num_steps x env.num_envs x {env_ranks} env ranks); "
-                        f"raise train.total_steps to at least {steps_per_iteration}")
+        raise UserError(
+            f"train.total_steps={cfg.train.total_steps} is less than one iteration "
+            f"({steps_per_iteration} env steps = algo.num_steps x env.num_envs x {env_ranks} env ranks); "
+            f"raise train.total_steps to at least {steps_per_iteration}"
+        )
     env_ranks_per_trainer = [len(topology.envs_trained_by(t)) for t in topology.trainer_ranks]
     if len(set(env_ranks_per_trainer)) > 1:
         # DDP (and gradient averaging) weighs every trainer equally: unequal shares would overweight the samples
         # of the trainers with fewer env ranks.
-        raise UserError(f"layout.env={len(topology.env_ranks)} env ranks cannot be shared equally by "
-                        f"layout.trainer={len(topology.trainer_ranks)} trainers; make layout.env a multiple of "
-                        f"layout.trainer")
+        raise UserError(
+            f"layout.env={len(topology.env_ranks)} env ranks cannot be shared equally by "
+            f"layout.trainer={len(topology.trainer_ranks)} trainers; make layout.env a multiple of "
+            f"layout.trainer"
+        )
     schedule = algorithm_cls.schedule(cfg.algo)
     plan = Plan(
         env_ranks=env_ranks,
@@ -89,8 +98,9 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
     )
     algorithm_cls.check_plan(cfg.algo, plan.facts())
     # An engine may refuse a layout or a schedule it cannot run (e.g. the async engine: split layouts only).
-    engine_check = getattr(plugins.load_class(plugins.ENGINE, cfg.classes.get("engine", "sync"), Engine),
-                           "check_plan", None)
+    engine_check = getattr(
+        plugins.load_class(plugins.ENGINE, cfg.classes.get("engine", "sync"), Engine), "check_plan", None
+    )
     if engine_check is not None:
         engine_check(cfg, topology, plan, schedule)
     return plan

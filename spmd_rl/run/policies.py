@@ -24,7 +24,6 @@ CHECKPOINT_POLICY_KEY = "policy"  # rank 0's checkpoint file holds the Policy's 
 _RANK_FILE = re.compile(r"rank(\d+)\.pt")
 
 
-
 def build_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], device: torch.device | str = "cpu") -> Policy:
     """The module inference ranks act with and trainer rank 0 broadcasts; the same initial module everywhere
     (trainer 0's is the one that counts)."""
@@ -61,8 +60,10 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", config_ove
     except RuntimeError as exc:  # missing / unexpected keys, shape mismatches
         detail = " ".join(str(exc).split())
         detail = detail if len(detail) <= 300 else detail[:300] + " ..."
-        raise UserError(f"{weights}: its weights do not fit policy.class '{cfg.classes['policy']}' built from "
-                        f"{config_file} (was the config changed?): {detail}") from None
+        raise UserError(
+            f"{weights}: its weights do not fit policy.class '{cfg.classes['policy']}' built from "
+            f"{config_file} (was the config changed?): {detail}"
+        ) from None
     # An acting copy: no parameter needs grad, so act()'s outputs convert to numpy without a no_grad block.
     return policy.eval().requires_grad_(False), cfg
 
@@ -78,12 +79,15 @@ def read_trained_state(path: str | Path, with_algorithm: bool = False) -> tuple[
         return policy_state, None
     checkpoint = weights if weights.is_dir() else (weights.parent if (weights.parent / COMPLETE).exists() else None)
     if checkpoint is None:
-        raise UserError(f"run.init_algorithm=true needs a checkpoint, and {path} gives {weights} (a policy file "
-                        f"holds no algorithm state); point run.init_from at a checkpoint or its run directory")
+        raise UserError(
+            f"run.init_algorithm=true needs a checkpoint, and {path} gives {weights} (a policy file "
+            f"holds no algorithm state); point run.init_from at a checkpoint or its run directory"
+        )
     return policy_state, load_checkpoint(checkpoint, rank=0)["algorithm"]
 
 
 # -- locating and reading the weights ----------------------------------------------------------------------------
+
 
 def _weights_location(path: Path) -> Path:
     """The policy file or checkpoint directory that `path` means."""
@@ -105,8 +109,10 @@ def _config_next_to(weights: Path) -> Path:
     for directory in (start, *list(start.parents)[:3]):
         if (directory / CONFIG_FILE).is_file():
             return directory / CONFIG_FILE
-    raise UserError(f"no {CONFIG_FILE} next to {weights} or in the run directory above it: the policy is built "
-                    f"from the run's config; copy the run's {CONFIG_FILE} next to the weights")
+    raise UserError(
+        f"no {CONFIG_FILE} next to {weights} or in the run directory above it: the policy is built "
+        f"from the run's config; copy the run's {CONFIG_FILE} next to the weights"
+    )
 
 
 def _read_policy_state(weights: Path) -> dict:
@@ -123,8 +129,10 @@ def _read_policy_state(weights: Path) -> dict:
     if isinstance(state, dict) and isinstance(state.get(CHECKPOINT_POLICY_KEY), dict):
         state = state[CHECKPOINT_POLICY_KEY]
     elif weights.is_dir() or _RANK_FILE.fullmatch(weights.name):
-        raise UserError(f"{source} holds no '{CHECKPOINT_POLICY_KEY}' entry: give the checkpoint directory (the "
-                        f"policy is in its rank0.pt)")
+        raise UserError(
+            f"{source} holds no '{CHECKPOINT_POLICY_KEY}' entry: give the checkpoint directory (the "
+            f"policy is in its rank0.pt)"
+        )
     if not (isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values())):
         raise UserError(f"{source} holds no policy weights (expected a Policy's state_dict, as policy.pt holds)")
     return state
@@ -135,8 +143,9 @@ def _torch_load(file: Path):
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for damaged or foreign files; each means the same here
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{file} cannot be read as weights ({first_line}): is it a complete {POLICY_FILE} or "
-                        f"checkpoint file?") from None
+        raise UserError(
+            f"{file} cannot be read as weights ({first_line}): is it a complete {POLICY_FILE} or checkpoint file?"
+        ) from None
 
 
 def _device(name: str | torch.device) -> torch.device:

@@ -41,10 +41,18 @@ class Reporter:
 
     def evaluate(self, iteration: int) -> dict[str, float]:
         """Episodes on envs of their own, with a generator of their own: training's RNG streams are untouched."""
-        result = evaluate(self.policy, self.env_cfg, self.eval_cfg.episodes, seed=self.seed * 1_000_003 + iteration,
-                          deterministic=self.eval_cfg.deterministic)
-        return {"eval_return_mean": result["return_mean"], "eval_return_std": result["return_std"],
-                "eval_length_mean": result["length_mean"]}
+        result = evaluate(
+            self.policy,
+            self.env_cfg,
+            self.eval_cfg.episodes,
+            seed=self.seed * 1_000_003 + iteration,
+            deterministic=self.eval_cfg.deterministic,
+        )
+        return {
+            "eval_return_mean": result["return_mean"],
+            "eval_return_std": result["return_std"],
+            "eval_length_mean": result["length_mean"],
+        }
 
     def state_dict(self) -> dict:
         """What a checkpoint holds of the report: the logger's running statistics (rank 0), else nothing."""

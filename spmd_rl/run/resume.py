@@ -27,8 +27,9 @@ from spmd_rl.runtime.errors import SharedUserError, UserError
 @dataclass
 class Resume:
     """Where a run starts: iteration 0, or the iteration after a checkpoint (whose files every rank loads)."""
+
     checkpoint: Path | None = None
-    iteration: int = -1          # the checkpoint's iteration (-1: a fresh start)
+    iteration: int = -1  # the checkpoint's iteration (-1: a fresh start)
 
     @property
     def start_iteration(self) -> int:
@@ -54,7 +55,7 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False):
         run_dir = broadcast_text(run_dir, src=0, timeout=runtime.timeout)
         verdict = broadcast_text(verdict, src=0, timeout=runtime.timeout)
     if verdict.startswith("error: "):
-        raise SharedUserError(verdict[len("error: "):])
+        raise SharedUserError(verdict[len("error: ") :])
     if verdict:
         resume = Resume(checkpoint=Path(verdict), iteration=checkpoint_iteration(Path(verdict)))
     cfg.run.dir = run_dir
@@ -64,8 +65,10 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False):
         dist.all_gather(digests, mine)
         differing = [r for r, d in enumerate(digests) if not torch.equal(d, digests[0])]
         if differing:
-            raise UserError(f"rank(s) {differing} run a different config than rank 0 (config hash differs); "
-                            f"give every rank the same --config file and the same overrides")
+            raise UserError(
+                f"rank(s) {differing} run a different config than rank 0 (config hash differs); "
+                f"give every rank the same --config file and the same overrides"
+            )
     path = Path(run_dir)
     if runtime.rank == 0:
         make_dirs(path)  # a read-only or misplaced run.dir is a UserError naming it
@@ -102,37 +105,47 @@ def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
     holds_run = (run_dir / "config.yaml").exists()
     if mode == "never":
         if holds_run:
-            raise UserError(f"run directory {run_dir} already holds a run and run.resume=never; choose another "
-                            f"run.dir, or set run.resume=auto to continue it")
+            raise UserError(
+                f"run directory {run_dir} already holds a run and run.resume=never; choose another "
+                f"run.dir, or set run.resume=auto to continue it"
+            )
         return Resume()
     if mode == "auto":
         if not holds_run:
             return Resume()
         if (run_dir / FINISHED).exists():
-            raise UserError(f"run directory {run_dir} holds a finished run; choose another run.dir (or run.init_from="
-                            f"{run_dir} to fine-tune from it)")
+            raise UserError(
+                f"run directory {run_dir} holds a finished run; choose another run.dir (or run.init_from="
+                f"{run_dir} to fine-tune from it)"
+            )
         checkpoint = store.latest()
         config_dir = run_dir
     else:
         checkpoint = find_checkpoint(mode)
         config_dir = checkpoint.parent.parent
         if config_dir.resolve() != run_dir.resolve():
-            raise UserError(f"run.resume={mode} continues the run in {config_dir}, not in run.dir={run_dir}; leave "
-                            f"run.dir unset (or set it to {config_dir}), or start a new run from those weights with "
-                            f"run.init_from={mode}")
+            raise UserError(
+                f"run.resume={mode} continues the run in {config_dir}, not in run.dir={run_dir}; leave "
+                f"run.dir unset (or set it to {config_dir}), or start a new run from those weights with "
+                f"run.init_from={mode}"
+            )
     try:
         previous = load_config(config_dir / "config.yaml")
     except UserError as exc:
         raise UserError(f"cannot resume from {config_dir}: its config.yaml does not load ({exc})") from None
     if previous.resume_digest() != cfg.resume_digest():
-        raise UserError(f"run directory {config_dir} holds a run with a different config (beyond run, checkpoint and "
-                        f"log keys); rerun with its config.yaml, or choose another run.dir")
+        raise UserError(
+            f"run directory {config_dir} holds a run with a different config (beyond run, checkpoint and "
+            f"log keys); rerun with its config.yaml, or choose another run.dir"
+        )
     if checkpoint is None:
         return Resume()  # the same run, stopped before its first checkpoint: it starts over (see prepare_run_dir)
     ranks = len(list(checkpoint.glob("rank*.pt")))
     if ranks != world_size:
-        raise UserError(f"checkpoint {checkpoint} holds {ranks} rank(s) but this run has {world_size}; resume with "
-                        f"the same number of ranks")
+        raise UserError(
+            f"checkpoint {checkpoint} holds {ranks} rank(s) but this run has {world_size}; resume with "
+            f"the same number of ranks"
+        )
     return Resume(checkpoint=checkpoint, iteration=checkpoint_iteration(checkpoint))
 
 

@@ -8,9 +8,9 @@ then the checkpoint's generators last), which is what makes a resumed run contin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -45,20 +45,21 @@ class Run:
 
     An engine reads `plan`, `role`, `iterations`, `rank`, `cfg` and calls the builders and control points below;
     the other fields are the parts they are built from."""
+
     cfg: Config
     plan: Plan
     runtime: Runtime
     topology: Topology
     groups: ProcessGroups
     spec: EnvSpec
-    outputs: dict[str, StepField]        # the policy's declared per-step outputs
+    outputs: dict[str, StepField]  # the policy's declared per-step outputs
     run_dir: Path
     policy_cls: type[Policy]
     algorithm_cls: type[Algorithm]
-    callback_classes: list               # [(class, config)]
-    control: RunControl                  # the end-of-iteration agreement: checkpoints and stops
-    resume: Resume                       # where the run starts (a checkpoint every rank loads, or iteration 0)
-    final_policy: Policy | None = None   # rank 0's policy, saved as policy.pt at the end or on a stop
+    callback_classes: list  # [(class, config)]
+    control: RunControl  # the end-of-iteration agreement: checkpoints and stops
+    resume: Resume  # where the run starts (a checkpoint every rank loads, or iteration 0)
+    final_policy: Policy | None = None  # rank 0's policy, saved as policy.pt at the end or on a stop
 
     # -- where this rank stands ------------------------------------------------------------------------------------
 
@@ -99,9 +100,14 @@ class Run:
         logger = None
         if self.rank == 0:
             plan, log = self.plan, self.cfg.log
-            logger = MetricsLogger(self.run_dir, plan.num_iterations * plan.steps_per_iteration, log.progress,
-                                   log.interval_s, log.tensorboard,
-                                   resumed_env_steps=self.resume.start_iteration * plan.steps_per_iteration)
+            logger = MetricsLogger(
+                self.run_dir,
+                plan.num_iterations * plan.steps_per_iteration,
+                log.progress,
+                log.interval_s,
+                log.tensorboard,
+                resumed_env_steps=self.resume.start_iteration * plan.steps_per_iteration,
+            )
         finished = False
         try:
             run_role(logger)
@@ -125,14 +131,32 @@ class Run:
         obs_out, obs_in = local_channel("observations", observation_message(self.spec, n))
         actions_out, actions_in = local_channel("actions", action_message(self.outputs, n))
         segments_out, segments_in = local_channel("segments", segment_message(self.spec, self.outputs, t, n))
-        runner = EnvRunner(envs, first_obs, obs_out, actions_in, segments_out, t, list(self.outputs),
-                           describe=f"rank {rank}", env_id=cfg.env.id)
-        server = InferenceServer(policy, [obs_in], [actions_out], self.runtime.device,
-                                 uniform_actions=self._uniform_actions())
-        trainer = Trainer(algorithm, [segments_in], [f"rank {rank}"], plan.max_env_columns_per_trainer * t, group,
-                          experience_log=self._experience_log(), describe=f"rank {rank}",
-                          timeout=self.runtime.timeout, skip_nonfinite_updates=cfg.train.skip_nonfinite_updates,
-                          policy=policy)
+        runner = EnvRunner(
+            envs,
+            first_obs,
+            obs_out,
+            actions_in,
+            segments_out,
+            t,
+            list(self.outputs),
+            describe=f"rank {rank}",
+            env_id=cfg.env.id,
+        )
+        server = InferenceServer(
+            policy, [obs_in], [actions_out], self.runtime.device, uniform_actions=self._uniform_actions()
+        )
+        trainer = Trainer(
+            algorithm,
+            [segments_in],
+            [f"rank {rank}"],
+            plan.max_env_columns_per_trainer * t,
+            group,
+            experience_log=self._experience_log(),
+            describe=f"rank {rank}",
+            timeout=self.runtime.timeout,
+            skip_nonfinite_updates=cfg.train.skip_nonfinite_updates,
+            policy=policy,
+        )
         report = Reporter(cfg, plan, logger, callbacks, policy)
         self._say_if_env_state_unsaved(runner)
         state = self._load_checkpoint()
@@ -156,12 +180,25 @@ class Run:
         envs, first_obs = make_vector_env(cfg.env, spec, self._seed_rank())
         (to_inference, to_trainer), (from_inference,) = open_channels(
             me=rank,
-            sends=[(inference, "observations", observation_layout(spec, n)),
-                   (trainer, "segments", segment_message(spec, self.outputs, t, n))],
+            sends=[
+                (inference, "observations", observation_layout(spec, n)),
+                (trainer, "segments", segment_message(spec, self.outputs, t, n)),
+            ],
             recvs=[(inference, "actions", action_message(self.outputs, n))],
-            describe_rank=topology.describe, timeout=self.runtime.timeout)
-        runner = EnvRunner(envs, first_obs, to_inference, from_inference, to_trainer, t, list(self.outputs),
-                           describe=self.describe(), env_id=cfg.env.id)
+            describe_rank=topology.describe,
+            timeout=self.runtime.timeout,
+        )
+        runner = EnvRunner(
+            envs,
+            first_obs,
+            to_inference,
+            from_inference,
+            to_trainer,
+            t,
+            list(self.outputs),
+            describe=self.describe(),
+            env_id=cfg.env.id,
+        )
         self._say_if_env_state_unsaved(runner)
         state = self._load_checkpoint()
         if state is not None:
@@ -172,8 +209,14 @@ class Run:
     def build_inference_server(self) -> InferenceServer:
         """A split-layout inference rank's server for the sync engine (fixed order, one forward pass a step)."""
         parts = self.inference_parts()
-        return InferenceServer(parts.policy, parts.obs_channels, parts.action_channels, self.runtime.device,
-                               parts.weight_sync, uniform_actions=parts.uniform_actions)
+        return InferenceServer(
+            parts.policy,
+            parts.obs_channels,
+            parts.action_channels,
+            self.runtime.device,
+            parts.weight_sync,
+            uniform_actions=parts.uniform_actions,
+        )
 
     def inference_parts(self, observation_layout=observation_message, recv_buffers: int = 1) -> InferenceParts:
         """An inference rank's policy (its weights come from trainer 0), weight sync and channels to and from its
@@ -188,7 +231,10 @@ class Run:
             me=rank,
             sends=[(env, "actions", action_message(self.outputs, n)) for env in served],
             recvs=[(env, "observations", observation_layout(self.spec, n)) for env in served],
-            describe_rank=topology.describe, timeout=self.runtime.timeout, num_recv_buffers=recv_buffers)
+            describe_rank=topology.describe,
+            timeout=self.runtime.timeout,
+            num_recv_buffers=recv_buffers,
+        )
         state = self._load_checkpoint()
         if state is not None:
             restore_rng_state(state["rng"])  # the weights come from trainer 0
@@ -207,13 +253,26 @@ class Run:
         algorithm, callbacks = self._build_algorithm(policy, group)
         self._seed_rank()
         _, segment_channels = open_channels(
-            me=rank, sends=[],
+            me=rank,
+            sends=[],
             recvs=[(env, "segments", segment_message(self.spec, self.outputs, t, n)) for env in sources],
-            describe_rank=topology.describe, timeout=self.runtime.timeout, num_recv_buffers=recv_buffers)
-        trainer = Trainer(algorithm, segment_channels, [topology.describe(e) for e in sources],
-                          plan.max_env_columns_per_trainer * t, group, weight_sync, self._experience_log(),
-                          describe=self.describe(), timeout=self.runtime.timeout,
-                          skip_nonfinite_updates=cfg.train.skip_nonfinite_updates, policy=policy)
+            describe_rank=topology.describe,
+            timeout=self.runtime.timeout,
+            num_recv_buffers=recv_buffers,
+        )
+        trainer = Trainer(
+            algorithm,
+            segment_channels,
+            [topology.describe(e) for e in sources],
+            plan.max_env_columns_per_trainer * t,
+            group,
+            weight_sync,
+            self._experience_log(),
+            describe=self.describe(),
+            timeout=self.runtime.timeout,
+            skip_nonfinite_updates=cfg.train.skip_nonfinite_updates,
+            policy=policy,
+        )
         report = Reporter(cfg, plan, logger, callbacks, policy)
         state = self._load_checkpoint()
         if state is None:
@@ -243,12 +302,21 @@ class Run:
     def _context(self, group) -> Context:
         topology = self.topology
         trainers = topology.trainer_ranks if not topology.colocated else list(range(self.runtime.world_size))
-        return Context(rank=self.rank, trainer_index=trainers.index(self.rank), num_trainers=len(trainers),
-                       group=group, device=self.runtime.device, timeout=self.runtime.timeout, run_dir=self.run_dir,
-                       seed=self.cfg.train.seed, num_iterations=self.plan.num_iterations,
-                       steps_per_iteration=self.plan.steps_per_iteration,
-                       observation_space=self.spec.observation_space, action_space=self.spec.action_space,
-                       buffer=self.cfg.buffer)
+        return Context(
+            rank=self.rank,
+            trainer_index=trainers.index(self.rank),
+            num_trainers=len(trainers),
+            group=group,
+            device=self.runtime.device,
+            timeout=self.runtime.timeout,
+            run_dir=self.run_dir,
+            seed=self.cfg.train.seed,
+            num_iterations=self.plan.num_iterations,
+            steps_per_iteration=self.plan.steps_per_iteration,
+            observation_space=self.spec.observation_space,
+            action_space=self.spec.action_space,
+            buffer=self.cfg.buffer,
+        )
 
     def _build_algorithm(self, policy: Policy, group) -> tuple[Algorithm, list]:
         context = self._context(group)
@@ -258,9 +326,15 @@ class Run:
 
     def _weight_sync(self, policy: Policy) -> WeightSync:
         topology, runtime = self.topology, self.runtime
-        return WeightSync(policy, self.groups.weights, src=topology.trainer_ranks[0], me=runtime.rank,
-                          bucket_bytes=int(self.cfg.weights.bucket_mb * 2**20), timeout=runtime.timeout,
-                          describe_rank=topology.describe)
+        return WeightSync(
+            policy,
+            self.groups.weights,
+            src=topology.trainer_ranks[0],
+            me=runtime.rank,
+            bucket_bytes=int(self.cfg.weights.bucket_mb * 2**20),
+            timeout=runtime.timeout,
+            describe_rank=topology.describe,
+        )
 
     def _uniform_actions(self) -> UniformActions | None:
         return UniformActions(self.spec.action_space, self.outputs) if self.plan.explore_iterations else None
@@ -270,8 +344,14 @@ class Run:
         if not buffer.log_experience:
             return None
         example = segment_message(self.spec, self.outputs, self.plan.num_steps, self.cfg.env.num_envs)["rollout"]
-        return ExperienceLog(self.run_dir, self.rank, example, chunk_rows=buffer.chunk_rows,
-                             compression=buffer.h5_compression, flush_every_s=buffer.flush_every_s)
+        return ExperienceLog(
+            self.run_dir,
+            self.rank,
+            example,
+            chunk_rows=buffer.chunk_rows,
+            compression=buffer.h5_compression,
+            flush_every_s=buffer.flush_every_s,
+        )
 
     def _init_from(self, policy: Policy, algorithm: Algorithm) -> None:
         """run.init_from: a new run starts from trained weights (and, with run.init_algorithm, the algorithm's
@@ -285,9 +365,11 @@ class Run:
             if algorithm_state is not None:
                 algorithm.load_state_dict(algorithm_state)
         except (RuntimeError, KeyError, ValueError) as exc:
-            raise UserError(f"run.init_from={run.init_from}: its state does not fit policy.class "
-                            f"'{self.cfg.classes['policy']}' / algo.class '{self.cfg.classes['algo']}' with this "
-                            f"config: {' '.join(str(exc).split())[:300]}") from None
+            raise UserError(
+                f"run.init_from={run.init_from}: its state does not fit policy.class "
+                f"'{self.cfg.classes['policy']}' / algo.class '{self.cfg.classes['algo']}' with this "
+                f"config: {' '.join(str(exc).split())[:300]}"
+            ) from None
 
     def _say_if_env_state_unsaved(self, runner: EnvRunner) -> None:
         """Once per run (the first rank with envs): a checkpoint cannot hold these envs' state, so a resume begins

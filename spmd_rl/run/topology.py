@@ -27,8 +27,8 @@ class Topology:
     trainer_ranks: tuple[int, ...]
     inference_ranks: tuple[int, ...]
     env_ranks: tuple[int, ...]
-    env_to_inference: dict[int, int]   # env rank -> the inference rank that serves it
-    env_to_trainer: dict[int, int]     # env rank -> the trainer rank that learns from it
+    env_to_inference: dict[int, int]  # env rank -> the inference rank that serves it
+    env_to_trainer: dict[int, int]  # env rank -> the trainer rank that learns from it
 
     @property
     def colocated(self) -> bool:
@@ -47,7 +47,8 @@ class Topology:
         if self.colocated:
             return rank
         return {TRAINER: self.trainer_ranks, INFERENCE: self.inference_ranks, ENV: self.env_ranks}[
-            self.role_of(rank)].index(rank)
+            self.role_of(rank)
+        ].index(rank)
 
     def describe(self, rank: int) -> str:
         """'rank 5 (env 1)': how messages name a rank."""
@@ -71,8 +72,9 @@ def build_topology(layout: LayoutSection, world_size: int) -> Topology:
     if layout.mode == COLOCATED:
         set_counts = [f"layout.{k}={getattr(layout, k)}" for k in (TRAINER, INFERENCE, ENV) if getattr(layout, k)]
         if set_counts:
-            raise UserError(f"{', '.join(set_counts)} only applies to layout.mode=split; remove it or set "
-                            f"layout.mode=split")
+            raise UserError(
+                f"{', '.join(set_counts)} only applies to layout.mode=split; remove it or set layout.mode=split"
+            )
         ranks = tuple(range(world_size))
         identity = {r: r for r in ranks}
         return Topology(COLOCATED, world_size, ranks, ranks, ranks, identity, dict(identity))
@@ -80,24 +82,33 @@ def build_topology(layout: LayoutSection, world_size: int) -> Topology:
     counts = {TRAINER: layout.trainer, INFERENCE: layout.inference, ENV: layout.env}
     rest = [k for k, v in counts.items() if v == -1]
     if len(rest) > 1:
-        raise UserError(f"layout: only one of layout.trainer, layout.inference, layout.env may be -1 (the rest); "
-                        f"got -1 for {', '.join('layout.' + k for k in rest)}")
+        raise UserError(
+            f"layout: only one of layout.trainer, layout.inference, layout.env may be -1 (the rest); "
+            f"got -1 for {', '.join('layout.' + k for k in rest)}"
+        )
     if rest:
         counts[rest[0]] = world_size - sum(v for k, v in counts.items() if k != rest[0])
     described = f"trainer={counts[TRAINER]}, inference={counts[INFERENCE]}, env={counts[ENV]}"
     if sum(counts.values()) != world_size or any(v < 0 for v in counts.values()):
-        raise UserError(f"layout {described} needs {sum(v for v in counts.values() if v > 0)} ranks but the world "
-                        f"size is {world_size}; make the counts sum to {world_size} (or set one of them to -1)")
+        raise UserError(
+            f"layout {described} needs {sum(v for v in counts.values() if v > 0)} ranks but the world "
+            f"size is {world_size}; make the counts sum to {world_size} (or set one of them to -1)"
+        )
     for role in (TRAINER, INFERENCE, ENV):
         if counts[role] == 0:
-            raise UserError(f"layout {described}: a split layout needs at least one {role} rank; "
-                            f"set layout.{role} >= 1")
+            raise UserError(
+                f"layout {described}: a split layout needs at least one {role} rank; set layout.{role} >= 1"
+            )
     if counts[INFERENCE] > counts[ENV]:
-        raise UserError(f"layout {described}: more inference ranks than env ranks leaves an inference rank "
-                        f"with nothing to serve; set layout.inference <= layout.env")
+        raise UserError(
+            f"layout {described}: more inference ranks than env ranks leaves an inference rank "
+            f"with nothing to serve; set layout.inference <= layout.env"
+        )
     if counts[TRAINER] > counts[ENV]:
-        raise UserError(f"layout {described}: more trainer ranks than env ranks leaves a trainer with no data; "
-                        f"set layout.trainer <= layout.env")
+        raise UserError(
+            f"layout {described}: more trainer ranks than env ranks leaves a trainer with no data; "
+            f"set layout.trainer <= layout.env"
+        )
 
     trainers = tuple(range(counts[TRAINER]))
     inference = tuple(range(len(trainers), len(trainers) + counts[INFERENCE]))
@@ -117,6 +128,7 @@ def build_topology(layout: LayoutSection, world_size: int) -> Topology:
 class ProcessGroups:
     """The groups a rank uses: the trainer group (the world when colocated; None in one process) and the weight
     group (split layouts only). Roles only use the groups they are members of."""
+
     trainer: object | None
     weights: object | None
 

@@ -44,8 +44,9 @@ def _rendezvous(launch: LaunchInfo, timeout: datetime.timedelta) -> dict:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if launch.launcher != "torchrun" or attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {"init_method": launch.init_method}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launch.world_size,
-                          is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launch.world_size, is_master=False, timeout=timeout
+    )
     return {"store": dist.PrefixStore(f"spmd_rl/attempt_{attempt}", store)}
 
 
@@ -74,11 +75,19 @@ def start_runtime(launch: LaunchInfo, device_preference: str, timeout_s: float) 
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: keep gloo off other interfaces
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         try:
-            dist.init_process_group(runtime.backend, rank=launch.rank, world_size=launch.world_size,
-                                    timeout=runtime.timeout, **_rendezvous(launch, runtime.timeout), **kwargs)
+            dist.init_process_group(
+                runtime.backend,
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=runtime.timeout,
+                **_rendezvous(launch, runtime.timeout),
+                **kwargs,
+            )
         except Exception as exc:  # the store could not be reached or a peer never arrived
-            raise CommError(f"rank {launch.rank}: init_process_group ({launch.launcher}, {launch.init_method}) "
-                            f"failed within dist.timeout_s={timeout_s}: {exc}") from exc
+            raise CommError(
+                f"rank {launch.rank}: init_process_group ({launch.launcher}, {launch.init_method}) "
+                f"failed within dist.timeout_s={timeout_s}: {exc}"
+            ) from exc
     return runtime
 
 
@@ -89,6 +98,7 @@ def _single_host(launch: LaunchInfo) -> bool:
 @dataclass(frozen=True)
 class Peer:
     """Whom a wait depends on, for its failure message: a name ('rank 0 (inference 0)') and the rank(s)."""
+
     name: str
     ranks: tuple[int, ...]
 
@@ -125,8 +135,9 @@ def is_comm_failure(exc: BaseException) -> bool:
     return False
 
 
-def comm_error(what: str, exc: BaseException, timeout: datetime.timedelta | None,
-               peer: Peer | None = None) -> CommError:
+def comm_error(
+    what: str, exc: BaseException, timeout: datetime.timedelta | None, peer: Peer | None = None
+) -> CommError:
     """The CommError for a failed wait or post: `what` names this rank and the operation ('rank 2 (env 0): receive
     of message 7 on channel ...'); the reason says in words what the peer did, then the library's own words.
 
@@ -140,8 +151,10 @@ def comm_error(what: str, exc: BaseException, timeout: datetime.timedelta | None
     timed_out = any(marker in lowered for marker in _TIMED_OUT)
     if timed_out:
         bound = f"dist.timeout_s={timeout.total_seconds():g}s" if timeout is not None else "the group's timeout"
-        reason = (f"{name} did not respond within {bound}: it is stopped or hung, or it may itself be waiting on "
-                  f"another rank (a knock-on)")
+        reason = (
+            f"{name} did not respond within {bound}: it is stopped or hung, or it may itself be waiting on "
+            f"another rank (a knock-on)"
+        )
     elif any(marker in lowered for marker in _CLOSED):
         reason = f"{name} closed the connection: it exited first (its own line says why; a killed rank prints none)"
     else:
@@ -201,8 +214,13 @@ def shutdown_runtime(runtime: Runtime | None, exit_code: int) -> None:
     done.set()
 
 
-def broadcast_text(text: str, src: int = 0, max_bytes: int = 4096, group: dist.ProcessGroup | None = None,
-                   timeout: datetime.timedelta | None = None) -> str:
+def broadcast_text(
+    text: str,
+    src: int = 0,
+    max_bytes: int = 4096,
+    group: dist.ProcessGroup | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> str:
     """src's text on every rank, sent as a fixed-size uint8 tensor (a 4-byte length, then UTF-8): no pickle.
 
     Every rank must call it with the same max_bytes. A text longer than max_bytes is a UserError on every rank
@@ -215,7 +233,7 @@ def broadcast_text(text: str, src: int = 0, max_bytes: int = 4096, group: dist.P
         length = len(data) if len(data) <= max_bytes else too_long
         message[:4] = torch.frombuffer(bytearray(length.to_bytes(4, "little")), dtype=torch.uint8)
         if 0 < length != too_long:  # (frombuffer refuses an empty buffer)
-            message[4:4 + length] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            message[4 : 4 + length] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     describe = f"rank {dist.get_rank()}: broadcast_text from rank {src}"
     peer = Peer(f"rank {src}", (src,)) if dist.get_rank() != src else group_peer(group)
     if timeout is not None:
@@ -227,9 +245,11 @@ def broadcast_text(text: str, src: int = 0, max_bytes: int = 4096, group: dist.P
             raise comm_error(describe, exc, None, peer) from exc
     length = int.from_bytes(message[:4].numpy().tobytes(), "little")
     if length == too_long:
-        raise UserError(f"rank {src}'s text to broadcast is longer than {max_bytes} bytes (UTF-8); use a shorter "
-                        f"one (e.g. a shorter run.dir)")
-    return message[4:4 + length].numpy().tobytes().decode()
+        raise UserError(
+            f"rank {src}'s text to broadcast is longer than {max_bytes} bytes (UTF-8); use a shorter "
+            f"one (e.g. a shorter run.dir)"
+        )
+    return message[4 : 4 + length].numpy().tobytes().decode()
 
 
 def install_signal_handlers() -> None:
@@ -270,8 +290,11 @@ def _on_signal(signum: int, frame) -> None:
     name = signal.Signals(signum).name
     if _Graceful.enabled and _Graceful.requested is None:
         _Graceful.requested = (name, signum)
-        print(f"spmd_rl: {name}: stopping after this iteration with a checkpoint (send it again to stop at once)",
-              file=sys.stderr, flush=True)
+        print(
+            f"spmd_rl: {name}: stopping after this iteration with a checkpoint (send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
         return
     stop = KeyboardInterrupt() if signum == signal.SIGINT else StopSignal(name, signum)
     if _Deferral.depth:

@@ -59,8 +59,11 @@ def user_frame(exc: BaseException) -> str:
     """'file:line' of the innermost frame of exc's traceback that is the user's code (not spmd_rl, torch,
     gymnasium or the standard library); '' when there is none."""
     framework = (os.path.dirname(os.path.abspath(__file__)), sys.prefix, sys.base_prefix)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not os.path.abspath(f.filename).startswith(framework) and not f.filename.startswith("<")]
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not os.path.abspath(f.filename).startswith(framework) and not f.filename.startswith("<")
+    ]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 

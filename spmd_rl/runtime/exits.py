@@ -44,8 +44,11 @@ def unexpected_error(exc: Exception, who: str) -> int:
     anything else is a bug of ours, shown with its traceback (exit 1). SPMD_RL_DEBUG=1 shows every traceback."""
     debug = os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
     if user_frame(exc) and not debug:
-        print(f"spmd_rl: {who}: error in user code: {describe_exception(exc)} (set {DEBUG_VARIABLE}=1 for the "
-              f"traceback)", file=sys.stderr, flush=True)
+        print(
+            f"spmd_rl: {who}: error in user code: {describe_exception(exc)} (set {DEBUG_VARIABLE}=1 for the traceback)",
+            file=sys.stderr,
+            flush=True,
+        )
         return USER_CODE_EXIT_CODE
     print(f"spmd_rl: {who} failed:", file=sys.stderr)
     traceback.print_exc()

@@ -19,20 +19,20 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 from spmd_rl.runtime.errors import UserError
 
 
 @dataclass(frozen=True)
 class LaunchInfo:
-    launcher: str          # "torchrun", "mpi", "slurm" or "none"
+    launcher: str  # "torchrun", "mpi", "slurm" or "none"
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int
-    init_method: str       # URL for torch.distributed.init_process_group ("" when world_size == 1)
+    init_method: str  # URL for torch.distributed.init_process_group ("" when world_size == 1)
 
     @property
     def distributed(self) -> bool:
@@ -51,15 +51,19 @@ def _require(env: Mapping[str, str], names: tuple[str, ...], launcher: str) -> N
     missing = [n for n in names if n not in env]
     if missing:
         present = [n for n in names if n in env]
-        raise UserError(f"{launcher} launch detected ({', '.join(present)} set) but {', '.join(missing)} "
-                        f"{'is' if len(missing) == 1 else 'are'} missing; launch with {launcher} as documented "
-                        f"in README.md or unset the partial variables")
+        raise UserError(
+            f"{launcher} launch detected ({', '.join(present)} set) but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing; launch with {launcher} as documented "
+            f"in README.md or unset the partial variables"
+        )
 
 
 def _check_rank(rank: int, world_size: int, local_rank: int, launcher: str) -> None:
     if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
-        raise UserError(f"{launcher} launch: rank {rank}, world size {world_size}, local rank {local_rank} are "
-                        f"contradictory (need 0 <= rank < world size)")
+        raise UserError(
+            f"{launcher} launch: rank {rank}, world size {world_size}, local rank {local_rank} are "
+            f"contradictory (need 0 <= rank < world size)"
+        )
 
 
 def from_torchrun(env: Mapping[str, str]) -> LaunchInfo | None:
@@ -76,9 +80,11 @@ def from_torchrun(env: Mapping[str, str]) -> LaunchInfo | None:
 
 
 # Variables an MPI launcher sets for each process, with the matching world-size variable (None: not standard).
-MPI_RANK_VARIABLES = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),  # Open MPI
-                      ("PMIX_RANK", None),                                # PMIx (Open MPI 5, srun --mpi=pmix)
-                      ("PMI_RANK", "PMI_SIZE"))                           # MPICH / Intel MPI (Hydra), PMI-2
+MPI_RANK_VARIABLES = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),  # Open MPI
+    ("PMIX_RANK", None),  # PMIx (Open MPI 5, srun --mpi=pmix)
+    ("PMI_RANK", "PMI_SIZE"),
+)  # MPICH / Intel MPI (Hydra), PMI-2
 
 
 def mpi_rank_from_env(env: Mapping[str, str]) -> tuple[str, int, int | None] | None:
@@ -105,17 +111,20 @@ def from_mpi(env: Mapping[str, str]) -> LaunchInfo | None:
     try:
         from mpi4py import MPI  # imported only here: initializing MPI outside an MPI launch is slow or fails
     except ImportError as exc:
-        raise UserError(f"mpi launch detected ({rank_name} set) but mpi4py cannot be imported ({exc}); "
-                        f"pip install mpi4py") from None
+        raise UserError(
+            f"mpi launch detected ({rank_name} set) but mpi4py cannot be imported ({exc}); pip install mpi4py"
+        ) from None
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     if rank != env_rank or (env_size is not None and world != env_size):
         # Typical cause: mpi4py's MPI library is not the one whose mpirun started us, so every process is a
         # singleton (rank 0 of 1).
-        raise UserError(f"mpi launch: the launcher says {rank_name}={env_rank}"
-                        f"{f' of {env_size}' if env_size is not None else ''} but mpi4py's COMM_WORLD says rank "
-                        f"{rank} of {world} ({MPI.Get_library_version().splitlines()[0].strip()}); launch with the "
-                        f"mpirun of the MPI that mpi4py uses")
+        raise UserError(
+            f"mpi launch: the launcher says {rank_name}={env_rank}"
+            f"{f' of {env_size}' if env_size is not None else ''} but mpi4py's COMM_WORLD says rank "
+            f"{rank} of {world} ({MPI.Get_library_version().splitlines()[0].strip()}); launch with the "
+            f"mpirun of the MPI that mpi4py uses"
+        )
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_world = node_comm.Get_rank(), node_comm.Get_size()
     node_comm.Free()
@@ -144,10 +153,10 @@ def _mpi_broadcast_text(comm, ok: bool, text: str) -> tuple[bool, str]:
         data = text.encode()[:MPI_TEXT_BYTES]  # only an error message can be this long; cut, it stays readable
         buffer[0] = ok
         buffer[1:5] = np.frombuffer(len(data).to_bytes(4, "little"), dtype=np.uint8)
-        buffer[5:5 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        buffer[5 : 5 + len(data)] = np.frombuffer(data, dtype=np.uint8)
     comm.Bcast(buffer, root=0)
     length = int.from_bytes(buffer[1:5].tobytes(), "little")
-    return bool(buffer[0]), buffer[5:5 + length].tobytes().decode(errors="replace")
+    return bool(buffer[0]), buffer[5 : 5 + length].tobytes().decode(errors="replace")
 
 
 def _mpi_rendezvous_url(env: Mapping[str, str], single_host: bool) -> str:
@@ -159,9 +168,11 @@ def _mpi_rendezvous_url(env: Mapping[str, str], single_host: bool) -> str:
     else:
         addr = socket.gethostbyname(socket.gethostname())
         if addr.startswith("127."):
-            raise UserError(f"mpi launch across hosts: this host's name {socket.gethostname()!r} resolves to "
-                            f"loopback {addr}, which other hosts cannot reach; set MASTER_ADDR to an address of "
-                            f"rank 0's host (e.g. mpirun -x MASTER_ADDR=...)")
+            raise UserError(
+                f"mpi launch across hosts: this host's name {socket.gethostname()!r} resolves to "
+                f"loopback {addr}, which other hosts cannot reach; set MASTER_ADDR to an address of "
+                f"rank 0's host (e.g. mpirun -x MASTER_ADDR=...)"
+            )
     port = _int_var(env, "MASTER_PORT", "mpi") if "MASTER_PORT" in env else _free_port()
     return f"tcp://{addr}:{port}"
 
@@ -247,8 +258,10 @@ def from_slurm(env: Mapping[str, str]) -> LaunchInfo | None:
     _require(env, ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"), "slurm")
     nodelist_name = next((name for name in SLURM_NODELIST_VARIABLES if name in env), None)
     if nodelist_name is None:
-        raise UserError("slurm launch detected (SLURM_PROCID set) but none of "
-                        f"{', '.join(SLURM_NODELIST_VARIABLES)} is set; start the ranks with srun")
+        raise UserError(
+            "slurm launch detected (SLURM_PROCID set) but none of "
+            f"{', '.join(SLURM_NODELIST_VARIABLES)} is set; start the ranks with srun"
+        )
     rank = _int_var(env, "SLURM_PROCID", "slurm")
     world = _int_var(env, "SLURM_NTASKS", "slurm")
     local_rank = _int_var(env, "SLURM_LOCALID", "slurm")
@@ -263,8 +276,10 @@ def from_slurm(env: Mapping[str, str]) -> LaunchInfo | None:
     elif "SLURM_JOB_ID" in env:
         port = slurm_default_port(_int_var(env, "SLURM_JOB_ID", "slurm"))
     else:
-        raise UserError("slurm launch detected (SLURM_PROCID set) but neither SLURM_JOB_ID nor MASTER_PORT is set, "
-                        "so the ranks cannot agree on a port; start the ranks with srun or set MASTER_PORT")
+        raise UserError(
+            "slurm launch detected (SLURM_PROCID set) but neither SLURM_JOB_ID nor MASTER_PORT is set, "
+            "so the ranks cannot agree on a port; start the ranks with srun or set MASTER_PORT"
+        )
     return LaunchInfo("slurm", rank, world, local_rank, local_world, f"tcp://{addr}:{port}")
 
 
@@ -273,8 +288,10 @@ def _slurm_local_world_size(env: Mapping[str, str], hosts: list[str], world: int
     if name is None:
         if len(hosts) == 1:
             return world
-        raise UserError(f"slurm launch on {len(hosts)} nodes but none of {', '.join(SLURM_TASKS_PER_NODE_VARIABLES)}"
-                        f" is set; start the ranks with srun")
+        raise UserError(
+            f"slurm launch on {len(hosts)} nodes but none of {', '.join(SLURM_TASKS_PER_NODE_VARIABLES)}"
+            f" is set; start the ranks with srun"
+        )
     counts = expand_tasks_per_node(env[name])
     node = _int_var(env, "SLURM_NODEID", "slurm") if "SLURM_NODEID" in env else 0
     # SLURM_NTASKS_PER_NODE is one number for every node; the other two list each node.

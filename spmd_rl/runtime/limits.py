@@ -20,8 +20,9 @@ def check_memory(bytes_needed: int, what: str, key: str) -> None:
     this host has available. bytes_needed: what the host's ranks will hold together for it."""
     available = available_memory()
     if available is not None and bytes_needed > available:
-        raise UserError(f"{what} needs {_size(bytes_needed)} of memory but this host has {_size(available)} "
-                        f"available; lower {key}")
+        raise UserError(
+            f"{what} needs {_size(bytes_needed)} of memory but this host has {_size(available)} available; lower {key}"
+        )
 
 
 def available_memory() -> int | None:

@@ -22,8 +22,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -31,8 +31,8 @@ from torch.distributed import distributed_c10d
 from spmd_rl.runtime.errors import COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE
 
 KEY = "spmd_rl/failure/rank{}"
-PUBLISH_BOUND_S = 2.0   # how long a failing rank tries to leave its record before it exits anyway
-COLLECT_GRACE_S = 3.0   # how long rank 0 waits for the other ranks' records
+PUBLISH_BOUND_S = 2.0  # how long a failing rank tries to leave its record before it exits anyway
+COLLECT_GRACE_S = 3.0  # how long rank 0 waits for the other ranks' records
 # ...and up to how long while several silent ranks could be the first cause: survivors that were blocked in a
 # collective with the dead rank report later than those it talked to directly, and each record that arrives
 # narrows the candidates down to the rank that really stopped.
@@ -44,14 +44,18 @@ POLL_S = 0.05
 class Failure:
     rank: int
     exit_code: int
-    at: float                       # time.time() when the rank failed
-    peers: tuple[int, ...] = ()     # the ranks it was waiting on (a communication error's)
-    timed_out: bool = False         # its wait expired (rather than a connection closing)
+    at: float  # time.time() when the rank failed
+    peers: tuple[int, ...] = ()  # the ranks it was waiting on (a communication error's)
+    timed_out: bool = False  # its wait expired (rather than a connection closing)
 
     @property
     def kind(self) -> str:
-        known = {USER_ERROR_EXIT_CODE: "user error", COMM_ERROR_EXIT_CODE: "communication error",
-                 USER_CODE_EXIT_CODE: "error in user code", 130: "interrupted (SIGINT)"}
+        known = {
+            USER_ERROR_EXIT_CODE: "user error",
+            COMM_ERROR_EXIT_CODE: "communication error",
+            USER_CODE_EXIT_CODE: "error in user code",
+            130: "interrupted (SIGINT)",
+        }
         if self.exit_code in known:
             return known[self.exit_code]
         if self.exit_code > 128:
@@ -70,8 +74,7 @@ class Failure:
         return cls(int(rank), int(exit_code), float(at), tuple(int(p) for p in peers), bool(timed_out))
 
 
-def first_cause(own: Failure, others: dict[int, Failure], world_size: int, describe_rank: Callable[[int], str]
-                ) -> str:
+def first_cause(own: Failure, others: dict[int, Failure], world_size: int, describe_rank: Callable[[int], str]) -> str:
     """The summary rank 0 prints, from its own failure and the records that reached it (see the module doc)."""
     records = {**others, own.rank: own}
     communication = sorted(r for r, f in records.items() if f.exit_code == COMM_ERROR_EXIT_CODE)
@@ -84,18 +87,24 @@ def first_cause(own: Failure, others: dict[int, Failure], world_size: int, descr
     waited_on = sorted({p for f in records.values() for p in f.peers if p in silent})
     if waited_on:
         waiters = sorted(r for r, f in records.items() if set(f.peers) & set(waited_on))
-        return (f"{_names(waited_on, describe_rank)} stopped responding first: ranks {waiters} waited on "
-                f"{_them(waited_on)} and {_it(waited_on)} reported no error (killed, stopped or hung); the other "
-                f"ranks' errors follow from it")
+        return (
+            f"{_names(waited_on, describe_rank)} stopped responding first: ranks {waiters} waited on "
+            f"{_them(waited_on)} and {_it(waited_on)} reported no error (killed, stopped or hung); the other "
+            f"ranks' errors follow from it"
+        )
     timed_out = [f for f in records.values() if f.timed_out]
     stalled = sorted({p for f in timed_out for p in f.peers} - {f.rank for f in timed_out})
     if timed_out and stalled:
         waiters = sorted(f.rank for f in timed_out if set(f.peers) & set(stalled))
-        return (f"{_names(stalled, describe_rank)} stopped responding first: ranks {waiters} timed out waiting on "
-                f"{_it(stalled)} and {_it(stalled)} did not time out (stopped or stalled, then found its peers gone)")
+        return (
+            f"{_names(stalled, describe_rank)} stopped responding first: ranks {waiters} timed out waiting on "
+            f"{_it(stalled)} and {_it(stalled)} did not time out (stopped or stalled, then found its peers gone)"
+        )
     if silent:
-        return (f"ranks {silent} reported no error (killed, stopped or hung): the likely first cause; ranks "
-                f"{communication} failed waiting")
+        return (
+            f"ranks {silent} reported no error (killed, stopped or hung): the likely first cause; ranks "
+            f"{communication} failed waiting"
+        )
     first = min(records.values(), key=lambda f: f.at)
     return f"every rank failed with a communication error; the first was {describe_rank(first.rank)}"
 
@@ -126,8 +135,11 @@ def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[in
             try:
                 _bounded(lambda: _collect(store, world_size, others, failure), AMBIGUOUS_GRACE_S + PUBLISH_BOUND_S)
             finally:  # a launcher's SIGTERM cuts the wait short, not the summary of what arrived
-                print(f"spmd_rl: job summary: {first_cause(failure, dict(others), world_size, describe_rank)}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"spmd_rl: job summary: {first_cause(failure, dict(others), world_size, describe_rank)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     except BaseException:  # noqa: BLE001 - a broken store or a second signal must not change how the rank exits
         pass
 

@@ -17,12 +17,20 @@ class ExperienceLog:
     Reopening a run's log continues it. Rows of a rollout [T, N, ...] are stored time-major (row t * N + n).
     """
 
-    def __init__(self, run_dir: str | os.PathLike, rank: int, example_td: TensorDict, *,
-                 chunk_rows: int | None = None, compression: str | None = None,
-                 flush_every_s: float = DEFAULT_FLUSH_EVERY_S):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        rank: int,
+        example_td: TensorDict,
+        *,
+        chunk_rows: int | None = None,
+        compression: str | None = None,
+        flush_every_s: float = DEFAULT_FLUSH_EVERY_S,
+    ):
         self.path = Path(run_dir) / "buffer" / f"experience_rank{rank}.h5"
-        self._writer = HDF5Writer(self.path, example_td, chunk_rows=chunk_rows, compression=compression,
-                                  flush_every_s=flush_every_s)
+        self._writer = HDF5Writer(
+            self.path, example_td, chunk_rows=chunk_rows, compression=compression, flush_every_s=flush_every_s
+        )
 
     def append(self, td_rollout: TensorDict, policy_version: int, env_step: int) -> None:
         """Append a rollout shaped [T, N, ...] (or rows [B, ...]).

@@ -68,8 +68,10 @@ def check_not_truncated(path: Path) -> None:
         size, needed = _size_and_recorded_end(path)
         if needed is None or size >= needed:
             return
-    raise UserError(f"{path} is truncated: {size} bytes, its HDF5 superblock says {needed}; the file was cut short "
-                    f"(an incomplete copy, or a full disk): restore it or remove it")
+    raise UserError(
+        f"{path} is truncated: {size} bytes, its HDF5 superblock says {needed}; the file was cut short "
+        f"(an incomplete copy, or a full disk): restore it or remove it"
+    )
 
 
 def _size_and_recorded_end(path: Path) -> tuple[int, int | None]:
@@ -105,7 +107,7 @@ def _recorded_end(head: bytes) -> int | None:
         return None
     if width not in (2, 4, 8):
         return None
-    base, end = (int.from_bytes(head[at:at + width], "little") for at in base_end)
+    base, end = (int.from_bytes(head[at : at + width], "little") for at in base_end)
     undefined = (1 << (8 * width)) - 1
     return None if undefined in (base, end) else base + end
 

@@ -63,12 +63,12 @@ class HDF5Reader:
         if stop <= start:
             return dataset[0:0]
         if not self.capacity:
-            return dataset[first:first + stop - start]
+            return dataset[first : first + stop - start]
         head = first % self.capacity
         count = stop - start
         if head + count <= self.capacity:
-            return dataset[head:head + count]
-        return np.concatenate([dataset[head:], dataset[:head + count - self.capacity]])
+            return dataset[head : head + count]
+        return np.concatenate([dataset[head:], dataset[: head + count - self.capacity]])
 
     def read(self, start: int = 0, stop: int | None = None, meta: bool = False) -> dict[str, np.ndarray]:
         """Valid rows [start, stop), oldest first, as numpy arrays keyed by layout key (and meta/<name>)."""
@@ -79,8 +79,9 @@ class HDF5Reader:
     def read_tensordict(self, start: int = 0, stop: int | None = None) -> TensorDict:
         arrays = self.read(start, stop)
         rows = len(next(iter(arrays.values()))) if arrays else 0
-        return TensorDict({tuple(key.split("/")): torch.from_numpy(array) for key, array in arrays.items()},
-                          batch_size=[rows])
+        return TensorDict(
+            {tuple(key.split("/")): torch.from_numpy(array) for key, array in arrays.items()}, batch_size=[rows]
+        )
 
     def close(self) -> None:
         if self._file.id.valid:

@@ -23,10 +23,17 @@ from spmd_rl.storage.writer import DEFAULT_FLUSH_EVERY_S, HDF5Writer, check_rewi
 
 BACKENDS = ("memory", "hdf5")
 
-_NUMPY_TO_TORCH = {np.dtype(np.bool_): torch.bool, np.dtype(np.uint8): torch.uint8, np.dtype(np.int8): torch.int8,
-                   np.dtype(np.int16): torch.int16, np.dtype(np.int32): torch.int32,
-                   np.dtype(np.int64): torch.int64, np.dtype(np.float16): torch.float16,
-                   np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+_NUMPY_TO_TORCH = {
+    np.dtype(np.bool_): torch.bool,
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int8): torch.int8,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.float16): torch.float16,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+}
 
 
 def _nested(key: str) -> tuple[str, ...]:
@@ -38,8 +45,13 @@ class MemoryStorage:
 
     def __init__(self, capacity: int, layout):
         self.capacity = capacity
-        self.rows = TensorDict({_nested(key): torch.empty((capacity, *shape), dtype=_NUMPY_TO_TORCH[dtype])
-                                for key, (shape, dtype) in layout.items()}, batch_size=[capacity])
+        self.rows = TensorDict(
+            {
+                _nested(key): torch.empty((capacity, *shape), dtype=_NUMPY_TO_TORCH[dtype])
+                for key, (shape, dtype) in layout.items()
+            },
+            batch_size=[capacity],
+        )
         self._total = 0
 
     def __len__(self) -> int:
@@ -48,7 +60,7 @@ class MemoryStorage:
     def add(self, rows: TensorDict) -> None:
         count = rows.batch_size[0]
         if count > self.capacity:  # only the newest `capacity` rows would survive anyway
-            rows, self._total = rows[count - self.capacity:], self._total + count - self.capacity
+            rows, self._total = rows[count - self.capacity :], self._total + count - self.capacity
             count = self.capacity
         positions = (self._total + torch.arange(count)) % self.capacity
         self.rows[positions] = rows
@@ -73,11 +85,19 @@ class MemoryStorage:
 class HDF5Storage:
     """A ring in an HDF5 file (see storage/writer.py): staged rows in memory, the rest read back on demand."""
 
-    def __init__(self, capacity: int, layout, path: str | os.PathLike, chunk_rows: int | None,
-                 compression: str | None, flush_every_s: float):
+    def __init__(
+        self,
+        capacity: int,
+        layout,
+        path: str | os.PathLike,
+        chunk_rows: int | None,
+        compression: str | None,
+        flush_every_s: float,
+    ):
         self.capacity = capacity
-        self.writer = HDF5Writer(path, layout, chunk_rows=chunk_rows, compression=compression, capacity=capacity,
-                                 flush_every_s=flush_every_s)
+        self.writer = HDF5Writer(
+            path, layout, chunk_rows=chunk_rows, compression=compression, capacity=capacity, flush_every_s=flush_every_s
+        )
 
     def __len__(self) -> int:
         return len(self.writer)
@@ -95,8 +115,9 @@ class HDF5Storage:
     def read(self, indices: torch.Tensor) -> TensorDict:
         # read_rows sorts and deduplicates, so the file sees one increasing selection per key.
         arrays = self.writer.read_rows(indices.numpy())
-        return TensorDict({_nested(key): torch.from_numpy(array) for key, array in arrays.items()},
-                          batch_size=[len(indices)])
+        return TensorDict(
+            {_nested(key): torch.from_numpy(array) for key, array in arrays.items()}, batch_size=[len(indices)]
+        )
 
     def close(self) -> None:
         self.writer.close()
@@ -111,9 +132,17 @@ class ReplayBuffer:
     replacement among the rows held.
     """
 
-    def __init__(self, capacity: int, example_td: TensorDict, *, backend: str = "memory",
-                 path: str | os.PathLike | None = None, chunk_rows: int | None = None,
-                 compression: str | None = None, flush_every_s: float = DEFAULT_FLUSH_EVERY_S):
+    def __init__(
+        self,
+        capacity: int,
+        example_td: TensorDict,
+        *,
+        backend: str = "memory",
+        path: str | os.PathLike | None = None,
+        chunk_rows: int | None = None,
+        compression: str | None = None,
+        flush_every_s: float = DEFAULT_FLUSH_EVERY_S,
+    ):
         if capacity < 1:
             raise UserError(f"buffer.capacity must be at least 1, got {capacity}")
         layout = layout_of(example_td)
@@ -193,8 +222,7 @@ class ShardedReplay:
     local loss as per_row_loss.sum() * T / B to keep the global batch's mean.
     """
 
-    def __init__(self, shard: ReplayBuffer, group: dist.ProcessGroup | None, timeout: datetime.timedelta,
-                 seed: int):
+    def __init__(self, shard: ReplayBuffer, group: dist.ProcessGroup | None, timeout: datetime.timedelta, seed: int):
         self.shard = shard
         self.group = group
         self.timeout = timeout
@@ -208,8 +236,13 @@ class ShardedReplay:
         mine = torch.tensor([len(self.shard)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.ranks]
         work = dist.all_gather(sizes, mine, group=self.group, async_op=True)
-        wait(work, self.timeout, lambda: f"rank {dist.get_rank()} (trainer): all_gather of replay shard sizes "
-                                         f"with trainer ranks {self.ranks}")
+        wait(
+            work,
+            self.timeout,
+            lambda: (
+                f"rank {dist.get_rank()} (trainer): all_gather of replay shard sizes with trainer ranks {self.ranks}"
+            ),
+        )
         return torch.cat(sizes)
 
     def split(self, global_batch_size: int, sizes: torch.Tensor) -> torch.Tensor:

@@ -49,9 +49,15 @@ META_FIELDS = ("policy_version", "env_id", "env_step")
 Field = tuple[tuple[int, ...], np.dtype]
 
 _TORCH_TO_NUMPY = {
-    torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
-    torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
-    torch.uint8: np.uint8, torch.bool: np.bool_,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
 }
 
 
@@ -62,8 +68,10 @@ def layout_of(spec: Mapping | TensorDict) -> dict[str, Field]:
     """
     if isinstance(spec, TensorDict):
         rows_dims = spec.batch_dims
-        return {_path(key): (tuple(value.shape[rows_dims:]), _numpy_dtype(value.dtype, key))
-                for key, value in spec.items(include_nested=True, leaves_only=True)}
+        return {
+            _path(key): (tuple(value.shape[rows_dims:]), _numpy_dtype(value.dtype, key))
+            for key, value in spec.items(include_nested=True, leaves_only=True)
+        }
     layout = {}
     for key, (shape, dtype) in spec.items():
         dtype = _numpy_dtype(dtype, key) if isinstance(dtype, torch.dtype) else np.dtype(dtype)
@@ -77,14 +85,17 @@ def _path(key) -> str:
 
 def _numpy_dtype(dtype: torch.dtype, key) -> np.dtype:
     if dtype not in _TORCH_TO_NUMPY:
-        raise UserError(f"key {_path(key)!r} has dtype {dtype}, which HDF5 storage does not support; "
-                        f"supported: {', '.join(str(d) for d in _TORCH_TO_NUMPY)}")
+        raise UserError(
+            f"key {_path(key)!r} has dtype {dtype}, which HDF5 storage does not support; "
+            f"supported: {', '.join(str(d) for d in _TORCH_TO_NUMPY)}"
+        )
     return np.dtype(_TORCH_TO_NUMPY[dtype])
 
 
 def schema_json(layout: dict[str, Field]) -> str:
-    return json.dumps({key: {"shape": list(shape), "dtype": dtype.str} for key, (shape, dtype) in layout.items()},
-                      sort_keys=True)
+    return json.dumps(
+        {key: {"shape": list(shape), "dtype": dtype.str} for key, (shape, dtype) in layout.items()}, sort_keys=True
+    )
 
 
 def layout_from_schema(text: str) -> dict[str, Field]:
@@ -104,8 +115,10 @@ def schema_difference(path: Path, file_layout: dict[str, Field], wanted: dict[st
         if key not in file_layout:
             return f"{path}: key {key!r} of the new layout is not in the file"
         if file_layout[key] != wanted[key]:
-            return (f"{path}: key {key!r} is {describe_field(file_layout[key])} in the file but "
-                    f"{describe_field(wanted[key])} in the new layout")
+            return (
+                f"{path}: key {key!r} is {describe_field(file_layout[key])} in the file but "
+                f"{describe_field(wanted[key])} in the new layout"
+            )
     return None
 
 
@@ -119,9 +132,12 @@ def rows_of(td: TensorDict | Mapping, layout: dict[str, Field]) -> tuple[dict[st
         items = td.items(include_nested=True, leaves_only=True)
     else:
         items = td.items()
-    arrays = {key if isinstance(key, str) else "/".join(key):
-              value.numpy(force=True) if isinstance(value, torch.Tensor) else np.asarray(value)
-              for key, value in items}
+    arrays = {
+        key if isinstance(key, str) else "/".join(key): value.numpy(force=True)
+        if isinstance(value, torch.Tensor)
+        else np.asarray(value)
+        for key, value in items
+    }
     if arrays.keys() != layout.keys():
         missing, extra = sorted(layout.keys() - arrays.keys()), sorted(arrays.keys() - layout.keys())
         raise UserError(f"rows do not match the storage layout: missing keys {missing}, unexpected keys {extra}")
@@ -130,15 +146,18 @@ def rows_of(td: TensorDict | Mapping, layout: dict[str, Field]) -> tuple[dict[st
     for key, (shape, dtype) in layout.items():
         array = arrays[key]
         if array.shape[1:] != shape or array.dtype != dtype or array.shape[:1] != (rows,):
-            raise UserError(f"key {key!r}: rows are {array.dtype.name}{list(array.shape)} (rows first), the storage "
-                            f"layout says {describe_field((shape, dtype))} per row, {rows} rows like the first key")
+            raise UserError(
+                f"key {key!r}: rows are {array.dtype.name}{list(array.shape)} (rows first), the storage "
+                f"layout says {describe_field((shape, dtype))} per row, {rows} rows like the first key"
+            )
     return arrays, rows
 
 
 def check_format(path: Path, file: h5py.File) -> None:
     if file.attrs.get("format") != FORMAT_NAME:
-        raise UserError(f"{path} is an HDF5 file but not an spmd_rl experience file (no format={FORMAT_NAME} "
-                        f"attribute)")
+        raise UserError(
+            f"{path} is an HDF5 file but not an spmd_rl experience file (no format={FORMAT_NAME} attribute)"
+        )
     version = int(file.attrs.get("format_version", -1))
     if version != FORMAT_VERSION:
         raise UserError(f"{path} has format version {version}; this spmd_rl reads version {FORMAT_VERSION}")

@@ -82,8 +82,10 @@ def check_rewind(where, total_rows: int, appended: int, capacity: int) -> None:
         raise UserError(f"{where}: cannot rewind to {total_rows} rows; {appended} have been appended")
     overwritten = appended - max(total_rows, capacity) if capacity else 0
     if overwritten > 0:
-        raise UserError(f"{where}: cannot rewind to {total_rows} rows: {overwritten} of the rows held then have "
-                        f"been overwritten since (ring of {capacity} rows)")
+        raise UserError(
+            f"{where}: cannot rewind to {total_rows} rows: {overwritten} of the rows held then have "
+            f"been overwritten since (ring of {capacity} rows)"
+        )
 
 
 class HDF5Writer:
@@ -96,17 +98,28 @@ class HDF5Writer:
     once the oldest has waited flush_every_s seconds (0: every append writes; math.inf: only whole stages).
     """
 
-    def __init__(self, path: str | os.PathLike, layout: Mapping | TensorDict, *, chunk_rows: int | None = None,
-                 compression: str | None = None, capacity: int | None = None, overwrite: bool = False,
-                 flush_every_s: float = DEFAULT_FLUSH_EVERY_S):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        layout: Mapping | TensorDict,
+        *,
+        chunk_rows: int | None = None,
+        compression: str | None = None,
+        capacity: int | None = None,
+        overwrite: bool = False,
+        flush_every_s: float = DEFAULT_FLUSH_EVERY_S,
+    ):
         if not flush_every_s >= 0:  # also refuses NaN
             raise UserError(f"buffer.flush_every_s must be >= 0 (0: write on every append), got {flush_every_s}")
         if compression not in COMPRESSIONS:
-            raise UserError(f"HDF5 compression {compression!r} is not supported; choose one of {COMPRESSIONS} "
-                            f"(gzip is too slow for appends on the training path)")
+            raise UserError(
+                f"HDF5 compression {compression!r} is not supported; choose one of {COMPRESSIONS} "
+                f"(gzip is too slow for appends on the training path)"
+            )
         if (chunk_rows or 0) < 0 or (capacity is not None and capacity < 1):
-            raise UserError(f"HDF5 chunk_rows ({chunk_rows}) must be >= 0 (0: automatic) and capacity "
-                            f"({capacity}) at least 1")
+            raise UserError(
+                f"HDF5 chunk_rows ({chunk_rows}) must be >= 0 (0: automatic) and capacity ({capacity}) at least 1"
+            )
         self.path = Path(path)
         register_open_file(self.path, self)
         try:
@@ -139,8 +152,9 @@ class HDF5Writer:
         self._truncate_to_cursor()
         self._file.swmr_mode = True  # from here on: no new objects or attributes, readers may attach
         self.stage_rows = self.chunk_rows * self._chunks_per_write()
-        self._staging = {name: np.empty((self.stage_rows, *shape), dtype) for name, (shape, dtype)
-                         in self._fields.items()}
+        self._staging = {
+            name: np.empty((self.stage_rows, *shape), dtype) for name, (shape, dtype) in self._fields.items()
+        }
         self._staged = 0
         self._write_due = math.inf  # monotonic time by which the staged rows are to be written
         self._direct_fd = os.open(self.path, os.O_RDONLY) if compression is None else None
@@ -152,12 +166,25 @@ class HDF5Writer:
     def _create(self) -> h5py.File:
         file = open_h5(self.path, "w", libver="latest", **self._chunk_cache)
         for name, (shape, dtype) in self._fields.items():
-            file.create_dataset(name, shape=(0, *shape), maxshape=(self.capacity or None, *shape), dtype=dtype,
-                                chunks=(self.chunk_rows, *shape), compression=self.compression)
+            file.create_dataset(
+                name,
+                shape=(0, *shape),
+                maxshape=(self.capacity or None, *shape),
+                dtype=dtype,
+                chunks=(self.chunk_rows, *shape),
+                compression=self.compression,
+            )
         file.create_dataset(CURSOR, data=np.zeros(2, dtype=np.int64))
-        file.attrs.update({"format": FORMAT_NAME, "format_version": FORMAT_VERSION,
-                           "schema": schema_json(self.layout), "capacity": self.capacity,
-                           "chunk_rows": self.chunk_rows, "compression": self.compression or "none"})
+        file.attrs.update(
+            {
+                "format": FORMAT_NAME,
+                "format_version": FORMAT_VERSION,
+                "schema": schema_json(self.layout),
+                "capacity": self.capacity,
+                "chunk_rows": self.chunk_rows,
+                "compression": self.compression or "none",
+            }
+        )
         self._mark_writer(file)
         return file
 
@@ -190,11 +217,16 @@ class HDF5Writer:
             raise UserError(difference)
         if not self._chunk_rows_asked:  # not asked for: continue with the file's chunking
             self.chunk_rows = int(file.attrs["chunk_rows"])
-        for attribute, wanted in (("capacity", self.capacity), ("chunk_rows", self.chunk_rows),
-                                  ("compression", self.compression or "none")):
+        for attribute, wanted in (
+            ("capacity", self.capacity),
+            ("chunk_rows", self.chunk_rows),
+            ("compression", self.compression or "none"),
+        ):
             if file.attrs[attribute] != wanted:
-                raise UserError(f"{self.path}: {attribute} is {file.attrs[attribute]} in the file but {wanted} "
-                                f"was asked for; use the file's value or a new file")
+                raise UserError(
+                    f"{self.path}: {attribute} is {file.attrs[attribute]} in the file but {wanted} "
+                    f"was asked for; use the file's value or a new file"
+                )
 
     @staticmethod
     def _mark_writer(file: h5py.File) -> None:
@@ -260,16 +292,23 @@ class HDF5Writer:
             if self._staged == 0 and rows - done >= self.chunk_rows:
                 # Whole chunks straight from the caller's arrays: no copy into the staging buffer.
                 block = min((rows - done) // self.chunk_rows, self._chunks_per_ring()) * self.chunk_rows
-                self._write({name: np.broadcast_to(array, (rows,))[done:done + block] if array.ndim == 0
-                             else array[done:done + block] for name, array in arrays.items()})
+                self._write(
+                    {
+                        name: np.broadcast_to(array, (rows,))[done : done + block]
+                        if array.ndim == 0
+                        else array[done : done + block]
+                        for name, array in arrays.items()
+                    }
+                )
                 done += block
                 continue
             take = min(rows - done, self.stage_rows - self._staged)
             if self._staged == 0:
                 self._write_due = time.monotonic() + self.flush_every_s
             for name, array in arrays.items():
-                self._staging[name][self._staged:self._staged + take] = array if array.ndim == 0 \
-                    else array[done:done + take]
+                self._staging[name][self._staged : self._staged + take] = (
+                    array if array.ndim == 0 else array[done : done + take]
+                )
             self._staged += take
             done += take
             if self._staged == self.stage_rows:
@@ -312,7 +351,7 @@ class HDF5Writer:
         self._file.flush()
 
     def _write_staged(self) -> None:
-        self._write({name: staging[:self._staged] for name, staging in self._staging.items()})
+        self._write({name: staging[: self._staged] for name, staging in self._staging.items()})
         self._staged = 0
 
     def _write(self, arrays: dict[str, np.ndarray]) -> None:
@@ -343,7 +382,7 @@ class HDF5Writer:
                 self._dataset_rows = start + count
         for name, array in arrays.items():
             for start, first, count in pieces:
-                self._datasets[name][start:start + count] = array[first:first + count]
+                self._datasets[name][start : start + count] = array[first : first + count]
         # Rows first, then the cursor that covers them, each handed to the OS by a flush: a crash in between
         # leaves uncommitted rows past the cursor, never a cursor past its rows. (Enough for kill -9; surviving a
         # power loss would take an fsync as well.)
@@ -402,8 +441,9 @@ class HDF5Writer:
         rows = np.empty((len(positions), *shape), dtype)
         row_bytes = rows.reshape(len(positions), -1).view(np.uint8)
         addresses = self._chunk_addresses.setdefault(name, {})
-        for index, (chunk, row_in_chunk) in enumerate(zip(*map(np.ndarray.tolist,
-                                                              np.divmod(positions, self.chunk_rows)))):
+        for index, (chunk, row_in_chunk) in enumerate(
+            zip(*map(np.ndarray.tolist, np.divmod(positions, self.chunk_rows)))
+        ):
             if chunk not in addresses:
                 origin = (chunk * self.chunk_rows,) + (0,) * len(shape)
                 addresses[chunk] = self._datasets[name].id.get_chunk_info_by_coord(origin).byte_offset
