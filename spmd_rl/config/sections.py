@@ -135,7 +135,10 @@ class TrainSection:
     )
     torch_threads: int = knob(1, "torch intra-op threads per rank", min=1, max=1024)
     device: str = knob(
-        "auto", "auto: cuda:LOCAL_RANK when CUDA is available, else cpu", choices=["auto", "cpu", "cuda"]
+        "auto",
+        "auto: trainer and inference ranks (every colocated rank) on a GPU of their own when CUDA is available, env "
+        "ranks on the CPU; else cpu",
+        choices=["auto", "cpu", "cuda"],
     )
     skip_nonfinite_updates: bool = knob(
         False,

@@ -23,6 +23,7 @@ from spmd_rl.run.setup import Run
 from spmd_rl.run.topology import Topology, build_topology, create_process_groups
 from spmd_rl.runtime.distributed import (
     Runtime,
+    choose_device,
     install_signal_handlers,
     shutdown_runtime,
     start_runtime,
@@ -54,6 +55,7 @@ class Checked:
     callback_classes: list
     spec: EnvSpec
     outputs: dict
+    gpu_slot: tuple[int | None, int]  # this rank's GPU on its node (None: an env rank), and how many it needs
 
 
 def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
@@ -68,7 +70,7 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
     who = checked.topology.describe(launch.rank)  # 'rank 2 (env 0)': how every failure line starts
     waited: CommError | None = None  # whom this rank was waiting on when it failed, and whether it timed out
     try:
-        runtime = start_runtime(launch, cfg.train.device, cfg.dist.timeout_s)
+        runtime = start_runtime(launch, cfg.train.device, cfg.dist.timeout_s, *checked.gpu_slot)
         run_engine(cfg, launch, runtime, checked, dry_run)
     except StoppedWithCheckpoint as exc:
         if launch.rank == 0:
@@ -124,7 +126,12 @@ def check_before_start(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checke
         contract.check_planned_memory(cfg, spec, outputs, plan)
     except UserError as exc:
         return user_error(exc, speaker=launch.local_rank == 0, rank=launch.rank if launch.world_size > 1 else None)
-    return Checked(topology, plan, policy_cls, algorithm_cls, engine_cls, callback_classes, spec, outputs)
+    gpu_slot = topology.gpu_slot(launch.rank, launch.local_rank, launch.local_world_size)
+    try:
+        choose_device(cfg.train.device, *gpu_slot)  # enough GPUs on this node: said before any group exists
+    except UserError as exc:
+        return user_error(exc, speaker=launch.local_rank == 0, rank=launch.rank if launch.world_size > 1 else None)
+    return Checked(topology, plan, policy_cls, algorithm_cls, engine_cls, callback_classes, spec, outputs, gpu_slot)
 
 
 def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Checked, dry_run: bool) -> None:

@@ -294,10 +294,12 @@ class Run:
         return cfg.train.seed * 1_000_003 + self.rank * cfg.env.num_envs
 
     def _load_checkpoint(self) -> dict | None:
-        """This rank's state in the checkpoint the run resumes from, or None for a fresh start."""
+        """This rank's state in the checkpoint the run resumes from, or None for a fresh start. Always on the CPU:
+        generators, env state and samplers are restored from CPU tensors; weights and optimizer state move to their
+        device as they are loaded into their modules."""
         if self.resume.checkpoint is None:
             return None
-        return self.control.store.load(self.resume.checkpoint, self.rank, map_location=self.runtime.device)
+        return self.control.store.load(self.resume.checkpoint, self.rank, map_location="cpu")
 
     def _context(self, group) -> Context:
         topology = self.topology

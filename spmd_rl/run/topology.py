@@ -59,6 +59,17 @@ class Topology:
         """Trainer rank 0 and every inference rank: the group weights are broadcast over."""
         return () if self.colocated else (self.trainer_ranks[0],) + self.inference_ranks
 
+    def uses_gpu(self, rank: int) -> bool:
+        """Whether the rank runs the policy or learns (a GPU's work); env ranks only step envs, on the CPU."""
+        return self.role_of(rank) != ENV
+
+    def gpu_slot(self, rank: int, local_rank: int, local_world_size: int) -> tuple[int | None, int]:
+        """(this rank's index among its node's GPU-using ranks, or None for an env rank; how many its node has).
+        Launchers number a node's ranks contiguously, so its ranks are rank - local_rank ... + local_world_size."""
+        first = rank - local_rank
+        users = [r for r in range(first, first + local_world_size) if self.uses_gpu(r)]
+        return (users.index(rank) if rank in users else None), len(users)
+
     def envs_served_by(self, inference_rank: int) -> tuple[int, ...]:
         return tuple(e for e in self.env_ranks if self.env_to_inference[e] == inference_rank)
 

@@ -50,38 +50,51 @@ def _rendezvous(launch: LaunchInfo, timeout: datetime.timedelta) -> dict:
     return {"store": dist.PrefixStore(f"spmd_rl/attempt_{attempt}", store)}
 
 
-def choose_device(preference: str, local_rank: int) -> torch.device:
+def choose_device(preference: str, gpu_slot: int | None, gpus_needed: int = 1) -> torch.device:
+    """This rank's device. gpu_slot: its index among the ranks of its node that compute on a GPU (trainers and
+    inference ranks), of which there are gpus_needed; None for an env rank, which stays on the CPU and holds no
+    GPU context. Each GPU-using rank takes a GPU of its own (NCCL refuses two ranks on one GPU)."""
     if preference == "cpu":
         return torch.device("cpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    if preference == "cuda":
-        raise UserError("train.device=cuda but CUDA is not available on this machine; use train.device=auto or cpu")
-    return torch.device("cpu")
+    if not torch.cuda.is_available():
+        if preference == "cuda":
+            raise UserError("train.device=cuda but CUDA is not available on this machine; use train.device=auto or cpu")
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if gpus_needed > count:
+        raise UserError(
+            f"{gpus_needed} ranks on this node compute on a GPU (trainers and inference ranks; env ranks "
+            f"stay on the CPU) but it has {count} GPU(s): run fewer ranks per node, choose a layout with "
+            f"fewer trainer and inference ranks per node, or set train.device=cpu"
+        )
+    return torch.device("cpu") if gpu_slot is None else torch.device("cuda", gpu_slot)
 
 
-def choose_backend(device: torch.device) -> str:
-    # With CUDA, one group carries CPU tensors over gloo (env traffic) and CUDA tensors over NCCL (weights, DDP).
-    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+def choose_backend(preference: str) -> str:
+    """The same on every rank (one world group): with CUDA, CPU tensors go over gloo (env traffic, control) and CUDA
+    tensors over NCCL (weights, DDP). NCCL communicators are created lazily, by the groups that use them."""
+    cuda = preference != "cpu" and torch.cuda.is_available()
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
-def start_runtime(launch: LaunchInfo, device_preference: str, timeout_s: float) -> Runtime:
-    device = choose_device(device_preference, launch.local_rank)
+def start_runtime(
+    launch: LaunchInfo, device_preference: str, timeout_s: float, gpu_slot: int | None = 0, gpus_needed: int = 1
+) -> Runtime:
+    device = choose_device(device_preference, gpu_slot, gpus_needed)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    runtime = Runtime(launch, device, choose_backend(device), datetime.timedelta(seconds=timeout_s))
+    runtime = Runtime(launch, device, choose_backend(device_preference), datetime.timedelta(seconds=timeout_s))
     if launch.distributed:
         if _single_host(launch):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: keep gloo off other interfaces
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
         try:
+            # No device_id: it would create the world's NCCL communicator eagerly, on env ranks too.
             dist.init_process_group(
                 runtime.backend,
                 rank=launch.rank,
                 world_size=launch.world_size,
                 timeout=runtime.timeout,
                 **_rendezvous(launch, runtime.timeout),
-                **kwargs,
             )
         except Exception as exc:  # the store could not be reached or a peer never arrived
             raise CommError(
