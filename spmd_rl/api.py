@@ -11,8 +11,11 @@ Policy     A torch module that acts. Built the same way (same seed) on every ran
            (`outputs()`: the action plus any extra fields, with shapes and dtypes) so every channel, segment and
            experience file is laid out before the first message.
 Algorithm  Learns, on trainer ranks only. Owns its optimizers and whatever need not ship (critics, targets,
-           replay). Declares the step fields it needs (`requires`), its schedule (weight-sync period, random
-           warm-up, tolerated policy lag) and its whole state (`state_dict` / `load_state_dict`).
+           replay). Declares the step fields it needs (`requires`), what it calls on the policy with each call's
+           signature (`policy_methods`: PolicyMethod entries, called on sample observations before start), its
+           schedule (weight-sync period, random warm-up, tolerated policy lag: 0 on-policy, ANY_LAG off-policy)
+           and its whole state (`state_dict` / `load_state_dict`). `learn(segment, iteration)` counts iterations
+           from 0, as metrics.jsonl does.
 Context    What the framework hands an Algorithm so it never writes distributed code: the trainer group, device,
            timeout, run directory, and helpers (data parallelism, gradient averaging, bounded collectives,
            a sharded replay buffer, normalizer merging).
@@ -35,6 +38,17 @@ What an Algorithm's `learn` receives, per iteration, from its env ranks (a Tenso
     next_obs        [N] the observation after the last step
     policy_version  [T] the policy version each step acted with
 T is algo.num_steps; N counts the env columns of all env ranks this trainer learns from.
+
+PPO's needs from a policy, as it declares them (the contract calls each before start; a policy that fails one stops
+with exit 2 naming its class):
+    outputs         action, log_prob [B], value [B]
+    evaluate(obs, action) -> (log_prob [B], entropy [B], value [B]), with gradients
+    value(obs) -> value [B]
+    forward(obs, action) -> evaluate(obs, action)   (PPO calls policy(obs, action), which DDP wraps)
+SAC's: sample(obs) -> (action [B, *shape] in env units, log_prob [B]), reparameterized; features(obs) -> [B, ...].
+
+Training from Python (one process): `spmd_rl.train(config, overrides) -> TrainedRun` (dir, finished, metrics,
+policy, cfg); `load_policy(path)` gives a policy whose `act` also takes numpy, one observation or a batch.
 """
 
 from __future__ import annotations
@@ -42,7 +56,7 @@ from __future__ import annotations
 import importlib
 
 from spmd_rl.config.sections import AlgorithmConfig, NoConfig, knob
-from spmd_rl.interfaces.algorithm import Algorithm, Callback, PlanFacts, Schedule
+from spmd_rl.interfaces.algorithm import ANY_LAG, Algorithm, Callback, PlanFacts, PolicyMethod, Schedule
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.interfaces.policy import ENV_FIELDS, Policy, StepField, describe_outputs
@@ -70,9 +84,14 @@ _ENGINE_TYPES = {
     "action_message": "spmd_rl.roles.messages",
     "segment_message": "spmd_rl.roles.messages",
     "evaluate": "spmd_rl.run.evaluation",
+    # Training and loading from Python (the names spmd_rl itself exports).
+    "train": "spmd_rl.main",
+    "TrainedRun": "spmd_rl.main",
+    "load_policy": "spmd_rl.run.policies",
 }
 
 __all__ = [
+    "ANY_LAG",
     "Algorithm",
     "AlgorithmConfig",
     "Callback",
@@ -82,6 +101,7 @@ __all__ = [
     "NoConfig",
     "PlanFacts",
     "Policy",
+    "PolicyMethod",
     "Schedule",
     "StepField",
     "UserCodeError",

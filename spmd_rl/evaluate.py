@@ -1,14 +1,19 @@
 """Evaluate a trained policy: `python -m spmd_rl.evaluate RUN_DIR|CHECKPOINT [--episodes N] [--deterministic]
-[--seed S] [--video DIR] [--json] [--device cpu] [section.key=value ...]`.
+[--seed S] [--max-steps N] [--video DIR] [--json] [--device cpu] [section.key=value ...]`.
 
 In Python, one line loads a policy that acts like the trained one:
 
     policy, cfg = load_policy("runs/ppo_cartpole-20250101-120000")     # run dir, checkpoint dir or .pt file
-    action = policy.act(obs_batch, deterministic=True)["action"]
+    action = policy.act(obs, deterministic=True)["action"]              # obs as gymnasium gives it: numpy
     result = evaluate(policy, cfg.env, episodes=10, seed=0, deterministic=True)
 
-A run directory gives its final policy.pt, or its latest checkpoint while the run has not finished. The policy is
-built from the run's config.yaml (the same class, keys and seed as in training), then its weights are loaded.
+A run directory gives its final policy.pt, or its latest checkpoint while the run has not finished;
+RUN_DIR/checkpoints/latest names the newest checkpoint too. The policy is built from the run's config.yaml (the same
+class, keys and seed as in training), then its weights are loaded. Its `act` takes one observation or a batch,
+numpy or torch; given numpy it returns numpy, given one observation, outputs without the batch dimension.
+
+Every episode ends after at most --max-steps steps (default: the env's own max_episode_steps, else 100000), so a
+policy that never ends an episode cannot evaluate forever; the episodes that limit cut short are counted.
 
 Video (--video DIR) records every evaluated episode of one env with gymnasium's RecordVideo; it needs the optional
 extra: pip install -e ".[video]".
@@ -21,7 +26,7 @@ import json
 import sys
 from pathlib import Path
 
-from spmd_rl.run.evaluation import evaluate, require_moviepy
+from spmd_rl.run.evaluation import DEFAULT_MAX_STEPS, evaluate, require_moviepy
 from spmd_rl.run.policies import load_policy
 from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -53,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=10, help="episodes to evaluate (default: %(default)s)")
     parser.add_argument("--deterministic", action="store_true", help="act with the policy's mode, not a sample")
     parser.add_argument("--seed", type=int, default=0, help="seeds the envs and the policy's sampling (default: 0)")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        metavar="N",
+        help=f"end every episode after at most N steps (default: the env's max_episode_steps, else "
+        f"{DEFAULT_MAX_STEPS})",
+    )
     parser.add_argument("--video", type=Path, metavar="DIR", help="record every episode of one env as mp4 in DIR")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     parser.add_argument("--device", default="cpu", help="torch device to act on (default: cpu)")
@@ -62,10 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--episodes {args.episodes}: evaluate at least 1 episode")
         if args.seed < 0:
             raise UserError(f"--seed {args.seed}: give a seed >= 0")
+        if args.max_steps is not None and args.max_steps < 1:
+            raise UserError(f"--max-steps {args.max_steps}: allow at least 1 step per episode")
         if args.video is not None:
             require_moviepy()  # before any work: the one thing to install
         policy, cfg = load_policy(args.path, args.device, args.overrides)
-        result = evaluate(policy, cfg.env, args.episodes, args.seed, args.deterministic, args.video)
+        result = evaluate(policy, cfg.env, args.episodes, args.seed, args.deterministic, args.video, args.max_steps)
     except UserError as exc:
         print(f"spmd_rl.evaluate: error: {exc}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
@@ -76,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{args.path} on {cfg.env.id}: return {result['return_mean']:.2f} ± {result['return_std']:.2f}, "
             f"length {result['length_mean']:.1f} ± {result['length_std']:.1f} over {args.episodes} episodes "
-            f"({actions} actions, seed {args.seed})" + (f"; videos in {args.video}" if args.video else "")
+            f"({actions} actions, seed {args.seed})"
+            + (f"; {result['cut']} cut at {result['max_steps']} steps" if result["cut"] else "")
+            + (f"; videos in {args.video}" if args.video else "")
         )
     return 0
 

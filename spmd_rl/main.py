@@ -6,13 +6,23 @@ code 2 and one line, never a hang or a traceback. torch is imported only after t
 config errors answer at once.
 
 Exit codes: 0 done, 2 user error (config, files, plug-in contract), 3 communication error, 4 an error in the
-user's code (env, policy, algorithm, callback) or bad data from it, 128 + N stopped by signal N.
+user's code (env, policy, algorithm, callback) or bad data from it, 75 stopped with a checkpoint (rerun to resume),
+128 + N stopped by signal N.
+
+In Python (a notebook, a script), `spmd_rl.train(config, overrides)` runs the same program in this one process and
+returns the run (see `train` below).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from spmd_rl.config.loading import describe_schema, load_config
 from spmd_rl.runtime.errors import UserError
@@ -83,6 +93,106 @@ def main(argv: list[str] | None = None) -> int:
     from spmd_rl.run.driver import train
 
     return train(cfg, launch, dry_run=args.dry_run)
+
+
+# -- the Python API -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainedRun:
+    """What `train` returns: the run directory, whether the run finished, its last metrics.jsonl record, the
+    trained policy and the run's config."""
+
+    dir: Path  # the run directory (config.yaml, metrics.jsonl, policy.pt, checkpoints/)
+    finished: bool  # False: stopped with a checkpoint (run.stop_after_iterations, a signal); train again to resume
+    metrics: dict  # the last record of metrics.jsonl (its keys: see the README's "Running")
+    policy: Any  # the trained Policy, loaded as spmd_rl.load_policy does (eval mode; act takes numpy or torch)
+    cfg: Any  # the run's Config, as saved in config.yaml
+    stop: str = ""  # the stop line when it stopped ("stopped by ... after iteration N; checkpoint ...")
+
+
+def train(config: str | Path | Mapping | None = None, overrides: Mapping[str, Any] | Iterable[str] = ()) -> TrainedRun:
+    """Train in this process, as `python -m spmd_rl.main` does in one process, and return the run.
+
+    config: a YAML file (as --config), a mapping of sections as such a file holds ({"algo": {"class": "sac"},
+        "env": {"id": "Pendulum-v1"}}), or None for the defaults (PPO on CartPole-v1).
+    overrides: {"train.total_steps": 20000, "policy.hidden_sizes": [32, 32]}, or ["train.total_steps=20000"] as on
+        the command line; they win over the mapping's keys.
+
+    The same checks, layout (it must fit one process: colocated), files and resume as the command line: with the same
+    run.dir, a stopped run resumes (run.stop_after_iterations trains in chunks). Errors raise: UserError for bad
+    input (config, files, the plug-in contract), UserCodeError or the user's own exception for an error in user code;
+    nothing calls sys.exit. Torch's thread count, the signal handlers and the stop state are restored afterwards;
+    the run seeds torch's, numpy's and Python's generators as the command line does."""
+    # Imported only now: torch, tensordict and the envs take seconds.
+    from spmd_rl.run.driver import train_in_process
+    from spmd_rl.run.metrics import last_record
+    from spmd_rl.run.policies import load_policy
+
+    cfg = load_config(*_config_and_overrides(config, overrides))
+    outcome = train_in_process(cfg)
+    policy, run_cfg = load_policy(outcome.run_dir)
+    return TrainedRun(
+        dir=outcome.run_dir,
+        finished=outcome.stopped is None,
+        metrics=last_record(outcome.run_dir / "metrics.jsonl"),
+        policy=policy,
+        cfg=run_cfg,
+        stop=str(outcome.stopped or ""),
+    )
+
+
+def _config_and_overrides(config, overrides) -> tuple[str | Path | None, list[str]]:
+    """(a config file or None, the overrides as command-line items)."""
+    if isinstance(overrides, (str, bytes)):
+        raise UserError(f"overrides {overrides!r}: give a mapping {{'section.key': value}} or a list of 'key=value'")
+    items = (
+        {key: _yaml_text(value) for key, value in overrides.items()}
+        if isinstance(overrides, Mapping)
+        else dict(_split_item(item) for item in overrides)
+    )
+    if isinstance(config, Mapping):  # its keys as overrides, under the given ones
+        items = {**{key: _yaml_text(value) for key, value in _flatten(config)}, **items}
+        config = None
+    elif config is not None and not isinstance(config, (str, Path)):
+        raise UserError(f"config {config!r}: give a YAML file's path, a mapping of sections, or None (the defaults)")
+    return config, [f"{key}={text}" for key, text in items.items()]
+
+
+def _split_item(item) -> tuple[str, str]:
+    if not isinstance(item, str) or "=" not in item:
+        raise UserError(f"override {item!r} must look like 'section.key=value' (e.g. 'train.total_steps=50000')")
+    key, _, text = item.partition("=")
+    return key, text
+
+
+def _flatten(mapping: Mapping, prefix: str = ""):
+    """('section.key', value) for every leaf of nested mappings (lists and scalars are leaves)."""
+    for key, value in mapping.items():
+        if isinstance(value, Mapping) and value:
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _yaml_text(value) -> str:
+    """A Python value as an override's text: strings as given (as on the command line), the rest as YAML."""
+    if isinstance(value, str):
+        return value
+    text = yaml.safe_dump(_plain(value), default_flow_style=True, width=1 << 30).strip()
+    return text.removesuffix("...").strip()  # a scalar's document end marker
+
+
+def _plain(value):
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a numpy or torch scalar
+        return value.item()
+    return value
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -517,14 +516,9 @@ def test_dry_run_runs_one_iteration_in_the_split_layout(plugins):
     # A budget of many iterations; --dry-run runs one, with every role, channel and one weight sync.
     result = run_main("--config", "plug.yaml", "train.total_steps=100000", *SPLIT_4, "--dry-run", nproc=4, cwd=plugins)
     _ok(result)
-    passed = re.search(r"dry run passed: .*\((.+)\)$", result.stdout, re.MULTILINE)
-    assert passed, result.stdout
-    run_dir = Path(passed.group(1))
-    try:
-        assert [r["iteration"] for r in read_metrics(run_dir)] == [0]
-        assert len((run_dir / "learn_rank0.jsonl").read_text().splitlines()) == 1
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    assert "spmd_rl: dry run passed: one iteration in the real layout" in result.stdout, result.stdout
+    assert re.findall(r"^iter +\d+", result.stdout, re.MULTILINE) == ["iter     0"]  # the console's one iteration
+    # Its temporary run directory is removed once it passed (tests/test_smaller_traps.py checks that).
 
 
 # ---------------------------------------------------------------------------------------------------------------

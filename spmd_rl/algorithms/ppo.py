@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from spmd_rl.algorithms.configs import PPOConfig
 from spmd_rl.algorithms.vtrace import vtrace
-from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, Schedule
+from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, PolicyMethod, Schedule
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.runtime.errors import UserError
@@ -145,12 +145,23 @@ class PPO(Algorithm):
     averages the trainers' gradients.
 
     Needs from the policy: per-step outputs log_prob and value, `evaluate(obs, action) -> (log_prob, entropy,
-    value)` with gradients (also as forward(), for DDP) and `value(obs)`.
+    value)` with gradients (also as forward(), for DDP) and `value(obs)` (declared in policy_methods: the contract
+    calls each before start).
     """
 
     Config = PPOConfig
     requires = ("log_prob", "value")
-    policy_methods = ("evaluate", "value")
+    policy_methods = (
+        PolicyMethod("evaluate", ("obs", "action"), ("log_prob", "entropy", "value"), "with gradients"),
+        PolicyMethod("value", ("obs",), "value", "V(obs), for the bootstrap after the rollout's last step"),
+        PolicyMethod(
+            "forward",
+            ("obs", "action"),
+            ("log_prob", "entropy", "value"),
+            "PPO's loss calls the policy as policy(obs, action), which DDP wraps: define "
+            "forward(self, obs, action) to return self.evaluate(obs, action)",
+        ),
+    )
 
     @classmethod
     def schedule(cls, config: PPOConfig) -> Schedule:

@@ -24,7 +24,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from spmd_rl.algorithms.configs import SACConfig
 from spmd_rl.envs.spaces import zeros_of
-from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, Schedule
+from spmd_rl.interfaces.algorithm import ANY_LAG, Algorithm, PlanFacts, PolicyMethod, Schedule
 from spmd_rl.interfaces.context import Context
 from spmd_rl.modules.sac_networks import SquashedGaussianActor, TwinQ
 from spmd_rl.runtime.errors import UserError
@@ -66,13 +66,16 @@ class SAC(Algorithm):
     """
 
     Config = SACConfig
-    policy_methods = ("sample", "features")
+    policy_methods = (
+        PolicyMethod("sample", ("obs",), ("action", "log_prob"), "a reparameterized sample, with gradients"),
+        PolicyMethod("features", ("obs",), "features", "observations as the critics see them"),
+    )
 
     @classmethod
     def schedule(cls, config: SACConfig) -> Schedule:
         # Off-policy: any lag (the async engine's backpressure keeps it to a few versions).
         return Schedule(
-            weight_sync_every=config.weight_sync_every, random_steps=config.learning_starts, max_policy_lag=2**31 - 1
+            weight_sync_every=config.weight_sync_every, random_steps=config.learning_starts, max_policy_lag=ANY_LAG
         )
 
     @classmethod

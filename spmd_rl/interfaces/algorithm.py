@@ -14,13 +14,47 @@ if TYPE_CHECKING:  # annotations only: importing tensordict costs seconds (torch
     from tensordict import TensorDict
 
 
+# Schedule.max_policy_lag of an algorithm that learns from steps of any age (off-policy, e.g. SAC): the async
+# engine then bounds the lag by engine.max_policy_lag alone, or by its backpressure when that is unset.
+ANY_LAG = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class Schedule:
     """When weights move and how the policy acts, per algorithm; the engine plans every rank's sends with it."""
 
     weight_sync_every: int = 1  # iterations between weight broadcasts to the inference ranks
     random_steps: int = 0  # env steps (all env ranks) acting uniformly at random before the policy acts
-    max_policy_lag: int = 0  # policy versions a step may lag behind the learner (0: on-policy)
+    max_policy_lag: int = 0  # policy versions a step may lag behind the learner (0: on-policy; ANY_LAG: any)
+
+
+# What the contract check knows of a returned tensor by its name: [B] for these, [B, *action shape] for "action"
+# (the shape of the action act() returns), [B, ...] for any other name.
+PER_SAMPLE_SCALARS = ("log_prob", "entropy", "value")
+
+
+@dataclass(frozen=True)
+class PolicyMethod:
+    """A method an Algorithm calls on its policy, with its signature: listed in `Algorithm.policy_methods`, it is
+    called before any process group exists on a batch of B sample observations (and the actions act() gave for
+    them), without grad, and what it returns is checked; a policy that lacks it, fails in it or returns something
+    else stops the run with exit 2 naming the policy class and this signature.
+
+    args: what it is called with, in order: "obs" (a batch [B, ...] as the env gives it: a tensor, or a TensorDict
+        for Dict spaces) and/or "action" (a batch [B, *action shape], as act() returns it).
+    returns: the name of the one tensor it returns, or a tuple of names for a tuple of tensors. Each has the batch
+        as its first dimension; log_prob, entropy and value are [B], action is [B, *action shape].
+    note: shown with a failure: what the algorithm needs it for, or how to write it.
+    A method named "forward" is called as policy(*args), the way DDP (context.data_parallel) calls it."""
+
+    name: str
+    args: tuple[str, ...] = ("obs",)
+    returns: str | tuple[str, ...] = "value"
+    note: str = ""
+
+    def signature(self) -> str:
+        returns = self.returns if isinstance(self.returns, str) else f"({', '.join(self.returns)})"
+        return f"{self.name}({', '.join(self.args)}) -> {returns}"
 
 
 @dataclass(frozen=True)
@@ -36,11 +70,18 @@ class PlanFacts:
 
 class Algorithm:
     """Learns from the segments its trainer receives. Subclass it; set `Config` (a dataclass subclassing
-    AlgorithmConfig, which gives `num_steps`), `default_policy` on the Config, and `requires`."""
+    AlgorithmConfig, which gives `num_steps`), `default_policy` on the Config, `requires` and `policy_methods`.
+
+    `policy_methods` lists what `learn` calls on the policy beyond `act`: each a PolicyMethod (its signature, called
+    and checked before start) or a bare name (only checked to exist). PPO's:
+        PolicyMethod("evaluate", ("obs", "action"), ("log_prob", "entropy", "value")),
+        PolicyMethod("value", ("obs",), "value"),
+        PolicyMethod("forward", ("obs", "action"), ("log_prob", "entropy", "value"))  # its loss goes through DDP
+    """
 
     Config: ClassVar[type] = AlgorithmConfig
     requires: ClassVar[tuple[str, ...]] = ()  # step fields beyond obs/action/ENV_FIELDS (e.g. log_prob)
-    policy_methods: ClassVar[tuple[str, ...]] = ()  # methods the policy must have (e.g. PPO: evaluate, value)
+    policy_methods: ClassVar[tuple[PolicyMethod | str, ...]] = ()  # what learn calls on the policy (see above)
 
     @classmethod
     def schedule(cls, config: AlgorithmConfig) -> Schedule:
@@ -62,7 +103,11 @@ class Algorithm:
         self.context = context
 
     def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
-        """One iteration's learning; returns scalars for metrics.jsonl (the first trainer's are logged)."""
+        """One iteration's learning; returns scalars for metrics.jsonl (the first trainer's are logged).
+
+        `iteration` counts from 0 (the first iteration is 0, the last context.num_iterations - 1), as metrics.jsonl's
+        `iteration`, the checkpoints' iter_N and the console do; a resumed run continues with the iteration after
+        its checkpoint's."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:
@@ -73,7 +118,8 @@ class Algorithm:
         pass
 
     def close(self) -> None:
-        """Release files (replay shards); called once at the end, and on the way out after an error."""
+        """Release files (replay shards); called once at the end, and on the way out after an error (should close
+        raise then too, the run's error line still names the first error)."""
 
 
 class Callback:

@@ -1,6 +1,7 @@
 """The plug-in contract, checked before any process group exists: the classes named in the config import and
 subclass the API, the policy builds from the env's spaces, declares its outputs, and `act` returns exactly them,
-and the algorithm finds every step field and policy method it needs. Each failure is one UserError naming the class
+and the algorithm finds every step field it needs and every policy method it calls, each called with its declared
+signature on the sample observations and the actions act gave for them. Each failure is one UserError naming the class
 and what to change (exit 2 on every rank, before any rank waits for another)."""
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from spmd_rl.config import plugins
 from spmd_rl.config.sections import Config
 from spmd_rl.envs.spaces import zeros_of
 from spmd_rl.envs.vector import EnvSpec
-from spmd_rl.interfaces.algorithm import Algorithm, Callback
+from spmd_rl.interfaces.algorithm import PER_SAMPLE_SCALARS, Algorithm, Callback, PolicyMethod
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.interfaces.policy import ENV_FIELDS, Policy, StepField, describe_outputs
 from spmd_rl.roles.messages import segment_message
 from spmd_rl.run.policies import build_policy
 from spmd_rl.runtime.errors import UserError, describe_exception
 from spmd_rl.runtime.limits import check_memory
+
+SAMPLE_BATCH = 2  # the sample observations the policy's methods are called on
 
 
 def load_classes(cfg: Config) -> tuple[type[Policy], type[Algorithm], type, list]:
@@ -51,8 +54,9 @@ def check_policy(
     except Exception as exc:
         raise UserError(f"{name}: outputs() failed: {describe_exception(exc)}") from None
     _check_declared(name, outputs, spec.action_space)
-    _check_act(name, policy, outputs, spec)
+    obs, acted = _check_act(name, policy, outputs, spec)
     _check_algorithm_needs(cfg, policy, outputs, algorithm_cls)
+    _check_policy_methods(cfg, policy, algorithm_cls, obs, acted, outputs)
     return outputs
 
 
@@ -84,8 +88,9 @@ def _check_declared(name: str, outputs: dict, action_space: gym.Space) -> None:
         raise UserError(f"{name}: outputs() must list 'action' first (got {list(outputs)})")
 
 
-def _check_act(name: str, policy: Policy, outputs: dict, spec: EnvSpec) -> None:
-    batch = 2
+def _check_act(name: str, policy: Policy, outputs: dict, spec: EnvSpec) -> tuple:
+    """(the sample observations, act's outputs for them)."""
+    batch = SAMPLE_BATCH
     space = spec.observation_space
     obs = zeros_of(space, batch)
     samples = [space.sample() for _ in range(batch)]
@@ -123,6 +128,7 @@ def _check_act(name: str, policy: Policy, outputs: dict, spec: EnvSpec) -> None:
                     f"{name}: act() returned '{key}' as {got} for a batch of {batch}; outputs() "
                     f"declares {describe_outputs({key: field})} per env (so {expected} {field.dtype})"
                 )
+    return obs, out
 
 
 def _check_algorithm_needs(cfg: Config, policy: Policy, outputs: dict, algorithm_cls: type[Algorithm]) -> None:
@@ -134,9 +140,83 @@ def _check_algorithm_needs(cfg: Config, policy: Policy, outputs: dict, algorithm
             f"{algo} needs the step field(s) {missing}, which policy.class '{cfg.classes['policy']}' "
             f"does not emit (its outputs: {list(outputs)}); choose a policy that declares them"
         )
-    lacking = [m for m in algorithm_cls.policy_methods if not callable(getattr(policy, m, None))]
+    lacking = [
+        m.signature() if isinstance(m, PolicyMethod) else m
+        for m in algorithm_cls.policy_methods
+        if not callable(getattr(policy, m.name if isinstance(m, PolicyMethod) else m, None))
+    ]
     if lacking:
         raise UserError(
             f"{algo} calls the policy's {', '.join(lacking)}, which policy.class "
             f"'{cfg.classes['policy']}' lacks; add them or choose another policy"
         )
+
+
+def _check_policy_methods(
+    cfg: Config, policy: Policy, algorithm_cls: type[Algorithm], obs, acted: dict, outputs: dict
+) -> None:
+    """Call every method the algorithm declares with its signature (PolicyMethod) on the sample observations and
+    the actions act() gave for them, and compare what it returns; torch's random state is left as it was."""
+    name = f"policy.class '{cfg.classes['policy']}'"
+    algo = f"algo.class '{cfg.classes['algo']}'"
+    inputs = {"obs": obs, "action": acted["action"]}
+    action_shape = tuple(outputs["action"].shape)
+    for method in algorithm_cls.policy_methods:
+        if not isinstance(method, PolicyMethod):
+            continue  # a bare name: only its presence is checked (above)
+        call = policy if method.name == "forward" else getattr(policy, method.name)
+        what = " and ".join("observations" if arg == "obs" else "actions from act()" for arg in method.args)
+        note = f" ({method.note})" if method.note else ""
+        try:
+            args = [inputs[arg] for arg in method.args]
+        except KeyError as exc:
+            raise UserError(
+                f"{algo} declares policy method {method.signature()} with argument {exc}; its arguments can be "
+                f"'obs' and 'action'"
+            ) from None
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                result = call(*args)
+        except Exception as exc:
+            raise UserError(
+                f"{algo} calls {name} as {method.signature()}{note}; on a batch of {SAMPLE_BATCH} sample "
+                f"{what} it failed: {describe_exception(exc)}"
+            ) from None
+        problem = _result_problem(method, result, action_shape)
+        if problem:
+            raise UserError(
+                f"{algo} calls {name} as {method.signature()}{note}; on a batch of {SAMPLE_BATCH} sample "
+                f"{what} it returned {problem}"
+            )
+
+
+def _result_problem(method: PolicyMethod, result, action_shape: tuple) -> str:
+    """'' when `result` is what `method` declares; else what it is instead, in words."""
+    names = (method.returns,) if isinstance(method.returns, str) else tuple(method.returns)
+    if isinstance(method.returns, str):
+        values = (result,)
+    elif isinstance(result, (tuple, list)) and len(result) == len(names):
+        values = tuple(result)
+    else:
+        got = f"{len(result)} values" if isinstance(result, (tuple, list)) else _describe(result)
+        return f"{got}, not a tuple of {len(names)} tensors ({', '.join(names)})"
+    for key, value in zip(names, values):
+        if key in PER_SAMPLE_SCALARS:
+            expected = (SAMPLE_BATCH,)
+        elif key == "action":
+            expected = (SAMPLE_BATCH, *action_shape)
+        else:
+            expected = None
+        if not isinstance(value, torch.Tensor):
+            return f"{key} as {_describe(value)}, not a tensor"
+        if expected is not None and tuple(value.shape) != expected:
+            return f"{key} with shape {tuple(value.shape)}, not {expected}"
+        if expected is None and (value.dim() == 0 or value.shape[0] != SAMPLE_BATCH):
+            return f"{key} with shape {tuple(value.shape)}, not [{SAMPLE_BATCH}, ...] (the batch first)"
+    return ""
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"

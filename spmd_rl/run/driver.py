@@ -1,18 +1,26 @@
 """One rank's whole run after its config is read: check everything a user can get wrong before any process
 group exists (the classes the config names, the layout, the env, the policy's outputs, the planned memory), then
 start the runtime, agree on where the run starts, build the Run and hand it to the engine; every way out ends in
-an exit code and, on failure, one line (spmd_rl.runtime.exits), with the postmortem naming the first cause."""
+an exit code and, on failure, one line (spmd_rl.runtime.exits), with the postmortem naming the first cause.
+
+`train` is what `python -m spmd_rl.main` runs on every rank; `train_in_process` is the same run in one process for
+the Python API (spmd_rl.train), where errors raise instead of becoming exit codes."""
 
 from __future__ import annotations
 
+import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from spmd_rl.config.sections import Config
 from spmd_rl.envs.vector import EnvSpec, probe_env
+from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.fileio import flush_open_files
 from spmd_rl.persist.run_control import STOPPED_EXIT_CODE, RunControl, StoppedWithCheckpoint
 from spmd_rl.run import contract
@@ -37,6 +45,7 @@ from spmd_rl.runtime.errors import (
     StopSignal,
     UserCodeError,
     UserError,
+    describe_exception,
 )
 from spmd_rl.runtime.exits import say, unexpected_error, user_error
 from spmd_rl.runtime.launch import LaunchInfo
@@ -58,6 +67,15 @@ class Checked:
     gpu_slot: tuple[int | None, int]  # this rank's GPU on its node (None: an env rank), and how many it needs
 
 
+@dataclass
+class Outcome:
+    """How a rank's run ended without an error: finished, or stopped with a checkpoint."""
+
+    run_dir: Path
+    policy: Policy | None  # rank 0's final policy (saved as policy.pt); None elsewhere
+    stopped: StoppedWithCheckpoint | None = None  # the stop, when the ranks agreed on one
+
+
 def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
     """This rank's run; returns its exit code."""
     checked = check_before_start(cfg, launch, dry_run)
@@ -66,32 +84,26 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
     torch.set_num_threads(cfg.train.torch_threads)
     install_signal_handlers()
     runtime = None
+    outcome = None
     exit_code = 0
     who = checked.topology.describe(launch.rank)  # 'rank 2 (env 0)': how every failure line starts
     waited: CommError | None = None  # whom this rank was waiting on when it failed, and whether it timed out
     try:
         runtime = start_runtime(launch, cfg.train.device, cfg.dist.timeout_s, *checked.gpu_slot)
-        run_engine(cfg, launch, runtime, checked, dry_run)
-    except StoppedWithCheckpoint as exc:
-        if launch.rank == 0:
-            print(f"spmd_rl: {exc}", file=sys.stderr, flush=True)
-        exit_code = STOPPED_EXIT_CODE
-    except UserError as exc:  # found while running (a rank's files, a config that differs): say which rank
-        exit_code = user_error(exc, speaker=launch.rank == 0 or not isinstance(exc, SharedUserError), rank=launch.rank)
-    except CommError as exc:
-        say(who, "communication error", exc)
-        exit_code, waited = COMM_ERROR_EXIT_CODE, exc
-    except UserCodeError as exc:
-        say(who, "error in user code", exc)
-        exit_code = USER_CODE_EXIT_CODE
-    except KeyboardInterrupt:
-        print(f"spmd_rl: {who}: interrupted (SIGINT)", file=sys.stderr, flush=True)
-        exit_code = 130
-    except StopSignal as exc:
-        print(f"spmd_rl: {who}: stopped by {exc.signal_name}", file=sys.stderr, flush=True)
-        exit_code = 128 + exc.signal_number
-    except Exception as exc:
-        exit_code = unexpected_error(exc, who)
+        outcome = run_engine(cfg, launch, runtime, checked, dry_run)
+        if outcome.stopped is not None:
+            if launch.rank == 0:
+                print(f"spmd_rl: {outcome.stopped}", file=sys.stderr, flush=True)
+            exit_code = STOPPED_EXIT_CODE
+    except BaseException as raised:
+        # When user code raised again while the run unwound (an Algorithm's close after its learn failed), the
+        # line names the first error, and a second line the later one.
+        first = first_error(raised)
+        if not isinstance(first, (Exception, KeyboardInterrupt, StopSignal)):
+            raise
+        exit_code, waited, spoke = _report_failure(first, launch, who)
+        if first is not raised and spoke:
+            print(f"spmd_rl: {who}: then, while cleaning up: {describe_exception(raised)}", file=sys.stderr, flush=True)
     finally:
         failed_at = time.time()
         flush_open_files()  # staged experience rows reach their files on every exit path
@@ -105,7 +117,90 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
                 checked.topology.describe,
             )
         shutdown_runtime(runtime, exit_code)
+    if dry_run and exit_code == 0 and launch.rank == 0:
+        _end_dry_run(outcome.run_dir)
     return exit_code
+
+
+def _report_failure(exc: BaseException, launch: LaunchInfo, who: str) -> tuple[int, CommError | None, bool]:
+    """One line for how this rank failed: (exit code, the wait it failed in or None, whether this rank spoke)."""
+    if isinstance(exc, UserError):  # found while running (a rank's files, a config that differs): say which rank
+        speaker = launch.rank == 0 or not isinstance(exc, SharedUserError)
+        return user_error(exc, speaker=speaker, rank=launch.rank), None, speaker
+    if isinstance(exc, CommError):
+        say(who, "communication error", exc)
+        return COMM_ERROR_EXIT_CODE, exc, True
+    if isinstance(exc, UserCodeError):
+        say(who, "error in user code", exc)
+        return USER_CODE_EXIT_CODE, None, True
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"spmd_rl: {who}: interrupted (SIGINT)", file=sys.stderr, flush=True)
+        return 130, None, True
+    if isinstance(exc, StopSignal):
+        print(f"spmd_rl: {who}: stopped by {exc.signal_name}", file=sys.stderr, flush=True)
+        return 128 + exc.signal_number, None, True
+    return unexpected_error(exc, who), None, True
+
+
+def first_error(exc: BaseException) -> BaseException:
+    """The error a failure began with. An exception raised while another unwound the stack (in a finally block or
+    an except clause, without `raise ... from`) carries that one as its __context__: follow those links back to
+    the first error. The framework translates errors only with `raise ... from`, which ends the walk."""
+    while (
+        exc.__cause__ is None
+        and not exc.__suppress_context__
+        and isinstance(exc.__context__, (Exception, KeyboardInterrupt, StopSignal))
+        and not isinstance(exc.__context__, StoppedWithCheckpoint)
+    ):
+        exc = exc.__context__
+    return exc
+
+
+def _end_dry_run(run_dir: Path) -> None:
+    """A dry run passed: its temporary run directory goes (after a failure it stays, to be looked at)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    left = f"; its temporary run directory {run_dir} could not be removed" if run_dir.exists() else ""
+    print(
+        f"spmd_rl: dry run passed: one iteration in the real layout, every role and channel, one weight sync{left}",
+        flush=True,
+    )
+
+
+def train_in_process(cfg: Config) -> Outcome:
+    """The whole run in this process, for the Python API (spmd_rl.train): the same checks, run and files as
+    `python -m spmd_rl.main` in one process, but a failure raises (UserError for bad input, UserCodeError or the
+    user's own exception from user code) instead of becoming an exit code, and a stop (run.stop_after_iterations,
+    a signal) returns with Outcome.stopped set. The process is left as it was found: torch's thread count, the
+    signal handlers (installed only from the main thread) are restored; a stop asked of this run is forgotten when
+    the next one starts (stop_at_iteration_boundary)."""
+    launch = LaunchInfo("none", rank=0, world_size=1, local_rank=0, local_world_size=1, init_method="")
+    checked = resolve(cfg, launch, dry_run=False)
+    threads = torch.get_num_threads()
+    stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    handlers = None
+    if threading.current_thread() is threading.main_thread():
+        handlers = {signum: signal.getsignal(signum) for signum in stop_signals}
+        install_signal_handlers()
+    torch.set_num_threads(cfg.train.torch_threads)
+    runtime = None
+    try:
+        runtime = start_runtime(launch, cfg.train.device, cfg.dist.timeout_s, *checked.gpu_slot)
+        return run_engine(cfg, launch, runtime, checked, dry_run=False)
+    finally:
+        flush_open_files()
+        shutdown_runtime(runtime, 0)  # one process: no group to destroy
+        torch.set_num_threads(threads)
+        if handlers is not None:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+
+
+class _Refused(Exception):
+    """A check before start failed: the UserError, and who says it."""
+
+    def __init__(self, error: UserError, speaker: bool, rank: int | None = None):
+        super().__init__(str(error))
+        self.error, self.speaker, self.rank = error, speaker, rank
 
 
 def check_before_start(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked | int:
@@ -113,33 +208,54 @@ def check_before_start(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checke
     something is wrong. The config and the layout are the same on every rank, so rank 0 speaks for all; the env
     (its packages, its files) belongs to a host, so the first rank of every host speaks for it."""
     try:
+        return _check(cfg, launch, dry_run)
+    except _Refused as refused:
+        return user_error(refused.error, speaker=refused.speaker, rank=refused.rank)
+
+
+def resolve(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
+    """check_before_start's checks, raising the UserError instead of printing it."""
+    try:
+        return _check(cfg, launch, dry_run)
+    except _Refused as refused:
+        raise refused.error from None
+
+
+def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
+    host_rank = launch.rank if launch.world_size > 1 else None
+    try:
         topology = build_topology(cfg.layout, launch.world_size)
         policy_cls, algorithm_cls, engine_cls, callback_classes = contract.load_classes(cfg)
         plan = plan_run(cfg, topology, algorithm_cls)
         if dry_run:
             plan = dry_run_plan(plan)
     except UserError as exc:
-        return user_error(exc, speaker=launch.rank == 0)
+        raise _Refused(exc, speaker=launch.rank == 0) from None
     try:
         spec = probe_env(cfg.env)
         outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls)
         contract.check_planned_memory(cfg, spec, outputs, plan)
     except UserError as exc:
-        return user_error(exc, speaker=launch.local_rank == 0, rank=launch.rank if launch.world_size > 1 else None)
+        raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
     gpu_slot = topology.gpu_slot(launch.rank, launch.local_rank, launch.local_world_size)
     try:
         choose_device(cfg.train.device, *gpu_slot)  # enough GPUs on this node: said before any group exists
     except UserError as exc:
-        return user_error(exc, speaker=launch.local_rank == 0, rank=launch.rank if launch.world_size > 1 else None)
+        raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
     return Checked(topology, plan, policy_cls, algorithm_cls, engine_cls, callback_classes, spec, outputs, gpu_slot)
 
 
-def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Checked, dry_run: bool) -> None:
+def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Checked, dry_run: bool) -> Outcome:
     """Agree on the run directory and the start, build the Run, hand it to the engine, save the policy."""
     topology, plan = checked.topology, checked.plan
     run_dir, resume = agree_on_run(cfg, runtime, dry_run=dry_run)
     if runtime.rank == 0:
-        start = f"; resuming from {resume.checkpoint} (iteration {resume.start_iteration})" if resume.checkpoint else ""
+        start = ""
+        if resume.checkpoint:  # iterations count from 0, as in metrics.jsonl, the checkpoints and the stop line
+            start = (
+                f"; resuming from {resume.checkpoint} after iteration {resume.iteration} (next: iteration "
+                f"{resume.start_iteration} of 0..{plan.num_iterations - 1})"
+            )
         print(
             f"spmd_rl: launcher {launch.launcher}, backend {runtime.backend}, device {runtime.device}; "
             f"{plan.describe(cfg, launch.world_size, _layout_name(topology), checked.algorithm_cls)}; "
@@ -168,22 +284,17 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
     stop_at_iteration_boundary(True)  # from here a signal stops the run at an iteration boundary, checkpointed
     try:
         checked.engine_cls(cfg.engine).run(run)
-    except StoppedWithCheckpoint:
+    except StoppedWithCheckpoint as stopped:
         if runtime.rank == 0:
             save_policy(run.final_policy, run_dir)
         control.wait_for_stop_files()
-        raise
+        return Outcome(run_dir, run.final_policy, stopped)
     finally:
         stop_at_iteration_boundary(False)
     if runtime.rank == 0:
         save_policy(run.final_policy, run_dir)
         mark_finished(run_dir)
-        if dry_run:
-            print(
-                f"spmd_rl: dry run passed: one iteration in the real layout, every role and channel, one weight sync "
-                f"({run_dir})",
-                flush=True,
-            )
+    return Outcome(run_dir, run.final_policy)
 
 
 def _layout_name(topology) -> str:

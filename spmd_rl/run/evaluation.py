@@ -16,13 +16,27 @@ from spmd_rl.envs.vector import make_vector_env, probe_env
 from spmd_rl.roles.messages import observation_message
 from spmd_rl.runtime.errors import UserError
 
+# The episode step limit when neither the caller nor the env's registration gives one: a policy that never ends an
+# episode (a Breakout agent that never presses FIRE) must not evaluate forever.
+DEFAULT_MAX_STEPS = 100_000
+
 
 def evaluate(
-    policy, env_cfg: EnvSection, episodes: int, seed: int, deterministic: bool, video_dir: str | Path | None = None
+    policy,
+    env_cfg: EnvSection,
+    episodes: int,
+    seed: int,
+    deterministic: bool,
+    video_dir: str | Path | None = None,
+    max_steps: int | None = None,
 ) -> dict:
     """Play `episodes` episodes on envs of its own and return their statistics:
-    {episodes, deterministic, seed, return_mean, return_std, length_mean, length_std, returns, lengths}
-    (std over episodes, ddof=0; the lists in the order episodes finished).
+    {episodes, deterministic, seed, max_steps, return_mean, return_std, length_mean, length_std, returns, lengths,
+    cut} (std over episodes, ddof=0; the lists in the order episodes finished; cut: how many episodes the step
+    limit ended, counted when that limit is below the env's own).
+
+    An episode ends after at most `max_steps` steps (truncated, as gymnasium's TimeLimit does); None means the
+    env's own limit (env.kwargs' max_episode_steps, else its registration's), else DEFAULT_MAX_STEPS.
 
     Runs min(episodes, env.num_envs) envs (one with video_dir), seeded from `seed`. Each env slot plays a fixed
     quota of episodes, so short episodes finishing first do not crowd out long ones. The caller's random state is
@@ -30,18 +44,29 @@ def evaluate(
     and the policy's train/eval mode is restored."""
     if episodes < 1:
         raise UserError(f"evaluation episodes={episodes}: evaluate at least 1 episode")
+    if max_steps is not None and max_steps < 1:
+        raise UserError(f"evaluation max_steps={max_steps}: allow at least 1 step per episode")
     spec = probe_env(env_cfg)
     # Returns are the env's own rewards: reward scaling only matters for learning.
     env_cfg = dataclasses.replace(env_cfg, num_envs=min(episodes, env_cfg.num_envs), normalize_reward=False)
-    wrappers = None
+    env_limit = episode_step_limit(env_cfg)
+    max_steps = max_steps or env_limit or DEFAULT_MAX_STEPS
+    wrappers = []
+    cuts = env_limit is None or max_steps < env_limit
+    if cuts:  # a limit of our own on each env (vectorized implementations take no wrappers: plain envs then)
+        wrappers.append(lambda env: gym.wrappers.TimeLimit(env, max_steps))
+        if spec.vectorization not in ("sync", "async"):
+            spec = dataclasses.replace(spec, vectorization="sync")
     if video_dir is not None:
         require_moviepy()
         from gymnasium.wrappers import RecordVideo
 
         env_cfg = dataclasses.replace(env_cfg, num_envs=1, kwargs={**env_cfg.kwargs, "render_mode": "rgb_array"})
         spec = dataclasses.replace(spec, vectorization="sync")  # RecordVideo wraps a single env
-        wrappers = [lambda env: RecordVideo(env, str(video_dir), episode_trigger=lambda _: True, name_prefix="eval")]
-    envs, obs = _make_envs(env_cfg, spec, seed, wrappers)
+        wrappers.append(
+            lambda env: RecordVideo(env, str(video_dir), episode_trigger=lambda _: True, name_prefix="eval")
+        )
+    envs, obs = _make_envs(env_cfg, spec, seed, wrappers or None)
 
     device = _device_of(policy)
     was_training = policy.training
@@ -60,13 +85,26 @@ def evaluate(
         "episodes": episodes,
         "deterministic": deterministic,
         "seed": seed,
+        "max_steps": max_steps,
         "return_mean": float(np.mean(returns)),
         "return_std": float(np.std(returns)),
         "length_mean": float(np.mean(lengths)),
         "length_std": float(np.std(lengths)),
         "returns": returns,
         "lengths": lengths,
+        "cut": sum(length >= max_steps for length in lengths) if cuts else 0,
     }
+
+
+def episode_step_limit(env_cfg: EnvSection) -> int | None:
+    """The env's own episode step limit: env.kwargs' max_episode_steps, else its registration's; None if none."""
+    limit = env_cfg.kwargs.get("max_episode_steps")
+    if limit is None:
+        try:
+            limit = gym.spec(env_cfg.id.split(":", 1)[-1]).max_episode_steps
+        except gym.error.Error:
+            return None
+    return int(limit) if limit else None
 
 
 def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, device: torch.device):

@@ -3,6 +3,10 @@ TensorBoard events, and a final summary line.
 
 metrics.jsonl gets one whole line per iteration in one write (fileio.LineAppender): after a crash or on a full disk
 it ends with the last whole record, never half of one.
+
+Iterations count from 0 everywhere: metrics.jsonl's `iteration`, the console's `iter`, the checkpoints' iter_N and
+the stop and resume lines. Timings are this process's: after a resume, `wall_s` and `cpu_s` count from the resume
+and `sps` is the env steps taken since the resume over that time (env_steps itself is the run's total).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class MetricsLogger:
     ):
         self.run_dir = run_dir
         self.total_steps = total_steps
+        self.resumed_env_steps = resumed_env_steps  # env steps before this process: the timings leave them out
         self.interval_s = interval_s
         self.jsonl = LineAppender(run_dir / "metrics.jsonl")
         self.writer = None
@@ -82,14 +87,14 @@ class MetricsLogger:
             "episodes": self.episodes,
             "episode_return_mean": _mean(self.recent_returns),
             "episode_length_mean": _mean(self.recent_lengths),
-            "sps": env_steps / elapsed if elapsed > 0 else 0.0,
+            "sps": (env_steps - self.resumed_env_steps) / elapsed if elapsed > 0 else 0.0,  # this process's
             **losses,
             # seconds per phase in this iteration; env-side phases are means over env ranks
             "time_env_s": statistics["env_s"] / env_ranks,
             "time_inference_s": inference_s,
             "time_transfer_s": max(statistics["action_wait_s"] / env_ranks - inference_s, 0.0),
             **trainer_times,
-            "wall_s": elapsed,
+            "wall_s": elapsed,  # since this process started the run (or resumed it)
             "cpu_s": time.process_time() - self.start_cpu,  # this rank's CPU time: robust to a busy machine
         }
         return record
@@ -134,7 +139,7 @@ class MetricsLogger:
     @classmethod
     def line(cls, record: dict) -> str:
         text = (
-            f"iter {record['iteration'] + 1:>5}  steps {record['env_steps']:>9}  "
+            f"iter {record['iteration']:>5}  steps {record['env_steps']:>9}  "
             f"return {record['episode_return_mean']:8.2f}  len {record['episode_length_mean']:7.1f}  "
             f"sps {record['sps']:8.0f}"
         )
@@ -154,11 +159,17 @@ class MetricsLogger:
         self.bar.close()
         record = self.last_record
         if summary:
+            env_steps, wall_s, sps = record.get("env_steps", 0), record.get("wall_s", 0.0), record.get("sps", 0.0)
+            if self.resumed_env_steps:  # the timings are this process's: say which steps they cover
+                steps = (
+                    f"{env_steps} env steps, {env_steps - self.resumed_env_steps} of them since the resume in "
+                    f"{wall_s:.1f}s ({sps:.0f} steps/s)"
+                )
+            else:
+                steps = f"{env_steps} env steps in {wall_s:.1f}s ({sps:.0f} steps/s)"
             print(
-                f"done: {record.get('env_steps', 0)} env steps in {record.get('wall_s', 0.0):.1f}s "
-                f"({record.get('sps', 0.0):.0f} steps/s), {self.episodes} episodes, mean return of the last "
-                f"{RETURN_WINDOW} episodes {record.get('episode_return_mean', float('nan')):.2f}; "
-                f"run directory {self.run_dir}",
+                f"done: {steps}, {self.episodes} episodes, mean return of the last {RETURN_WINDOW} episodes "
+                f"{record.get('episode_return_mean', float('nan')):.2f}; run directory {self.run_dir}",
                 flush=True,
             )
         if self.writer is not None:
@@ -172,6 +183,18 @@ def _finite_or_none(value):
 
 def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
+
+
+def last_record(path: Path) -> dict:
+    """The last whole record of a metrics.jsonl ({} when it has none)."""
+    if not path.exists():
+        return {}
+    for line in reversed(path.read_text().splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return {}
 
 
 def drop_records_after(path: Path, iteration: int) -> None:

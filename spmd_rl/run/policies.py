@@ -1,19 +1,25 @@
 """Where a policy comes from and where it goes: built from the config (the same module on every rank), saved as
-policy.pt, and loaded back from a run directory, a checkpoint or a policy file (evaluation, `run.init_from`)."""
+policy.pt, and loaded back from a run directory, a checkpoint or a policy file (evaluation, `run.init_from`).
+
+A loaded policy's `act` also takes what gymnasium gives: numpy (or torch), one observation or a batch."""
 
 from __future__ import annotations
 
 import re
+import types
 from pathlib import Path
 
+import gymnasium as gym
+import numpy as np
 import torch
 
 from spmd_rl.config import plugins
 from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import Config
+from spmd_rl.envs import spaces
 from spmd_rl.envs.vector import EnvSpec, probe_env
 from spmd_rl.interfaces.policy import Policy
-from spmd_rl.persist.checkpoint import CHECKPOINTS_DIR, COMPLETE, find_checkpoint, load_checkpoint
+from spmd_rl.persist.checkpoint import CHECKPOINTS_DIR, COMPLETE, LATEST, find_checkpoint, load_checkpoint
 from spmd_rl.persist.fileio import torch_save_atomic
 from spmd_rl.run.evaluation import cuda_indices
 from spmd_rl.runtime.errors import UserError
@@ -39,8 +45,14 @@ def save_policy(policy: Policy, run_dir: Path) -> None:
 
 def load_policy(path: str | Path, device: str | torch.device = "cpu", config_overrides=()):
     """(policy, cfg): the trained Policy, in eval mode on `device`, and the run's Config (config.yaml with
-    `section.key=value` overrides). `path` is a run directory, a checkpoint directory (or a run's checkpoints/),
-    or a policy.pt / checkpoint rank0.pt file. Any failure is a one-line UserError naming the path."""
+    `section.key=value` overrides). `path` is a run directory, a checkpoint directory (or a run's checkpoints/, or
+    its checkpoints/latest), or a policy.pt / checkpoint rank0.pt file. Any failure is a one-line UserError naming
+    the path.
+
+    The policy's `act(obs, deterministic=False)` takes a batch as the framework gives it (a tensor [B, ...] or a
+    TensorDict), and also what gymnasium gives: one observation or a batch, as numpy arrays (dicts of them for Dict
+    spaces), lists or torch tensors. Given numpy (or lists), it returns numpy; given one observation, outputs
+    without the batch dimension: `env.step(policy.act(obs)["action"])` works with a gymnasium env as it is."""
     path = Path(path)
     weights = _weights_location(path)
     config_file = _config_next_to(weights)
@@ -65,7 +77,53 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", config_ove
             f"{config_file} (was the config changed?): {detail}"
         ) from None
     # An acting copy: no parameter needs grad, so act()'s outputs convert to numpy without a no_grad block.
-    return policy.eval().requires_grad_(False), cfg
+    return accepts_gymnasium_observations(policy.eval().requires_grad_(False)), cfg
+
+
+def accepts_gymnasium_observations(policy: Policy) -> Policy:
+    """Let this policy's `act` take one observation or a batch, numpy or torch (see load_policy); its class's act,
+    which takes a batch, is what runs. Only this object changes: the class and its other instances do not."""
+    policy.act = types.MethodType(_act_on_any_observation, policy)
+    return policy
+
+
+def _act_on_any_observation(self: Policy, obs, deterministic: bool = False, **kwargs) -> dict:
+    act = type(self).act
+    space = self.observation_space
+    single = _is_one_observation(obs, space)
+    device = next(iter(self.state_dict().values()), torch.empty(0)).device
+    as_numpy = not isinstance(obs, torch.Tensor) and not hasattr(obs, "batch_size")  # tensor or TensorDict: torch
+    if not as_numpy:
+        batch = obs.unsqueeze(0) if single else obs
+    else:  # laid out as the framework does (the env's dtype; Dict spaces as TensorDicts)
+        batch = spaces.zeros_of(space, 1 if single else _batch_size(obs, space))
+        spaces.write(spaces.numpy_views(batch), obs, 0 if single else None)
+    out = act(self, batch.to(device), deterministic=deterministic, **kwargs)
+    return {key: _as_given(value, single, as_numpy) for key, value in out.items()}
+
+
+def _first_leaf(obs, space: gym.Space):
+    """(an observation's first array, its space): Dict spaces descend to their first entry."""
+    while isinstance(space, gym.spaces.Dict):
+        key = next(iter(space.spaces))
+        obs, space = obs[key], space.spaces[key]
+    return obs, space
+
+
+def _is_one_observation(obs, space: gym.Space) -> bool:
+    leaf, leaf_space = _first_leaf(obs, space)
+    return np.ndim(leaf) == len(leaf_space.shape)
+
+
+def _batch_size(obs, space: gym.Space) -> int:
+    leaf, _ = _first_leaf(obs, space)
+    return len(leaf)
+
+
+def _as_given(value, single: bool, as_numpy: bool):
+    if single:
+        value = value[0]
+    return value.detach().cpu().numpy() if as_numpy and isinstance(value, torch.Tensor) else value
 
 
 def read_trained_state(path: str | Path, with_algorithm: bool = False) -> tuple[dict, dict | None]:
@@ -93,6 +151,8 @@ def _weights_location(path: Path) -> Path:
     """The policy file or checkpoint directory that `path` means."""
     if not path.exists():
         raise UserError(f"{path} does not exist: give a run directory, a checkpoint directory or a {POLICY_FILE}")
+    if path.is_file() and path.name == LATEST and path.parent.name == CHECKPOINTS_DIR:
+        return find_checkpoint(path.parent)  # checkpoints/latest names the newest checkpoint
     if path.is_file():
         return path
     if (path / POLICY_FILE).is_file():

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from spmd_rl.config.excerpts import excerpt
 from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import Config
 from spmd_rl.persist.checkpoint import CheckpointStore, find_checkpoint
@@ -136,7 +137,7 @@ def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
     if previous.resume_digest() != cfg.resume_digest():
         raise UserError(
             f"run directory {config_dir} holds a run with a different config (beyond run, checkpoint and "
-            f"log keys); rerun with its config.yaml, or choose another run.dir"
+            f"log keys){config_difference(previous, cfg)}; rerun with its config.yaml, or choose another run.dir"
         )
     if checkpoint is None:
         return Resume()  # the same run, stopped before its first checkpoint: it starts over (see prepare_run_dir)
@@ -147,6 +148,43 @@ def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
             f"the same number of ranks"
         )
     return Resume(checkpoint=checkpoint, iteration=checkpoint_iteration(checkpoint))
+
+
+def config_difference(previous: Config, cfg: Config, shown: int = 5) -> str:
+    """': key old -> new, ...' for the keys a resume must keep (those Config.resume_digest hashes) whose values
+    differ, at most `shown` of them; '' when none is found."""
+    old, new = _resume_keys(previous), _resume_keys(cfg)
+    absent = object()
+    changed = [key for key in sorted(old.keys() | new.keys()) if old.get(key, absent) != new.get(key, absent)]
+    if not changed:
+        return ""
+
+    def value(values: dict, key: str) -> str:
+        return excerpt(values[key]) if key in values else "(absent)"
+
+    listed = ", ".join(f"{key} {value(old, key)} -> {value(new, key)}" for key in changed[:shown])
+    more = f" and {len(changed) - shown} more" if len(changed) > shown else ""
+    return f": {listed}{more}"
+
+
+def _resume_keys(cfg: Config) -> dict:
+    """The resolved config as dotted keys, without what resume_digest leaves out (run, checkpoint, log sections
+    and dist.timeout_s)."""
+    flat: dict = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        elif isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+            for i, item in enumerate(value):
+                walk(f"{prefix}[{i}]", item)
+        else:
+            flat[prefix] = value
+
+    walk("", {k: v for k, v in cfg.to_dict().items() if k not in ("run", "checkpoint", "log")})
+    flat.pop("dist.timeout_s", None)
+    return flat
 
 
 def checkpoint_iteration(checkpoint: Path) -> int:

@@ -285,8 +285,11 @@ class _Graceful:
 
 
 def stop_at_iteration_boundary(enabled: bool) -> None:
-    """Whether a first signal asks for a stop at the next iteration boundary (True) or raises at once (False)."""
+    """Whether a first signal asks for a stop at the next iteration boundary (True) or raises at once (False).
+    Enabling forgets a stop an earlier run in this process was asked for (spmd_rl.train runs several)."""
     _Graceful.enabled = enabled
+    if enabled:
+        _Graceful.requested = None
 
 
 def requested_stop() -> tuple[str, int] | None:

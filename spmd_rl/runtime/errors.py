@@ -58,7 +58,8 @@ class UserCodeError(Exception):
 def user_frame(exc: BaseException) -> str:
     """'file:line' of the innermost frame of exc's traceback that is the user's code (not spmd_rl, torch,
     gymnasium or the standard library); '' when there is none."""
-    framework = (os.path.dirname(os.path.abspath(__file__)), sys.prefix, sys.base_prefix)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # spmd_rl/, above runtime/
+    framework = (package, sys.prefix, sys.base_prefix)
     frames = [
         f
         for f in traceback.extract_tb(exc.__traceback__)
