@@ -4,9 +4,11 @@ listing of every key. Every failure is a UserError naming the key (main: exit 2)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -15,8 +17,19 @@ from typing import Any
 import yaml
 
 from spmd_rl.config import plugins
+from spmd_rl.config.excerpts import MESSAGE_CHARS, clip, excerpt
 from spmd_rl.config.sections import PLUGIN_SECTIONS, AlgorithmConfig, Config
 from spmd_rl.runtime.errors import UserError
+
+# Bounds on what a user hands us, checked before anything grows with it (a YAML alias bomb, a huge or deeply nested
+# file): each is an exit 2 naming the file or the key, found in well under a second.
+MAX_CONFIG_BYTES = 1 << 20  # a config file, and each override
+MAX_DEPTH = 64  # nesting of mappings and lists (a file, an override's value, an override's dotted key)
+MAX_VALUES = 10_000  # values in a file or an override once its aliases (*name) are expanded
+FLOAT32_MAX = 3.4028234663852886e38  # float knobs become float32 tensors: a larger value overflows there
+INT64_RANGE = (-(2**63), 2**63 - 1)
+MAX_INT_CHARS = 100  # a YAML integer written with more characters is out of range for every key
+_LONG_INTEGER = re.compile(r"[+-]?[0-9][0-9_]{19,}")  # more digits than int64 has: out of range, whatever they are
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -44,8 +57,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         )
     plugin_raw = {name: raw.pop(name) for name in (*PLUGIN_SECTIONS, "callbacks") if name in raw}
     cfg = _build(Config, raw, prefix="", source=source)
+    _check_run_name(cfg.run.name)
     _build_plugin_sections(cfg, plugin_raw, source)
     return cfg
+
+
+MAX_RUN_NAME = 100
+
+
+def _check_run_name(name: str) -> None:
+    """run.name becomes a directory under runs/: one plain path component, nothing that leaves runs/."""
+    if not name or len(name) > MAX_RUN_NAME or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+        raise UserError(
+            f"config key 'run.name' = {excerpt(name)} must be a plain name of 1 to {MAX_RUN_NAME} characters "
+            f"without '/' or '\\' (it names a directory under runs/); use run.dir to choose another place"
+        )
 
 
 def _build_plugin_sections(cfg: Config, raw: dict, source: str) -> None:
@@ -61,12 +87,14 @@ def _build_plugin_sections(cfg: Config, raw: dict, source: str) -> None:
         if not isinstance(value, dict):
             raise UserError(
                 f"config key '{prefix.rstrip('.')}' must be a mapping with a 'class' key and the "
-                f"class's own keys (in {source}), got {value!r}"
+                f"class's own keys (in {source}), got {excerpt(value)}"
             )
         value = dict(value)
         name = value.pop("class", default_class)
         if not isinstance(name, str) or not name:
-            raise UserError(f"config key '{prefix}class' must name a class (an alias or module:Class), got {name!r}")
+            raise UserError(
+                f"config key '{prefix}class' must name a class (an alias or module:Class), got {excerpt(name)}"
+            )
         config_cls = plugins.config_class(kind, name)
         return name, _build(config_cls, value, prefix, f"{source}; keys of {kind.what} '{name}'")
 
@@ -84,7 +112,7 @@ def _build_plugin_sections(cfg: Config, raw: dict, source: str) -> None:
     cfg.classes["engine"], cfg.engine = build("engine", plugins.ENGINE, raw.get("engine"), "sync", "engine.")
     callbacks = raw.get("callbacks") or []
     if not isinstance(callbacks, list):
-        raise UserError(f"config key 'callbacks' must be a list of classes (module:Class), got {callbacks!r}")
+        raise UserError(f"config key 'callbacks' must be a list of classes (module:Class), got {excerpt(callbacks)}")
     cfg.callbacks = [
         build("callbacks", plugins.CALLBACK, item, "", f"callbacks[{i}].") for i, item in enumerate(callbacks)
     ]
@@ -96,12 +124,93 @@ class _DuplicateKeyError(yaml.YAMLError):
         self.key, self.first_line, self.line = key, first_line, line
 
 
+class _TooLarge(yaml.YAMLError):
+    """YAML past one of the bounds (MAX_DEPTH, MAX_VALUES, an integer's digits), found before it is built."""
+
+    def __init__(self, problem: str, mark=None):
+        super().__init__(problem)
+        self.problem, self.problem_mark = problem, mark
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key given twice in one mapping is an error instead of last-one-wins."""
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error instead of last-one-wins, and
+    that nothing grows without bound: nesting deeper than MAX_DEPTH, more than MAX_VALUES values once aliases are
+    expanded (the "billion laughs" of YAML) and integers of more digits than any key needs are refused while the
+    document is composed, before a single value is built."""
+
+    _depth = 0
+    _nodes = 0
+
+    def compose_node(self, parent, index):
+        self._nodes += 1  # an alias counts once here; _check_expansion counts what it repeats
+        if self._nodes > MAX_VALUES:
+            raise _TooLarge(f"the config holds more than {MAX_VALUES} values", self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+    def compose_sequence_node(self, anchor):
+        with self._nested():
+            return super().compose_sequence_node(anchor)
+
+    def compose_mapping_node(self, anchor):
+        with self._nested():
+            return super().compose_mapping_node(anchor)
+
+    @contextlib.contextmanager
+    def _nested(self):
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _TooLarge(f"a value is nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark)
+            yield
+        finally:
+            self._depth -= 1
 
     def construct_document(self, node):
+        self._check_expansion(node, 1, {}, set())
         self._reject_duplicate_keys(node, "", set())
         return super().construct_document(node)
+
+    def _check_expansion(self, node, depth: int, known: dict, open_nodes: set) -> tuple[int, int]:
+        """(values, levels) of node with its aliases expanded; a _TooLarge past MAX_VALUES or MAX_DEPTH levels, or
+        for an alias inside the node it names. Each node is counted once (known), so this is linear in the text."""
+        if id(node) in known:
+            count, levels = known[id(node)]
+        elif id(node) in open_nodes:
+            raise _TooLarge("an alias (*name) refers to a node that contains it", node.start_mark)
+        else:
+            if isinstance(node, yaml.SequenceNode):
+                children = node.value
+            elif isinstance(node, yaml.MappingNode):
+                children = [child for pair in node.value for child in pair]
+            else:
+                children = []
+            open_nodes.add(id(node))
+            count, levels = 1, 0
+            for child in children:
+                child_count, child_levels = self._check_expansion(child, depth + 1, known, open_nodes)
+                count, levels = count + child_count, max(levels, child_levels)
+                if count > MAX_VALUES:
+                    raise _TooLarge(
+                        f"a value holds more than {MAX_VALUES} values once its aliases (*name) are expanded",
+                        node.start_mark,
+                    )
+            open_nodes.discard(id(node))
+            levels += bool(children)
+            known[id(node)] = count, levels
+        if depth + levels > MAX_DEPTH + 1:
+            raise _TooLarge(
+                f"a value is nested deeper than {MAX_DEPTH} levels once its aliases are expanded", node.start_mark
+            )
+        return count, levels
+
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        if len(text) > MAX_INT_CHARS:  # int64 needs 19 digits (64 in binary); int() of 5000 digits raises
+            raise _TooLarge(
+                f"the integer {excerpt(text)} is out of range (no key takes more than a 64-bit integer)",
+                node.start_mark,
+            )
+        return super().construct_yaml_int(node)
 
     def _reject_duplicate_keys(self, node, prefix: str, seen: set[int]) -> None:
         if id(node) in seen:  # an alias: checked where its anchor is (and anchors may be recursive)
@@ -125,13 +234,23 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 self._reject_duplicate_keys(value_node, f"{key}.", seen)
 
 
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+
+
 def _read_yaml(path: Path) -> dict:
     if path.is_dir():
         raise UserError(f"config file {path} is a directory; pass --config with a YAML file (see configs/)")
     if not path.is_file():
         raise UserError(f"config file {path} does not exist; pass --config with a YAML file (see configs/)")
     try:
-        text = path.read_text()
+        with open(path, "rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise UserError(
+                f"config file {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB; a config needs a few KiB (is it "
+                f"the right file?)"
+            )
+        text = data.decode()
     except OSError as exc:
         raise UserError(f"config file {path} cannot be read ({exc.strerror}); check its permissions") from None
     except UnicodeDecodeError:
@@ -146,7 +265,9 @@ def _read_yaml(path: Path) -> dict:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise UserError(f"config file {path} is not valid YAML{where}: {problem}") from None
+        if isinstance(exc, _TooLarge):
+            raise UserError(f"config file {path}{where}: {problem}") from None
+        raise UserError(f"config file {path} is not valid YAML{where}: {clip(problem, MESSAGE_CHARS)}") from None
     if data is None:  # nothing but comments, or nothing at all: probably the wrong file
         raise UserError(
             f"config file {path} is empty; give it sections (see configs/), or leave out --config to run the defaults"
@@ -161,21 +282,28 @@ def _read_yaml(path: Path) -> dict:
 def _apply_override(raw: dict, item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
-        raise UserError(f"override '{item}' must look like section.key=value (e.g. train.total_steps=50000)")
+        raise UserError(f"override {excerpt(item)} must look like section.key=value (e.g. train.total_steps=50000)")
+    shown = clip(key)
+    if len(item.encode()) > MAX_CONFIG_BYTES:
+        raise UserError(f"config key '{shown}': its override is larger than {MAX_CONFIG_BYTES >> 20} MiB")
+    parts = key.split(".")
+    if len(parts) > MAX_DEPTH:
+        raise UserError(f"config key '{shown}' is nested deeper than {MAX_DEPTH} levels")
     try:
         value = yaml.load(text, Loader=_UniqueKeyLoader) if text != "" else ""
     except _DuplicateKeyError as exc:
-        raise UserError(f"override '{item}' gives key '{exc.key}' twice; keep one") from None
+        raise UserError(f"override {excerpt(item)} gives key '{exc.key}' twice; keep one") from None
+    except _TooLarge as exc:
+        raise UserError(f"config key '{shown}' (on the command line): {exc.problem}") from None
     except yaml.YAMLError:
         value = text  # not YAML: keep the literal text, the type check below judges it
     node = raw
-    parts = key.split(".")
     for part in parts[:-1]:
         child = node.get(part)
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise UserError(f"override '{item}': '{part}' is not a section")
+            raise UserError(f"override {excerpt(item)}: {excerpt(part)} is not a section")
         node = child
     node[parts[-1]] = value
 
@@ -188,7 +316,8 @@ def _reject_repeated_override(given: dict[str, str], item: str) -> None:
         if key == other_key or key.startswith(f"{other_key}.") or other_key.startswith(f"{key}."):
             repeated = min(key, other_key, key=len)
             raise UserError(
-                f"config key '{repeated}' is set twice on the command line ('{other}' and '{item}'); give it once"
+                f"config key '{repeated}' is set twice on the command line ({excerpt(other)} and {excerpt(item)}); "
+                f"give it once"
             )
     given[key] = item
 
@@ -196,12 +325,12 @@ def _reject_repeated_override(given: dict[str, str], item: str) -> None:
 def _build(cls, raw: Any, prefix: str, source: str):
     where = prefix.rstrip(".") or "the top level"
     if not isinstance(raw, dict):
-        raise UserError(f"config key '{where}' must be a mapping of keys, got {raw!r}")
+        raise UserError(f"config key '{where}' must be a mapping of keys, got {excerpt(raw)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in raw:
         if key not in fields:
-            name = f"{prefix}{key}"
+            name = clip(f"{prefix}{key}")
             allowed = sorted(f"{prefix}{k}" for k in fields)
             near = difflib.get_close_matches(name, allowed, n=1, cutoff=0.6)
             hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(allowed)}"
@@ -226,7 +355,7 @@ def _check_value(key: str, value: Any, kind, meta) -> Any:
         near = difflib.get_close_matches(str(value), meta["choices"], n=1)
         hint = f"; did you mean '{near[0]}'?" if near else ""
         raise UserError(
-            f"config key '{key}' = {value!r} is not allowed; choose one of {', '.join(meta['choices'])}{hint}"
+            f"config key '{key}' = {excerpt(value)} is not allowed; choose one of {', '.join(meta['choices'])}{hint}"
         )
     _check_range(key, value, meta.get("min"), meta.get("max"))
     if isinstance(value, list):
@@ -237,11 +366,19 @@ def _check_value(key: str, value: Any, kind, meta) -> Any:
 
 def _check_range(key: str, value: Any, low, high) -> None:
     if isinstance(value, float) and not math.isfinite(value):
-        raise UserError(f"config key '{key}' = {value!r} must be a finite number")
+        raise UserError(f"config key '{key}' = {excerpt(value)} must be a finite number")
     if low is not None and value < low:
-        raise UserError(f"config key '{key}' = {value!r} is out of range; it must be >= {low}")
+        raise UserError(f"config key '{key}' = {excerpt(value)} is out of range; it must be >= {low}")
     if high is not None and value > high:
-        raise UserError(f"config key '{key}' = {value!r} is out of range; it must be <= {high}")
+        raise UserError(f"config key '{key}' = {excerpt(value)} is out of range; it must be <= {high}")
+    # Beyond a knob's own range: what overflows where the value is used (int64 counters, float32 tensors).
+    if isinstance(value, float) and abs(value) > FLOAT32_MAX:
+        raise UserError(
+            f"config key '{key}' = {excerpt(value)} is out of range; it must be within +-{FLOAT32_MAX:.3g} (it is "
+            f"used as a 32-bit float)"
+        )
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64_RANGE[0] <= value <= INT64_RANGE[1]:
+        raise UserError(f"config key '{key}' = {excerpt(value)} is out of range; it must fit in a 64-bit integer")
 
 
 def _type_name(kind) -> str:
@@ -275,7 +412,7 @@ def _check_type(key: str, value: Any, kind) -> Any:
             return None
         (inner,) = [o for o in options if o is not type(None)]
         return _check_type(key, value, inner)
-    wrong = UserError(f"config key '{key}' must be {_type_name(kind)}, got {value!r} ({type(value).__name__})")
+    wrong = UserError(f"config key '{key}' must be {_type_name(kind)}, got {excerpt(value)} ({type(value).__name__})")
     if kind is bool:
         if not isinstance(value, bool):
             raise wrong
@@ -285,6 +422,8 @@ def _check_type(key: str, value: Any, kind) -> Any:
             raise wrong
         if isinstance(value, int):
             return value
+        if isinstance(value, str) and _LONG_INTEGER.fullmatch(value.strip()):
+            raise UserError(f"config key '{key}' = {excerpt(value)} is out of range; it must fit in a 64-bit integer")
         number = _integral_number(value)
         if number is None:
             raise wrong

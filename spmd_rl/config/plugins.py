@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import re
 import sys
 from dataclasses import dataclass
 
+from spmd_rl.config.excerpts import clip, first_line
 from spmd_rl.config.sections import NoConfig
 from spmd_rl.runtime.errors import UserError
 
@@ -58,14 +60,18 @@ CALLBACK = Kind("callbacks", "callback", "Callback", {})
 KINDS = {kind.section: kind for kind in (ALGORITHM, POLICY, ENGINE, CALLBACK)}
 
 
+MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")  # an absolute, importable module name
+
+
 def class_path(kind: Kind, name: str) -> str:
     """The `module:Class` a config value names (an alias, or the value itself)."""
     if name in kind.aliases:
         return kind.aliases[name][0]
-    if ":" not in name:
+    module_name, colon, attr = name.partition(":")
+    if not colon or not MODULE_NAME.fullmatch(module_name) or not attr.isidentifier():
         aliases = ", ".join(kind.aliases) or "none"
         raise UserError(
-            f"{kind.section}.class '{name}' is neither a built-in {kind.what} ({aliases}) nor "
+            f"{kind.section}.class '{clip(name)}' is neither a built-in {kind.what} ({aliases}) nor "
             f"'package.module:Class'; name your class as module:Class (the working directory is "
             f"importable)"
         )
@@ -103,14 +109,24 @@ def _import(kind: Kind, path: str):
         module = importlib.import_module(module_name)
     except UserError:
         raise
-    except Exception as exc:  # a user's module may fail in any way while importing
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # a user's module may fail in any way while importing
         raise UserError(
-            f"{kind.section}.class '{path}': importing module '{module_name}' failed: {type(exc).__name__}: {exc}"
+            f"{kind.section}.class '{path}': importing module '{module_name}' failed: {import_failure(exc)}"
         ) from None
     try:
         return getattr(module, attr)
     except AttributeError:
         raise UserError(f"{kind.section}.class '{path}': module '{module_name}' has no attribute '{attr}'") from None
+
+
+def import_failure(exc: BaseException) -> str:
+    """What importing a user's module raised, in one short line; SystemExit and KeyboardInterrupt raised by the
+    module itself (sys.exit() on import) are failures like any other, never a silent exit."""
+    if isinstance(exc, SystemExit):
+        return f"it raised SystemExit({clip(repr(exc.code))}) (a module must not exit when imported)"
+    if isinstance(exc, KeyboardInterrupt):
+        return "it raised KeyboardInterrupt"
+    return first_line(exc)
 
 
 def _import_path_for_user_code() -> None:

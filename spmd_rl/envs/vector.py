@@ -7,6 +7,7 @@ such reset steps invalid, and GAE bootstraps truncated episodes from the final o
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import warnings
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 import gymnasium as gym
 from gymnasium.wrappers import vector as vector_wrappers
 
+from spmd_rl.config.excerpts import MESSAGE_CHARS, clip, excerpt
+from spmd_rl.config.plugins import MODULE_NAME, import_failure
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.runtime.errors import UserError
 
@@ -32,6 +35,20 @@ class EnvSpec:
 def probe_env(cfg: EnvSection) -> EnvSpec:
     """Make one env to learn its spaces; a missing id or a failing import is a UserError naming the env."""
     _import_path_for_user_envs()
+    env_id = clip(cfg.id)
+    module, colon, name = cfg.id.partition(":")
+    if colon and not (MODULE_NAME.fullmatch(module) and name):
+        raise UserError(
+            f"env.id '{env_id}' must be a registered id (e.g. CartPole-v1) or 'package.module:EnvId-v0', with a "
+            f"module name and an id on either side of the ':'"
+        )
+    if colon:  # imported here, so that anything its import raises is said as such (gym.make would only pass it on)
+        try:
+            importlib.import_module(module)
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:
+            raise UserError(
+                f"env.id '{env_id}': importing its module failed (module '{module}'): {import_failure(exc)}"
+            ) from None
     try:
         # gymnasium's own warnings appear again when the envs are built; here they would only bury our verdict.
         with warnings.catch_warnings():
@@ -39,11 +56,15 @@ def probe_env(cfg: EnvSection) -> EnvSpec:
             env = gym.make(cfg.id, **cfg.kwargs)
         registered = gym.spec(_registered_id(cfg.id))  # also rejects ids gym.make only warns about (no version)
     except gym.error.Error as exc:
-        raise UserError(f"env.id '{cfg.id}' cannot be made: {exc}") from None
+        raise UserError(f"env.id '{env_id}' cannot be made: {clip(str(exc), MESSAGE_CHARS)}") from None
     except ImportError as exc:
-        raise UserError(f"env.id '{cfg.id}': importing its module failed: {exc}") from None
+        raise UserError(f"env.id '{env_id}': importing its module failed: {clip(str(exc), MESSAGE_CHARS)}") from None
     except TypeError as exc:
-        raise UserError(f"env.id '{cfg.id}' rejected env.kwargs {cfg.kwargs}: {exc}") from None
+        raise UserError(
+            f"env.id '{env_id}' rejected env.kwargs {excerpt(cfg.kwargs)}: {clip(str(exc), MESSAGE_CHARS)}"
+        ) from None
+    except (SystemExit, KeyboardInterrupt) as exc:  # sys.exit() in a registered env's module or constructor
+        raise UserError(f"env.id '{env_id}': making it failed: {import_failure(exc)}") from None
     try:
         mode = cfg.vectorization
         if mode == "auto":
@@ -70,7 +91,10 @@ def make_vector_env(
     try:
         envs = gym.make_vec(cfg.id, num_envs=cfg.num_envs, vectorization_mode=mode, wrappers=wrappers, **cfg.kwargs)
     except gym.error.Error as exc:
-        raise UserError(f"env.id '{cfg.id}' cannot be vectorized with env.vectorization={mode}: {exc}") from None
+        raise UserError(
+            f"env.id '{clip(cfg.id)}' cannot be vectorized with env.vectorization={mode}: "
+            f"{clip(str(exc), MESSAGE_CHARS)}"
+        ) from None
     envs = vector_wrappers.RecordEpisodeStatistics(envs)
     if isinstance(envs.single_action_space, gym.spaces.Box):
         envs = vector_wrappers.ClipAction(envs)  # the policy's Gaussian samples are unbounded

@@ -125,8 +125,13 @@ class Trainer:
         return metrics
 
     def state_dict(self) -> dict:
-        """What a checkpoint holds of this trainer: the policy, the algorithm's state, the experience log's rows."""
+        """What a checkpoint holds of this trainer: the policy, the algorithm's state, the experience log's rows.
+
+        The log's staged rows are written and committed first, so the row count recorded is durable: a kill -9
+        right after the checkpoint leaves a file that holds every row the checkpoint counts."""
         log = self.experience_log
+        if log is not None:
+            log.flush()
         return {
             "policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items()},
             "algorithm": self.algorithm.state_dict(),

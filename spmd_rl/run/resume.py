@@ -173,7 +173,7 @@ def _resume_keys(cfg: Config) -> dict:
     flat: dict = {}
 
     def walk(prefix: str, value) -> None:
-        if isinstance(value, dict) and value:
+        if isinstance(value, dict):  # an empty one adds no key: {} -> {a: 1} is one difference, a
             for key, item in value.items():
                 walk(f"{prefix}.{key}" if prefix else str(key), item)
         elif isinstance(value, list) and value and all(isinstance(item, dict) for item in value):

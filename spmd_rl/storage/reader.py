@@ -12,7 +12,15 @@ from tensordict import TensorDict
 
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.storage.h5file import DAMAGED_FILE_ERRORS, damaged, open_swmr_reader
-from spmd_rl.storage.schema import CURSOR, DATA_GROUP, META_FIELDS, META_GROUP, check_format, layout_from_schema
+from spmd_rl.storage.schema import (
+    CURSOR,
+    DATA_GROUP,
+    META_FIELDS,
+    META_GROUP,
+    check_bounds,
+    check_format,
+    layout_from_schema,
+)
 
 
 class HDF5Reader:
@@ -23,6 +31,7 @@ class HDF5Reader:
         self._file = open_swmr_reader(self.path)
         try:
             check_format(self.path, self._file)
+            check_bounds(self.path, self._file)  # a crafted cursor or attribute: refused before any scan
             self.layout = layout_from_schema(self._file.attrs["schema"])
             self.capacity = int(self._file.attrs["capacity"])
             self.attrs = dict(self._file.attrs)

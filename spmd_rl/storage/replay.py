@@ -188,7 +188,10 @@ class ReplayBuffer:
 
     def state_dict(self) -> dict:
         """For a checkpoint: the cursor, and for the memory backend the rows themselves (the hdf5 backend's rows are
-        in its file, which a resume rewinds to the cursor)."""
+        in its file, which a resume rewinds to the cursor). The hdf5 backend's staged rows are written and committed
+        first, so the cursor recorded is durable: a kill -9 right after the checkpoint leaves a file that holds it."""
+        if isinstance(self.storage, HDF5Storage):
+            self.storage.writer.flush()
         state = {"total_rows": self.total_rows}
         if isinstance(self.storage, MemoryStorage):
             held = min(self.total_rows, self.capacity)

@@ -153,6 +153,70 @@ def rows_of(td: TensorDict | Mapping, layout: dict[str, Field]) -> tuple[dict[st
     return arrays, rows
 
 
+MAX_CHUNK_ROWS = 2**22  # buffer.chunk_rows' own bound: a file claiming more was not written by spmd_rl
+MAX_CAPACITY = 2**40  # rows of a ring; far beyond any disk, small enough that no count of it overflows int64
+
+
+def check_bounds(path: Path, file: h5py.File) -> tuple[int, int, int, int]:
+    """The file's capacity, chunk_rows and cursor (committed, reserved), checked against sane bounds and against
+    its datasets before anything is allocated from them; a UserError naming the file when they do not hold.
+
+    An spmd_rl writer keeps: 1 <= chunk_rows <= MAX_CHUNK_ROWS, the datasets chunked by chunk_rows rows; every
+    dataset holding at least the committed rows (rows are written before the cursor that covers them); reserved
+    == committed without a ring, committed <= reserved <= committed + capacity in one."""
+
+    def bad(what: str) -> UserError:
+        return UserError(f"{path} is damaged or was not written by spmd_rl: {what}; restore it or remove it")
+
+    def integer(name: str, value) -> int:
+        if isinstance(value, np.ndarray) and value.shape == ():
+            value = value.item()
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise bad(f"its {name} attribute is not an integer")
+        return int(value)
+
+    capacity = integer("capacity", file.attrs.get("capacity"))
+    chunk_rows = integer("chunk_rows", file.attrs.get("chunk_rows"))
+    if not 0 <= capacity <= MAX_CAPACITY:
+        raise bad(f"capacity {capacity} is outside [0, {MAX_CAPACITY}]")
+    if not 1 <= chunk_rows <= MAX_CHUNK_ROWS:
+        raise bad(f"chunk_rows {chunk_rows} is outside [1, {MAX_CHUNK_ROWS}]")
+    cursor = file.get(CURSOR)
+    if not isinstance(cursor, h5py.Dataset) or cursor.shape != (2,) or cursor.dtype.kind not in "iu":
+        raise bad(f"its /{CURSOR} is not two integers")
+    committed, reserved = (int(n) for n in cursor[:])
+    if committed < 0 or not committed <= reserved <= committed + capacity:
+        raise bad(f"its cursor [{committed}, {reserved}] is impossible (capacity {capacity})")
+    stored = min(committed, capacity) if capacity else committed
+    datasets = [file.get(f"{group}/{name}") for group, names in _dataset_names(file) for name in names]
+    if not datasets or not all(isinstance(d, h5py.Dataset) for d in datasets):
+        raise bad("its datasets are missing")
+    for dataset in datasets:
+        if file.swmr_mode:  # a reader while the writer appends: see the datasets as they are now
+            dataset.refresh()
+        if dataset.chunks is None or dataset.chunks[0] != chunk_rows:
+            raise bad(f"{dataset.name} is chunked by {dataset.chunks}, not by chunk_rows {chunk_rows}")
+        if dataset.shape[0] < stored:
+            raise bad(f"its cursor counts {committed} rows but {dataset.name} holds {dataset.shape[0]}")
+    # Every committed row was written, so its chunk exists: a cursor over unwritten (sparse) rows is crafted.
+    written = datasets[-1].id.get_num_chunks() * chunk_rows
+    if written < stored:
+        raise bad(f"its cursor counts {committed} rows but {datasets[-1].name} has only {written} rows written")
+    return capacity, chunk_rows, committed, reserved
+
+
+def _dataset_names(file: h5py.File) -> list[tuple[str, list[str]]]:
+    """(group, dataset paths in it) for the data and meta groups, as the schema attribute and META_FIELDS say."""
+    try:
+        schema = json.loads(file.attrs["schema"])
+    except (KeyError, TypeError, ValueError):
+        schema = None
+    if not isinstance(schema, dict):
+        raise UserError(f"{file.filename}: its schema attribute is not a JSON object; restore it or remove it")
+    keys = list(schema)
+    return [(DATA_GROUP, keys), (META_GROUP, list(META_FIELDS))]
+
+
 def check_format(path: Path, file: h5py.File) -> None:
     if file.attrs.get("format") != FORMAT_NAME:
         raise UserError(

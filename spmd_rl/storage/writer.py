@@ -41,6 +41,7 @@ from spmd_rl.storage.schema import (
     META_FIELDS,
     META_GROUP,
     Field,
+    check_bounds,
     check_format,
     layout_from_schema,
     layout_of,
@@ -212,6 +213,7 @@ class HDF5Writer:
 
     def _check_matches(self, file: h5py.File) -> None:
         check_format(self.path, file)
+        check_bounds(self.path, file)  # before anything is allocated from its attributes
         difference = schema_difference(self.path, layout_from_schema(file.attrs["schema"]), self.layout)
         if difference:
             raise UserError(difference)
