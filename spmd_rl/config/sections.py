@@ -225,9 +225,13 @@ class Config:
         """A hash of the resolved config; every rank compares it with rank 0's."""
         return hashlib.sha256(yaml.safe_dump(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
-    def resume_digest(self) -> str:
-        """A hash of what a resumed run must share with the run it continues: everything but where and how it is
-        run (run, checkpoint, log) and the bound on waits."""
+    def resume_dict(self) -> dict:
+        """What a resumed run must share with the run it continues: everything but where and how it is run (run,
+        checkpoint, log) and the bound on waits."""
         data = {k: v for k, v in self.to_dict().items() if k not in ("run", "checkpoint", "log")}
         data["dist"] = {k: v for k, v in data["dist"].items() if k != "timeout_s"}
-        return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()
+        return data
+
+    def resume_digest(self) -> str:
+        """A hash of resume_dict()."""
+        return hashlib.sha256(yaml.safe_dump(self.resume_dict(), sort_keys=True).encode()).hexdigest()

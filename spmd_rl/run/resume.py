@@ -168,8 +168,7 @@ def config_difference(previous: Config, cfg: Config, shown: int = 5) -> str:
 
 
 def _resume_keys(cfg: Config) -> dict:
-    """The resolved config as dotted keys, without what resume_digest leaves out (run, checkpoint, log sections
-    and dist.timeout_s)."""
+    """Config.resume_dict() as dotted keys."""
     flat: dict = {}
 
     def walk(prefix: str, value) -> None:
@@ -182,8 +181,7 @@ def _resume_keys(cfg: Config) -> dict:
         else:
             flat[prefix] = value
 
-    walk("", {k: v for k, v in cfg.to_dict().items() if k not in ("run", "checkpoint", "log")})
-    flat.pop("dist.timeout_s", None)
+    walk("", cfg.resume_dict())
     return flat
 
 
