@@ -90,3 +90,31 @@ def test_cuda_asked_for_without_cuda_is_a_user_error(monkeypatch):
     assert str(choose_device("auto", 0)) == "cpu" and choose_backend("auto") == "gloo"
     with pytest.raises(UserError, match="train.device=cuda but CUDA is not available"):
         choose_device("cuda", 0)
+
+
+def test_with_nccl_the_groups_time_out_after_every_bounded_wait():
+    from datetime import timedelta
+
+    from spmd_rl.runtime.distributed import NCCL_WATCHDOG_MARGIN, Runtime
+
+    bound = timedelta(seconds=30)
+    assert Runtime(None, torch.device("cpu"), "gloo", bound).group_timeout == bound
+    nccl = Runtime(None, torch.device("cpu"), "cpu:gloo,cuda:nccl", bound)
+    assert nccl.group_timeout == bound + NCCL_WATCHDOG_MARGIN > bound
+
+
+def test_train_deterministic_turns_on_deterministic_algorithms(monkeypatch):
+    from spmd_rl.config import load_config
+    from spmd_rl.run.driver import configure_torch
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    try:
+        configure_torch(load_config(None, ["train.deterministic=true"]))
+        assert torch.are_deterministic_algorithms_enabled()
+        import os
+
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.set_num_threads(before[1])

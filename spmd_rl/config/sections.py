@@ -140,6 +140,11 @@ class TrainSection:
         "ranks on the CPU; else cpu",
         choices=["auto", "cpu", "cuda"],
     )
+    deterministic: bool = knob(
+        False,
+        "torch.use_deterministic_algorithms on every rank (and cuBLAS's fixed workspace): on GPUs, runs that repeat "
+        "and resume exactly, at some speed; CPU runs are deterministic already",
+    )
     skip_nonfinite_updates: bool = knob(
         False,
         "an update whose loss or policy weights come out NaN/inf is undone "

@@ -8,6 +8,7 @@ the Python API (spmd_rl.train), where errors raise instead of becoming exit code
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
@@ -81,7 +82,7 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
     checked = check_before_start(cfg, launch, dry_run)
     if isinstance(checked, int):
         return checked
-    torch.set_num_threads(cfg.train.torch_threads)
+    configure_torch(cfg)
     install_signal_handlers()
     runtime = None
     outcome = None
@@ -175,13 +176,13 @@ def train_in_process(cfg: Config) -> Outcome:
     the next one starts (stop_at_iteration_boundary)."""
     launch = LaunchInfo("none", rank=0, world_size=1, local_rank=0, local_world_size=1, init_method="")
     checked = resolve(cfg, launch, dry_run=False)
-    threads = torch.get_num_threads()
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     handlers = None
     if threading.current_thread() is threading.main_thread():
         handlers = {signum: signal.getsignal(signum) for signum in stop_signals}
         install_signal_handlers()
-    torch.set_num_threads(cfg.train.torch_threads)
+    configure_torch(cfg)
     runtime = None
     try:
         runtime = start_runtime(launch, cfg.train.device, cfg.dist.timeout_s, *checked.gpu_slot)
@@ -190,6 +191,7 @@ def train_in_process(cfg: Config) -> Outcome:
         flush_open_files()
         shutdown_runtime(runtime, 0)  # one process: no group to destroy
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
         if handlers is not None:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
@@ -201,6 +203,14 @@ class _Refused(Exception):
     def __init__(self, error: UserError, speaker: bool, rank: int | None = None):
         super().__init__(str(error))
         self.error, self.speaker, self.rank = error, speaker, rank
+
+
+def configure_torch(cfg: Config) -> None:
+    """Intra-op threads (train.torch_threads) and, with train.deterministic, deterministic algorithms."""
+    torch.set_num_threads(cfg.train.torch_threads)
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
+        torch.use_deterministic_algorithms(True)
 
 
 def check_before_start(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked | int:
@@ -262,7 +272,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
             f"run directory {run_dir}{start}",
             flush=True,
         )
-    groups = create_process_groups(topology, runtime.timeout)
+    groups = create_process_groups(topology, runtime.group_timeout)
     control = RunControl(
         cfg, plan.num_iterations, runtime.rank, runtime.world_size, runtime.distributed, run_dir, runtime.timeout
     )

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from spmd_rl.runtime.errors import CommError, StopSignal, UserError
 from spmd_rl.runtime.launch import LaunchInfo
 
+NCCL_WATCHDOG_MARGIN = datetime.timedelta(seconds=60)
+
 
 @dataclass
 class Runtime:
@@ -35,6 +37,13 @@ class Runtime:
     @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
+
+    @property
+    def group_timeout(self) -> datetime.timedelta:
+        """The process groups' own timeout. With NCCL, later than every bounded wait: its watchdog aborts the
+        process when a collective outlives the group's timeout, which would cut off the one-line error a bounded
+        wait gives at dist.timeout_s."""
+        return self.timeout + NCCL_WATCHDOG_MARGIN if "nccl" in self.backend else self.timeout
 
 
 def _rendezvous(launch: LaunchInfo, timeout: datetime.timedelta) -> dict:
@@ -93,7 +102,7 @@ def start_runtime(
                 runtime.backend,
                 rank=launch.rank,
                 world_size=launch.world_size,
-                timeout=runtime.timeout,
+                timeout=runtime.group_timeout,
                 **_rendezvous(launch, runtime.timeout),
             )
         except Exception as exc:  # the store could not be reached or a peer never arrived
