@@ -414,3 +414,16 @@ def test_failure_records_survive_the_store_as_plain_json():
     failure = Failure(2, 143, 1.5, (0, 1), True)
     assert Failure.decode(failure.encode()) == failure
     assert failure.kind == "stopped by SIGTERM"
+
+
+def test_first_cause_names_a_resumed_rank_whose_own_deadline_passed_while_it_was_stopped():
+    # Rank 0 was stopped longer than the timeout: resumed, its own wait has expired too, but long after the others'.
+    own = Failure(0, COMM_ERROR_EXIT_CODE, 31.0, (1, 2, 3), timed_out=True)
+    others = {
+        1: Failure(1, COMM_ERROR_EXIT_CODE, 10.2, (0,), True),
+        2: Failure(2, COMM_ERROR_EXIT_CODE, 10.3, (0, 1, 3), True),
+        3: Failure(3, COMM_ERROR_EXIT_CODE, 10.2, (0, 1, 2), True),
+    }
+    assert first_cause(own, others, 4, _describe).startswith(
+        "rank 0 (trainer 0) stopped responding first: ranks [1, 2, 3] timed out waiting on it"
+    )

@@ -8,8 +8,9 @@ seconds for the others' records and prints one line naming the first cause:
   1. the earliest failure that is not a communication error (an env that raised, a signal, a bug): the
      communication errors of the others follow from it;
   2. else the ranks that others waited on and that left no record: killed, stopped or hung, they cannot speak;
-  3. else the ranks others timed out waiting on that did not time out themselves (a rank that was stopped and
-     resumed finds its peers gone: a closed connection, not a timeout);
+  3. else the ranks others timed out waiting on that did not time out themselves, or that failed well after every
+     rank that waited on them (a rank that was stopped and resumed finds its peers gone, or its own deadline
+     passed while it was stopped; a knock-on times out no earlier than the rank it waits on);
   4. else the ranks that left no record at all, or, when every rank reported, the earliest communication error.
 The store may be gone after a failure (its host died) or frozen (its host is stopped), so every store operation
 runs in a daemon thread joined within a bound: a failing rank always exits promptly.
@@ -38,6 +39,8 @@ COLLECT_GRACE_S = 3.0  # how long rank 0 waits for the other ranks' records
 # narrows the candidates down to the rank that really stopped.
 AMBIGUOUS_GRACE_S = 10.0
 POLL_S = 0.05
+# A rank that failed this much later than every rank that timed out waiting on it was not running meanwhile.
+STALL_MARGIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -93,12 +96,12 @@ def first_cause(own: Failure, others: dict[int, Failure], world_size: int, descr
             f"ranks' errors follow from it"
         )
     timed_out = [f for f in records.values() if f.timed_out]
-    stalled = sorted({p for f in timed_out for p in f.peers} - {f.rank for f in timed_out})
-    if timed_out and stalled:
+    stalled = _stalled(timed_out, records)
+    if stalled:
         waiters = sorted(f.rank for f in timed_out if set(f.peers) & set(stalled))
         return (
             f"{_names(stalled, describe_rank)} stopped responding first: ranks {waiters} timed out waiting on "
-            f"{_it(stalled)} and {_it(stalled)} did not time out (stopped or stalled, then found its peers gone)"
+            f"{_it(stalled)}, and {_it(stalled)} failed only after them (stopped or stalled, then found its peers gone)"
         )
     if silent:
         return (
@@ -107,6 +110,18 @@ def first_cause(own: Failure, others: dict[int, Failure], world_size: int, descr
         )
     first = min(records.values(), key=lambda f: f.at)
     return f"every rank failed with a communication error; the first was {describe_rank(first.rank)}"
+
+
+def _stalled(timed_out: list[Failure], records: dict[int, Failure]) -> list[int]:
+    """The ranks others timed out waiting on that were not themselves waiting: they did not time out, or they
+    failed long after every rank that waited on them (their deadline passed while they were stopped)."""
+    stalled = []
+    for peer in sorted({p for f in timed_out for p in f.peers}):
+        own = records.get(peer)
+        last_waiter = max(f.at for f in timed_out if peer in f.peers)
+        if own is None or not own.timed_out or own.at > last_waiter + STALL_MARGIN_S:
+            stalled.append(peer)
+    return stalled
 
 
 def _names(ranks: list[int], describe_rank: Callable[[int], str]) -> str:
