@@ -81,23 +81,28 @@ def same_weights(a: Path, b: Path) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "layout",
-    [SPLIT4, ("layout.mode=split", "layout.trainer=2", "layout.inference=2", "layout.env=2", "weights.verify_every=1")],
-    ids=["t1-i1-e2", "t2-i2-e2-verify"],
-)
-def test_lag_0_gives_exactly_the_sync_engines_metrics_and_weights(tmp_path, layout):
-    nproc = 4 if layout == SPLIT4 else 6
-    common = ("--config", TINY, "train.total_steps=512", *layout)
-    sync = run_main(*common, f"run.dir={tmp_path / 'sync'}", "engine.class=sync", nproc=nproc)
+def test_lag_0_gives_exactly_the_sync_engines_result_and_a_stopped_run_resumes_to_it(tmp_path):
+    """At lag 0 the async engine is the sync engine, metrics and weights; and it checkpoints at an agreed iteration
+    (run.stop_after_iterations): stop + resume equals one run. Two trainers, two inference ranks and verified
+    weights at lag 0: the SAC case below."""
+    common = ("--config", TINY, "train.total_steps=512", *SPLIT4)
+    sync = run_main(*common, f"run.dir={tmp_path / 'sync'}", "engine.class=sync", nproc=4)
     assert sync.returncode == 0, sync.stderr[-3000:]
     lagged = run_main(
-        *common, f"run.dir={tmp_path / 'async'}", "engine.class=async", "engine.max_policy_lag=0", nproc=nproc
+        *common, f"run.dir={tmp_path / 'async'}", "engine.class=async", "engine.max_policy_lag=0", nproc=4
     )
     assert lagged.returncode == 0, lagged.stderr[-3000:]
     assert learning_records(tmp_path / "sync") == learning_records(tmp_path / "async")
     assert same_weights(tmp_path / "sync", tmp_path / "async")
     assert all(r["policy_lag_max"] == 0 for r in records(tmp_path / "async"))
+
+    parts = (*common, f"run.dir={tmp_path / 'parts'}", "engine.class=async", "engine.max_policy_lag=0")
+    stopped = run_main(*parts, "run.stop_after_iterations=2", nproc=4)
+    assert "rerun the same command to resume" in stopped.stderr, stopped.stderr[-3000:]
+    resumed = run_main(*parts, nproc=4)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
+    assert learning_records(tmp_path / "async") == learning_records(tmp_path / "parts")
+    assert same_weights(tmp_path / "async", tmp_path / "parts")
 
 
 SAC_TINY = (
@@ -134,20 +139,6 @@ def test_sac_async_at_lag_0_equals_sync_and_runs_with_any_lag(tmp_path):
     free = run_main(*SAC_TINY, f"run.dir={tmp_path / 'free'}", "engine.class=async", nproc=6)
     assert free.returncode == 0, free.stderr[-3000:]
     assert len(records(tmp_path / "free")) == 12
-
-
-@pytest.mark.slow
-def test_a_stopped_async_run_resumes_to_the_same_result(tmp_path):
-    """Checkpoints at an agreed iteration (run.stop_after_iterations): stop + resume equals one run (lag 0)."""
-    common = ("--config", TINY, "train.total_steps=512", *SPLIT4, "engine.class=async")
-    whole = run_main(*common, f"run.dir={tmp_path / 'whole'}", nproc=4)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    stopped = run_main(*common, f"run.dir={tmp_path / 'parts'}", "run.stop_after_iterations=2", nproc=4)
-    assert "rerun the same command to resume" in stopped.stderr, stopped.stderr[-3000:]
-    resumed = run_main(*common, f"run.dir={tmp_path / 'parts'}", nproc=4)
-    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
-    assert learning_records(tmp_path / "whole") == learning_records(tmp_path / "parts")
-    assert same_weights(tmp_path / "whole", tmp_path / "parts")
 
 
 @pytest.mark.slow
@@ -237,9 +228,23 @@ def test_async_config_errors_exit_2_before_any_group(tmp_path):
     )
     # --dry-run without a launcher is one process: the layout error comes first; ask the layout of 4 ranks instead
     assert on_policy.returncode == 2
+    # Rank 0 of 4 started by hand: the plan is refused before any process group, so no peer is needed.
     lagged = run_main(
-        "--config", TINY, f"run.dir={tmp_path / 'c'}", *SPLIT4, "engine.class=async", "engine.max_policy_lag=2", nproc=4
+        "--config",
+        TINY,
+        f"run.dir={tmp_path / 'c'}",
+        *SPLIT4,
+        "engine.class=async",
+        "engine.max_policy_lag=2",
+        RANK="0",
+        WORLD_SIZE="4",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="4",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        timeout=60,
     )
+    assert lagged.returncode == 2, lagged.stderr[-2000:]
     assert "algo.vtrace=true" in lagged.stderr and "tolerates (0)" in lagged.stderr, lagged.stderr[-2000:]
     assert not (tmp_path / "c").exists()
 

@@ -441,10 +441,15 @@ BAD_PLUGINS = {
 }
 
 
-@pytest.mark.parametrize(
-    "nproc", [pytest.param(0, id="one_process"), pytest.param(2, id="torchrun_2", marks=pytest.mark.slow)]
-)
-@pytest.mark.parametrize("case", list(BAD_PLUGINS))
+# Under torchrun, one case per place a plug-in is checked (loading, the plan's field check, the act probe): the
+# others take the same path there, and each launch costs seconds.
+UNDER_TORCHRUN = ("not_a_subclass", "requires_missing_field", "act_wrong_shape")
+BAD_PLUGIN_RUNS = [pytest.param(case, 0, id=f"{case}-one_process") for case in BAD_PLUGINS] + [
+    pytest.param(case, 2, id=f"{case}-torchrun_2", marks=pytest.mark.slow) for case in UNDER_TORCHRUN
+]
+
+
+@pytest.mark.parametrize("case, nproc", BAD_PLUGIN_RUNS)
 def test_a_bad_plugin_exits_2_with_one_line_naming_it(plugins, tmp_path, case, nproc):
     overrides, expected = BAD_PLUGINS[case]
     run_dir = tmp_path / "run"

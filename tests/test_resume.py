@@ -50,7 +50,6 @@ CASES = {
     "sac-one-process-hdf5": ([*SAC_TINY, "buffer.backend=hdf5", "buffer.log_experience=true"], 0, 20),
     "sac-colocated-2-memory": ([*SAC_TINY], 2, 10),
     "sac-colocated-2-hdf5": ([*SAC_TINY, "buffer.backend=hdf5"], 2, 10),
-    "sac-split-4-memory": ([*SAC_TINY, *SPLIT4], 4, 10),
     "sac-split-4-hdf5": ([*SAC_TINY, *SPLIT4, "buffer.backend=hdf5", "buffer.log_experience=true"], 4, 10),
 }
 

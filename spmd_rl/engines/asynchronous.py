@@ -169,7 +169,7 @@ def inference_loop(run: Run, async_plan: AsyncPlan, logger: None = None) -> None
     for iteration in run.iterations:
         if async_plan.agrees_after(iteration):
             server.wait_served_through(iteration)
-            run.end_iteration(iteration, dict)  # the weights come from trainer 0
+            run.end_iteration(iteration, server.checkpoint)  # the weights come from trainer 0
     server.finish()
 
 

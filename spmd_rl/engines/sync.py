@@ -40,7 +40,13 @@ def colocated_loop(run: Run, logger: MetricsLogger | None) -> None:
             metrics = trainer.learn(segment, iteration)
             report(iteration, metrics, trainer.gather_statistics(segment), trainer)
             run.end_iteration(
-                iteration, lambda: {**trainer.state_dict(), "metrics": report.state_dict(), **runner.checkpoint()}
+                iteration,
+                lambda: {
+                    **trainer.state_dict(),
+                    "metrics": report.state_dict(),
+                    **runner.checkpoint(),
+                    **server.checkpoint(),
+                },
             )
     finally:  # files are flushed and closed on every way out
         runner.close()
@@ -69,7 +75,7 @@ def inference_loop(run: Run, logger: None = None) -> None:
             server.serve_step()
         if plan.syncs_after(iteration):
             server.take_weights(run.cfg.weights.verify_every)
-        run.end_iteration(iteration, dict)  # the weights come from trainer 0
+        run.end_iteration(iteration, server.checkpoint)  # the weights come from trainer 0; a recurrent state
 
 
 def trainer_loop(run: Run, logger: MetricsLogger | None) -> None:

@@ -19,10 +19,13 @@ if TYPE_CHECKING:  # annotations only: importing tensordict costs seconds (torch
 
 @dataclass(frozen=True)
 class StepField:
-    """One per-step value for one env: its shape (without the env dimension) and dtype."""
+    """One per-step value for one env: its shape (without the env dimension) and dtype. As part of a recurrent
+    state (`Policy.recurrent_state`), `initial` is the value every element starts from, and returns to at each
+    episode start."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    initial: float = 0.0
 
 
 # What the env side records for every step, besides the observation and the policy's outputs.
@@ -35,6 +38,14 @@ ENV_FIELDS = {
     "episode_length": StepField((), torch.int64),
     "episode_done": StepField((), torch.bool),
 }
+
+# What the env side records besides ENV_FIELDS for a recurrent policy: True where the step's observation is the
+# first of an episode (the first step of the run, or the step after an episode's reset step), where the policy's
+# state restarts from its initial value.
+EPISODE_START = "episode_start"
+# The segment's key for the recurrent state each env column entered the segment's first step with (before the
+# reset at an episode start), {name: [N, *shape]}: where the learner starts its replay of the sequence.
+RECURRENT_STATE = "recurrent_state"
 
 
 class Policy(nn.Module):
@@ -54,8 +65,21 @@ class Policy(nn.Module):
         raise NotImplementedError
 
     def act(self, obs: Tensor | TensorDict, deterministic: bool = False) -> dict[str, Tensor]:
-        """Actions (and the other declared outputs) for a batch of observations [B, ...]; called without grad."""
+        """Actions (and the other declared outputs) for a batch of observations [B, ...]; called without grad.
+
+        A recurrent policy (one whose `recurrent_state()` is not None) is called as `act(obs, deterministic,
+        state=state)` with `state` {name: [B, *shape]} (already reset to its initial value where an episode starts)
+        and returns `(outputs, next_state)`, next_state laid out like state."""
         raise NotImplementedError
+
+    def recurrent_state(self) -> dict[str, StepField] | None:
+        """None for a stateless policy (the default: the framework then does no per-step work for it). A recurrent
+        policy returns the state it carries from one step to the next, per env: {name: StepField(shape, dtype,
+        initial)}. The framework keeps it where acting happens (outside the module: it never ships with the
+        weights), resets it to `initial` at every episode start, saves it in checkpoints, and hands the learner
+        each segment's starting state (segment["recurrent_state"]) and the episode starts
+        (rollout["episode_start"])."""
+        return None
 
     def update_normalizer(self, obs: Tensor | TensorDict, context: Context) -> None:
         """Fold a batch of observations into running statistics the policy holds (merged across trainers with
@@ -64,3 +88,10 @@ class Policy(nn.Module):
 
 def describe_outputs(outputs: dict[str, StepField]) -> str:
     return ", ".join(f"{k} {tuple(f.shape)} {str(f.dtype).replace('torch.', '')}" for k, f in outputs.items())
+
+
+def initial_state(fields: dict[str, StepField], batch: int, device: torch.device | str | None = None) -> dict:
+    """A recurrent state's initial value for `batch` envs: {name: [batch, *shape]} filled with each `initial`."""
+    return {
+        name: torch.full((batch, *f.shape), f.initial, dtype=f.dtype, device=device) for name, f in fields.items()
+    }

@@ -12,7 +12,9 @@ import torch
 from tensordict import TensorDict
 
 from spmd_rl.comm.staged_weights import StagedWeights
-from spmd_rl.roles.inference_server import InferenceParts
+from spmd_rl.envs import spaces
+from spmd_rl.interfaces.policy import EPISODE_START
+from spmd_rl.roles.inference_server import InferenceParts, act_recurrent
 from spmd_rl.runtime.errors import CommError
 
 
@@ -47,7 +49,8 @@ class AsyncInferenceServer:
         self.obs_channels, self.action_channels = parts.obs_channels, parts.action_channels
         self.output_keys = list(parts.policy.outputs())
         self.uniform_actions = parts.uniform_actions
-        self.replies = [{key: tensor.numpy() for key, tensor in ch.buffer.items()} for ch in self.action_channels]
+        self.replies = [spaces.numpy_views(ch.buffer) for ch in self.action_channels]
+        self.states = parts.states  # a recurrent policy's state per env (None: stateless)
         self.verify_every = verify_every
         self.lockstep = lag_bound == 0
         self.num_steps = plan.num_steps
@@ -206,6 +209,14 @@ class AsyncInferenceServer:
             clock = time.perf_counter()
             if flag:
                 out = self.uniform_actions(obs.shape[0])
+            elif self.states is not None:
+                served = [index for index, _ in group]
+                starts = [message[EPISODE_START] for _, message in group]
+                replies = [self.replies[index] for index in served]
+                for index in served:  # the replies are written before their sends below: previous sends are out
+                    self.action_channels[index].wait()
+                obs = obs.to(self.device, non_blocking=True)
+                out = act_recurrent(self.policy, obs, self.states, served, starts, replies)
             else:
                 out = self.policy.act(obs.to(self.device, non_blocking=True))
             outputs = [out[key].cpu().numpy() for key in self.output_keys]
@@ -225,6 +236,11 @@ class AsyncInferenceServer:
                     self.next_step[index] += 1
 
     # -- the main thread: agreements, the end ---------------------------------------------------------------------
+
+    def checkpoint(self) -> dict:
+        """What a checkpoint holds of this server: a recurrent policy's state per env (nothing when stateless).
+        Taken at an agreement, when every env rank is served exactly through the agreed iteration."""
+        return {} if self.states is None else {"recurrent_state": self.states.state_dict()}
 
     def start(self) -> None:
         """Take the initial weights (trainer 0's), then serve from threads until every step is served."""

@@ -15,6 +15,7 @@ import torch
 
 from spmd_rl.envs import spaces
 from spmd_rl.envs.state import as_arrays, as_tensors, capture_env_state, restore_env_state
+from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE
 from spmd_rl.runtime.errors import UserCodeError, describe_exception
 
 
@@ -52,6 +53,14 @@ class EnvRunner:
         message = to_inference.buffer
         self.segment_index = message["segment"].numpy() if "segment" in message.keys() else None
         self._reply_views: dict[int, tuple] = {}
+        # A recurrent policy's observations say where an episode starts (the inference server resets the state
+        # there), and its segments carry the state the first step acted from. For a stateless policy neither
+        # exists and the step does no work for them.
+        self.recurrent = EPISODE_START in message.keys()
+        if self.recurrent:
+            self.episode_start_out = message[EPISODE_START].numpy()
+            self.first_state = spaces.numpy_views(self.segment[RECURRENT_STATE])
+            self.next_step_starts = np.ones(envs.num_envs, dtype=bool)  # the first observations start episodes
         self.obs = first_obs
         self.steps_taken = 0
         self._check_finite(first_obs, None, "reset")
@@ -67,6 +76,9 @@ class EnvRunner:
         spaces.write(self.rollout["obs"], self.obs, t)
         self.rollout["valid"][t] = self.next_step_valid
         spaces.write(self.obs_out, self.obs)
+        if self.recurrent:
+            self.rollout[EPISODE_START][t] = self.next_step_starts
+            self.episode_start_out[:] = self.next_step_starts
         self._action_clock = time.perf_counter()
         # The reply's receive is posted before the observation goes out: with gloo, a reply that arrives before
         # its receive is posted waits a round trip more whenever this process wakes late (async engine, busy cores).
@@ -81,6 +93,12 @@ class EnvRunner:
             self.rollout[key][t] = reply[key]
         action = self.rollout["action"][t]
         self.versions[t] = reply["policy_version"][0]
+        if self.recurrent:
+            if t == 0:  # where the learner's replay of this segment starts
+                for name, value in reply[RECURRENT_STATE].items():
+                    self.first_state[name][:] = value
+            # After a reset step (this step, if invalid) the env gives a new episode's first observation.
+            self.next_step_starts = ~self.next_step_valid
 
         clock = time.perf_counter()
         try:
@@ -155,16 +173,21 @@ class EnvRunner:
     def state_dict(self) -> dict:
         """Where the envs stand between rollouts (with their own state, see env_state.py): the observation the next
         step acts on, which envs' next step is a reset, the step counter."""
-        return {
+        state = {
             "obs": as_tensors(self.obs),
             "next_step_valid": torch.from_numpy(self.next_step_valid.copy()),
             "steps_taken": self.steps_taken,
         }
+        if self.recurrent:
+            state["next_step_starts"] = torch.from_numpy(self.next_step_starts.copy())
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.obs = as_arrays(state["obs"])
         self.next_step_valid = state["next_step_valid"].numpy().copy()
         self.steps_taken = state["steps_taken"]
+        if self.recurrent:
+            self.next_step_starts = state["next_step_starts"].numpy().copy()
 
     def checkpoint(self) -> dict:
         """What a checkpoint holds of this runner: its envs' own state (None where it cannot be saved) and its

@@ -11,7 +11,11 @@ import time
 from dataclasses import dataclass
 
 import gymnasium as gym
+import numpy as np
 import torch
+
+from spmd_rl.envs import spaces
+from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE, StepField, initial_state
 
 
 class UniformActions:
@@ -40,6 +44,74 @@ class UniformActions:
         return out
 
 
+class RecurrentStates:
+    """A recurrent policy's state for every env an inference server acts for, kept on its device: env rank k's
+    envs are rows offsets[k] .. offsets[k] + counts[k]. Before each forward pass the rows of envs whose step starts
+    an episode go back to the initial value; after it, the policy's next state replaces them."""
+
+    def __init__(self, fields: dict[str, StepField], counts: list[int], device: torch.device):
+        self.fields = fields
+        self.counts = counts
+        self.offsets = np.cumsum([0, *counts[:-1]]).tolist()
+        self.state = initial_state(fields, sum(counts), device)
+        self.initial = {name: torch.tensor(f.initial, dtype=f.dtype, device=device) for name, f in fields.items()}
+
+    def entering(self, served: list[int]) -> dict[str, torch.Tensor]:
+        """The state the served env ranks' envs enter this step with, before the reset (what a segment records as
+        its first step's), {name: [served envs, *shape]}; the served rows in order."""
+        if len(served) == len(self.counts):  # every env rank at once (the sync engine): the whole state
+            return self.state
+        rows = [self.state_rows(k) for k in served]
+        return {name: torch.cat([value[r] for r in rows]) for name, value in self.state.items()}
+
+    def reset(self, entering: dict[str, torch.Tensor], starts: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state acted from: the initial value where an episode starts."""
+        starts = starts.to(next(iter(entering.values())).device)
+        return {
+            name: torch.where(starts.view(-1, *([1] * (value.dim() - 1))), self.initial[name], value)
+            for name, value in entering.items()
+        }
+
+    def store(self, served: list[int], next_state: dict[str, torch.Tensor]) -> None:
+        if len(served) == len(self.counts):
+            self.state = {name: next_state[name] for name in self.fields}
+            return
+        offset = 0
+        for k in served:
+            rows = self.state_rows(k)
+            count = self.counts[k]
+            for name in self.fields:
+                self.state[name][rows] = next_state[name][offset : offset + count]
+            offset += count
+
+    def state_rows(self, k: int) -> slice:
+        return slice(self.offsets[k], self.offsets[k] + self.counts[k])
+
+    def state_dict(self) -> dict:
+        return {name: value.detach().cpu().clone() for name, value in self.state.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        device = next(iter(self.state.values())).device
+        self.state = {name: state[name].to(device) for name in self.fields}
+
+
+def act_recurrent(policy, obs, states: RecurrentStates, served: list[int], starts: list[torch.Tensor], replies):
+    """One forward pass of a recurrent policy for the served env ranks: reset at episode starts, act, keep the next
+    state, and write into each reply the state its envs entered the step with. Returns the policy's outputs."""
+    entering = states.entering(served)
+    offset = 0
+    for reply in replies:
+        views = reply[RECURRENT_STATE]
+        count = next(iter(views.values())).shape[0]
+        for name, view in views.items():
+            view[:] = entering[name][offset : offset + count].cpu().numpy()
+        offset += count
+    start = starts[0] if len(starts) == 1 else torch.cat(starts)
+    out, next_state = policy.act(obs, state=states.reset(entering, start))
+    states.store(served, next_state)
+    return out
+
+
 @dataclass
 class InferenceParts:
     """What an inference rank serves with (built by the run), for the sync server or an engine's own server."""
@@ -49,6 +121,7 @@ class InferenceParts:
     obs_channels: list
     action_channels: list
     uniform_actions: UniformActions | None  # off-policy warm-up actions (None when the plan has none)
+    states: RecurrentStates | None = None  # a recurrent policy's state per env (None: stateless)
 
 
 class InferenceServer:
@@ -60,6 +133,7 @@ class InferenceServer:
         device: torch.device,
         weight_sync=None,
         uniform_actions: UniformActions | None = None,
+        states: RecurrentStates | None = None,
     ):
         self.policy = policy
         self.obs_channels = obs_channels
@@ -72,17 +146,25 @@ class InferenceServer:
         self.output_keys = list(policy.outputs())
         self.no_grad = torch.no_grad()  # one reusable context: this runs once per env step
         # numpy views of the reply buffers: cheaper per-step writes than torch ops (see EnvRunner)
-        self.replies = [{key: tensor.numpy() for key, tensor in ch.buffer.items()} for ch in action_channels]
+        self.replies = [spaces.numpy_views(ch.buffer) for ch in action_channels]
         self.splits = [reply["action"].shape[0] for reply in self.replies]
+        self.states = states  # None for a stateless policy: no per-step work for states
+        self.all_served = list(range(len(action_channels)))
 
     def serve_step(self) -> None:
         pending = [ch.irecv() for ch in self.obs_channels]
-        observations = [message.wait()["obs"] for message in pending]
+        messages = [message.wait() for message in pending]
+        observations = [message["obs"] for message in messages]
         obs = observations[0] if len(observations) == 1 else torch.cat(observations)
 
         clock = time.perf_counter()
         if self.explore_uniformly:
             out = self.uniform_actions(obs.shape[0])
+        elif self.states is not None:
+            with self.no_grad:
+                starts = [message[EPISODE_START] for message in messages]
+                obs = obs.to(self.device, non_blocking=True)
+                out = act_recurrent(self.policy, obs, self.states, self.all_served, starts, self.replies)
         else:
             with self.no_grad:  # the API promises act() runs without grad; a user's act need not say so
                 out = self.policy.act(obs.to(self.device, non_blocking=True))
@@ -103,6 +185,14 @@ class InferenceServer:
             offset += count
         for send in sends:
             send.wait()
+
+    def checkpoint(self) -> dict:
+        """What a checkpoint holds of this server: a recurrent policy's state per env (nothing when stateless)."""
+        return {} if self.states is None else {"recurrent_state": self.states.state_dict()}
+
+    def restore(self, state: dict) -> None:
+        if self.states is not None:
+            self.states.load_state_dict(state["recurrent_state"])
 
     def receive_weights(self) -> None:
         """Split layout, at the fixed point between rollouts: the trainer's weights and their version."""

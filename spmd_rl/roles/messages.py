@@ -12,7 +12,7 @@ from tensordict import TensorDict
 
 from spmd_rl.envs.spaces import zeros_of
 from spmd_rl.envs.vector import EnvSpec
-from spmd_rl.interfaces.policy import ENV_FIELDS, StepField
+from spmd_rl.interfaces.policy import ENV_FIELDS, EPISODE_START, RECURRENT_STATE, StepField
 
 
 def _fields(fields: dict[str, StepField], *batch: int) -> dict[str, torch.Tensor]:
@@ -24,23 +24,41 @@ def observation_message(spec: EnvSpec, num_envs: int) -> TensorDict:
     return TensorDict({"obs": zeros_of(spec.observation_space, num_envs)}, batch_size=[])
 
 
-def action_message(outputs: dict[str, StepField], num_envs: int) -> TensorDict:
+def with_episode_starts(message: TensorDict, state: dict[str, StepField] | None, num_envs: int) -> TensorDict:
+    """An observation message for a recurrent policy (state not None) also says, per env, whether the step starts
+    an episode: where the inference server resets the state. A stateless policy's message is left as it is."""
+    if state is not None:
+        message[EPISODE_START] = torch.zeros(num_envs, dtype=torch.bool)
+    return message
+
+
+def action_message(
+    outputs: dict[str, StepField], num_envs: int, state: dict[str, StepField] | None = None
+) -> TensorDict:
     """inference server -> env runner, every step: the policy's outputs (action first). The policy version lets the
     env prove it acted on fresh weights; inference_s (seconds in the forward pass) lets the trainer tell inference
-    time from transfer time."""
-    return TensorDict(
-        {
-            **_fields(outputs, num_envs),
-            "policy_version": torch.zeros(1, dtype=torch.int64),
-            "inference_s": torch.zeros(1, dtype=torch.float64),
-        },
-        batch_size=[],
-    )
+    time from transfer time. For a recurrent policy, also the state each env entered the step with (before its
+    reset at an episode start): the env runner keeps the first step's for the segment."""
+    fields = {
+        **_fields(outputs, num_envs),
+        "policy_version": torch.zeros(1, dtype=torch.int64),
+        "inference_s": torch.zeros(1, dtype=torch.float64),
+    }
+    if state is not None:
+        fields[RECURRENT_STATE] = TensorDict(_fields(state, num_envs), batch_size=[])
+    return TensorDict(fields, batch_size=[])
 
 
-def segment_message(spec: EnvSpec, outputs: dict[str, StepField], num_steps: int, num_envs: int) -> TensorDict:
+def segment_message(
+    spec: EnvSpec,
+    outputs: dict[str, StepField],
+    num_steps: int,
+    num_envs: int,
+    state: dict[str, StepField] | None = None,
+) -> TensorDict:
     """env runner -> trainer, once per rollout: the rollout [T, N] (obs, the policy's outputs, the env fields), the
-    observation after it, and the env side's timings."""
+    observation after it, and the env side's timings. For a recurrent policy (state not None), what the learner
+    replays a sequence from: the rollout's episode_start flags and the state at the segment's first step."""
     t, n = num_steps, num_envs
     rollout = TensorDict(
         {
@@ -50,14 +68,15 @@ def segment_message(spec: EnvSpec, outputs: dict[str, StepField], num_steps: int
         },
         batch_size=[t, n],
     )
-    return TensorDict(
-        {
-            "rollout": rollout,
-            "next_obs": zeros_of(spec.observation_space, n),
-            "policy_version": torch.zeros(t, dtype=torch.int64),  # the version each step's actions came from
-            "env_s": torch.zeros(1, dtype=torch.float64),  # seconds in env.step this rollout
-            "action_wait_s": torch.zeros(1, dtype=torch.float64),  # seconds from sending obs to having actions
-            "inference_s": torch.zeros(1, dtype=torch.float64),  # of which the inference server computed
-        },
-        batch_size=[],
-    )
+    fields = {
+        "rollout": rollout,
+        "next_obs": zeros_of(spec.observation_space, n),
+        "policy_version": torch.zeros(t, dtype=torch.int64),  # the version each step's actions came from
+        "env_s": torch.zeros(1, dtype=torch.float64),  # seconds in env.step this rollout
+        "action_wait_s": torch.zeros(1, dtype=torch.float64),  # seconds from sending obs to having actions
+        "inference_s": torch.zeros(1, dtype=torch.float64),  # of which the inference server computed
+    }
+    if state is not None:
+        rollout[EPISODE_START] = torch.zeros(t, n, dtype=torch.bool)
+        fields[RECURRENT_STATE] = TensorDict(_fields(state, n), batch_size=[])
+    return TensorDict(fields, batch_size=[])

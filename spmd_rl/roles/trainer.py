@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from spmd_rl.interfaces.policy import RECURRENT_STATE
 from spmd_rl.roles.update_guard import UpdateGuard
 from spmd_rl.runtime.distributed import bounded, comm_error, group_peer, is_comm_failure
 from spmd_rl.runtime.errors import CommError
@@ -26,7 +27,7 @@ def combine_segments(segments: list[TensorDict], copy: bool = False) -> TensorDi
     receive buffer (one segment is cloned, several are concatenated anyway)."""
     if len(segments) == 1:
         return segments[0].clone() if copy else segments[0]
-    return TensorDict(
+    combined = TensorDict(
         {
             "rollout": torch.cat([s["rollout"] for s in segments], dim=1),
             "next_obs": torch.cat([s["next_obs"] for s in segments]),
@@ -37,6 +38,13 @@ def combine_segments(segments: list[TensorDict], copy: bool = False) -> TensorDi
         },
         batch_size=[],
     )
+    if RECURRENT_STATE in segments[0].keys():  # a recurrent policy's first states, env columns side by side
+        first = segments[0][RECURRENT_STATE]
+        combined[RECURRENT_STATE] = TensorDict(
+            {name: torch.cat([s[RECURRENT_STATE][name] for s in segments]) for name in first.keys()},
+            batch_size=[],
+        )
+    return combined
 
 
 class Trainer:

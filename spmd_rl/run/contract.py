@@ -16,7 +16,15 @@ from spmd_rl.envs.spaces import zeros_of
 from spmd_rl.envs.vector import EnvSpec
 from spmd_rl.interfaces.algorithm import PER_SAMPLE_SCALARS, Algorithm, Callback, PolicyMethod
 from spmd_rl.interfaces.engine import Engine
-from spmd_rl.interfaces.policy import ENV_FIELDS, Policy, StepField, describe_outputs
+from spmd_rl.interfaces.policy import (
+    ENV_FIELDS,
+    EPISODE_START,
+    RECURRENT_STATE,
+    Policy,
+    StepField,
+    describe_outputs,
+    initial_state,
+)
 from spmd_rl.roles.messages import segment_message
 from spmd_rl.run.policies import build_policy
 from spmd_rl.runtime.errors import UserError, describe_exception
@@ -54,8 +62,9 @@ def check_policy(
     except Exception as exc:
         raise UserError(f"{name}: outputs() failed: {describe_exception(exc)}") from None
     _check_declared(name, outputs, spec.action_space)
-    obs, acted = _check_act(name, policy, outputs, spec)
-    _check_algorithm_needs(cfg, policy, outputs, algorithm_cls)
+    state = _check_declared_state(name, policy)
+    obs, acted = _check_act(name, policy, outputs, spec, state)
+    _check_algorithm_needs(cfg, policy, outputs, algorithm_cls, state)
     _check_policy_methods(cfg, policy, algorithm_cls, obs, acted, outputs)
     return outputs
 
@@ -88,8 +97,33 @@ def _check_declared(name: str, outputs: dict, action_space: gym.Space) -> None:
         raise UserError(f"{name}: outputs() must list 'action' first (got {list(outputs)})")
 
 
-def _check_act(name: str, policy: Policy, outputs: dict, spec: EnvSpec) -> tuple:
-    """(the sample observations, act's outputs for them)."""
+def _check_declared_state(name: str, policy: Policy) -> dict[str, StepField] | None:
+    """The policy's recurrent state, if it declares one: {name: StepField}, each of a fixed shape."""
+    try:
+        state = policy.recurrent_state()
+    except Exception as exc:
+        raise UserError(f"{name}: recurrent_state() failed: {describe_exception(exc)}") from None
+    if state is None:
+        return None
+    if not isinstance(state, dict) or not state:
+        raise UserError(
+            f"{name}: recurrent_state() must return None (stateless) or a non-empty dict "
+            f"{{name: StepField(shape, dtype, initial)}}, got {state!r}"[:400]
+        )
+    for key, field in state.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise UserError(f"{name}: recurrent_state() names a state {key!r}; use identifiers as names")
+        if not isinstance(field, StepField) or not all(isinstance(d, int) and d > 0 for d in field.shape):
+            raise UserError(
+                f"{name}: recurrent_state()['{key}'] must be a spmd_rl.api.StepField(shape, dtype, initial) "
+                f"with positive integer sizes, got {field!r}"
+            )
+    return state
+
+
+def _check_act(name: str, policy: Policy, outputs: dict, spec: EnvSpec, state: dict | None = None) -> tuple:
+    """(the sample observations, act's outputs for them). A recurrent policy acts from its initial state, and the
+    state it returns must be laid out as it declared."""
     batch = SAMPLE_BATCH
     space = spec.observation_space
     obs = zeros_of(space, batch)
@@ -105,14 +139,19 @@ def _check_act(name: str, policy: Policy, outputs: dict, spec: EnvSpec) -> tuple
         for i, sample in enumerate(samples):
             obs[i] = torch.as_tensor(sample)
     for deterministic in (False, True):
+        call = f"act(obs, deterministic={deterministic}{', state=state' if state is not None else ''})"
         try:
             with torch.no_grad():
-                out = policy.act(obs, deterministic=deterministic)
+                if state is None:
+                    out = policy.act(obs, deterministic=deterministic)
+                else:
+                    out = policy.act(obs, deterministic=deterministic, state=initial_state(state, batch))
         except Exception as exc:
             raise UserError(
-                f"{name}: act(obs, deterministic={deterministic}) failed on a batch of {batch} sample "
-                f"observations: {describe_exception(exc)}"
+                f"{name}: {call} failed on a batch of {batch} sample observations: {describe_exception(exc)}"
             ) from None
+        if state is not None:
+            out = _check_next_state(name, call, out, state, batch)
         if not hasattr(out, "keys") or set(out.keys()) != set(outputs):
             got = list(out.keys()) if hasattr(out, "keys") else type(out).__name__
             raise UserError(
@@ -131,9 +170,44 @@ def _check_act(name: str, policy: Policy, outputs: dict, spec: EnvSpec) -> tuple
     return obs, out
 
 
-def _check_algorithm_needs(cfg: Config, policy: Policy, outputs: dict, algorithm_cls: type[Algorithm]) -> None:
+def _check_next_state(name: str, call: str, returned, state: dict[str, StepField], batch: int) -> dict:
+    """A recurrent act's (outputs, next_state): next_state exactly as recurrent_state() declares. Returns outputs."""
+    if not (isinstance(returned, tuple) and len(returned) == 2 and hasattr(returned[1], "keys")):
+        raise UserError(
+            f"{name}: {call} returned {type(returned).__name__}; a policy that declares recurrent_state() "
+            f"returns (outputs, next_state)"
+        )
+    out, next_state = returned
+    if set(next_state.keys()) != set(state):
+        raise UserError(
+            f"{name}: {call} returned the state {sorted(next_state.keys())}, but recurrent_state() declares "
+            f"{sorted(state)}"
+        )
+    for key, field in state.items():
+        value = next_state[key]
+        expected = (batch, *field.shape)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != field.dtype:
+            got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise UserError(
+                f"{name}: {call} returned the state '{key}' as {got} for a batch of {batch}; recurrent_state() "
+                f"declares {describe_outputs({key: field})} per env (so {expected} {field.dtype}); make them agree"
+            )
+    return out
+
+
+def _check_algorithm_needs(
+    cfg: Config, policy: Policy, outputs: dict, algorithm_cls: type[Algorithm], state: dict | None = None
+) -> None:
     algo = f"algo.class '{cfg.classes['algo']}'"
     available = {"obs", *outputs, *ENV_FIELDS}
+    if state is not None:
+        available |= {EPISODE_START, RECURRENT_STATE}
+        if RECURRENT_STATE not in algorithm_cls.requires:
+            raise UserError(
+                f"policy.class '{cfg.classes['policy']}' declares a recurrent state, but {algo} learns from "
+                f"single steps (its `requires` lacks '{RECURRENT_STATE}'); choose an algorithm that replays "
+                f"sequences (e.g. spmd_rl.algorithms.recurrent_ppo:RecurrentPPO) or a stateless policy"
+            )
     missing = [key for key in algorithm_cls.requires if key not in available]
     if missing:
         raise UserError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -25,8 +26,8 @@ from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.persist.checkpoint import restore_rng_state
 from spmd_rl.persist.run_control import RunControl
 from spmd_rl.roles.env_runner import EnvRunner
-from spmd_rl.roles.inference_server import InferenceParts, InferenceServer, UniformActions
-from spmd_rl.roles.messages import action_message, observation_message, segment_message
+from spmd_rl.roles.inference_server import InferenceParts, InferenceServer, RecurrentStates, UniformActions
+from spmd_rl.roles.messages import action_message, observation_message, segment_message, with_episode_starts
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.plan import Plan
@@ -76,6 +77,13 @@ class Run:
     def iterations(self) -> range:
         """The iterations this rank runs: from the one after the resumed checkpoint to the plan's last."""
         return range(self.resume.start_iteration, self.plan.num_iterations)
+
+    @cached_property
+    def recurrent_state(self) -> dict[str, StepField] | None:
+        """The policy's declared recurrent state per env (None: stateless), checked by the contract before start.
+        Every rank reads it from a policy built the same way, without touching its random streams."""
+        with torch.random.fork_rng(devices=[]):
+            return build_policy(self.cfg, self.spec, self.policy_cls).recurrent_state()
 
     def describe(self, rank: int | None = None) -> str:
         """'rank 2 (env 0)': how messages name a rank (this one by default)."""
@@ -128,9 +136,14 @@ class Run:
         algorithm, callbacks = self._build_algorithm(policy, group)
         envs, first_obs = make_vector_env(cfg.env, self.spec, self._seed_rank())
         n, t = cfg.env.num_envs, plan.num_steps
-        obs_out, obs_in = local_channel("observations", observation_message(self.spec, n))
-        actions_out, actions_in = local_channel("actions", action_message(self.outputs, n))
-        segments_out, segments_in = local_channel("segments", segment_message(self.spec, self.outputs, t, n))
+        state = self.recurrent_state
+        obs_out, obs_in = local_channel(
+            "observations", with_episode_starts(observation_message(self.spec, n), state, n)
+        )
+        actions_out, actions_in = local_channel("actions", action_message(self.outputs, n, state))
+        segments_out, segments_in = local_channel(
+            "segments", segment_message(self.spec, self.outputs, t, n, state)
+        )
         runner = EnvRunner(
             envs,
             first_obs,
@@ -143,7 +156,12 @@ class Run:
             env_id=cfg.env.id,
         )
         server = InferenceServer(
-            policy, [obs_in], [actions_out], self.runtime.device, uniform_actions=self._uniform_actions()
+            policy,
+            [obs_in],
+            [actions_out],
+            self.runtime.device,
+            uniform_actions=self._uniform_actions(),
+            states=self._recurrent_states([n]),
         )
         trainer = Trainer(
             algorithm,
@@ -166,6 +184,7 @@ class Run:
             trainer.load_state_dict(state)
             report.load_state_dict(state["metrics"])
             runner.restore(state)
+            server.restore(state)
             restore_rng_state(state["rng"])  # last: building the envs above drew from the generators
         if rank == 0:
             self.final_policy = policy
@@ -177,14 +196,15 @@ class Run:
         cfg, topology, spec, rank = self.cfg, self.topology, self.spec, self.rank
         inference, trainer = topology.env_to_inference[rank], topology.env_to_trainer[rank]
         n, t = cfg.env.num_envs, self.plan.num_steps
+        state = self.recurrent_state
         envs, first_obs = make_vector_env(cfg.env, spec, self._seed_rank())
         (to_inference, to_trainer), (from_inference,) = open_channels(
             me=rank,
             sends=[
-                (inference, "observations", observation_layout(spec, n)),
-                (trainer, "segments", segment_message(spec, self.outputs, t, n)),
+                (inference, "observations", with_episode_starts(observation_layout(spec, n), state, n)),
+                (trainer, "segments", segment_message(spec, self.outputs, t, n, state)),
             ],
-            recvs=[(inference, "actions", action_message(self.outputs, n))],
+            recvs=[(inference, "actions", action_message(self.outputs, n, state))],
             describe_rank=topology.describe,
             timeout=self.runtime.timeout,
         )
@@ -216,6 +236,7 @@ class Run:
             self.runtime.device,
             parts.weight_sync,
             uniform_actions=parts.uniform_actions,
+            states=parts.states,
         )
 
     def inference_parts(self, observation_layout=observation_message, recv_buffers: int = 1) -> InferenceParts:
@@ -224,21 +245,26 @@ class Run:
         cfg, topology, rank = self.cfg, self.topology, self.rank
         served = topology.envs_served_by(rank)
         n = cfg.env.num_envs
+        state_fields = self.recurrent_state
         policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
         weight_sync = self._weight_sync(policy)
         self._seed_rank()
+        observations = [with_episode_starts(observation_layout(self.spec, n), state_fields, n) for _ in served]
         action_channels, obs_channels = open_channels(
             me=rank,
-            sends=[(env, "actions", action_message(self.outputs, n)) for env in served],
-            recvs=[(env, "observations", observation_layout(self.spec, n)) for env in served],
+            sends=[(env, "actions", action_message(self.outputs, n, state_fields)) for env in served],
+            recvs=[(env, "observations", layout) for env, layout in zip(served, observations)],
             describe_rank=topology.describe,
             timeout=self.runtime.timeout,
             num_recv_buffers=recv_buffers,
         )
+        states = self._recurrent_states([n] * len(served))
         state = self._load_checkpoint()
         if state is not None:
+            if states is not None:
+                states.load_state_dict(state["recurrent_state"])
             restore_rng_state(state["rng"])  # the weights come from trainer 0
-        return InferenceParts(policy, weight_sync, obs_channels, action_channels, self._uniform_actions())
+        return InferenceParts(policy, weight_sync, obs_channels, action_channels, self._uniform_actions(), states)
 
     def build_trainer(self, logger: MetricsLogger | None, recv_buffers: int = 1) -> tuple[Trainer, Reporter]:
         """A split-layout trainer rank's trainer (trainer 0's also publishes weights) and its report.
@@ -255,7 +281,10 @@ class Run:
         _, segment_channels = open_channels(
             me=rank,
             sends=[],
-            recvs=[(env, "segments", segment_message(self.spec, self.outputs, t, n)) for env in sources],
+            recvs=[
+                (env, "segments", segment_message(self.spec, self.outputs, t, n, self.recurrent_state))
+                for env in sources
+            ],
             describe_rank=topology.describe,
             timeout=self.runtime.timeout,
             num_recv_buffers=recv_buffers,
@@ -338,6 +367,11 @@ class Run:
             describe_rank=topology.describe,
         )
 
+    def _recurrent_states(self, counts: list[int]) -> RecurrentStates | None:
+        """Where an inference server keeps a recurrent policy's state: one row per env it acts for."""
+        fields = self.recurrent_state
+        return None if fields is None else RecurrentStates(fields, counts, self.runtime.device)
+
     def _uniform_actions(self) -> UniformActions | None:
         return UniformActions(self.spec.action_space, self.outputs) if self.plan.explore_iterations else None
 
@@ -345,7 +379,9 @@ class Run:
         buffer = self.cfg.buffer
         if not buffer.log_experience:
             return None
-        example = segment_message(self.spec, self.outputs, self.plan.num_steps, self.cfg.env.num_envs)["rollout"]
+        example = segment_message(
+            self.spec, self.outputs, self.plan.num_steps, self.cfg.env.num_envs, self.recurrent_state
+        )["rollout"]
         return ExperienceLog(
             self.run_dir,
             self.rank,

@@ -1,0 +1,221 @@
+"""PPO for recurrent policies, with truncated backpropagation through time over each segment's sequences
+(`algo.class: spmd_rl.algorithms.recurrent_ppo:RecurrentPPO`).
+
+What differs from PPO (algorithms/ppo.py, whose advantage and loss functions this reuses):
+- the policy is replayed over whole sequences: every env column of the segment [T, N] is one sequence of T steps,
+  started from the state its first step acted from (segment["recurrent_state"]) and reset wherever an episode
+  starts inside it (rollout["episode_start"]), exactly as acting did; gradients flow back through the T steps of
+  the segment and no further (truncated BPTT);
+- minibatches are sets of whole env columns (a column cut in pieces would lose the state between its pieces);
+- the bootstrap value V(next_obs) comes from the state after the segment's last step.
+With the policy unchanged, the replay gives the log-probs acting gave, so the first epoch's ratio is 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor, nn
+
+from spmd_rl.algorithms.configs import PPOConfig
+from spmd_rl.algorithms.ppo import (
+    LOSS_NAMES,
+    VTRACE_MAX_POLICY_LAG,
+    compute_gae,
+    explained_variance,
+    ppo_losses,
+    rollout_tensors,
+    total_loss,
+)
+from spmd_rl.algorithms.vtrace import vtrace
+from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, Schedule
+from spmd_rl.interfaces.context import Context
+from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE, Policy
+from spmd_rl.runtime.errors import UserError
+
+
+@dataclass
+class RecurrentPPOConfig(PPOConfig):
+    """PPO's keys; num_minibatches splits each trainer's env columns (whole sequences), not its steps."""
+
+    default_policy: ClassVar[str] = "spmd_rl.modules.recurrent:RecurrentActorCritic"
+
+
+def column_minibatches(columns: int, num_minibatches: int, device) -> Iterator[Tensor]:
+    """The env columns split into num_minibatches random sets (sizes differ by at most one)."""
+    if num_minibatches == 1:
+        yield torch.arange(columns, device=device)
+        return
+    yield from torch.randperm(columns, device=device).tensor_split(num_minibatches)
+
+
+class RecurrentPPO(Algorithm):
+    """The clipped-surrogate update over sequences of a recurrent policy.
+
+    Needs from the policy: a recurrent state (`recurrent_state()`), per-step outputs log_prob and value,
+    `evaluate_sequence(obs, action, episode_start, state) -> (log_prob, entropy, value)` each [T, B] with gradients
+    through time (also as forward(), which DDP wraps), and `value_sequence(obs, episode_start, state) -> [T, B]`.
+    See spmd_rl/modules/recurrent.py."""
+
+    Config = RecurrentPPOConfig
+    requires = ("log_prob", "value", EPISODE_START, RECURRENT_STATE)
+    policy_methods = ("evaluate_sequence", "value_sequence", "forward")
+
+    @classmethod
+    def schedule(cls, config: RecurrentPPOConfig) -> Schedule:
+        return Schedule(max_policy_lag=VTRACE_MAX_POLICY_LAG if config.vtrace else 0)
+
+    @classmethod
+    def check_plan(cls, config: RecurrentPPOConfig, plan: PlanFacts) -> None:
+        columns = plan.samples_per_trainer // config.num_steps
+        if columns < config.num_minibatches:
+            raise UserError(
+                f"algo.num_minibatches={config.num_minibatches} is more than the {columns} env columns (whole "
+                f"sequences) a trainer learns from per iteration; lower it or raise env.num_envs"
+            )
+
+    @classmethod
+    def summary(cls, config: RecurrentPPOConfig, plan: PlanFacts) -> str:
+        columns = plan.samples_per_trainer // config.num_steps
+        return (
+            f"batch {plan.steps_per_iteration} ({columns} sequences of {config.num_steps} steps per trainer), "
+            f"{config.num_minibatches} minibatch(es) of {columns // config.num_minibatches} sequences, "
+            f"{config.update_epochs} epochs"
+        )
+
+    def __init__(self, policy: Policy, config: RecurrentPPOConfig, context: Context):
+        super().__init__(policy, config, context)
+        self.cfg = config
+        self.model = context.data_parallel(policy)  # forward = evaluate_sequence, grads averaged over trainers
+        self.parameters = list(policy.parameters())
+        self.optimizer = torch.optim.Adam(self.parameters, lr=config.learning_rate, eps=1e-5)
+
+    def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
+        device = self.context.device
+        rollout = segment["rollout"].to(device)
+        state = {name: value.to(device) for name, value in segment[RECURRENT_STATE].items()}
+        starts = rollout[EPISODE_START]
+        cfg = self.cfg
+        with torch.no_grad():
+            # V(next_obs) from the state after the last step: replay the segment one step further. next_obs
+            # starts an episode where the last step was a reset step (invalid), as the env runner marks it.
+            obs_and_next = torch.cat([rollout["obs"], segment["next_obs"].to(device).unsqueeze(0)])
+            starts_and_next = torch.cat([starts, ~rollout["valid"][-1:]])
+            next_value = self.policy.value_sequence(obs_and_next, starts_and_next, state)[-1]
+        value = rollout["value"]
+        if cfg.vtrace:
+            advantage, return_, value = self.vtrace_targets(rollout, state, next_value)
+        else:
+            advantage, return_ = compute_gae(
+                rollout["reward"],
+                value,
+                next_value,
+                rollout["terminated"],
+                rollout["truncated"],
+                cfg.gamma,
+                cfg.gae_lambda,
+            )
+        batch = TensorDict(
+            {
+                "obs": rollout["obs"],
+                "action": rollout["action"],
+                "log_prob": rollout["log_prob"],
+                "value": value,
+                "valid": rollout["valid"],
+                "advantage": advantage,
+                "return_": return_,
+            },
+            batch_size=rollout.batch_size,
+        )
+        metrics = self.update(batch, starts, state, iteration)
+        valid = rollout["valid"]
+        self.policy.update_normalizer(rollout["obs"][valid], self.context)
+        return metrics
+
+    def vtrace_targets(self, rollout: TensorDict, state: dict, next_value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """As PPO's: the learner's replay of the sequences is the target policy, the rollout's log_prob the
+        behaviour policy."""
+        cfg = self.cfg
+        with torch.no_grad():
+            target_log_prob, _, value = self.policy.evaluate_sequence(
+                rollout["obs"], rollout["action"], rollout[EPISODE_START], state
+            )
+        return_, advantage = vtrace(
+            rollout["log_prob"],
+            target_log_prob,
+            rollout["reward"],
+            value,
+            next_value,
+            rollout["terminated"],
+            rollout["truncated"],
+            cfg.gamma,
+            cfg.gae_lambda,
+            cfg.vtrace_rho_bar,
+            cfg.vtrace_c_bar,
+        )
+        return advantage, return_, value
+
+    def annealed(self, iteration: int) -> tuple[float, float]:
+        remaining = 1.0 - iteration / self.context.num_iterations
+        lr = self.cfg.learning_rate * (remaining if self.cfg.anneal_lr else 1.0)
+        clip = self.cfg.clip_coef * (remaining if self.cfg.anneal_clip else 1.0)
+        return lr, clip
+
+    def update(self, batch: TensorDict, starts: Tensor, state: dict, iteration: int) -> dict[str, float]:
+        """Epochs of minibatches of whole env columns [T, b]: replay each from its first state, then PPO's losses
+        over its T * b steps."""
+        cfg = self.cfg
+        lr, clip = self.annealed(iteration)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
+        data = rollout_tensors(batch)  # [T, N] each, targets of reset steps zeroed
+        columns = starts.shape[1]
+
+        steps: list[Tensor] = []
+        self.first_ratio = None  # the first minibatch's max |ratio - 1|: 0 up to rounding (tests check it)
+        stopped = False
+        for _ in range(cfg.update_epochs):
+            for cols in column_minibatches(columns, cfg.num_minibatches, starts.device):
+                sequence = {key: value[:, cols] for key, value in data.items()}
+                first = {name: value[cols] for name, value in state.items()}
+                log_prob, entropy, value = self.model(sequence["obs"], sequence["action"], starts[:, cols], first)
+                flat = {key: value.reshape(-1) for key, value in sequence.items() if key not in ("obs", "action")}
+                losses = ppo_losses(flat, log_prob.reshape(-1), entropy.reshape(-1), value.reshape(-1), clip, cfg)
+                if self.first_ratio is None:
+                    with torch.no_grad():
+                        ratio = (log_prob.reshape(-1) - flat["log_prob"]).exp()
+                        self.first_ratio = float(((ratio - 1).abs() * flat["valid"]).max())
+                if cfg.target_kl is not None and self._group_mean(losses["approx_kl"]) > 1.5 * cfg.target_kl:
+                    stopped = True
+                    break
+                self.optimizer.zero_grad(set_to_none=True)
+                total_loss(losses, cfg).backward()
+                nn.utils.clip_grad_norm_(self.parameters, cfg.max_grad_norm)
+                self.optimizer.step()
+                with torch.no_grad():
+                    steps.append(torch.stack([losses[name] for name in LOSS_NAMES]))
+            if stopped:
+                break
+
+        means = torch.stack(steps).mean(0).tolist() if steps else [float("nan")] * len(LOSS_NAMES)
+        metrics = dict(zip(LOSS_NAMES, means))
+        valid = data["valid"]
+        metrics["explained_variance"] = explained_variance(data["value"][valid], data["return_"][valid])
+        metrics["learning_rate"] = lr
+        metrics["clip_coef"] = clip
+        metrics["minibatch_steps"] = float(len(steps))
+        return metrics
+
+    def _group_mean(self, value: Tensor) -> float:
+        value = value.detach().clone().reshape(1)
+        return float(self.context.all_reduce(value, "RecurrentPPO target_kl: approx_kl", mean=True))
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])

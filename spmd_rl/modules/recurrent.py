@@ -1,0 +1,180 @@
+"""The built-in recurrent actor-critic: an observation encoder (modules/encoders.py: MLP input, CNN, Dict), then a
+GRU or LSTM cell whose state the framework carries from step to step, then separate actor and critic MLPs over the
+cell's output. Select it with `policy.class: spmd_rl.modules.recurrent:RecurrentActorCritic` (RecurrentPPO's
+default policy).
+
+The state per env is declared by `recurrent_state()` (GRU: h; LSTM: h and c, each [recurrent_size], starting at 0)
+and lives outside the module: acting gets it and returns the next one; learning replays a whole sequence [T, B]
+from the state its first step acted from, resetting it where an episode starts, with the same cell, so the
+learner's log-probs are the ones acting computed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import gymnasium as gym
+import torch
+from torch import Tensor, nn
+
+from spmd_rl.config.sections import knob
+from spmd_rl.interfaces.policy import Policy, StepField
+from spmd_rl.modules.actor_critic import mlp
+from spmd_rl.modules.configs import ActorCriticConfig
+from spmd_rl.modules.encoders import make_encoder
+from spmd_rl.runtime.errors import UserError
+
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass
+class RecurrentActorCriticConfig(ActorCriticConfig):
+    """The actor-critic's keys, plus the recurrent cell between the encoder and the heads."""
+
+    cell: str = knob("gru", "the recurrent cell after the encoder", choices=["gru", "lstm"])
+    recurrent_size: int = knob(64, "width of the recurrent state (GRU: h; LSTM: h and c)", min=1)
+    hidden_sizes: list[int] = knob(
+        None, "hidden layer widths of the actor and critic MLPs after the cell", factory=lambda: [64], item_min=1
+    )
+
+
+def _check_action_space(action_space: gym.Space) -> None:
+    discrete = isinstance(action_space, gym.spaces.Discrete) and int(action_space.start) == 0
+    vector_box = isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1
+    if not (discrete or vector_box):
+        raise UserError(
+            f"action space {action_space} is not supported by the recurrent actor-critic (Discrete (start 0) or a "
+            f"1-D Box); wrap the env or bring your own policy.class"
+        )
+
+
+def _flatten_time(obs, steps: int, batch: int):
+    """[T, B, ...] observations (a tensor or a TensorDict) as [T * B, ...] for the encoder."""
+    if isinstance(obs, Tensor):
+        return obs.reshape(steps * batch, *obs.shape[2:])
+    return obs.reshape(steps * batch)
+
+
+class RecurrentActorCritic(Policy):
+    """Encoder -> GRU/LSTM cell -> actor and critic MLPs. `act(obs, deterministic, state=state)` acts one step
+    for a batch of envs; `evaluate_sequence` / `forward` and `value_sequence` replay [T, B] sequences."""
+
+    Config = RecurrentActorCriticConfig
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: RecurrentActorCriticConfig):
+        super().__init__(observation_space, action_space, config)
+        _check_action_space(action_space)
+        self.discrete = isinstance(action_space, gym.spaces.Discrete)
+        if self.discrete:
+            self.action_field = StepField((), torch.int64)
+            actor_out = int(action_space.n)
+        else:
+            self.action_field = StepField((int(action_space.shape[0]),), torch.float32)
+            actor_out = self.action_field.shape[0]
+            self.log_std = nn.Parameter(torch.full((actor_out,), float(config.log_std_init)))
+        self.encoder = make_encoder(observation_space, config)
+        self.size = config.recurrent_size
+        self.lstm = config.cell == "lstm"
+        cell_type = nn.LSTMCell if self.lstm else nn.GRUCell
+        self.cell = cell_type(self.encoder.out_features, self.size)
+        for name, weight in self.cell.named_parameters():  # orthogonal weights, zero biases: stable early training
+            if name.startswith("weight"):
+                nn.init.orthogonal_(weight)
+            else:
+                nn.init.zeros_(weight)
+        hidden, activation = list(config.hidden_sizes), config.activation
+        self.actor = mlp(self.size, hidden, actor_out, activation, head_gain=0.01)
+        self.critic = mlp(self.size, hidden, 1, activation, head_gain=1.0)
+
+    # -- the contract ---------------------------------------------------------------------------------------------
+
+    def outputs(self) -> dict[str, StepField]:
+        return {
+            "action": self.action_field,
+            "log_prob": StepField((), torch.float32),
+            "value": StepField((), torch.float32),
+        }
+
+    def recurrent_state(self) -> dict[str, StepField]:
+        state = {"h": StepField((self.size,), torch.float32)}
+        if self.lstm:
+            state["c"] = StepField((self.size,), torch.float32)
+        return state
+
+    def update_normalizer(self, obs, context) -> None:
+        self.encoder.update_normalizer(obs, context)
+
+    # -- one step, many envs --------------------------------------------------------------------------------------
+
+    def _step(self, features: Tensor, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        if self.lstm:
+            h, c = self.cell(features, (state["h"], state["c"]))
+            return {"h": h, "c": c}
+        return {"h": self.cell(features, state["h"])}
+
+    def act(self, obs, deterministic: bool = False, state: dict[str, Tensor] | None = None):
+        """(outputs, next_state): actions sampled (the mode when deterministic) with their log-probs and values,
+        from the state each env carries (already reset where an episode starts)."""
+        if state is None:
+            raise TypeError(
+                "RecurrentActorCritic.act needs the recurrent state: act(obs, deterministic, state=state) with "
+                "state {name: [B, *shape]} as recurrent_state() declares (spmd_rl.api.initial_state gives the first)"
+            )
+        next_state = self._step(self.encoder(obs), state)
+        h = next_state["h"]
+        out = self.actor(h)
+        if self.discrete:
+            log_probs = torch.log_softmax(out, dim=-1)
+            action = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1).squeeze(-1)
+            log_prob = log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1)
+        else:
+            action = out if deterministic else out + self.log_std.exp() * torch.randn_like(out)
+            log_prob = self._gaussian_log_prob(out, action)
+        outputs = {"action": action, "log_prob": log_prob, "value": self.critic(h).squeeze(-1)}
+        return outputs, next_state
+
+    # -- sequences [T, B] ------------------------------------------------------------------------------------------
+
+    def unroll(self, obs, episode_start: Tensor, state: dict[str, Tensor]) -> Tensor:
+        """The cell's outputs h [T, B, size] over a sequence: the encoder on every step at once, then the cell
+        step by step from `state` (the state the first step was entered with), reset to the initial value (zero)
+        wherever an episode starts, as acting did."""
+        steps, batch = episode_start.shape
+        features = self.encoder(_flatten_time(obs, steps, batch)).reshape(steps, batch, -1)
+        keep = (~episode_start).unsqueeze(-1).to(features.dtype)  # 0 where an episode starts: the state restarts
+        outputs = []
+        for t in range(steps):
+            state = self._step(features[t], {name: value * keep[t] for name, value in state.items()})
+            outputs.append(state["h"])
+        return torch.stack(outputs)
+
+    def evaluate_sequence(
+        self, obs, action: Tensor, episode_start: Tensor, state: dict[str, Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(log_prob, entropy, value), each [T, B], of a sequence's actions, with gradients through time."""
+        steps, batch = episode_start.shape
+        h = self.unroll(obs, episode_start, state).reshape(steps * batch, self.size)
+        out = self.actor(h)
+        flat_action = action.reshape(steps * batch, *action.shape[2:])
+        if self.discrete:
+            log_probs = torch.log_softmax(out, dim=-1)
+            log_prob = -nn.functional.nll_loss(log_probs, flat_action.long(), reduction="none")
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+        else:
+            log_prob = self._gaussian_log_prob(out, flat_action)
+            entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(out.shape[0])
+        value = self.critic(h).squeeze(-1)
+        return tuple(x.reshape(steps, batch) for x in (log_prob, entropy, value))
+
+    def forward(self, obs, action: Tensor, episode_start: Tensor, state: dict[str, Tensor]):
+        # DDP only hooks forward(): RecurrentPPO calls ddp_policy(...) to get evaluate_sequence with synced grads.
+        return self.evaluate_sequence(obs, action, episode_start, state)
+
+    def value_sequence(self, obs, episode_start: Tensor, state: dict[str, Tensor]) -> Tensor:
+        """V over a sequence, [T, B]."""
+        return self.critic(self.unroll(obs, episode_start, state)).squeeze(-1)
+
+    def _gaussian_log_prob(self, mean: Tensor, action: Tensor) -> Tensor:
+        z = (action - mean) * torch.exp(-self.log_std)
+        return (-0.5 * z.square() - self.log_std - LOG_SQRT_2PI).sum(-1)
