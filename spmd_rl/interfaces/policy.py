@@ -92,6 +92,4 @@ def describe_outputs(outputs: dict[str, StepField]) -> str:
 
 def initial_state(fields: dict[str, StepField], batch: int, device: torch.device | str | None = None) -> dict:
     """A recurrent state's initial value for `batch` envs: {name: [batch, *shape]} filled with each `initial`."""
-    return {
-        name: torch.full((batch, *f.shape), f.initial, dtype=f.dtype, device=device) for name, f in fields.items()
-    }
+    return {name: torch.full((batch, *f.shape), f.initial, dtype=f.dtype, device=device) for name, f in fields.items()}

@@ -141,9 +141,7 @@ class Run:
             "observations", with_episode_starts(observation_message(self.spec, n), state, n)
         )
         actions_out, actions_in = local_channel("actions", action_message(self.outputs, n, state))
-        segments_out, segments_in = local_channel(
-            "segments", segment_message(self.spec, self.outputs, t, n, state)
-        )
+        segments_out, segments_in = local_channel("segments", segment_message(self.spec, self.outputs, t, n, state))
         runner = EnvRunner(
             envs,
             first_obs,
