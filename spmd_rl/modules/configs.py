@@ -23,13 +23,24 @@ class ActorCriticConfig:
         "auto: an MLP for vector observations, a CNN for images (uint8 HxWxC or CxHxW); or force mlp (flattens) or cnn",
         choices=["auto", "mlp", "cnn"],
     )
-    cnn_channels: list[int] = knob(
-        None,
-        "CNN encoder: output channels of each 3x3 conv layer (stride 2 after the first)",
-        factory=lambda: [16, 32],
-        item_min=1,
+    cnn: str = knob(
+        "small",
+        "CNN encoder preset: small (3x3 convs, stride 1 then 2, channels 16 32, padded; 256 features) or nature "
+        "(the DQN paper's 8x8 stride 4, 4x4 stride 2, 3x3 stride 1, channels 32 64 64, unpadded; 512 features)",
+        choices=["small", "nature"],
     )
-    cnn_features: int = knob(256, "CNN encoder: width of the linear layer after the convolutions", min=1)
+    cnn_channels: list[int] = knob(
+        None, "CNN encoder: output channels of each conv layer ([] = the preset's)", factory=list, item_min=1
+    )
+    cnn_kernels: list[int] = knob(
+        None, "CNN encoder: kernel size of each conv layer ([] = the preset's)", factory=list, item_min=1
+    )
+    cnn_strides: list[int] = knob(
+        None, "CNN encoder: stride of each conv layer ([] = the preset's)", factory=list, item_min=1
+    )
+    cnn_features: int = knob(
+        0, "CNN encoder: width of the linear layer after the convolutions (0 = the preset's)", min=0
+    )
 
 
 @dataclass

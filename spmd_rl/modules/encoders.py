@@ -1,13 +1,15 @@
 """Observation encoders for the built-in actor-critic: the seam between what the env gives and the MLP heads.
 
 Chosen from the observation space (policy.encoder: auto): a 1-D (or flattened) Box goes through a running
-normalizer, an image Box (H x W x C or C x H x W, C in 1..4, uint8 scaled to [0, 1]) through a small CNN, and a Dict
-space through one encoder per key, concatenated. Each encoder reports its output width.
+normalizer, an image Box (H x W x C or C x H x W, C in 1..4, uint8 scaled to [0, 1]) through a CNN (preset
+small or nature, see CNN_PRESETS), and a Dict space through one encoder per key, concatenated. Each encoder
+reports its output width.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import gymnasium as gym
 import numpy as np
@@ -41,11 +43,56 @@ class VectorEncoder(nn.Module):
         context.merge_normalizer(self.normalizer, obs)
 
 
-class ImageEncoder(nn.Module):
-    """A small CNN over images: 3x3 convolutions (the first with stride 1, the rest stride 2), ReLU, then a linear
-    layer. Channel-last images (as envs usually give them) are moved to channel-first; uint8 pixels scale to [0, 1]."""
+@dataclass(frozen=True)
+class ConvLayer:
+    channels: int
+    kernel: int
+    stride: int
+    padding: int
 
-    def __init__(self, space: gym.spaces.Box, channels: list[int], features: int):
+
+# Each preset's layers for a given channel list: small pads "same" and halves the size after its first layer, as the
+# encoder always did; nature is the DQN paper's fixed three-layer stack for 84x84 frames.
+CNN_PRESETS = {
+    "small": {
+        "channels": [16, 32],
+        "kernels": lambda n: [3] * n,
+        "strides": lambda n: [1] + [2] * (n - 1),
+        "features": 256,
+    },
+    "nature": {
+        "channels": [32, 64, 64],
+        "kernels": lambda n: [8, 4, 3],
+        "strides": lambda n: [4, 2, 1],
+        "features": 512,
+    },
+}
+
+
+def cnn_layers(config) -> tuple[list[ConvLayer], int]:
+    """The conv layers and the feature width that policy.cnn and the cnn_* keys describe (an empty list or 0 takes
+    the preset's)."""
+    preset = CNN_PRESETS[config.cnn]
+    channels = list(config.cnn_channels) or preset["channels"]
+    n = len(channels)
+    kernels = list(config.cnn_kernels) or preset["kernels"](n)
+    strides = list(config.cnn_strides) or preset["strides"](n)
+    if not len(kernels) == len(strides) == n:
+        raise UserError(
+            f"policy.cnn_channels ({n} layers), policy.cnn_kernels ({len(kernels)}) and policy.cnn_strides "
+            f"({len(strides)}) must give one value per conv layer (policy.cnn={config.cnn}); set all three"
+        )
+    pad = config.cnn == "small"
+    layers = [ConvLayer(c, k, s, k // 2 if pad else 0) for c, k, s in zip(channels, kernels, strides)]
+    return layers, config.cnn_features or preset["features"]
+
+
+class ImageEncoder(nn.Module):
+    """A CNN over images: conv layers with ReLU, then a linear layer with ReLU (see CNN_PRESETS). Channel-last images
+    (as envs usually give them) are moved to channel-first. Pixels travel as uint8 (a quarter of float32's bytes on
+    every channel and in the rollout) and become floats in [0, 1] here, inside the network."""
+
+    def __init__(self, space: gym.spaces.Box, layers: list[ConvLayer], features: int, orthogonal_init: bool = False):
         super().__init__()
         shape = tuple(space.shape)
         if len(shape) == 2:
@@ -54,15 +101,27 @@ class ImageEncoder(nn.Module):
         c, h, w = (shape[2], shape[0], shape[1]) if self.channel_last else shape
         self.image_shape = (c, h, w)
         self.scale = 1.0 / 255.0 if space.dtype == np.uint8 else 1.0
-        layers: list[nn.Module] = []
+        modules: list[nn.Module] = []
         in_channels = c
-        for i, out_channels in enumerate(channels):
-            layers += [nn.Conv2d(in_channels, out_channels, 3, stride=1 if i == 0 else 2, padding=1), nn.ReLU()]
-            in_channels = out_channels
-        self.conv = nn.Sequential(*layers, nn.Flatten())
+        for layer in layers:
+            conv = nn.Conv2d(in_channels, layer.channels, layer.kernel, stride=layer.stride, padding=layer.padding)
+            modules += [conv, nn.ReLU()]
+            in_channels = layer.channels
+        self.conv = nn.Sequential(*modules, nn.Flatten())
         with torch.no_grad():
-            flat = self.conv(torch.zeros(1, c, h, w)).shape[-1]
+            try:
+                flat = self.conv(torch.zeros(1, c, h, w)).shape[-1]
+            except RuntimeError:  # a kernel larger than what is left of the image
+                raise UserError(
+                    f"the CNN encoder's layers (policy.cnn, cnn_kernels, cnn_strides) shrink a {h}x{w} image to "
+                    f"nothing; use smaller kernels or strides, or policy.cnn=small"
+                ) from None
         self.linear = nn.Sequential(nn.Linear(flat, features), nn.ReLU())
+        if orthogonal_init:  # ReLU layers, as the heads' hidden layers are initialized (gain sqrt(2), zero bias)
+            for module in self.modules():
+                if isinstance(module, (nn.Conv2d, nn.Linear)):
+                    nn.init.orthogonal_(module.weight, math.sqrt(2))
+                    nn.init.zeros_(module.bias)
         self.out_features = features
 
     def forward(self, obs: Tensor) -> Tensor:
@@ -105,7 +164,7 @@ def is_image(space: gym.Space) -> bool:
 
 
 def make_encoder(space: gym.Space, config) -> nn.Module:
-    """config: ActorCriticConfig (encoder, normalize_obs, cnn_channels, cnn_features)."""
+    """config: ActorCriticConfig (encoder, normalize_obs, cnn, cnn_channels, cnn_kernels, cnn_strides, cnn_features)."""
     if isinstance(space, gym.spaces.Dict):
         return DictEncoder(space, config)
     if not isinstance(space, gym.spaces.Box):
@@ -119,5 +178,6 @@ def make_encoder(space: gym.Space, config) -> nn.Module:
     if choice == "cnn":
         if len(space.shape) not in (2, 3):
             raise UserError(f"policy.encoder=cnn needs image observations (H x W x C or C x H x W); got {space}")
-        return ImageEncoder(space, list(config.cnn_channels), config.cnn_features)
+        layers, features = cnn_layers(config)
+        return ImageEncoder(space, layers, features, orthogonal_init=config.cnn == "nature")
     return VectorEncoder(space, config.normalize_obs)
