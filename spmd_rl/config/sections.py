@@ -51,7 +51,15 @@ class RunSection:
 class EnvSection:
     id: str = knob("CartPole-v1", "gymnasium id, or 'package.module:EnvId' to import a user's env first")
     num_envs: int = knob(8, "environments per env rank (per rank in the colocated layout)", min=1)
-    kwargs: dict = knob(None, "keyword arguments passed to gymnasium.make", factory=dict)
+    kwargs: dict = knob(
+        None, "keyword arguments passed to gymnasium.make (envpool.make with env.backend=envpool)", factory=dict
+    )
+    backend: str = knob(
+        "gymnasium",
+        "gymnasium: gymnasium's vector envs; envpool: EnvPool's C++ vectorized envs for the ids it provides (e.g. "
+        'Breakout-v5; pip install -e ".[envpool]")',
+        choices=["gymnasium", "envpool"],
+    )
     vectorization: str = knob(
         "auto",
         "auto: the env's own vectorized implementation if it has one, else sync",

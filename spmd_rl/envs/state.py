@@ -6,8 +6,8 @@ Supported (what make_vector_env builds for plain-numpy envs):
     env's autoreset flags;
   - the wrappers RecordEpisodeStatistics (episodes' returns and lengths so far), NormalizeReward (running return
     statistics), ClipAction (no state); and the action space's RNG (random warm-up actions).
-Anything else (AsyncVectorEnv, MuJoCo, Atari, a user's env or wrapper) cannot be saved: unsaved_env_reason says why,
-so the run can say at start that a resume begins fresh episodes.
+Anything else (AsyncVectorEnv, MuJoCo, Atari, EnvPool, a user's env or wrapper) cannot be saved: unsaved_env_reason
+says why, so the run can say at start that a resume begins fresh episodes.
 
 restore_env_state expects an env built by the same config and reset, as make_vector_env returns it.
 The encoded state holds only tensors, numbers, strings, None, lists and dicts (loadable with weights_only=True).
@@ -24,6 +24,7 @@ from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
 from gymnasium.wrappers import common as single_wrappers
 from gymnasium.wrappers import vector as vector_wrappers
 
+from spmd_rl.envs.envpool_backend import GameEpisodeStatistics
 from spmd_rl.runtime.errors import UserError
 
 # Attributes of classic-control envs beyond `state` that a step reads (CartPole's termination warning) or writes.
@@ -114,6 +115,8 @@ def _capture_layer(layer) -> dict:
             high=_encode(layer.high),
             rng=_encode_rng(layer.np_random),
         )
+    elif isinstance(layer, GameEpisodeStatistics):
+        raise _Unsaved("EnvPool's envs run in C++ and do not expose their state")
     elif type(layer) is gym.vector.SyncVectorEnv:
         state.update(autoreset_envs=_encode(layer._autoreset_envs), envs=[_capture_single(env) for env in layer.envs])
     else:

@@ -1,4 +1,5 @@
-"""Gymnasium environments: probe an id up front, then build a rank's vectorized envs.
+"""Gymnasium environments: probe an id up front, then build a rank's vectorized envs (gymnasium's vector envs, or
+EnvPool's with env.backend=envpool: envs/envpool_backend.py).
 
 Vector envs run in gymnasium's default NEXT_STEP autoreset mode: the step that ends an episode returns the
 episode's final observation, and the following step resets that env (its action is ignored). The env runner marks
@@ -19,6 +20,7 @@ from gymnasium.wrappers import vector as vector_wrappers
 from spmd_rl.config.excerpts import MESSAGE_CHARS, clip, excerpt
 from spmd_rl.config.plugins import MODULE_NAME, import_failure
 from spmd_rl.config.sections import EnvSection
+from spmd_rl.envs.envpool_backend import GameEpisodeStatistics, make_envpool, probe_envpool
 from spmd_rl.runtime.errors import UserError
 
 
@@ -34,6 +36,14 @@ class EnvSpec:
 
 def probe_env(cfg: EnvSection) -> EnvSpec:
     """Make one env to learn its spaces; a missing id or a failing import is a UserError naming the env."""
+    if cfg.backend == "envpool":
+        if cfg.vectorization != "auto":
+            raise UserError(
+                f"env.vectorization={cfg.vectorization} applies to env.backend=gymnasium; EnvPool vectorizes in C++ "
+                f"(its threads: env.kwargs.num_threads): leave env.vectorization at auto"
+            )
+        observation_space, action_space = probe_envpool(cfg.id, cfg.kwargs)
+        return EnvSpec(cfg.id, observation_space, action_space, "envpool")
     _import_path_for_user_envs()
     env_id = clip(cfg.id)
     module, colon, name = cfg.id.partition(":")
@@ -87,6 +97,8 @@ def make_vector_env(
 
     Returns the vector env and its first observation batch.
     """
+    if cfg.backend == "envpool":
+        return _make_envpool_vector_env(cfg, seed, wrappers)
     mode = spec.vectorization
     try:
         envs = gym.make_vec(cfg.id, num_envs=cfg.num_envs, vectorization_mode=mode, wrappers=wrappers, **cfg.kwargs)
@@ -95,12 +107,26 @@ def make_vector_env(
             f"env.id '{clip(cfg.id)}' cannot be vectorized with env.vectorization={mode}: "
             f"{clip(str(exc), MESSAGE_CHARS)}"
         ) from None
-    envs = vector_wrappers.RecordEpisodeStatistics(envs)
+    return _finish(vector_wrappers.RecordEpisodeStatistics(envs), cfg, seed, reset_seed=seed)
+
+
+def _make_envpool_vector_env(cfg: EnvSection, seed: int, wrappers: list | None):
+    if wrappers:
+        raise UserError(
+            f"env.backend=envpool: env '{clip(cfg.id)}' takes no per-env gymnasium wrappers (a video, a step limit "
+            f"of its own); use env.backend=gymnasium for that, or EnvPool's own env.kwargs (max_episode_steps)"
+        )
+    envs = GameEpisodeStatistics(make_envpool(cfg.id, cfg.num_envs, seed, cfg.kwargs))
+    return _finish(envs, cfg, seed, reset_seed=None)  # its seed is fixed when made
+
+
+def _finish(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
+    """The wrappers both backends share, then the first reset."""
     if isinstance(envs.single_action_space, gym.spaces.Box):
         envs = vector_wrappers.ClipAction(envs)  # the policy's Gaussian samples are unbounded
     if cfg.normalize_reward:
         envs = vector_wrappers.NormalizeReward(envs)
-    obs, _ = envs.reset(seed=seed)
+    obs, _ = envs.reset(seed=reset_seed)
     envs.action_space.seed(seed)
     return envs, obs
 

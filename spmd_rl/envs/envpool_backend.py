@@ -1,0 +1,117 @@
+"""The EnvPool backend (`env.backend: envpool`): C++ vectorized envs (Atari, MuJoCo, classic control, ...) behind
+the gymnasium vector API, so the env runner steps them exactly as it steps gymnasium's vector envs.
+
+EnvPool's gymnasium envs are gymnasium VectorEnvs with NEXT_STEP autoreset, the mode the framework expects: the
+step that ends an episode returns its final observation, and the next step of that env only resets it (reward 0,
+the action ignored). The same holds for a lost life under `episodic_life`: the env reports `terminated`, and its next
+step is a reset step that continues the same game.
+
+Episode statistics count whole games: under `episodic_life` a lost life ends a training episode (the value is not
+bootstrapped past it) but not the game, and under `reward_clip` the reward the learner sees is clipped; the
+returns reported are the game's own score (EnvPool's info["reward"]) summed until the game ends (info["terminated"])
+or is truncated, which is what Atari results are quoted in.
+
+envpool is imported only when this backend is used: importing it takes ~2 s.
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+
+from spmd_rl.config.excerpts import MESSAGE_CHARS, clip, excerpt
+from spmd_rl.runtime.errors import UserError
+
+INSTALL = 'pip install -e ".[envpool]"'
+
+
+def import_envpool():
+    try:
+        import envpool
+    except ImportError as exc:
+        raise UserError(
+            f"env.backend=envpool needs the envpool package ({clip(str(exc), MESSAGE_CHARS)}): {INSTALL}, or use "
+            f"env.backend=gymnasium"
+        ) from None
+    return envpool
+
+
+def check_envpool_id(env_id: str):
+    """The envpool module, once env.id is known to be one of its ids."""
+    envpool = import_envpool()
+    if env_id not in envpool.list_all_envs():
+        similar = [known for known in envpool.list_all_envs() if env_id.lower() in known.lower()][:5]
+        hint = f" (similar: {', '.join(similar)})" if similar else ""
+        raise UserError(
+            f"env.id '{clip(env_id)}' is not an EnvPool id{hint}: use one of envpool.list_all_envs() "
+            f"(e.g. Breakout-v5, CartPole-v1), or env.backend=gymnasium for gymnasium's ids"
+        )
+    return envpool
+
+
+def make_envpool(env_id: str, num_envs: int, seed: int, kwargs: dict):
+    """EnvPool's gymnasium vector env. Its seeds are fixed when it is made (env i of a pool seeded s gets its own
+    stream from s); env.kwargs pass on to envpool.make (frame_skip, episodic_life, reward_clip, num_threads, ...)."""
+    envpool = check_envpool_id(env_id)
+    try:
+        return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, **kwargs)
+    except (TypeError, ValueError, AssertionError, RuntimeError) as exc:
+        raise UserError(
+            f"env.id '{clip(env_id)}' (env.backend=envpool) rejected env.kwargs {excerpt(kwargs)}: "
+            f"{clip(str(exc), MESSAGE_CHARS)}"
+        ) from None
+
+
+def probe_envpool(env_id: str, kwargs: dict) -> tuple[gym.Space, gym.Space]:
+    """The spaces of one env."""
+    envs = make_envpool(env_id, 1, 0, kwargs)
+    try:
+        return envs.single_observation_space, envs.single_action_space
+    finally:
+        envs.close()
+
+
+def envpool_step_limit(env_id: str, kwargs: dict) -> int | None:
+    """The episode step limit EnvPool applies (env.kwargs' max_episode_steps, else the id's default)."""
+    limit = kwargs.get("max_episode_steps")
+    if limit is None:
+        limit = getattr(check_envpool_id(env_id).make_spec(env_id).config, "max_episode_steps", None)
+    return int(limit) if limit else None
+
+
+class GameEpisodeStatistics(gym.vector.VectorWrapper):
+    """info["episode"] = {"r", "l"} and info["_episode"] (the mask of envs whose game ended this step), as gymnasium's
+    RecordEpisodeStatistics gives them, counting whole games in the game's own reward (see the module docstring).
+    Reset steps (those after an env reported an end) are not counted in lengths."""
+
+    def __init__(self, env: gym.vector.VectorEnv):
+        super().__init__(env)
+        self.game_returns = np.zeros(self.num_envs, dtype=np.float64)
+        self.game_lengths = np.zeros(self.num_envs, dtype=np.int64)
+        self.resets_next = np.zeros(self.num_envs, dtype=bool)
+
+    def reset(self, *, seed=None, options=None):
+        self.game_returns[:] = 0
+        self.game_lengths[:] = 0
+        self.resets_next[:] = False
+        if seed is not None:  # EnvPool fixes its seeds when made (make_envpool) and only warns about this one
+            raise ValueError("EnvPool envs are seeded when made; reset them without a seed")
+        return self.env.reset(options=options)
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, info = self.env.step(actions)
+        counted = ~self.resets_next
+        game_reward = info.get("reward", reward)  # Atari's unclipped reward under reward_clip
+        self.game_returns += np.where(counted, game_reward, 0.0)
+        self.game_lengths += counted
+        game_over = truncated | (info["terminated"].astype(bool) if "terminated" in info else terminated)
+        if game_over.any():
+            info["episode"] = {
+                "r": np.where(game_over, self.game_returns, 0.0),
+                "l": np.where(game_over, self.game_lengths, 0),
+            }
+            info["_episode"] = game_over
+            self.game_returns[game_over] = 0
+            self.game_lengths[game_over] = 0
+        self.resets_next = terminated | truncated
+        return obs, reward, terminated, truncated, info
