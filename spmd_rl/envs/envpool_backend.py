@@ -40,7 +40,8 @@ def check_envpool_id(env_id: str):
     """The envpool module, once env.id is known to be one of its ids."""
     envpool = import_envpool()
     if env_id not in envpool.list_all_envs():
-        similar = [known for known in envpool.list_all_envs() if env_id.lower() in known.lower()][:5]
+        stem = env_id.rsplit("-v", 1)[0].lower()  # Breakout-v4 -> breakout: suggest the versions it has
+        similar = [known for known in envpool.list_all_envs() if stem and stem in known.lower()][:5]
         hint = f" (similar: {', '.join(similar)})" if similar else ""
         raise UserError(
             f"env.id '{clip(env_id)}' is not an EnvPool id{hint}: use one of envpool.list_all_envs() "

@@ -12,6 +12,7 @@ import torch
 
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs import spaces
+from spmd_rl.envs.envpool_backend import envpool_step_limit
 from spmd_rl.envs.vector import make_vector_env, probe_env
 from spmd_rl.roles.messages import observation_message
 from spmd_rl.runtime.errors import UserError
@@ -53,11 +54,15 @@ def evaluate(
     max_steps = max_steps or env_limit or DEFAULT_MAX_STEPS
     wrappers = []
     cuts = env_limit is None or max_steps < env_limit
-    if cuts:  # a limit of our own on each env (vectorized implementations take no wrappers: plain envs then)
+    if cuts and env_cfg.backend == "envpool":  # EnvPool's envs take no wrappers; they truncate by themselves
+        env_cfg = dataclasses.replace(env_cfg, kwargs={**env_cfg.kwargs, "max_episode_steps": max_steps})
+    elif cuts:  # a limit of our own on each env (vectorized implementations take no wrappers: plain envs then)
         wrappers.append(lambda env: gym.wrappers.TimeLimit(env, max_steps))
         if spec.vectorization not in ("sync", "async"):
             spec = dataclasses.replace(spec, vectorization="sync")
     if video_dir is not None:
+        if env_cfg.backend == "envpool":
+            raise UserError("--video records through gymnasium's wrappers: evaluate with env.backend=gymnasium")
         require_moviepy()
         from gymnasium.wrappers import RecordVideo
 
@@ -98,6 +103,8 @@ def evaluate(
 
 def episode_step_limit(env_cfg: EnvSection) -> int | None:
     """The env's own episode step limit: env.kwargs' max_episode_steps, else its registration's; None if none."""
+    if env_cfg.backend == "envpool":
+        return envpool_step_limit(env_cfg.id, env_cfg.kwargs)
     limit = env_cfg.kwargs.get("max_episode_steps")
     if limit is None:
         try:
