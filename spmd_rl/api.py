@@ -47,6 +47,15 @@ with exit 2 naming its class):
     forward(obs, action) -> evaluate(obs, action)   (PPO calls policy(obs, action), which DDP wraps)
 SAC's: sample(obs) -> (action [B, *shape] in env units, log_prob [B]), reparameterized; features(obs) -> [B, ...].
 
+Recurrent policies: `recurrent_state() -> {name: StepField(shape, dtype, initial)}` (None: stateless, the default)
+declares a state per env; acting is then `act(obs, deterministic, state=state) -> (outputs, next_state)`. The
+framework keeps the state where acting happens (never in the module, so it never ships), resets it to `initial`
+where an episode starts, saves it in checkpoints, and adds to every segment rollout["episode_start"] [T, N] (bool)
+and segment["recurrent_state"] {name: [N, *shape]}, the state each column entered its first step with (before that
+step's reset). An algorithm that replays sequences lists EPISODE_START and RECURRENT_STATE in `requires`; a
+recurrent policy under any other algorithm, or a state shaped otherwise than declared, is exit 2 before start.
+Built in: spmd_rl.modules.recurrent:RecurrentActorCritic and spmd_rl.algorithms.recurrent_ppo:RecurrentPPO.
+
 Training from Python (one process): `spmd_rl.train(config, overrides) -> TrainedRun` (dir, finished, metrics,
 policy, cfg); `load_policy(path)` gives a policy whose `act` also takes numpy, one observation or a batch.
 """
@@ -59,7 +68,15 @@ from spmd_rl.config.sections import AlgorithmConfig, NoConfig, knob
 from spmd_rl.interfaces.algorithm import ANY_LAG, Algorithm, Callback, PlanFacts, PolicyMethod, Schedule
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.engine import Engine
-from spmd_rl.interfaces.policy import ENV_FIELDS, Policy, StepField, describe_outputs
+from spmd_rl.interfaces.policy import (
+    ENV_FIELDS,
+    EPISODE_START,
+    RECURRENT_STATE,
+    Policy,
+    StepField,
+    describe_outputs,
+    initial_state,
+)
 from spmd_rl.runtime.errors import UserCodeError, UserError
 
 # What an engine is written with. Imported when first used: they pull in tensordict (seconds: torch._dynamo), and
@@ -98,6 +115,8 @@ __all__ = [
     "Context",
     "Engine",
     "ENV_FIELDS",
+    "EPISODE_START",
+    "RECURRENT_STATE",
     "NoConfig",
     "PlanFacts",
     "Policy",
@@ -107,6 +126,7 @@ __all__ = [
     "UserCodeError",
     "UserError",
     "describe_outputs",
+    "initial_state",
     "knob",
     *_ENGINE_TYPES,
 ]

@@ -3,10 +3,11 @@ GRU or LSTM cell whose state the framework carries from step to step, then separ
 cell's output. Select it with `policy.class: spmd_rl.modules.recurrent:RecurrentActorCritic` (RecurrentPPO's
 default policy).
 
-The state per env is declared by `recurrent_state()` (GRU: h; LSTM: h and c, each [recurrent_size], starting at 0)
-and lives outside the module: acting gets it and returns the next one; learning replays a whole sequence [T, B]
-from the state its first step acted from, resetting it where an episode starts, with the same cell, so the
-learner's log-probs are the ones acting computed.
+The state per env is declared by `recurrent_state()`: GRU h, LSTM h and c, each [recurrent_size] and starting at
+0; with `critic_memory: separate` the critic's own cell adds critic_h (and critic_c). It lives outside the module:
+acting gets it and returns the next one; learning replays a whole sequence [T, B] from the state its first step
+acted from, resetting it where an episode starts, with the same cells, so the learner's log-probs are the ones
+acting computed.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ class RecurrentActorCriticConfig(ActorCriticConfig):
 
     cell: str = knob("gru", "the recurrent cell after the encoder", choices=["gru", "lstm"])
     recurrent_size: int = knob(64, "width of the recurrent state (GRU: h; LSTM: h and c)", min=1)
+    critic_memory: str = knob(
+        "separate",
+        "separate: the critic has a cell of its own; shared: it reads the actor's cell without training it (the "
+        "value loss, through time, otherwise saturates a shared cell)",
+        choices=["separate", "shared"],
+    )
     hidden_sizes: list[int] = knob(
         None, "hidden layer widths of the actor and critic MLPs after the cell", factory=lambda: [64], item_min=1
     )
@@ -54,6 +61,11 @@ def _flatten_time(obs, steps: int, batch: int):
     if isinstance(obs, Tensor):
         return obs.reshape(steps * batch, *obs.shape[2:])
     return obs.reshape(steps * batch)
+
+
+def _state_name(memory: str, part: str) -> str:
+    """The actor's memory is h (and c); the critic's own, critic_h (and critic_c)."""
+    return part if memory == "actor" else f"{memory}_{part}"
 
 
 class RecurrentActorCritic(Policy):
@@ -77,9 +89,15 @@ class RecurrentActorCritic(Policy):
         self.size = config.recurrent_size
         self.lstm = config.cell == "lstm"
         cell_type = nn.LSTMCell if self.lstm else nn.GRUCell
-        self.cell = cell_type(self.encoder.out_features, self.size)
-        for name, weight in self.cell.named_parameters():  # orthogonal weights, zero biases: stable early training
-            if name.startswith("weight"):
+        # One cell per memory: the actor's, and the critic's when it has its own. Trained through time by the
+        # value loss, a cell the actor shares drifts into saturation (constant features: measured, the policy then
+        # stops learning), so a shared cell is read by the critic without gradient.
+        self.memories = ["actor", "critic"] if config.critic_memory == "separate" else ["actor"]
+        self.cells = nn.ModuleDict(
+            {memory: cell_type(self.encoder.out_features, self.size) for memory in self.memories}
+        )
+        for name, weight in self.cells.named_parameters():  # orthogonal weights, zero biases: stable early training
+            if name.rsplit(".", 1)[-1].startswith("weight"):
                 nn.init.orthogonal_(weight)
             else:
                 nn.init.zeros_(weight)
@@ -97,9 +115,10 @@ class RecurrentActorCritic(Policy):
         }
 
     def recurrent_state(self) -> dict[str, StepField]:
-        state = {"h": StepField((self.size,), torch.float32)}
-        if self.lstm:
-            state["c"] = StepField((self.size,), torch.float32)
+        state = {}
+        for memory in self.memories:
+            for part in ("h", "c") if self.lstm else ("h",):
+                state[_state_name(memory, part)] = StepField((self.size,), torch.float32)
         return state
 
     def update_normalizer(self, obs, context) -> None:
@@ -108,10 +127,20 @@ class RecurrentActorCritic(Policy):
     # -- one step, many envs --------------------------------------------------------------------------------------
 
     def _step(self, features: Tensor, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        if self.lstm:
-            h, c = self.cell(features, (state["h"], state["c"]))
-            return {"h": h, "c": c}
-        return {"h": self.cell(features, state["h"])}
+        """Every memory's cell one step on; the next state."""
+        next_state = {}
+        for memory in self.memories:
+            h, c = _state_name(memory, "h"), _state_name(memory, "c")
+            if self.lstm:
+                next_state[h], next_state[c] = self.cells[memory](features, (state[h], state[c]))
+            else:
+                next_state[h] = self.cells[memory](features, state[h])
+        return next_state
+
+    def _critic_input(self, state: dict[str, Tensor]) -> Tensor:
+        if "critic" in self.memories:
+            return state[_state_name("critic", "h")]
+        return state["h"].detach()  # the shared cell learns from the policy's loss alone
 
     def act(self, obs, deterministic: bool = False, state: dict[str, Tensor] | None = None):
         """(outputs, next_state): actions sampled (the mode when deterministic) with their log-probs and values,
@@ -131,31 +160,36 @@ class RecurrentActorCritic(Policy):
         else:
             action = out if deterministic else out + self.log_std.exp() * torch.randn_like(out)
             log_prob = self._gaussian_log_prob(out, action)
-        outputs = {"action": action, "log_prob": log_prob, "value": self.critic(h).squeeze(-1)}
+        outputs = {
+            "action": action,
+            "log_prob": log_prob,
+            "value": self.critic(self._critic_input(next_state)).squeeze(-1),
+        }
         return outputs, next_state
 
     # -- sequences [T, B] ------------------------------------------------------------------------------------------
 
-    def unroll(self, obs, episode_start: Tensor, state: dict[str, Tensor]) -> Tensor:
-        """The cell's outputs h [T, B, size] over a sequence: the encoder on every step at once, then the cell
-        step by step from `state` (the state the first step was entered with), reset to the initial value (zero)
-        wherever an episode starts, as acting did."""
+    def unroll(self, obs, episode_start: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """(the actor's input [T * B, size], the critic's) over a sequence: the encoder on every step at once, then
+        the cells step by step from `state` (the state the first step was entered with), reset to the initial value
+        (zero) wherever an episode starts, as acting did."""
         steps, batch = episode_start.shape
         features = self.encoder(_flatten_time(obs, steps, batch)).reshape(steps, batch, -1)
         keep = (~episode_start).unsqueeze(-1).to(features.dtype)  # 0 where an episode starts: the state restarts
-        outputs = []
+        actor, critic = [], []
         for t in range(steps):
             state = self._step(features[t], {name: value * keep[t] for name, value in state.items()})
-            outputs.append(state["h"])
-        return torch.stack(outputs)
+            actor.append(state["h"])
+            critic.append(self._critic_input(state))
+        return torch.cat(actor), torch.cat(critic)
 
     def evaluate_sequence(
         self, obs, action: Tensor, episode_start: Tensor, state: dict[str, Tensor]
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(log_prob, entropy, value), each [T, B], of a sequence's actions, with gradients through time."""
         steps, batch = episode_start.shape
-        h = self.unroll(obs, episode_start, state).reshape(steps * batch, self.size)
-        out = self.actor(h)
+        actor_input, critic_input = self.unroll(obs, episode_start, state)
+        out = self.actor(actor_input)
         flat_action = action.reshape(steps * batch, *action.shape[2:])
         if self.discrete:
             log_probs = torch.log_softmax(out, dim=-1)
@@ -164,7 +198,7 @@ class RecurrentActorCritic(Policy):
         else:
             log_prob = self._gaussian_log_prob(out, flat_action)
             entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(out.shape[0])
-        value = self.critic(h).squeeze(-1)
+        value = self.critic(critic_input).squeeze(-1)
         return tuple(x.reshape(steps, batch) for x in (log_prob, entropy, value))
 
     def forward(self, obs, action: Tensor, episode_start: Tensor, state: dict[str, Tensor]):
@@ -173,7 +207,8 @@ class RecurrentActorCritic(Policy):
 
     def value_sequence(self, obs, episode_start: Tensor, state: dict[str, Tensor]) -> Tensor:
         """V over a sequence, [T, B]."""
-        return self.critic(self.unroll(obs, episode_start, state)).squeeze(-1)
+        _, critic_input = self.unroll(obs, episode_start, state)
+        return self.critic(critic_input).squeeze(-1).reshape(episode_start.shape)
 
     def _gaussian_log_prob(self, mean: Tensor, action: Tensor) -> Tensor:
         z = (action - mean) * torch.exp(-self.log_std)

@@ -1,0 +1,263 @@
+"""Recurrent policies: the framework keeps each env's state where acting happens, resets it at episode starts,
+carries it across segments and checkpoints, and hands the learner what it needs to replay a sequence exactly.
+
+A counting policy (its state: the steps since the episode began) makes every rule visible in the segments, which a
+checking algorithm verifies on every iteration (so a multi-process run proves them by finishing with exit 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from test_resume import assert_same_run
+from test_train_e2e import ROOT, _env, _free_port
+
+import spmd_rl
+from spmd_rl.api import Algorithm, Callback, Policy, StepField, UserError
+from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE, initial_state
+
+TINY = {
+    "env": {"id": "CartPole-v1", "num_envs": 3},
+    "algo": {"num_steps": 8},
+    "train": {"total_steps": 96},
+    "log": {"progress": False, "tensorboard": False},
+}
+RECURRENT_TINY = {
+    **TINY,
+    "algo": {
+        "class": "spmd_rl.algorithms.recurrent_ppo:RecurrentPPO",
+        "num_steps": 16,
+        "update_epochs": 2,
+        "num_minibatches": 2,
+    },
+    "policy": {"recurrent_size": 8, "hidden_sizes": [8]},
+    "train": {"total_steps": 16 * 3 * 4},
+}
+
+
+# -- a policy whose state counts the steps of the episode, and an algorithm that checks the segments ---------------
+
+
+class CountingPolicy(Policy):
+    """Always pushes left (CartPole episodes end within ~10 steps); its state counts the steps since the episode
+    began, and it reports the count it acted from as the per-step output `count`."""
+
+    def __init__(self, observation_space, action_space, config):
+        super().__init__(observation_space, action_space, config)
+        self.unused = torch.nn.Linear(1, 1)  # something to ship and to optimize
+
+    def outputs(self):
+        return {"action": StepField((), torch.int64), "count": StepField((), torch.float32)}
+
+    def recurrent_state(self):
+        return {"steps": StepField((), torch.float32)}
+
+    def act(self, obs, deterministic=False, state=None):
+        count = state["steps"]
+        return {"action": torch.zeros(obs.shape[0], dtype=torch.int64), "count": count.clone()}, {"steps": count + 1}
+
+
+class CheckSegments(Algorithm):
+    """Learns nothing; raises (exit 4) when a segment breaks a rule of the recurrent contract."""
+
+    requires = ("count", EPISODE_START, RECURRENT_STATE)
+    seen: list = []  # one process: what the tests look at
+
+    def __init__(self, policy, config, context):
+        super().__init__(policy, config, context)
+        self.previous_last = None  # each column's count at the last step of the previous segment
+
+    def learn(self, segment, iteration):
+        rollout = segment["rollout"]
+        count, start, valid = rollout["count"], rollout[EPISODE_START], rollout["valid"]
+        first = segment[RECURRENT_STATE]["steps"]
+        # The first step acts from the recorded state, reset where an episode starts.
+        assert torch.equal(count[0], torch.where(start[0], 0.0, first)), (iteration, count[0], first)
+        # Within a segment: +1 a step, 0 at an episode start; an episode starts right after a reset step.
+        assert torch.equal(count[1:], torch.where(start[1:], 0.0, count[:-1] + 1))
+        assert torch.equal(start[1:], ~valid[:-1])
+        # Across segments: the state carries on from where the previous segment left it.
+        if self.previous_last is not None:
+            assert torch.equal(first, self.previous_last + 1), (first, self.previous_last)
+        else:
+            assert iteration > 0 or bool(start[0].all()), "the run's first step starts every episode"
+        assert bool(start[1:].any()), "no episode ended inside a segment: the test checks too little"
+        self.previous_last = count[-1].clone()
+        CheckSegments.seen.append(segment.clone())
+        return {"episode_starts": float(start.sum())}
+
+    def state_dict(self):
+        return {"previous_last": self.previous_last}
+
+    def load_state_dict(self, state):
+        self.previous_last = state["previous_last"]
+
+
+class FirstRatio(Callback):
+    """Logs RecurrentPPO's first minibatch ratio (|ratio - 1| at its largest): the replay against acting."""
+
+    def on_iteration_end(self, iteration, metrics, algorithm):
+        return {"first_ratio_error": algorithm.first_ratio}
+
+
+COUNTING = {
+    **TINY,
+    "policy": {"class": "test_recurrent:CountingPolicy"},
+    "algo": {"class": "test_recurrent:CheckSegments", "num_steps": 16},
+    "train": {"total_steps": 16 * 3 * 5},
+}
+
+
+def test_the_state_is_reset_at_episode_starts_and_carried_across_segments(tmp_path):
+    CheckSegments.seen.clear()
+    run = spmd_rl.train(COUNTING, {"run.dir": str(tmp_path / "run")})
+    assert run.finished and len(CheckSegments.seen) == 5
+    assert sum(float(s["rollout"][EPISODE_START].sum()) for s in CheckSegments.seen) > 10
+
+
+def test_counting_resumes_with_its_state(tmp_path):
+    """A stop and a resume continue every env's count where the checkpoint left it (CheckSegments checks the
+    first state of the segment after the resume against the checkpointed algorithm's last count)."""
+    overrides = {"run.dir": str(tmp_path / "run"), "run.stop_after_iterations": 2}
+    assert not spmd_rl.train(COUNTING, overrides).finished
+    CheckSegments.seen.clear()
+    assert spmd_rl.train(COUNTING, overrides).finished
+    assert len(CheckSegments.seen) == 3
+
+
+# -- the built-in recurrent actor-critic and RecurrentPPO -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_replaying_a_sequence_gives_the_log_probs_acting_gave(cell):
+    import gymnasium as gym
+
+    from spmd_rl.modules.recurrent import RecurrentActorCritic, RecurrentActorCriticConfig
+
+    torch.manual_seed(0)
+    space = gym.spaces.Box(-1, 1, (3,))
+    policy = RecurrentActorCritic(space, gym.spaces.Discrete(2), RecurrentActorCriticConfig(cell=cell))
+    steps, envs = 12, 4
+    obs = torch.randn(steps, envs, 3)
+    starts = torch.rand(steps, envs) < 0.2
+    first = {name: torch.randn(envs, *f.shape) for name, f in policy.recurrent_state().items()}
+    state, actions, log_probs, values = dict(first), [], [], []
+    with torch.no_grad():
+        for t in range(steps):  # as the inference server acts: reset where an episode starts, then act
+            init = initial_state(policy.recurrent_state(), envs)
+            state = {k: torch.where(starts[t].unsqueeze(-1), init[k], v) for k, v in state.items()}
+            out, state = policy.act(obs[t], state=state)
+            actions.append(out["action"]), log_probs.append(out["log_prob"]), values.append(out["value"])
+        replayed, entropy, value = policy.evaluate_sequence(obs, torch.stack(actions), starts, first)
+    torch.testing.assert_close(replayed, torch.stack(log_probs), rtol=0, atol=1e-5)
+    torch.testing.assert_close(value, torch.stack(values), rtol=0, atol=1e-5)
+    assert entropy.shape == (steps, envs)
+
+
+def test_recurrent_ppo_ratio_is_one_at_the_first_epoch_and_it_learns_to_balance(tmp_path):
+    run = spmd_rl.train(RECURRENT_TINY, {"run.dir": str(tmp_path / "run"), "callbacks": ["test_recurrent:FirstRatio"]})
+    records = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 4
+    assert all(r["first_ratio_error"] < 1e-5 for r in records), [r["first_ratio_error"] for r in records]
+    assert all(r["minibatch_steps"] == 4 for r in records)
+
+
+def test_n_iterations_equal_half_then_resume_for_a_recurrent_policy(tmp_path):
+    full = spmd_rl.train(RECURRENT_TINY, {"run.dir": str(tmp_path / "full")})
+    assert full.finished
+    overrides = {"run.dir": str(tmp_path / "split"), "run.stop_after_iterations": 2}
+    assert not spmd_rl.train(RECURRENT_TINY, overrides).finished
+    assert spmd_rl.train(RECURRENT_TINY, overrides).finished
+    assert_same_run(tmp_path / "full", tmp_path / "split")
+    state = torch.load(tmp_path / "split" / "checkpoints" / "iter_000000001" / "rank0.pt", weights_only=True)
+    assert state["recurrent_state"]["h"].shape == (3, 8), "the checkpoint holds every env's state"
+
+
+# -- bad input: exit 2 before any process group ---------------------------------------------------------------------
+
+
+class WrongStatePolicy(CountingPolicy):
+    """Declares a state of 4 per env but returns 3."""
+
+    def recurrent_state(self):
+        return {"h": StepField((4,), torch.float32)}
+
+    def act(self, obs, deterministic=False, state=None):
+        out = {"action": torch.zeros(obs.shape[0], dtype=torch.int64), "count": torch.zeros(obs.shape[0])}
+        return out, {"h": torch.zeros(obs.shape[0], 3)}
+
+
+def test_a_state_shaped_otherwise_than_declared_is_a_user_error(tmp_path):
+    config = {**COUNTING, "policy": {"class": "test_recurrent:WrongStatePolicy"}}
+    with pytest.raises(UserError, match=r"returned the state 'h' as \(2, 3\) torch.float32.*declares h \(4,\)"):
+        spmd_rl.train(config, {"run.dir": str(tmp_path / "run")})
+
+
+def test_a_recurrent_policy_needs_an_algorithm_that_replays_sequences_and_back(tmp_path):
+    with pytest.raises(UserError, match="declares a recurrent state, but algo.class 'ppo' learns from single steps"):
+        spmd_rl.train({**TINY, "policy": {"class": "test_recurrent:CountingPolicy"}}, {"run.dir": str(tmp_path)})
+    stateless = {**RECURRENT_TINY, "policy": {"class": "actor_critic"}}
+    with pytest.raises(UserError, match=r"needs the step field\(s\) \['episode_start', 'recurrent_state'\]"):
+        spmd_rl.train(stateless, {"run.dir": str(tmp_path / "b")})
+
+
+def run_here(*args, nproc: int = 0, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m spmd_rl.main` (under torchrun with nproc) with this folder importable: its plug-ins are here."""
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), env.get("PYTHONPATH")]))
+    launcher = [sys.executable, "-m", "spmd_rl.main"]
+    if nproc:
+        launcher[2:2] = ["torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d"]
+        launcher[6:6] = [f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "-m"]
+    return subprocess.run(launcher + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def counting_config(tmp_path) -> str:
+    """COUNTING as a YAML file, for runs started from the command line."""
+    path = tmp_path / "counting.yaml"
+    path.write_text(yaml.safe_dump({**COUNTING, "dist": {"timeout_s": 60}}))
+    return str(path)
+
+
+def test_a_bad_declared_state_exits_2_with_one_line(tmp_path):
+    result = run_here(
+        "--config",
+        counting_config(tmp_path),
+        "policy.class=test_recurrent:WrongStatePolicy",
+        f"run.dir={tmp_path / 'run'}",
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "recurrent_state() declares h (4,) float32" in lines[0], lines
+
+
+# -- other layouts and the async engine ------------------------------------------------------------------------------
+
+SPLIT4 = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]
+LAYOUTS = {  # name: (processes, overrides)
+    "colocated-2": (2, []),
+    "split-4": (4, SPLIT4),
+    "async-lag-0": (4, [*SPLIT4, "engine.class=async"]),
+    "async-lag-2": (4, [*SPLIT4, "engine.class=async", "engine.max_policy_lag=2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_state_rules_hold_in_every_layout_and_engine(tmp_path, layout):
+    nproc, overrides = LAYOUTS[layout]
+    result = run_here(
+        "--config",
+        counting_config(tmp_path),
+        "train.total_steps=384",
+        *overrides,
+        f"run.dir={tmp_path / 'run'}",
+        nproc=nproc,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
