@@ -14,10 +14,10 @@
 #
 # Stopping and resuming: Ctrl-C, SIGTERM or SIGUSR1 to mpirun reaches every rank (mpirun passes SIGINT and SIGTERM
 # on as SIGTERM, SIGUSR1 as it is); the ranks finish the iteration, save a checkpoint in <run dir>/checkpoints/ and
-# exit 75, and so does mpirun. After such a stop, or a crash (a rank killed or a host lost: mpirun then stops the
+# exit 75, and so does this script. After such a stop, or a crash (a rank killed or a host lost: mpirun then stops the
 # other ranks), rerun the same command: it resumes from the latest checkpoint (run.resume=auto), losing at most the
-# work since it (checkpoint.every_iterations / checkpoint.every_s). Give run.dir= so that the rerun finds the run:
-# without it every run starts in a new, time-stamped directory. mpirun does not restart ranks by itself.
+# work since it (checkpoint.every_iterations / checkpoint.every_s): the default run directory is the command's own
+# (runs/<run.name>-<config digest>), so the rerun finds it. mpirun does not restart ranks by itself.
 set -euo pipefail
 NP=${NP:-2}
 flags=(
@@ -37,5 +37,23 @@ fi
 if [[ -n ${MASTER_ADDR:-} ]]; then
     flags+=(-x MASTER_ADDR)
 fi
+# A signalled mpirun exits 1 whatever its ranks did; rank 0 leaves its own exit code in this file (it runs on this
+# host unless HOSTFILE puts it elsewhere), so a clean stop ends this script with 75 as it ends every rank.
+exit_file=$(mktemp "${TMPDIR:-/tmp}/spmd_rl-exit.XXXXXX")
+trap 'rm -f "$exit_file"' EXIT
 # shellcheck disable=SC2086  # MPIRUN_ARGS is a list of flags
-exec mpirun "${flags[@]}" ${MPIRUN_ARGS:-} "${PYTHON:-python}" -m spmd_rl.main "$@"
+mpirun "${flags[@]}" -x "SPMD_RL_EXIT_FILE=$exit_file" ${MPIRUN_ARGS:-} "${PYTHON:-python}" -m spmd_rl.main "$@" &
+job=$!
+for sig in INT TERM USR1; do
+    trap "kill -$sig $job 2>/dev/null" "$sig"   # passed on to mpirun, which passes it on to every rank
+done
+status=0
+while true; do   # a trapped signal ends `wait` early: wait again until mpirun itself has exited
+    wait "$job" && status=0 || status=$?
+    kill -0 "$job" 2>/dev/null || break
+done
+ranks_code=$(cat "$exit_file" 2>/dev/null || true)
+if [[ $status != 0 && $ranks_code == 75 ]]; then
+    exit 75
+fi
+exit "$status"

@@ -18,9 +18,9 @@
 #                so the ranks use the same environment as the agent
 #
 # Stopping and resuming: Ctrl-C or SIGTERM to torchrun reaches every rank (torchrun passes it on); the ranks finish
-# the iteration, save a checkpoint in <run dir>/checkpoints/ and exit 75 (torchrun then exits 1). Rerun the command
-# with run.dir=<that run directory> to resume from it: without run.dir the directory is runs/<run.name>-<run id>,
-# and --standalone draws a new run id for every command. With MAX_RESTARTS=N, a rank that dies (or exits with an
+# the iteration, save a checkpoint in <run dir>/checkpoints/ and exit 75, and so does this script (torchrun itself
+# would exit 1). Rerun the same command to resume: the default run directory is the command's own
+# (runs/<run.name>-<config digest>), whatever rendezvous id --standalone draws. With MAX_RESTARTS=N, a rank that dies (or exits with an
 # error) makes torchrun restart all ranks, up to N times; they share the run id, so they resume from the latest
 # checkpoint of the same directory and go on, losing the work since it (checkpoint.every_iterations / every_s).
 set -euo pipefail
@@ -33,6 +33,33 @@ else
     rendezvous=(--rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
                 --rdzv_id="${RDZV_ID:-spmd_rl}")
 fi
+# A signalled torchrun agent prints its SignalException traceback and exits 1 after the ranks stopped cleanly; rank 0
+# leaves its own exit code in this file, so a clean stop ends this script with 75 and the stop line, no traceback.
+exit_file=$(mktemp "${TMPDIR:-/tmp}/spmd_rl-exit.XXXXXX")
+trap 'rm -f "$exit_file"' EXIT
+drop_signal_traceback() {   # the agent's traceback for the signal it was sent; every other line passes at once
+    awk '/^Traceback \(most recent call last\):$/ { held = $0; holding = 1; next }
+         holding { held = held "\n" $0
+                   if ($0 !~ /^[ \t]/) { if ($0 !~ /SignalException: Process [0-9]+ got signal/) print held; holding = 0 }
+                   next }
+         { print; fflush() }
+         END { if (holding) print held }' >&2
+}
 # torchrun sets OMP_NUM_THREADS=1 for its workers unless it is already set.
-exec "${PYTHON:-python}" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" "${rendezvous[@]}" \
-    --max-restarts="${MAX_RESTARTS:-0}" -m spmd_rl.main "$@"
+SPMD_RL_EXIT_FILE=$exit_file "${PYTHON:-python}" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" \
+    "${rendezvous[@]}" --max-restarts="${MAX_RESTARTS:-0}" -m spmd_rl.main "$@" 2> >(drop_signal_traceback) &
+job=$!
+for sig in INT TERM USR1; do
+    trap "kill -$sig $job 2>/dev/null" "$sig"   # the agent passes it on to every rank
+done
+status=0
+while true; do   # a trapped signal ends `wait` early: wait again until torchrun itself has exited
+    wait "$job" && status=0 || status=$?
+    kill -0 "$job" 2>/dev/null || break
+done
+wait   # the filter has printed everything
+ranks_code=$(cat "$exit_file" 2>/dev/null || true)
+if [[ $status != 0 && $ranks_code == 75 ]]; then
+    exit 75
+fi
+exit "$status"

@@ -1,7 +1,7 @@
 """torchrun restarts: with --max-restarts, a rank killed mid-run (kill -9) makes torchrun restart all workers, which
 resume from the latest checkpoint and finish the run as if nothing happened: exit 0, finished.json, every iteration
 once in metrics.jsonl. No run.dir is given, so this also tests the default run directory under torchrun
-(runs/<run.name>-<run id>: the restarted workers share the run id, so they find the checkpoints).
+(runs/<run.name>-<config digest>: the restarted workers continue the newest unfinished run of their config).
 """
 
 import json

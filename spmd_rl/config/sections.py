@@ -21,17 +21,18 @@ def knob(default, help: str, *, min=None, max=None, choices=None, item_min=None,
 
 @dataclass
 class RunSection:
-    name: str = knob("ppo_cartpole", "run name; the default run directory is runs/<name>-<timestamp>")
+    name: str = knob("ppo_cartpole", "run name; the default run directory is runs/<name>-<config digest>")
     dir: str = knob(
         "",
-        "run directory (config.yaml, metrics.jsonl, TensorBoard events, policy, checkpoints); '' = "
-        "runs/<name>-<timestamp>, or runs/<name>-<torchrun run id> under torchrun (stable across "
-        "its restarts)",
+        "run directory (config.yaml, metrics.jsonl, TensorBoard events, policy, checkpoints); '' = the "
+        "command's own: runs/<name>-<config digest>, then -2, -3, ... for later runs of that config; the same "
+        "command continues the newest unless it finished",
     )
     resume: str = knob(
         "auto",
         "auto: a run directory with a checkpoint resumes from the latest one; never: refuse a "
-        "run directory that holds a run; or the path of a checkpoint (or of its run directory)",
+        "run directory that holds a run (without run.dir: start a new one); or the path of a checkpoint (or of "
+        "its run directory)",
     )
     init_from: str = knob("", "start from trained weights: a run directory, a checkpoint or a policy.pt (fine-tune)")
     init_algorithm: bool = knob(

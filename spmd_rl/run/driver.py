@@ -48,7 +48,7 @@ from spmd_rl.runtime.errors import (
     UserError,
     describe_exception,
 )
-from spmd_rl.runtime.exits import say, unexpected_error, user_error
+from spmd_rl.runtime.exits import leave_exit_code, say, unexpected_error, user_error
 from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.postmortem import Failure, after_failure
 
@@ -117,6 +117,8 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
                 launch.world_size,
                 checked.topology.describe,
             )
+        if launch.rank == 0:
+            leave_exit_code(exit_code)
         shutdown_runtime(runtime, exit_code)
     if dry_run and exit_code == 0 and launch.rank == 0:
         _end_dry_run(outcome.run_dir)
@@ -269,7 +271,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
         print(
             f"spmd_rl: launcher {launch.launcher}, backend {runtime.backend}, device {runtime.device}; "
             f"{plan.describe(cfg, launch.world_size, _layout_name(topology), checked.algorithm_cls)}; "
-            f"run directory {run_dir}{start}",
+            f"run directory {run_dir}{f' ({resume.note})' if resume.note else ''}{start}",
             flush=True,
         )
     groups = create_process_groups(topology, runtime.group_timeout)

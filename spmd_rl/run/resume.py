@@ -4,9 +4,9 @@ check that it runs rank 0's exact config."""
 
 from __future__ import annotations
 
-import datetime
+import glob
 import json
-import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -31,6 +31,7 @@ class Resume:
 
     checkpoint: Path | None = None
     iteration: int = -1  # the checkpoint's iteration (-1: a fresh start)
+    note: str = ""  # rank 0: how the default run directory was chosen, for its first line
 
     @property
     def start_iteration(self) -> int:
@@ -41,9 +42,9 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False):
     """Rank 0 names the run directory and decides where the run starts (a checkpoint to resume from, or
     iteration 0; a run directory that would mix two runs is refused); every rank checks it runs rank 0's exact
     config; rank 0 saves it. Returns (run directory, Resume)."""
-    resume, verdict = Resume(), ""
+    resume, verdict, note = Resume(), "", ""
     if runtime.rank == 0:
-        run_dir = _default_run_dir(cfg, dry_run)
+        run_dir, note = _default_run_dir(cfg, dry_run)
         if not dry_run:
             try:
                 resume = decide_resume(cfg, Path(run_dir), runtime.world_size)
@@ -59,6 +60,7 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False):
         raise SharedUserError(verdict[len("error: ") :])
     if verdict:
         resume = Resume(checkpoint=Path(verdict), iteration=checkpoint_iteration(Path(verdict)))
+    resume.note = note
     cfg.run.dir = run_dir
     if runtime.distributed:
         mine = torch.frombuffer(bytearray.fromhex(cfg.digest()), dtype=torch.uint8)
@@ -78,19 +80,35 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False):
     return path, resume
 
 
-def _default_run_dir(cfg: Config, dry_run: bool) -> str:
+def _default_run_dir(cfg: Config, dry_run: bool) -> tuple[str, str]:
+    """The run directory and, when it was chosen here rather than given, a note saying why."""
     if dry_run:
-        return tempfile.mkdtemp(prefix=f"spmd_rl-dry-run-{cfg.run.name}-")
+        return tempfile.mkdtemp(prefix=f"spmd_rl-dry-run-{cfg.run.name}-"), ""
     if cfg.run.dir:
-        return cfg.run.dir
+        return cfg.run.dir, ""
     if cfg.run.resume not in ("auto", "never"):  # a checkpoint path: continue in its run directory
-        return str(find_checkpoint(cfg.run.resume).parent.parent)
-    # Under torchrun the run id is the same after a restart (--max-restarts), so the restarted workers find the
-    # checkpoints of the run they continue.
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id and os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None:
-        return f"runs/{cfg.run.name}-{run_id}"
-    return f"runs/{cfg.run.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+        return str(find_checkpoint(cfg.run.resume).parent.parent), ""
+    return command_run_dir(Path("runs"), f"{cfg.run.name}-{cfg.resume_digest()[:8]}", new=cfg.run.resume == "never")
+
+
+def command_run_dir(root: Path, stem: str, new: bool) -> tuple[str, str]:
+    """A command's own run directory, so that rerunning the same command resumes it: root/<stem> (the stem holds
+    the config's resume digest: the same config under any launcher and after any restart), then <stem>-2, -3, ...
+    for later runs of that config. The command continues the newest of them unless that one finished or `new` is
+    set (run.resume=never): then it starts the next."""
+    numbered = re.compile(re.escape(stem) + r"(?:-(\d+))?")
+    runs = {}
+    for path in root.glob(f"{glob.escape(stem)}*"):
+        match = numbered.fullmatch(path.name)
+        if match and path.is_dir():
+            runs[int(match.group(1) or 1)] = path
+    if not runs:
+        return str(root / stem), "new: rerunning this command resumes it; run.resume=never starts another"
+    newest = max(runs)
+    if not new and not (runs[newest] / FINISHED).exists():
+        return str(runs[newest]), "this command's unfinished run"
+    why = "run.resume=never" if new else f"{runs[newest]} holds a finished run of this config"
+    return str(root / f"{stem}-{newest + 1}"), f"new: {why}"
 
 
 FINISHED = "finished.json"  # written by rank 0 when a run completed: such a directory is never resumed

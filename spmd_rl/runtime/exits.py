@@ -53,3 +53,18 @@ def unexpected_error(exc: Exception, who: str) -> int:
     print(f"spmd_rl: {who} failed:", file=sys.stderr)
     traceback.print_exc()
     return USER_CODE_EXIT_CODE if user_frame(exc) else 1
+
+
+EXIT_FILE_VARIABLE = "SPMD_RL_EXIT_FILE"
+
+
+def leave_exit_code(exit_code: int) -> None:
+    """Rank 0's exit code, written to the file $SPMD_RL_EXIT_FILE names (launch/mpirun.sh sets it): mpirun exits 1
+    when it was signalled, whatever the ranks did, so its wrapper reads the code from there. Never raises."""
+    path = os.environ.get(EXIT_FILE_VARIABLE)
+    if path:
+        try:
+            with open(path, "w") as file:
+                file.write(f"{exit_code}\n")
+        except OSError:
+            pass  # the wrapper then reports mpirun's own code
