@@ -15,7 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_defaults_equal_the_default_config_file():
-    assert load_config(None) == load_config(ROOT / "configs" / "ppo_cartpole.yaml")
+    # The file states its 8 envs over all env ranks (the same batch at any world size); the defaults per rank.
+    shipped = load_config(ROOT / "configs" / "ppo_cartpole.yaml")
+    assert shipped.env.total_envs == 8
+    shipped.env.total_envs = 0
+    assert load_config(None) == shipped
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
@@ -146,6 +150,39 @@ def test_plan_rejects_unequal_trainer_shares_and_indivisible_sac_batches():
         plan_run(cfg, build_topology(cfg.layout, 7), SAC)
     cfg = load_config(None, split + ["layout.env=4"])
     assert plan_run(cfg, build_topology(cfg.layout, 7), PPO).num_iterations > 0
+
+
+@pytest.mark.parametrize(
+    "config, world_size",
+    [
+        ("ppo_cartpole.yaml", 1),
+        ("ppo_cartpole.yaml", 2),
+        ("ppo_cartpole.yaml", 4),
+        ("ppo_cartpole.yaml", 8),
+        ("ppo_cartpole_split.yaml", 8),
+    ],
+)
+def test_env_total_envs_keeps_the_global_batch_at_any_world_size(config, world_size):
+    from spmd_rl.algorithms.ppo import PPO
+    from spmd_rl.run.plan import plan_run
+    from spmd_rl.run.topology import build_topology
+
+    cfg = load_config(ROOT / "configs" / config)
+    plan = plan_run(cfg, build_topology(cfg.layout, world_size), PPO)
+    assert (plan.envs_total, plan.steps_per_iteration, plan.num_iterations) == (8, 256, 390)
+    assert cfg.env.num_envs * plan.env_ranks == 8
+    line = plan.describe(cfg, world_size, "colocated", PPO)
+    assert f"{plan.env_ranks} env rank(s) x {cfg.env.num_envs} envs = 8 envs (env.total_envs)" in line
+
+
+def test_env_total_envs_that_the_env_ranks_cannot_share_is_refused():
+    from spmd_rl.algorithms.ppo import PPO
+    from spmd_rl.run.plan import plan_run
+    from spmd_rl.run.topology import build_topology
+
+    cfg = load_config(ROOT / "configs" / "ppo_cartpole.yaml")
+    with pytest.raises(UserError, match="env.total_envs=8 cannot be shared equally by 3 env ranks"):
+        plan_run(cfg, build_topology(cfg.layout, 3), PPO)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -52,6 +52,12 @@ class RunSection:
 class EnvSection:
     id: str = knob("CartPole-v1", "gymnasium id, or 'package.module:EnvId' to import a user's env first")
     num_envs: int = knob(8, "environments per env rank (per rank in the colocated layout)", min=1)
+    total_envs: int = knob(
+        0,
+        "environments over all env ranks: when set, it wins over env.num_envs, which becomes total_envs / env "
+        "ranks (it must divide), so the global batch is the same at any world size; 0 = env.num_envs per rank",
+        min=0,
+    )
     kwargs: dict = knob(
         None, "keyword arguments passed to gymnasium.make (envpool.make with env.backend=envpool)", factory=dict
     )

@@ -49,7 +49,8 @@ class Plan:
     def describe(self, cfg: Config, world_size: int, layout: str, algorithm_cls: type[Algorithm]) -> str:
         text = (
             f"{cfg.classes['algo']} (policy {cfg.classes['policy']}) on {cfg.env.id}; world size {world_size}, "
-            f"layout {layout}; {self.env_ranks} env rank(s) x {cfg.env.num_envs} envs = {self.envs_total} envs; "
+            f"layout {layout}; {self.env_ranks} env rank(s) x {cfg.env.num_envs} envs = {self.envs_total} envs"
+            f"{' (env.total_envs)' if cfg.env.total_envs else ''}; "
             f"{self.steps_per_iteration} env steps per iteration ({self.num_steps} steps x {self.envs_total} "
             f"envs); {self.trainer_ranks} trainer rank(s); {self.num_iterations} iterations = "
             f"{self.num_iterations * self.steps_per_iteration} env steps"
@@ -62,8 +63,22 @@ class Plan:
         return text + (f"; {summary}" if summary else "")
 
 
+def spread_total_envs(cfg: Config, topology: Topology) -> None:
+    """env.total_envs, when set, becomes env.num_envs per env rank: the same global batch at any world size."""
+    total, env_ranks = cfg.env.total_envs, len(topology.env_ranks)
+    if not total:
+        return
+    if total % env_ranks:
+        raise UserError(
+            f"env.total_envs={total} cannot be shared equally by {env_ranks} env ranks; make it a multiple of "
+            f"{env_ranks}, or run with a number of env ranks that divides it"
+        )
+    cfg.env.num_envs = total // env_ranks
+
+
 def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) -> Plan:
     """Every rank's schedule, from the config and the topology alone; the algorithm checks its own constraints."""
+    spread_total_envs(cfg, topology)
     env_ranks = len(topology.env_ranks)
     envs_total = env_ranks * cfg.env.num_envs
     num_steps = cfg.algo.num_steps
