@@ -36,9 +36,9 @@ class RecurrentActorCriticConfig(ActorCriticConfig):
     cell: str = knob("gru", "the recurrent cell after the encoder", choices=["gru", "lstm"])
     recurrent_size: int = knob(64, "width of the recurrent state (GRU: h; LSTM: h and c)", min=1)
     critic_memory: str = knob(
-        "separate",
-        "separate: the critic has a cell of its own; shared: it reads the actor's cell without training it (the "
-        "value loss, through time, otherwise saturates a shared cell)",
+        "shared",
+        "shared: the critic reads the actor's cell without training it (the value loss, through time, saturates a "
+        "cell it trains: measured, the policy then stops learning); separate: the critic has a cell of its own",
         choices=["separate", "shared"],
     )
     hidden_sizes: list[int] = knob(

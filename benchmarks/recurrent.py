@@ -1,0 +1,118 @@
+"""Recurrent PPO on CartPole with its velocities hidden (configs/ppo_cartpole_recurrent.yaml), against the
+feed-forward PPO of configs/ppo_cartpole.yaml on the same task, per seed and layout.
+
+    python benchmarks/recurrent.py [--seeds 3] [--policies recurrent,feedforward] [--layouts one,colocated2,split4]
+                                   [--total-steps N]
+
+Every layout runs the same number of envs in all (the config's 8 shared by the env ranks), so an iteration is the
+same batch in each. Returns are the mean of the last 20 episodes (episode_return_mean); "env steps to 475" is the
+first iteration where it reaches CartPole-v1's "solved" return.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import ROOT, free_port, machine, table
+
+TARGET = 475.0
+MASKED_ENV = "examples.recurrent_cartpole.masked_cartpole:MaskedCartPole-v1"
+NUM_ENVS = 8
+# policy: (config, overrides)
+POLICIES = {
+    "recurrent": ("configs/ppo_cartpole_recurrent.yaml", []),
+    "feedforward": ("configs/ppo_cartpole.yaml", [f"env.id={MASKED_ENV}"]),
+}
+# layout: (torchrun processes (0 = plain python), env ranks, overrides)
+LAYOUTS = {
+    "one": (0, 1, []),
+    "colocated2": (2, 2, []),
+    "split4": (4, 2, ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]),
+    "async4": (
+        4,
+        2,
+        ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2", "engine.class=async"],
+    ),
+}
+
+
+def run(policy: str, layout: str, seed: int, total_steps: int | None) -> list[dict]:
+    config, overrides = POLICIES[policy]
+    nproc, env_ranks, layout_overrides = LAYOUTS[layout]
+    launcher = [sys.executable, "-m", "spmd_rl.main"]
+    if nproc:
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+            "-m",
+            "spmd_rl.main",
+        ]
+    run_dir = Path(tempfile.mkdtemp(prefix=f"spmd_recurrent_{policy}_{layout}_")) / "run"
+    cmd = [
+        *launcher,
+        "--config",
+        config,
+        *overrides,
+        *layout_overrides,
+        f"env.num_envs={NUM_ENVS // env_ranks}",
+        f"train.seed={seed}",
+        *([f"train.total_steps={total_steps}"] if total_steps else []),
+        f"run.dir={run_dir}",
+        "log.progress=false",
+        "log.tensorboard=false",
+        "log.interval_s=1000000",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--layouts", default="one")
+    parser.add_argument("--total-steps", type=int, default=None, help="the configs' own budgets when not given")
+    args = parser.parse_args()
+    print(f"machine: {machine()}")
+    rows = []
+    for policy in args.policies.split(","):
+        for layout in args.layouts.split(","):
+            for seed in range(1, args.seeds + 1):
+                records = run(policy, layout, seed, args.total_steps)
+                returns = [r["episode_return_mean"] for r in records if r["episode_return_mean"] is not None]
+                reached = next((r for r in records if (r["episode_return_mean"] or float("-inf")) >= TARGET), None)
+                last = records[-1]
+                rows.append(
+                    [
+                        policy,
+                        layout,
+                        seed,
+                        last["env_steps"],
+                        f"{last['episode_return_mean']:.1f}",
+                        f"{max(returns):.1f}",
+                        reached["env_steps"] if reached else "not reached",
+                        f"{reached['wall_s']:.0f}" if reached else "-",
+                        f"{last['wall_s']:.0f}",
+                    ]
+                )
+                print(f"{policy} {layout} seed {seed}: {rows[-1]}", flush=True)
+    headers = ["policy", "layout", "seed", "env steps", "final return", "best return", "env steps to 475"]
+    print(table([*headers, "wall s to 475", "wall s"], rows))
+
+
+if __name__ == "__main__":
+    main()
