@@ -26,8 +26,9 @@ Engine     The loops one rank runs for the whole run (`engine.class: sync`, `asy
            points (`end_iteration` for checkpoints and stops, the report for metrics and callbacks). The built-in
            engines (spmd_rl/engines/) are written with exactly these names; see docs/architecture.md.
 
-Each class has a `Config` dataclass of its own keys (see spmd_rl.config.sections.knob): they are validated like every
-other key (unknown key: exit 2 with a did-you-mean), listed by `--help`, saved in config.yaml.
+Each class has a `Config` dataclass of its own keys (see spmd_rl.config.sections.knob), typed bool, int, float, str,
+dict, list[T] (T one of the first four) or any of these | None: they are validated like every other key (unknown
+key: exit 2 with a did-you-mean; a key of another type: exit 2 naming it), listed by `--help`, saved in config.yaml.
 
 What an Algorithm's `learn` receives, per iteration, from its env ranks (a TensorDict, batch_size []):
     rollout         [T, N] time-major: obs (as the env gives it: dtype, shape, Dict spaces as nested keys),

@@ -353,3 +353,21 @@ def test_under_torchrun_a_config_error_is_printed_once():
     ours = [line for line in result.stderr.splitlines() if line.startswith("spmd_rl:")]
     assert len(ours) == 1, result.stderr
     assert "unknown config key 'train.totl_steps'" in ours[0]
+
+
+def test_a_plugin_config_field_of_a_type_a_config_cannot_check_is_a_user_error(tmp_path, monkeypatch):
+    (tmp_path / "bare_list_algo.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from spmd_rl.algorithms.configs import PPOConfig\n"
+        "from spmd_rl.algorithms.ppo import PPO\n"
+        "from spmd_rl.api import knob\n\n"
+        "@dataclass\n"
+        "class Config(PPOConfig):\n"
+        "    sizes: list = knob(None, 'sizes', factory=list)\n\n"
+        "class BareList(PPO):\n"
+        "    Config = Config\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_config(None, ["algo.class=bare_list_algo:BareList"]).algo.sizes == []  # its default is fine
+    with pytest.raises(UserError, match=r"config key 'algo.sizes' .* is declared as list, which a config cannot check"):
+        load_config(None, ["algo.class=bare_list_algo:BareList", "algo.sizes=[1,2]"])

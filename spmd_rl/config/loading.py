@@ -342,6 +342,11 @@ def _build(cls, raw: Any, prefix: str, source: str):
         kind = hints[name]
         if dataclasses.is_dataclass(kind):
             values[name] = _build(kind, raw[name], f"{prefix}{name}.", source)
+        elif not _supported_type(kind):
+            raise UserError(
+                f"config key '{prefix}{name}' (in {source}) is declared as {_type_name(kind)}, which a config "
+                f"cannot check; its class must declare it as {SUPPORTED_TYPES}"
+            )
         else:
             values[name] = _check_value(f"{prefix}{name}", raw[name], kind, f.metadata)
     return cls(**values)
@@ -402,6 +407,19 @@ def _integral_number(value: Any) -> int | None:
     if isinstance(value, float) and value.is_integer():  # False for inf and nan
         return int(value)
     return None
+
+
+SUPPORTED_TYPES = "bool, int, float, str, dict, list[T] (T one of bool, int, float, str) or any of them | None"
+
+
+def _supported_type(kind) -> bool:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return len(rest) == 1 and len(args) == 2 and _supported_type(rest[0])
+    if origin is list:
+        return len(args) == 1 and args[0] in (bool, int, float, str)
+    return kind in (bool, int, float, str, dict)
 
 
 def _check_type(key: str, value: Any, kind) -> Any:
