@@ -197,3 +197,14 @@ def _split_of_the_global_batch(rank: int, world_size: int) -> None:
 
 def test_sharded_split_adds_up_and_is_unbiased():
     assert_all_ok(run_ranks(_split_of_the_global_batch, 3, timeout_s=30))
+
+
+def test_a_memory_checkpoint_holds_only_the_rows_added_not_the_capacity(tmp_path):
+    buffer = make_buffer("memory", 100_000, tmp_path)
+    buffer.add(transitions(range(10)))
+    path = tmp_path / "state.pt"
+    torch.save(buffer.state_dict(), path)
+    assert path.stat().st_size < 20_000  # the capacity's 100,000 rows would be megabytes
+    restored = make_buffer("memory", 100_000, tmp_path)
+    restored.load_state_dict(torch.load(path, weights_only=True))
+    assert len(restored) == 10 and torch.equal(restored.storage.rows[:10]["id"], torch.arange(10))

@@ -195,7 +195,8 @@ class ReplayBuffer:
         state = {"total_rows": self.total_rows}
         if isinstance(self.storage, MemoryStorage):
             held = min(self.total_rows, self.capacity)
-            state["rows"] = self.storage.rows[:held].to_dict()
+            # A copy: torch.save of a view would write the whole preallocated capacity, not the rows held.
+            state["rows"] = self.storage.rows[:held].clone().to_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
