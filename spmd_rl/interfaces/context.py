@@ -129,9 +129,11 @@ class Context:
     # -- replay ---------------------------------------------------------------------------------------------------
 
     def replay_buffer(self, example: TensorDict, name: str = "replay"):
-        """This trainer's shard of a replay buffer sampled uniformly over all trainers' shards: `add(rows)`,
-        `sample(batch_size)` (batch_size over all trainers; each gets its share), `close()`. Rows are laid out
-        like `example` (a TensorDict with one batch dimension). Memory or HDF5 by buffer.backend."""
+        """This trainer's shard of a replay buffer sampled uniformly over all trainers' shards (a
+        spmd_rl.storage.replay.Replay): `add(rows)`, `len()` (this shard's rows), `sample(batch_size)` (batch_size
+        over all trainers; each gets its share), `close()`, and one `state_dict`/`load_state_dict` for a checkpoint
+        (rows or file cursor, and the sampler). Rows are laid out like `example` (a TensorDict with one batch
+        dimension). Memory or HDF5 by buffer.backend."""
         # Imported here: replay imports tensordict (seconds), which a policy or algorithm module importing the
         # API must not pay for to answer --help.
         from spmd_rl.storage.replay import LocalReplay, ReplayBuffer, ShardedReplay

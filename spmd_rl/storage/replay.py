@@ -211,7 +211,43 @@ class ReplayBuffer:
         self.storage.close()
 
 
-class ShardedReplay:
+class Replay:
+    """What `context.replay_buffer()` returns: this trainer's shard of the buffer (`add`, `len`, `close`) and
+    `sample`, which draws a uniform global batch over all trainers' shards; one `state_dict` holds both the rows
+    (or the file's cursor) and the sampler's generators, for a checkpoint."""
+
+    def __init__(self, shard: ReplayBuffer):
+        self.shard = shard
+
+    def add(self, rows: TensorDict) -> None:
+        """Append rows (transitions, batch_size [n]) to this trainer's shard."""
+        self.shard.add(rows)
+
+    def __len__(self) -> int:
+        """Rows this trainer's shard holds."""
+        return len(self.shard)
+
+    def close(self) -> None:
+        self.shard.close()
+
+    def sample(self, batch_size: int) -> TensorDict:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {"shard": self.shard.state_dict(), "sampler": self._sampler_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.shard.load_state_dict(state["shard"])
+        self._load_sampler_state(state["sampler"])
+
+    def _sampler_state(self) -> dict:
+        return {}
+
+    def _load_sampler_state(self, state: dict) -> None:
+        pass
+
+
+class ShardedReplay(Replay):
     """Uniform sampling over the union of the trainers' shards, each trainer holding (and reading) only its own.
 
     To sample a global batch of B rows, the trainers all_gather their shard sizes n_1..n_T and split B among the
@@ -227,7 +263,7 @@ class ShardedReplay:
     """
 
     def __init__(self, shard: ReplayBuffer, group: dist.ProcessGroup | None, timeout: datetime.timedelta, seed: int):
-        self.shard = shard
+        super().__init__(shard)
         self.group = group
         self.timeout = timeout
         self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
@@ -267,26 +303,16 @@ class ShardedReplay:
         indices = torch.randint(max(len(self.shard), 1), (int(counts[self.index]),), generator=self.local)
         return self.shard.read(indices)
 
-    def state_dict(self) -> dict:
-        """The generators' states, for a checkpoint (the rows themselves are the shard's)."""
+    def _sampler_state(self) -> dict:
         return {"shared": self.shared.get_state(), "local": self.local.get_state()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_sampler_state(self, state: dict) -> None:
         self.shared.set_state(state["shared"])
         self.local.set_state(state["local"])
 
 
-class LocalReplay:
-    """A single trainer's replay: its shard is the whole buffer (ShardedReplay's interface, no group)."""
-
-    def __init__(self, shard: ReplayBuffer):
-        self.shard = shard
+class LocalReplay(Replay):
+    """A single trainer's replay: its shard is the whole buffer."""
 
     def sample(self, batch_size: int) -> TensorDict:
         return self.shard.sample(batch_size)  # draws from torch's global generator, which checkpoints save
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
