@@ -215,3 +215,26 @@ def test_a_trained_cartpole_policy_scores_about_500_deterministically(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["return_mean"] >= 475, report
+
+
+def test_keep_best_saves_the_policy_of_the_best_evaluation_and_a_resume_compares_against_it(tmp_path):
+    args = ("--config", "configs/ci_tiny.yaml", "eval.every=2", "eval.episodes=2", "checkpoint.keep_best=true")
+    run_dir = tmp_path / "run"
+    stopped = run_module("spmd_rl.main", *args, f"run.dir={run_dir}", "run.stop_after_iterations=4")
+    assert stopped.returncode == 75, stopped.stderr
+    assert run_module("spmd_rl.main", *args, f"run.dir={run_dir}").returncode == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "eval_return_mean" in r]
+    best = max(evaluated, key=lambda r: r["eval_return_mean"])
+    score = json.loads((run_dir / "best" / "score.json").read_text())
+    assert len(evaluated) == 4 and score["eval_return_mean"] == best["eval_return_mean"]
+    assert score["iteration"] == min(
+        r["iteration"] for r in evaluated if r["eval_return_mean"] == score["eval_return_mean"]
+    )
+    policy, _ = load_policy(run_dir / "best")
+    assert policy.act(gym.make("CartPole-v1").reset(seed=0)[0])["action"] in (0, 1)
+
+
+def test_keep_best_without_evaluations_is_exit_2_naming_both_keys():
+    result = run_module("spmd_rl.main", "checkpoint.keep_best=true")
+    assert result.returncode == 2 and "checkpoint.keep_best=true" in result.stderr and "eval.every" in result.stderr

@@ -58,6 +58,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     plugin_raw = {name: raw.pop(name) for name in (*PLUGIN_SECTIONS, "callbacks") if name in raw}
     cfg = _build(Config, raw, prefix="", source=source)
     _check_run_name(cfg.run.name)
+    if cfg.checkpoint.keep_best and not cfg.eval.every:
+        raise UserError(
+            "checkpoint.keep_best=true keeps the policy with the best evaluation, but eval.every=0 never evaluates; "
+            "set eval.every (e.g. eval.every=10) or drop checkpoint.keep_best"
+        )
     _build_plugin_sections(cfg, plugin_raw, source)
     return cfg
 

@@ -99,6 +99,11 @@ class CheckpointSection:
         min=0.0,
     )
     keep: int = knob(2, "complete checkpoints kept (older ones are deleted)", min=1)
+    keep_best: bool = knob(
+        False,
+        "with eval.every: after every evaluation whose eval_return_mean beats the best so far, write "
+        "best/policy.pt and best/score.json in the run directory",
+    )
 
 
 @dataclass

@@ -3,12 +3,18 @@ Only the first trainer (global rank 0) holds a MetricsLogger and writes."""
 
 from __future__ import annotations
 
+import json
+
 from spmd_rl.config.sections import Config
 from spmd_rl.interfaces.policy import Policy
+from spmd_rl.persist.fileio import make_dirs, write_atomic
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.evaluation import evaluate
 from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.plan import Plan
+from spmd_rl.run.policies import save_policy
+
+BEST_DIR = "best"  # checkpoint.keep_best: <run dir>/best/policy.pt and its score.json
 
 
 class Reporter:
@@ -18,6 +24,7 @@ class Reporter:
     def __init__(self, cfg: Config, plan: Plan, logger: MetricsLogger | None, callbacks: list, policy: Policy):
         self.plan = plan
         self.eval_cfg, self.env_cfg, self.seed = cfg.eval, cfg.env, cfg.train.seed
+        self.keep_best = cfg.checkpoint.keep_best
         self.logger = logger
         self.callbacks = callbacks
         self.policy = policy
@@ -28,6 +35,8 @@ class Reporter:
         if logs:  # the whole metrics.jsonl line, periodic evaluation included, is what the callbacks see here
             if self.eval_cfg.every and (iteration + 1) % self.eval_cfg.every == 0:
                 metrics = {**metrics, **self.evaluate(iteration)}
+                if self.keep_best:
+                    self.keep_if_best(iteration, env_steps, metrics["eval_return_mean"])
             times = {"time_learn_s": trainer.learn_s, "time_weight_sync_s": trainer.weight_sync_s}
             record = self.logger.record(iteration, env_steps, metrics, statistics, times)
         else:
@@ -53,6 +62,20 @@ class Reporter:
             "eval_return_std": result["return_std"],
             "eval_length_mean": result["length_mean"],
         }
+
+    def keep_if_best(self, iteration: int, env_steps: int, score: float) -> None:
+        """Save the policy to best/ when its evaluation beats the one saved there. The best score so far is the
+        file's, so a resumed run goes on comparing against it."""
+        best = self.logger.run_dir / BEST_DIR
+        score_file = best / "score.json"
+        if score_file.exists() and json.loads(score_file.read_text())["eval_return_mean"] >= score:
+            return
+        make_dirs(best)
+        save_policy(self.policy, best)  # the policy first: a score never names weights that are not there yet
+        write_atomic(
+            score_file,
+            json.dumps({"iteration": iteration, "env_steps": env_steps, "eval_return_mean": score}) + "\n",
+        )
 
     def state_dict(self) -> dict:
         """What a checkpoint holds of the report: the logger's running statistics (rank 0), else nothing."""
