@@ -195,3 +195,39 @@ def test_ppo_atari_runs_split_over_4_ranks(tmp_path):
     )
     records = assert_run_complete(result, tmp_path, iterations=2)
     assert records[-1]["env_steps"] == 256
+
+
+@needs_envpool
+def test_envpool_envs_made_with_the_same_seed_step_alike():
+    # CartPole: its start states are random (Breakout's frames differ little between seeds: ALE is deterministic
+    # without sticky actions, and no-ops before the FIRE reset leave the screen as it is)
+    cfg = EnvSection(id="CartPole-v1", backend="envpool", num_envs=2)
+    spec = probe_env(cfg)
+    actions = np.random.default_rng(0).integers(0, 2, (60, 2))
+
+    def frames(seed):
+        envs, obs = make_vector_env(cfg, spec, seed=seed)
+        seen = [obs] + [envs.step(action)[0] for action in actions]
+        envs.close()
+        return np.stack(seen)
+
+    assert np.array_equal(frames(5), frames(5))
+    assert not np.array_equal(frames(5), frames(6))
+
+
+@needs_envpool
+@pytest.mark.slow
+def test_an_envpool_run_stops_and_resumes_with_fresh_episodes(tmp_path):
+    args = [
+        "--config",
+        ATARI,
+        f"run.dir={tmp_path}",
+        "train.total_steps=384",
+        "algo.num_steps=16",
+        "log.progress=false",
+    ]
+    stopped = run_main(*args, "run.stop_after_iterations=1")
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    resumed = run_main(*args)
+    assert_run_complete(resumed, tmp_path, iterations=3)
+    assert "resuming from" in resumed.stdout and "a resume begins fresh episodes" in resumed.stdout
