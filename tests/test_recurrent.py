@@ -19,7 +19,7 @@ from test_resume import assert_same_run
 from test_train_e2e import ROOT, _env, _free_port
 
 import spmd_rl
-from spmd_rl.api import Algorithm, Callback, Policy, StepField, UserError
+from spmd_rl.api import ANY_LAG, Algorithm, Callback, Policy, Schedule, StepField, UserError
 from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE, initial_state
 
 TINY = {
@@ -68,6 +68,10 @@ class CheckSegments(Algorithm):
 
     requires = ("count", EPISODE_START, RECURRENT_STATE)
     seen: list = []  # one process: what the tests look at
+
+    @classmethod
+    def schedule(cls, config):
+        return Schedule(max_policy_lag=ANY_LAG)  # it learns nothing: any lag (the async engine's lag 2 case)
 
     def __init__(self, policy, config, context):
         super().__init__(policy, config, context)
@@ -261,3 +265,16 @@ def test_the_state_rules_hold_in_every_layout_and_engine(tmp_path, layout):
         nproc=nproc,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_n_iterations_equal_half_then_resume_for_a_recurrent_policy_in_split_4(tmp_path):
+    config = tmp_path / "recurrent.yaml"
+    config.write_text(yaml.safe_dump({**RECURRENT_TINY, "dist": {"timeout_s": 60}}))
+    args = ["--config", str(config), *SPLIT4, "env.num_envs=2", "train.total_steps=256"]  # 4 iterations
+    assert run_here(*args, f"run.dir={tmp_path / 'full'}", nproc=4).returncode == 0
+    stop = [*args, f"run.dir={tmp_path / 'split'}", "run.stop_after_iterations=2"]
+    assert run_here(*stop, nproc=4).returncode == 1  # torchrun reports the ranks' 75 as 1
+    resumed = run_here(*stop, nproc=4)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(tmp_path / "full", tmp_path / "split")
