@@ -24,6 +24,7 @@ from spmd_rl.persist.checkpoint import (
     load_checkpoint,
     restore_rng_state,
 )
+from spmd_rl.persist.fileio import checksum_matches, torch_save_atomic
 from spmd_rl.runtime.errors import UserError
 
 
@@ -107,7 +108,7 @@ def test_commit_before_every_rank_saved_is_refused(tmp_path):
     assert store.latest() is None
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "missing_rank", "incomplete", "absent"])
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "flipped", "missing_rank", "incomplete", "absent"])
 def test_damaged_checkpoint_is_a_user_error_naming_the_path(tmp_path, damage):
     store = CheckpointStore(tmp_path)
     store.save({"w": torch.randn(1000)}, 7, 0)
@@ -120,6 +121,11 @@ def test_damaged_checkpoint_is_a_user_error_naming_the_path(tmp_path, damage):
         size = file.stat().st_size
         file.write_bytes(os.urandom(size))  # same size: only torch.load can tell
         expected = str(file)
+    elif damage == "flipped":  # 16 bytes of tensor data: torch.load would read them silently
+        data = bytearray(file.read_bytes())
+        data[2000:2016] = bytes(b ^ 0xFF for b in data[2000:2016])
+        file.write_bytes(bytes(data))
+        expected = f"checkpoint file {file} is damaged"
     elif damage == "missing_rank":
         file.unlink()
         expected = str(directory)
@@ -287,3 +293,12 @@ def test_restoring_into_a_differently_built_env_is_a_user_error():
     other = make_envs("Pendulum-v1", "sync", 2, seed=0, normalize_reward=True)
     with pytest.raises(UserError, match="NormalizeReward"):
         restore_env_state(other, state)
+
+
+def test_files_carry_a_checksum_that_a_plain_torch_load_ignores(tmp_path):
+    path = tmp_path / "state.pt"
+    torch_save_atomic({"w": torch.arange(1000)}, path)
+    assert checksum_matches(path) is True
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(1000))  # still a torch file
+    torch.save({"w": torch.arange(3)}, path)
+    assert checksum_matches(path) is None  # written without one: nothing to check

@@ -100,6 +100,12 @@ def corrupt_policy(run_dir: Path) -> None:
     (run_dir / "policy.pt").write_bytes(data[: len(data) // 2])
 
 
+def flip_policy_bytes(run_dir: Path) -> None:
+    data = bytearray((run_dir / "policy.pt").read_bytes())
+    data[-200:-184] = bytes(b ^ 0xFF for b in data[-200:-184])  # inside the zip, before the checksum trailer
+    (run_dir / "policy.pt").write_bytes(bytes(data))
+
+
 def remove_weights(run_dir: Path) -> None:
     (run_dir / "policy.pt").unlink()
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
@@ -114,6 +120,7 @@ def renamed_policy_class(run_dir: Path) -> None:
     "damage, args, expected",
     [
         (corrupt_policy, [], "policy.pt cannot be read as weights"),
+        (flip_policy_bytes, [], "policy.pt is damaged (its contents differ from the checksum saved with them)"),
         (lambda d: (d / "config.yaml").unlink(), [], "no config.yaml next to"),
         (remove_weights, [], "holds no weights yet (no policy.pt, no checkpoints/)"),
         (renamed_policy_class, [], "importing module 'gone_module' failed"),

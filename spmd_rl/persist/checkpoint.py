@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spmd_rl.persist.fileio import make_dirs, torch_save_atomic, write_atomic
+from spmd_rl.persist.fileio import checksum_matches, make_dirs, torch_save_atomic, write_atomic
 from spmd_rl.runtime.errors import UserError
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -154,6 +154,11 @@ def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.devic
     if expected is not None and size != expected:
         raise UserError(
             f"checkpoint file {file} is truncated or altered ({size} bytes, {expected} when saved): "
+            f"delete {directory} to resume from the previous checkpoint"
+        )
+    if checksum_matches(file) is False:
+        raise UserError(
+            f"checkpoint file {file} is damaged (its contents differ from the checksum saved with them): "
             f"delete {directory} to resume from the previous checkpoint"
         )
     try:

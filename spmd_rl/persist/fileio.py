@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import sys
 from collections.abc import Iterator
@@ -128,8 +129,16 @@ def write_atomic(path: str | os.PathLike, content: bytes | str) -> None:
         file.write(content.encode() if isinstance(content, str) else content)
 
 
+# torch.save writes a zip archive whose reader ignores what follows it, and torch.load does not check the zip's
+# CRCs: flipped bytes in tensor data load silently. So every file torch_save_atomic writes ends with this trailer and
+# the SHA-256 of everything before it (64 hex digits, a newline); the file stays loadable by a plain torch.load.
+CHECKSUM_TRAILER = b"\nspmd_rl-sha256:"
+_TRAILER_BYTES = len(CHECKSUM_TRAILER) + 64 + 1
+
+
 def torch_save_atomic(obj, path: str | os.PathLike) -> None:
-    """torch.save(obj, path), written to a temporary file first and renamed over path (see write_atomic)."""
+    """torch.save(obj, path) followed by the checksum trailer, written to a temporary file first and renamed over
+    path (see write_atomic)."""
     import torch  # imported here: the text helpers above are used by modules that need not load torch
 
     path = Path(path)
@@ -141,18 +150,47 @@ def torch_save_atomic(obj, path: str | os.PathLike) -> None:
             if recording.error is None:
                 raise
             raise recording.error from None
+        file.write(CHECKSUM_TRAILER + recording.digest.hexdigest().encode() + b"\n")
+
+
+def checksum_matches(path: str | os.PathLike) -> bool | None:
+    """Whether a file torch_save_atomic wrote still holds what was written: True, False (damaged), or None when
+    it has no trailer (written by torch.save itself, or by an older version), which cannot be checked."""
+    with open(path, "rb") as file:
+        size = file.seek(0, os.SEEK_END)
+        if size < _TRAILER_BYTES:
+            return None
+        file.seek(size - _TRAILER_BYTES)
+        trailer = file.read()
+        if not trailer.startswith(CHECKSUM_TRAILER):
+            return None
+        expected = trailer[len(CHECKSUM_TRAILER) : -1].decode("ascii", "replace")
+        digest = hashlib.sha256()
+        file.seek(0)
+        remaining = size - _TRAILER_BYTES
+        while remaining:
+            block = file.read(min(remaining, 1 << 22))
+            if not block:
+                return False
+            digest.update(block)
+            remaining -= len(block)
+    return digest.hexdigest() == expected
 
 
 class _RecordingWriter:
-    """A file object that keeps the OSError of a failed write (torch.save hides it in a RuntimeError)."""
+    """A file object that keeps the OSError of a failed write (torch.save hides it in a RuntimeError) and the
+    SHA-256 of what it wrote."""
 
     def __init__(self, file: BinaryIO):
         self.file = file
         self.error: OSError | None = None
+        self.digest = hashlib.sha256()  # of everything written, for the checksum trailer
 
     def write(self, data) -> int:
         try:
-            return self.file.write(data)
+            written = self.file.write(data)
+            self.digest.update(memoryview(data).cast("B")[:written])
+            return written
         except OSError as exc:
             self.error = exc
             raise

@@ -20,7 +20,7 @@ from spmd_rl.envs import spaces
 from spmd_rl.envs.vector import EnvSpec, probe_env
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.checkpoint import CHECKPOINTS_DIR, COMPLETE, LATEST, find_checkpoint, load_checkpoint
-from spmd_rl.persist.fileio import torch_save_atomic
+from spmd_rl.persist.fileio import checksum_matches, torch_save_atomic
 from spmd_rl.run.evaluation import cuda_indices
 from spmd_rl.runtime.errors import UserError
 
@@ -199,6 +199,11 @@ def _read_policy_state(weights: Path) -> dict:
 
 
 def _torch_load(file: Path):
+    if checksum_matches(file) is False:
+        raise UserError(
+            f"{file} is damaged (its contents differ from the checksum saved with them): use another copy, or "
+            f"the run's checkpoints (python -m spmd_rl.evaluate <run dir>/checkpoints)"
+        )
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for damaged or foreign files; each means the same here
