@@ -268,13 +268,17 @@ def test_the_state_rules_hold_in_every_layout_and_engine(tmp_path, layout):
 
 
 @pytest.mark.slow
-def test_n_iterations_equal_half_then_resume_for_a_recurrent_policy_in_split_4(tmp_path):
+@pytest.mark.parametrize("layout", ["colocated-2", "split-4"])
+def test_n_iterations_equal_half_then_resume_for_a_recurrent_policy_in_several_ranks(tmp_path, layout):
+    """RecurrentPPO through DDP (colocated 2) and with the state on an inference rank (split 4)."""
+    nproc, overrides = LAYOUTS[layout]
     config = tmp_path / "recurrent.yaml"
     config.write_text(yaml.safe_dump({**RECURRENT_TINY, "dist": {"timeout_s": 60}}))
-    args = ["--config", str(config), *SPLIT4, "env.num_envs=2", "train.total_steps=256"]  # 4 iterations
-    assert run_here(*args, f"run.dir={tmp_path / 'full'}", nproc=4).returncode == 0
+    args = ["--config", str(config), *overrides, "env.num_envs=2", "train.total_steps=256"]  # 4 iterations
+    full = run_here(*args, f"run.dir={tmp_path / 'full'}", nproc=nproc)
+    assert full.returncode == 0, full.stderr[-3000:]
     stop = [*args, f"run.dir={tmp_path / 'split'}", "run.stop_after_iterations=2"]
-    assert run_here(*stop, nproc=4).returncode == 1  # torchrun reports the ranks' 75 as 1
-    resumed = run_here(*stop, nproc=4)
+    assert run_here(*stop, nproc=nproc).returncode == 1  # torchrun reports the ranks' 75 as 1
+    resumed = run_here(*stop, nproc=nproc)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(tmp_path / "full", tmp_path / "split")
