@@ -16,6 +16,8 @@ envpool is imported only when this backend is used: importing it takes ~2 s.
 
 from __future__ import annotations
 
+import warnings
+
 import gymnasium as gym
 import numpy as np
 
@@ -65,7 +67,9 @@ def make_envpool(env_id: str, num_envs: int, seed: int, kwargs: dict):
 
 def probe_envpool(env_id: str, kwargs: dict) -> tuple[gym.Space, gym.Space]:
     """The spaces of one env."""
-    envs = make_envpool(env_id, 1, 0, kwargs)
+    with warnings.catch_warnings():  # its spaces' own casting warnings (CartPole's float64 bounds) come again later
+        warnings.simplefilter("ignore")
+        envs = make_envpool(env_id, 1, 0, kwargs)
     try:
         return envs.single_observation_space, envs.single_action_space
     finally:
