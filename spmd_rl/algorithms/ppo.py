@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 from tensordict import TensorDict
-from torch import Tensor, nn
+from torch import Tensor
 
 from spmd_rl.algorithms.configs import PPOConfig
 from spmd_rl.algorithms.vtrace import vtrace
@@ -59,47 +59,69 @@ def compute_gae(
 VTRACE_MAX_POLICY_LAG = 8  # the lag PPO declares with algo.vtrace (engine.max_policy_lag may lower it)
 
 LOSS_NAMES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
+APPROX_KL = LOSS_NAMES.index("approx_kl")
+
+
+def minibatch_weights(valid: Tensor, advantage: Tensor, normalize: bool) -> tuple[Tensor, Tensor]:
+    """(share, advantage) of one minibatch: each valid entry's share of a mean (0 for reset steps), so that every
+    mean is one dot product with it; and the advantages normalized over the valid entries with the unbiased std,
+    as SB3, when asked and there is more than one. A minibatch of reset steps only has zero losses, not NaN."""
+    num_valid = valid.sum()
+    share = valid / num_valid.clamp(min=1)
+    if normalize and num_valid > 1:
+        mean = advantage @ share
+        std = ((advantage - mean).square() @ share * (num_valid / (num_valid - 1))).sqrt()
+        advantage = (advantage - mean) / (std + 1e-8)
+    return share, advantage
+
+
+def clipped_losses(
+    minibatch: dict[str, Tensor],
+    share: Tensor,
+    advantage: Tensor,
+    new_log_prob: Tensor,
+    entropy: Tensor,
+    new_value: Tensor,
+    clip: float,
+    cfg: PPOConfig,
+) -> Tensor:
+    """LOSS_NAMES' values on one minibatch as one tensor [5], each a mean over the valid entries (weights share).
+
+    minibatch holds the rollout's log_prob, return_ and value (invalid entries zeroed by rollout_tensors); the
+    new_* tensors are the current policy's evaluation of the same (obs, action) pairs.
+    """
+    log_ratio = new_log_prob - minibatch["log_prob"]
+    ratio = log_ratio.exp()
+    surrogate = torch.min(advantage * ratio, advantage * ratio.clamp(1 - clip, 1 + clip))
+    if cfg.clip_value_loss:  # SB3's clip_range_vf form: the prediction moves at most clip away from the old value
+        old_value = minibatch["value"]
+        new_value = old_value + (new_value - old_value).clamp(-clip, clip)
+    with torch.no_grad():
+        approx_kl = (ratio - 1) - log_ratio  # the low-variance k3 estimator, as SB3
+        clipped = ((ratio - 1).abs() > clip).float()
+    if cfg.ent_coef == 0:
+        entropy = entropy.detach()  # reported, but without a gradient the backward pass skips its ops
+    # One row per loss, all five means in one matmul (and its one backward op). SB3's plain MSE for the value.
+    terms = torch.stack([-surrogate, (new_value - minibatch["return_"]).square(), entropy, approx_kl, clipped])
+    return terms @ share
 
 
 def ppo_losses(
     minibatch: dict[str, Tensor], new_log_prob: Tensor, entropy: Tensor, new_value: Tensor, clip: float, cfg: PPOConfig
 ) -> dict[str, Tensor]:
-    """The clipped-surrogate, value and entropy terms on one minibatch, each a mean over its valid entries.
+    """The clipped-surrogate, value and entropy terms (and approx_kl, clip_fraction) on one minibatch, by name.
 
     minibatch holds the rollout's log_prob, advantage, return_, value and valid (its invalid entries zeroed by
     rollout_tensors); the new_* tensors are the current policy's evaluation of the same (obs, action) pairs.
     """
-    # Each valid entry's share of a mean, 0 for reset steps: every mean below is one dot product with it.
-    # (A minibatch of reset steps only has zero losses, not NaN.)
-    valid = minibatch["valid"]
-    num_valid = valid.sum()
-    share = valid / num_valid.clamp(min=1)
+    share, advantage = minibatch_weights(minibatch["valid"], minibatch["advantage"], cfg.normalize_advantages)
+    losses = clipped_losses(minibatch, share, advantage, new_log_prob, entropy, new_value, clip, cfg)
+    return dict(zip(LOSS_NAMES, losses.unbind()))
 
-    advantage = minibatch["advantage"]
-    if cfg.normalize_advantages and num_valid > 1:  # per minibatch, with the unbiased std: as SB3
-        mean = advantage @ share
-        std = ((advantage - mean).square() @ share * (num_valid / (num_valid - 1))).sqrt()
-        advantage = (advantage - mean) / (std + 1e-8)
 
-    log_ratio = new_log_prob - minibatch["log_prob"]
-    ratio = log_ratio.exp()
-    surrogate = torch.min(advantage * ratio, advantage * ratio.clamp(1 - clip, 1 + clip))
-    policy_loss = -(surrogate @ share)
-
-    if cfg.clip_value_loss:  # SB3's clip_range_vf form: the prediction moves at most clip away from the old value
-        new_value = minibatch["value"] + (new_value - minibatch["value"]).clamp(-clip, clip)
-    value_loss = (new_value - minibatch["return_"]).square() @ share  # SB3's plain MSE (CleanRL halves it)
-
-    with torch.no_grad():
-        approx_kl = ((ratio - 1) - log_ratio) @ share  # the low-variance k3 estimator, as SB3
-        clip_fraction = ((ratio - 1).abs() > clip).float() @ share
-    return {
-        "policy_loss": policy_loss,
-        "value_loss": value_loss,
-        "entropy": entropy @ share,
-        "approx_kl": approx_kl,
-        "clip_fraction": clip_fraction,
-    }
+def loss_coefficients(cfg: PPOConfig) -> Tensor:
+    """The total loss as a dot product with the LOSS_NAMES vector: policy - ent_coef * entropy + vf_coef * value."""
+    return torch.tensor([1.0, cfg.vf_coef, -cfg.ent_coef, 0.0, 0.0])
 
 
 def total_loss(losses: dict[str, Tensor], cfg: PPOConfig) -> Tensor:
@@ -126,14 +148,42 @@ def rollout_tensors(batch: TensorDict) -> dict[str, Tensor]:
     return data
 
 
-def shuffled_minibatches(data: dict[str, Tensor], num_minibatches: int) -> Iterator[dict[str, Tensor]]:
-    """The batch split into num_minibatches random parts (sizes differ by at most one)."""
+def epoch_minibatches(
+    data: dict[str, Tensor], num_minibatches: int, normalize: bool
+) -> Iterator[tuple[dict[str, Tensor], Tensor, Tensor]]:
+    """One epoch: the batch in num_minibatches random parts (sizes differ by at most one), each with its
+    minibatch_weights (share, advantage).
+
+    The weights of all minibatches are computed at once, per minibatch segment of the shuffled batch, and every
+    minibatch is a slice of the shuffled batch: per minibatch, no op runs here at all (on small networks each op's
+    fixed cost is what an update's time is made of).
+    """
+    size = data["valid"].shape[0]
     if num_minibatches == 1:  # a mean does not depend on the order: skip the shuffle and its copies
-        yield data
+        share, advantage = minibatch_weights(data["valid"], data["advantage"], normalize)
+        yield data, share, advantage
         return
-    valid = data["valid"]
-    for index in torch.randperm(valid.shape[0], device=valid.device).tensor_split(num_minibatches):
-        yield {key: value[index] for key, value in data.items()}
+    device = data["valid"].device
+    order = torch.randperm(size, device=device)
+    shuffled = {key: value[order] for key, value in data.items()}
+    bounds = [size // num_minibatches + (i < size % num_minibatches) for i in range(num_minibatches)]  # tensor_split's
+    # segment[i]: the minibatch that row i of the shuffled batch belongs to; per-minibatch sums are index_adds over it
+    segment = torch.repeat_interleave(torch.arange(num_minibatches, device=device), torch.tensor(bounds, device=device))
+    valid = shuffled["valid"].float()
+    sums = torch.zeros(num_minibatches, device=device)
+    num_valid = sums.index_add(0, segment, valid)[segment]
+    share = valid / num_valid.clamp(min=1)
+    advantage = shuffled["advantage"]
+    if normalize:  # as minibatch_weights: over each minibatch's valid entries, unbiased std, only with 2 or more
+        mean = sums.index_add(0, segment, advantage * share)[segment]
+        variance = sums.index_add(0, segment, (advantage - mean).square() * share)[segment]
+        std = (variance * num_valid / (num_valid - 1).clamp(min=1)).sqrt()
+        advantage = torch.where(num_valid > 1, (advantage - mean) / (std + 1e-8), advantage)
+    start = 0
+    for length in bounds:
+        rows = slice(start, start + length)
+        yield {key: value[rows] for key, value in shuffled.items()}, share[rows], advantage[rows]
+        start += length
 
 
 class PPO(Algorithm):
@@ -275,22 +325,29 @@ class PPO(Algorithm):
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
         data = rollout_tensors(batch)
+        coefficients = loss_coefficients(cfg).to(self.context.device)
 
-        steps: list[Tensor] = []
+        # One minibatch: the same one every epoch, its weights computed once.
+        whole_batch = None
+        if cfg.num_minibatches == 1:
+            whole_batch = [(data, *minibatch_weights(data["valid"], data["advantage"], cfg.normalize_advantages))]
+
+        steps: list[Tensor] = []  # each step's LOSS_NAMES values, read once after the update (no per-step sync)
         stopped = False
         for _ in range(cfg.update_epochs):
-            for minibatch in shuffled_minibatches(data, cfg.num_minibatches):
+            minibatches = whole_batch or epoch_minibatches(data, cfg.num_minibatches, cfg.normalize_advantages)
+            for minibatch, share, advantage in minibatches:
                 new_log_prob, entropy, new_value = self.model(minibatch["obs"], minibatch["action"])
-                losses = ppo_losses(minibatch, new_log_prob, entropy, new_value, clip, cfg)
-                if cfg.target_kl is not None and self._group_mean(losses["approx_kl"]) > 1.5 * cfg.target_kl:
+                losses = clipped_losses(minibatch, share, advantage, new_log_prob, entropy, new_value, clip, cfg)
+                if cfg.target_kl is not None and self._group_mean(losses[APPROX_KL]) > 1.5 * cfg.target_kl:
                     stopped = True  # as SB3: no step on a minibatch whose policy already moved too far
                     break
-                self.optimizer.zero_grad(set_to_none=True)
-                total_loss(losses, cfg).backward()
-                nn.utils.clip_grad_norm_(self.parameters, cfg.max_grad_norm)
+                for param in self.parameters:  # zero_grad(set_to_none=True), without its per-call bookkeeping
+                    param.grad = None
+                (losses @ coefficients).backward()
+                self._clip_gradients()
                 self.optimizer.step()
-                with torch.no_grad():
-                    steps.append(torch.stack([losses[name] for name in LOSS_NAMES]))
+                steps.append(losses.detach())
             if stopped:
                 break
 
@@ -302,6 +359,13 @@ class PPO(Algorithm):
         metrics["clip_coef"] = clip
         metrics["minibatch_steps"] = float(len(steps))
         return metrics
+
+    def _clip_gradients(self) -> None:
+        """Scale the gradients to a total norm of at most max_grad_norm (as nn.utils.clip_grad_norm_, in its
+        foreach form, without its argument handling: it runs once per minibatch)."""
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        torch._foreach_mul_(grads, (self.cfg.max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
 
     def _group_mean(self, value: Tensor) -> float:
         """The trainer group's mean of a scalar, so every trainer makes the same early-stop decision."""

@@ -53,6 +53,12 @@ def transitions_of(segment: TensorDict) -> TensorDict:
     )
 
 
+def as_floats(metrics: dict[str, Tensor]) -> dict[str, float]:
+    """0-d tensors as Python floats, in one copy."""
+    names = list(metrics)
+    return dict(zip(names, torch.stack([metrics[name] for name in names]).tolist())) if names else {}
+
+
 class SAC(Algorithm):
     """Owns the critics, their targets, the temperature, the three optimizers and the replay shard; updates the
     policy (a SquashedGaussianActor, or any policy with `sample(obs)` and `features(obs)`).
@@ -135,20 +141,20 @@ class SAC(Algorithm):
 
     def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
         transitions = transitions_of(segment)
-        self.replay.shard.add(transitions)
+        self.replay.add(transitions)
         # Observation statistics (actor buffers, broadcast with its weights) follow the data as it arrives.
         self.actor.update_normalizer(transitions["obs"].to(self.context.device), self.context)
         if (iteration + 1) * self.context.steps_per_iteration < self.cfg.learning_starts:
             return {}
         self.updates_owed += self.updates_per_iteration
-        metrics: dict[str, float] = {}
+        metrics: dict[str, Tensor] = {}
         while self.updates_owed >= 1.0:
-            metrics = self.update(self.replay.sample(self.cfg.batch_size).to(self.context.device))
+            metrics = self.update_tensors(self.replay.sample(self.cfg.batch_size).to(self.context.device))
             self.updates_owed -= 1.0
-        return metrics
+        return as_floats(metrics)
 
     def close(self) -> None:
-        self.replay.shard.close()
+        self.replay.close()
 
     @property
     def alpha(self) -> Tensor:
@@ -192,6 +198,11 @@ class SAC(Algorithm):
         Returns what this call computed: qf1_loss, qf2_loss, qf_loss, q1_mean and alpha always; actor_loss and
         alpha_loss (autotune) of the last actor step when there was one.
         """
+        return as_floats(self.update_tensors(batch))
+
+    def update_tensors(self, batch: TensorDict) -> dict[str, Tensor]:
+        """update() with its metrics left as 0-d tensors: learn() reads only its last update's, so the others
+        cost no copy to Python floats (and, on a GPU, no wait for the device)."""
         cfg = self.cfg
         self.num_updates += 1
         obs = batch["obs"]
@@ -224,8 +235,7 @@ class SAC(Algorithm):
         if self.num_updates % cfg.target_network_frequency == 0:
             self.update_targets()
         metrics["alpha"] = self.alpha
-        names = list(metrics)
-        return dict(zip(names, torch.stack([metrics[name].detach() for name in names]).tolist()))
+        return {name: value.detach() for name, value in metrics.items()}
 
     def _step(self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], loss: Tensor, what: str) -> None:
         """Gradients of loss for exactly these parameters (none land on the critics during an actor step), averaged
@@ -276,8 +286,7 @@ class SAC(Algorithm):
             "alpha_optimizer": None if self.alpha_optimizer is None else self.alpha_optimizer.state_dict(),
             "num_updates": self.num_updates,
             "updates_owed": self.updates_owed,
-            "replay_shard": self.replay.shard.state_dict(),
-            "replay_sampler": self.replay.state_dict(),
+            "replay": self.replay.state_dict(),  # this trainer's rows (or its file's cursor) and the sampler
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -291,5 +300,4 @@ class SAC(Algorithm):
             self.alpha_optimizer.load_state_dict(state["alpha_optimizer"])
         self.num_updates = state["num_updates"]
         self.updates_owed = state["updates_owed"]
-        self.replay.shard.load_state_dict(state["replay_shard"])
-        self.replay.load_state_dict(state["replay_sampler"])
+        self.replay.load_state_dict(state["replay"])

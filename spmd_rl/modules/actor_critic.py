@@ -5,14 +5,21 @@ Discrete actions use a categorical distribution over the actor's logits; Box act
 log std is a state-independent parameter. The distributions are written out (log-softmax, Gaussian log density)
 rather than built as torch.distributions objects: this runs once per env step on inference ranks and once per
 minibatch on trainers, and constructing distribution objects costs more than the math.
+
+The actor and the critic have the same hidden widths and read the same features, so they run side by side
+(TwinMLP): one matmul per layer for both. On networks this small each op's fixed cost, not its arithmetic, is the
+time, and pairing them halves the ops of every forward and backward pass. They are saved as two nn.Sequential
+MLPs (`actor.0.weight`, ..., `critic.4.bias`), the layout they had before they were paired.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import gymnasium as gym
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spmd_rl.interfaces.policy import Policy, StepField
@@ -21,6 +28,7 @@ from spmd_rl.modules.encoders import make_encoder
 from spmd_rl.runtime.errors import UserError
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
+ACTIVATION_FUNCTIONS = {"tanh": torch.tanh, "relu": torch.relu, "elu": F.elu}
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -41,6 +49,126 @@ def mlp(
         in_features = width
     layers.append(_layer(in_features, out_features, head_gain))
     return nn.Sequential(*layers)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two MLPs side by side
+
+
+class TwinMLP(nn.Module):
+    """Two MLPs of the same hidden widths over the same input, evaluated side by side.
+
+    Packed from two nn.Sequential MLPs (Linear, activation, ..., Linear; their heads' widths may differ), weights as
+    they are: each layer is one batched matmul of the pair's inputs [2, B, in] with a [2, in, out] stack of the
+    pair's transposed weights (baddbmm's right operand), the first layer's input being the shared one, expanded
+    without a copy. The head with fewer outputs is padded with zeros that stay zero: no output reads them, so
+    their gradient is 0.
+    """
+
+    def __init__(self, first: nn.Sequential, second: nn.Sequential, activation: str):
+        super().__init__()
+        linears = [[m for m in net if isinstance(m, nn.Linear)] for net in (first, second)]
+        shapes = [[layer.weight.shape for layer in net[:-1]] for net in linears]
+        if shapes[0] != shapes[1] or linears[0][-1].in_features != linears[1][-1].in_features:
+            raise ValueError("TwinMLP pairs two MLPs of the same hidden widths")
+        self.activation_name = activation
+        self.activation = ACTIVATION_FUNCTIONS[activation]
+        # (MLP 0's, MLP 1's) output width of every layer
+        self.widths = [(a.out_features, b.out_features) for a, b in zip(*linears)]
+        self.out_features = self.widths[-1]
+        separate = {
+            f"{i}.{2 * k}.{kind}": getattr(layer, kind)
+            for i, net in enumerate(linears)
+            for k, layer in enumerate(net)
+            for kind in ("weight", "bias")
+        }
+        # Plain attributes, fetched by name: a ParameterList's indexing and slicing cost microseconds per forward.
+        self.parameter_names = [(f"weight_{k}", f"bias_{k}") for k in range(len(self.widths))]
+        for (weight_name, bias_name), weight, bias in zip(self.parameter_names, *self.packed(separate)):
+            self.register_parameter(weight_name, nn.Parameter(weight))
+            self.register_parameter(bias_name, nn.Parameter(bias))
+
+    def layers(self) -> list[tuple[Tensor, Tensor]]:
+        """(weight [2, in, out], bias [2, 1, out]) of each packed layer, first to last."""
+        return [(getattr(self, w), getattr(self, b)) for w, b in self.parameter_names]
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(MLP 0's output [B, out_0], MLP 1's output [B, out_1]) for input x [B, in]."""
+        *hidden, (head_weight, head_bias) = self.layers()
+        h = x.expand(2, *x.shape)
+        for weight, bias in hidden:
+            h = self.activation(torch.baddbmm(bias, h, weight))
+        out = torch.baddbmm(head_bias, h, head_weight)  # [2, B, max(out_0, out_1)]
+        width = out.shape[-1]
+        return tuple(out[i] if n == width else out[i, :, :n] for i, n in enumerate(self.out_features))
+
+    def separate_state(self) -> dict[str, Tensor]:
+        """The pair as two nn.Sequential MLPs' state: keys `<i>.<layer index in the Sequential>.weight|bias`."""
+        state = {}
+        with torch.no_grad():
+            for i in range(2):
+                for k, (weight, bias) in enumerate(self.layers()):
+                    width = self.widths[k][i]
+                    state[f"{i}.{2 * k}.weight"] = weight[i, :, :width].t().clone()
+                    state[f"{i}.{2 * k}.bias"] = bias[i, 0, :width].clone()
+        return state
+
+    def packed(self, state: dict[str, Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """The packed (weights, biases) from separate_state's layout."""
+        weights, biases = [], []
+        with torch.no_grad():
+            for k, widths in enumerate(self.widths):
+                pad = [(0, max(widths) - width) for width in widths]
+                weights.append(torch.stack([F.pad(state[f"{i}.{2 * k}.weight"].t(), pad[i]) for i in range(2)]))
+                biases.append(torch.stack([F.pad(state[f"{i}.{2 * k}.bias"], pad[i]) for i in range(2)])[:, None])
+        return weights, biases
+
+    def separate(self, index: int) -> nn.Sequential:
+        """MLP `index` as a standalone nn.Sequential with a copy of its current weights (for inspection)."""
+        state = self.separate_state()
+        layers: list[nn.Module] = []
+        for k in range(len(self.widths)):
+            weight = state[f"{index}.{2 * k}.weight"]
+            linear = nn.Linear(weight.shape[1], weight.shape[0])
+            linear.load_state_dict({"weight": weight, "bias": state[f"{index}.{2 * k}.bias"]})
+            layers += [linear, ACTIVATIONS[self.activation_name]()]
+        return nn.Sequential(*layers[:-1])
+
+
+def save_as_separate(owner: nn.Module, attribute: str, names: tuple[str, str]) -> None:
+    """Make owner.<attribute>, a TwinMLP, save and load as two nn.Sequential MLPs named names[0] and names[1]: the
+    layout of state_dict(), policy.pt and checkpoints stays that of two separate networks (files written before
+    the pair was packed load as they are). Parameters, gradients and optimizers see the packed tensors."""
+    save = functools.partial(_save_separate, attribute=attribute, names=names)
+    load = functools.partial(_load_separate, attribute=attribute, names=names)
+    owner.register_state_dict_post_hook(save)
+    owner.register_load_state_dict_pre_hook(load)
+
+
+def _save_separate(module: nn.Module, state_dict: dict, prefix: str, local_metadata, *, attribute, names) -> None:
+    packed_prefix = f"{prefix}{attribute}."
+    for key in [k for k in state_dict if k.startswith(packed_prefix)]:
+        del state_dict[key]
+    for key, value in getattr(module, attribute).separate_state().items():
+        index, rest = key.split(".", 1)
+        state_dict[f"{prefix}{names[int(index)]}.{rest}"] = value
+
+
+def _load_separate(module: nn.Module, state_dict: dict, prefix: str, *args, attribute, names) -> None:
+    if f"{prefix}{names[0]}.0.weight" not in state_dict:
+        return  # already the packed layout (or keys are missing, which load_state_dict reports)
+    separate = {}
+    for index, name in enumerate(names):
+        for key in [k for k in state_dict if k.startswith(f"{prefix}{name}.")]:
+            separate[f"{index}.{key[len(prefix) + len(name) + 1 :]}"] = state_dict.pop(key)
+    twin = getattr(module, attribute)
+    for (weight_name, bias_name), weight, bias in zip(twin.parameter_names, *twin.packed(separate)):
+        state_dict[f"{prefix}{attribute}.{weight_name}"] = weight
+        state_dict[f"{prefix}{attribute}.{bias_name}"] = bias
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The policy
 
 
 def _check_action_space(action_space: gym.Space) -> None:
@@ -76,8 +204,21 @@ class ActorCritic(Policy):
             self.log_std = nn.Parameter(torch.full((actor_out,), float(config.log_std_init)))
         self.encoder = make_encoder(observation_space, config)
         hidden, activation = list(config.hidden_sizes), config.activation
-        self.actor = mlp(self.encoder.out_features, hidden, actor_out, activation, head_gain=0.01)
-        self.critic = mlp(self.encoder.out_features, hidden, 1, activation, head_gain=1.0)
+        # Built as two MLPs (their initialization, and the random numbers it draws, as before pairing), then packed.
+        actor = mlp(self.encoder.out_features, hidden, actor_out, activation, head_gain=0.01)
+        critic = mlp(self.encoder.out_features, hidden, 1, activation, head_gain=1.0)
+        self.actor_and_critic = TwinMLP(actor, critic, activation)
+        save_as_separate(self, "actor_and_critic", ("actor", "critic"))
+
+    @property
+    def actor(self) -> nn.Sequential:
+        """The actor MLP alone (features -> logits or Gaussian mean), a copy of its current weights."""
+        return self.actor_and_critic.separate(0)
+
+    @property
+    def critic(self) -> nn.Sequential:
+        """The critic MLP alone (features -> value [B, 1]), a copy of its current weights."""
+        return self.actor_and_critic.separate(1)
 
     def outputs(self) -> dict[str, StepField]:
         return {
@@ -91,39 +232,39 @@ class ActorCritic(Policy):
 
     def value(self, obs) -> Tensor:
         """V(obs), shape [B]."""
-        return self.critic(self.encoder(obs)).squeeze(-1)
+        return self.actor_and_critic(self.encoder(obs))[1].squeeze(-1)
 
     def act(self, obs, deterministic: bool = False) -> dict[str, Tensor]:
         """Sample actions (the mode when deterministic) with their log-probs and values. Continuous actions are
         unclipped; the env side clips. Every caller runs it under torch.no_grad() (the API's promise), so it adds
         no grad context of its own: this runs once per env step."""
-        x = self.encoder(obs)
-        out = self.actor(x)
+        out, value = self.actor_and_critic(self.encoder(obs))
         if self.discrete:
             log_probs = torch.log_softmax(out, dim=-1)
             if deterministic:
                 action = log_probs.argmax(-1)
             else:
-                action = torch.multinomial(log_probs.exp(), 1).squeeze(-1)
+                # Gumbel-max in its exponential form: with E_i ~ Exp(1), argmax_i p_i / E_i is i with probability
+                # p_i. Four small ops; torch.multinomial costs twice as much per call at these sizes.
+                action = (log_probs - torch.empty_like(log_probs).exponential_().log()).argmax(-1)
             log_prob = log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1)
         else:
             action = out if deterministic else out + self.log_std.exp() * torch.randn_like(out)
             log_prob = self._gaussian_log_prob(out, action)
-        return {"action": action, "log_prob": log_prob, "value": self.critic(x).squeeze(-1)}
+        return {"action": action, "log_prob": log_prob, "value": value.squeeze(-1)}
 
     def evaluate(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(log_prob, entropy, value) of given actions, with gradients."""
-        x = self.encoder(obs)
-        out = self.actor(x)
+        out, value = self.actor_and_critic(self.encoder(obs))
         if self.discrete:
             log_probs = torch.log_softmax(out, dim=-1)
             # nll_loss picks each row's log-prob in one op (and one cheap backward) instead of gather + reshapes
-            log_prob = -nn.functional.nll_loss(log_probs, action.long(), reduction="none")
+            log_prob = -F.nll_loss(log_probs, action.long(), reduction="none")
             entropy = -(log_probs.exp() * log_probs).sum(-1)
         else:
             log_prob = self._gaussian_log_prob(out, action)
             entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(out.shape[0])
-        return log_prob, entropy, self.critic(x).squeeze(-1)
+        return log_prob, entropy, value.squeeze(-1)
 
     def forward(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # DDP only hooks forward(): the trainer calls ddp_policy(obs, action) to get evaluate() with synced grads.
