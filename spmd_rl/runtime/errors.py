@@ -58,14 +58,17 @@ class UserCodeError(Exception):
 def user_frame(exc: BaseException) -> str:
     """'file:line' of the innermost frame of exc's traceback that is the user's code (not spmd_rl, torch,
     gymnasium or the standard library); '' when there is none."""
+    return innermost_user_frame(traceback.extract_tb(exc.__traceback__))
+
+
+def innermost_user_frame(frames: traceback.StackSummary) -> str:
+    """'file:line' of the innermost of these frames that is the user's code; '' when none is."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # spmd_rl/, above runtime/
     framework = (package, sys.prefix, sys.base_prefix)
-    frames = [
-        f
-        for f in traceback.extract_tb(exc.__traceback__)
-        if not os.path.abspath(f.filename).startswith(framework) and not f.filename.startswith("<")
+    users = [
+        f for f in frames if not os.path.abspath(f.filename).startswith(framework) and not f.filename.startswith("<")
     ]
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return f"{users[-1].filename}:{users[-1].lineno}" if users else ""
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -1,0 +1,102 @@
+"""A bound on user code: an env's constructor, reset or step, a plug-in's constructor, an algorithm's `learn`.
+
+A call that never returns (a simulator waiting on a socket, a deadlock in a user's module) would hang the rank
+forever, and in a one-process run nothing else would notice. Each such call runs inside `watchdog.watch(what)`:
+one daemon thread per process checks the current deadline a few times a second; when a call overruns it, the rank
+prints one line naming the call and the user's file:line where the main thread is stuck, leaves its failure record
+for rank 0's summary, and exits with USER_CODE_EXIT_CODE. Entering and leaving a watched call costs two attribute
+writes, so env steps can be watched one by one.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, innermost_user_frame
+from spmd_rl.runtime.exits import DEBUG_VARIABLE
+
+POLL_S = 0.25  # how often the thread looks at the deadline: the line comes at most this late
+
+
+class Watchdog:
+    """watch(what) bounds the calls made inside it to `timeout_s` (0 = unbounded). One per process: `watchdog`."""
+
+    def __init__(self) -> None:
+        self.timeout_s = 0.0
+        self.who = "spmd_rl"
+        self.on_expiry: Callable[[], None] | None = None
+        self._current: tuple[float, str] = (math.inf, "")  # (deadline, the call): one tuple, replaced atomically
+        self._thread: threading.Thread | None = None
+        self._main = threading.main_thread().ident
+
+    def configure(self, timeout_s: float, who: str, on_expiry: Callable[[], None] | None = None) -> None:
+        """Bound the watched calls of this process by timeout_s; `who` starts the line ('rank 2 (env 0)');
+        on_expiry runs before the exit (it leaves the failure record) and must not block for long."""
+        self.timeout_s, self.who, self.on_expiry = timeout_s, who, on_expiry
+
+    def watch(self, what: str) -> _Watched:
+        """A context manager: the calls inside it must return within timeout_s. Nested watches keep the outer
+        deadline once the inner one ends."""
+        return _Watched(self, what)
+
+    def _arm(self, what: str) -> tuple[float, str]:
+        previous = self._current
+        if self.timeout_s > 0:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="spmd_rl-watchdog", daemon=True)
+                self._thread.start()
+            self._current = (time.monotonic() + self.timeout_s, what)
+        return previous
+
+    def _disarm(self, previous: tuple[float, str]) -> None:
+        self._current = previous
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(POLL_S)
+            deadline, what = self._current
+            if time.monotonic() > deadline:
+                self._expire(what)
+
+    def _expire(self, what: str) -> None:
+        frame = sys._current_frames().get(self._main)
+        where = innermost_user_frame(traceback.extract_stack(frame)) if frame is not None else ""
+        stuck = f"; stuck at {where}" if where else ""
+        print(
+            f"spmd_rl: {self.who}: {what} did not return within {self.timeout_s:g} s{stuck} (a hang in user code; "
+            f"dist.timeout_s bounds it; {DEBUG_VARIABLE}=1 prints every thread's stack)",
+            file=sys.stderr,
+            flush=True,
+        )
+        if os.environ.get(DEBUG_VARIABLE):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if self.on_expiry is not None:
+            try:
+                self.on_expiry()
+            except Exception:  # noqa: BLE001 - the exit below is what matters
+                pass
+        sys.stdout.flush()
+        os._exit(USER_CODE_EXIT_CODE)
+
+
+class _Watched:
+    __slots__ = ("dog", "what", "previous")
+
+    def __init__(self, dog: Watchdog, what: str):
+        self.dog, self.what = dog, what
+
+    def __enter__(self) -> None:
+        self.previous = self.dog._arm(self.what)
+
+    def __exit__(self, *exc) -> None:
+        self.dog._disarm(self.previous)
+
+
+watchdog = Watchdog()
