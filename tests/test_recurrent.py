@@ -15,12 +15,13 @@ import sys
 import pytest
 import torch
 import yaml
+from recurrent_plugins import CheckSegments
 from test_resume import assert_same_run
 from test_train_e2e import ROOT, _env, _free_port
 
 import spmd_rl
-from spmd_rl.api import ANY_LAG, Algorithm, Callback, Policy, Schedule, StepField, UserError
-from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE, initial_state
+from spmd_rl.api import UserError
+from spmd_rl.interfaces.policy import EPISODE_START, initial_state
 
 TINY = {
     "env": {"id": "CartPole-v1", "num_envs": 3},
@@ -41,79 +42,13 @@ RECURRENT_TINY = {
 }
 
 
-# -- a policy whose state counts the steps of the episode, and an algorithm that checks the segments ---------------
-
-
-class CountingPolicy(Policy):
-    """Always pushes left (CartPole episodes end within ~10 steps); its state counts the steps since the episode
-    began, and it reports the count it acted from as the per-step output `count`."""
-
-    def __init__(self, observation_space, action_space, config):
-        super().__init__(observation_space, action_space, config)
-        self.unused = torch.nn.Linear(1, 1)  # something to ship and to optimize
-
-    def outputs(self):
-        return {"action": StepField((), torch.int64), "count": StepField((), torch.float32)}
-
-    def recurrent_state(self):
-        return {"steps": StepField((), torch.float32)}
-
-    def act(self, obs, deterministic=False, state=None):
-        count = state["steps"]
-        return {"action": torch.zeros(obs.shape[0], dtype=torch.int64), "count": count.clone()}, {"steps": count + 1}
-
-
-class CheckSegments(Algorithm):
-    """Learns nothing; raises (exit 4) when a segment breaks a rule of the recurrent contract."""
-
-    requires = ("count", EPISODE_START, RECURRENT_STATE)
-    seen: list = []  # one process: what the tests look at
-
-    @classmethod
-    def schedule(cls, config):
-        return Schedule(max_policy_lag=ANY_LAG)  # it learns nothing: any lag (the async engine's lag 2 case)
-
-    def __init__(self, policy, config, context):
-        super().__init__(policy, config, context)
-        self.previous_last = None  # each column's count at the last step of the previous segment
-
-    def learn(self, segment, iteration):
-        rollout = segment["rollout"]
-        count, start, valid = rollout["count"], rollout[EPISODE_START], rollout["valid"]
-        first = segment[RECURRENT_STATE]["steps"]
-        # The first step acts from the recorded state, reset where an episode starts.
-        assert torch.equal(count[0], torch.where(start[0], 0.0, first)), (iteration, count[0], first)
-        # Within a segment: +1 a step, 0 at an episode start; an episode starts right after a reset step.
-        assert torch.equal(count[1:], torch.where(start[1:], 0.0, count[:-1] + 1))
-        assert torch.equal(start[1:], ~valid[:-1])
-        # Across segments: the state carries on from where the previous segment left it.
-        if self.previous_last is not None:
-            assert torch.equal(first, self.previous_last + 1), (first, self.previous_last)
-        else:
-            assert iteration > 0 or bool(start[0].all()), "the run's first step starts every episode"
-        assert bool(start[1:].any()), "no episode ended inside a segment: the test checks too little"
-        self.previous_last = count[-1].clone()
-        CheckSegments.seen.append(segment.clone())
-        return {"episode_starts": float(start.sum())}
-
-    def state_dict(self):
-        return {"previous_last": self.previous_last}
-
-    def load_state_dict(self, state):
-        self.previous_last = state["previous_last"]
-
-
-class FirstRatio(Callback):
-    """Logs RecurrentPPO's first minibatch ratio (|ratio - 1| at its largest): the replay against acting."""
-
-    def on_iteration_end(self, iteration, metrics, algorithm):
-        return {"first_ratio_error": algorithm.first_ratio}
-
+# -- a policy whose state counts the steps of the episode, and an algorithm that checks the segments (both in
+# recurrent_plugins.py) -----------------------------------------------------------------------------------------------
 
 COUNTING = {
     **TINY,
-    "policy": {"class": "test_recurrent:CountingPolicy"},
-    "algo": {"class": "test_recurrent:CheckSegments", "num_steps": 16},
+    "policy": {"class": "recurrent_plugins:CountingPolicy"},
+    "algo": {"class": "recurrent_plugins:CheckSegments", "num_steps": 16},
     "train": {"total_steps": 16 * 3 * 5},
 }
 
@@ -164,8 +99,10 @@ def test_replaying_a_sequence_gives_the_log_probs_acting_gave(cell):
     assert entropy.shape == (steps, envs)
 
 
-def test_recurrent_ppo_ratio_is_one_at_the_first_epoch_and_it_learns_to_balance(tmp_path):
-    run = spmd_rl.train(RECURRENT_TINY, {"run.dir": str(tmp_path / "run"), "callbacks": ["test_recurrent:FirstRatio"]})
+def test_recurrent_ppo_ratio_is_one_at_the_first_epoch_of_every_iteration(tmp_path):
+    run = spmd_rl.train(
+        RECURRENT_TINY, {"run.dir": str(tmp_path / "run"), "callbacks": ["recurrent_plugins:FirstRatio"]}
+    )
     records = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 4
     assert all(r["first_ratio_error"] < 1e-5 for r in records), [r["first_ratio_error"] for r in records]
@@ -186,26 +123,15 @@ def test_n_iterations_equal_half_then_resume_for_a_recurrent_policy(tmp_path):
 # -- bad input: exit 2 before any process group ---------------------------------------------------------------------
 
 
-class WrongStatePolicy(CountingPolicy):
-    """Declares a state of 4 per env but returns 3."""
-
-    def recurrent_state(self):
-        return {"h": StepField((4,), torch.float32)}
-
-    def act(self, obs, deterministic=False, state=None):
-        out = {"action": torch.zeros(obs.shape[0], dtype=torch.int64), "count": torch.zeros(obs.shape[0])}
-        return out, {"h": torch.zeros(obs.shape[0], 3)}
-
-
 def test_a_state_shaped_otherwise_than_declared_is_a_user_error(tmp_path):
-    config = {**COUNTING, "policy": {"class": "test_recurrent:WrongStatePolicy"}}
+    config = {**COUNTING, "policy": {"class": "recurrent_plugins:WrongStatePolicy"}}
     with pytest.raises(UserError, match=r"returned the state 'h' as \(2, 3\) torch.float32.*declares h \(4,\)"):
         spmd_rl.train(config, {"run.dir": str(tmp_path / "run")})
 
 
 def test_a_recurrent_policy_needs_an_algorithm_that_replays_sequences_and_back(tmp_path):
     with pytest.raises(UserError, match="declares a recurrent state, but algo.class 'ppo' learns from single steps"):
-        spmd_rl.train({**TINY, "policy": {"class": "test_recurrent:CountingPolicy"}}, {"run.dir": str(tmp_path)})
+        spmd_rl.train({**TINY, "policy": {"class": "recurrent_plugins:CountingPolicy"}}, {"run.dir": str(tmp_path)})
     stateless = {**RECURRENT_TINY, "policy": {"class": "actor_critic"}}
     with pytest.raises(UserError, match=r"needs the step field\(s\) \['episode_start', 'recurrent_state'\]"):
         spmd_rl.train(stateless, {"run.dir": str(tmp_path / "b")})
@@ -233,7 +159,7 @@ def test_a_bad_declared_state_exits_2_with_one_line(tmp_path):
     result = run_here(
         "--config",
         counting_config(tmp_path),
-        "policy.class=test_recurrent:WrongStatePolicy",
+        "policy.class=recurrent_plugins:WrongStatePolicy",
         f"run.dir={tmp_path / 'run'}",
     )
     assert result.returncode == 2, result.stderr[-2000:]
