@@ -222,12 +222,13 @@ def test_an_envpool_run_stops_and_resumes_with_fresh_episodes(tmp_path):
         "--config",
         ATARI,
         f"run.dir={tmp_path}",
-        "train.total_steps=384",
+        "env.num_envs=2",
         "algo.num_steps=16",
+        "train.total_steps=64",
         "log.progress=false",
     ]
     stopped = run_main(*args, "run.stop_after_iterations=1")
     assert stopped.returncode == 75, stopped.stderr[-2000:]
     resumed = run_main(*args)
-    assert_run_complete(resumed, tmp_path, iterations=3)
+    assert_run_complete(resumed, tmp_path, iterations=2)
     assert "resuming from" in resumed.stdout and "a resume begins fresh episodes" in resumed.stdout
