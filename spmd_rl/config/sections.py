@@ -203,6 +203,12 @@ class LogSection:
     progress: bool | None = knob(None, "progress bar on rank 0: true, false, or null = only on a terminal")
     interval_s: float = knob(5.0, "seconds between printed progress lines", min=0.0)
     tensorboard: bool = knob(True, "write TensorBoard event files to the run directory")
+    wandb: bool = knob(False, 'also log the scalars and the config to Weights & Biases (pip install -e ".[wandb]")')
+    wandb_project: str = knob("spmd_rl", "the W&B project")
+    wandb_mode: str = knob("online", "W&B mode (WANDB_MODE wins when set)", choices=["online", "offline", "disabled"])
+    mlflow: bool = knob(False, 'also log the scalars and the config to MLflow (pip install -e ".[mlflow]")')
+    mlflow_tracking_uri: str = knob("", "MLflow tracking URI; '' = MLFLOW_TRACKING_URI or MLflow's default")
+    mlflow_experiment: str = knob("spmd_rl", "the MLflow experiment")
 
 
 PLUGIN_SECTIONS = ("algo", "policy", "engine")  # each names a class (`class: module:Class`) and holds its keys

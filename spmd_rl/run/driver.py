@@ -30,6 +30,7 @@ from spmd_rl.run.policies import save_policy
 from spmd_rl.run.resume import agree_on_run, mark_finished
 from spmd_rl.run.setup import Run
 from spmd_rl.run.topology import Topology, build_topology, create_process_groups
+from spmd_rl.run.trackers import check_installed
 from spmd_rl.runtime.distributed import (
     Runtime,
     choose_device,
@@ -244,6 +245,7 @@ def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
     except UserError as exc:
         raise _Refused(exc, speaker=launch.rank == 0) from None
     try:
+        check_installed(cfg)  # log.wandb, log.mlflow: their packages (rank 0 uses them; every rank checks alike)
         spec = probe_env(cfg.env)
         outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls)
         contract.check_planned_memory(cfg, spec, outputs, plan)
@@ -260,6 +262,8 @@ def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
 def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Checked, dry_run: bool) -> Outcome:
     """Agree on the run directory and the start, build the Run, hand it to the engine, save the policy."""
     topology, plan = checked.topology, checked.plan
+    if dry_run:  # its temporary directory goes: no W&B or MLflow run for it
+        cfg.log.wandb = cfg.log.mlflow = False
     run_dir, resume = agree_on_run(cfg, runtime, dry_run=dry_run)
     if runtime.rank == 0:
         start = ""

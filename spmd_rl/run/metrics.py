@@ -35,11 +35,13 @@ class MetricsLogger:
         interval_s: float,
         tensorboard: bool,
         resumed_env_steps: int = 0,
+        trackers=None,
     ):
         self.run_dir = run_dir
         self.total_steps = total_steps
         self.resumed_env_steps = resumed_env_steps  # env steps before this process: the timings leave them out
         self.interval_s = interval_s
+        self.trackers = trackers  # trackers.Trackers (W&B, MLflow) or None: they get TensorBoard's scalars
         self.jsonl = LineAppender(run_dir / "metrics.jsonl")
         self.writer = None
         if tensorboard:
@@ -104,10 +106,16 @@ class MetricsLogger:
         elapsed, env_steps = record["wall_s"], record["env_steps"]
         # JSON has no NaN: an iteration before the first finished episode has no return yet.
         self.jsonl.append(json.dumps({k: _finite_or_none(v) for k, v in record.items()}))
+        scalars = {
+            key: value
+            for key, value in record.items()
+            if key not in ("iteration", "env_steps") and value is not None and math.isfinite(value)
+        }
         if self.writer is not None:
-            for key, value in record.items():
-                if key not in ("iteration", "env_steps") and value is not None and math.isfinite(value):
-                    self.writer.add_scalar(key, value, env_steps)
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, env_steps)
+        if self.trackers is not None:
+            self.trackers.log(scalars, env_steps)
         self.bar.update(env_steps - self.bar.n)
         self.bar.set_postfix(ret=f"{record['episode_return_mean']:.1f}", sps=f"{record['sps']:.0f}", refresh=False)
         if elapsed - self.last_line >= self.interval_s:
@@ -154,8 +162,9 @@ class MetricsLogger:
         else:
             self.bar.write(text)
 
-    def close(self, summary: bool) -> None:
-        """Close the files; print the final summary line when the run finished (not after a failure)."""
+    def close(self, summary: bool, stopped: bool = False) -> None:
+        """Close the files; print the final summary line when the run finished (not after a failure). The
+        trackers record whether the run finished, stopped with a checkpoint, or failed."""
         self.bar.close()
         record = self.last_record
         if summary:
@@ -174,6 +183,8 @@ class MetricsLogger:
             )
         if self.writer is not None:
             self.writer.close()
+        if self.trackers is not None:
+            self.trackers.close("finished" if summary else "stopped" if stopped else "failed")
         self.jsonl.close()
 
 

@@ -24,7 +24,7 @@ from spmd_rl.interfaces.algorithm import Algorithm
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.persist.checkpoint import restore_rng_state
-from spmd_rl.persist.run_control import RunControl
+from spmd_rl.persist.run_control import RunControl, StoppedWithCheckpoint
 from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.roles.inference_server import InferenceParts, InferenceServer, RecurrentStates, UniformActions
 from spmd_rl.roles.messages import action_message, observation_message, segment_message, with_episode_starts
@@ -35,6 +35,7 @@ from spmd_rl.run.policies import build_policy, read_trained_state
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.resume import Resume
 from spmd_rl.run.topology import COLOCATED, ENV, INFERENCE, TRAINER, ProcessGroups, Topology
+from spmd_rl.run.trackers import open_trackers
 from spmd_rl.runtime.distributed import Runtime
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.storage.experience_log import ExperienceLog
@@ -115,14 +116,18 @@ class Run:
                 log.interval_s,
                 log.tensorboard,
                 resumed_env_steps=self.resume.start_iteration * plan.steps_per_iteration,
+                trackers=open_trackers(self.cfg, self.run_dir, resumed=self.resume.checkpoint is not None),
             )
-        finished = False
+        finished = stopped = False
         try:
             run_role(logger)
             finished = True
+        except StoppedWithCheckpoint:
+            stopped = True
+            raise
         finally:
             if logger is not None:
-                logger.close(summary=finished)
+                logger.close(summary=finished, stopped=stopped)
         return self.final_policy
 
     # -- role components -------------------------------------------------------------------------------------------

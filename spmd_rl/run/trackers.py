@@ -1,0 +1,207 @@
+"""Optional experiment trackers on rank 0: Weights & Biases (`log.wandb`) and MLflow (`log.mlflow`) get the scalars
+TensorBoard gets, at x = env_steps, and the resolved config.
+
+Each package is imported only here, when its key is on (importing wandb alone takes seconds); `check_installed`
+finds a missing one before any process group with importlib's find_spec, without importing it.
+
+A resumed run continues the same tracker run: its id is kept in the run directory (`wandb_run_id`,
+`mlflow_run_id`), written when the run starts and read back when it resumes from a checkpoint; a run that starts
+over at iteration 0 gets a new one. Steps a tracker run already holds are not logged again: a resume that goes back
+to an earlier step (a crash after the checkpoint) keeps the stopped run's values for the steps it had logged there
+and continues after them (W&B drops steps that go backwards; for MLflow they are skipped here).
+
+A tracker that fails while the run goes on (a server gone) says so in one line and is dropped: training continues,
+metrics.jsonl and TensorBoard still hold every record.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import secrets
+import sys
+import time
+from pathlib import Path
+
+from spmd_rl.config.sections import Config
+from spmd_rl.persist.fileio import write_atomic
+from spmd_rl.persist.run_control import STOPPED_EXIT_CODE  # W&B records a stop with the process's exit code
+from spmd_rl.runtime.errors import UserError
+
+# config key -> (the module it imports, the pip extra that installs it)
+PACKAGES = {"log.wandb": ("wandb", "wandb"), "log.mlflow": ("mlflow", "mlflow")}
+
+
+def check_installed(cfg: Config) -> None:
+    """Each tracker that is on needs its package: a UserError naming the key and the extra otherwise."""
+    for key, (module, extra) in PACKAGES.items():
+        if getattr(cfg.log, key.split(".")[1]):
+            require_package(key, module, extra)
+
+
+def require_package(key: str, module: str, extra: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"config key '{key}' = true needs the {module} package: pip install -e \".[{extra}]\"")
+
+
+def open_trackers(cfg: Config, run_dir: Path, resumed: bool) -> Trackers | None:
+    """The trackers the config turns on, each with its run started (or reopened when resumed); None when none is
+    on. A tracker that cannot start is a UserError saying which and why (the others are closed first)."""
+    opened = []
+    try:
+        if cfg.log.wandb:
+            opened.append(WandbSink(cfg, run_dir, resumed))
+        if cfg.log.mlflow:
+            opened.append(MlflowSink(cfg, run_dir, resumed))
+    except BaseException:
+        for sink in opened:
+            sink.close("failed")
+        raise
+    return Trackers(opened) if opened else None
+
+
+class Trackers:
+    """The open sinks; one that raises is reported and dropped."""
+
+    def __init__(self, sinks: list):
+        self.sinks = sinks
+
+    def log(self, scalars: dict[str, float], env_steps: int) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink.log(scalars, env_steps)
+            except Exception as exc:
+                self.sinks.remove(sink)
+                print(
+                    f"spmd_rl: {sink.key}: logging failed ({type(exc).__name__}: {_first_line(exc)}); the run "
+                    f"continues without it (metrics.jsonl and TensorBoard have every record)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    def close(self, status: str) -> None:
+        """status: finished, stopped (a checkpointed stop: the run will resume) or failed."""
+        for sink in self.sinks:
+            try:
+                sink.close(status)
+            except Exception as exc:
+                print(f"spmd_rl: {sink.key}: closing failed ({_first_line(exc)})", file=sys.stderr, flush=True)
+        self.sinks = []
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else "no message"
+
+
+def _kept_id(run_dir: Path, name: str, resumed: bool) -> str | None:
+    """The tracker run id kept in run_dir/name when the run resumes from a checkpoint (None: start a new one)."""
+    path = run_dir / name
+    if resumed and path.exists():
+        return path.read_text().strip() or None
+    return None
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, str]:
+    """The config as MLflow params: section.key -> text (lists as JSON)."""
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{name}."))
+        else:
+            out[name] = value if isinstance(value, str) else json.dumps(value)
+    return out
+
+
+class WandbSink:
+    key = "log.wandb"
+
+    def __init__(self, cfg: Config, run_dir: Path, resumed: bool):
+        import wandb  # imported only when asked for: it takes seconds
+
+        log = cfg.log
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:48]
+        run_id = _kept_id(run_dir, "wandb_run_id", resumed)
+        if run_id is None:
+            run_id = f"{safe}-{secrets.token_hex(4)}"
+            write_atomic(run_dir / "wandb_run_id", run_id + "\n")
+        try:
+            self.run = wandb.init(
+                project=log.wandb_project,
+                id=run_id,
+                name=run_dir.name,
+                resume="allow",
+                mode=None if os.environ.get("WANDB_MODE") else log.wandb_mode,  # WANDB_MODE wins
+                dir=None if os.environ.get("WANDB_DIR") else str(run_dir),  # so does WANDB_DIR
+                settings=wandb.Settings(console="off"),  # the console stays the launcher's
+            )
+            self.run.config.update(cfg.to_dict(), allow_val_change=True)  # a resume may change run/log keys
+            self.next_step = self.run.step  # W&B's next step: the steps below it are logged already (online)
+        except Exception as exc:
+            raise UserError(
+                f"config key 'log.wandb': cannot start a W&B run ({type(exc).__name__}: {_first_line(exc)}); log "
+                f"in with `wandb login`, or set log.wandb_mode=offline (`wandb sync` uploads it later)"
+            ) from None
+
+    def log(self, scalars: dict[str, float], env_steps: int) -> None:
+        if env_steps >= self.next_step:
+            self.run.log(scalars, step=env_steps)
+
+    def close(self, status: str) -> None:
+        self.run.finish(exit_code={"finished": 0, "stopped": STOPPED_EXIT_CODE}.get(status, 1))
+
+
+class MlflowSink:
+    key = "log.mlflow"
+    BATCH = 1000  # MLflow's limit on metrics per log_batch call
+    PARAMS = 100  # and on params
+    PARAM_CHARS = 500  # a param value's length every MLflow version accepts (the whole config is an artifact)
+
+    def __init__(self, cfg: Config, run_dir: Path, resumed: bool):
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
+
+        log = cfg.log
+        self.metric = Metric
+        self.logged_through = -1  # the last step the MLflow run holds (a resumed run skips to after it)
+        try:
+            self.client = MlflowClient(tracking_uri=log.mlflow_tracking_uri or None)
+            run_id = _kept_id(run_dir, "mlflow_run_id", resumed)
+            if run_id is not None:
+                self.run_id = run_id
+                self.client.update_run(run_id, status="RUNNING")
+                history = self.client.get_metric_history(run_id, "wall_s")  # every record has wall_s
+                self.logged_through = max((m.step for m in history), default=-1)
+            else:
+                experiment = self.client.get_experiment_by_name(log.mlflow_experiment)
+                experiment_id = (
+                    experiment.experiment_id if experiment else self.client.create_experiment(log.mlflow_experiment)
+                )
+                self.run_id = self.client.create_run(
+                    experiment_id, run_name=run_dir.name, tags={"spmd_rl.run_dir": str(run_dir.resolve())}
+                ).info.run_id
+                write_atomic(run_dir / "mlflow_run_id", self.run_id + "\n")
+                params = [Param(k, v[: self.PARAM_CHARS]) for k, v in _flat(cfg.to_dict()).items()]
+                for start in range(0, len(params), self.PARAMS):
+                    self.client.log_batch(self.run_id, params=params[start : start + self.PARAMS])
+            self.client.log_dict(self.run_id, cfg.to_dict(), "config.yaml")  # this process's config, whole
+        except Exception as exc:
+            raise UserError(
+                f"config key 'log.mlflow': cannot start an MLflow run at "
+                f"{log.mlflow_tracking_uri or 'the default tracking URI'} ({type(exc).__name__}: "
+                f"{_first_line(exc)}); set log.mlflow_tracking_uri (or MLFLOW_TRACKING_URI)"
+            ) from None
+
+    def log(self, scalars: dict[str, float], env_steps: int) -> None:
+        if env_steps <= self.logged_through:
+            return
+        stamp = int(time.time() * 1000)
+        metrics = [self.metric(key, float(value), stamp, env_steps) for key, value in scalars.items()]
+        for start in range(0, len(metrics), self.BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[start : start + self.BATCH])
+
+    def close(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, {"finished": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED"))
