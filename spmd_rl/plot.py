@@ -6,6 +6,9 @@ spread shaded, on a common x grid over the range every seed reached. Runs with t
 are not seeds of one experiment (they differ in something config.yaml does not hold, such as the number of ranks)
 and are drawn one by one.
 
+A directory that is no run but holds runs (a sweep's directory from `python -m spmd_rl.sweep`, or runs/) stands for
+the runs in it: a sweep's in the order of its sweep.json, skipping (with a note) those that logged nothing yet.
+
 matplotlib is an optional extra: pip install -e ".[plot]".
 """
 
@@ -25,6 +28,7 @@ from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
 # What a curve's identity ignores when grouping seeds.
 _PER_RUN_KEYS = (("train", "seed"), ("run", "dir"), ("run", "name"))
 GRID_POINTS = 200
+SEARCH_DEPTH = 3  # how deep a directory of runs is searched: runs/<sweep>/<run>
 LABEL_DETAIL_CHARS = 70
 LINE_STYLES = ("-", "--", ":", "-.")
 LABELS = {
@@ -101,6 +105,49 @@ def read_run(run_dir: Path) -> Run:
     return Run(run_dir, config if isinstance(config, dict) else {}, records)
 
 
+def expand_run_dirs(paths: list[Path]) -> tuple[list[Path], list[str]]:
+    """The run directories the given paths stand for, and notes for the reader: a run directory (it has
+    metrics.jsonl) is itself; a directory holding runs (a sweep's, or runs/ with runs and sweeps in it) is those runs,
+    a sweep's in its sweep.json's order, without those that logged nothing yet; anything else is left for read_run
+    to judge."""
+    found, notes = [], []
+    for path in paths:
+        if not path.is_dir() or (path / "metrics.jsonl").exists():
+            found.append(path)
+            continue
+        logged, waiting = _runs_inside(path, SEARCH_DEPTH)
+        found.extend(logged or [path])  # none: read_run says what is missing
+        if logged and waiting:
+            notes.append(f"{len(waiting)} run(s) logged nothing yet, not drawn: {', '.join(map(str, waiting))}")
+    return found, notes
+
+
+def _runs_inside(path: Path, depth: int) -> tuple[list[Path], list[Path]]:
+    """(runs with metrics, runs without) in path and, depth - 1 levels further, in the folders that are no runs."""
+    logged, waiting = [], []
+    names = _sweep_order(path) or sorted(child.name for child in path.iterdir() if child.is_dir())
+    for child in (path / name for name in names):
+        if (child / "config.yaml").exists() or (child / "metrics.jsonl").exists():
+            (logged if _has_metrics(child) else waiting).append(child)
+        elif depth > 1 and child.is_dir():
+            more_logged, more_waiting = _runs_inside(child, depth - 1)
+            logged += more_logged
+            waiting += more_waiting
+    return logged, waiting
+
+
+def _sweep_order(path: Path) -> list[str]:
+    try:
+        return [c["name"] for c in json.loads((path / "sweep.json").read_text())["combinations"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _has_metrics(run_dir: Path) -> bool:
+    path = run_dir / "metrics.jsonl"
+    return path.is_file() and path.stat().st_size > 0
+
+
 def group_seeds(runs: list[Run]) -> tuple[list[list[Run]], list[str]]:
     """Runs grouped by config without the per-run keys, in order of first appearance, and notes for the reader: a
     group whose seeds repeat is split into single runs (see the module docstring)."""
@@ -174,7 +221,9 @@ def draw(curves_: list[Curve], x: str, y: str, title: str, output: Path) -> None
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spmd_rl.plot", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    parser.add_argument(
+        "run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="a run directory, or one holding runs (a sweep's)"
+    )
     parser.add_argument("-o", "--output", type=Path, default=Path("curves.png"), help="the picture (.png, .pdf, .svg)")
     parser.add_argument("--x", default="env_steps", help="metric on the x axis (default: env_steps)")
     parser.add_argument("--y", default="episode_return_mean", help="metric on the y axis (default: %(default)s)")
@@ -185,8 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         print('spmd_rl.plot needs matplotlib: pip install -e ".[plot]"', file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     try:
-        runs = [read_run(d) for d in args.run_dirs]
+        run_dirs, expansion_notes = expand_run_dirs(args.run_dirs)
+        runs = [read_run(d) for d in run_dirs]
         groups, notes = group_seeds(runs)
+        notes = expansion_notes + notes
         drawn = curves(groups, args.x, args.y)
         envs = sorted({str(run.config.get("env", {}).get("id")) for run in runs if run.config})
         draw(drawn, args.x, args.y, ", ".join(envs), args.output)
