@@ -33,6 +33,10 @@ if [[ $(id -u) == 0 ]]; then
 fi
 if [[ -n ${HOSTFILE:-} ]]; then
     flags+=(--hostfile "$HOSTFILE")
+else
+    # One host: MPI carries only the rendezvous, so no TCP transport (the ranks would each listen on every
+    # interface), and mpirun's own daemon channel on loopback. mpirun still opens two listeners of its own (PMIx).
+    flags+=(--mca btl self,vader --mca oob_tcp_if_include lo)
 fi
 if [[ -n ${MASTER_ADDR:-} ]]; then
     flags+=(-x MASTER_ADDR)

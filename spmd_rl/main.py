@@ -25,9 +25,10 @@ from typing import Any
 import yaml
 
 from spmd_rl.config.loading import describe_schema, load_config
-from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.errors import StopSignal, UserError
 from spmd_rl.runtime.exits import user_error
 from spmd_rl.runtime.launch import detect_launch, rank_from_env
+from spmd_rl.runtime.signals import install_early_signal_handlers, install_signal_handlers
 
 USAGE_EXAMPLES = """\
 examples:
@@ -73,6 +74,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before anything slow (torch's import takes seconds): a signal from here on is a line and a defined code.
+    install_early_signal_handlers()
+    try:
+        return _main(argv)
+    except (StopSignal, KeyboardInterrupt) as stop:  # before the run began: nothing to save, nothing to resume
+        name, code = (
+            ("SIGINT", 130) if isinstance(stop, KeyboardInterrupt) else (stop.signal_name, 128 + stop.signal_number)
+        )
+        rank = rank_from_env()
+        who = f"rank {rank}: " if rank is not None else ""
+        print(f"spmd_rl: {who}stopped by {name} while starting, before the run began", file=sys.stderr, flush=True)
+        return code
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     # Everything a user can get wrong, checked before any process group exists. The config and the layout are
     # the same on every rank, so rank 0 speaks for all; the env (its packages, its files) belongs to a host, so
@@ -92,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     # Imported only now: torch, tensordict and the envs take seconds, and --help and config errors answer without.
     from spmd_rl.run.driver import train
 
+    install_signal_handlers()  # the imports are done: a signal that came meanwhile is raised here
     return train(cfg, launch, dry_run=args.dry_run)
 
 

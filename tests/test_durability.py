@@ -108,7 +108,7 @@ STOPPED_BY_SIGNAL = ROLLOUT + textwrap.dedent("""
     import sys, time
     from spmd_rl.runtime.errors import StopSignal
     from spmd_rl.persist.fileio import flush_open_files
-    from spmd_rl.runtime.distributed import install_signal_handlers
+    from spmd_rl.runtime.signals import install_signal_handlers
     from spmd_rl.storage.experience_log import ExperienceLog
     install_signal_handlers()
     log = ExperienceLog(sys.argv[1], 0, rollout(0), flush_every_s=float("inf"))  # only a flush writes
@@ -147,8 +147,8 @@ def test_a_stop_signal_flushes_every_staged_row(tmp_path, signum):
 
 
 def test_signals_wait_for_the_end_of_a_deferred_section():
-    from spmd_rl.runtime.distributed import install_signal_handlers, signals_deferred
     from spmd_rl.runtime.errors import StopSignal
+    from spmd_rl.runtime.signals import install_signal_handlers, signals_deferred
 
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     install_signal_handlers()

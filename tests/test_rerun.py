@@ -108,3 +108,20 @@ def test_a_launcher_stopped_by_a_signal_exits_75_and_the_same_command_resumes(tm
     code, out, err = _stop_with(command, tmp_path, sig, _env(**variables))
     assert code == 75 and f"runs/{run_dir} (this command's unfinished run); resuming from" in out, out[-3000:]
     assert run_dirs(tmp_path) == [run_dir]
+
+
+def test_a_signal_while_starting_is_one_line_and_exit_128_plus_its_number(tmp_path):
+    # 1.5 s after launch the process is importing torch (seconds): the handlers are in place long before that.
+    job = subprocess.Popen(
+        [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.5)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state
-from spmd_rl.runtime.distributed import bounded, requested_stop
+from spmd_rl.runtime.distributed import bounded
 from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.signals import requested_stop
 
 STOPPED_EXIT_CODE = 75  # stopped on a signal with a checkpoint: rerun the same command to resume (EX_TEMPFAIL)
 

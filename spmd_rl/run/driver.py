@@ -31,14 +31,7 @@ from spmd_rl.run.resume import agree_on_run, mark_finished
 from spmd_rl.run.setup import Run
 from spmd_rl.run.topology import Topology, build_topology, create_process_groups
 from spmd_rl.run.trackers import check_installed
-from spmd_rl.runtime.distributed import (
-    Runtime,
-    choose_device,
-    install_signal_handlers,
-    shutdown_runtime,
-    start_runtime,
-    stop_at_iteration_boundary,
-)
+from spmd_rl.runtime.distributed import Runtime, choose_device, shutdown_runtime, start_runtime
 from spmd_rl.runtime.errors import (
     COMM_ERROR_EXIT_CODE,
     USER_CODE_EXIT_CODE,
@@ -52,6 +45,8 @@ from spmd_rl.runtime.errors import (
 from spmd_rl.runtime.exits import leave_exit_code, say, unexpected_error, user_error
 from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.postmortem import Failure, after_failure
+from spmd_rl.runtime.signals import install_signal_handlers, stop_at_iteration_boundary
+from spmd_rl.runtime.watchdog import watchdog
 
 
 @dataclass
@@ -80,6 +75,7 @@ class Outcome:
 
 def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
     """This rank's run; returns its exit code."""
+    watchdog.configure(cfg.dist.timeout_s, f"rank {launch.rank}")  # user code may hang from the first import on
     checked = check_before_start(cfg, launch, dry_run)
     if isinstance(checked, int):
         return checked
@@ -89,6 +85,14 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
     outcome = None
     exit_code = 0
     who = checked.topology.describe(launch.rank)  # 'rank 2 (env 0)': how every failure line starts
+
+    def after_a_hang() -> None:  # the watchdog's last act before it ends this rank: files whole, the record left
+        flush_open_files()
+        if runtime is not None and runtime.distributed:
+            failure = Failure(launch.rank, USER_CODE_EXIT_CODE, time.time())
+            after_failure(failure, launch.world_size, checked.topology.describe)
+
+    watchdog.configure(cfg.dist.timeout_s, who, on_expiry=after_a_hang)
     waited: CommError | None = None  # whom this rank was waiting on when it failed, and whether it timed out
     try:
         runtime = start_runtime(launch, cfg.train.device, cfg.dist.timeout_s, *checked.gpu_slot)
@@ -238,7 +242,8 @@ def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
     host_rank = launch.rank if launch.world_size > 1 else None
     try:
         topology = build_topology(cfg.layout, launch.world_size)
-        policy_cls, algorithm_cls, engine_cls, callback_classes = contract.load_classes(cfg)
+        with watchdog.watch("importing the plug-in modules (policy, algo, engine, callbacks)"):
+            policy_cls, algorithm_cls, engine_cls, callback_classes = contract.load_classes(cfg)
         plan = plan_run(cfg, topology, algorithm_cls)
         if dry_run:
             plan = dry_run_plan(plan)
@@ -246,8 +251,10 @@ def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
         raise _Refused(exc, speaker=launch.rank == 0) from None
     try:
         check_installed(cfg)  # log.wandb, log.mlflow: their packages (rank 0 uses them; every rank checks alike)
-        spec = probe_env(cfg.env)
-        outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls)
+        with watchdog.watch(f"making env.id {cfg.env.id} (to read its spaces)"):
+            spec = probe_env(cfg.env)
+        with watchdog.watch(f"building policy.class {cfg.classes['policy']} and calling its act"):
+            outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls)
         contract.check_planned_memory(cfg, spec, outputs, plan)
     except UserError as exc:
         raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import re
-import signal
+import socket
 import sys
 import threading
+import urllib.parse
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from spmd_rl.runtime.errors import CommError, StopSignal, UserError
+from spmd_rl.runtime.errors import CommError, UserError
 from spmd_rl.runtime.launch import LaunchInfo
 
 NCCL_WATCHDOG_MARGIN = datetime.timedelta(seconds=60)
@@ -51,12 +53,54 @@ def _rendezvous(launch: LaunchInfo, timeout: datetime.timedelta) -> dict:
     store for all restarts (--max-restarts), keys included: restarted ranks would read the addresses of the
     previous attempt's ranks (gloo: "Connection refused", then a wait until the timeout)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if launch.launcher != "torchrun" or attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {"init_method": launch.init_method}
+    if (
+        launch.launcher == "torchrun"
+        and attempt is not None
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    ):
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            launch.world_size,
+            is_master=False,
+            timeout=timeout,
+        )
+        return {"store": dist.PrefixStore(f"spmd_rl/attempt_{attempt}", store)}
+    return {"store": _own_store(launch, timeout)}
+
+
+def _own_store(launch: LaunchInfo, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The job's store, hosted by rank 0 and listening only on the rendezvous address (127.0.0.1 when every rank
+    is on one host), not on every interface as TCPStore would: the failure records rank 0's summary trusts live
+    there, and nobody else on the network should be able to write them. (When that address is not one of rank
+    0's own, it listens on every interface, as TCPStore does.)"""
+    if launch.init_method.startswith("tcp://"):
+        address = urllib.parse.urlsplit(launch.init_method)
+        host, port = address.hostname, address.port
+    else:  # env://: ranks started by hand with MASTER_ADDR / MASTER_PORT
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if launch.rank != 0:
+        return dist.TCPStore(host, port, launch.world_size, is_master=False, timeout=timeout)
+    family, kind, protocol, _, bound_to = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, protocol)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(bound_to)
+    except OSError as exc:
+        if exc.errno != errno.EADDRNOTAVAIL:
+            raise
+        listener.bind(("", port))  # the address is not one of this host's (a name behind NAT): every interface
+    listener.listen(max(128, launch.world_size))
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launch.world_size, is_master=False, timeout=timeout
+        host,
+        port,
+        launch.world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,  # init_process_group's own barrier waits for them, within the timeout
+        master_listen_fd=listener.detach(),  # the store's server owns the socket from here
     )
-    return {"store": dist.PrefixStore(f"spmd_rl/attempt_{attempt}", store)}
+    return store
 
 
 def choose_device(preference: str, gpu_slot: int | None, gpus_needed: int = 1) -> torch.device:
@@ -272,76 +316,3 @@ def broadcast_text(
             f"one (e.g. a shorter run.dir)"
         )
     return message[4 : 4 + length].numpy().tobytes().decode()
-
-
-def install_signal_handlers() -> None:
-    """SIGINT, SIGTERM and SIGUSR1, in the main thread.
-
-    While the engine's loop runs (`stop_at_iteration_boundary(True)`), the first signal only asks for a stop: the
-    ranks finish the iteration, agree, save a checkpoint and exit (run_control.RunControl). Otherwise, and for a
-    second signal, SIGTERM/SIGUSR1 raise StopSignal and SIGINT KeyboardInterrupt, so every finally-block (and the
-    flush of open files) still runs: without a handler SIGTERM ends the process at once. The exception is held
-    back while a file commit is in progress (see signals_deferred). Python runs handlers between bytecodes, so a
-    rank blocked inside a C++ wait sees the signal when that wait returns (at most dist.timeout_s later).
-    """
-    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        signal.signal(signum, _on_signal)
-
-
-class _Graceful:
-    enabled = False
-    requested: tuple[str, int] | None = None
-
-
-def stop_at_iteration_boundary(enabled: bool) -> None:
-    """Whether a first signal asks for a stop at the next iteration boundary (True) or raises at once (False).
-    Enabling forgets a stop an earlier run in this process was asked for (spmd_rl.train runs several)."""
-    _Graceful.enabled = enabled
-    if enabled:
-        _Graceful.requested = None
-
-
-def requested_stop() -> tuple[str, int] | None:
-    """(signal name, number) of a stop this process was asked for and has not acted on, or None."""
-    return _Graceful.requested
-
-
-class _Deferral:
-    depth = 0
-    pending: BaseException | None = None
-
-
-def _on_signal(signum: int, frame) -> None:
-    name = signal.Signals(signum).name
-    if _Graceful.enabled and _Graceful.requested is None:
-        _Graceful.requested = (name, signum)
-        print(
-            f"spmd_rl: {name}: stopping after this iteration with a checkpoint (send it again to stop at once)",
-            file=sys.stderr,
-            flush=True,
-        )
-        return
-    stop = KeyboardInterrupt() if signum == signal.SIGINT else StopSignal(name, signum)
-    if _Deferral.depth:
-        _Deferral.pending = _Deferral.pending or stop
-        return
-    raise stop
-
-
-class signals_deferred:
-    """`with signals_deferred():` a section that a signal must not cut in half (a file write and its commit).
-
-    A signal that arrives inside is raised when the outermost section ends; if the section ends with an error
-    anyway, that error goes on and the signal is dropped (the process is unwinding already).
-    """
-
-    def __enter__(self) -> None:
-        _Deferral.depth += 1
-
-    def __exit__(self, exc_type, exc, traceback) -> None:
-        _Deferral.depth -= 1
-        if _Deferral.depth or _Deferral.pending is None:
-            return
-        pending, _Deferral.pending = _Deferral.pending, None
-        if exc_type is None:
-            raise pending

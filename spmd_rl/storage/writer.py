@@ -22,8 +22,8 @@ import numpy as np
 from tensordict import TensorDict
 
 from spmd_rl.persist.fileio import make_dirs, register_open_file, unregister_open_file
-from spmd_rl.runtime.distributed import signals_deferred
 from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.signals import signals_deferred
 from spmd_rl.storage.h5file import (
     DAMAGED_FILE_ERRORS,
     clear_crash_flags,

@@ -1,0 +1,110 @@
+"""Signals: what SIGINT, SIGTERM and SIGUSR1 do to a rank. No torch here: main.py installs the early handlers
+before the seconds-long imports, so a signal at any moment after launch ends in a line and a defined exit code."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from spmd_rl.runtime.errors import StopSignal
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class _Early:
+    requested: tuple[str, int] | None = None
+
+
+def install_early_signal_handlers() -> None:
+    """Until install_signal_handlers: a first signal is remembered, and raised there; a second one ends the
+    process at once with its line. Raising in the middle of an import would leave torch or numpy half-loaded (an
+    ImportError, or an abort, later), so the first one waits for that safe point."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _on_early_signal)
+
+
+def _on_early_signal(signum: int, frame) -> None:
+    name = signal.Signals(signum).name
+    if _Early.requested is None:
+        _Early.requested = (name, signum)
+        return
+    print(f"spmd_rl: stopped by {name} while starting, before the run began", file=sys.stderr, flush=True)
+    os._exit(130 if signum == signal.SIGINT else 128 + signum)
+
+
+def install_signal_handlers() -> None:
+    """SIGINT, SIGTERM and SIGUSR1, in the main thread; a signal the early handlers remembered is raised now.
+
+    While the engine's loop runs (`stop_at_iteration_boundary(True)`), the first signal only asks for a stop: the
+    ranks finish the iteration, agree, save a checkpoint and exit (run_control.RunControl). Otherwise, and for a
+    second signal, SIGTERM/SIGUSR1 raise StopSignal and SIGINT KeyboardInterrupt, so every finally-block (and the
+    flush of open files) still runs: without a handler SIGTERM ends the process at once. The exception is held
+    back while a file commit is in progress (see signals_deferred). Python runs handlers between bytecodes, so a
+    rank blocked inside a C++ wait sees the signal when that wait returns (at most dist.timeout_s later).
+    """
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _on_signal)
+    if _Early.requested is not None:
+        name, signum = _Early.requested
+        _Early.requested = None
+        raise KeyboardInterrupt() if signum == signal.SIGINT else StopSignal(name, signum)
+
+
+class _Graceful:
+    enabled = False
+    requested: tuple[str, int] | None = None
+
+
+def stop_at_iteration_boundary(enabled: bool) -> None:
+    """Whether a first signal asks for a stop at the next iteration boundary (True) or raises at once (False).
+    Enabling forgets a stop an earlier run in this process was asked for (spmd_rl.train runs several)."""
+    _Graceful.enabled = enabled
+    if enabled:
+        _Graceful.requested = None
+
+
+def requested_stop() -> tuple[str, int] | None:
+    """(signal name, number) of a stop this process was asked for and has not acted on, or None."""
+    return _Graceful.requested
+
+
+class _Deferral:
+    depth = 0
+    pending: BaseException | None = None
+
+
+def _on_signal(signum: int, frame) -> None:
+    name = signal.Signals(signum).name
+    if _Graceful.enabled and _Graceful.requested is None:
+        _Graceful.requested = (name, signum)
+        print(
+            f"spmd_rl: {name}: stopping after this iteration with a checkpoint (send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    stop = KeyboardInterrupt() if signum == signal.SIGINT else StopSignal(name, signum)
+    if _Deferral.depth:
+        _Deferral.pending = _Deferral.pending or stop
+        return
+    raise stop
+
+
+class signals_deferred:
+    """`with signals_deferred():` a section that a signal must not cut in half (a file write and its commit).
+
+    A signal that arrives inside is raised when the outermost section ends; if the section ends with an error
+    anyway, that error goes on and the signal is dropped (the process is unwinding already).
+    """
+
+    def __enter__(self) -> None:
+        _Deferral.depth += 1
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        _Deferral.depth -= 1
+        if _Deferral.depth or _Deferral.pending is None:
+            return
+        pending, _Deferral.pending = _Deferral.pending, None
+        if exc_type is None:
+            raise pending
