@@ -245,3 +245,14 @@ def test_keep_best_saves_the_policy_of_the_best_evaluation_and_a_resume_compares
 def test_keep_best_without_evaluations_is_exit_2_naming_both_keys():
     result = run_module("spmd_rl.main", "checkpoint.keep_best=true")
     assert result.returncode == 2 and "checkpoint.keep_best=true" in result.stderr and "eval.every" in result.stderr
+
+
+def test_a_policy_evaluates_without_its_algorithms_module(tiny_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run, run_dir)
+    text = (run_dir / "config.yaml").read_text()
+    assert "class: ppo\n" in text
+    (run_dir / "config.yaml").write_text(text.replace("class: ppo\n", "class: gone_algorithms:MyPPO\n"))
+    policy, cfg = load_policy(run_dir)
+    assert cfg.classes["algo"] == "gone_algorithms:MyPPO" and cfg.classes["policy"] == "actor_critic"
+    assert policy.act(gym.make("CartPole-v1").reset(seed=0)[0])["action"] in (0, 1)

@@ -32,11 +32,13 @@ MAX_INT_CHARS = 100  # a YAML integer written with more characters is out of ran
 _LONG_INTEGER = re.compile(r"[+-]?[0-9][0-9_]{19,}")  # more digits than int64 has: out of range, whatever they are
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] = (), only_policy: bool = False) -> Config:
     """Defaults <- YAML file <- `a.b=value` overrides, all validated.
 
     The defaults are the embedded default run (PPO on CartPole-v1, the same as configs/ppo_cartpole.yaml), so
-    `python -m spmd_rl.main` needs no file.
+    `python -m spmd_rl.main` needs no file. only_policy: for acting with a trained policy, the algorithm, engine
+    and callback classes need not import (their sections are then left at their defaults, unchecked); the policy's
+    must, and policy.class must be named.
     """
     raw = _read_yaml(Path(path)) if path is not None else {}
     given: dict[str, str] = {}
@@ -63,7 +65,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             "checkpoint.keep_best=true keeps the policy with the best evaluation, but eval.every=0 never evaluates; "
             "set eval.every (e.g. eval.every=10) or drop checkpoint.keep_best"
         )
-    _build_plugin_sections(cfg, plugin_raw, source)
+    _build_plugin_sections(cfg, plugin_raw, source, only_policy)
     return cfg
 
 
@@ -79,10 +81,11 @@ def _check_run_name(name: str) -> None:
         )
 
 
-def _build_plugin_sections(cfg: Config, raw: dict, source: str) -> None:
+def _build_plugin_sections(cfg: Config, raw: dict, source: str, only_policy: bool = False) -> None:
     """algo, policy, engine and callbacks: each names its class, whose own Config dataclass validates the rest.
 
-    The algorithm is resolved first: an absent policy.class means the algorithm's default policy."""
+    The algorithm is resolved first: an absent policy.class means the algorithm's default policy. With only_policy
+    (and policy.class named), the other classes are not imported: see load_config."""
 
     def build(section: str, kind, value, default_class: str, prefix: str):
         if value is None:
@@ -104,6 +107,13 @@ def _build_plugin_sections(cfg: Config, raw: dict, source: str) -> None:
         return name, _build(config_cls, value, prefix, f"{source}; keys of {kind.what} '{name}'")
 
     algo_raw = raw.get("algo")
+    policy_raw = raw.get("policy")
+    if only_policy and isinstance(policy_raw, dict) and isinstance(policy_raw.get("class"), str):
+        named = algo_raw.get("class", "ppo") if isinstance(algo_raw, dict) else "ppo"
+        cfg.classes["algo"], cfg.algo = str(named), AlgorithmConfig()  # not needed to act; its module may be gone
+        cfg.classes["policy"], cfg.policy = build("policy", plugins.POLICY, policy_raw, "", "policy.")
+        cfg.classes["engine"], cfg.engine = "sync", None
+        return
     if isinstance(algo_raw, dict) and "name" in algo_raw and "class" not in algo_raw:
         raise UserError(f"config key 'algo.name' (in {source}) is now 'algo.class' (ppo, sac or module:Class)")
     cfg.classes["algo"], cfg.algo = build("algo", plugins.ALGORITHM, algo_raw, "ppo", "algo.")

@@ -60,7 +60,7 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", config_ove
     state = _read_policy_state(weights)
 
     try:  # the run's classes must still import (load_config imports a user's policy to read its Config)
-        cfg = load_config(config_file, list(config_overrides))
+        cfg = _load_run_config(config_file, list(config_overrides))
         spec = probe_env(cfg.env)
         policy_cls = plugins.load_class(plugins.POLICY, cfg.classes["policy"], Policy)
     except UserError as exc:
@@ -78,6 +78,19 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", config_ove
         ) from None
     # An acting copy: no parameter needs grad, so act()'s outputs convert to numpy without a no_grad block.
     return accepts_gymnasium_observations(policy.eval().requires_grad_(False)), cfg
+
+
+def _load_run_config(config_file: Path, overrides: list[str]):
+    """The run's config; when a class other than the policy's no longer imports (the algorithm's module is not
+    installed where the policy is evaluated), the config as far as acting needs it."""
+    try:
+        return load_config(config_file, overrides)
+    except UserError:
+        try:
+            return load_config(config_file, overrides, only_policy=True)
+        except UserError:
+            pass
+        raise
 
 
 def accepts_gymnasium_observations(policy: Policy) -> Policy:
