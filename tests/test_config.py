@@ -371,3 +371,19 @@ def test_a_plugin_config_field_of_a_type_a_config_cannot_check_is_a_user_error(t
     assert load_config(None, ["algo.class=bare_list_algo:BareList"]).algo.sizes == []  # its default is fine
     with pytest.raises(UserError, match=r"config key 'algo.sizes' .* is declared as list, which a config cannot check"):
         load_config(None, ["algo.class=bare_list_algo:BareList", "algo.sizes=[1,2]"])
+
+
+def test_default_policy_declared_as_a_config_key_is_a_user_error(tmp_path, monkeypatch):
+    (tmp_path / "keyed_default.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from spmd_rl.algorithms.configs import PPOConfig\n"
+        "from spmd_rl.algorithms.ppo import PPO\n\n"
+        "@dataclass\n"
+        "class Config(PPOConfig):\n"
+        "    default_policy: str = 'actor_critic'\n\n"
+        "class KeyedDefault(PPO):\n"
+        "    Config = Config\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match=r"declares default_policy as a config key .* ClassVar\[str\]"):
+        load_config(None, ["algo.class=keyed_default:KeyedDefault"])

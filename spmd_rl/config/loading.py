@@ -122,6 +122,11 @@ def _build_plugin_sections(cfg: Config, raw: dict, source: str, only_policy: boo
             f"algo.class '{cfg.classes['algo']}': its Config must subclass spmd_rl.api.AlgorithmConfig "
             f"(which gives every algorithm algo.num_steps)"
         )
+    if "default_policy" in {f.name for f in dataclasses.fields(cfg.algo)}:
+        raise UserError(
+            f"algo.class '{cfg.classes['algo']}': its Config declares default_policy as a config key (algo."
+            f'default_policy); declare it as a class attribute, `default_policy: ClassVar[str] = "module:Class"`'
+        )
     default_policy = getattr(type(cfg.algo), "default_policy", "actor_critic")
     cfg.classes["policy"], cfg.policy = build("policy", plugins.POLICY, raw.get("policy"), default_policy, "policy.")
     cfg.classes["engine"], cfg.engine = build("engine", plugins.ENGINE, raw.get("engine"), "sync", "engine.")

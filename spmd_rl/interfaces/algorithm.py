@@ -70,7 +70,8 @@ class PlanFacts:
 
 class Algorithm:
     """Learns from the segments its trainer receives. Subclass it; set `Config` (a dataclass subclassing
-    AlgorithmConfig, which gives `num_steps`), `default_policy` on the Config, `requires` and `policy_methods`.
+    AlgorithmConfig, which gives `num_steps`), `default_policy` on the Config (a `ClassVar[str]`: as a field it
+    would be a config key, which is refused), `requires` and `policy_methods`.
 
     `policy_methods` lists what `learn` calls on the policy beyond `act`: each a PolicyMethod (its signature, called
     and checked before start) or a bare name (only checked to exist). PPO's:
