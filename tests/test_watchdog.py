@@ -87,3 +87,40 @@ def test_an_env_whose_constructor_hangs_ends_a_one_process_run_with_the_line(tmp
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("spmd_rl: rank 0: making env.id hanging_env:HangingCartPole-v0 (to read its spaces) did ")
     assert f"did not return within 2 s; stuck at {tmp_path / 'hanging_env.py'}:9" in line
+
+
+HANGING_STEP = """
+import time
+
+import gymnasium as gym
+
+
+class CartPoleThatHangs(gym.Wrapper):
+    def __init__(self):
+        super().__init__(gym.make("CartPole-v1"))
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps > 40:
+            time.sleep(600)  # a simulator that stopped answering mid-episode
+        return self.env.step(action)
+
+
+gym.register("CartPoleThatHangs-v0", entry_point=CartPoleThatHangs)
+"""
+
+
+def test_an_env_step_that_hangs_mid_run_ends_it_with_the_line_and_keeps_the_metrics_whole(tmp_path):
+    (tmp_path / "hanging_step.py").write_text(HANGING_STEP)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    command = [sys.executable, "-m", "spmd_rl.main", "--config", str(ROOT / "configs" / "ci_tiny.yaml")]
+    command += ["env.id=hanging_step:CartPoleThatHangs-v0", "env.vectorization=sync", "dist.timeout_s=3"]
+    command += [f"run.dir={tmp_path / 'run'}"]
+    result = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == USER_CODE_EXIT_CODE, result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert "env.step of hanging_step:CartPoleThatHangs-v0 did not return within 3 s; stuck at " in line, line
+    assert f"{tmp_path / 'hanging_step.py'}:15" in line, line
+    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert records and all(r.startswith("{") and r.endswith("}") for r in records)

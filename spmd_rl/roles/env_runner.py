@@ -17,6 +17,7 @@ from spmd_rl.envs import spaces
 from spmd_rl.envs.state import as_arrays, as_tensors, capture_env_state, restore_env_state
 from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE
 from spmd_rl.runtime.errors import UserCodeError, describe_exception
+from spmd_rl.runtime.watchdog import watchdog
 
 
 class EnvRunner:
@@ -40,6 +41,7 @@ class EnvRunner:
         self.policy_outputs = policy_outputs  # the fields of each reply copied into the rollout (action first)
         self.describe = describe
         self.env_id = env_id
+        self.watched_step = watchdog.watch(f"env.step of {env_id}")  # made once: entered every step
         # Both outgoing buffers are written in place, so the channels send them without another copy. The writes
         # go through numpy views of the (CPU) buffers: a numpy assignment costs a fraction of a torch op's
         # dispatch, and this loop runs once per env step. Observations keep the env's dtype and shape (nested
@@ -102,7 +104,8 @@ class EnvRunner:
 
         clock = time.perf_counter()
         try:
-            obs, reward, terminated, truncated, info = self.envs.step(action)
+            with self.watched_step:
+                obs, reward, terminated, truncated, info = self.envs.step(action)
         except Exception as exc:  # the env's own error: its type, message and file:line, not the vector env's stack
             raise UserCodeError(
                 f"{self.describe}: env '{self.env_id}' raised at step {self.steps_taken + 1}: {describe_exception(exc)}"

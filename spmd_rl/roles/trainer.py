@@ -15,6 +15,7 @@ from spmd_rl.interfaces.policy import RECURRENT_STATE
 from spmd_rl.roles.update_guard import UpdateGuard
 from spmd_rl.runtime.distributed import bounded, comm_error, group_peer, is_comm_failure
 from spmd_rl.runtime.errors import CommError
+from spmd_rl.runtime.watchdog import watchdog
 
 
 class PolicyLagError(RuntimeError):
@@ -116,7 +117,8 @@ class Trainer:
                 rollout, policy_version=int(segment["policy_version"][0]), env_step=iteration * rollout.numel()
             )
         try:
-            metrics = self.update_guard.learn(segment, iteration)
+            with watchdog.watch(f"the algorithm's learn (iteration {iteration})"):
+                metrics = self.update_guard.learn(segment, iteration)
         except Exception as exc:
             # DDP's gradient all-reduce fails inside backward() as a plain RuntimeError; bounded collectives raise
             # CommError themselves. Anything else is the algorithm's own error.

@@ -38,6 +38,7 @@ from spmd_rl.run.topology import COLOCATED, ENV, INFERENCE, TRAINER, ProcessGrou
 from spmd_rl.run.trackers import open_trackers
 from spmd_rl.runtime.distributed import Runtime
 from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.watchdog import watchdog
 from spmd_rl.storage.experience_log import ExperienceLog
 
 
@@ -137,9 +138,11 @@ class Run:
         and data-parallel learning across ranks, joined by local channels."""
         cfg, plan, rank = self.cfg, self.plan, self.rank
         group = self.groups.trainer if self.runtime.world_size > 1 else None
-        policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
+        with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
+            policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
         algorithm, callbacks = self._build_algorithm(policy, group)
-        envs, first_obs = make_vector_env(cfg.env, self.spec, self._seed_rank())
+        with watchdog.watch(f"making and resetting env.id {cfg.env.id}"):
+            envs, first_obs = make_vector_env(cfg.env, self.spec, self._seed_rank())
         n, t = cfg.env.num_envs, plan.num_steps
         state = self.recurrent_state
         obs_out, obs_in = local_channel(
@@ -200,7 +203,8 @@ class Run:
         inference, trainer = topology.env_to_inference[rank], topology.env_to_trainer[rank]
         n, t = cfg.env.num_envs, self.plan.num_steps
         state = self.recurrent_state
-        envs, first_obs = make_vector_env(cfg.env, spec, self._seed_rank())
+        with watchdog.watch(f"making and resetting env.id {cfg.env.id}"):
+            envs, first_obs = make_vector_env(cfg.env, spec, self._seed_rank())
         (to_inference, to_trainer), (from_inference,) = open_channels(
             me=rank,
             sends=[
@@ -249,7 +253,8 @@ class Run:
         served = topology.envs_served_by(rank)
         n = cfg.env.num_envs
         state_fields = self.recurrent_state
-        policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
+        with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
+            policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
         weight_sync = self._weight_sync(policy)
         self._seed_rank()
         observations = [with_episode_starts(observation_layout(self.spec, n), state_fields, n) for _ in served]
@@ -276,7 +281,8 @@ class Run:
         sources = topology.envs_trained_by(rank)
         n, t = cfg.env.num_envs, plan.num_steps
         group = self.groups.trainer if len(topology.trainer_ranks) > 1 else None
-        policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
+        with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
+            policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
         # Built before the optimizer and DDP: it points the parameters into its flat buckets.
         weight_sync = self._weight_sync(policy) if rank == topology.trainer_ranks[0] else None
         algorithm, callbacks = self._build_algorithm(policy, group)
@@ -354,8 +360,9 @@ class Run:
 
     def _build_algorithm(self, policy: Policy, group) -> tuple[Algorithm, list]:
         context = self._context(group)
-        algorithm = self.algorithm_cls(policy, self.cfg.algo, context)
-        callbacks = [cls(config, context) for cls, config in self.callback_classes]
+        with watchdog.watch(f"building algo.class {self.cfg.classes['algo']} and the callbacks"):
+            algorithm = self.algorithm_cls(policy, self.cfg.algo, context)
+            callbacks = [cls(config, context) for cls, config in self.callback_classes]
         return algorithm, callbacks
 
     def _weight_sync(self, policy: Policy) -> WeightSync:
