@@ -208,3 +208,47 @@ def test_n_iterations_equal_half_then_resume_for_a_recurrent_policy_in_several_r
     resumed = run_here(*stop, nproc=nproc)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(tmp_path / "full", tmp_path / "split")
+
+
+# -- evaluation: the state is kept per env and starts afresh with every episode --------------------------------------
+
+
+def test_evaluation_carries_the_state_and_resets_it_at_every_episode_start():
+    import gymnasium as gym
+    from recurrent_plugins import CountingPolicy
+
+    from spmd_rl.config import load_config
+    from spmd_rl.run.evaluation import evaluate
+
+    class RecordingCounter(CountingPolicy):
+        counts: list = []
+
+        def act(self, obs, deterministic=False, state=None):
+            out, next_state = super().act(obs, deterministic, state)
+            self.counts.append(int(out["count"][0]))
+            return out, next_state
+
+    env_cfg = load_config(None, ["env.num_envs=1"]).env
+    policy = RecordingCounter(gym.spaces.Box(-5, 5, (4,)), gym.spaces.Discrete(2), None)
+    result = evaluate(policy, env_cfg, episodes=3, seed=0, deterministic=True)
+    runs, run = [], []
+    for count in policy.counts:
+        if count == 0 and run:
+            runs.append(run)
+            run = []
+        run.append(count)
+    runs.append(run)
+    first, second, third = result["lengths"]
+    # each episode acts from counts 0..L-1, then once more on its last observation (the action the reset ignores)
+    assert runs == [list(range(first + 1)), list(range(second + 1)), list(range(third))]
+
+
+def test_a_trained_recurrent_policy_evaluates_during_training_and_after(tmp_path):
+    run = spmd_rl.train(RECURRENT_TINY, {"run.dir": str(tmp_path / "run"), "eval.every": 2, "eval.episodes": 2})
+    records = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if "eval_return_mean" in r] == [1, 3]
+    import gymnasium as gym
+
+    obs, _ = gym.make("CartPole-v1").reset(seed=0)
+    outputs, state = run.policy.act(obs, state=initial_state(run.policy.recurrent_state(), 1))
+    assert outputs["action"] in (0, 1) and state["h"].shape == (1, 8)

@@ -14,6 +14,7 @@ from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs import spaces
 from spmd_rl.envs.envpool_backend import envpool_step_limit
 from spmd_rl.envs.vector import make_vector_env, probe_env
+from spmd_rl.interfaces.policy import initial_state
 from spmd_rl.roles.messages import observation_message
 from spmd_rl.runtime.errors import UserError
 
@@ -118,11 +119,25 @@ def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, devi
     buffer = observation_message(spec, envs.num_envs)["obs"]  # the layout the inference server acts on
     views = spaces.numpy_views(buffer)
     returns, lengths = [], []
+    fields = policy.recurrent_state()
+    state = initial_state(fields, envs.num_envs, device) if fields else None
+    # A recurrent state starts afresh where the envs hand over a new episode's first observation: after the reset
+    # step that follows an episode's end (NEXT_STEP autoreset), as the inference server does in training.
+    starts = np.ones(envs.num_envs, dtype=bool)
+    ended = np.zeros(envs.num_envs, dtype=bool)
     while quotas.any():
         spaces.write(views, obs)
         with torch.no_grad():  # act() is always called without grad (the API's promise)
-            action = policy.act(buffer.to(device), deterministic=deterministic)["action"]
-        obs, _, _, _, info = envs.step(action.cpu().numpy())
+            if state is None:
+                action = policy.act(buffer.to(device), deterministic=deterministic)["action"]
+            else:
+                fresh = torch.as_tensor(starts, device=device)
+                for name, field in fields.items():
+                    state[name][fresh] = field.initial
+                out, state = policy.act(buffer.to(device), deterministic=deterministic, state=state)
+                action = out["action"]
+        obs, _, terminated, truncated, info = envs.step(action.cpu().numpy())
+        starts, ended = ended, terminated | truncated  # this step reset the envs that had ended before it
         if "episode" not in info:
             continue
         for i in np.flatnonzero(info["_episode"] & (quotas > 0)):

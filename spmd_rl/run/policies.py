@@ -112,6 +112,9 @@ def _act_on_any_observation(self: Policy, obs, deterministic: bool = False, **kw
         batch = spaces.zeros_of(space, 1 if single else _batch_size(obs, space))
         spaces.write(spaces.numpy_views(batch), obs, 0 if single else None)
     out = act(self, batch.to(device), deterministic=deterministic, **kwargs)
+    if isinstance(out, tuple):  # a recurrent policy: (outputs, next state); the state stays as torch gives it
+        outputs, state = out
+        return {key: _as_given(value, single, as_numpy) for key, value in outputs.items()}, state
     return {key: _as_given(value, single, as_numpy) for key, value in out.items()}
 
 

@@ -1,0 +1,73 @@
+"""Start-up to the first iteration, one process, against `python -c "import torch"` on the same machine, in one run.
+
+    python benchmarks/startup.py [--repeats 5]
+
+Times, alternating the variants every repeat (medians over repeats):
+- `import torch`: the floor every rank pays;
+- `import torch, tensordict`: what tensordict adds (it imports torch._dynamo at import);
+- `--help`: the command line without torch;
+- first iteration: `python -m spmd_rl.main --config configs/ci_tiny.yaml` from launch to its first metrics line on
+  stdout (log.interval_s=0 prints every iteration), in a fresh run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def timed(command: list[str], until: str | None = None) -> float:
+    """Seconds from launch to exit, or to the first stdout line starting with `until`."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    started = time.perf_counter()
+    job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    if until is not None:
+        for line in job.stdout:
+            if line.startswith(until):
+                took = time.perf_counter() - started
+                job.kill()
+                job.communicate()
+                return took
+        raise RuntimeError(f"{command} ended without a line starting with {until!r}")
+    job.communicate()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    repeats = parser.parse_args().repeats
+    python = sys.executable
+    variants = {
+        "import torch": ([python, "-c", "import torch"], None),
+        "import torch, tensordict": ([python, "-c", "import torch, tensordict"], None),
+        "spmd_rl --help": ([python, "-m", "spmd_rl.main", "--help"], None),
+    }
+    times: dict[str, list[float]] = {name: [] for name in [*variants, "first iteration"]}
+    print(f"load average at start: {os.getloadavg()}")
+    for _ in range(repeats):
+        for name, (command, until) in variants.items():
+            times[name].append(timed(command, until))
+        run_dir = tempfile.mkdtemp(prefix="spmd_startup_")
+        first = [python, "-m", "spmd_rl.main", "--config", "configs/ci_tiny.yaml", f"run.dir={run_dir}"]
+        first += ["log.interval_s=0", "log.progress=false", "log.tensorboard=false"]
+        times["first iteration"].append(timed(first, until="iter "))
+    floor = statistics.median(times["import torch"])
+    print("| what | median s | minus `import torch` |")
+    print("|---|---|---|")
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median:.2f} | {median - floor:+.2f} |")
+    print(f"load average at end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
