@@ -27,6 +27,12 @@ CASES = {
         10,
         {"policy_loss", "value_loss", "entropy"},
     ),
+    "recurrent_cartpole": (
+        "my_gru.yaml",
+        ["env.num_envs=2", "algo.num_steps=25", "train.total_steps=200"],
+        50,
+        PPO_METRICS,
+    ),
     "heldout_eval": (
         "heldout_pendulum.yaml",
         [
