@@ -302,3 +302,18 @@ def test_files_carry_a_checksum_that_a_plain_torch_load_ignores(tmp_path):
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(1000))  # still a torch file
     torch.save({"w": torch.arange(3)}, path)
     assert checksum_matches(path) is None  # written without one: nothing to check
+
+
+def test_a_latest_that_cannot_be_followed_falls_back_with_a_line_saying_so(tmp_path):
+    store = CheckpointStore(tmp_path, keep=3)
+    for iteration in (3, 7):
+        store.save(small_state(iteration), iteration, 0)
+        store.commit(iteration)
+    assert store.latest_and_why() == (store.directory(7), "")
+    (store.directory(7) / "COMPLETE").write_text("damaged")
+    found, why = store.latest_and_why()
+    assert found == store.directory(3)
+    assert "names 'iter_000000007', which is not a complete checkpoint" in why and str(store.directory(3)) in why
+    (store.root / "latest").unlink()
+    found, why = store.latest_and_why()
+    assert found == store.directory(3) and why.startswith(f"{store.root / 'latest'} is missing: resuming from")

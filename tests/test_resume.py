@@ -4,6 +4,7 @@ a checkpoint; run directories that would mix two runs are refused.
 """
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -181,4 +182,18 @@ def test_fine_tune_from_a_run_and_periodic_evaluation(tmp_path):
     assert run_main("--config", TINY, f"run.dir={fresh}", "train.total_steps=32").returncode == 0
     assert moved and not torch.equal(
         torch.load(fresh / "policy.pt")["actor.0.weight"], after_one_update["actor.0.weight"]
+    )
+
+
+def test_a_run_without_a_checkpoint_starts_over_with_a_line_saying_so(tmp_path):
+    run_dir = tmp_path / "run"
+    stopped = run_main("--config", TINY, f"run.dir={run_dir}", "run.stop_after_iterations=2")
+    assert stopped.returncode == 75, stopped.stderr
+    shutil.rmtree(run_dir / "checkpoints")  # as if it had been killed before its first checkpoint
+    again = run_main("--config", TINY, f"run.dir={run_dir}")
+    assert again.returncode == 0, again.stderr
+    assert f"spmd_rl: note: {run_dir} holds this run's metrics.jsonl" in again.stdout
+    assert "but no checkpoint: cleared, the run starts over" in again.stdout
+    assert [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(
+        range(8)
     )

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from spmd_rl.config.excerpts import excerpt
 from spmd_rl.persist.fileio import checksum_matches, make_dirs, torch_save_atomic, write_atomic
 from spmd_rl.runtime.errors import UserError
 
@@ -70,14 +71,27 @@ class CheckpointStore:
     def latest(self) -> Path | None:
         """The newest complete checkpoint directory: the one `latest` names, or when that file is missing or names
         something that is not a complete checkpoint, the complete directory with the highest iteration."""
+        return self.latest_and_why()[0]
+
+    def latest_and_why(self) -> tuple[Path | None, str]:
+        """latest(), and when `latest` could not be followed, a line saying what was found and what is done."""
+        pointer = self.root / LATEST
         try:
-            named = self.root / (self.root / LATEST).read_text().strip()
+            text = pointer.read_text().strip()
+            named = self.root / text
             if named.parent == self.root and named.name.startswith(_PREFIX) and _is_complete(named):
-                return named
+                return named, ""
+            found = f"{pointer} names {excerpt(text)}, which is not a complete checkpoint (damaged or deleted)"
+        except FileNotFoundError:
+            found = f"{pointer} is missing"
         except (OSError, UnicodeDecodeError, ValueError):
-            pass
+            found = f"{pointer} cannot be read"
         complete = self._complete()
-        return complete[-1][1] if complete else None
+        if complete:
+            return complete[-1][1], f"{found}: resuming from {complete[-1][1]}, the newest complete checkpoint"
+        if self.root.is_dir() and any(self.root.iterdir()):
+            return None, f"{found}, and {self.root} holds no complete checkpoint"
+        return None, ""
 
     def load(self, path: Path | str, rank: int, map_location: str | torch.device = "cpu") -> dict:
         """This rank's state from the checkpoint directory `path`. A missing, incomplete, truncated or corrupt

@@ -272,6 +272,8 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
     if dry_run:  # its temporary directory goes: no W&B or MLflow run for it
         cfg.log.wandb = cfg.log.mlflow = False
     run_dir, resume = agree_on_run(cfg, runtime, dry_run=dry_run)
+    if runtime.rank == 0 and resume.fallback:
+        print(f"spmd_rl: note: {resume.fallback}", flush=True)
     if runtime.rank == 0:
         start = ""
         if resume.checkpoint:  # iterations count from 0, as in metrics.jsonl, the checkpoints and the stop line

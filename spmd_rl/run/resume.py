@@ -32,6 +32,7 @@ class Resume:
     checkpoint: Path | None = None
     iteration: int = -1  # the checkpoint's iteration (-1: a fresh start)
     note: str = ""  # rank 0: how the default run directory was chosen, for its first line
+    fallback: str = ""  # rank 0: what was found that could not be followed, and what is done instead (a line)
 
     @property
     def start_iteration(self) -> int:
@@ -42,13 +43,13 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False):
     """Rank 0 names the run directory and decides where the run starts (a checkpoint to resume from, or
     iteration 0; a run directory that would mix two runs is refused); every rank checks it runs rank 0's exact
     config; rank 0 saves it. Returns (run directory, Resume)."""
-    resume, verdict, note = Resume(), "", ""
+    resume, verdict, note, fallback = Resume(), "", "", ""
     if runtime.rank == 0:
         run_dir, note = _default_run_dir(cfg, dry_run)
         if not dry_run:
             try:
                 resume = decide_resume(cfg, Path(run_dir), runtime.world_size)
-                verdict = str(resume.checkpoint or "")
+                verdict, fallback = str(resume.checkpoint or ""), resume.fallback
             except UserError as exc:
                 verdict = f"error: {exc}"
     else:
@@ -60,7 +61,7 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False):
         raise SharedUserError(verdict[len("error: ") :])
     if verdict:
         resume = Resume(checkpoint=Path(verdict), iteration=checkpoint_iteration(Path(verdict)))
-    resume.note = note
+    resume.note, resume.fallback = note, fallback
     cfg.run.dir = run_dir
     if runtime.distributed:
         mine = torch.frombuffer(bytearray.fromhex(cfg.digest()), dtype=torch.uint8)
@@ -137,10 +138,10 @@ def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
                 f"run directory {run_dir} holds a finished run; choose another run.dir (or run.init_from="
                 f"{run_dir} to fine-tune from it)"
             )
-        checkpoint = store.latest()
+        checkpoint, fallback = store.latest_and_why()
         config_dir = run_dir
     else:
-        checkpoint = find_checkpoint(mode)
+        checkpoint, fallback = find_checkpoint(mode), ""
         config_dir = checkpoint.parent.parent
         if config_dir.resolve() != run_dir.resolve():
             raise UserError(
@@ -157,15 +158,19 @@ def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
             f"run directory {config_dir} holds a run with a different config (beyond run, checkpoint and "
             f"log keys){config_difference(previous, cfg)}; rerun with its config.yaml, or choose another run.dir"
         )
-    if checkpoint is None:
-        return Resume()  # the same run, stopped before its first checkpoint: it starts over (see prepare_run_dir)
+    if checkpoint is None:  # the same run, stopped before its first checkpoint: it starts over (see prepare_run_dir)
+        held = [name for name in ("metrics.jsonl", "buffer", "tensorboard") if (run_dir / name).exists()]
+        if held:
+            cleared = f"{run_dir} holds this run's {', '.join(held)} but no checkpoint: cleared, the run starts over"
+            fallback = f"{fallback}; {cleared}" if fallback else cleared
+        return Resume(fallback=fallback)
     ranks = len(list(checkpoint.glob("rank*.pt")))
     if ranks != world_size:
         raise UserError(
             f"checkpoint {checkpoint} holds {ranks} rank(s) but this run has {world_size}; resume with "
             f"the same number of ranks"
         )
-    return Resume(checkpoint=checkpoint, iteration=checkpoint_iteration(checkpoint))
+    return Resume(checkpoint=checkpoint, iteration=checkpoint_iteration(checkpoint), fallback=fallback)
 
 
 def config_difference(previous: Config, cfg: Config, shown: int = 5) -> str:
