@@ -124,6 +124,27 @@ def loss_coefficients(cfg: PPOConfig) -> Tensor:
     return torch.tensor([1.0, cfg.vf_coef, -cfg.ent_coef, 0.0, 0.0])
 
 
+def gae_targets(rollout: TensorDict, next_value: Tensor, cfg: PPOConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """(advantage, return_, value) by GAE over a rollout [T, N], the acting values as the baseline."""
+    advantage, return_ = compute_gae(
+        rollout["reward"],
+        rollout["value"],
+        next_value,
+        rollout["terminated"],
+        rollout["truncated"],
+        cfg.gamma,
+        cfg.gae_lambda,
+    )
+    return advantage, return_, rollout["value"]
+
+
+def learner_batch(rollout: TensorDict, advantage: Tensor, return_: Tensor, value: Tensor) -> TensorDict:
+    """What the clipped-surrogate update reads, [T, N] like the rollout."""
+    fields = {key: rollout[key] for key in ("obs", "action", "log_prob", "valid")}
+    fields.update(value=value, advantage=advantage, return_=return_)
+    return TensorDict(fields, batch_size=rollout.batch_size)
+
+
 def total_loss(losses: dict[str, Tensor], cfg: PPOConfig) -> Tensor:
     return losses["policy_loss"] - cfg.ent_coef * losses["entropy"] + cfg.vf_coef * losses["value_loss"]
 
@@ -250,31 +271,11 @@ class PPO(Algorithm):
         cfg = self.cfg
         with torch.no_grad():
             next_value = self.policy.value(segment["next_obs"].to(self.context.device))
-        value = rollout["value"]
         if cfg.vtrace:
-            advantage, return_, value = self.vtrace_targets(rollout, next_value)
+            targets = self.vtrace_targets(rollout, next_value)
         else:
-            advantage, return_ = compute_gae(
-                rollout["reward"],
-                value,
-                next_value,
-                rollout["terminated"],
-                rollout["truncated"],
-                cfg.gamma,
-                cfg.gae_lambda,
-            )
-        batch = TensorDict(
-            {
-                "obs": rollout["obs"],
-                "action": rollout["action"],
-                "log_prob": rollout["log_prob"],
-                "value": value,
-                "valid": rollout["valid"],
-                "advantage": advantage,
-                "return_": return_,
-            },
-            batch_size=rollout.batch_size,
-        ).reshape(-1)
+            targets = gae_targets(rollout, next_value, cfg)
+        batch = learner_batch(rollout, *targets).reshape(-1)
         metrics = self.update(batch, iteration)
         # The statistics used to collect this rollout stay fixed while learning from it; fold the rollout's
         # observations in afterwards, so the next rollout (and its learning) use the merged statistics.

@@ -25,8 +25,9 @@ from spmd_rl.algorithms.configs import PPOConfig
 from spmd_rl.algorithms.ppo import (
     LOSS_NAMES,
     VTRACE_MAX_POLICY_LAG,
-    compute_gae,
     explained_variance,
+    gae_targets,
+    learner_batch,
     ppo_losses,
     rollout_tensors,
     total_loss,
@@ -106,32 +107,11 @@ class RecurrentPPO(Algorithm):
             obs_and_next = torch.cat([rollout["obs"], segment["next_obs"].to(device).unsqueeze(0)])
             starts_and_next = torch.cat([starts, ~rollout["valid"][-1:]])
             next_value = self.policy.value_sequence(obs_and_next, starts_and_next, state)[-1]
-        value = rollout["value"]
         if cfg.vtrace:
-            advantage, return_, value = self.vtrace_targets(rollout, state, next_value)
+            targets = self.vtrace_targets(rollout, state, next_value)
         else:
-            advantage, return_ = compute_gae(
-                rollout["reward"],
-                value,
-                next_value,
-                rollout["terminated"],
-                rollout["truncated"],
-                cfg.gamma,
-                cfg.gae_lambda,
-            )
-        batch = TensorDict(
-            {
-                "obs": rollout["obs"],
-                "action": rollout["action"],
-                "log_prob": rollout["log_prob"],
-                "value": value,
-                "valid": rollout["valid"],
-                "advantage": advantage,
-                "return_": return_,
-            },
-            batch_size=rollout.batch_size,
-        )
-        metrics = self.update(batch, starts, state, iteration)
+            targets = gae_targets(rollout, next_value, cfg)
+        metrics = self.update(learner_batch(rollout, *targets), starts, state, iteration)
         valid = rollout["valid"]
         self.policy.update_normalizer(rollout["obs"][valid], self.context)
         return metrics
