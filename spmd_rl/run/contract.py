@@ -158,16 +158,21 @@ def _check_act(name: str, policy: Policy, outputs: dict, spec: EnvSpec, state: d
                 f"{name}: act() returned {got}, but outputs() declares {list(outputs)}; return a dict "
                 f"with exactly the declared keys"
             )
-        for key, field in outputs.items():
-            value = out[key]
-            expected = (batch, *field.shape)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != field.dtype:
-                got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-                raise UserError(
-                    f"{name}: act() returned '{key}' as {got} for a batch of {batch}; outputs() "
-                    f"declares {describe_outputs({key: field})} per env (so {expected} {field.dtype})"
-                )
+        _check_shapes(out, outputs, batch, f"{name}: act() returned '{{key}}'", "outputs()", "")
     return obs, out
+
+
+def _check_shapes(values: dict, fields: dict[str, StepField], batch: int, returned: str, declarer: str, fix: str):
+    """Each value a tensor [batch, *shape] of its field's dtype; else a UserError (`returned` formats the key)."""
+    for key, field in fields.items():
+        value = values[key]
+        expected = (batch, *field.shape)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != field.dtype:
+            got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise UserError(
+                f"{returned.format(key=key)} as {got} for a batch of {batch}; {declarer} declares "
+                f"{describe_outputs({key: field})} per env (so {expected} {field.dtype}){fix}"
+            )
 
 
 def _check_next_state(name: str, call: str, returned, state: dict[str, StepField], batch: int) -> dict:
@@ -183,15 +188,14 @@ def _check_next_state(name: str, call: str, returned, state: dict[str, StepField
             f"{name}: {call} returned the state {sorted(next_state.keys())}, but recurrent_state() declares "
             f"{sorted(state)}"
         )
-    for key, field in state.items():
-        value = next_state[key]
-        expected = (batch, *field.shape)
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != field.dtype:
-            got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise UserError(
-                f"{name}: {call} returned the state '{key}' as {got} for a batch of {batch}; recurrent_state() "
-                f"declares {describe_outputs({key: field})} per env (so {expected} {field.dtype}); make them agree"
-            )
+    _check_shapes(
+        next_state,
+        state,
+        batch,
+        f"{name}: {call} returned the state '{{key}}'",
+        "recurrent_state()",
+        "; make them agree",
+    )
     return out
 
 
