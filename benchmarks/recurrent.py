@@ -12,14 +12,8 @@ first iteration where it reaches CartPole-v1's "solved" return.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-from common import ROOT, free_port, machine, table
+from common import machine, run_spmd, table
 
 TARGET = 475.0
 MASKED_ENV = "examples.recurrent_cartpole.masked_cartpole:MaskedCartPole-v1"
@@ -45,39 +39,9 @@ LAYOUTS = {
 def run(policy: str, layout: str, seed: int, total_steps: int | None) -> list[dict]:
     config, overrides = POLICIES[policy]
     nproc, env_ranks, layout_overrides = LAYOUTS[layout]
-    launcher = [sys.executable, "-m", "spmd_rl.main"]
-    if nproc:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=1",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-            "-m",
-            "spmd_rl.main",
-        ]
-    run_dir = Path(tempfile.mkdtemp(prefix=f"spmd_recurrent_{policy}_{layout}_")) / "run"
-    cmd = [
-        *launcher,
-        "--config",
-        config,
-        *overrides,
-        *layout_overrides,
-        f"env.num_envs={NUM_ENVS // env_ranks}",
-        f"train.seed={seed}",
-        *([f"train.total_steps={total_steps}"] if total_steps else []),
-        f"run.dir={run_dir}",
-        "log.progress=false",
-        "log.tensorboard=false",
-        "log.interval_s=1000000",
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [f"train.total_steps={total_steps}"] if total_steps else []
+    settings = [*overrides, *layout_overrides, f"env.num_envs={NUM_ENVS // env_ranks}", f"train.seed={seed}", *steps]
+    return run_spmd(settings, nproc=nproc, config=config, timeout=3600)
 
 
 def main() -> None:
