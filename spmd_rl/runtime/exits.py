@@ -5,6 +5,7 @@ A user's exception shows its type, message and the user's file:line, not the fra
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -25,6 +26,10 @@ def user_error(exc: UserError, speaker: bool, rank: int | None = None) -> int:
         where = f"rank {rank}: " if rank is not None else ""
         print(f"spmd_rl: {where}error: {exc}", file=sys.stderr, flush=True)
     else:
+        # The launcher ends a lingering rank with a signal once the speaker exits: that is this rank's end as
+        # planned, with its own code and nothing printed (a stop line here would be a second, false line).
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(signum, lambda *_: os._exit(USER_ERROR_EXIT_CODE))
         time.sleep(QUIET_RANK_LINGER_S)
     return USER_ERROR_EXIT_CODE
 
