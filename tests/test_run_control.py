@@ -18,7 +18,7 @@ from spmd_rl.config import load_config
 from spmd_rl.persist.checkpoint import COMPLETE, CheckpointStore, load_checkpoint
 from spmd_rl.persist.run_control import RunControl, StoppedWithCheckpoint
 from spmd_rl.run.resume import Resume, decide_resume
-from spmd_rl.runtime import distributed
+from spmd_rl.runtime import signals
 
 TIMEOUT = datetime.timedelta(seconds=20)
 
@@ -51,8 +51,8 @@ def checkpoints(run_dir: Path) -> list[str]:
 @pytest.fixture
 def no_stop_requested(monkeypatch):
     """A clean stop request state for this test (restored afterwards)."""
-    monkeypatch.setattr(distributed._Graceful, "requested", None)
-    monkeypatch.setattr(distributed._Graceful, "enabled", False)
+    monkeypatch.setattr(signals._Graceful, "requested", None)
+    monkeypatch.setattr(signals._Graceful, "enabled", False)
 
 
 def control(cfg, run_dir: Path, num_iterations: int) -> RunControl:
@@ -112,9 +112,9 @@ def test_stop_after_the_last_iteration_is_just_the_end(tmp_path, no_stop_request
 def test_a_requested_stop_checkpoints_and_raises_at_the_next_iteration_end(tmp_path, no_stop_requested):
     rc = control(config("checkpoint.every_iterations=0"), tmp_path, num_iterations=10)
     assert run(rc, range(2)) == []
-    distributed.stop_at_iteration_boundary(True)
-    distributed._on_signal(signal.SIGTERM, None)  # what the installed handler runs on SIGTERM
-    assert distributed.requested_stop() == ("SIGTERM", signal.SIGTERM)
+    signals.stop_at_iteration_boundary(True)
+    signals._on_signal(signal.SIGTERM, None)  # what the installed handler runs on SIGTERM
+    assert signals.requested_stop() == ("SIGTERM", signal.SIGTERM)
     with pytest.raises(StoppedWithCheckpoint, match="stopped by SIGTERM after iteration 2"):
         run(rc, range(2, 3))
     assert checkpoints(tmp_path) == ["iter_000000002"] and CheckpointStore(tmp_path).latest() is not None
@@ -131,7 +131,7 @@ def test_checkpoint_every_s_is_due_by_the_clock(tmp_path, no_stop_requested):
 
 
 def _agree_across_ranks(rank, world_size, cfg, run_dir):
-    distributed._Graceful.requested, distributed._Graceful.enabled = None, False  # this forked child's own state
+    signals._Graceful.requested, signals._Graceful.enabled = None, False  # this forked child's own state
     rc = RunControl(cfg, 10, rank=rank, world_size=world_size, distributed=True, run_dir=Path(run_dir), timeout=TIMEOUT)
     # Only rank 0's clock counts: rank 1 believing a timed checkpoint is due changes nothing ...
     if rank == 1:
@@ -143,11 +143,11 @@ def _agree_across_ranks(rank, world_size, cfg, run_dir):
     assert run(rc, range(1, 3)) == [1]
     # A stop only rank 1 was asked for (the signal handler's own path) stops both at the same iteration.
     if rank == 1:
-        distributed.stop_at_iteration_boundary(True)
-        distributed._on_signal(signal.SIGUSR1, None)
+        signals.stop_at_iteration_boundary(True)
+        signals._on_signal(signal.SIGUSR1, None)
     with pytest.raises(StoppedWithCheckpoint, match="stopped by SIGUSR1 after iteration 3") as stopped:
         run(rc, range(3, 4))
-    assert distributed.requested_stop() == (("SIGUSR1", signal.SIGUSR1) if rank == 1 else None)
+    assert signals.requested_stop() == (("SIGUSR1", signal.SIGUSR1) if rank == 1 else None)
     rc.wait_for_stop_files()  # rank 0 has committed by now
     directory = Path(run_dir) / "checkpoints" / "iter_000000003"
     assert stopped.value.checkpoint == directory
