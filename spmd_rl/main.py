@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         name, code = (
             ("SIGINT", 130) if isinstance(stop, KeyboardInterrupt) else (stop.signal_name, 128 + stop.signal_number)
         )
-        rank = rank_from_env()
-        who = f"rank {rank}: " if rank is not None else ""
-        print(f"spmd_rl: {who}stopped by {name} while starting, before the run began", file=sys.stderr, flush=True)
+        # Rank 0 speaks for the job: a launcher that saw another rank fail signals the rest, which end quietly.
+        if rank_from_env() in (None, 0):
+            print(f"spmd_rl: stopped by {name} while starting, before the run began", file=sys.stderr, flush=True)
         return code
 
 

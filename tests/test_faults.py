@@ -427,3 +427,30 @@ def test_first_cause_names_a_resumed_rank_whose_own_deadline_passed_while_it_was
     assert first_cause(own, others, 4, _describe).startswith(
         "rank 0 (trainer 0) stopped responding first: ranks [1, 2, 3] timed out waiting on it"
     )
+
+
+def test_first_cause_names_the_rank_that_says_it_did_not_run_during_its_wait():
+    # Rank 0 was stopped and resumed at once after its peers timed out: its own failure comes only a moment after
+    # theirs, but its watchdog saw 16 s without a tick.
+    own = Failure(0, COMM_ERROR_EXIT_CODE, 10.4, (1, 2, 3), timed_out=True, frozen_s=16.0)
+    others = {
+        1: Failure(1, COMM_ERROR_EXIT_CODE, 10.2, (0,), True),
+        2: Failure(2, COMM_ERROR_EXIT_CODE, 10.3, (0, 1, 3), True),
+        3: Failure(3, COMM_ERROR_EXIT_CODE, 10.2, (0, 1, 2), True),
+    }
+    assert first_cause(own, others, 4, _describe).startswith(
+        "rank 0 (trainer 0) stopped responding first: it did not run at all for 16 s"
+    )
+
+
+def test_the_watchdog_notices_that_its_process_was_stopped():
+    from spmd_rl.runtime.watchdog import Watchdog
+
+    dog = Watchdog()
+    assert dog.frozen_for(60) == 0.0  # never started
+    dog.configure(60.0, "rank 0")
+    with dog.watch("a call"):
+        time.sleep(0.6)
+    assert dog.frozen_for(60) < 1.0
+    dog._last_tick -= 5.0  # as if no tick had come for 5 s
+    assert dog.frozen_for(60) > 4.0

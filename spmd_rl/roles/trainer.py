@@ -15,7 +15,7 @@ from spmd_rl.interfaces.policy import RECURRENT_STATE
 from spmd_rl.roles.update_guard import UpdateGuard
 from spmd_rl.runtime.distributed import bounded, comm_error, group_peer, is_comm_failure
 from spmd_rl.runtime.errors import CommError
-from spmd_rl.runtime.watchdog import watchdog
+from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
 
 
 class PolicyLagError(RuntimeError):
@@ -117,7 +117,7 @@ class Trainer:
                 rollout, policy_version=int(segment["policy_version"][0]), env_step=iteration * rollout.numel()
             )
         try:
-            with watchdog.watch(f"the algorithm's learn (iteration {iteration})"):
+            with watchdog.watch(f"the algorithm's learn (iteration {iteration})", COLLECTIVE_MARGIN_S):
                 metrics = self.update_guard.learn(segment, iteration)
         except Exception as exc:
             # DDP's gradient all-reduce fails inside backward() as a plain RuntimeError; bounded collectives raise

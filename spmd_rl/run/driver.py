@@ -115,10 +115,10 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
         flush_open_files()  # staged experience rows reach their files on every exit path
         if exit_code not in (0, STOPPED_EXIT_CODE) and runtime is not None and runtime.distributed:
             # rank 0 names the first cause
+            peers, timed_out = (waited.peers, waited.timed_out) if waited else ((), False)
+            frozen_s = watchdog.frozen_for(within_s=cfg.dist.timeout_s + 5)
             after_failure(
-                Failure(
-                    launch.rank, exit_code, failed_at, waited.peers if waited else (), bool(waited and waited.timed_out)
-                ),
+                Failure(launch.rank, exit_code, failed_at, peers, timed_out, frozen_s),
                 launch.world_size,
                 checked.topology.describe,
             )

@@ -38,7 +38,7 @@ from spmd_rl.run.topology import COLOCATED, ENV, INFERENCE, TRAINER, ProcessGrou
 from spmd_rl.run.trackers import open_trackers
 from spmd_rl.runtime.distributed import Runtime
 from spmd_rl.runtime.errors import UserError
-from spmd_rl.runtime.watchdog import watchdog
+from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
 from spmd_rl.storage.experience_log import ExperienceLog
 
 
@@ -360,7 +360,7 @@ class Run:
 
     def _build_algorithm(self, policy: Policy, group) -> tuple[Algorithm, list]:
         context = self._context(group)
-        with watchdog.watch(f"building algo.class {self.cfg.classes['algo']} and the callbacks"):
+        with watchdog.watch(f"building algo.class {self.cfg.classes['algo']} and the callbacks", COLLECTIVE_MARGIN_S):
             algorithm = self.algorithm_cls(policy, self.cfg.algo, context)
             callbacks = [cls(config, context) for cls, config in self.callback_classes]
         return algorithm, callbacks

@@ -8,7 +8,8 @@ seconds for the others' records and prints one line naming the first cause:
   1. the earliest failure that is not a communication error (an env that raised, a signal, a bug): the
      communication errors of the others follow from it;
   2. else the ranks that others waited on and that left no record: killed, stopped or hung, they cannot speak;
-  3. else the ranks others timed out waiting on that did not time out themselves, or that failed well after every
+  3. else a rank that says it did not run at all during its wait (stopped: see watchdog.frozen_for), else the
+     ranks others timed out waiting on that did not time out themselves, or that failed well after every
      rank that waited on them (a rank that was stopped and resumed finds its peers gone, or its own deadline
      passed while it was stopped; a knock-on times out no earlier than the rank it waits on);
   4. else the ranks that left no record at all, or, when every rank reported, the earliest communication error.
@@ -41,6 +42,7 @@ AMBIGUOUS_GRACE_S = 10.0
 POLL_S = 0.05
 # A rank that failed this much later than every rank that timed out waiting on it was not running meanwhile.
 STALL_MARGIN_S = 1.0
+FROZEN_S = 2.0  # a rank that did not run for this long during its failed wait was stopped: the first cause
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Failure:
     at: float  # time.time() when the rank failed
     peers: tuple[int, ...] = ()  # the ranks it was waiting on (a communication error's)
     timed_out: bool = False  # its wait expired (rather than a connection closing)
+    frozen_s: float = 0.0  # how long the process did not run at all during its failed wait (SIGSTOP), if it knows
 
     @property
     def kind(self) -> str:
@@ -69,12 +72,14 @@ class Failure:
         return f"exit code {self.exit_code}"
 
     def encode(self) -> bytes:
-        return json.dumps([self.rank, self.exit_code, self.at, list(self.peers), self.timed_out]).encode()
+        fields = [self.rank, self.exit_code, self.at, list(self.peers), self.timed_out, self.frozen_s]
+        return json.dumps(fields).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> Failure:
-        rank, exit_code, at, peers, timed_out = json.loads(data.decode())
-        return cls(int(rank), int(exit_code), float(at), tuple(int(p) for p in peers), bool(timed_out))
+        rank, exit_code, at, peers, timed_out, frozen_s = json.loads(data.decode())
+        peers = tuple(int(p) for p in peers)
+        return cls(int(rank), int(exit_code), float(at), peers, bool(timed_out), float(frozen_s))
 
 
 def first_cause(own: Failure, others: dict[int, Failure], world_size: int, describe_rank: Callable[[int], str]) -> str:
@@ -94,6 +99,15 @@ def first_cause(own: Failure, others: dict[int, Failure], world_size: int, descr
             f"{_names(waited_on, describe_rank)} stopped responding first: ranks {waiters} waited on "
             f"{_them(waited_on)} and {_it(waited_on)} reported no error (killed, stopped or hung); the other "
             f"ranks' errors follow from it"
+        )
+    frozen = sorted(f.rank for f in records.values() if f.frozen_s >= FROZEN_S)
+    if frozen:
+        waiters = sorted(r for r, f in records.items() if r not in frozen)
+        longest = max(records[r].frozen_s for r in frozen)
+        return (
+            f"{_names(frozen, describe_rank)} stopped responding first: {_it(frozen)} did not run at all for "
+            f"{longest:.0f} s (stopped, e.g. SIGSTOP, or its machine suspended) while ranks {waiters} waited; "
+            f"their errors follow from it"
         )
     timed_out = [f for f in records.values() if f.timed_out]
     stalled = _stalled(timed_out, records)

@@ -8,6 +8,7 @@ import signal
 import sys
 
 from spmd_rl.runtime.errors import StopSignal
+from spmd_rl.runtime.launch import rank_from_env
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -29,7 +30,8 @@ def _on_early_signal(signum: int, frame) -> None:
     if _Early.requested is None:
         _Early.requested = (name, signum)
         return
-    print(f"spmd_rl: stopped by {name} while starting, before the run began", file=sys.stderr, flush=True)
+    if rank_from_env() in (None, 0):  # rank 0 speaks for the job (see main.py); the rest end quietly
+        print(f"spmd_rl: stopped by {name} while starting, before the run began", file=sys.stderr, flush=True)
     os._exit(130 if signum == signal.SIGINT else 128 + signum)
 
 

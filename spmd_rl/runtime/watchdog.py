@@ -23,6 +23,8 @@ from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, innermost_user_frame
 from spmd_rl.runtime.exits import DEBUG_VARIABLE
 
 POLL_S = 0.25  # how often the thread looks at the deadline: the line comes at most this late
+FROZEN_S = 2.0  # a tick this late means the whole process was not running (stopped), not a busy main thread
+COLLECTIVE_MARGIN_S = 60.0  # the extra bound of calls that wait on other ranks (learn): their wait speaks first
 
 
 class Watchdog:
@@ -34,6 +36,8 @@ class Watchdog:
         self.on_expiry: Callable[[], None] | None = None
         self._current: tuple[float, str] = (math.inf, "")  # (deadline, the call): one tuple, replaced atomically
         self._thread: threading.Thread | None = None
+        self._last_tick = time.monotonic()
+        self._gaps: list[tuple[float, float]] = []  # (when it ended, seconds): ticks that came far too late
         self._main = threading.main_thread().ident
 
     def configure(self, timeout_s: float, who: str, on_expiry: Callable[[], None] | None = None) -> None:
@@ -41,26 +45,45 @@ class Watchdog:
         on_expiry runs before the exit (it leaves the failure record) and must not block for long."""
         self.timeout_s, self.who, self.on_expiry = timeout_s, who, on_expiry
 
-    def watch(self, what: str) -> _Watched:
-        """A context manager: the calls inside it must return within timeout_s. Nested watches keep the outer
+    def watch(self, what: str, margin_s: float = 0.0) -> _Watched:
+        """A context manager: the calls inside it must return within timeout_s (+ margin_s: for calls that wait on
+        other ranks inside, so that the bounded wait's own line comes first). Nested watches keep the outer
         deadline once the inner one ends."""
-        return _Watched(self, what)
+        return _Watched(self, what, margin_s)
 
-    def _arm(self, what: str) -> tuple[float, str]:
+    def _arm(self, what: str, margin_s: float) -> tuple[float, str]:
         previous = self._current
         if self.timeout_s > 0:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="spmd_rl-watchdog", daemon=True)
                 self._thread.start()
-            self._current = (time.monotonic() + self.timeout_s, what)
+            self._current = (time.monotonic() + self.timeout_s + margin_s, what)
         return previous
 
     def _disarm(self, previous: tuple[float, str]) -> None:
         self._current = previous
 
+    def frozen_for(self, within_s: float) -> float:
+        """The longest time in the last `within_s` seconds this process did not run at all (its ticks stopped:
+        SIGSTOP, a suspended machine), including up to now; 0 when the thread was never started. A rank that
+        failed after being stopped says so in its failure record, so the summary can tell it from its peers."""
+        if self._thread is None:
+            return 0.0
+        now = time.monotonic()
+        recent = [gap for ended, gap in self._gaps if now - ended <= within_s]
+        return max([now - self._last_tick - POLL_S, *recent, 0.0])
+
     def _run(self) -> None:
         while True:
             time.sleep(POLL_S)
+            now = time.monotonic()
+            if now - self._last_tick > FROZEN_S:
+                gap = now - self._last_tick - POLL_S
+                self._gaps = [*self._gaps[-7:], (now, gap)]
+                current = self._current  # the time the process was stopped is not the user code's
+                if self._current is current:
+                    self._current = (current[0] + gap, current[1])
+            self._last_tick = now
             deadline, what = self._current
             if time.monotonic() > deadline:
                 self._expire(what)
@@ -87,13 +110,13 @@ class Watchdog:
 
 
 class _Watched:
-    __slots__ = ("dog", "what", "previous")
+    __slots__ = ("dog", "what", "margin_s", "previous")
 
-    def __init__(self, dog: Watchdog, what: str):
-        self.dog, self.what = dog, what
+    def __init__(self, dog: Watchdog, what: str, margin_s: float):
+        self.dog, self.what, self.margin_s = dog, what, margin_s
 
     def __enter__(self) -> None:
-        self.previous = self.dog._arm(self.what)
+        self.previous = self.dog._arm(self.what, self.margin_s)
 
     def __exit__(self, *exc) -> None:
         self.dog._disarm(self.previous)
