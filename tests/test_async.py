@@ -189,7 +189,8 @@ def test_the_lag_bound_is_never_exceeded_and_lag_happens(tmp_path):
         "algo.vtrace=true",
         nproc=5,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    ours = "\n".join(line for line in result.stderr.splitlines() if line.startswith("spmd_rl:"))
+    assert result.returncode == 0, ours or result.stderr[-3000:]  # every rank's line, not torchrun's report
     lags = [(r["policy_lag_mean"], r["policy_lag_max"]) for r in records(run_dir)]
     assert len(lags) == 30
     # The trainer checks every step it receives (PolicyLagError otherwise); the metrics say the same.
