@@ -138,6 +138,27 @@ def gae_targets(rollout: TensorDict, next_value: Tensor, cfg: PPOConfig) -> tupl
     return advantage, return_, rollout["value"]
 
 
+def vtrace_targets_from(
+    rollout: TensorDict, target_log_prob: Tensor, value: Tensor, next_value: Tensor, cfg: PPOConfig
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(advantage, return_, value) by V-trace, the learner's log-probs and values [T, N] given (the target policy;
+    the rollout's log_prob is the behaviour policy)."""
+    return_, advantage = vtrace(
+        rollout["log_prob"],
+        target_log_prob,
+        rollout["reward"],
+        value,
+        next_value,
+        rollout["terminated"],
+        rollout["truncated"],
+        cfg.gamma,
+        cfg.gae_lambda,
+        cfg.vtrace_rho_bar,
+        cfg.vtrace_c_bar,
+    )
+    return advantage, return_, value
+
+
 def learner_batch(rollout: TensorDict, advantage: Tensor, return_: Tensor, value: Tensor) -> TensorDict:
     """What the clipped-surrogate update reads, [T, N] like the rollout."""
     fields = {key: rollout[key] for key in ("obs", "action", "log_prob", "valid")}
@@ -292,20 +313,7 @@ class PPO(Algorithm):
             target_log_prob, _, value = self.policy.evaluate(flat["obs"], flat["action"])
         target_log_prob = target_log_prob.reshape(rollout.batch_size)
         value = value.reshape(rollout.batch_size)
-        return_, advantage = vtrace(
-            rollout["log_prob"],
-            target_log_prob,
-            rollout["reward"],
-            value,
-            next_value,
-            rollout["terminated"],
-            rollout["truncated"],
-            cfg.gamma,
-            cfg.gae_lambda,
-            cfg.vtrace_rho_bar,
-            cfg.vtrace_c_bar,
-        )
-        return advantage, return_, value
+        return vtrace_targets_from(rollout, target_log_prob, value, next_value, cfg)
 
     def annealed(self, iteration: int) -> tuple[float, float]:
         """(learning rate, clip coefficient) for a 0-based iteration: linear decay towards 0 when annealing."""

@@ -31,8 +31,8 @@ from spmd_rl.algorithms.ppo import (
     ppo_losses,
     rollout_tensors,
     total_loss,
+    vtrace_targets_from,
 )
-from spmd_rl.algorithms.vtrace import vtrace
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, Schedule
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE, Policy
@@ -124,20 +124,7 @@ class RecurrentPPO(Algorithm):
             target_log_prob, _, value = self.policy.evaluate_sequence(
                 rollout["obs"], rollout["action"], rollout[EPISODE_START], state
             )
-        return_, advantage = vtrace(
-            rollout["log_prob"],
-            target_log_prob,
-            rollout["reward"],
-            value,
-            next_value,
-            rollout["terminated"],
-            rollout["truncated"],
-            cfg.gamma,
-            cfg.gae_lambda,
-            cfg.vtrace_rho_bar,
-            cfg.vtrace_c_bar,
-        )
-        return advantage, return_, value
+        return vtrace_targets_from(rollout, target_log_prob, value, next_value, cfg)
 
     def annealed(self, iteration: int) -> tuple[float, float]:
         remaining = 1.0 - iteration / self.context.num_iterations
