@@ -7,7 +7,11 @@ Times, alternating the variants every repeat (medians over repeats):
 - `import torch, tensordict`: what tensordict adds (it imports torch._dynamo at import);
 - `--help`: the command line without torch;
 - first iteration: `python -m spmd_rl.main --config configs/ci_tiny.yaml` from launch to its first metrics line on
-  stdout (log.interval_s=0 prints every iteration), in a fresh run directory.
+  stdout (log.interval_s=0 prints every iteration), in a fresh run directory;
+- split 4 ranks: the same config under `torchrun --nproc_per_node=4` in the split layout (1 trainer, 1 inference,
+  2 env ranks), launch to exit: what every multi-rank test and short job pays.
+Each spmd_rl variant also runs "as before": tensordict imported ahead of spmd_rl, the way every rank imported it
+before runtime/fast_imports.py (its import then pulls torch._dynamo).
 """
 
 from __future__ import annotations
@@ -51,15 +55,28 @@ def main() -> None:
         "import torch, tensordict": ([python, "-c", "import torch, tensordict"], None),
         "spmd_rl --help": ([python, "-m", "spmd_rl.main", "--help"], None),
     }
-    times: dict[str, list[float]] = {name: [] for name in [*variants, "first iteration"]}
+    # The same program, or the same program after `import tensordict` (how every rank started before).
+    as_before = [
+        python,
+        "-c",
+        "import runpy, sys, tensordict; sys.argv[0] = 'spmd_rl'; runpy.run_module('spmd_rl.main', run_name='__main__')",
+    ]
+    torchrun = [str(Path(python).with_name("torchrun")), "--standalone", "--nproc_per_node=4"]
+    split = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]
+    for how, program, launcher in (
+        ("", [python, "-m", "spmd_rl.main"], torchrun + ["-m", "spmd_rl.main"]),
+        (", as before", as_before, torchrun + ["--no-python", *as_before]),
+    ):
+        config = ["--config", "configs/ci_tiny.yaml", "log.interval_s=0", "log.progress=false", "log.tensorboard=false"]
+        variants[f"first iteration{how}"] = ([*program, *config], "iter ")
+        variants[f"split 4 ranks, launch to exit{how}"] = ([*launcher, *config, *split], None)
+    times: dict[str, list[float]] = {name: [] for name in variants}
     print(f"load average at start: {os.getloadavg()}")
     for _ in range(repeats):
         for name, (command, until) in variants.items():
+            if "--config" in command:  # every run of spmd_rl in a fresh run directory
+                command = [*command, f"run.dir={tempfile.mkdtemp(prefix='spmd_startup_')}/run"]
             times[name].append(timed(command, until))
-        run_dir = tempfile.mkdtemp(prefix="spmd_startup_")
-        first = [python, "-m", "spmd_rl.main", "--config", "configs/ci_tiny.yaml", f"run.dir={run_dir}"]
-        first += ["log.interval_s=0", "log.progress=false", "log.tensorboard=false"]
-        times["first iteration"].append(timed(first, until="iter "))
     floor = statistics.median(times["import torch"])
     print("| what | median s | minus `import torch` |")
     print("|---|---|---|")

@@ -147,3 +147,18 @@ def test_a_readme_python_block_runs_as_written(tmp_path, index):
         run_dir, finished, iteration, _ = lines[-2].split()
         assert (tmp_path / run_dir / "policy.pt").is_file() and finished == "True" and iteration == "45"
         assert float(lines[-1]) > 100, result.stdout[-3000:]
+
+
+def test_env_and_inference_ranks_start_without_torch_dynamo():
+    # tensordict's import would pull torch._dynamo (about a second per rank); only an optimizer needs it.
+    code = (
+        "import sys, torch, torch.compiler; allow = torch.compiler.allow_in_graph; "
+        "from spmd_rl.runtime.fast_imports import import_tensordict_without_dynamo; "
+        "import_tensordict_without_dynamo(); "
+        "import spmd_rl.run.driver, spmd_rl.roles.env_runner, spmd_rl.roles.inference_server; "
+        "from tensordict import TensorDict; "
+        "rows = torch.stack([TensorDict({'x': torch.ones(3, 2)}, batch_size=[3])] * 2)[1, 1:]; "
+        "print('torch._dynamo' in sys.modules, torch.compiler.allow_in_graph is allow, tuple(rows['x'].shape))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["False", "True", "(2,", "2)"], result.stderr
