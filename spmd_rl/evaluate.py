@@ -26,6 +26,7 @@ import json
 import sys
 from pathlib import Path
 
+from spmd_rl.config.loading import evaluation_env
 from spmd_rl.run.evaluation import DEFAULT_MAX_STEPS, evaluate, require_moviepy
 from spmd_rl.run.policies import load_policy
 from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
@@ -67,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--video", type=Path, metavar="DIR", help="record every episode of one env as mp4 in DIR")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    parser.add_argument(
+        "--eval-env",
+        action="store_true",
+        help="play on the config's eval.env settings (held-out kwargs or groups) instead of env's",
+    )
     parser.add_argument("--device", default="cpu", help="torch device to act on (default: cpu)")
     args = parser.parse_args(argv)
     try:
@@ -79,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.video is not None:
             require_moviepy()  # before any work: the one thing to install
         policy, cfg = load_policy(args.path, args.device, args.overrides)
-        result = evaluate(policy, cfg.env, args.episodes, args.seed, args.deterministic, args.video, args.max_steps)
+        env_cfg = evaluation_env(cfg) if args.eval_env else cfg.env
+        result = evaluate(policy, env_cfg, args.episodes, args.seed, args.deterministic, args.video, args.max_steps)
     except UserError as exc:
         print(f"spmd_rl.evaluate: error: {exc}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
@@ -88,12 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         actions = "deterministic" if args.deterministic else "sampled"
         print(
-            f"{args.path} on {cfg.env.id}: return {result['return_mean']:.2f} ± {result['return_std']:.2f}, "
-            f"length {result['length_mean']:.1f} ± {result['length_std']:.1f} over {args.episodes} episodes "
+            f"{args.path} on {env_cfg.id}: return {result['return_mean']:.2f} ± {result['return_std']:.2f}, "
+            f"length {result['length_mean']:.1f} ± {result['length_std']:.1f} over {result['episodes']} episodes "
             f"({actions} actions, seed {args.seed})"
             + (f"; {result['cut']} cut at {result['max_steps']} steps" if result["cut"] else "")
             + (f"; videos in {args.video}" if args.video else "")
         )
+        for name, group in result.get("groups", {}).items():  # env groups: one line each
+            print(
+                f"  group {name}: return {group['return_mean']:.2f} ± {group['return_std']:.2f}, length "
+                f"{group['length_mean']:.1f} over {group['episodes']} episodes"
+            )
     return 0
 
 

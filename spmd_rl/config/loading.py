@@ -18,7 +18,7 @@ import yaml
 
 from spmd_rl.config import plugins
 from spmd_rl.config.excerpts import MESSAGE_CHARS, clip, excerpt
-from spmd_rl.config.sections import PLUGIN_SECTIONS, AlgorithmConfig, Config
+from spmd_rl.config.sections import GROUP_NAME, PLUGIN_SECTIONS, AlgorithmConfig, Config, EnvSection
 from spmd_rl.runtime.errors import UserError
 
 # Bounds on what a user hands us, checked before anything grows with it (a YAML alias bomb, a huge or deeply nested
@@ -60,6 +60,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), only_
     plugin_raw = {name: raw.pop(name) for name in (*PLUGIN_SECTIONS, "callbacks") if name in raw}
     cfg = _build(Config, raw, prefix="", source=source)
     _check_run_name(cfg.run.name)
+    check_env_groups(cfg.env, "env")
+    check_env_groups(evaluation_env(cfg), "eval.env")
     if cfg.checkpoint.keep_best and not cfg.eval.every:
         raise UserError(
             "checkpoint.keep_best=true keeps the policy with the best evaluation, but eval.every=0 never evaluates; "
@@ -67,6 +69,51 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), only_
         )
     _build_plugin_sections(cfg, plugin_raw, source, only_policy)
     return cfg
+
+
+EVAL_ENV_KEYS = ("id", "kwargs", "groups")  # what eval.env may change: the settings, not how envs are run
+
+
+def evaluation_env(cfg: Config) -> EnvSection:
+    """The env section evaluation plays on: env with eval.env's keys replacing its own (a group list replaces
+    the whole list; kwargs replace env.kwargs, and groups still merge theirs over them). Checked like env's keys."""
+    changes = cfg.eval.env
+    if not changes:
+        return cfg.env
+    for key in changes:
+        if key not in EVAL_ENV_KEYS:
+            raise UserError(
+                f"unknown config key 'eval.env.{clip(str(key))}': eval.env may change {', '.join(EVAL_ENV_KEYS)} "
+                f"(held-out settings); the rest of env applies as it is"
+            )
+    given = _build(EnvSection, changes, "eval.env.", "eval.env")
+    return dataclasses.replace(cfg.env, **{key: getattr(given, key) for key in changes})
+
+
+def check_env_groups(env: EnvSection, where: str) -> None:
+    """env.groups (or eval.env.groups): named, each name once, on a backend and vectorization that can mix ids."""
+    if not env.groups:
+        return
+    seen = set()
+    for i, group in enumerate(env.groups):
+        if not re.fullmatch(GROUP_NAME, group.name):
+            raise UserError(
+                f"config key '{where}.groups[{i}].name' = {excerpt(group.name)} must be 1 to 40 letters, digits, "
+                f"'_', '.' or '-' (it ends metric keys: episode_return_mean/<name>); give every group a name"
+            )
+        if group.name in seen:
+            raise UserError(f"config key '{where}.groups[{i}].name': group '{group.name}' is named twice; rename one")
+        seen.add(group.name)
+    if env.backend == "envpool":
+        raise UserError(
+            f"{where}.groups needs env.backend=gymnasium: an EnvPool pool runs one id with one set of kwargs; "
+            f"drop {where}.groups, or use env.backend=gymnasium"
+        )
+    if env.vectorization == "vector_entry_point":
+        raise UserError(
+            f"{where}.groups mixes envs of several settings in one vector env: use env.vectorization=auto, sync or "
+            f"async, not vector_entry_point"
+        )
 
 
 MAX_RUN_NAME = 100
@@ -362,6 +409,8 @@ def _build(cls, raw: Any, prefix: str, source: str):
         kind = hints[name]
         if dataclasses.is_dataclass(kind):
             values[name] = _build(kind, raw[name], f"{prefix}{name}.", source)
+        elif _is_list_of_sections(kind):
+            values[name] = _build_list(typing.get_args(kind)[0], raw[name], f"{prefix}{name}", source)
         elif not _supported_type(kind):
             raise UserError(
                 f"config key '{prefix}{name}' (in {source}) is declared as {_type_name(kind)}, which a config "
@@ -370,6 +419,17 @@ def _build(cls, raw: Any, prefix: str, source: str):
         else:
             values[name] = _check_value(f"{prefix}{name}", raw[name], kind, f.metadata)
     return cls(**values)
+
+
+def _is_list_of_sections(kind) -> bool:
+    return typing.get_origin(kind) is list and dataclasses.is_dataclass(typing.get_args(kind)[0])
+
+
+def _build_list(cls, raw: Any, key: str, source: str) -> list:
+    """A list of mappings, each built and checked as a section of its own (env.groups)."""
+    if not isinstance(raw, list):
+        raise UserError(f"config key '{key}' must be a list of mappings (in {source}), got {excerpt(raw)}")
+    return [_build(cls, item, f"{key}[{i}].", source) for i, item in enumerate(raw)]
 
 
 def _check_value(key: str, value: Any, kind, meta) -> Any:

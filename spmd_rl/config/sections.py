@@ -48,6 +48,24 @@ class RunSection:
     )
 
 
+GROUP_NAME = r"[A-Za-z0-9_.-]{1,40}"  # an env group's name becomes part of metric keys (episode_return_mean/<name>)
+
+
+@dataclass
+class EnvGroup:
+    """One group of envs in a multi-task run (env.groups): what it does not give, it takes from the env section."""
+
+    name: str = knob("", "the group's name, unique: metric keys end in /<name> (letters, digits, _ . -)")
+    id: str = knob("", "gymnasium id of this group's envs ('' = env.id)")
+    kwargs: dict = knob(
+        None, "keyword arguments merged over env.kwargs for this group (a key given here wins)", factory=dict
+    )
+    num_envs: int = knob(0, "this group's envs per env rank (0 = from total_envs, else env's count)", min=0)
+    total_envs: int = knob(
+        0, "this group's envs over all env ranks (must divide by the env ranks; wins over num_envs; 0 = unset)", min=0
+    )
+
+
 @dataclass
 class EnvSection:
     id: str = knob("CartPole-v1", "gymnasium id, or 'package.module:EnvId' to import a user's env first")
@@ -73,6 +91,31 @@ class EnvSection:
         choices=["auto", "vector_entry_point", "sync", "async"],
     )
     normalize_reward: bool = knob(False, "scale rewards by a running estimate of the return's std (per env rank)")
+    groups: list[EnvGroup] = knob(
+        None,
+        "env groups (multi-task): a list of {name, id, kwargs, num_envs, total_envs}; every env rank hosts every "
+        "group, its envs the groups' envs in order; episode statistics are reported per group too ([] = one env)",
+        factory=list,
+    )
+
+    def group_sections(self) -> list[tuple[str, EnvSection]]:
+        """Each group as an env section of its own (no groups; id, kwargs and counts resolved against this one):
+        [(name, section)], in order. Without groups: [] (the section is the one env)."""
+        sections = []
+        for group in self.groups:
+            section = dataclasses.replace(
+                self,
+                id=group.id or self.id,
+                kwargs={**self.kwargs, **group.kwargs},
+                num_envs=group.num_envs or self.num_envs,  # per env rank, once the plan has resolved the counts
+                total_envs=0,
+                groups=[],
+            )
+            sections.append((group.name, section))
+        return sections
+
+    def group_names(self) -> list[str]:
+        return [group.name for group in self.groups]
 
 
 @dataclass
@@ -85,6 +128,12 @@ class EvalSection:
     )
     episodes: int = knob(10, "episodes per evaluation", min=1)
     deterministic: bool = knob(True, "act with the policy's mode (argmax / mean) when evaluating")
+    env: dict = knob(
+        None,
+        "env keys the evaluation changes (held-out settings): id, kwargs (replacing env.kwargs), groups (replacing "
+        "env.groups); {} = evaluate on the training env; with groups, eval.episodes per group",
+        factory=dict,
+    )
 
 
 @dataclass
@@ -247,6 +296,12 @@ class Config:
                 out[f.name] = [{"class": name, **dataclasses.asdict(config)} for name, config in value]
             else:
                 out[f.name] = dataclasses.asdict(value)
+        # Keys of features a run does not use are left out, so such a run's config.yaml and digest (its run
+        # directory) stay what they were before the feature existed.
+        if not out["env"]["groups"]:
+            del out["env"]["groups"]
+        if not out["eval"]["env"]:
+            del out["eval"]["env"]
         return out
 
     def to_yaml(self) -> str:

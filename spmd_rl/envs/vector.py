@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass
 
 import gymnasium as gym
+import numpy as np
 from gymnasium.wrappers import vector as vector_wrappers
 
 from spmd_rl.config.excerpts import MESSAGE_CHARS, clip, excerpt
@@ -35,7 +36,10 @@ class EnvSpec:
 
 
 def probe_env(cfg: EnvSection) -> EnvSpec:
-    """Make one env to learn its spaces; a missing id or a failing import is a UserError naming the env."""
+    """Make one env to learn its spaces; a missing id or a failing import is a UserError naming the env.
+    With env.groups, one env of every group: their spaces must agree (the policy acts on all of them)."""
+    if cfg.groups:
+        return _probe_groups(cfg)
     if cfg.backend == "envpool":
         if cfg.vectorization != "auto":
             raise UserError(
@@ -89,11 +93,54 @@ def probe_env(cfg: EnvSection) -> EnvSpec:
         env.close()
 
 
+def _probe_groups(cfg: EnvSection) -> EnvSpec:
+    specs = []
+    for name, section in cfg.group_sections():
+        try:
+            spec = probe_env(section)
+        except UserError as exc:
+            raise UserError(f"env group '{name}': {exc}") from None
+        specs.append((name, spec))
+    (first, spec), others = specs[0], specs[1:]
+    for name, other in others:
+        differing = _differing_space(spec, other)
+        if differing:
+            what, mine, theirs = differing
+            raise UserError(
+                f"env groups '{first}' and '{name}' differ in their {what}: {mine} vs {theirs}; one policy acts on "
+                f"every group, so their spaces must be equal"
+            )
+    # Several settings in one vector env: plain single envs side by side (an env's own vectorized implementation
+    # runs one setting).
+    mode = "async" if cfg.vectorization == "async" else "sync"
+    return EnvSpec(cfg.id, spec.observation_space, spec.action_space, mode)
+
+
+def check_same_spaces(spec: EnvSpec, other: EnvSpec, what: str) -> None:
+    """`what` (e.g. eval.env) must give the spaces the policy was built for."""
+    differing = _differing_space(spec, other)
+    if differing:
+        name, mine, theirs = differing
+        raise UserError(
+            f"{what} gives another {name} than env: {theirs} vs {mine}; the policy acts on env's spaces, so change "
+            f"{what} to keep them"
+        )
+
+
+def _differing_space(spec: EnvSpec, other: EnvSpec) -> tuple[str, str, str] | None:
+    """(which space, spec's, other's), each said briefly, for the first space that differs; None if both agree."""
+    for name in ("observation_space", "action_space"):
+        if getattr(other, name) != getattr(spec, name):
+            return name.replace("_", " "), clip(str(getattr(spec, name))), clip(str(getattr(other, name)))
+    return None
+
+
 def make_vector_env(
     cfg: EnvSection, spec: EnvSpec, seed: int, wrappers: list | None = None
 ) -> tuple[gym.vector.VectorEnv, int]:
     """This rank's envs with episode statistics (and action clipping / reward scaling where asked).
     `wrappers` wrap each single env (sync or async vectorization only; evaluate's video recorder).
+    With env.groups: every group's envs in the groups' order (group_of_envs says which env is whose).
 
     Returns the vector env and its first observation batch.
     """
@@ -101,13 +148,40 @@ def make_vector_env(
         return _make_envpool_vector_env(cfg, seed, wrappers)
     mode = spec.vectorization
     try:
-        envs = gym.make_vec(cfg.id, num_envs=cfg.num_envs, vectorization_mode=mode, wrappers=wrappers, **cfg.kwargs)
+        if cfg.groups:
+            envs = _make_group_vector_env(cfg, mode, wrappers)
+        else:
+            envs = gym.make_vec(cfg.id, num_envs=cfg.num_envs, vectorization_mode=mode, wrappers=wrappers, **cfg.kwargs)
     except gym.error.Error as exc:
         raise UserError(
             f"env.id '{clip(cfg.id)}' cannot be vectorized with env.vectorization={mode}: "
             f"{clip(str(exc), MESSAGE_CHARS)}"
         ) from None
     return _finish(vector_wrappers.RecordEpisodeStatistics(envs), cfg, seed, reset_seed=seed)
+
+
+def _make_group_vector_env(cfg: EnvSection, mode: str, wrappers: list | None) -> gym.vector.VectorEnv:
+    """The groups' envs side by side, each made as gymnasium.make_vec makes one (gym.make, then `wrappers`)."""
+
+    def maker(section: EnvSection):
+        def make():
+            env = gym.make(section.id, **section.kwargs)
+            for wrapper in wrappers or ():
+                env = wrapper(env)
+            return env
+
+        return make
+
+    env_fns = [maker(section) for _, section in cfg.group_sections() for _ in range(section.num_envs)]
+    vector_env = gym.vector.AsyncVectorEnv if mode == "async" else gym.vector.SyncVectorEnv
+    return vector_env(env_fns)
+
+
+def group_of_envs(cfg: EnvSection) -> np.ndarray:
+    """The group index of each of an env rank's envs (all 0 without env.groups): int64 [env.num_envs]."""
+    if not cfg.groups:
+        return np.zeros(cfg.num_envs, dtype=np.int64)
+    return np.repeat(np.arange(len(cfg.groups)), [group.num_envs for group in cfg.groups])
 
 
 def _make_envpool_vector_env(cfg: EnvSection, seed: int, wrappers: list | None):

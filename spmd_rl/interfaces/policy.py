@@ -46,6 +46,9 @@ EPISODE_START = "episode_start"
 # The segment's key for the recurrent state each env column entered the segment's first step with (before the
 # reset at an episode start), {name: [N, *shape]}: where the learner starts its replay of the sequence.
 RECURRENT_STATE = "recurrent_state"
+# With env.groups, the experience files' column of each row's group index (int16; the names in the file's
+# group_names attribute). Not part of what an algorithm learns from.
+GROUP = "group"
 
 
 class Policy(nn.Module):

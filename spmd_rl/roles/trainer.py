@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from spmd_rl.interfaces.policy import RECURRENT_STATE
+from spmd_rl.interfaces.policy import GROUP, RECURRENT_STATE
 from spmd_rl.roles.update_guard import UpdateGuard
 from spmd_rl.runtime.distributed import bounded, comm_error, group_peer, is_comm_failure
 from spmd_rl.runtime.errors import CommError
@@ -62,6 +62,7 @@ class Trainer:
         timeout: datetime.timedelta = datetime.timedelta(seconds=300),
         skip_nonfinite_updates: bool = False,
         policy=None,
+        column_groups: torch.Tensor | None = None,
     ):
         self.algorithm = algorithm  # the user's (or a built-in) spmd_rl.api.Algorithm
         self.policy = policy if policy is not None else getattr(algorithm, "policy", None)
@@ -75,6 +76,9 @@ class Trainer:
         self.describe = describe
         self.timeout = timeout  # bound on the trainer group's collectives (dist.timeout_s)
         self.update_guard = UpdateGuard(algorithm, skip_nonfinite_updates, describe)
+        # With env groups: the group index of every env column of this trainer's segments (every env rank hosts
+        # the same groups in the same order, so it follows from the config); None without groups.
+        self.column_groups = column_groups
         self.learn_s = self.weight_sync_s = 0.0
 
     # -- one iteration -------------------------------------------------------------------------------------------
@@ -113,6 +117,9 @@ class Trainer:
         clock = time.perf_counter()
         if self.experience_log is not None:
             rollout = segment["rollout"]
+            if self.column_groups is not None:  # each row's group, logged beside the rollout's own fields
+                rollout = rollout.clone(recurse=False)
+                rollout[GROUP] = self.column_groups.to(torch.int16).expand(rollout.batch_size)
             self.experience_log.append(
                 rollout, policy_version=int(segment["policy_version"][0]), env_step=iteration * rollout.numel()
             )
@@ -180,15 +187,20 @@ class Trainer:
             "inference_s": segment["inference_s"].sum().item(),
             "env_ranks": float(segment["env_s"].numel()),
         }
+        if self.column_groups is not None:  # each finished episode's group
+            local["groups"] = self.column_groups.expand(done.shape)[done].double()
         if self.group is None or dist.get_world_size(self.group) == 1:
             return local
         # Fixed-size tensors (padded with NaN) so the gather needs no negotiation of sizes.
         slots = self.episode_slots
-        packed = torch.full((2 * slots + 4,), float("nan"), dtype=torch.float64)
+        blocks = 3 if "groups" in local else 2  # returns, lengths (and groups)
+        packed = torch.full((blocks * slots + 4,), float("nan"), dtype=torch.float64)
         count = local["returns"].numel()
         packed[:count] = local["returns"]
         packed[slots : slots + count] = local["lengths"]
-        packed[2 * slots :] = torch.tensor(
+        if "groups" in local:
+            packed[2 * slots : 2 * slots + count] = local["groups"]
+        packed[blocks * slots :] = torch.tensor(
             [local["env_s"], local["action_wait_s"], local["inference_s"], local["env_ranks"]], dtype=torch.float64
         )
         gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(self.group))]
@@ -204,12 +216,16 @@ class Trainer:
             return None
         merged = torch.stack(gathered)
         returns, lengths = merged[:, :slots], merged[:, slots : 2 * slots]
-        sums = merged[:, 2 * slots :].sum(0)
-        return {
-            "returns": returns[~returns.isnan()],
-            "lengths": lengths[~lengths.isnan()],
+        sums = merged[:, blocks * slots :].sum(0)
+        finished = ~returns.isnan()
+        statistics = {
+            "returns": returns[finished],
+            "lengths": lengths[finished],
             "env_s": sums[0].item(),
             "action_wait_s": sums[1].item(),
             "inference_s": sums[2].item(),
             "env_ranks": sums[3].item(),
         }
+        if blocks == 3:
+            statistics["groups"] = merged[:, 2 * slots : 3 * slots][finished]
+        return statistics

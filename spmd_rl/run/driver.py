@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from spmd_rl.config.loading import evaluation_env
 from spmd_rl.config.sections import Config
-from spmd_rl.envs.vector import EnvSpec, probe_env
+from spmd_rl.envs.vector import EnvSpec, check_same_spaces, probe_env
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.fileio import flush_open_files
 from spmd_rl.persist.run_control import STOPPED_EXIT_CODE, RunControl, StoppedWithCheckpoint
@@ -253,6 +254,9 @@ def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
         check_installed(cfg)  # log.wandb, log.mlflow: their packages (rank 0 uses them; every rank checks alike)
         with watchdog.watch(f"making env.id {cfg.env.id} (to read its spaces)"):
             spec = probe_env(cfg.env)
+        if cfg.eval.env:  # held-out settings: the policy built for env's spaces must act there too
+            with watchdog.watch("making eval.env's envs (to read their spaces)"):
+                check_same_spaces(spec, probe_env(evaluation_env(cfg)), "eval.env")
         with watchdog.watch(f"building policy.class {cfg.classes['policy']} and calling its act"):
             outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls)
         contract.check_planned_memory(cfg, spec, outputs, plan)

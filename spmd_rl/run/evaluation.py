@@ -43,7 +43,12 @@ def evaluate(
     Runs min(episodes, env.num_envs) envs (one with video_dir), seeded from `seed`. Each env slot plays a fixed
     quota of episodes, so short episodes finishing first do not crowd out long ones. The caller's random state is
     untouched: torch's generators are forked and seeded from `seed` (a call during training changes nothing there),
-    and the policy's train/eval mode is restored."""
+    and the policy's train/eval mode is restored.
+
+    With env.groups, each group plays `episodes` episodes on envs of its own (same seed, one group after another):
+    the statistics are over all of them, and `groups` holds each group's {return_mean, ..., lengths, cut}."""
+    if env_cfg.groups:
+        return _evaluate_groups(policy, env_cfg, episodes, seed, deterministic, video_dir, max_steps)
     if episodes < 1:
         raise UserError(f"evaluation episodes={episodes}: evaluate at least 1 episode")
     if max_steps is not None and max_steps < 1:
@@ -99,6 +104,37 @@ def evaluate(
         "returns": returns,
         "lengths": lengths,
         "cut": sum(length >= max_steps for length in lengths) if cuts else 0,
+    }
+
+
+def _evaluate_groups(policy, env_cfg: EnvSection, episodes: int, seed: int, deterministic: bool, video_dir, max_steps):
+    groups = {
+        name: evaluate(
+            policy,
+            section,
+            episodes,
+            seed,
+            deterministic,
+            None if video_dir is None else Path(video_dir) / name,
+            max_steps,
+        )
+        for name, section in env_cfg.group_sections()
+    }
+    returns = [value for result in groups.values() for value in result["returns"]]
+    lengths = [value for result in groups.values() for value in result["lengths"]]
+    return {
+        "episodes": len(returns),
+        "deterministic": deterministic,
+        "seed": seed,
+        "max_steps": max(result["max_steps"] for result in groups.values()),
+        "return_mean": float(np.mean(returns)),
+        "return_std": float(np.std(returns)),
+        "length_mean": float(np.mean(lengths)),
+        "length_std": float(np.std(lengths)),
+        "returns": returns,
+        "lengths": lengths,
+        "cut": sum(result["cut"] for result in groups.values()),
+        "groups": groups,
     }
 
 

@@ -36,6 +36,7 @@ class MetricsLogger:
         tensorboard: bool,
         resumed_env_steps: int = 0,
         trackers=None,
+        group_names: list[str] = (),
     ):
         self.run_dir = run_dir
         self.total_steps = total_steps
@@ -68,6 +69,10 @@ class MetricsLogger:
         )
         self.recent_returns = collections.deque(maxlen=RETURN_WINDOW)
         self.recent_lengths = collections.deque(maxlen=RETURN_WINDOW)
+        # With env groups, the same windows per group (episode_return_mean/<name>, episode_length_mean/<name>).
+        self.group_names = list(group_names)
+        self.group_returns = [collections.deque(maxlen=RETURN_WINDOW) for _ in self.group_names]
+        self.group_lengths = [collections.deque(maxlen=RETURN_WINDOW) for _ in self.group_names]
         self.episodes = 0
         self.start = time.perf_counter()
         self.start_cpu = time.process_time()
@@ -80,6 +85,15 @@ class MetricsLogger:
         self.recent_returns.extend(statistics["returns"].tolist())
         self.recent_lengths.extend(statistics["lengths"].tolist())
         self.episodes += statistics["returns"].numel()
+        per_group = {}
+        if self.group_names:
+            groups = statistics["groups"].long()
+            for index, name in enumerate(self.group_names):
+                mine = groups == index
+                self.group_returns[index].extend(statistics["returns"][mine].tolist())
+                self.group_lengths[index].extend(statistics["lengths"][mine].tolist())
+                per_group[f"episode_return_mean/{name}"] = _mean(self.group_returns[index])
+                per_group[f"episode_length_mean/{name}"] = _mean(self.group_lengths[index])
         elapsed = time.perf_counter() - self.start
         env_ranks = max(statistics["env_ranks"], 1.0)
         inference_s = statistics["inference_s"] / env_ranks
@@ -89,6 +103,7 @@ class MetricsLogger:
             "episodes": self.episodes,
             "episode_return_mean": _mean(self.recent_returns),
             "episode_length_mean": _mean(self.recent_lengths),
+            **per_group,
             "sps": (env_steps - self.resumed_env_steps) / elapsed if elapsed > 0 else 0.0,  # this process's
             **losses,
             # seconds per phase in this iteration; env-side phases are means over env ranks
@@ -125,16 +140,25 @@ class MetricsLogger:
 
     def state_dict(self) -> dict:
         """What the next records depend on, for a checkpoint (timings restart)."""
-        return {
+        state = {
             "episodes": self.episodes,
             "recent_returns": list(self.recent_returns),
             "recent_lengths": list(self.recent_lengths),
         }
+        if self.group_names:
+            state["group_returns"] = [list(window) for window in self.group_returns]
+            state["group_lengths"] = [list(window) for window in self.group_lengths]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.episodes = state["episodes"]
         self.recent_returns.extend(state["recent_returns"])
         self.recent_lengths.extend(state["recent_lengths"])
+        if self.group_names:
+            for window, values in zip(self.group_returns, state["group_returns"]):
+                window.extend(values)
+            for window, values in zip(self.group_lengths, state["group_lengths"]):
+                window.extend(values)
 
     # The losses worth a glance, per algorithm, in the compact line (all of them are in metrics.jsonl).
     GLANCE = (
@@ -154,6 +178,9 @@ class MetricsLogger:
         for key, label, spec in cls.GLANCE:
             if key in record:
                 text += f"  {label} {record[key]:{spec}}"
+        groups = [key.split("/", 1)[1] for key in record if key.startswith("episode_return_mean/")]
+        if groups:  # env groups: each one's return, briefly
+            text += "  (" + " ".join(f"{name} {record[f'episode_return_mean/{name}']:.1f}" for name in groups) + ")"
         return text
 
     def _print(self, text: str) -> None:

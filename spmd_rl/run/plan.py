@@ -50,7 +50,7 @@ class Plan:
         text = (
             f"{cfg.classes['algo']} (policy {cfg.classes['policy']}) on {cfg.env.id}; world size {world_size}, "
             f"layout {layout}; {self.env_ranks} env rank(s) x {cfg.env.num_envs} envs = {self.envs_total} envs"
-            f"{' (env.total_envs)' if cfg.env.total_envs else ''}; "
+            f"{' (env.total_envs)' if cfg.env.total_envs and not cfg.env.groups else ''}{_groups(cfg)}; "
             f"{self.steps_per_iteration} env steps per iteration ({self.num_steps} steps x {self.envs_total} "
             f"envs); {self.trainer_ranks} trainer rank(s); {self.num_iterations} iterations = "
             f"{self.num_iterations * self.steps_per_iteration} env steps"
@@ -63,17 +63,42 @@ class Plan:
         return text + (f"; {summary}" if summary else "")
 
 
+def _groups(cfg: Config) -> str:
+    """' in groups a (4 per env rank), b (4 per env rank)', or nothing without env.groups."""
+    if not cfg.env.groups:
+        return ""
+    return " in groups " + ", ".join(f"{g.name} ({g.num_envs} per env rank)" for g in cfg.env.groups)
+
+
 def spread_total_envs(cfg: Config, topology: Topology) -> None:
-    """env.total_envs, when set, becomes env.num_envs per env rank: the same global batch at any world size."""
-    total, env_ranks = cfg.env.total_envs, len(topology.env_ranks)
-    if not total:
+    """env.total_envs, when set, becomes env.num_envs per env rank: the same global batch at any world size.
+
+    With env.groups, every env rank hosts every group: a group's total_envs (its own, else env.total_envs when it
+    gives no num_envs) becomes its num_envs per env rank, a group without counts takes env.num_envs, and
+    env.num_envs becomes the sum, the width of every env rank's vector env."""
+    env, env_ranks = cfg.env, len(topology.env_ranks)
+    if not env.groups:
+        if env.total_envs:
+            env.num_envs = _per_env_rank(env.total_envs, env_ranks, "env.total_envs")
         return
+    for i, group in enumerate(env.groups):
+        what = f"env.groups[{i}].total_envs (group '{group.name}')"
+        if not group.total_envs and not group.num_envs:
+            # Inherited as env gives it, and written into the group, so config.yaml reads back the same.
+            group.total_envs, group.num_envs = env.total_envs, env.num_envs
+            what = f"env.total_envs (inherited by group '{group.name}')"
+        if group.total_envs:
+            group.num_envs = _per_env_rank(group.total_envs, env_ranks, what)
+    env.num_envs = sum(group.num_envs for group in env.groups)
+
+
+def _per_env_rank(total: int, env_ranks: int, what: str) -> int:
     if total % env_ranks:
         raise UserError(
-            f"env.total_envs={total} cannot be shared equally by {env_ranks} env ranks; make it a multiple of "
+            f"{what}={total} cannot be shared equally by {env_ranks} env ranks; make it a multiple of "
             f"{env_ranks}, or run with a number of env ranks that divides it"
         )
-    cfg.env.num_envs = total // env_ranks
+    return total // env_ranks
 
 
 def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) -> Plan:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from spmd_rl.config.loading import evaluation_env
 from spmd_rl.config.sections import Config
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.fileio import make_dirs, write_atomic
@@ -23,7 +24,7 @@ class Reporter:
 
     def __init__(self, cfg: Config, plan: Plan, logger: MetricsLogger | None, callbacks: list, policy: Policy):
         self.plan = plan
-        self.eval_cfg, self.env_cfg, self.seed = cfg.eval, cfg.env, cfg.train.seed
+        self.eval_cfg, self.env_cfg, self.seed = cfg.eval, evaluation_env(cfg), cfg.train.seed
         self.keep_best = cfg.checkpoint.keep_best
         self.logger = logger
         self.callbacks = callbacks
@@ -57,11 +58,15 @@ class Reporter:
             seed=self.seed * 1_000_003 + iteration,
             deterministic=self.eval_cfg.deterministic,
         )
-        return {
+        metrics = {
             "eval_return_mean": result["return_mean"],
             "eval_return_std": result["return_std"],
             "eval_length_mean": result["length_mean"],
         }
+        for name, group in result.get("groups", {}).items():
+            metrics[f"eval_return_mean/{name}"] = group["return_mean"]
+            metrics[f"eval_length_mean/{name}"] = group["length_mean"]
+        return metrics
 
     def keep_if_best(self, iteration: int, env_steps: int, score: float) -> None:
         """Save the policy to best/ when its evaluation beats the one saved there. The best score so far is the

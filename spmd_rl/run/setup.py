@@ -13,16 +13,17 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from spmd_rl.comm.channel import local_channel, open_channels
 from spmd_rl.comm.weights import WeightSync
 from spmd_rl.config.sections import Config
 from spmd_rl.envs.state import unsaved_env_reason
-from spmd_rl.envs.vector import EnvSpec, make_vector_env
+from spmd_rl.envs.vector import EnvSpec, group_of_envs, make_vector_env
 from spmd_rl.interfaces.algorithm import Algorithm
 from spmd_rl.interfaces.context import Context
-from spmd_rl.interfaces.policy import Policy, StepField
+from spmd_rl.interfaces.policy import GROUP, Policy, StepField
 from spmd_rl.persist.checkpoint import restore_rng_state
 from spmd_rl.persist.run_control import RunControl, StoppedWithCheckpoint
 from spmd_rl.roles.env_runner import EnvRunner
@@ -118,6 +119,7 @@ class Run:
                 log.tensorboard,
                 resumed_env_steps=self.resume.start_iteration * plan.steps_per_iteration,
                 trackers=open_trackers(self.cfg, self.run_dir, resumed=self.resume.checkpoint is not None),
+                group_names=self.cfg.env.group_names(),
             )
         finished = stopped = False
         try:
@@ -180,6 +182,7 @@ class Run:
             timeout=self.runtime.timeout,
             skip_nonfinite_updates=cfg.train.skip_nonfinite_updates,
             policy=policy,
+            column_groups=self._column_groups(1),
         )
         report = Reporter(cfg, plan, logger, callbacks, policy)
         self._say_if_env_state_unsaved(runner)
@@ -310,6 +313,7 @@ class Run:
             timeout=self.runtime.timeout,
             skip_nonfinite_updates=cfg.train.skip_nonfinite_updates,
             policy=policy,
+            column_groups=self._column_groups(len(sources)),
         )
         report = Reporter(cfg, plan, logger, callbacks, policy)
         state = self._load_checkpoint()
@@ -382,6 +386,13 @@ class Run:
         fields = self.recurrent_state
         return None if fields is None else RecurrentStates(fields, counts, self.runtime.device)
 
+    def _column_groups(self, env_ranks: int) -> torch.Tensor | None:
+        """With env groups, the group of every env column a trainer receives from `env_ranks` env ranks (each
+        rank's envs are the groups' envs in order); None without groups."""
+        if not self.cfg.env.groups:
+            return None
+        return torch.from_numpy(np.tile(group_of_envs(self.cfg.env), env_ranks))
+
     def _uniform_actions(self) -> UniformActions | None:
         return UniformActions(self.spec.action_space, self.outputs) if self.plan.explore_iterations else None
 
@@ -392,6 +403,9 @@ class Run:
         example = segment_message(
             self.spec, self.outputs, self.plan.num_steps, self.cfg.env.num_envs, self.recurrent_state
         )["rollout"]
+        groups = self.cfg.env.group_names()
+        if groups:  # the column Trainer.learn adds to what it logs
+            example[GROUP] = torch.zeros(example.batch_size, dtype=torch.int16)
         return ExperienceLog(
             self.run_dir,
             self.rank,
@@ -399,6 +413,7 @@ class Run:
             chunk_rows=buffer.chunk_rows,
             compression=buffer.h5_compression,
             flush_every_s=buffer.flush_every_s,
+            group_names=groups,
         )
 
     def _init_from(self, policy: Policy, algorithm: Algorithm) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -26,10 +27,18 @@ class ExperienceLog:
         chunk_rows: int | None = None,
         compression: str | None = None,
         flush_every_s: float = DEFAULT_FLUSH_EVERY_S,
+        group_names: list[str] | None = None,
     ):
+        """group_names: with env groups, the names of the group indices the rollouts' `group` column holds,
+        stored as the file's group_names attribute (JSON)."""
         self.path = Path(run_dir) / "buffer" / f"experience_rank{rank}.h5"
         self._writer = HDF5Writer(
-            self.path, example_td, chunk_rows=chunk_rows, compression=compression, flush_every_s=flush_every_s
+            self.path,
+            example_td,
+            chunk_rows=chunk_rows,
+            compression=compression,
+            flush_every_s=flush_every_s,
+            attributes={"group_names": json.dumps(group_names)} if group_names else None,
         )
 
     def append(self, td_rollout: TensorDict, policy_version: int, env_step: int) -> None:

@@ -109,7 +109,9 @@ class HDF5Writer:
         capacity: int | None = None,
         overwrite: bool = False,
         flush_every_s: float = DEFAULT_FLUSH_EVERY_S,
+        attributes: Mapping | None = None,
     ):
+        self.attributes = dict(attributes or {})  # extra attributes of / for a new file (an existing one has them)
         if not flush_every_s >= 0:  # also refuses NaN
             raise UserError(f"buffer.flush_every_s must be >= 0 (0: write on every append), got {flush_every_s}")
         if compression not in COMPRESSIONS:
@@ -184,6 +186,7 @@ class HDF5Writer:
                 "capacity": self.capacity,
                 "chunk_rows": self.chunk_rows,
                 "compression": self.compression or "none",
+                **self.attributes,
             }
         )
         self._mark_writer(file)
