@@ -8,13 +8,18 @@ import sys
 
 import h5py
 import pytest
+import torch
+import torch.distributed as dist
 import yaml
+from multiproc import assert_all_ok, run_ranks
+from tensordict import TensorDict
 from test_resume import assert_same_run
 from test_train_e2e import ROOT, TINY, _env, run_main
 
 from spmd_rl.algorithms.ppo import PPO
 from spmd_rl.config.loading import evaluation_env, load_config
 from spmd_rl.envs.vector import check_same_spaces, probe_env
+from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.plan import plan_run
 from spmd_rl.run.topology import build_topology
 from spmd_rl.runtime.errors import UserError
@@ -84,6 +89,34 @@ def test_an_eval_env_with_other_spaces_is_refused_naming_eval_env():
     cfg = load_config(ROOT / "configs" / "ci_tiny.yaml", ["eval.env={id: Pendulum-v1}"])
     with pytest.raises(UserError, match="eval.env gives another observation space than env"):
         check_same_spaces(probe_env(cfg.env), probe_env(evaluation_env(cfg)), "eval.env")
+
+
+def _gather_groups_on_two_trainers(rank: int, world_size: int) -> None:
+    # Each trainer's columns are groups [0, 1]; trainer r finishes one episode per column, of return 10 * (r + 1)
+    # in group 0 and 100 * (r + 1) in group 1.
+    done = torch.tensor([[True, True], [False, False]])
+    returns = torch.tensor([[10.0, 100.0], [0.0, 0.0]]) * (rank + 1)
+    segment = TensorDict(
+        {
+            "rollout": TensorDict(
+                {"episode_done": done, "episode_return": returns, "episode_length": returns.long()},
+                batch_size=[2, 2],
+            ),
+            "env_s": torch.tensor([1.0]),
+            "action_wait_s": torch.tensor([0.5]),
+            "inference_s": torch.tensor([0.25]),
+        },
+        batch_size=[],
+    )
+    trainer = Trainer(None, [], [], 4, dist.group.WORLD, describe=f"rank {rank}", column_groups=torch.tensor([0, 1]))
+    statistics = trainer.gather_statistics(segment)
+    if rank == 0:
+        by_group = sorted(zip(statistics["groups"].tolist(), statistics["returns"].tolist()))
+        assert by_group == [(0.0, 10.0), (0.0, 20.0), (1.0, 100.0), (1.0, 200.0)], by_group
+
+
+def test_every_trainers_episodes_reach_the_first_with_their_groups():
+    assert_all_ok(run_ranks(_gather_groups_on_two_trainers, 2, timeout_s=30))
 
 
 def test_a_run_without_groups_writes_no_group_keys():
