@@ -50,7 +50,7 @@ class Plan:
         text = (
             f"{cfg.classes['algo']} (policy {cfg.classes['policy']}) on {cfg.env.id}; world size {world_size}, "
             f"layout {layout}; {self.env_ranks} env rank(s) x {cfg.env.num_envs} envs = {self.envs_total} envs"
-            f"{' (env.total_envs)' if cfg.env.total_envs and not cfg.env.groups else ''}{_groups(cfg)}; "
+            f"{' (env.total_envs)' if cfg.env.total_envs and not cfg.env.groups else ''}{_group_counts(cfg)}; "
             f"{self.steps_per_iteration} env steps per iteration ({self.num_steps} steps x {self.envs_total} "
             f"envs); {self.trainer_ranks} trainer rank(s); {self.num_iterations} iterations = "
             f"{self.num_iterations * self.steps_per_iteration} env steps"
@@ -63,7 +63,7 @@ class Plan:
         return text + (f"; {summary}" if summary else "")
 
 
-def _groups(cfg: Config) -> str:
+def _group_counts(cfg: Config) -> str:
     """' in groups a (4 per env rank), b (4 per env rank)', or nothing without env.groups."""
     if not cfg.env.groups:
         return ""
