@@ -9,7 +9,9 @@ receiver keeps two receives posted ahead of the message it holds, over three buf
 once the matching receive is posted, and a send that arrives before its receive takes a slower path; receives
 posted ahead keep both variants on the fast path instead of racing the sender.)
 - throughput: a stream of messages, timed from the first send to the receiver's acknowledgement of the last;
-- round trip: ping-pong of one message each way (blocking send and receive), median.
+- round trip: ping-pong of one message each way (blocking send and receive), median;
+- CPU per message: the stream's CPU time (both ranks, all their threads, gloo's included) per message over all
+  rounds. It moves under load too (gloo's threads poll while they wait), though less than the wall-clock columns.
 "channel" sends the buffer a role wrote in place; "channel+copy" passes a separate TensorDict (one copy more).
 
 Weight broadcast (3 ranks: 1 source, 2 receivers): WeightSync of a module of that many bytes (float32 weights,
@@ -175,12 +177,24 @@ def point_to_point(rank: int, world_size: int, sizes: list[int], rounds: int, ou
             "channel_rtt": lambda: _channel_round_trips(rank, trips, to_peer, from_peer),
         }
         timings = {name: [] for name in measures}
+        cpu_s = dict.fromkeys(measures, 0.0)  # this rank's CPU time, all threads
         order = list(measures)
         for round_ in range(rounds + 1):  # round 0 warms up (first-touch pages, connections)
             for name in order[round_ % len(order) :] + order[: round_ % len(order)]:  # rotate: no variant always first
+                cpu_before = time.process_time()
                 measured = measures[name]()
                 if round_ > 0:
                     timings[name] += measured
+                    cpu_s[name] += time.process_time() - cpu_before
+        # CPU per streamed message, sender and receiver together (rank 1 sends its own to rank 0)
+        streams = ("raw", "channel", "channel+copy")
+        cpu_per_message = torch.tensor([cpu_s[name] / (rounds * count) for name in streams], dtype=torch.float64)
+        peer_cpu = torch.zeros_like(cpu_per_message)
+        if rank == 1:
+            dist.send(cpu_per_message, dst=0)
+        else:
+            dist.recv(peer_cpu, src=1)
+        both_ranks = dict(zip(streams, (cpu_per_message + peer_cpu).tolist(), strict=True))
         if rank == 0:
             results[nbytes] = {
                 "raw_MBps": nbytes * count / statistics.median(timings["raw"]) / MB,
@@ -188,6 +202,9 @@ def point_to_point(rank: int, world_size: int, sizes: list[int], rounds: int, ou
                 "copy_MBps": nbytes * count / statistics.median(timings["channel+copy"]) / MB,
                 "raw_rtt_us": statistics.median(timings["raw_rtt"]) * 1e6,
                 "channel_rtt_us": statistics.median(timings["channel_rtt"]) * 1e6,
+                "raw_cpu_us": both_ranks["raw"] * 1e6,
+                "channel_cpu_us": both_ranks["channel"] * 1e6,
+                "copy_cpu_us": both_ranks["channel+copy"] * 1e6,
             }
     if rank == 0:
         with open(out_path, "w") as f:
@@ -306,6 +323,10 @@ def main() -> None:
         "raw RTT us",
         "channel RTT us",
         "ratio",
+        "raw CPU us/msg",
+        "channel CPU us/msg",
+        "ratio",
+        "ch+copy CPU us/msg",
         "raw bcast MB/s",
         "weights MB/s",
         "ratio",
@@ -324,6 +345,10 @@ def main() -> None:
                 f"{p['raw_rtt_us']:.0f}",
                 f"{p['channel_rtt_us']:.0f}",
                 f"{p['channel_rtt_us'] / p['raw_rtt_us']:.2f}",
+                f"{p['raw_cpu_us']:.0f}",
+                f"{p['channel_cpu_us']:.0f}",
+                f"{p['channel_cpu_us'] / p['raw_cpu_us']:.2f}",
+                f"{p['copy_cpu_us']:.0f}",
                 f"{b['raw_MBps']:.0f}",
                 f"{b['weights_MBps']:.0f}",
                 f"{b['weights_MBps'] / b['raw_MBps']:.2f}",

@@ -28,10 +28,19 @@ LAYOUTS = {
     "one": (0, 1, []),
     "colocated2": (2, 2, []),
     "split4": (4, 2, ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]),
+    # at a policy lag of up to 2 versions, corrected by V-trace (without algo.vtrace the lag is 0: the sync result)
     "async4": (
         4,
         2,
-        ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2", "engine.class=async"],
+        [
+            "layout.mode=split",
+            "layout.trainer=1",
+            "layout.inference=1",
+            "layout.env=2",
+            "engine.class=async",
+            "engine.max_policy_lag=2",
+            "algo.vtrace=true",
+        ],
     ),
 }
 
