@@ -41,23 +41,10 @@ fi
 if [[ -n ${MASTER_ADDR:-} ]]; then
     flags+=(-x MASTER_ADDR)
 fi
-# A signalled mpirun exits 1 whatever its ranks did; rank 0 leaves its own exit code in this file (it runs on this
-# host unless HOSTFILE puts it elsewhere), so a clean stop ends this script with 75 as it ends every rank.
-exit_file=$(mktemp "${TMPDIR:-/tmp}/spmd_rl-exit.XXXXXX")
-trap 'rm -f "$exit_file"' EXIT
+# rank 0 leaves its exit code in this file (it runs on this host unless HOSTFILE puts it elsewhere), so a clean stop
+# ends this script with 75 as it ends every rank (launch/common.sh).
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+make_exit_file
 # shellcheck disable=SC2086  # MPIRUN_ARGS is a list of flags
 mpirun "${flags[@]}" -x "SPMD_RL_EXIT_FILE=$exit_file" ${MPIRUN_ARGS:-} "${PYTHON:-python}" -m spmd_rl.main "$@" &
-job=$!
-for sig in INT TERM USR1; do
-    trap "kill -$sig $job 2>/dev/null" "$sig"   # passed on to mpirun, which passes it on to every rank
-done
-status=0
-while true; do   # a trapped signal ends `wait` early: wait again until mpirun itself has exited
-    wait "$job" && status=0 || status=$?
-    kill -0 "$job" 2>/dev/null || break
-done
-ranks_code=$(cat "$exit_file" 2>/dev/null || true)
-if [[ $status != 0 && $ranks_code == 75 ]]; then
-    exit 75
-fi
-exit "$status"
+wait_for_launcher $!   # passes INT, TERM and USR1 on to mpirun, which passes them on to every rank

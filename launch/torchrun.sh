@@ -34,9 +34,10 @@ else
                 --rdzv_id="${RDZV_ID:-spmd_rl}")
 fi
 # A signalled torchrun agent prints its SignalException traceback and exits 1 after the ranks stopped cleanly; rank 0
-# leaves its own exit code in this file, so a clean stop ends this script with 75 and the stop line, no traceback.
-exit_file=$(mktemp "${TMPDIR:-/tmp}/spmd_rl-exit.XXXXXX")
-trap 'rm -f "$exit_file"' EXIT
+# leaves its own exit code in this file, so a clean stop ends this script with 75 and the stop line, no traceback
+# (launch/common.sh).
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+make_exit_file
 drop_signal_traceback() {   # the agent's traceback for the signal it was sent; every other line passes at once
     awk '/^Traceback \(most recent call last\):$/ { held = $0; holding = 1; next }
          holding { held = held "\n" $0
@@ -48,18 +49,4 @@ drop_signal_traceback() {   # the agent's traceback for the signal it was sent; 
 # torchrun sets OMP_NUM_THREADS=1 for its workers unless it is already set.
 SPMD_RL_EXIT_FILE=$exit_file "${PYTHON:-python}" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" \
     "${rendezvous[@]}" --max-restarts="${MAX_RESTARTS:-0}" -m spmd_rl.main "$@" 2> >(drop_signal_traceback) &
-job=$!
-for sig in INT TERM USR1; do
-    trap "kill -$sig $job 2>/dev/null" "$sig"   # the agent passes it on to every rank
-done
-status=0
-while true; do   # a trapped signal ends `wait` early: wait again until torchrun itself has exited
-    wait "$job" && status=0 || status=$?
-    kill -0 "$job" 2>/dev/null || break
-done
-wait   # the filter has printed everything
-ranks_code=$(cat "$exit_file" 2>/dev/null || true)
-if [[ $status != 0 && $ranks_code == 75 ]]; then
-    exit 75
-fi
-exit "$status"
+wait_for_launcher $!   # the agent passes INT, TERM and USR1 on to every rank

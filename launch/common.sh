@@ -1,0 +1,30 @@
+# Sourced by launch/mpirun.sh and launch/torchrun.sh: how a launcher script passes signals on and ends with the
+# ranks' exit code. (mpirun and torchrun exit 1 when signalled, whatever their ranks did.)
+#
+#   make_exit_file                            # sets exit_file: rank 0 writes its own exit code there
+#   launcher ... & wait_for_launcher $!       # (SPMD_RL_EXIT_FILE=$exit_file), and exits as described below
+
+make_exit_file() {   # not in $(...): the trap that removes the file must belong to the script's own shell
+    exit_file=$(mktemp "${TMPDIR:-/tmp}/spmd_rl-exit.XXXXXX")
+    trap 'rm -f "$exit_file"' EXIT
+}
+
+# Passes SIGINT, SIGTERM and SIGUSR1 on to the launcher (which passes them on to every rank), waits until it has
+# exited, and exits: 75 when it failed only because the ranks stopped cleanly with a checkpoint, else its status.
+wait_for_launcher() {
+    local job=$1 sig status ranks_code
+    for sig in INT TERM USR1; do
+        # shellcheck disable=SC2064  # the job's pid is fixed now
+        trap "kill -$sig $job 2>/dev/null" "$sig"
+    done
+    while true; do   # a trapped signal ends `wait` early: wait again until the launcher itself has exited
+        wait "$job" && status=0 || status=$?
+        kill -0 "$job" 2>/dev/null || break
+    done
+    wait   # any other child (torchrun.sh's output filter) has printed everything
+    ranks_code=$(cat "$exit_file" 2>/dev/null || true)
+    if [[ $status != 0 && $ranks_code == 75 ]]; then
+        exit 75
+    fi
+    exit "$status"
+}
