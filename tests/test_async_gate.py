@@ -246,3 +246,26 @@ def test_serving_in_lockstep_waits_for_every_env_rank_then_answers_each():
     server._serve_while_possible()
     assert server.next_step == [1, 1] and server.ready == {}
     assert [r.recv()["action"].tolist() for r in replies] == [[100] * NUM_ENVS, [200] * NUM_ENVS]
+
+
+def test_a_reply_goes_out_only_after_its_step_is_counted():
+    """The env rank's next observation can arrive the moment its reply is sent, and its receiving thread checks it
+    against next_step: counting after the send let that check see the old step under load ("observations ... are of
+    segment 26, expected segment 25"), a rare failure of the async CI tests."""
+    server, _ = make_server(make_plan(num_steps=2), lag_bound=1, iterations=range(4))
+    server.policy_version = 0
+    server.next_step = [1, 0]  # rank 0's next step, 1, is the last of segment 0
+    counted_at_send = []
+    for index, channel in enumerate(server.action_channels):
+        send = channel.isend
+
+        def counted_send(index=index, send=send):
+            counted_at_send.append((index, server.next_step[index]))
+            server._check_segment(index, observation(server.next_step[index] // 2))  # the next one may be here
+            send()
+
+        channel.isend = counted_send
+    server.ready = {0: observation(0), 1: observation(0)}
+    server._serve_while_possible()
+    assert counted_at_send == [(0, 2), (1, 1)]
+    server._check_segment(0, observation(1))  # rank 0's next observation is of segment 1, as the server expects

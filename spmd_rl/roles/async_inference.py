@@ -230,10 +230,12 @@ class AsyncInferenceServer:
                     reply[key][:] = value[offset : offset + count]
                 reply["policy_version"][0] = self.policy_version
                 reply["inference_s"][0] = inference_s
-                channel.isend()
-                offset += count
+                # Counted before the send: the env rank's next observation can arrive (and be checked against
+                # next_step by its receiving thread) the moment the reply is out.
                 with self.lock:
                     self.next_step[index] += 1
+                channel.isend()
+                offset += count
 
     # -- the main thread: agreements, the end ---------------------------------------------------------------------
 
