@@ -1,9 +1,10 @@
 """Look at a run's experience files: `python -m spmd_rl.data inspect RUN_DIR` (or one .h5 file).
 
 Prints, per file: rows, keys with shapes and dtypes, the policy version range, the episode count (ends of episodes
-from a done / terminated / truncated key when there is one) and the size on disk. A missing directory, a corrupt
-file or a file that is not an spmd_rl experience file is a one-line error and exit code 2; a truncated or corrupt
-file is found within seconds (see storage.h5file.open_swmr_reader).
+from a done / terminated / truncated key when there is one), the size on disk, and whether every row passed its
+checksum (all rows are read: ~1 GB/s). A missing directory, a corrupt file, rows that fail their checksum or a file
+that is not an spmd_rl experience file is a one-line error and exit code 2 (damaged rows: the file, the dataset and
+the row range); a truncated or corrupt file is found within seconds (see storage.h5file.open_swmr_reader).
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def _summary(path: Path) -> str:
             f"  episodes ended: {episodes} (rows with {' or '.join(keys)} set)"
             if keys
             else "  episodes ended: - (no done/terminated/truncated key)"
+        )
+        lines.append(
+            "  checksums: every row verified (fletcher32)"
+            if reader.check_rows()
+            else "  checksums: none (a file written before spmd_rl checksummed its rows): not verified"
         )
     return "\n".join(lines)
 

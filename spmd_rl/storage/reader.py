@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from spmd_rl.runtime.errors import UserError
-from spmd_rl.storage.h5file import DAMAGED_FILE_ERRORS, damaged, open_swmr_reader
+from spmd_rl.storage.h5file import DAMAGED_FILE_ERRORS, check_chunks, damaged, open_swmr_reader
 from spmd_rl.storage.schema import (
     CURSOR,
     DATA_GROUP,
@@ -20,6 +20,7 @@ from spmd_rl.storage.schema import (
     check_bounds,
     check_format,
     layout_from_schema,
+    valid_positions,
 )
 
 
@@ -43,8 +44,11 @@ class HDF5Reader:
 
     def refresh(self) -> int:
         """See the rows committed since opening (or the last refresh); return the readable row count."""
-        self._cursor.refresh()
-        self.total_rows, self.reserved_rows = (int(n) for n in self._cursor[:])
+        try:
+            self._cursor.refresh()
+            self.total_rows, self.reserved_rows = (int(n) for n in self._cursor[:])
+        except DAMAGED_FILE_ERRORS as exc:
+            raise damaged(self.path, exc) from None
         return len(self)
 
     @property
@@ -60,8 +64,11 @@ class HDF5Reader:
 
         In ring mode its positions are not in row order: read() and column() put them in order.
         """
-        dataset = self._file[name]
-        dataset.refresh()
+        try:
+            dataset = self._file[name]
+            dataset.refresh()
+        except DAMAGED_FILE_ERRORS as exc:
+            raise damaged(self.path, exc) from None
         return dataset
 
     def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -70,14 +77,34 @@ class HDF5Reader:
         first = self.first_row + start
         dataset = self.dataset(name)
         if stop <= start:
-            return dataset[0:0]
+            return self._positions(dataset, 0, 0)
         if not self.capacity:
-            return dataset[first : first + stop - start]
+            return self._positions(dataset, first, first + stop - start)
         head = first % self.capacity
         count = stop - start
         if head + count <= self.capacity:
-            return dataset[head : head + count]
-        return np.concatenate([dataset[head:], dataset[: head + count - self.capacity]])
+            return self._positions(dataset, head, head + count)
+        return np.concatenate(
+            [self._positions(dataset, head, self.capacity), self._positions(dataset, 0, head + count - self.capacity)]
+        )
+
+    def _positions(self, dataset: h5py.Dataset, low: int, high: int) -> np.ndarray:
+        """dataset[low:high]; a chunk that fails its checksum (or cannot be read) is a UserError naming its rows."""
+        try:
+            return dataset[low:high]
+        except DAMAGED_FILE_ERRORS as exc:
+            check_chunks(self.path, dataset, low, high)
+            raise damaged(self.path, exc) from None
+
+    def check_rows(self) -> bool:
+        """Verify the checksums of every valid row of every dataset (~1 GB/s); a damaged chunk is a UserError naming
+        the file, the dataset and its rows. False if the file has no checksums (written before spmd_rl had them)."""
+        names = [f"{DATA_GROUP}/{key}" for key in self.layout] + [f"{META_GROUP}/{name}" for name in META_FIELDS]
+        datasets = [self.dataset(name) for name in names]
+        for start, stop in valid_positions(self.capacity, self.total_rows, self.reserved_rows):
+            for dataset in datasets:
+                check_chunks(self.path, dataset, start, stop)
+        return any(dataset.fletcher32 for dataset in datasets)
 
     def read(self, start: int = 0, stop: int | None = None, meta: bool = False) -> dict[str, np.ndarray]:
         """Valid rows [start, stop), oldest first, as numpy arrays keyed by layout key (and meta/<name>)."""

@@ -153,6 +153,17 @@ def rows_of(td: TensorDict | Mapping, layout: dict[str, Field]) -> tuple[dict[st
     return arrays, rows
 
 
+def valid_positions(capacity: int, committed: int, reserved: int) -> list[tuple[int, int]]:
+    """The dataset positions [start, stop) that hold the valid rows (one range, or two where a ring wraps)."""
+    if not capacity:
+        return [(0, committed)] if committed else []
+    first = max(0, reserved - capacity)
+    if committed <= first:
+        return []
+    start, stop = first % capacity, (committed - 1) % capacity + 1
+    return [(start, stop)] if start < stop else [(start, capacity), (0, stop)]
+
+
 MAX_CHUNK_ROWS = 2**22  # buffer.chunk_rows' own bound: a file claiming more was not written by spmd_rl
 MAX_CAPACITY = 2**40  # rows of a ring; far beyond any disk, small enough that no count of it overflows int64
 

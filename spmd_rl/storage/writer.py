@@ -26,6 +26,8 @@ from spmd_rl.runtime.errors import UserError
 from spmd_rl.runtime.signals import signals_deferred
 from spmd_rl.storage.h5file import (
     DAMAGED_FILE_ERRORS,
+    DamagedRows,
+    check_chunks,
     clear_crash_flags,
     damaged,
     first_line,
@@ -48,6 +50,7 @@ from spmd_rl.storage.schema import (
     rows_of,
     schema_difference,
     schema_json,
+    valid_positions,
 )
 
 COMPRESSIONS = (None, "lzf")  # fast codecs only: gzip writes at 30-70 MB/s, far below the hot path
@@ -125,10 +128,17 @@ class HDF5Writer:
             )
         self.path = Path(path)
         register_open_file(self.path, self)
+        existed = self.path.exists() and not overwrite
         try:
             self._open(layout, chunk_rows, compression, capacity, overwrite, flush_every_s)
-        except BaseException:
+        except BaseException as exc:
             unregister_open_file(self.path)
+            file = getattr(self, "_file", None)
+            if file is not None and file.id.valid:
+                with contextlib.suppress(*DAMAGED_FILE_ERRORS):
+                    file.close()
+            if isinstance(exc, DAMAGED_FILE_ERRORS):  # h5py's errors escape as user-code errors (exit 4) otherwise
+                raise damaged(self.path, exc) if existed else write_error(self.path, exc, "cannot create") from None
             raise
 
     def _open(self, layout, chunk_rows, compression, capacity, overwrite, flush_every_s) -> None:
@@ -152,6 +162,7 @@ class HDF5Writer:
         self._datasets = {name: self._file[name] for name in self._fields}
         self._cursor = self._file[CURSOR]
         self._committed, self._reserved = (int(n) for n in self._cursor[:])
+        self._damage = self._find_damage()
         self._truncate_to_cursor()
         self._file.swmr_mode = True  # from here on: no new objects or attributes, readers may attach
         self.stage_rows = self.chunk_rows * self._chunks_per_write()
@@ -176,8 +187,10 @@ class HDF5Writer:
                 dtype=dtype,
                 chunks=(self.chunk_rows, *shape),
                 compression=self.compression,
+                fletcher32=True,  # a checksum per chunk: damaged rows are found (see _check_rows)
             )
-        file.create_dataset(CURSOR, data=np.zeros(2, dtype=np.int64))
+        # Chunked only so that it can carry a checksum too: a damaged cursor could otherwise look plausible.
+        file.create_dataset(CURSOR, data=np.zeros(2, dtype=np.int64), chunks=(2,), fletcher32=True)
         file.attrs.update(
             {
                 "format": FORMAT_NAME,
@@ -341,9 +354,16 @@ class HDF5Writer:
 
         In ring mode this is possible only while no row held at that point has been overwritten since.
         """
+        self._check_usable()
         check_rewind(self.path, total_rows, max(self.total_rows, self._reserved), self.capacity)
+        # Resuming: damage found at opening in the rows the checkpoint names is raised now, not at the first sample,
+        # and before the truncation, which rewrites the last chunk kept (HDF5 would fail without naming rows).
+        self._check_rows(until=total_rows)
         with signals_deferred():
-            self._rewind(total_rows)
+            try:
+                self._rewind(total_rows)
+            except DAMAGED_FILE_ERRORS as exc:
+                raise write_error(self.path, exc, "cannot rewind") from None
 
     def _rewind(self, total_rows: int) -> None:
         self.flush()
@@ -355,13 +375,48 @@ class HDF5Writer:
         self._chunk_addresses.clear()  # truncation frees chunks; new ones may get new addresses
         self._file.flush()
 
+    def _find_damage(self) -> tuple[int, UserError] | None:
+        """Verify the checksums of every valid row of an opened file (~1 GB/s, benchmarks/README.md): the first
+        damaged position and its error (naming the file, dataset and rows), or None.
+
+        Done at opening, before SWMR mode: a SWMR writer retries a failed metadata read ~100 times with growing
+        sleeps (hours; H5Pset_metadata_read_attempts does not bound it), a plain one fails at once. The damage is
+        raised when the rows are used (_check_rows), so that a resume can still drop damaged rows past its
+        checkpoint. Sampled reads (_read_committed) skip the checksums: their rows were checked here or written by
+        this process."""
+        found = None
+        for start, stop in valid_positions(self.capacity, self._committed, self._reserved):
+            for dataset in self._datasets.values():
+                try:
+                    check_chunks(self.path, dataset, start, stop)
+                except DamagedRows as exc:  # rows before exc.first of this dataset are sound: go on with the next
+                    found = min(found or (exc.first, exc), (exc.first, exc), key=lambda pair: pair[0])
+            if found:  # checked in position order: a ring's second range is past the damage
+                break
+        return found
+
+    def _check_rows(self, until: int | None = None) -> None:
+        """Raise the damage found at opening if it lies in the rows used: all valid rows, or those a rewind to
+        `until` keeps (in a ring that has wrapped, rows are not in position order: any damage there)."""
+        if self._damage is None:
+            return
+        first, error = self._damage
+        in_order = not self.capacity or self._reserved <= self.capacity
+        if until is not None and in_order and first >= until:
+            self._damage = None  # past the rows kept: the rewind's truncation drops those chunks unread
+            return
+        # Given up, as after a failed write: the exit path's flush (fileio.flush_open_files) must not write into
+        # the damaged file, nor report it a second time.
+        with contextlib.suppress(*DAMAGED_FILE_ERRORS):
+            self._release()
+        raise error
+
     def _write_staged(self) -> None:
         self._write({name: staging[: self._staged] for name, staging in self._staging.items()})
         self._staged = 0
 
     def _write(self, arrays: dict[str, np.ndarray]) -> None:
-        if self._released:
-            raise UserError(f"{self.path}: closed after a failed write; no more rows can be added to it")
+        self._check_usable()
         try:
             self._write_and_commit(arrays)
         except (OSError, RuntimeError) as exc:  # HDF5 could not write: a full disk, a size limit, a read-only disk
@@ -372,7 +427,12 @@ class HDF5Writer:
                 self._release()
             raise error from None
 
+    def _check_usable(self) -> None:
+        if self._released:
+            raise UserError(f"{self.path}: closed after a failed write or damage found; it cannot be used any more")
+
     def _write_and_commit(self, arrays: dict[str, np.ndarray]) -> None:
+        self._check_rows()
         rows = len(next(iter(arrays.values())))
         pieces = self._positions(self._committed, rows)
         if self.capacity and self._committed + rows > max(self.capacity, self._reserved):
@@ -409,6 +469,8 @@ class HDF5Writer:
 
     def read_rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """The data rows at these indices, 0 = the oldest row held (any order, repeats allowed), staged included."""
+        self._check_usable()
+        self._check_rows()
         rows = self.first_row + np.asarray(indices, dtype=np.int64)
         unique, inverse = np.unique(rows, return_inverse=True)
         in_staging = unique >= self._committed
@@ -423,7 +485,11 @@ class HDF5Writer:
             values = np.empty((len(unique), *self._staging[name].shape[1:]), self._staging[name].dtype)
             values[in_staging] = self._staging[name][unique[in_staging] - self._committed]
             if len(on_disk):
-                from_file = self._read_committed(name, positions)
+                try:
+                    from_file = self._read_committed(name, positions)
+                except DAMAGED_FILE_ERRORS as exc:  # damaged since it was checked: say which rows if HDF5 can
+                    check_chunks(self.path, self._datasets[name], int(positions[0]), int(positions[-1]) + 1)
+                    raise damaged(self.path, exc) from None
                 if self.capacity:
                     reordered = np.empty_like(from_file)
                     reordered[on_disk_order] = from_file
@@ -435,10 +501,12 @@ class HDF5Writer:
     def _read_committed(self, name: str, positions: np.ndarray) -> np.ndarray:
         """Committed rows at sorted, distinct positions.
 
-        Uncompressed chunks hold their rows as plain C-order bytes at a fixed file address (HDF5 rewrites an
-        unfiltered chunk in place), so a sampled row is one pread at chunk address + row offset: ~10x faster than
-        an HDF5 selection of scattered rows, which costs ~13 us per row and dataset. Every committed row has been
-        flushed to the OS, so the read sees it. Compressed files go through HDF5.
+        Uncompressed chunks hold their rows as plain C-order bytes (then fletcher32's 4-byte checksum) at a fixed
+        file address (HDF5 rewrites a chunk in place while its filtered size stays the same), so a sampled row is
+        one pread at chunk address + row offset: ~10x faster than an HDF5 selection of scattered rows, which costs
+        ~13 us per row and dataset. Every committed row has been flushed to the OS, so the read sees it. The read
+        skips the checksum, which covers the whole chunk: the rows were checked once (_check_rows) or written by
+        this process. Compressed files go through HDF5, which checks each chunk it reads.
         """
         if self._direct_fd is None:
             return self._datasets[name][positions]
