@@ -1,7 +1,7 @@
 """Recurrent PPO on CartPole with its velocities hidden (configs/ppo_cartpole_recurrent.yaml), against the
 feed-forward PPO of configs/ppo_cartpole.yaml on the same task, per seed and layout.
 
-    python benchmarks/recurrent.py [--seeds 3] [--policies recurrent,feedforward] [--layouts one,colocated2,split4]
+    python benchmarks/recurrent.py [--seeds 1,2,3] [--policies recurrent,feedforward] [--layouts one,colocated2,split4]
                                    [--total-steps N]
 
 Every layout runs the same number of envs in all (the config's 8 shared by the env ranks), so an iteration is the
@@ -55,7 +55,7 @@ def run(policy: str, layout: str, seed: int, total_steps: int | None) -> list[di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--layouts", default="one")
     parser.add_argument("--total-steps", type=int, default=None, help="the configs' own budgets when not given")
@@ -64,7 +64,7 @@ def main() -> None:
     rows = []
     for policy in args.policies.split(","):
         for layout in args.layouts.split(","):
-            for seed in range(1, args.seeds + 1):
+            for seed in [int(seed) for seed in args.seeds.split(",")]:
                 records = run(policy, layout, seed, args.total_steps)
                 returns = [r["episode_return_mean"] for r in records if r["episode_return_mean"] is not None]
                 reached = next((r for r in records if (r["episode_return_mean"] or float("-inf")) >= TARGET), None)
