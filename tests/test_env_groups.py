@@ -219,3 +219,9 @@ def test_an_env_group_run_resumes_exactly(tmp_path, nproc, half):
         with h5py.File(tmp_path / run / "buffer" / "experience_rank0.h5", "r") as file:
             rows = int(file["cursor"][0])
             assert set(file["data/group"][:rows].tolist()) == {0, 1}
+
+
+def test_the_shipped_config_runs_an_iteration():
+    result = run_main("--config", str(ROOT / "configs" / "ppo_cartpole_groups.yaml"), "--dry-run", "log.progress=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "in groups short (4 per env rank), standard (4 per env rank), long (4 per env rank)" in result.stdout
