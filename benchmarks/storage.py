@@ -3,6 +3,7 @@ and the cost of the time bound on unwritten rows (buffer.flush_every_s).
 
     python benchmarks/storage.py [--rows 2000000] [--big-rows 10000000] [--dir /tmp]
     python benchmarks/storage.py --only time-bound      # just the flush_every_s table (~1 min)
+    python benchmarks/storage.py --only checksums       # with and without the fletcher32 checksums (~3 min)
 
 Transitions of a 17-dim observation (HalfCheetah-like): obs and next_obs float32[17], action float32[6], reward
 float32, terminated bool, 165 bytes a row. Baselines are measured in the same run: raw h5py writing the same arrays
@@ -12,17 +13,21 @@ as whole chunks (no staging, no flushes), and the in-memory replay buffer for sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
 import tempfile
 import time
+from pathlib import Path
 
 import h5py
 import numpy as np
 import torch
 from tensordict import TensorDict
 
+from spmd_rl import data as data_tool
+from spmd_rl.storage.reader import HDF5Reader
 from spmd_rl.storage.replay import ReplayBuffer
 from spmd_rl.storage.writer import HDF5Writer
 
@@ -147,6 +152,120 @@ def time_bound_table(work: str, repeats: int) -> list[tuple[str, str, str, str]]
     return table
 
 
+@contextlib.contextmanager
+def fletcher32(on: bool):
+    """Files written meanwhile have the checksums (as spmd_rl writes them) or not (as before issue 19)."""
+    if on:
+        yield
+        return
+    original = h5py.Group.create_dataset
+
+    def without(self, name, *args, **kwargs):
+        kwargs.pop("fletcher32", None)
+        if name == "cursor":
+            kwargs.pop("chunks", None)  # contiguous, as before
+        return original(self, name, *args, **kwargs)
+
+    h5py.Group.create_dataset = without
+    try:
+        yield
+    finally:
+        h5py.Group.create_dataset = original
+
+
+def checksum_table(work: str, rows: int, repeats: int) -> list[tuple[str, str, str, str]]:
+    """Write, read, inspect, sample and resume (open + rewind, which verifies every row) without and with the
+    fletcher32 checksums, interleaved in one run, best of `repeats`; ratio = with / without, in throughput."""
+    td = transitions(rows, seed=3)
+    mb = rows * row_bytes(td) / 1e6
+    measures = {
+        "append 256-row batches (staged, whole chunks)": (mb, lambda on: writer_append(f"{work}/c{on}.h5", td, 256)),
+        "append 256-row batches, flush_every_s=0 (a partial chunk per append)": (
+            mb / 8,
+            lambda on: _flush_every_append(f"{work}/p{on}.h5", td[: rows // 8]),
+        ),
+        "read every row (HDF5Reader.read)": (mb, lambda on: _timed(lambda: _read_all(f"{work}/c{on}.h5"))),
+        "data inspect (checks every row)": (
+            mb,
+            lambda on: _timed(lambda: data_tool.summarize(Path(f"{work}/c{on}.h5"))),
+        ),
+    }
+    for n in (100_000, 1_000_000):
+        if n <= rows:
+            measures[f"resume: open + rewind of a {n:,}-row replay file"] = (
+                n * row_bytes(td) / 1e6,
+                lambda on, n=n: _resume(f"{work}/r{n}-{on}.h5", td[:n]),
+            )
+    best = {(name, on): math.inf for name in measures for on in (False, True)}
+    sample = {False: 0.0, True: 0.0}
+    for _ in range(repeats):  # interleaved, best of each: the machine is shared
+        for on in (False, True):
+            with fletcher32(on):
+                for name, (_, measure) in measures.items():
+                    best[name, on] = min(best[name, on], measure(on))
+                replay = ReplayBuffer(
+                    rows, td[:1], backend="hdf5", path=f"{work}/s{on}.h5", chunk_rows=CHUNK_ROWS, flush_every_s=0
+                )
+                replay.add(td)
+                sample[on] = max(sample[on], sample_rate(replay))
+                replay.close()
+                os.remove(f"{work}/s{on}.h5")
+    table = []
+    for name, (volume, _) in measures.items():
+        off, on = best[name, False], best[name, True]
+        table.append(
+            (
+                f"{name}, {rows:,} rows" if "resume" not in name else name,
+                f"{volume / off:,.0f} -> {volume / on:,.0f} MB/s",
+                f"{off / on:.2f}",
+                f"{off * 1e3:,.0f} -> {on * 1e3:,.0f} ms",
+            )
+        )
+    table.append(
+        (
+            f"sample {SAMPLE_BATCH} (direct reads), HDF5 buffer, {rows:,} rows",
+            f"{sample[False]:,.0f} -> {sample[True]:,.0f} rows/s",
+            f"{sample[True] / sample[False]:.2f}",
+            "",
+        )
+    )
+    return table
+
+
+def _timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def _read_all(path: str) -> None:
+    with HDF5Reader(path) as reader:
+        reader.read(meta=True)
+
+
+def _flush_every_append(path: str, td: TensorDict) -> float:
+    start = time.perf_counter()
+    with HDF5Writer(path, td[:1], chunk_rows=CHUNK_ROWS, overwrite=True, flush_every_s=0) as writer:
+        for first in range(0, len(td), 256):
+            writer.append(td[first : first + 256], policy_version=1, env_id=0, env_step=first)
+    return time.perf_counter() - start
+
+
+def _resume(path: str, td: TensorDict) -> float:
+    """Seconds to reopen a full replay file of len(td) rows and rewind it to its cursor, as a resume does (the
+    file was just written: in the page cache)."""
+    if not os.path.exists(path):
+        replay = ReplayBuffer(len(td), td[:1], backend="hdf5", path=path, chunk_rows=CHUNK_ROWS)
+        replay.add(td)
+        replay.close()
+    start = time.perf_counter()
+    replay = ReplayBuffer(len(td), td[:1], backend="hdf5", path=path)
+    replay.rewind(len(td))
+    elapsed = time.perf_counter() - start
+    replay.close()
+    return elapsed
+
+
 def sample_rate(buffer: ReplayBuffer, seconds: float = 2.0) -> float:
     generator = torch.Generator().manual_seed(0)
     buffer.sample(SAMPLE_BATCH, generator)  # warm-up
@@ -163,12 +282,15 @@ def main() -> None:
     parser.add_argument("--big-rows", type=int, default=10_000_000, help="rows of the disk-backed buffer (RSS)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the benchmark's files go")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the append tests")
-    parser.add_argument("--only", choices=["time-bound"], help="run only this part")
+    parser.add_argument("--only", choices=["time-bound", "checksums"], help="run only this part")
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="spmd_rl_storage_bench_", dir=args.dir)
     table: list[tuple[str, str, str, str]] = []
     try:
+        if args.only == "checksums":
+            print_table(checksum_table(work, min(args.rows, 1_000_000), args.repeats))
+            return
         table += time_bound_table(work, args.repeats)
         if args.only == "time-bound":
             print_table(table)

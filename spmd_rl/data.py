@@ -2,7 +2,7 @@
 
 Prints, per file: rows, keys with shapes and dtypes, the policy version range, the episode count (ends of episodes
 from a done / terminated / truncated key when there is one), the size on disk, and whether every row passed its
-checksum (all rows are read: ~1 GB/s). A missing directory, a corrupt file, rows that fail their checksum or a file
+checksum (all rows are read: ~0.5 GB/s). A missing directory, a corrupt file, rows that fail their checksum or a file
 that is not an spmd_rl experience file is a one-line error and exit code 2 (damaged rows: the file, the dataset and
 the row range); a truncated or corrupt file is found within seconds (see storage.h5file.open_swmr_reader).
 """

@@ -138,30 +138,34 @@ def damaged(path: Path, exc: BaseException) -> UserError:
     return UserError(f"{path} is damaged: {first_line(exc)}; restore it or remove it")
 
 
-CHECK_BLOCK_BYTES = 4 << 20  # check_chunks reads this much at a time: whole chunks, little memory, few calls
-
-
 def check_chunks(path: Path, dataset: h5py.Dataset, start: int, stop: int) -> None:
-    """Verify the chunks holding positions [start, stop) of a dataset: a UserError naming the file, the dataset and
-    the rows of the first chunk that fails.
+    """Verify the chunks holding positions [start, stop) of a dataset: a DamagedRows naming the file, the dataset
+    and the rows of the first chunk that fails.
 
     spmd_rl writes every dataset with HDF5's fletcher32 filter: each chunk carries a checksum that HDF5 checks
-    whenever it reads the chunk through its filter pipeline. So this just reads the chunks, a few MiB at a time,
-    into one reused buffer (~1 GB/s here). A dataset without the filter (a file written before spmd_rl checked
-    rows) has nothing to check and is skipped."""
+    whenever it reads the chunk through its filter pipeline. So this just reads the chunks into one reused buffer
+    (~0.5 GB/s here), one chunk per read: after a failed read of several chunks, HDF5 2.0's chunk cache can get
+    inconsistent ("can't insert duplicate key") and later serve a damaged chunk as sound. A failed chunk is read
+    once more before it is called damaged: a SWMR reader can catch a chunk half rewritten by its live writer. A
+    dataset without the filter (a file written before spmd_rl checked rows) has nothing to check and is skipped."""
     if not dataset.fletcher32 or stop <= start:
         return
     chunk_rows = dataset.chunks[0]
-    row_bytes = dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64))
-    block = chunk_rows * max(1, CHECK_BLOCK_BYTES // max(1, chunk_rows * row_bytes))
-    first = start - start % chunk_rows
-    buffer = np.empty((min(block, stop - first), *dataset.shape[1:]), dataset.dtype)
-    for low in range(first, stop, block):
-        high = min(stop, low + block)
-        try:
-            dataset.read_direct(buffer, np.s_[low:high], np.s_[: high - low])
-        except DAMAGED_FILE_ERRORS as exc:
-            raise _damaged_chunk(path, dataset, low, high, exc) from None
+    buffer = np.empty((chunk_rows, *dataset.shape[1:]), dataset.dtype)
+    for chunk in range(start - start % chunk_rows, stop, chunk_rows):
+        end = min(stop, chunk + chunk_rows)
+        for attempt in range(2):
+            try:
+                dataset.read_direct(buffer, np.s_[chunk:end], np.s_[: end - chunk])
+                break
+            except DAMAGED_FILE_ERRORS as exc:
+                if attempt:
+                    raise DamagedRows(
+                        f"{path} is damaged: rows {chunk}..{end - 1} of {dataset.name} fail HDF5's checks "
+                        f"({first_line(exc)}); restore the file or remove it",
+                        chunk,
+                    ) from None
+                time.sleep(0.05)
 
 
 class DamagedRows(UserError):
@@ -170,22 +174,6 @@ class DamagedRows(UserError):
     def __init__(self, message: str, first: int):
         super().__init__(message)
         self.first = first
-
-
-def _damaged_chunk(path: Path, dataset: h5py.Dataset, low: int, high: int, exc: BaseException) -> UserError:
-    """The UserError for the first chunk in positions [low, high) that cannot be read (read one chunk at a time)."""
-    chunk_rows = dataset.chunks[0]
-    for chunk in range(low, high, chunk_rows):
-        end = min(high, chunk + chunk_rows)
-        try:
-            dataset[chunk:end]
-        except DAMAGED_FILE_ERRORS as chunk_exc:
-            return DamagedRows(
-                f"{path} is damaged: rows {chunk}..{end - 1} of {dataset.name} fail HDF5's checks "
-                f"({first_line(chunk_exc)}); restore the file or remove it",
-                chunk,
-            )
-    return DamagedRows(str(damaged(path, exc)), low)
 
 
 def clear_crash_flags(path: Path) -> None:

@@ -376,7 +376,7 @@ class HDF5Writer:
         self._file.flush()
 
     def _find_damage(self) -> tuple[int, UserError] | None:
-        """Verify the checksums of every valid row of an opened file (~1 GB/s, benchmarks/README.md): the first
+        """Verify the checksums of every valid row of an opened file (~0.5 GB/s, benchmarks/README.md): the first
         damaged position and its error (naming the file, dataset and rows), or None.
 
         Done at opening, before SWMR mode: a SWMR writer retries a failed metadata read ~100 times with growing
@@ -386,14 +386,21 @@ class HDF5Writer:
         this process."""
         found = None
         for start, stop in valid_positions(self.capacity, self._committed, self._reserved):
-            for dataset in self._datasets.values():
+            for name in self._datasets:
                 try:
-                    check_chunks(self.path, dataset, start, stop)
+                    check_chunks(self.path, self._datasets[name], start, stop)
                 except DamagedRows as exc:  # rows before exc.first of this dataset are sound: go on with the next
                     found = min(found or (exc.first, exc), (exc.first, exc), key=lambda pair: pair[0])
+                    self._reopen()  # after a failed read HDF5's state can be wrong (see check_chunks)
             if found:  # checked in position order: a ring's second range is past the damage
                 break
         return found
+
+    def _reopen(self) -> None:
+        self._file.close()
+        self._file = open_h5(self.path, "r+", libver="latest", **self._chunk_cache)
+        self._datasets = {name: self._file[name] for name in self._fields}
+        self._cursor = self._file[CURSOR]
 
     def _check_rows(self, until: int | None = None) -> None:
         """Raise the damage found at opening if it lies in the rows used: all valid rows, or those a rewind to
