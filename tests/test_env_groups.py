@@ -119,6 +119,23 @@ def test_every_trainers_episodes_reach_the_first_with_their_groups():
     assert_all_ok(run_ranks(_gather_groups_on_two_trainers, 2, timeout_s=30))
 
 
+def test_eval_env_kwargs_replace_env_kwargs_and_groups_still_merge_theirs_over_them():
+    groups = "env.groups=[{name: a, kwargs: {length: 0.25}}, {name: b}]"
+    cfg = load_config(
+        ROOT / "configs" / "ci_tiny.yaml",
+        [POLE, groups, "env.kwargs={length: 1.0, sutton_barto_reward: true}", "eval.env={kwargs: {length: 1.5}}"],
+    )
+    assert [(name, section.kwargs) for name, section in evaluation_env(cfg).group_sections()] == [
+        ("a", {"length": 0.25}),
+        ("b", {"length": 1.5}),
+    ]
+    assert [section.kwargs for _, section in cfg.env.group_sections()] == [
+        {"length": 0.25, "sutton_barto_reward": True},
+        {"length": 1.0, "sutton_barto_reward": True},
+    ]
+    assert evaluation_env(load_config(ROOT / "configs" / "ci_tiny.yaml")).groups == []
+
+
 def test_a_run_without_groups_writes_no_group_keys():
     cfg = load_config(ROOT / "configs" / "ppo_cartpole.yaml")
     data = cfg.to_dict()
