@@ -2,7 +2,10 @@
 
 - 4 KB of overwritten row data in a file written by a real run: `data inspect`, the reader, the replay buffer and a
   resume (PPO's experience log, SAC's HDF5 replay buffer) exit 2 with one line naming the file and the rows;
-- randomized HDF5 metadata: a resume exits 2 naming the file (it was exit 4, "error in user code", no file name);
+- damaged HDF5 metadata: randomized bytes (64 files) are a one-line UserError naming the file or read back as
+  written, each within seconds; a damaged chunk index makes a resume exit 2 naming the file (the replay buffer's
+  first sample hung in HDF5's SWMR retries before: "error in user code" or no end at all);
+- a damaged cursor that still looks possible is caught by its own checksum;
 - files written before the checksums (no fletcher32 filter) are still read, appended to and inspected.
 """
 

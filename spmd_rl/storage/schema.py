@@ -15,6 +15,10 @@ File layout (format "spmd_rl.hdf5", version 1):
                            (0 = grows without bound, else a ring of that many rows), chunk_rows, compression,
                            writer_pid, writer_host (the last process that opened it for writing)
 
+Every dataset, the cursor included, is chunked with HDF5's fletcher32 filter: a checksum per chunk that HDF5 checks
+on every read through its filter pipeline (files written before issue 19 have none and are read unchecked; see
+h5file.check_chunks and writer.HDF5Writer._find_damage).
+
 Row r (counting from the file's first row) is stored at position r, or r % capacity in ring mode. The valid rows
 are r in [max(0, reserved - capacity), committed) in ring mode, [0, committed) otherwise (reserved == committed
 there). Rows are written first and `committed` raised after them; before a ring write overwrites old rows,
