@@ -92,8 +92,14 @@ def evaluate(
     finally:
         policy.train(was_training)
         envs.close()  # also writes the last episode's video
+    cut = sum(length >= max_steps for length in lengths) if cuts else 0
+    return _summary(returns, lengths, deterministic, seed, max_steps, cut)
+
+
+def _summary(returns: list, lengths: list, deterministic: bool, seed: int, max_steps: int, cut: int) -> dict:
+    """What an evaluation returns: its settings, the statistics of its episodes, and the episodes themselves."""
     return {
-        "episodes": episodes,
+        "episodes": len(returns),
         "deterministic": deterministic,
         "seed": seed,
         "max_steps": max_steps,
@@ -103,7 +109,7 @@ def evaluate(
         "length_std": float(np.std(lengths)),
         "returns": returns,
         "lengths": lengths,
-        "cut": sum(length >= max_steps for length in lengths) if cuts else 0,
+        "cut": cut,
     }
 
 
@@ -122,20 +128,9 @@ def _evaluate_groups(policy, env_cfg: EnvSection, episodes: int, seed: int, dete
     }
     returns = [value for result in groups.values() for value in result["returns"]]
     lengths = [value for result in groups.values() for value in result["lengths"]]
-    return {
-        "episodes": len(returns),
-        "deterministic": deterministic,
-        "seed": seed,
-        "max_steps": max(result["max_steps"] for result in groups.values()),
-        "return_mean": float(np.mean(returns)),
-        "return_std": float(np.std(returns)),
-        "length_mean": float(np.mean(lengths)),
-        "length_std": float(np.std(lengths)),
-        "returns": returns,
-        "lengths": lengths,
-        "cut": sum(result["cut"] for result in groups.values()),
-        "groups": groups,
-    }
+    max_steps = max(result["max_steps"] for result in groups.values())
+    cut = sum(result["cut"] for result in groups.values())
+    return {**_summary(returns, lengths, deterministic, seed, max_steps, cut), "groups": groups}
 
 
 def episode_step_limit(env_cfg: EnvSection) -> int | None:
