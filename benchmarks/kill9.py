@@ -64,11 +64,14 @@ def start(args: list[str], run_dir: Path, world: int, port: int) -> list[subproc
     return procs
 
 
-def wait(procs: list[subprocess.Popen], timeout: float = 600) -> list[int]:
+def wait(procs: list[subprocess.Popen], timeout: float = 600) -> tuple[list[int], list[str]]:
+    """Every process's exit code and the last line of its stderr."""
     deadline = time.monotonic() + timeout
+    last_lines = []
     for p in procs:
-        p.communicate(timeout=max(deadline - time.monotonic(), 1))
-    return [p.returncode for p in procs]
+        _, stderr = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+        last_lines.append((stderr or "").strip().splitlines()[-1:] or [""])
+    return [p.returncode for p in procs], [line for (line,) in last_lines]
 
 
 def free_port() -> int:
@@ -107,23 +110,22 @@ def trial(args, world, reference: Path, duration: float, rng: random.Random, scr
     first = first_record_time(run_dir, procs)
     time.sleep(rng.uniform(0, duration))
     victim = rng.randrange(world)
-    finished_first = procs[victim].poll() is not None
     procs[victim].send_signal(signal.SIGKILL)
     time.sleep(0.5)
     for p in procs:  # what a launcher does after a rank dies: the others go too
         if p.poll() is None:
             p.kill()
     wait(procs)
-    reruns = 0
-    while True:
+    finished_first = (run_dir / "finished.json").exists()  # killed after the end: nothing to resume
+    reruns, errors = 0, ""
+    while not (run_dir / "finished.json").exists():
+        if reruns == 3:
+            return False, f"not finished after {reruns} reruns: {errors}"
         reruns += 1
-        procs = start(args, run_dir, world, free_port())
-        codes = wait(procs)
-        if all(c == 0 for c in codes):
-            break
-        errors = " | ".join(p.stderr.read().strip().splitlines()[-1] if p.stderr else "" for p in procs)
-        if reruns >= 3:
-            return False, f"rerun {reruns} exited {codes}: {errors}"
+        codes, last_lines = wait(start(args, run_dir, world, free_port()))
+        if any(codes):
+            errors = f"rerun {reruns} exited {codes}: {' | '.join(last_lines)}"
+            print(f"  {run_dir}: {errors}", file=sys.stderr, flush=True)
     exact = same_result(reference, run_dir)
     note = f"killed rank {victim} {time.monotonic() - first:.1f}s in" + (
         " (after it finished)" if finished_first else ""
@@ -149,12 +151,13 @@ def main() -> None:
         procs = start(args, reference, world, free_port())
         began = time.monotonic()
         first = first_record_time(reference, procs)
-        assert wait(procs) == [0] * world, procs[0].stderr.read()
+        codes, last_lines = wait(procs)
+        assert codes == [0] * world, last_lines
         duration = time.monotonic() - first
         finished = exact = 0
         for _ in range(options.trials):
             ok, note = trial(args, world, reference, duration, rng, scratch)
-            finished += "rerun" not in note
+            finished += "not finished" not in note
             exact += ok
             print(f"  {name}: {'ok' if ok else 'FAILED'}: {note}", file=sys.stderr, flush=True)
         print(f"| {name} | {options.trials} | {finished} | {exact} |  (reference {time.monotonic() - began:.0f}s)")
