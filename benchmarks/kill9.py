@@ -2,10 +2,10 @@
 must resume and finish with exactly the result of an uninterrupted run.
 
 Each case runs once uninterrupted (the reference), then `--trials` times: start the run, wait a random time drawn
-uniformly between its first metrics record and the reference's duration (checkpoints are taken every iteration, so
-kills land before, during and after checkpoint commits), kill -9 one rank (one process: the process; split 4: a
-random rank, then the rest, as a launcher would), rerun the same command until it exits 0, and compare
-metrics.jsonl (timings aside) and the final weights with the reference.
+uniformly between its first metrics record and 0.7 of the reference's duration (checkpoints are taken every
+iteration, so kills land before, during and after checkpoint commits), kill -9 one rank (one process: the
+process; split 4: a random rank, then the rest, as a launcher would), rerun the same command until it exits 0,
+and compare metrics.jsonl (timings aside) and the final weights with the reference.
 
     python benchmarks/kill9.py --trials 10 --cases ppo_log_one sac_hdf5_one ppo_log_split4
 """
@@ -108,7 +108,9 @@ def trial(args, world, reference: Path, duration: float, rng: random.Random, scr
     run_dir = scratch / f"trial{rng.randrange(10**9)}"
     procs = start(args, run_dir, world, free_port())
     first = first_record_time(run_dir, procs)
-    time.sleep(rng.uniform(0, duration))
+    # Within the reference's duration less a margin: a rerun on a less loaded machine runs faster, and a kill after
+    # its end tests nothing (measured: 7 of 15 kills drawn over the whole duration landed after the end).
+    time.sleep(rng.uniform(0, 0.7 * duration))
     victim = rng.randrange(world)
     procs[victim].send_signal(signal.SIGKILL)
     time.sleep(0.5)
