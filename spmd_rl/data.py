@@ -10,11 +10,13 @@ the row range); a truncated or corrupt file is found within seconds (see storage
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from spmd_rl.config.excerpts import clip
 from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
 from spmd_rl.storage.h5file import DAMAGED_FILE_ERRORS, damaged
 from spmd_rl.storage.reader import HDF5Reader
@@ -62,6 +64,8 @@ def _summary(path: Path) -> str:
             if versions == (-1, -1)
             else f"  policy versions: {versions[0]}..{versions[1]}"
         )
+        if "group_names" in reader.attrs:  # an env-group run's file: its rows per group
+            lines.append(f"  env groups: {_group_rows(reader, rows)}")
         keys, episodes = _episode_ends(reader, rows)
         lines.append(
             f"  episodes ended: {episodes} (rows with {' or '.join(keys)} set)"
@@ -85,6 +89,24 @@ def _min_max(reader: HDF5Reader, name: str, rows: int) -> tuple[int, int] | None
         low = column.min() if low is None else min(low, column.min())
         high = column.max() if high is None else max(high, column.max())
     return int(low), int(high)
+
+
+def _group_rows(reader: HDF5Reader, rows: int) -> str:
+    """'short 80 rows, long 160 rows' from the group column and the file's group_names attribute."""
+    try:
+        names = json.loads(reader.attrs["group_names"])
+    except (TypeError, ValueError):
+        names = None
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names) or "group" not in reader.layout:
+        return "unreadable (the group_names attribute or the group column is not what spmd_rl writes)"
+    counts = np.zeros(len(names) + 1, dtype=np.int64)  # the last slot: indices no name is given for
+    for start in range(0, rows, SCAN_ROWS):
+        column = reader.column("data/group", start, start + SCAN_ROWS).astype(np.int64)
+        known = (column >= 0) & (column < len(names))
+        counts[: len(names)] += np.bincount(column[known], minlength=len(names))
+        counts[-1] += int((~known).sum())
+    listed = [f"{clip(name)} {count} rows" for name, count in zip(names, counts[:-1], strict=True)]
+    return ", ".join(listed + ([f"{counts[-1]} rows of no group"] if counts[-1] else []))
 
 
 def _episode_ends(reader: HDF5Reader, rows: int) -> tuple[list[str], int]:

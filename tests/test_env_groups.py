@@ -18,6 +18,7 @@ from test_train_e2e import ROOT, TINY, _env, run_main
 
 from spmd_rl.algorithms.ppo import PPO
 from spmd_rl.config.loading import evaluation_env, load_config
+from spmd_rl.data import summarize
 from spmd_rl.envs.vector import check_same_spaces, probe_env
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.plan import plan_run
@@ -188,6 +189,7 @@ def test_the_experience_file_records_each_rows_group(group_run):
         env_ids = file["meta/env_id"][:rows]
     assert rows == 5 * 16 * 3 and groups.dtype.kind == "i"
     assert (groups == (env_ids >= 1)).all()  # env 0 is short's, envs 1 and 2 are long's
+    assert "  env groups: short 80 rows, long 160 rows\n" in summarize(run_dir / "buffer" / "experience_rank0.h5")
 
 
 def test_the_command_line_evaluates_per_group_and_on_eval_env(group_run):
