@@ -2,11 +2,14 @@
 # ranks' exit code. (mpirun and torchrun exit 1 when signalled, whatever their ranks did.)
 #
 #   make_exit_file                            # sets exit_file: rank 0 writes its own exit code there
-#   launcher ... & wait_for_launcher $!       # (SPMD_RL_EXIT_FILE=$exit_file), and exits as described below
+#                                             # (SPMD_RL_EXIT_FILE=$exit_file), and failure_dir: failing ranks
+#                                             # leave their records there (SPMD_RL_FAILURE_DIR, ranks on this host)
+#   launcher ... & wait_for_launcher $!       # and exits as described below
 
-make_exit_file() {   # not in $(...): the trap that removes the file must belong to the script's own shell
+make_exit_file() {   # not in $(...): the trap that removes the files must belong to the script's own shell
     exit_file=$(mktemp "${TMPDIR:-/tmp}/spmd_rl-exit.XXXXXX")
-    trap 'rm -f "$exit_file"' EXIT
+    failure_dir=$(mktemp -d "${TMPDIR:-/tmp}/spmd_rl-failures.XXXXXX")
+    trap 'rm -f "$exit_file"; rm -rf "$failure_dir"' EXIT
 }
 
 # Passes SIGINT, SIGTERM and SIGUSR1 on to the launcher (which passes them on to every rank), waits until it has
@@ -22,6 +25,11 @@ wait_for_launcher() {
         kill -0 "$job" 2>/dev/null || break
     done
     wait   # any other child (torchrun.sh's output filter) has printed everything
+    # The launcher may have killed rank 0 before it printed the job summary (mpirun kills every rank as soon as
+    # one dies): the summary from the records the failing ranks left, unless rank 0 spoke (spmd_rl/runtime/postmortem.py).
+    if [[ $status != 0 ]] && compgen -G "$failure_dir/rank*.json" >/dev/null; then
+        "${PYTHON:-python}" -m spmd_rl.runtime.postmortem "$failure_dir" || true
+    fi
     ranks_code=$(cat "$exit_file" 2>/dev/null || true)
     if [[ $status != 0 && $ranks_code == 75 ]]; then
         exit 75

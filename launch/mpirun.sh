@@ -27,6 +27,9 @@ flags=(
     --oversubscribe                      # allow more ranks than cores: env and inference ranks mostly wait
     -x "OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}"   # torchrun sets 1, mpirun does not: N ranks x all-core
                                                  # thread pools thrash
+    --mca odls_base_sigkill_timeout 3    # when a rank dies mpirun SIGTERMs the rest, and SIGKILLs them 1 s later
+                                         # by default: too soon for some to leave the failure record the job
+                                         # summary needs (their lines and records take well under a second)
 )
 if [[ $(id -u) == 0 ]]; then
     flags+=(--allow-run-as-root)         # containers run as root; Open MPI refuses root without this flag
@@ -45,6 +48,12 @@ fi
 # ends this script with 75 as it ends every rank (launch/common.sh).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 make_exit_file
+flags+=(-x "SPMD_RL_EXIT_FILE=$exit_file")
+if [[ -z ${HOSTFILE:-} ]]; then
+    # failing ranks leave their records in this directory, so this script prints the job summary when mpirun
+    # killed rank 0 before it could; one host only: records from some hosts alone would blame the others' ranks
+    flags+=(-x "SPMD_RL_FAILURE_DIR=$failure_dir")
+fi
 # shellcheck disable=SC2086  # MPIRUN_ARGS is a list of flags
-mpirun "${flags[@]}" -x "SPMD_RL_EXIT_FILE=$exit_file" ${MPIRUN_ARGS:-} "${PYTHON:-python}" -m spmd_rl.main "$@" &
+mpirun "${flags[@]}" ${MPIRUN_ARGS:-} "${PYTHON:-python}" -m spmd_rl.main "$@" &
 wait_for_launcher $!   # passes INT, TERM and USR1 on to mpirun, which passes them on to every rank

@@ -46,6 +46,11 @@ drop_signal_traceback() {   # the agent's traceback for the signal it was sent; 
          { print; fflush() }
          END { if (holding) print held }' >&2
 }
+# Failing ranks leave their records in failure_dir, so this script prints the job summary if rank 0 could not; one
+# node only: records from some nodes alone would blame the others' ranks.
+if [[ $NNODES == 1 ]]; then
+    export SPMD_RL_FAILURE_DIR=$failure_dir
+fi
 # torchrun sets OMP_NUM_THREADS=1 for its workers unless it is already set.
 SPMD_RL_EXIT_FILE=$exit_file "${PYTHON:-python}" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" \
     "${rendezvous[@]}" --max-restarts="${MAX_RESTARTS:-0}" -m spmd_rl.main "$@" 2> >(drop_signal_traceback) &

@@ -26,7 +26,7 @@ from multiproc import run_ranks
 
 from spmd_rl.runtime.distributed import Peer, comm_error
 from spmd_rl.runtime.errors import COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, CommError
-from spmd_rl.runtime.postmortem import Failure, first_cause
+from spmd_rl.runtime.postmortem import SPOKEN_MARKER, Failure, after_failure, first_cause
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 15  # dist.timeout_s of every job: long enough for 4 ranks to start on a loaded 2-core machine
@@ -454,3 +454,32 @@ def test_the_watchdog_notices_that_its_process_was_stopped():
     assert dog.frozen_for(60) < 1.0
     dog._last_tick -= 5.0  # as if no tick had come for 5 s
     assert dog.frozen_for(60) > 4.0
+
+
+def test_failure_records_in_the_launchers_directory_give_the_summary_without_rank_0(tmp_path, monkeypatch):
+    # launch/mpirun.sh: mpirun killed rank 0 before its summary; the records the failing ranks left as files give
+    # the same line, with the names of the silent ranks, once the launcher runs the module on the directory.
+    monkeypatch.setenv("SPMD_RL_FAILURE_DIR", str(tmp_path))
+    names = ["rank 0 (trainer 0)", "rank 1 (inference 0)", "rank 2 (env 0)", "rank 3 (env 1)"]
+    for rank in (2, 3):
+        after_failure(Failure(rank, COMM_ERROR_EXIT_CODE, 100.0 + rank, peers=(1,)), 4, names.__getitem__)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["rank2.json", "rank3.json"]
+    summarize = [sys.executable, "-m", "spmd_rl.runtime.postmortem", str(tmp_path)]
+    done = subprocess.run(summarize, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "", done
+    assert done.stderr.splitlines() == [
+        "spmd_rl: job summary: rank 1 (inference 0) stopped responding first: ranks [2, 3] waited on it and it "
+        "reported no error (killed, stopped or hung); the other ranks' errors follow from it"
+    ]
+    assert (
+        "torch"
+        not in subprocess.run(
+            [sys.executable, "-c", "import sys, spmd_rl.runtime.postmortem; print(sorted(sys.modules))"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+    )  # the launcher script runs it after every failure: no seconds-long import
+    (tmp_path / SPOKEN_MARKER).touch()  # rank 0 printed the summary itself: the launcher adds none
+    assert subprocess.run(summarize, cwd=REPO, capture_output=True, text=True, timeout=60).stderr == ""

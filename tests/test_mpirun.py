@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,58 @@ def test_mpi_rendezvous_with_the_probe(tmp_path):
         (r["launcher"], r["rank"], r["world_size"], r["local_rank"], r["local_world_size"], r["rank_sum"])
         for r in reports
     ] == [("mpi", rank, 3, rank, 3, 6.0) for rank in range(3)]
+
+
+def test_a_killed_rank_is_named_in_the_job_summary_although_mpirun_kills_rank_0(tmp_path):
+    # mpirun ends every rank as soon as one dies, often rank 0 before it printed the job summary; the ranks'
+    # failure records (files in the launcher's directory) still give exactly one summary naming the killed rank.
+    run_dir = tmp_path / "run"
+    command = [
+        "launch/mpirun.sh",
+        "--config",
+        "configs/ci_tiny.yaml",
+        f"run.dir={run_dir}",
+        *SPLIT_4,
+        "train.total_steps=200000",
+        "dist.timeout_s=20",
+    ]
+    job = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=mpirun_env(4),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert job.poll() is None and time.monotonic() < deadline, "the job ended or hung before 3 iterations"
+            time.sleep(0.2)
+        os.kill(_rank_pid(1, str(run_dir)), signal.SIGKILL)
+        output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    summaries = [line for line in output.splitlines() if "job summary" in line]
+    assert job.returncode != 0, output[-4000:]
+    assert len(summaries) == 1, output[-4000:]
+    assert summaries[0].startswith("spmd_rl: job summary: rank 1 (inference 0) stopped responding first"), output
+    assert "stopping after this iteration" not in output, output[-4000:]  # mpirun's abort is no stop request
+
+
+def _rank_pid(rank: int, marker: str) -> int:
+    """The pid of this job's rank `rank` (mpirun tells each rank its number in OMPI_COMM_WORLD_RANK)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if (
+                marker in (proc / "cmdline").read_text()
+                and f"OMPI_COMM_WORLD_RANK={rank}\0" in (proc / "environ").read_text()
+            ):
+                return int(proc.name)
+        except (OSError, ValueError):
+            continue
+    raise AssertionError(f"no process of rank {rank} with {marker} on its command line")

@@ -15,20 +15,25 @@ seconds for the others' records and prints one line naming the first cause:
   4. else the ranks that left no record at all, or, when every rank reported, the earliest communication error.
 The store may be gone after a failure (its host died) or frozen (its host is stopped), so every store operation
 runs in a daemon thread joined within a bound: a failing rank always exits promptly.
+
+A launcher may stop rank 0 before it prints the summary (mpirun kills every rank as soon as one dies). So when
+$SPMD_RL_FAILURE_DIR names a directory (launch/mpirun.sh and launch/torchrun.sh on one host), every failing rank
+also leaves its record there as a file, with the names of all ranks, and rank 0 a marker once it has spoken for the
+job; after the job, `python -m spmd_rl.runtime.postmortem DIR` prints the same summary from the files unless the
+marker is there. No torch at module level: that runs in the launcher script, after every rank is gone.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch.distributed as dist
-from torch.distributed import distributed_c10d
+from pathlib import Path
 
 from spmd_rl.runtime.errors import COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE
 
@@ -43,6 +48,8 @@ POLL_S = 0.05
 # A rank that failed this much later than every rank that timed out waiting on it was not running meanwhile.
 STALL_MARGIN_S = 1.0
 FROZEN_S = 2.0  # a rank that did not run for this long during its failed wait was stopped: the first cause
+FAILURE_DIR_VARIABLE = "SPMD_RL_FAILURE_DIR"
+SPOKEN_MARKER = "rank0-spoke"  # rank 0 printed the summary, or its own line speaks for the job
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,8 @@ def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[in
     """On a failing rank of a distributed run, before it exits: leave this rank's record, or, on rank 0 after a
     communication error, gather the others' and print the summary. Never raises, never blocks for long."""
     try:
+        # first: the launcher may kill this rank any moment
+        in_file = _leave_record_file(failure, world_size, describe_rank)
         store = _default_store()
         if store is None:
             return
@@ -161,14 +170,22 @@ def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[in
             _bounded(lambda: store.set(KEY.format(failure.rank), failure.encode()), PUBLISH_BOUND_S)
         elif failure.exit_code == COMM_ERROR_EXIT_CODE:
             others: dict[int, Failure] = {}
+            complete = False
             try:
                 _bounded(lambda: _collect(store, world_size, others, failure), AMBIGUOUS_GRACE_S + PUBLISH_BOUND_S)
-            finally:  # a launcher's SIGTERM cuts the wait short, not the summary of what arrived
-                print(
-                    f"spmd_rl: job summary: {first_cause(failure, dict(others), world_size, describe_rank)}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                complete = True
+            finally:
+                # A launcher's SIGTERM cuts the wait short: the summary of what arrived, unless the launcher
+                # script prints it after the job from the files, which hold every record written meanwhile.
+                if complete or not in_file:
+                    print(
+                        f"spmd_rl: job summary: {first_cause(failure, dict(others), world_size, describe_rank)}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    _leave_marker()
+        else:  # rank 0's own line (not a knock-on) speaks for the job, as it always did: no summary
+            _leave_marker()
     except BaseException:  # noqa: BLE001 - a broken store or a second signal must not change how the rank exits
         pass
 
@@ -210,6 +227,89 @@ def _bounded(action: Callable[[], None], bound_s: float) -> None:
 
 def _default_store():
     try:
+        import torch.distributed as dist  # here, not at module level: summarize_files runs without torch
+        from torch.distributed import distributed_c10d
+
         return distributed_c10d._get_default_store() if dist.is_initialized() else None
     except Exception:  # noqa: BLE001 - no store, no summary
         return None
+
+
+def _failure_dir() -> Path | None:
+    directory = os.environ.get(FAILURE_DIR_VARIABLE)
+    return Path(directory) if directory else None
+
+
+def _leave_record_file(failure: Failure, world_size: int, describe_rank: Callable[[int], str]) -> bool:
+    """This rank's record, and every rank's name (a silent rank cannot give its own), as DIR/rank<R>.json: written
+    under another name and renamed, so the launcher never reads half a record. A local file of a few hundred
+    bytes: no bound needed. Whether it was written; never raises."""
+    directory = _failure_dir()
+    if directory is None:
+        return False
+    try:
+        record = {
+            "failure": json.loads(failure.encode()),
+            "world_size": world_size,
+            "names": [describe_rank(rank) for rank in range(world_size)],
+        }
+        path = directory / f"rank{failure.rank}.json"
+        partial = directory / f".rank{failure.rank}.json.partial"
+        partial.write_text(json.dumps(record))
+        partial.replace(path)
+        return True
+    except Exception:  # noqa: BLE001 - no directory (another host, removed): the store still has the record
+        return False
+
+
+def a_rank_has_failed() -> bool:
+    """Whether a rank of this job has left a failure record in $SPMD_RL_FAILURE_DIR (False when it is not set)."""
+    directory = _failure_dir()
+    try:
+        return directory is not None and any(directory.glob("rank*.json"))
+    except OSError:
+        return False
+
+
+def _leave_marker() -> None:
+    directory = _failure_dir()
+    if directory is not None:
+        try:
+            (directory / SPOKEN_MARKER).touch()
+        except OSError:
+            pass
+
+
+def summarize_files(directory: Path) -> str | None:
+    """The summary line from the record files of DIR, or None: no record, or rank 0 spoke for the job already."""
+    if (directory / SPOKEN_MARKER).exists():
+        return None
+    records: dict[int, Failure] = {}
+    names: list[str] = []
+    world_size = 0
+    for path in sorted(directory.glob("rank*.json")):
+        try:
+            record = json.loads(path.read_text())
+            failure = Failure.decode(json.dumps(record["failure"]).encode())
+            world_size = max(world_size, int(record["world_size"]))
+            names = [str(name) for name in record["names"]] or names
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged file: the summary of the others
+        records[failure.rank] = failure
+    if not records:
+        return None
+
+    def describe(rank: int) -> str:
+        return names[rank] if 0 <= rank < len(names) else f"rank {rank}"
+
+    own = records.pop(min(records))
+    return f"spmd_rl: job summary: {first_cause(own, records, max(world_size, own.rank + 1), describe)}"
+
+
+if __name__ == "__main__":  # launch/common.sh, after a failed job: python -m spmd_rl.runtime.postmortem DIR
+    try:
+        line = summarize_files(Path(sys.argv[1]))
+        if line:
+            print(line, file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - a summary is a courtesy: the launcher's exit code stands either way
+        pass

@@ -9,6 +9,7 @@ import sys
 
 from spmd_rl.runtime.errors import StopSignal
 from spmd_rl.runtime.launch import rank_from_env
+from spmd_rl.runtime.postmortem import a_rank_has_failed
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -80,6 +81,10 @@ def _on_signal(signum: int, frame) -> None:
     name = signal.Signals(signum).name
     if _Graceful.enabled and _Graceful.requested is None:
         _Graceful.requested = (name, signum)
+        if a_rank_has_failed():
+            # Most likely the launcher ending the job after a rank failed (mpirun SIGTERMs the rest at once); the
+            # stop stays asked for, but a checkpoint needs every rank: no line promising one.
+            return
         print(
             f"spmd_rl: {name}: stopping after this iteration with a checkpoint (send it again to stop at once)",
             file=sys.stderr,
