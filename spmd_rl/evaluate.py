@@ -27,7 +27,8 @@ import sys
 from pathlib import Path
 
 from spmd_rl.config.loading import evaluation_env
-from spmd_rl.run.evaluation import DEFAULT_MAX_STEPS, evaluate, require_moviepy
+from spmd_rl.envs.vector import check_same_spaces, probe_env
+from spmd_rl.run.evaluation import DEFAULT_MAX_STEPS, evaluate, probe_eval_env, require_moviepy
 from spmd_rl.run.policies import load_policy
 from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             require_moviepy()  # before any work: the one thing to install
         policy, cfg = load_policy(args.path, args.device, args.overrides)
         env_cfg = evaluation_env(cfg) if args.eval_env else cfg.env
+        if args.eval_env:  # the policy acts on env's spaces: eval.env (perhaps from the overrides) must keep them
+            check_same_spaces(probe_env(cfg.env), probe_eval_env(cfg), "eval.env")
         result = evaluate(policy, env_cfg, args.episodes, args.seed, args.deterministic, args.video, args.max_steps)
     except UserError as exc:
         print(f"spmd_rl.evaluate: error: {exc}", file=sys.stderr)

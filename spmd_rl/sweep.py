@@ -150,8 +150,13 @@ class Sweep:
         if not (run_dir / FINISHED).exists():
             return False
         try:
-            return load_config(run_dir / "config.yaml").resume_digest() == self.digests[index]
-        except UserError:
+            # The digest of the config as the command gave it: config.yaml holds the env counts the run's plan
+            # resolved for its world size (env.total_envs, env.groups), which the sweep does not know.
+            given = json.loads((run_dir / FINISHED).read_text()).get("config_digest")
+            if given is None:  # a run finished before finished.json recorded it
+                given = load_config(run_dir / "config.yaml").resume_digest()
+            return given == self.digests[index]
+        except (UserError, OSError, ValueError, AttributeError):
             return False  # damaged: let spmd_rl.main say what it finds
 
     def plan(self) -> dict:

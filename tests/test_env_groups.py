@@ -3,6 +3,7 @@ before start, per-group episode statistics and evaluation (eval.env), the experi
 layout, and exact resume."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -24,6 +25,7 @@ from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.plan import plan_run
 from spmd_rl.run.topology import build_topology
 from spmd_rl.runtime.errors import UserError
+from spmd_rl.sweep import plan_sweep
 
 POLE = "env.id=examples.env_groups.pole_cartpole:PoleCartPole-v1"
 TWO_GROUPS = "env.groups=[{name: short, kwargs: {length: 0.25}, num_envs: 1}, {name: long, kwargs: {length: 1.0}}]"
@@ -143,23 +145,20 @@ def test_a_run_without_groups_writes_no_group_keys():
     assert "groups" not in data["env"] and "env" not in data["eval"]  # config.yaml and the run digest as before
 
 
+GROUP_RUN_OVERRIDES = [
+    "eval.env={groups: [{name: short, kwargs: {length: 0.25}}, {name: held, kwargs: {length: 0.75}}]}",
+    "eval.every=4",
+    "eval.episodes=2",
+    "buffer.log_experience=true",
+    "log.interval_s=0",
+]
+
+
 @pytest.fixture(scope="module")
 def group_run(tmp_path_factory):
     """One process, two pole lengths, a held-out evaluation, experience logged."""
     run_dir = tmp_path_factory.mktemp("groups") / "run"
-    held_out = "eval.env={groups: [{name: short, kwargs: {length: 0.25}}, {name: held, kwargs: {length: 0.75}}]}"
-    result = run_main(
-        "--config",
-        TINY,
-        POLE,
-        TWO_GROUPS,
-        held_out,
-        "eval.every=4",
-        "eval.episodes=2",
-        "buffer.log_experience=true",
-        "log.interval_s=0",
-        f"run.dir={run_dir}",
-    )
+    result = run_main("--config", TINY, POLE, TWO_GROUPS, *GROUP_RUN_OVERRIDES, f"run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir, result
 
@@ -205,6 +204,24 @@ def test_the_command_line_evaluates_per_group_and_on_eval_env(group_run):
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert list(out["groups"]) == ["short", "held"] and out["episodes"] == 4
+    other_spaces = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd_rl.evaluate",
+            str(run_dir),
+            "eval.env={groups: [{name: a, id: Acrobot-v1}]}",
+            "--eval-env",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert other_spaces.returncode == 2, other_spaces.stderr
+    assert other_spaces.stderr.startswith("spmd_rl.evaluate: error: eval.env gives another observation space")
+    assert len(other_spaces.stderr.strip().splitlines()) == 1
 
 
 def test_a_run_without_groups_logs_no_group_column(tmp_path):
@@ -244,3 +261,16 @@ def test_the_shipped_config_runs_an_iteration():
     result = run_main("--config", str(ROOT / "configs" / "ppo_cartpole_groups.yaml"), "--dry-run", "log.progress=false")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "in groups short (4 per env rank), standard (4 per env rank), long (4 per env rank)" in result.stdout
+
+
+def test_a_sweep_knows_a_finished_env_group_run_as_its_own(group_run, tmp_path):
+    # config.yaml holds the counts the plan resolved (group num_envs, env.num_envs the sum): finished.json keeps the
+    # digest of the config as given, which is what a sweep computes for its combination.
+    run_dir, _ = group_run
+    overrides = [POLE, TWO_GROUPS, *GROUP_RUN_OVERRIDES]
+    sweep = plan_sweep(TINY, overrides, tmp_path, tmp_path / "sweep", "groups")
+    shutil.copytree(run_dir, sweep.run_dir(sweep.combinations[0]))
+    assert sweep.finished(0)
+    other = plan_sweep(TINY, [*overrides, "train.seed=7"], tmp_path, tmp_path / "other", "groups")
+    shutil.copytree(run_dir, other.run_dir(other.combinations[0]))
+    assert not other.finished(0)  # another config's finished run is not this combination's

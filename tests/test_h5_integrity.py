@@ -243,3 +243,24 @@ def test_a_damaged_chunk_index_makes_resume_exit_2_naming_the_file(tmp_path):
     path.write_bytes(content)
     result, elapsed, _ = run_main(*args, f"run.dir={run_dir}")
     assert_one_line_exit_2(result, f"{path} is damaged")
+
+
+def test_a_wrapped_ring_read_that_fails_once_is_read_again_through_a_fresh_handle(tmp_path, monkeypatch):
+    # A live reader can catch a chunk while the writer rewrites it: the retry reopens the file, so the ring's second
+    # part must be read through the new handle (it was read through the closed one: a TypeError traceback).
+    path = tmp_path / "ring.h5"
+    writer = HDF5Writer(path, rows(1), chunk_rows=4, capacity=16, overwrite=True, flush_every_s=0)
+    writer.append(rows(20))
+    writer.close()
+    read = h5py.Dataset.__getitem__
+    failures = iter([OSError("Can't read data (filter returned failure during read)")])
+
+    def once_mid_rewrite(dataset, selection):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return read(dataset, selection)
+
+    with HDF5Reader(path) as reader:
+        monkeypatch.setattr(h5py.Dataset, "__getitem__", once_mid_rewrite)
+        assert reader.column("data/id").tolist() == list(range(4, 20))

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from spmd_rl.config.loading import evaluation_env
 from spmd_rl.config.sections import Config
 from spmd_rl.envs.vector import EnvSpec, check_same_spaces, probe_env
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.fileio import flush_open_files
 from spmd_rl.persist.run_control import STOPPED_EXIT_CODE, RunControl, StoppedWithCheckpoint
 from spmd_rl.run import contract
+from spmd_rl.run.evaluation import probe_eval_env
 from spmd_rl.run.plan import Plan, dry_run_plan, plan_run
 from spmd_rl.run.policies import save_policy
 from spmd_rl.run.resume import agree_on_run, mark_finished
@@ -63,6 +63,9 @@ class Checked:
     spec: EnvSpec
     outputs: dict
     gpu_slot: tuple[int | None, int]  # this rank's GPU on its node (None: an env rank), and how many it needs
+    # The config's resume digest as the command gave it, before the plan resolves env counts per env rank (what a
+    # sweep, which never sees the world size, knows its runs by: finished.json records it)
+    given_digest: str
 
 
 @dataclass
@@ -241,6 +244,7 @@ def resolve(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
 
 def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
     host_rank = launch.rank if launch.world_size > 1 else None
+    given_digest = cfg.resume_digest()
     try:
         topology = build_topology(cfg.layout, launch.world_size)
         with watchdog.watch("importing the plug-in modules (policy, algo, engine, callbacks)"):
@@ -256,7 +260,7 @@ def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
             spec = probe_env(cfg.env)
         if cfg.eval.env:  # held-out settings: the policy built for env's spaces must act there too
             with watchdog.watch("making eval.env's envs (to read their spaces)"):
-                check_same_spaces(spec, probe_env(evaluation_env(cfg)), "eval.env")
+                check_same_spaces(spec, probe_eval_env(cfg), "eval.env")
         with watchdog.watch(f"building policy.class {cfg.classes['policy']} and calling its act"):
             outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls)
         contract.check_planned_memory(cfg, spec, outputs, plan)
@@ -267,7 +271,9 @@ def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
         choose_device(cfg.train.device, *gpu_slot)  # enough GPUs on this node: said before any group exists
     except UserError as exc:
         raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
-    return Checked(topology, plan, policy_cls, algorithm_cls, engine_cls, callback_classes, spec, outputs, gpu_slot)
+    return Checked(
+        topology, plan, policy_cls, algorithm_cls, engine_cls, callback_classes, spec, outputs, gpu_slot, given_digest
+    )
 
 
 def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Checked, dry_run: bool) -> Outcome:
@@ -322,7 +328,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
         stop_at_iteration_boundary(False)
     if runtime.rank == 0:
         save_policy(run.final_policy, run_dir)
-        mark_finished(run_dir)
+        mark_finished(run_dir, checked.given_digest)
     return Outcome(run_dir, run.final_policy)
 
 

@@ -10,10 +10,11 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from spmd_rl.config.sections import EnvSection
+from spmd_rl.config.loading import evaluation_env
+from spmd_rl.config.sections import Config, EnvSection
 from spmd_rl.envs import spaces
 from spmd_rl.envs.envpool_backend import envpool_step_limit
-from spmd_rl.envs.vector import make_vector_env, probe_env
+from spmd_rl.envs.vector import EnvSpec, make_vector_env, probe_env
 from spmd_rl.interfaces.policy import initial_state
 from spmd_rl.roles.messages import observation_message
 from spmd_rl.runtime.errors import UserError
@@ -94,6 +95,15 @@ def evaluate(
         envs.close()  # also writes the last episode's video
     cut = sum(length >= max_steps for length in lengths) if cuts else 0
     return _summary(returns, lengths, deterministic, seed, max_steps, cut)
+
+
+def probe_eval_env(cfg: Config) -> EnvSpec:
+    """The spaces of the envs evaluation plays on (env with eval.env's changes); an error there names eval.env,
+    whose keys the user must fix, not env's."""
+    try:
+        return probe_env(evaluation_env(cfg))
+    except UserError as exc:
+        raise UserError(f"eval.env: {exc}") from None
 
 
 def _summary(returns: list, lengths: list, deterministic: bool, seed: int, max_steps: int, cut: int) -> dict:

@@ -227,6 +227,7 @@ def prepare_run_dir(run_dir: Path, resume: Resume) -> None:
             path.unlink()
 
 
-def mark_finished(run_dir: Path) -> None:
-    """A finished run's directory is never resumed (decide_resume)."""
-    write_atomic(run_dir / FINISHED, json.dumps({"finished": True}) + "\n")
+def mark_finished(run_dir: Path, given_digest: str) -> None:
+    """A finished run's directory is never resumed (decide_resume). given_digest: the config's resume digest as the
+    command gave it (config.yaml holds env counts the plan resolved for this world size)."""
+    write_atomic(run_dir / FINISHED, json.dumps({"finished": True, "config_digest": given_digest}) + "\n")

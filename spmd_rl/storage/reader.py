@@ -75,27 +75,26 @@ class HDF5Reader:
         """Valid rows [start, stop) of one dataset ("data/obs", "meta/env_step"), oldest first."""
         stop = len(self) if stop is None else min(stop, len(self))
         first = self.first_row + start
-        dataset = self.dataset(name)
         if stop <= start:
-            return self._positions(dataset, 0, 0)
+            return self._positions(name, 0, 0)
         if not self.capacity:
-            return self._positions(dataset, first, first + stop - start)
+            return self._positions(name, first, first + stop - start)
         head = first % self.capacity
         count = stop - start
         if head + count <= self.capacity:
-            return self._positions(dataset, head, head + count)
+            return self._positions(name, head, head + count)
         return np.concatenate(
-            [self._positions(dataset, head, self.capacity), self._positions(dataset, 0, head + count - self.capacity)]
+            [self._positions(name, head, self.capacity), self._positions(name, 0, head + count - self.capacity)]
         )
 
-    def _positions(self, dataset: h5py.Dataset, low: int, high: int) -> np.ndarray:
-        """dataset[low:high]; a chunk that fails its checksum (or cannot be read) is a UserError naming its rows."""
+    def _positions(self, name: str, low: int, high: int) -> np.ndarray:
+        """The dataset's positions [low:high]; a chunk that fails its checksum (or cannot be read) is a UserError
+        naming its rows. By name, not handle: a failed read reopens the file, which closes every handle."""
         try:
-            return dataset[low:high]
+            return self.dataset(name)[low:high]
         except DAMAGED_FILE_ERRORS:
             pass
         # After a failed read HDF5's state can be wrong (see check_chunks): look again through a fresh handle.
-        name = dataset.name
         self._file.close()
         self._file = open_swmr_reader(self.path)
         self._cursor = self._file[CURSOR]
