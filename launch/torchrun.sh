@@ -52,6 +52,12 @@ if [[ $NNODES == 1 ]]; then
     export SPMD_RL_FAILURE_DIR=$failure_dir
 fi
 # torchrun sets OMP_NUM_THREADS=1 for its workers unless it is already set.
+# The filter's pid is kept (a process substitution's is $! only right after it starts) so that this script ends
+# after its last line; it reads until the agent and the ranks, its only writers once this shell closes its copy, exit.
+exec {to_filter}> >(drop_signal_traceback)
+filter=$!
 SPMD_RL_EXIT_FILE=$exit_file "${PYTHON:-python}" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" \
-    "${rendezvous[@]}" --max-restarts="${MAX_RESTARTS:-0}" -m spmd_rl.main "$@" 2> >(drop_signal_traceback) &
-wait_for_launcher $!   # the agent passes INT, TERM and USR1 on to every rank
+    "${rendezvous[@]}" --max-restarts="${MAX_RESTARTS:-0}" -m spmd_rl.main "$@" 2>&"$to_filter" &
+job=$!
+exec {to_filter}>&-
+wait_for_launcher "$job" "$filter"   # the agent passes INT, TERM and USR1 on to every rank
