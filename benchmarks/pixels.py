@@ -3,6 +3,7 @@ Stable-Baselines3's PPO CnnPolicy with the same hyperparameters on the same EnvP
 thread everywhere; the runs alternate when repeated, so a change in the machine's load hits every side alike).
 
     python benchmarks/pixels.py [--iterations 4] [--repeats 1] [--no-sb3]
+    python benchmarks/pixels.py --learn-steps 200000   # learning: spmd_rl and SB3 on the same budget, side by side
 
 Rows:
   - raw env: EnvPool's Breakout-v5, 8 envs, the config's env.kwargs, random actions drawn up front;
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -82,17 +84,20 @@ def spmd_ppo(iterations: int) -> dict:
     }
 
 
-def sb3_ppo(iterations: int) -> float:
-    from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import BaseCallback
+def envpool_vec_env(envs):
+    """SB3's VecEnv over EnvPool's envs. SB3 expects an ended env's next observation in the same step (with the
+    final one in its info); EnvPool resets an env on its step after the end, so the ended envs take that reset step
+    here at once. (Not envs.reset(env_id): under episodic_life that restarts the game at every lost life, where the
+    reset step continues it, as spmd_rl's env runner does; the adapter used reset() until 2026-12-01.) `games`
+    collects finished games' scores, counted as spmd_rl's EnvPool backend counts them (the game's own reward,
+    info["reward"], summed until info["terminated"], the game's end, or a truncation)."""
     from stable_baselines3.common.vec_env import VecEnv
 
     class EnvPoolVecEnv(VecEnv):
-        """SB3's VecEnv over EnvPool's envs. SB3 expects an ended env's next observation in the same step (with
-        the final one in its info); EnvPool resets on the following step, so ended envs are reset here at once."""
-
-        def __init__(self, envs):
+        def __init__(self):
             self.envs = envs
+            self.scores = np.zeros(envs.num_envs)
+            self.games: list[float] = []
             super().__init__(envs.num_envs, envs.single_observation_space, envs.single_action_space)
 
         def reset(self):
@@ -102,7 +107,11 @@ def sb3_ppo(iterations: int) -> float:
             self.actions = actions
 
         def step_wait(self):
-            obs, reward, terminated, truncated, _ = self.envs.step(self.actions)
+            obs, reward, terminated, truncated, info = self.envs.step(self.actions)
+            self.scores += info["reward"]
+            for i in np.flatnonzero(info["terminated"] | truncated):
+                self.games.append(float(self.scores[i]))
+                self.scores[i] = 0.0
             done = terminated | truncated
             infos = [{} for _ in range(self.num_envs)]
             ended = np.flatnonzero(done)
@@ -111,7 +120,10 @@ def sb3_ppo(iterations: int) -> float:
                     infos[i]["terminal_observation"] = obs[i]
                     infos[i]["TimeLimit.truncated"] = bool(truncated[i] and not terminated[i])
                 obs = obs.copy()
-                obs[ended] = self.envs.reset(env_id=ended.astype(np.int32))[0]
+                reset_obs, *_, reset_info = self.envs.step(
+                    np.zeros(ended.size, np.int64), env_id=ended.astype(np.int32)
+                )
+                obs[reset_info["env_id"]] = reset_obs
             return obs, reward, done, infos
 
         def close(self):
@@ -129,21 +141,17 @@ def sb3_ppo(iterations: int) -> float:
         def env_is_wrapped(self, wrapper_class, indices=None):
             return [False] * self.num_envs
 
-    class RolloutClock(BaseCallback):
-        def __init__(self):
-            super().__init__()
-            self.starts: list[tuple[float, int]] = []
+    return EnvPoolVecEnv()
 
-        def _on_rollout_start(self) -> None:
-            self.starts.append((time.perf_counter(), self.num_timesteps))
 
-        def _on_step(self) -> bool:
-            return True
+def sb3_model(vec_env):
+    """SB3's PPO CnnPolicy with configs/ppo_atari.yaml's hyperparameters, one torch thread."""
+    from stable_baselines3 import PPO
 
     torch.set_num_threads(1)
-    model = PPO(
+    return PPO(
         "CnnPolicy",
-        EnvPoolVecEnv(make_envs()),
+        vec_env,
         n_steps=NUM_STEPS,
         batch_size=NUM_STEPS * NUM_ENVS // 4,
         n_epochs=4,
@@ -157,6 +165,23 @@ def sb3_ppo(iterations: int) -> float:
         seed=1,
         device="cpu",
     )
+
+
+def sb3_ppo(iterations: int) -> float:
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class RolloutClock(BaseCallback):
+        def __init__(self):
+            super().__init__()
+            self.starts: list[tuple[float, int]] = []
+
+        def _on_rollout_start(self) -> None:
+            self.starts.append((time.perf_counter(), self.num_timesteps))
+
+        def _on_step(self) -> bool:
+            return True
+
+    model = sb3_model(envpool_vec_env(make_envs()))
     clock = RolloutClock()
     model.learn(total_timesteps=iterations * NUM_STEPS * NUM_ENVS, callback=clock)
     end = time.perf_counter()
@@ -164,13 +189,47 @@ def sb3_ppo(iterations: int) -> float:
     return (model.num_timesteps - start_steps) / (end - start)
 
 
+def learning(steps: int) -> None:
+    """Both learners on the same budget of env steps (their learning rates anneal over it), side by side: spmd_rl
+    in its own process, SB3 in this one; the score is the mean of the last 20 finished games."""
+    result: dict = {}
+    spmd = threading.Thread(
+        target=lambda: result.update(records=run_spmd([f"train.total_steps={steps}"], config=str(CONFIG), timeout=7200))
+    )
+    started = time.perf_counter()
+    spmd.start()
+    vec_env = envpool_vec_env(make_envs())
+    sb3_model(vec_env).learn(total_timesteps=steps)
+    sb3_wall = time.perf_counter() - started
+    spmd.join()
+    last = result["records"][-1]
+    rows = [
+        [
+            "spmd_rl PPO (configs/ppo_atari.yaml)",
+            last["env_steps"],
+            last["episodes"],
+            f"{last['episode_return_mean']:.2f}",
+            f"{last['wall_s']:.0f}",
+        ],
+        ["SB3 PPO CnnPolicy", steps, len(vec_env.games), f"{np.mean(vec_env.games[-20:]):.2f}", f"{sb3_wall:.0f}"],
+    ]
+    print(table(["learner (Breakout-v5, EnvPool)", "env steps", "games", "score, last 20 games", "wall s"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=4, help="PPO iterations of 1024 env steps per run")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--no-sb3", action="store_true")
+    parser.add_argument(
+        "--learn-steps", type=int, help="instead: learn for this many env steps, spmd_rl and SB3 side by side"
+    )
     args = parser.parse_args()
     print(machine(), f"load average at start {os.getloadavg()}")
+    if args.learn_steps:
+        learning(args.learn_steps)
+        print(f"load average at end {os.getloadavg()}")
+        return
     results: dict[str, list[float]] = {"raw": [], "act": [], "spmd": [], "sb3": []}
     phases = []
     for _ in range(args.repeats):
