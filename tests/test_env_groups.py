@@ -72,14 +72,7 @@ def test_group_counts_resolve_per_env_rank_and_a_count_that_does_not_divide_name
 
 def test_groups_whose_spaces_differ_are_exit_2_with_one_line_naming_both_before_start(tmp_path):
     groups = "env.groups=[{name: cart, id: CartPole-v1}, {name: pendulum, id: Pendulum-v1}]"
-    result = subprocess.run(
-        [sys.executable, "-m", "spmd_rl.main", "--config", TINY, groups, f"run.dir={tmp_path / 'run'}"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_main("--config", TINY, groups, f"run.dir={tmp_path / 'run'}")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, lines
@@ -191,34 +184,19 @@ def test_the_experience_file_records_each_rows_group(group_run):
     assert "  env groups: short 80 rows, long 160 rows\n" in summarize(run_dir / "buffer" / "experience_rank0.h5")
 
 
+def evaluate_cli(*args) -> subprocess.CompletedProcess:
+    """`python -m spmd_rl.evaluate ARGS`, as a user runs it."""
+    command = [sys.executable, "-m", "spmd_rl.evaluate", *map(str, args)]
+    return subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+
+
 def test_the_command_line_evaluates_per_group_and_on_eval_env(group_run):
     run_dir, _ = group_run
-    result = subprocess.run(
-        [sys.executable, "-m", "spmd_rl.evaluate", str(run_dir), "--episodes", "2", "--eval-env", "--json"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = evaluate_cli(run_dir, "--episodes", "2", "--eval-env", "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert list(out["groups"]) == ["short", "held"] and out["episodes"] == 4
-    other_spaces = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spmd_rl.evaluate",
-            str(run_dir),
-            "eval.env={groups: [{name: a, id: Acrobot-v1}]}",
-            "--eval-env",
-        ],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    other_spaces = evaluate_cli(run_dir, "eval.env={groups: [{name: a, id: Acrobot-v1}]}", "--eval-env")
     assert other_spaces.returncode == 2, other_spaces.stderr
     assert other_spaces.stderr.startswith("spmd_rl.evaluate: error: eval.env gives another observation space")
     assert len(other_spaces.stderr.strip().splitlines()) == 1
