@@ -15,10 +15,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from spmd_rl.storage.experience_log import ExperienceLog
+from spmd_rl.storage.reader import HDF5Reader
 from spmd_rl.storage.replay import ReplayBuffer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,3 +178,14 @@ def test_kill_9_right_after_a_checkpoint_resumes_and_ends_as_an_uninterrupted_ru
         for key, value in reference_record.items():
             if not any(part in key for part in strip):
                 assert mine[key] == value, (key, mine[key], value)
+
+    # And the same HDF5 rows, every column (the experience log's episode statistics on rows where no episode ended
+    # were leftovers of an earlier rollout, which a resumed run's fresh buffers did not have).
+    files = sorted(path.relative_to(tmp_path / "reference") for path in (tmp_path / "reference").rglob("*.h5"))
+    assert files and files == sorted(path.relative_to(run_dir) for path in run_dir.rglob("*.h5"))
+    for name in files:
+        with HDF5Reader(tmp_path / "reference" / name) as reference_file, HDF5Reader(run_dir / name) as resumed:
+            expected_rows, resumed_rows = reference_file.read(meta=True), resumed.read(meta=True)
+            assert expected_rows.keys() == resumed_rows.keys()
+            for column, values in expected_rows.items():
+                assert np.array_equal(values, resumed_rows[column], equal_nan=True), (name, column)

@@ -148,7 +148,11 @@ class EnvRunner:
     def _record_episodes(self, t: int, info: dict) -> None:
         episode = info.get("episode")
         if episode is None:
+            # Zero the row's statistics too: the buffer is reused, and leftovers from an earlier rollout would reach
+            # the experience log (and differ after a resume, whose buffer starts at zeros).
             self.rollout["episode_done"][t] = False
+            self.rollout["episode_return"][t] = 0.0
+            self.rollout["episode_length"][t] = 0
             return
         finished = info["_episode"]
         self.rollout["episode_done"][t] = finished
