@@ -13,6 +13,7 @@ import random
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -134,6 +135,34 @@ def test_a_damaged_ring_and_a_damaged_cursor_are_found(tmp_path):
     for open_it in (HDF5Reader, lambda p: HDF5Writer(p, rows(1), capacity=32)):
         with pytest.raises(UserError, match=rf"{path} is damaged: .*; restore it or remove it"):
             open_it(path)
+
+
+def test_a_damaged_chunk_across_the_cursor_is_named_or_dropped_by_a_rewind_before_it(tmp_path):
+    """A crash between a chunk write and its cursor update leaves rows past the cursor; their chunk, damaged, also
+    holds committed rows. Opening the file shrank the datasets to the cursor, which rewrites that chunk: HDF5 failed
+    with "Unable to ... change a dataset's dimensions" and no rows named, even where the resume's rewind would have
+    dropped the chunk."""
+
+    def crashed_file() -> Path:
+        path = tmp_path / "log.h5"
+        path.unlink(missing_ok=True)
+        with HDF5Writer(path, rows(1), chunk_rows=64) as writer:
+            writer.append(rows(192))
+        with h5py.File(path, "r+") as file:
+            file["cursor"][:] = 150  # rows 150..191 were written, the cursor not yet moved over them
+        overwrite_row_data(path, "data/obs", chunk=2, nbytes=256)  # rows 128..191
+        return path
+
+    for use in (lambda writer: writer.rewind(140), lambda writer: writer.append(rows(1, 150))):
+        writer = HDF5Writer(crashed_file(), rows(1), chunk_rows=64, flush_every_s=0)
+        with pytest.raises(UserError, match=r"log\.h5 is damaged: rows 128\.\.149 of /data/obs"):
+            use(writer)
+    # A checkpoint before the damaged chunk: the rewind drops it, and the file goes on from there.
+    with HDF5Writer(crashed_file(), rows(1), chunk_rows=64) as writer:
+        writer.rewind(100)
+        writer.append(rows(10, 100))
+    with HDF5Reader(tmp_path / "log.h5") as reader:
+        assert reader.check_rows() and reader.read()["id"].tolist() == list(range(110))
 
 
 def test_an_undamaged_file_reads_as_before_and_says_it_was_verified(tmp_path, capsys):

@@ -163,7 +163,13 @@ class HDF5Writer:
         self._cursor = self._file[CURSOR]
         self._committed, self._reserved = (int(n) for n in self._cursor[:])
         self._damage = self._find_damage()
-        self._truncate_to_cursor()
+        if self._damage is None:
+            self._truncate_to_cursor()
+        else:
+            # Shrinking rewrites the last chunk kept through its filter: on the damaged chunk HDF5 would fail without
+            # naming rows. Left to the rewind, which drops damage past its checkpoint, or to the first use, which
+            # raises the damage (_check_rows).
+            self._dataset_rows = next(iter(self._datasets.values())).shape[0]
         self._file.swmr_mode = True  # from here on: no new objects or attributes, readers may attach
         self.stage_rows = self.chunk_rows * self._chunks_per_write()
         self._staging = {
