@@ -30,8 +30,13 @@ wait_for_launcher() {
     fi
     # The launcher may have killed rank 0 before it printed the job summary (mpirun kills every rank as soon as
     # one dies): the summary from the records the failing ranks left, unless rank 0 spoke (spmd_rl/runtime/postmortem.py).
-    if [[ $status != 0 ]] && compgen -G "$failure_dir/rank*.json" >/dev/null; then
-        "${PYTHON:-python}" -m spmd_rl.runtime.postmortem "$failure_dir" || true
+    # Under torchrun the records are per attempt (attempt0, attempt1, ... with MAX_RESTARTS): the last one's.
+    local records=$failure_dir attempt
+    for attempt in $(cd "$failure_dir" && compgen -G "attempt*" | sort -V); do
+        records=$failure_dir/$attempt
+    done
+    if [[ $status != 0 ]] && compgen -G "$records/rank*.json" >/dev/null; then
+        "${PYTHON:-python}" -m spmd_rl.runtime.postmortem "$records" || true
     fi
     ranks_code=$(cat "$exit_file" 2>/dev/null || true)
     if [[ $status != 0 && $ranks_code == 75 ]]; then

@@ -46,10 +46,9 @@ drop_signal_traceback() {   # the agent's traceback for the signal it was sent; 
          { print; fflush() }
          END { if (holding) print held }' >&2
 }
-# Failing ranks leave their records in failure_dir, so this script prints the job summary if rank 0 could not; one
-# node only: records from some nodes alone would blame the others' ranks; and no restarts: a restarted job's ranks
-# would find the failed attempt's records (and take a stop signal for the end of a failed job).
-if [[ $NNODES == 1 && ${MAX_RESTARTS:-0} == 0 ]]; then
+# Failing ranks leave their records in failure_dir (per attempt, with MAX_RESTARTS), so this script prints the job
+# summary if rank 0 could not; one node only: records from some nodes alone would blame the others' ranks.
+if [[ $NNODES == 1 ]]; then
     export SPMD_RL_FAILURE_DIR=$failure_dir
 fi
 # torchrun sets OMP_NUM_THREADS=1 for its workers unless it is already set.

@@ -188,9 +188,19 @@ def test_expand_tasks_per_node():
         expand_tasks_per_node("2(3)")
 
 
-def test_torchrun_job_with_a_crashing_rank_fails(tmp_path):
+@pytest.mark.parametrize("restarts", [0, pytest.param(1, marks=pytest.mark.slow)], ids=["once", "restarted"])
+def test_torchrun_job_with_a_crashing_rank_fails(tmp_path, restarts):
+    # With MAX_RESTARTS the rank crashes in every attempt; each attempt keeps its own failure records, and the job
+    # summary (rank 0's or, when the agent killed rank 0 first, the script's from the last attempt) names it.
     repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "NPROC": "2", "PYTHON": sys.executable, "PYTHONPATH": str(repo), "GLOO_SOCKET_IFNAME": "lo"}
+    env = {
+        **os.environ,
+        "NPROC": "2",
+        "MAX_RESTARTS": str(restarts),
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(repo),
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
     command = [
         "launch/torchrun.sh",
         "--config",
@@ -209,4 +219,7 @@ def test_torchrun_job_with_a_crashing_rank_fails(tmp_path):
         output, _ = job.communicate()
         pytest.fail(f"torchrun job with a crashing rank still running after 180 s (a hang):\n{output[-4000:]}")
     assert job.returncode != 0, output[-4000:]
-    assert "deliberate failure on rank 1" in output, output[-4000:]
+    assert output.count("deliberate failure on rank 1") == restarts + 1, output[-4000:]
+    summaries = [line for line in output.splitlines() if "job summary" in line]
+    assert summaries and summaries[-1].startswith("spmd_rl: job summary: rank 1 (colocated 1) failed first"), output
+    assert "stopping after this iteration" not in output, output[-4000:]

@@ -134,6 +134,28 @@ def test_mpi_rendezvous_with_the_probe(tmp_path):
 def test_a_killed_rank_is_named_in_the_job_summary_although_mpirun_kills_rank_0(tmp_path):
     # mpirun ends every rank as soon as one dies, often rank 0 before it printed the job summary; the ranks'
     # failure records (files in the launcher's directory) still give exactly one summary naming the killed rank.
+    returncode, output = _split_job_with_a_fault(tmp_path, lambda pid: os.kill(pid, signal.SIGKILL), victim=1)
+    summaries = [line for line in output.splitlines() if "job summary" in line]
+    assert returncode != 0, output[-4000:]
+    assert len(summaries) == 1, output[-4000:]
+    assert summaries[0].startswith("spmd_rl: job summary: rank 1 (inference 0) stopped responding first"), output
+    assert "stopping after this iteration" not in output, output[-4000:]  # mpirun's abort is no stop request
+
+
+def test_a_stopped_rank_woken_by_mpirun_is_named_not_rank_0(tmp_path):
+    # SIGSTOP an env rank: its peers time out and exit, mpirun then ends the job, waking the stopped rank with
+    # SIGCONT before its SIGTERM. The woken rank finds every peer gone; it must not be blamed on rank 0.
+    returncode, output = _split_job_with_a_fault(tmp_path, lambda pid: os.kill(pid, signal.SIGSTOP), victim=2)
+    summaries = [line for line in output.splitlines() if "job summary" in line]
+    assert returncode != 0, output[-4000:]
+    assert len(summaries) == 1, output[-4000:]
+    assert summaries[0].startswith("spmd_rl: job summary: rank 2 (env 0) stopped responding first"), output
+    assert "stopping after this iteration" not in output, output[-4000:]
+
+
+def _split_job_with_a_fault(tmp_path, fault, victim: int) -> tuple[int, str]:
+    """Run the split-4 tiny config under launch/mpirun.sh, apply fault(pid) to rank `victim` after 3 iterations;
+    the launcher's exit code and output."""
     run_dir = tmp_path / "run"
     command = [
         "launch/mpirun.sh",
@@ -159,17 +181,13 @@ def test_a_killed_rank_is_named_in_the_job_summary_although_mpirun_kills_rank_0(
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
             assert job.poll() is None and time.monotonic() < deadline, "the job ended or hung before 3 iterations"
             time.sleep(0.2)
-        os.kill(_rank_pid(1, str(run_dir)), signal.SIGKILL)
+        fault(_rank_pid(victim, str(run_dir)))
         output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.communicate()
-    summaries = [line for line in output.splitlines() if "job summary" in line]
-    assert job.returncode != 0, output[-4000:]
-    assert len(summaries) == 1, output[-4000:]
-    assert summaries[0].startswith("spmd_rl: job summary: rank 1 (inference 0) stopped responding first"), output
-    assert "stopping after this iteration" not in output, output[-4000:]  # mpirun's abort is no stop request
+    return job.returncode, output
 
 
 def _rank_pid(rank: int, marker: str) -> int:

@@ -120,6 +120,22 @@ def test_a_requested_stop_checkpoints_and_raises_at_the_next_iteration_end(tmp_p
     assert checkpoints(tmp_path) == ["iter_000000002"] and CheckpointStore(tmp_path).latest() is not None
 
 
+@pytest.mark.parametrize("a_rank_failed", [False, True], ids=["a-stop", "the-launcher-ending-a-failed-job"])
+def test_a_stop_is_announced_unless_a_rank_failed_meanwhile(tmp_path, monkeypatch, capsys, a_rank_failed):
+    # Under a launcher that keeps failure records, mpirun's SIGTERM after a rank died can arrive before any
+    # survivor's record: the line waits ANNOUNCE_AFTER_S and is dropped if a record appeared by then.
+    monkeypatch.setenv("SPMD_RL_FAILURE_DIR", str(tmp_path))
+    monkeypatch.setattr(signals._Graceful, "requested", None)
+    monkeypatch.setattr(signals._Graceful, "enabled", True)
+    signals._on_signal(signal.SIGTERM, None)
+    assert signals.requested_stop() == ("SIGTERM", signal.SIGTERM) and "stopping" not in capsys.readouterr().err
+    if a_rank_failed:
+        (tmp_path / "rank2.json").write_text("{}")  # a survivor's record, written just after the signal
+    time.sleep(signals.ANNOUNCE_AFTER_S + 0.5)
+    said = capsys.readouterr().err
+    assert ("SIGTERM: stopping after this iteration with a checkpoint" in said) != a_rank_failed, said
+
+
 def test_checkpoint_every_s_is_due_by_the_clock(tmp_path, no_stop_requested):
     rc = control(
         load_config(None, ["checkpoint.every_s=600", "checkpoint.every_iterations=0"]), tmp_path, num_iterations=10

@@ -236,8 +236,13 @@ def _default_store():
 
 
 def _failure_dir() -> Path | None:
+    """$SPMD_RL_FAILURE_DIR, under torchrun its attempt<N> subdirectory: with --max-restarts, the ranks of a
+    restarted attempt must not find the failed attempt's records (launch/common.sh reads the last attempt's)."""
     directory = os.environ.get(FAILURE_DIR_VARIABLE)
-    return Path(directory) if directory else None
+    if not directory:
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return Path(directory) / f"attempt{int(attempt)}" if attempt and attempt.isdigit() else Path(directory)
 
 
 def _leave_record_file(failure: Failure, world_size: int, describe_rank: Callable[[int], str]) -> bool:
@@ -253,6 +258,7 @@ def _leave_record_file(failure: Failure, world_size: int, describe_rank: Callabl
             "world_size": world_size,
             "names": [describe_rank(rank) for rank in range(world_size)],
         }
+        directory.mkdir(exist_ok=True)  # an attempt's subdirectory (see _failure_dir)
         path = directory / f"rank{failure.rank}.json"
         partial = directory / f".rank{failure.rank}.json.partial"
         partial.write_text(json.dumps(record))

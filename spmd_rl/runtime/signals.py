@@ -6,10 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
 from spmd_rl.runtime.errors import StopSignal
 from spmd_rl.runtime.launch import rank_from_env
-from spmd_rl.runtime.postmortem import a_rank_has_failed
+from spmd_rl.runtime.postmortem import FAILURE_DIR_VARIABLE, a_rank_has_failed
+
+ANNOUNCE_AFTER_S = 1.0  # a failed rank's peers see a closed socket at once and write their records well within this
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -80,22 +83,34 @@ class _Deferral:
 def _on_signal(signum: int, frame) -> None:
     name = signal.Signals(signum).name
     if _Graceful.enabled and _Graceful.requested is None:
-        _Graceful.requested = (name, signum)
-        if a_rank_has_failed():
-            # Most likely the launcher ending the job after a rank failed (mpirun SIGTERMs the rest at once); the
-            # stop stays asked for, but a checkpoint needs every rank: no line promising one.
-            return
-        print(
-            f"spmd_rl: {name}: stopping after this iteration with a checkpoint (send it again to stop at once)",
-            file=sys.stderr,
-            flush=True,
-        )
+        _Graceful.requested = request = (name, signum)
+        if os.environ.get(FAILURE_DIR_VARIABLE):
+            # Under a launcher that keeps failure records, the signal may be the launcher ending the job because a
+            # rank failed (mpirun SIGTERMs every rank the moment one dies), before any survivor has written its
+            # record: look again a little later.
+            timer = threading.Timer(ANNOUNCE_AFTER_S, _announce_stop, request)
+            timer.daemon = True
+            timer.start()
+        else:
+            _announce_stop(*request)
         return
     stop = KeyboardInterrupt() if signum == signal.SIGINT else StopSignal(name, signum)
     if _Deferral.depth:
         _Deferral.pending = _Deferral.pending or stop
         return
     raise stop
+
+
+def _announce_stop(name: str, signum: int) -> None:
+    """The line acknowledging a stop request, unless the run has acted on it already or a rank has failed: then it
+    is most likely the launcher ending the job, and a checkpoint needs every rank, so no line promises one."""
+    if not _Graceful.enabled or _Graceful.requested != (name, signum) or a_rank_has_failed():
+        return
+    print(
+        f"spmd_rl: {name}: stopping after this iteration with a checkpoint (send it again to stop at once)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 class signals_deferred:
