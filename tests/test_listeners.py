@@ -1,6 +1,8 @@
 """Loopback by default: on one host, every socket an spmd_rl rank listens on is bound to a loopback address (the
 job's store, gloo's pairs), so no other machine can reach the store whose failure records rank 0's summary trusts.
-Ranks started by hand (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1), as mpirun's and srun's ranks rendezvous too."""
+Ranks started by hand (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1), as mpirun's and srun's ranks rendezvous too; and
+under torchrun, where the agent's store listens on every interface, the job's store is still rank 0's own on
+loopback."""
 
 from __future__ import annotations
 
@@ -64,3 +66,45 @@ def test_a_one_host_job_listens_only_on_loopback(tmp_path):
         for p in procs:
             p.kill()
             p.communicate()
+
+
+def test_under_torchrun_on_one_host_the_job_store_is_our_own_on_loopback(monkeypatch):
+    # torchrun's agent hosts a store on every interface (as TCPStore does) and its workers met there: a client from
+    # anywhere on the network could write the failure records rank 0's summary trusts. On one host the ranks now
+    # meet there only to learn the port of a store rank 0 hosts on 127.0.0.1.
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from spmd_rl.runtime.distributed import _rendezvous
+    from spmd_rl.runtime.launch import LaunchInfo
+
+    agent = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    for name, value in dict(
+        TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1"
+    ).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(agent.port))
+    stores = {}
+
+    def meet(rank: int) -> None:
+        launch = LaunchInfo("torchrun", rank=rank, world_size=2, local_rank=rank, local_world_size=2, init_method="")
+        stores[rank] = _rendezvous(launch, datetime.timedelta(seconds=30))["store"]
+
+    threads = [threading.Thread(target=meet, args=(rank,)) for rank in (1, 0)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(stores) == [0, 1]
+    port = stores[0].port
+    assert port != agent.port and stores[1].port == port
+    stores[1].set("spmd_rl/failure/rank1", "record")
+    assert stores[0].get("spmd_rl/failure/rank1") == b"record" and not agent.check(["spmd_rl/failure/rank1"])
+    assert f"127.0.0.1:{port}" in listeners([os.getpid()])
+    # Ranks on several hosts keep meeting in the agent's store (under a prefix per restart).
+    launch = LaunchInfo("torchrun", rank=1, world_size=4, local_rank=1, local_world_size=2, init_method="")
+    shared = _rendezvous(launch, datetime.timedelta(seconds=30))["store"]
+    shared.set("key", "value")
+    assert agent.get("spmd_rl/attempt_0/key") == b"value"

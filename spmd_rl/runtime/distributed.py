@@ -49,24 +49,51 @@ class Runtime:
 
 
 def _rendezvous(launch: LaunchInfo, timeout: datetime.timedelta) -> dict:
-    """init_process_group's init_method; under torchrun, its store with a prefix per restart. torchrun keeps one
-    store for all restarts (--max-restarts), keys included: restarted ranks would read the addresses of the
-    previous attempt's ranks (gloo: "Connection refused", then a wait until the timeout)."""
+    """init_process_group's store. Under torchrun, its agent's store with a prefix per restart: torchrun keeps one
+    store for all restarts (--max-restarts), keys included, and restarted ranks would read the addresses of the
+    previous attempt's ranks (gloo: "Connection refused", then a wait until the timeout). On one host that prefix
+    only carries the port of a store of our own on loopback (the agent's listens on every interface, and the
+    failure records rank 0's summary trusts live in the job's store)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if (
         launch.launcher == "torchrun"
         and attempt is not None
         and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     ):
-        store = dist.TCPStore(
+        agent = dist.TCPStore(
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
             launch.world_size,
             is_master=False,
             timeout=timeout,
         )
-        return {"store": dist.PrefixStore(f"spmd_rl/attempt_{attempt}", store)}
+        store = dist.PrefixStore(f"spmd_rl/attempt_{attempt}", agent)
+        if launch.local_world_size == launch.world_size:
+            return {"store": _loopback_store(launch, store, timeout)}
+        return {"store": store}
     return {"store": _own_store(launch, timeout)}
+
+
+def _loopback_store(launch: LaunchInfo, meeting: dist.Store, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A store hosted by rank 0 on 127.0.0.1 at a port the OS picks, which rank 0 announces in `meeting`."""
+    if launch.rank != 0:
+        port = int(meeting.get("loopback_store_port").decode())
+        return dist.TCPStore("127.0.0.1", port, launch.world_size, is_master=False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(max(128, launch.world_size))
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        launch.world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
+    meeting.set("loopback_store_port", str(port))
+    return store
 
 
 def _own_store(launch: LaunchInfo, timeout: datetime.timedelta) -> dist.TCPStore:
