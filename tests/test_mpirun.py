@@ -131,26 +131,22 @@ def test_mpi_rendezvous_with_the_probe(tmp_path):
     ] == [("mpi", rank, 3, rank, 3, 6.0) for rank in range(3)]
 
 
-def test_a_killed_rank_is_named_in_the_job_summary_although_mpirun_kills_rank_0(tmp_path):
+@pytest.mark.parametrize(
+    "how, victim, name",
+    [(signal.SIGKILL, 1, "rank 1 (inference 0)"), (signal.SIGSTOP, 2, "rank 2 (env 0)")],
+    ids=["killed", "stopped"],
+)
+def test_a_killed_or_stopped_rank_is_named_in_the_job_summary_although_mpirun_kills_rank_0(tmp_path, how, victim, name):
     # mpirun ends every rank as soon as one dies, often rank 0 before it printed the job summary; the ranks'
     # failure records (files in the launcher's directory) still give exactly one summary naming the killed rank.
-    returncode, output = _split_job_with_a_fault(tmp_path, lambda pid: os.kill(pid, signal.SIGKILL), victim=1)
+    # A stopped rank: its peers time out and exit, and mpirun ends the job, waking the stopped rank with SIGCONT
+    # before its SIGTERM; the woken rank finds every peer gone, and must not be blamed on rank 0.
+    returncode, output = _split_job_with_a_fault(tmp_path, lambda pid: os.kill(pid, how), victim)
     summaries = [line for line in output.splitlines() if "job summary" in line]
     assert returncode != 0, output[-4000:]
     assert len(summaries) == 1, output[-4000:]
-    assert summaries[0].startswith("spmd_rl: job summary: rank 1 (inference 0) stopped responding first"), output
+    assert summaries[0].startswith(f"spmd_rl: job summary: {name} stopped responding first"), output
     assert "stopping after this iteration" not in output, output[-4000:]  # mpirun's abort is no stop request
-
-
-def test_a_stopped_rank_woken_by_mpirun_is_named_not_rank_0(tmp_path):
-    # SIGSTOP an env rank: its peers time out and exit, mpirun then ends the job, waking the stopped rank with
-    # SIGCONT before its SIGTERM. The woken rank finds every peer gone; it must not be blamed on rank 0.
-    returncode, output = _split_job_with_a_fault(tmp_path, lambda pid: os.kill(pid, signal.SIGSTOP), victim=2)
-    summaries = [line for line in output.splitlines() if "job summary" in line]
-    assert returncode != 0, output[-4000:]
-    assert len(summaries) == 1, output[-4000:]
-    assert summaries[0].startswith("spmd_rl: job summary: rank 2 (env 0) stopped responding first"), output
-    assert "stopping after this iteration" not in output, output[-4000:]
 
 
 def _split_job_with_a_fault(tmp_path, fault, victim: int) -> tuple[int, str]:
