@@ -60,14 +60,19 @@ def install_signal_handlers() -> None:
 class _Graceful:
     enabled = False
     requested: tuple[str, int] | None = None
+    announcement: threading.Timer | None = None  # a stop's line, due ANNOUNCE_AFTER_S after its signal
 
 
 def stop_at_iteration_boundary(enabled: bool) -> None:
     """Whether a first signal asks for a stop at the next iteration boundary (True) or raises at once (False).
-    Enabling forgets a stop an earlier run in this process was asked for (spmd_rl.train runs several)."""
+    Enabling forgets a stop an earlier run in this process was asked for (spmd_rl.train runs several); disabling
+    drops a stop line still due (no thread prints while the process exits)."""
     _Graceful.enabled = enabled
     if enabled:
         _Graceful.requested = None
+    elif _Graceful.announcement is not None:
+        _Graceful.announcement.cancel()
+        _Graceful.announcement = None
 
 
 def requested_stop() -> tuple[str, int] | None:
@@ -88,9 +93,9 @@ def _on_signal(signum: int, frame) -> None:
             # Under a launcher that keeps failure records, the signal may be the launcher ending the job because a
             # rank failed (mpirun SIGTERMs every rank the moment one dies), before any survivor has written its
             # record: look again a little later.
-            timer = threading.Timer(ANNOUNCE_AFTER_S, _announce_stop, request)
-            timer.daemon = True
-            timer.start()
+            _Graceful.announcement = threading.Timer(ANNOUNCE_AFTER_S, _announce_stop, request)
+            _Graceful.announcement.daemon = True
+            _Graceful.announcement.start()
         else:
             _announce_stop(*request)
         return
