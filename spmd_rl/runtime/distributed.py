@@ -81,18 +81,8 @@ def _loopback_store(launch: LaunchInfo, meeting: dist.Store, timeout: datetime.t
         return dist.TCPStore("127.0.0.1", port, launch.world_size, is_master=False, timeout=timeout)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
-    listener.listen(max(128, launch.world_size))
-    port = listener.getsockname()[1]
-    store = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        launch.world_size,
-        is_master=True,
-        timeout=timeout,
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),
-    )
-    meeting.set("loopback_store_port", str(port))
+    store = _serve_store(listener, "127.0.0.1", launch.world_size, timeout)
+    meeting.set("loopback_store_port", str(store.port))
     return store
 
 
@@ -117,17 +107,21 @@ def _own_store(launch: LaunchInfo, timeout: datetime.timedelta) -> dist.TCPStore
         if exc.errno != errno.EADDRNOTAVAIL:
             raise
         listener.bind(("", port))  # the address is not one of this host's (a name behind NAT): every interface
-    listener.listen(max(128, launch.world_size))
-    store = dist.TCPStore(
+    return _serve_store(listener, host, launch.world_size, timeout)
+
+
+def _serve_store(listener: socket.socket, host: str, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """Rank 0's store server on a socket rank 0 bound itself (TCPStore alone would listen on every interface)."""
+    listener.listen(max(128, world_size))
+    return dist.TCPStore(
         host,
-        port,
-        launch.world_size,
+        listener.getsockname()[1],
+        world_size,
         is_master=True,
         timeout=timeout,
         wait_for_workers=False,  # init_process_group's own barrier waits for them, within the timeout
         master_listen_fd=listener.detach(),  # the store's server owns the socket from here
     )
-    return store
 
 
 def choose_device(preference: str, gpu_slot: int | None, gpus_needed: int = 1) -> torch.device:
