@@ -54,7 +54,9 @@ fi
 # torchrun sets OMP_NUM_THREADS=1 for its workers unless it is already set.
 # The filter's pid is kept (a process substitution's is $! only right after it starts) so that this script ends
 # after its last line; it reads until the agent and the ranks, its only writers once this shell closes its copy, exit.
-exec {to_filter}> >(drop_signal_traceback)
+# The filter ignores INT, TERM and USR1: a signal sent to the whole process group (`timeout`, a terminal's Ctrl-C,
+# Slurm) would otherwise end it first, and the ranks' last lines would go into a closed pipe.
+exec {to_filter}> >(trap '' INT TERM USR1; drop_signal_traceback)
 filter=$!
 SPMD_RL_EXIT_FILE=$exit_file "${PYTHON:-python}" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" \
     "${rendezvous[@]}" --max-restarts="${MAX_RESTARTS:-0}" -m spmd_rl.main "$@" 2>&"$to_filter" &
