@@ -469,6 +469,9 @@ class Run:
             return
         policy_state, algorithm_state = read_trained_state(run.init_from, with_algorithm=run.init_algorithm)
         try:
+            if any(sharding.is_dtensor(p) for p in policy.parameters()):
+                self._init_sharded(policy, policy_state, algorithm_state)
+                return
             policy.load_state_dict(policy_state)
             if algorithm_state is not None:
                 algorithm.load_state_dict(algorithm_state)
@@ -478,6 +481,20 @@ class Run:
                 f"'{self.cfg.classes['policy']}' / algo.class '{self.cfg.classes['algo']}' with this "
                 f"config: {' '.join(str(exc).split())[:300]}"
             ) from None
+
+    def _init_sharded(self, policy: Policy, policy_state: dict, algorithm_state: dict | None) -> None:
+        """run.init_from into a sharded policy: the file is read into a plain copy (in whatever layout its
+        state-dict hooks accept), whose tensors every trainer then loads as its shards."""
+        if algorithm_state is not None:
+            raise UserError(
+                "run.init_algorithm=true with train.parallel=fsdp is not supported (the optimizer state would have "
+                "to be resharded from a whole copy); start from the weights only, or resume the run instead"
+            )
+        with torch.random.fork_rng(devices=cuda_indices(self.runtime.device)):  # build_policy seeds torch
+            plain = build_policy(self.cfg, self.spec, self.policy_cls, "cpu")
+        plain.load_state_dict(policy_state)
+        tensors = {**dict(plain.named_parameters()), **dict(plain.named_buffers())}
+        sharding.load_full_state_dict(policy, {key: tensors[key].detach() for key in policy.state_dict()})
 
     def _say_if_env_state_unsaved(self, runner: EnvRunner) -> None:
         """Once per run (the first rank with envs): a checkpoint cannot hold these envs' state, so a resume begins
