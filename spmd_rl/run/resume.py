@@ -20,6 +20,7 @@ from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import Config
 from spmd_rl.persist.checkpoint import CheckpointStore, find_checkpoint
 from spmd_rl.persist.fileio import make_dirs, write_atomic
+from spmd_rl.persist.run_lock import lock_run_dir
 from spmd_rl.run.metrics import drop_records_after
 from spmd_rl.runtime.distributed import broadcast_text
 from spmd_rl.runtime.errors import SharedUserError, UserError
@@ -48,6 +49,7 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False):
         run_dir, note = _default_run_dir(cfg, dry_run)
         if not dry_run:
             try:
+                lock_run_dir(make_dirs(run_dir))  # one writer: a second copy of this command is refused here
                 resume = decide_resume(cfg, Path(run_dir), runtime.world_size)
                 verdict, fallback = str(resume.checkpoint or ""), resume.fallback
             except UserError as exc:
