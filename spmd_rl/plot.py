@@ -78,7 +78,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{run_dir} has no metrics.jsonl: give the directory of a run (its run.dir)")
-    lines = path.read_text().splitlines()
+    lines = path.read_text(errors="replace").splitlines()  # bytes that are not UTF-8: a damaged line, named below
     by_iteration: dict = {}
     for number, line in enumerate(lines, start=1):
         try:

@@ -24,6 +24,7 @@ from spmd_rl.envs.vector import EnvSpec, check_same_spaces, probe_env
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.fileio import flush_open_files
 from spmd_rl.persist.run_control import STOPPED_EXIT_CODE, RunControl, StoppedWithCheckpoint
+from spmd_rl.persist.run_lock import release_run_dirs
 from spmd_rl.run import contract
 from spmd_rl.run.evaluation import probe_eval_env
 from spmd_rl.run.plan import Plan, dry_run_plan, plan_run
@@ -129,6 +130,7 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
         if launch.rank == 0:
             leave_exit_code(exit_code)
         shutdown_runtime(runtime, exit_code)
+        release_run_dirs()
     if dry_run and exit_code == 0 and launch.rank == 0:
         _end_dry_run(outcome.run_dir)
     return exit_code
@@ -201,6 +203,7 @@ def train_in_process(cfg: Config) -> Outcome:
     finally:
         flush_open_files()
         shutdown_runtime(runtime, 0)  # one process: no group to destroy
+        release_run_dirs()
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
         if handlers is not None:

@@ -227,7 +227,7 @@ def last_record(path: Path) -> dict:
     """The last whole record of a metrics.jsonl ({} when it has none)."""
     if not path.exists():
         return {}
-    for line in reversed(path.read_text().splitlines()):
+    for line in reversed(path.read_text(errors="replace").splitlines()):  # a damaged line is skipped, not fatal
         try:
             return json.loads(line)
         except ValueError:
@@ -235,16 +235,27 @@ def last_record(path: Path) -> dict:
     return {}
 
 
-def drop_records_after(path: Path, iteration: int) -> None:
+def drop_records_after(path: Path, iteration: int) -> str:
     """Keep the records of iterations <= iteration (a resumed run rewrites those a stopped run logged after its
-    checkpoint); the file is replaced atomically. A torn last line is dropped too."""
+    checkpoint); the file is replaced atomically. Damaged lines (torn by a kill, bytes that are not UTF-8 from a
+    disk error, anything that is not a record) are dropped wherever they are, and every sound record is kept.
+    Returns what was damaged and dropped, for a note ('' when nothing was)."""
     if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
+        return ""
+    kept, damaged = [], []
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
         try:
-            if json.loads(line)["iteration"] <= iteration:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
+            line = raw.decode()
+            record = json.loads(line)
+            if not isinstance(record.get("iteration"), int):
+                raise ValueError("no iteration")
+        except (ValueError, AttributeError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            damaged.append(number)
             continue
+        if record["iteration"] <= iteration:
+            kept.append(line)
     write_atomic(path, "".join(f"{line}\n" for line in kept))
+    if not damaged:
+        return ""
+    shown = ", ".join(map(str, damaged[:5])) + (f" and {len(damaged) - 5} more" if len(damaged) > 5 else "")
+    return f"{path}: dropped {len(damaged)} damaged line(s) (line {shown}: not a whole JSON record); kept the rest"

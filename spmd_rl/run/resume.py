@@ -19,7 +19,9 @@ from spmd_rl.config.excerpts import excerpt
 from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import Config
 from spmd_rl.persist.checkpoint import CheckpointStore, find_checkpoint
+from spmd_rl.persist.event_files import repair_event_files
 from spmd_rl.persist.fileio import make_dirs, write_atomic
+from spmd_rl.persist.run_lock import lock_run_dir
 from spmd_rl.run.metrics import drop_records_after
 from spmd_rl.runtime.distributed import broadcast_text
 from spmd_rl.runtime.errors import SharedUserError, UserError
@@ -48,6 +50,7 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False):
         run_dir, note = _default_run_dir(cfg, dry_run)
         if not dry_run:
             try:
+                lock_run_dir(make_dirs(run_dir))  # one writer: a second copy of this command is refused here
                 resume = decide_resume(cfg, Path(run_dir), runtime.world_size)
                 verdict, fallback = str(resume.checkpoint or ""), resume.fallback
             except UserError as exc:
@@ -76,7 +79,9 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False):
     path = Path(run_dir)
     if runtime.rank == 0:
         make_dirs(path)  # a read-only or misplaced run.dir is a UserError naming it
-        prepare_run_dir(path, resume)
+        dropped = prepare_run_dir(path, resume)
+        if dropped:  # damaged outputs of the run resumed: what went is said in rank 0's note line
+            resume.fallback = f"{resume.fallback}; {dropped}" if resume.fallback else dropped
         write_atomic(path / "config.yaml", cfg.to_yaml())
     return path, resume
 
@@ -212,19 +217,24 @@ def checkpoint_iteration(checkpoint: Path) -> int:
     return int(checkpoint.name.split("_")[-1])
 
 
-def prepare_run_dir(run_dir: Path, resume: Resume) -> None:
+def prepare_run_dir(run_dir: Path, resume: Resume) -> str:
     """Rank 0: make run_dir's outputs consistent with where the run starts. Resuming, metrics.jsonl keeps the
-    records up to the checkpoint (HDF5 files are rewound by their owners, TensorBoard by purge_step); starting
-    over in a directory of the same run that had no checkpoint, its outputs are cleared."""
+    records up to the checkpoint (HDF5 files are rewound by their owners, TensorBoard by purge_step) and damaged
+    lines and event records are dropped: returns what was dropped ('' when nothing). Starting over in a directory
+    of the same run that had no checkpoint, its outputs are cleared."""
     if resume.checkpoint is not None:
-        drop_records_after(run_dir / "metrics.jsonl", resume.iteration)
-        return
+        dropped = [
+            drop_records_after(run_dir / "metrics.jsonl", resume.iteration),
+            repair_event_files(run_dir / "tensorboard"),
+        ]
+        return "; ".join(note for note in dropped if note)
     for name in ("metrics.jsonl", "tensorboard", "buffer", "checkpoints"):
         path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+    return ""
 
 
 def mark_finished(run_dir: Path, given_digest: str) -> None:
