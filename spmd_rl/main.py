@@ -29,6 +29,7 @@ from spmd_rl.runtime.errors import StopSignal, UserError
 from spmd_rl.runtime.exits import user_error
 from spmd_rl.runtime.launch import detect_launch, rank_from_env
 from spmd_rl.runtime.signals import install_early_signal_handlers, install_signal_handlers
+from spmd_rl.runtime.user_exits import guard_os_exit
 
 USAGE_EXAMPLES = """\
 examples:
@@ -76,6 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     # Before anything slow (torch's import takes seconds): a signal from here on is a line and a defined code.
     install_early_signal_handlers()
+    guard_os_exit()  # before the first plug-in import: os._exit in user code is exit 4 and a line, never a success
     try:
         return _main(argv)
     except (StopSignal, KeyboardInterrupt) as stop:  # before the run began: nothing to save, nothing to resume
