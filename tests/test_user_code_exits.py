@@ -52,6 +52,8 @@ class Policy(ActorCritic):
             os._exit(0)  # LINE:act_os_exit_0
         if late and MODE == "act_hangs":
             time.sleep(600)  # LINE:act_hangs
+        if deterministic and late and MODE == "eval_hangs":  # training acts stochastically: only evaluation
+            time.sleep(600)  # LINE:eval_hangs
         out = super().act(obs, deterministic)
         if late and MODE == "act_shape":
             out["action"] = out["action"][:1]
@@ -100,7 +102,12 @@ CASES = {
     "init_exit_3": (["policy.class=user_code:Policy"], "sys.exit(3) was called"),
     "act_exit_0": (["policy.class=user_code:Policy"], "sys.exit(0) was called"),
     "act_os_exit_0": (["policy.class=user_code:Policy"], "os._exit(0) was called"),
-    "act_hangs": (["policy.class=user_code:Policy", "dist.timeout_s=2"], "policy.act did not return within 2 s"),
+    # a bound that leaves the user module's own import of torch time on a busy machine
+    "act_hangs": (["policy.class=user_code:Policy", "dist.timeout_s=60"], "policy.act did not return within 60 s"),
+    "eval_hangs": (
+        ["policy.class=user_code:Policy", "dist.timeout_s=60", "eval.every=1"],
+        "the evaluation after iteration 0 (10 eval.episodes) did not return within 60 s",
+    ),
     "act_shape": (["policy.class=user_code:Policy"], "act() returned 'action' as (1,) torch.int64"),
     "env_step_exit_0": (["env.id=user_code:ExitingCartPole-v0"], "sys.exit(0) was called"),
     "callback_exit_0": (["callbacks=[user_code:Hook]"], "sys.exit(0) was called"),
@@ -109,7 +116,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("mode", list(CASES))
+SLOW = {"act_hangs", "eval_hangs"}  # each waits out its bound
+
+
+@pytest.mark.parametrize("mode", [pytest.param(mode, marks=[pytest.mark.slow] if mode in SLOW else []) for mode in CASES])
 def test_user_code_that_exits_or_breaks_its_contract_ends_the_run_with_exit_4_and_one_line(folder, tmp_path, mode):
     overrides, says = CASES[mode]
     run_dir = tmp_path / "run"

@@ -56,13 +56,14 @@ class Reporter:
 
     def evaluate(self, iteration: int) -> dict[str, float]:
         """Episodes on envs of their own, with a generator of their own: training's RNG streams are untouched."""
-        result = evaluate(
-            self.policy,
-            self.env_cfg,
-            self.eval_cfg.episodes,
-            seed=self.seed * 1_000_003 + iteration,
-            deterministic=self.eval_cfg.deterministic,
-        )
+        with watchdog.watch(f"the evaluation after iteration {iteration} ({self.eval_cfg.episodes} eval.episodes)"):
+            result = evaluate(
+                self.policy,
+                self.env_cfg,
+                self.eval_cfg.episodes,
+                seed=self.seed * 1_000_003 + iteration,
+                deterministic=self.eval_cfg.deterministic,
+            )
         metrics = {
             "eval_return_mean": result["return_mean"],
             "eval_return_std": result["return_std"],
