@@ -18,12 +18,16 @@ from spmd_rl.config.loading import load_config
 from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, UserError
 
 ROOT = Path(__file__).resolve().parent.parent
-HANGING_MODULE = "import time\n\ntime.sleep(600)  # a module waiting on a server that never answers\n"
+HANGING_MODULE = (
+    "import os\nimport time\n\nopen(os.environ['IMPORT_STARTED'], 'w').close()\n"
+    "time.sleep(600)  # a module waiting on a server that never answers\n"
+)
 
 
 def _command(tmp_path: Path, *args: str) -> tuple[list[str], dict]:
     (tmp_path / "hanging_plugin.py").write_text(HANGING_MODULE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    env["IMPORT_STARTED"] = str(tmp_path / "import_started")
     env.pop("RANK", None)
     return [sys.executable, "-m", "spmd_rl.main", *args], env
 
@@ -34,7 +38,7 @@ def test_a_plugin_import_that_never_finishes_ends_help_with_one_line_naming_it(t
     assert result.returncode == USER_CODE_EXIT_CODE, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"spmd_rl: rank 0: importing module 'hanging_plugin' (policy.class) did not return within 2 s; stuck at "
-        f"{tmp_path / 'hanging_plugin.py'}:3 (a hang, or slower than the bound: raise dist.timeout_s if it is only "
+        f"{tmp_path / 'hanging_plugin.py'}:5 (a hang, or slower than the bound: raise dist.timeout_s if it is only "
         "slow; SPMD_RL_DEBUG=1 prints every thread's stack)"
     ]
 
@@ -42,10 +46,13 @@ def test_a_plugin_import_that_never_finishes_ends_help_with_one_line_naming_it(t
 def test_a_first_sigterm_during_a_hanging_plugin_import_is_honoured_at_once(tmp_path):
     command, env = _command(tmp_path, "algo.class=hanging_plugin:Algo")
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
-    time.sleep(3.0)  # inside the import by now (the module is imported before torch)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "import_started").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM, stderr
+    assert (tmp_path / "import_started").exists()
     assert stderr.strip().splitlines() == [
         "spmd_rl: stopped by SIGTERM while starting (importing module 'hanging_plugin' (algo.class)), before the run "
         "began"

@@ -119,7 +119,9 @@ CASES = {
 SLOW = {"act_hangs", "eval_hangs"}  # each waits out its bound
 
 
-@pytest.mark.parametrize("mode", [pytest.param(mode, marks=[pytest.mark.slow] if mode in SLOW else []) for mode in CASES])
+@pytest.mark.parametrize(
+    "mode", [pytest.param(mode, marks=[pytest.mark.slow] if mode in SLOW else []) for mode in CASES]
+)
 def test_user_code_that_exits_or_breaks_its_contract_ends_the_run_with_exit_4_and_one_line(folder, tmp_path, mode):
     overrides, says = CASES[mode]
     run_dir = tmp_path / "run"

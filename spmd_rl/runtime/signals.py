@@ -43,6 +43,15 @@ def _on_early_signal(signum: int, frame) -> None:
     os._exit(130 if signum == signal.SIGINT else 128 + signum)
 
 
+def raise_early_signal() -> None:
+    """A safe point during start-up (before a user module's import, which may never return): a signal the early
+    handlers remembered is raised now (StopSignal or KeyboardInterrupt); nothing happens without one."""
+    if _Early.requested is not None:
+        name, signum = _Early.requested
+        _Early.requested = None
+        raise KeyboardInterrupt() if signum == signal.SIGINT else StopSignal(name, signum)
+
+
 def install_signal_handlers() -> None:
     """SIGINT, SIGTERM and SIGUSR1, in the main thread; a signal the early handlers remembered is raised now.
 
