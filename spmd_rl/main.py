@@ -25,10 +25,13 @@ from typing import Any
 import yaml
 
 from spmd_rl.config.loading import describe_schema, load_config
+from spmd_rl.config.sections import DistSection
 from spmd_rl.runtime.errors import StopSignal, UserError
 from spmd_rl.runtime.exits import user_error
 from spmd_rl.runtime.launch import detect_launch, rank_from_env
 from spmd_rl.runtime.signals import install_early_signal_handlers, install_signal_handlers
+from spmd_rl.runtime.user_exits import guard_os_exit
+from spmd_rl.runtime.watchdog import watchdog
 
 USAGE_EXAMPLES = """\
 examples:
@@ -76,6 +79,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     # Before anything slow (torch's import takes seconds): a signal from here on is a line and a defined code.
     install_early_signal_handlers()
+    guard_os_exit()  # before the first plug-in import: os._exit in user code is exit 4 and a line, never a success
+    # User code runs from the first plug-in import on (while the config is read, --help included): bounded by
+    # dist.timeout_s's default until the config gives its own.
+    rank = rank_from_env()
+    watchdog.configure(DistSection().timeout_s, f"rank {rank if rank is not None else 0}")
     try:
         return _main(argv)
     except (StopSignal, KeyboardInterrupt) as stop:  # before the run began: nothing to save, nothing to resume

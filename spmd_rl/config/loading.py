@@ -20,6 +20,7 @@ from spmd_rl.config import plugins
 from spmd_rl.config.excerpts import MESSAGE_CHARS, clip, excerpt
 from spmd_rl.config.sections import GROUP_NAME, PLUGIN_SECTIONS, AlgorithmConfig, Config, EnvSection
 from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.watchdog import watchdog
 
 # Bounds on what a user hands us, checked before anything grows with it (a YAML alias bomb, a huge or deeply nested
 # file): each is an exit 2 naming the file or the key, found in well under a second.
@@ -67,6 +68,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), only_
             "checkpoint.keep_best=true keeps the policy with the best evaluation, but eval.every=0 never evaluates; "
             "set eval.every (e.g. eval.every=10) or drop checkpoint.keep_best"
         )
+    watchdog.rebound(cfg.dist.timeout_s)  # the plug-in imports below are bounded by the config's own bound
     _build_plugin_sections(cfg, plugin_raw, source, only_policy)
     return cfg
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from spmd_rl.config.excerpts import clip, first_line
 from spmd_rl.config.sections import NoConfig
 from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.signals import raise_early_signal
+from spmd_rl.runtime.watchdog import watchdog
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,11 @@ def load_class(kind: Kind, name: str, base: type | None = None) -> type:
 def _import(kind: Kind, path: str):
     module_name, _, attr = path.partition(":")
     _import_path_for_user_code()
+    raise_early_signal()  # a signal that came before the import is not left waiting behind it
     try:
-        module = importlib.import_module(module_name)
+        # Bounded like every call into user code (main.py bounds it before the config is read; --help too).
+        with watchdog.watch(f"importing module '{module_name}' ({kind.section}.class)"):
+            module = importlib.import_module(module_name)
     except UserError:
         raise
     except (Exception, SystemExit, KeyboardInterrupt) as exc:  # a user's module may fail in any way while importing

@@ -141,7 +141,7 @@ class EvalSection:
         "eval_return_mean / eval_length_mean",
         min=0,
     )
-    episodes: int = knob(10, "episodes per evaluation", min=1)
+    episodes: int = knob(10, "episodes per evaluation (dist.timeout_s bounds its time)", min=1, max=100_000)
     deterministic: bool = knob(True, "act with the policy's mode (argmax / mean) when evaluating")
     env: dict = knob(
         None,

@@ -22,7 +22,7 @@ from spmd_rl.config.excerpts import MESSAGE_CHARS, clip, excerpt
 from spmd_rl.config.plugins import MODULE_NAME, import_failure
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.envpool_backend import GameEpisodeStatistics, make_envpool, probe_envpool
-from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.errors import UserCodeError, UserError, describe_exception
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,12 @@ def probe_env(cfg: EnvSection) -> EnvSpec:
         ) from None
     except (SystemExit, KeyboardInterrupt) as exc:  # sys.exit() in a registered env's module or constructor
         raise UserError(f"env.id '{env_id}': making it failed: {import_failure(exc)}") from None
+    except Exception as exc:  # anything else the env's constructor (or a gymnasium wrapper's check) raised
+        given = f" with env.kwargs {excerpt(cfg.kwargs)}" if cfg.kwargs else ""
+        raise UserError(
+            f"env.id '{env_id}' could not be made{given}: {clip(describe_exception(exc), MESSAGE_CHARS)}; fix "
+            f"env.kwargs or the env's constructor"
+        ) from None
     try:
         mode = cfg.vectorization
         if mode == "auto":
@@ -200,9 +206,24 @@ def _finish(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
         envs = vector_wrappers.ClipAction(envs)  # the policy's Gaussian samples are unbounded
     if cfg.normalize_reward:
         envs = vector_wrappers.NormalizeReward(envs)
-    obs, _ = envs.reset(seed=reset_seed)
+    try:
+        obs, _ = envs.reset(seed=reset_seed)
+    except Exception as exc:  # the env's own reset: its error and file:line, not the vector env's stack
+        raise UserCodeError(
+            f"env.id '{clip(cfg.id)}': reset failed: {describe_exception(exc)}{old_gym_api_hint(exc)}"
+        ) from None
     envs.action_space.seed(seed)
     return envs, obs
+
+
+def old_gym_api_hint(exc: Exception) -> str:
+    """A hint when a reset or step looks written for the old gym API (its results could not be unpacked)."""
+    if isinstance(exc, (ValueError, TypeError)) and "unpack" in str(exc):
+        return (
+            "; gymnasium's reset returns (observation, info) and step (observation, reward, terminated, truncated, "
+            "info): an env written for the old gym API (reset returning only the observation) must be updated"
+        )
+    return ""
 
 
 def _registered_id(env_id: str) -> str:

@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from spmd_rl.comm.staged_weights import StagedWeights
 from spmd_rl.envs import spaces
 from spmd_rl.interfaces.policy import EPISODE_START
-from spmd_rl.roles.inference_server import InferenceParts, act_recurrent
+from spmd_rl.roles.inference_server import InferenceParts, act_recurrent, check_act_outputs
 from spmd_rl.runtime.errors import CommError
 
 
@@ -48,6 +48,7 @@ class AsyncInferenceServer:
         self.env_names = [describe_rank(env) for env in served]
         self.obs_channels, self.action_channels = parts.obs_channels, parts.action_channels
         self.output_keys = list(parts.policy.outputs())
+        self.fields = dict(parts.policy.outputs())
         self.uniform_actions = parts.uniform_actions
         self.replies = [spaces.numpy_views(ch.buffer) for ch in self.action_channels]
         self.states = parts.states  # a recurrent policy's state per env (None: stateless)
@@ -219,6 +220,8 @@ class AsyncInferenceServer:
                 out = act_recurrent(self.policy, obs, self.states, served, starts, replies)
             else:
                 out = self.policy.act(obs.to(self.device, non_blocking=True))
+            if not flag:
+                check_act_outputs(self.policy, out, self.fields, obs.shape[0])
             outputs = [out[key].cpu().numpy() for key in self.output_keys]
             inference_s = time.perf_counter() - clock
             offset = 0

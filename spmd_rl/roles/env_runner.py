@@ -15,6 +15,7 @@ import torch
 
 from spmd_rl.envs import spaces
 from spmd_rl.envs.state import as_arrays, as_tensors, capture_env_state, restore_env_state
+from spmd_rl.envs.vector import old_gym_api_hint
 from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE
 from spmd_rl.runtime.errors import UserCodeError, describe_exception
 from spmd_rl.runtime.watchdog import watchdog
@@ -109,6 +110,7 @@ class EnvRunner:
         except Exception as exc:  # the env's own error: its type, message and file:line, not the vector env's stack
             raise UserCodeError(
                 f"{self.describe}: env '{self.env_id}' raised at step {self.steps_taken + 1}: {describe_exception(exc)}"
+                f"{old_gym_api_hint(exc)}"
             ) from exc
         self.env_s += time.perf_counter() - clock
         self.steps_taken += 1

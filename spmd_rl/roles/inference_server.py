@@ -16,6 +16,8 @@ import torch
 
 from spmd_rl.envs import spaces
 from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE, StepField, initial_state
+from spmd_rl.runtime.errors import UserCodeError
+from spmd_rl.runtime.watchdog import watchdog
 
 
 class UniformActions:
@@ -112,6 +114,36 @@ def act_recurrent(policy, obs, states: RecurrentStates, served: list[int], start
     return out
 
 
+def check_act_outputs(policy, out, fields: dict[str, StepField], batch: int) -> None:
+    """act's outputs on every step, against the contract checked before start: each declared key a tensor of
+    [batch, *shape] and the declared dtype (not the values: a few attribute reads per key). Without it a batch of
+    the wrong size was broadcast into the replies and a wrong dtype cast, silently. UserCodeError (exit 4) naming
+    the key."""
+    for key, field in fields.items():
+        try:
+            value = out[key]
+        except (KeyError, TypeError, IndexError):
+            value = None
+        if (
+            isinstance(value, torch.Tensor)
+            and value.dtype == field.dtype
+            and value.shape[0:1] == (batch,)
+            and value.shape[1:] == field.shape
+        ):
+            continue
+        got = (
+            f"{tuple(value.shape)} {value.dtype}"
+            if isinstance(value, torch.Tensor)
+            else ("nothing" if value is None else type(value).__name__)
+        )
+        name = f"{type(policy).__module__}:{type(policy).__qualname__}"
+        raise UserCodeError(
+            f"policy.class '{name}': act() returned '{key}' as {got} for a batch of {batch} observations, but "
+            f"outputs() declares {field.shape} {field.dtype} per env, i.e. {(batch, *field.shape)} {field.dtype}; "
+            f"act must keep the declared shape and dtype on every step"
+        )
+
+
 @dataclass
 class InferenceParts:
     """What an inference rank serves with (built by the run), for the sync server or an engine's own server."""
@@ -150,6 +182,8 @@ class InferenceServer:
         self.splits = [reply["action"].shape[0] for reply in self.replies]
         self.states = states  # None for a stateless policy: no per-step work for states
         self.all_served = list(range(len(action_channels)))
+        self.fields = dict(policy.outputs())
+        self.watched_act = watchdog.watch("policy.act")  # made once: entered every step (one process has no peer)
 
     def serve_step(self) -> None:
         pending = [ch.irecv() for ch in self.obs_channels]
@@ -161,13 +195,15 @@ class InferenceServer:
         if self.explore_uniformly:
             out = self.uniform_actions(obs.shape[0])
         elif self.states is not None:
-            with self.no_grad:
+            with self.no_grad, self.watched_act:
                 starts = [message[EPISODE_START] for message in messages]
                 obs = obs.to(self.device, non_blocking=True)
                 out = act_recurrent(self.policy, obs, self.states, self.all_served, starts, self.replies)
+            check_act_outputs(self.policy, out, self.fields, obs.shape[0])
         else:
-            with self.no_grad:  # the API promises act() runs without grad; a user's act need not say so
+            with self.no_grad, self.watched_act:  # the API promises act() runs without grad; a user's act need not
                 out = self.policy.act(obs.to(self.device, non_blocking=True))
+            check_act_outputs(self.policy, out, self.fields, obs.shape[0])
         if self.device.type == "cpu":
             outputs = [out[key].numpy() for key in self.output_keys]
         else:

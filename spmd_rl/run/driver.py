@@ -48,6 +48,7 @@ from spmd_rl.runtime.exits import leave_exit_code, say, unexpected_error, user_e
 from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.postmortem import Failure, after_failure
 from spmd_rl.runtime.signals import install_signal_handlers, stop_at_iteration_boundary
+from spmd_rl.runtime.user_exits import describe_system_exit
 from spmd_rl.runtime.watchdog import watchdog
 
 
@@ -81,7 +82,10 @@ class Outcome:
 def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
     """This rank's run; returns its exit code."""
     watchdog.configure(cfg.dist.timeout_s, f"rank {launch.rank}")  # user code may hang from the first import on
-    checked = check_before_start(cfg, launch, dry_run)
+    try:
+        checked = check_before_start(cfg, launch, dry_run)
+    except SystemExit as exc:  # sys.exit() in a policy's constructor or act, called by the contract check
+        return _say_user_exit(exc, f"rank {launch.rank}")
     if isinstance(checked, int):
         return checked
     configure_torch(cfg)
@@ -110,7 +114,7 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
         # When user code raised again while the run unwound (an Algorithm's close after its learn failed), the
         # line names the first error, and a second line the later one.
         first = first_error(raised)
-        if not isinstance(first, (Exception, KeyboardInterrupt, StopSignal)):
+        if not isinstance(first, (Exception, KeyboardInterrupt, StopSignal, SystemExit)):
             raise
         exit_code, waited, spoke = _report_failure(first, launch, who)
         if first is not raised and spoke:
@@ -153,7 +157,15 @@ def _report_failure(exc: BaseException, launch: LaunchInfo, who: str) -> tuple[i
     if isinstance(exc, StopSignal):
         print(f"spmd_rl: {who}: stopped by {exc.signal_name}", file=sys.stderr, flush=True)
         return 128 + exc.signal_number, None, True
+    if isinstance(exc, SystemExit):  # the framework never exits by raising: this came from user code
+        return _say_user_exit(exc, who), None, True
     return unexpected_error(exc, who), None, True
+
+
+def _say_user_exit(exc: SystemExit, who: str) -> int:
+    """sys.exit() in user code (policy, env, algorithm, callback) is a failure of user code, never a success."""
+    print(f"spmd_rl: {who}: error in user code: {describe_system_exit(exc)}", file=sys.stderr, flush=True)
+    return USER_CODE_EXIT_CODE
 
 
 def first_error(exc: BaseException) -> BaseException:
@@ -163,7 +175,7 @@ def first_error(exc: BaseException) -> BaseException:
     while (
         exc.__cause__ is None
         and not exc.__suppress_context__
-        and isinstance(exc.__context__, (Exception, KeyboardInterrupt, StopSignal))
+        and isinstance(exc.__context__, (Exception, KeyboardInterrupt, StopSignal, SystemExit))
         and not isinstance(exc.__context__, StoppedWithCheckpoint)
     ):
         exc = exc.__context__

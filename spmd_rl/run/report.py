@@ -4,6 +4,8 @@ Only the first trainer (global rank 0) holds a MetricsLogger and writes."""
 from __future__ import annotations
 
 import json
+import numbers
+from collections.abc import Mapping
 
 from spmd_rl.config.loading import evaluation_env
 from spmd_rl.config.sections import Config
@@ -14,6 +16,8 @@ from spmd_rl.run.evaluation import evaluate
 from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.plan import Plan
 from spmd_rl.run.policies import save_policy
+from spmd_rl.runtime.errors import UserCodeError
+from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
 
 BEST_DIR = "best"  # checkpoint.keep_best: <run dir>/best/policy.pt and its score.json
 
@@ -43,21 +47,23 @@ class Reporter:
         else:
             record = {"iteration": iteration, "env_steps": env_steps, **metrics}
         for callback in self.callbacks:
-            extra = callback.on_iteration_end(iteration, dict(record), trainer.algorithm)
-            if extra:
-                record.update({key: float(value) for key, value in extra.items()})
+            name = f"{type(callback).__module__}:{type(callback).__qualname__}"
+            with watchdog.watch(f"callback {name}'s on_iteration_end (iteration {iteration})", COLLECTIVE_MARGIN_S):
+                extra = callback.on_iteration_end(iteration, dict(record), trainer.algorithm)
+            record.update(callback_scalars(name, iteration, extra))
         if logs:
             self.logger.write(record)
 
     def evaluate(self, iteration: int) -> dict[str, float]:
         """Episodes on envs of their own, with a generator of their own: training's RNG streams are untouched."""
-        result = evaluate(
-            self.policy,
-            self.env_cfg,
-            self.eval_cfg.episodes,
-            seed=self.seed * 1_000_003 + iteration,
-            deterministic=self.eval_cfg.deterministic,
-        )
+        with watchdog.watch(f"the evaluation after iteration {iteration} ({self.eval_cfg.episodes} eval.episodes)"):
+            result = evaluate(
+                self.policy,
+                self.env_cfg,
+                self.eval_cfg.episodes,
+                seed=self.seed * 1_000_003 + iteration,
+                deterministic=self.eval_cfg.deterministic,
+            )
         metrics = {
             "eval_return_mean": result["return_mean"],
             "eval_return_std": result["return_std"],
@@ -89,3 +95,29 @@ class Reporter:
     def load_state_dict(self, state: dict) -> None:
         if self.logger is not None:
             self.logger.load_state_dict(state)
+
+
+def callback_scalars(name: str, iteration: int, extra) -> dict[str, float]:
+    """What a callback returned, as metrics.jsonl scalars: None, or a mapping of names to real numbers (Python,
+    numpy or one-element torch scalars). Anything else is the callback's error (exit 4) naming the key, not our
+    traceback."""
+    if extra is None:
+        return {}
+    where = f"callback {name}: on_iteration_end (iteration {iteration}) returned"
+    if not isinstance(extra, Mapping):
+        raise UserCodeError(
+            f"{where} a {type(extra).__name__}; return None or a dict of scalars, e.g. {{'my_metric': 1.5}}"
+        )
+    scalars = {}
+    for key, value in extra.items():
+        if hasattr(value, "numel") and value.numel() == 1:  # a one-element tensor
+            value = value.item()
+        elif getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a numpy scalar
+            value = value.item()
+        if not isinstance(key, str) or not isinstance(value, numbers.Real):
+            raise UserCodeError(
+                f"{where} {key!r}: {type(value).__name__} {str(value)[:60]!r}; each value must be a real number "
+                f"under a string name"
+            )
+        scalars[key] = float(value)
+    return scalars

@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -53,13 +54,39 @@ def open_trackers(cfg: Config, run_dir: Path, resumed: bool) -> Trackers | None:
     try:
         if cfg.log.wandb:
             opened.append(WandbSink(cfg, run_dir, resumed))
-        if cfg.log.mlflow:
-            opened.append(MlflowSink(cfg, run_dir, resumed))
+        if cfg.log.mlflow:  # its client retries a refused address for minutes: the ranks wait dist.timeout_s
+            opened.append(within_timeout(lambda: MlflowSink(cfg, run_dir, resumed), cfg, "log.mlflow"))
     except BaseException:
         for sink in opened:
             sink.close("failed")
         raise
     return Trackers(opened) if opened else None
+
+
+def within_timeout(start, cfg: Config, key: str):
+    """start() in a thread of its own, waited for at most dist.timeout_s (the other ranks wait no longer for rank 0
+    either): its result, or the error it raised; a UserError naming the key when it has not returned by then (the
+    thread is left to the process's exit)."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = start()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"spmd_rl-{key}", daemon=True)
+    thread.start()
+    thread.join(cfg.dist.timeout_s)
+    if thread.is_alive():
+        uri = getattr(cfg.log, f"{key.split('.')[-1]}_tracking_uri", "") or "the default address"
+        raise UserError(
+            f"config key '{key}': the tracker did not start within dist.timeout_s={cfg.dist.timeout_s:g} s (its "
+            f"server at {uri} does not answer); check its address, or set {key}=false to run without it"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 class Trackers:

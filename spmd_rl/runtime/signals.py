@@ -11,6 +11,7 @@ import threading
 from spmd_rl.runtime.errors import StopSignal
 from spmd_rl.runtime.launch import rank_from_env
 from spmd_rl.runtime.postmortem import FAILURE_DIR_VARIABLE, a_rank_has_failed
+from spmd_rl.runtime.watchdog import watchdog
 
 ANNOUNCE_AFTER_S = 1.0  # a failed rank's peers see a closed socket at once and write their records well within this
 
@@ -31,12 +32,24 @@ def install_early_signal_handlers() -> None:
 
 def _on_early_signal(signum: int, frame) -> None:
     name = signal.Signals(signum).name
-    if _Early.requested is None:
+    # Inside user code (a plug-in module's import) the safe point may never come: the first signal ends it.
+    in_user_code = watchdog.watching()
+    if _Early.requested is None and not in_user_code:
         _Early.requested = (name, signum)
         return
     if rank_from_env() in (None, 0):  # rank 0 speaks for the job (see main.py); the rest end quietly
-        print(f"spmd_rl: stopped by {name} while starting, before the run began", file=sys.stderr, flush=True)
+        during = f" ({in_user_code})" if in_user_code else ""
+        print(f"spmd_rl: stopped by {name} while starting{during}, before the run began", file=sys.stderr, flush=True)
     os._exit(130 if signum == signal.SIGINT else 128 + signum)
+
+
+def raise_early_signal() -> None:
+    """A safe point during start-up (before a user module's import, which may never return): a signal the early
+    handlers remembered is raised now (StopSignal or KeyboardInterrupt); nothing happens without one."""
+    if _Early.requested is not None:
+        name, signum = _Early.requested
+        _Early.requested = None
+        raise KeyboardInterrupt() if signum == signal.SIGINT else StopSignal(name, signum)
 
 
 def install_signal_handlers() -> None:

@@ -45,6 +45,16 @@ class Watchdog:
         on_expiry runs before the exit (it leaves the failure record) and must not block for long."""
         self.timeout_s, self.who, self.on_expiry = timeout_s, who, on_expiry
 
+    def rebound(self, timeout_s: float) -> None:
+        """A bound already in force takes this value (the config's dist.timeout_s, once read); an unbounded
+        watchdog (the Python API's) stays unbounded."""
+        if self.timeout_s > 0:
+            self.timeout_s = timeout_s
+
+    def watching(self) -> str:
+        """The watched call in progress ('' when none): a signal during start-up ends such a call at once."""
+        return self._current[1]
+
     def watch(self, what: str, margin_s: float = 0.0) -> _Watched:
         """A context manager: the calls inside it must return within timeout_s (+ margin_s: for calls that wait on
         other ranks inside, so that the bounded wait's own line comes first). Nested watches keep the outer
@@ -93,8 +103,9 @@ class Watchdog:
         where = innermost_user_frame(traceback.extract_stack(frame)) if frame is not None else ""
         stuck = f"; stuck at {where}" if where else ""
         print(
-            f"spmd_rl: {self.who}: {what} did not return within {self.timeout_s:g} s{stuck} (a hang in user code; "
-            f"dist.timeout_s bounds it; {DEBUG_VARIABLE}=1 prints every thread's stack)",
+            f"spmd_rl: {self.who}: {what} did not return within {self.timeout_s:g} s{stuck} (a hang, or slower "
+            f"than the bound: raise dist.timeout_s if it is only slow; {DEBUG_VARIABLE}=1 prints every thread's "
+            f"stack)",
             file=sys.stderr,
             flush=True,
         )

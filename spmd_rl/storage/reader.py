@@ -33,7 +33,7 @@ class HDF5Reader:
         try:
             check_format(self.path, self._file)
             check_bounds(self.path, self._file)  # a crafted cursor or attribute: refused before any scan
-            self.layout = layout_from_schema(self._file.attrs["schema"])
+            self.layout = layout_from_schema(self._file.attrs["schema"], self.path)
             self.capacity = int(self._file.attrs["capacity"])
             self.attrs = dict(self._file.attrs)
             self._cursor = self._file[CURSOR]

@@ -102,8 +102,33 @@ def schema_json(layout: dict[str, Field]) -> str:
     )
 
 
-def layout_from_schema(text: str) -> dict[str, Field]:
-    return {key: (tuple(field["shape"]), np.dtype(field["dtype"])) for key, field in json.loads(text).items()}
+def layout_from_schema(text: str, path: Path | str = "the experience file") -> dict[str, Field]:
+    """The layout the schema attribute (JSON) states; a UserError naming the file and the dataset when a field is
+    not one spmd_rl writes (a crafted or damaged file: an unknown dtype, a shape that is no list of sizes)."""
+    try:
+        schema = json.loads(text)
+    except (TypeError, ValueError):
+        schema = None
+    if not isinstance(schema, dict):
+        raise UserError(f"{path}: its schema attribute is not a JSON object; restore the file or remove it")
+    written = {np.dtype(numpy_type).str for numpy_type in _TORCH_TO_NUMPY.values()}
+    layout = {}
+    for key, field in schema.items():
+        shape = field.get("shape") if isinstance(field, dict) else None
+        dtype = field.get("dtype") if isinstance(field, dict) else None
+        if dtype not in written:
+            raise UserError(
+                f"{path}: dataset '{key}' has dtype {str(dtype)[:40]!r} in the schema attribute, which spmd_rl "
+                f"never writes (it writes {', '.join(sorted(written))}); the file is damaged or not one of ours: "
+                f"restore it from a copy or remove it"
+            )
+        if not isinstance(shape, list) or not all(isinstance(n, int) and 0 <= n < 1 << 31 for n in shape):
+            raise UserError(
+                f"{path}: dataset '{key}' has shape {str(shape)[:40]} in the schema attribute, which is no list of "
+                f"sizes; the file is damaged or not one of ours: restore it from a copy or remove it"
+            )
+        layout[key] = (tuple(shape), np.dtype(dtype))
+    return layout
 
 
 def describe_field(field: Field) -> str:

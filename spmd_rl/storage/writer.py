@@ -236,7 +236,7 @@ class HDF5Writer:
     def _check_matches(self, file: h5py.File) -> None:
         check_format(self.path, file)
         check_bounds(self.path, file)  # before anything is allocated from its attributes
-        difference = schema_difference(self.path, layout_from_schema(file.attrs["schema"]), self.layout)
+        difference = schema_difference(self.path, layout_from_schema(file.attrs["schema"], self.path), self.layout)
         if difference:
             raise UserError(difference)
         if not self._chunk_rows_asked:  # not asked for: continue with the file's chunking

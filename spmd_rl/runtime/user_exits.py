@@ -1,0 +1,56 @@
+"""Exits from user code are never a success: `sys.exit(...)` and `os._exit(...)` called by a policy, an env, an
+algorithm or a callback end the rank with exit code 4 and one line naming the user's file:line.
+
+Without this, `sys.exit(0)` in a policy's `act` ended a run with exit 0, no line and no finished.json (it reads as
+done), and `sys.exit(3)` read as a communication error. SystemExit is an exception the driver catches
+(`describe_system_exit` words its line); `os._exit` ends the process at once, so `guard_os_exit` replaces it with a
+function that looks at its caller: a call from user code prints the line, leaves the failure record (the
+watchdog's on_expiry) and exits 4; every other caller (the framework, the standard library, torch) gets the real
+os._exit unchanged. Code that calls `posix._exit` directly is not caught."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, innermost_user_frame, user_frame
+from spmd_rl.runtime.watchdog import watchdog
+
+_real_os_exit = os._exit
+
+
+def describe_system_exit(exc: SystemExit) -> str:
+    """'sys.exit(0) was called (at file:line); ...': the line for a SystemExit raised by user code."""
+    where = user_frame(exc)
+    at = f" (at {where})" if where else ""
+    return (
+        f"sys.exit({exc.code!r}) was called{at}; a run ends by finishing its iterations or by a stop, not by "
+        f"exiting: raise an exception to fail, or set run.stop_after_iterations to stop early"
+    )[:600]
+
+
+def guard_os_exit() -> None:
+    """Route os._exit through _guarded_os_exit for the rest of this process (the command line's run only: the
+    Python API leaves the interpreter as it finds it)."""
+    os._exit = _guarded_os_exit
+
+
+def _guarded_os_exit(code: int = 0) -> None:
+    caller = traceback.extract_stack(sys._getframe(1), limit=1)
+    where = innermost_user_frame(caller)
+    if not where:
+        _real_os_exit(code)
+    print(
+        f"spmd_rl: {watchdog.who}: error in user code: os._exit({code!r}) was called (at {where}); a run ends by "
+        f"finishing its iterations or by a stop, not by exiting: raise an exception to fail",
+        file=sys.stderr,
+        flush=True,
+    )
+    if watchdog.on_expiry is not None:  # the rank's files whole and its failure record left, as after a hang
+        try:
+            watchdog.on_expiry()
+        except Exception:  # noqa: BLE001 - the exit below is what matters
+            pass
+    sys.stdout.flush()
+    _real_os_exit(USER_CODE_EXIT_CODE)
