@@ -47,6 +47,7 @@ POLICY = Kind(
             "spmd_rl.modules.sac_networks:SquashedGaussianActor",
             "spmd_rl.modules.configs:SquashedGaussianConfig",
         ),
+        "transformer": ("spmd_rl.modules.transformer:TransformerPolicy", "spmd_rl.modules.configs:TransformerConfig"),
     },
 )
 ENGINE = Kind(

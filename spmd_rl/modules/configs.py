@@ -50,3 +50,26 @@ class SquashedGaussianConfig:
     hidden_sizes: list[int] = knob(None, "hidden layer widths of the actor MLP", factory=lambda: [256, 256], item_min=1)
     activation: str = knob("relu", "hidden activation", choices=["tanh", "relu", "elu"])
     normalize_obs: bool = knob(False, "running observation normalization (merged across trainers)")
+
+
+@dataclass
+class TransformerConfig:
+    """The built-in transformer (`policy.class: transformer`): observations as tokens, a pre-norm transformer
+    encoder, and actor and critic heads on a readout token. The defaults are small (~0.1M parameters, for CPU);
+    ~1B parameters is width 2048, depth 20, heads 16 (a GPU; see the README)."""
+
+    width: int = knob(64, "token width (the model dimension)", min=1)
+    depth: int = knob(2, "number of transformer blocks (each one FSDP shard unit)", min=1)
+    heads: int = knob(4, "attention heads per block (must divide width)", min=1)
+    mlp_ratio: float = knob(4.0, "width of each block's MLP as a multiple of width", min=0.0)
+    vector_tokens: int = knob(
+        1,
+        "tokens a vector observation becomes: its flattened features in that many equal contiguous groups (must "
+        "divide the feature count), each group with its own linear embedding",
+        min=1,
+    )
+    patch_size: int = knob(
+        8, "image observations: side of the square patches, one token each (zero-padded to a multiple)", min=1
+    )
+    normalize_obs: bool = knob(False, "running normalization of vector observations (merged across trainers)")
+    log_std_init: float = knob(0.0, "initial log std of the Gaussian policy (continuous actions)")

@@ -87,6 +87,31 @@ def cnn_layers(config) -> tuple[list[ConvLayer], int]:
     return layers, config.cnn_features or preset["features"]
 
 
+def image_layout(space: gym.spaces.Box) -> tuple[bool, tuple[int, int, int], float]:
+    """(channel_last, (C, H, W), scale) of an image space: a 2-D image has one channel; an image whose last axis
+    is 1-4 wide and whose first is not is channel-last (as envs usually give them); uint8 pixels scale to [0, 1]."""
+    shape = tuple(space.shape)
+    if len(shape) == 2:
+        shape = (*shape, 1)
+    channel_last = shape[-1] <= 4 and shape[0] > 4
+    c, h, w = (shape[2], shape[0], shape[1]) if channel_last else shape
+    return channel_last, (c, h, w), 1.0 / 255.0 if space.dtype == np.uint8 else 1.0
+
+
+def image_batch(obs: Tensor, channel_last: bool, image_shape: tuple[int, int, int], scale: float) -> Tensor:
+    """A batch of images as the env gives them -> [B, C, H, W] float32 in plain (channel-first) memory, scaled."""
+    c, h, w = image_shape
+    x = obs.reshape(obs.shape[0], *((h, w, c) if channel_last else (c, h, w)))
+    if channel_last:
+        x = x.permute(0, 3, 1, 2)
+    # A permuted single-channel image already counts as contiguous; without an explicit copy the convolution's
+    # weight gradients come out channels-last, which DDP's gradient buckets warn about (and copy every step).
+    x = x.to(torch.float32, memory_format=torch.contiguous_format)
+    if scale != 1.0:  # uint8 pixels: `to` made a new tensor; scaling it in place spares a second float copy
+        x.mul_(scale)  # of the batch (a 256-frame Breakout minibatch: ~14 ms instead of ~25 here)
+    return x
+
+
 class ImageEncoder(nn.Module):
     """A CNN over images: conv layers with ReLU, then a linear layer with ReLU (see CNN_PRESETS). Channel-last images
     (as envs usually give them) are moved to channel-first. Pixels travel as uint8 (a quarter of float32's bytes on
@@ -94,13 +119,8 @@ class ImageEncoder(nn.Module):
 
     def __init__(self, space: gym.spaces.Box, layers: list[ConvLayer], features: int, orthogonal_init: bool = False):
         super().__init__()
-        shape = tuple(space.shape)
-        if len(shape) == 2:
-            shape = (*shape, 1)
-        self.channel_last = shape[-1] <= 4 and shape[0] > 4
-        c, h, w = (shape[2], shape[0], shape[1]) if self.channel_last else shape
-        self.image_shape = (c, h, w)
-        self.scale = 1.0 / 255.0 if space.dtype == np.uint8 else 1.0
+        self.channel_last, self.image_shape, self.scale = image_layout(space)
+        c, h, w = self.image_shape
         modules: list[nn.Module] = []
         in_channels = c
         for layer in layers:
@@ -125,16 +145,7 @@ class ImageEncoder(nn.Module):
         self.out_features = features
 
     def forward(self, obs: Tensor) -> Tensor:
-        c, h, w = self.image_shape
-        x = obs.reshape(obs.shape[0], *((h, w, c) if self.channel_last else (c, h, w)))
-        if self.channel_last:
-            x = x.permute(0, 3, 1, 2)
-        # A permuted single-channel image already counts as contiguous; without an explicit copy the convolution's
-        # weight gradients come out channels-last, which DDP's gradient buckets warn about (and copy every step).
-        x = x.to(torch.float32, memory_format=torch.contiguous_format)
-        if self.scale != 1.0:  # uint8 pixels: `to` made a new tensor; scaling it in place spares a second float copy
-            x.mul_(self.scale)  # of the batch (a 256-frame Breakout minibatch: ~14 ms instead of ~25 here)
-        return self.linear(self.conv(x))
+        return self.linear(self.conv(image_batch(obs, self.channel_last, self.image_shape, self.scale)))
 
     def update_normalizer(self, obs: Tensor, context) -> None:
         pass
