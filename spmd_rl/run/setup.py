@@ -35,6 +35,7 @@ from spmd_rl.run.plan import Plan
 from spmd_rl.run.policies import build_policy, read_trained_state
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.resume import Resume
+from spmd_rl.run.state_fit import load_fitted
 from spmd_rl.run.topology import COLOCATED, ENV, INFERENCE, TRAINER, ProcessGroups, Topology
 from spmd_rl.run.trackers import open_trackers
 from spmd_rl.runtime.distributed import Runtime
@@ -421,10 +422,23 @@ class Run:
         state)."""
         run = self.cfg.run
         if not run.init_from:
+            if run.init_prefix:
+                raise UserError(f"run.init_prefix={run.init_prefix} needs run.init_from (the file to load)")
             return
+        if run.init_prefix and run.init_algorithm:
+            raise UserError(
+                "run.init_prefix loads a part of the policy, and run.init_algorithm=true the algorithm's state "
+                "for the whole of it: use one of them"
+            )
         policy_state, algorithm_state = read_trained_state(run.init_from, with_algorithm=run.init_algorithm)
         try:
-            policy.load_state_dict(policy_state)
+            load_fitted(policy, policy_state, run.init_prefix)
+        except UserError as exc:
+            raise UserError(
+                f"run.init_from={run.init_from}: its weights do not fit policy.class "
+                f"'{self.cfg.classes['policy']}': {exc}"
+            ) from None
+        try:
             if algorithm_state is not None:
                 algorithm.load_state_dict(algorithm_state)
         except (RuntimeError, KeyError, ValueError) as exc:
