@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import gymnasium as gym
 import pytest
@@ -21,7 +22,7 @@ from test_train_e2e import TINY
 from torch import nn
 
 import spmd_rl
-from spmd_rl.algorithms.ppo import LOSS_NAMES, loss_coefficients, minibatch_weights, ppo_losses, rollout_tensors
+from spmd_rl.algorithms.ppo import LOSS_NAMES, PPO, loss_coefficients, minibatch_weights, ppo_losses, rollout_tensors
 from spmd_rl.algorithms.ppo import total_loss as ppo_total_loss
 from spmd_rl.algorithms.recurrent_ppo import RecurrentPPO, RecurrentPPOConfig
 from spmd_rl.algorithms.sac import SAC
@@ -258,6 +259,29 @@ def _ddp_micro_batches(rank: int, world_size: int) -> None:
 
 def test_ddp_micro_batches_average_the_accumulated_gradients_once():
     assert_all_ok(run_ranks(_ddp_micro_batches, 2, timeout_s=30))
+
+
+def _fsdp_micro_batches(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    base = FrozenEncoderActorCritic(CARTPOLE_OBS, gym.spaces.Discrete(2), model_cfg())
+    context = dataclasses.replace(
+        Context.local(CARTPOLE_OBS, gym.spaces.Discrete(2), num_iterations=10, group=dist.group.WORLD),
+        parallel="fsdp",
+        policy_methods=("act", "evaluate", "value", "forward"),
+    )
+    batch = rollout_batch(base, size=32 + 8 * rank, seed=rank)
+    results = []
+    for micro_batch_size in (0, 10):  # FSDP2: gradient sync off for all parts but the last
+        policy = copy.deepcopy(base)
+        ppo = PPO(policy, algo_cfg(update_epochs=2, micro_batch_size=micro_batch_size), context)
+        torch.manual_seed(1)
+        assert_frozen_after_update(policy, ppo.optimizer, functools.partial(ppo.update, batch, iteration=0))
+        results.append(torch.cat([p.full_tensor().detach().reshape(-1) for p in policy.parameters()]))
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-5)
+
+
+def test_fsdp_micro_batches_and_frozen_parameters_give_the_same_update():
+    assert_all_ok(run_ranks(_fsdp_micro_batches, 2, timeout_s=60))
 
 
 def test_a_short_run_with_micro_batches_completes(tmp_path):

@@ -103,3 +103,12 @@ def test_a_mismatched_torch_file_is_a_user_error_naming_the_key(tmp_path):
     assert "1 shape mismatch(es): actor.0.weight (64, 5) (the policy's (64, 4))" in line
     with pytest.raises(UserError, match="run.init_prefix=actor. needs run.init_from"):
         spmd_rl.train(TINY, {"run.dir": tmp_path / "other", "run.init_prefix": "actor."})
+
+
+def test_the_weights_load_before_the_policy_is_sharded(tmp_path):
+    donor = weights_of(cartpole_policy(seed=7), "actor.")  # names of the unsharded policy, as files have them
+    save_file(donor, tmp_path / "actor.safetensors")
+    overrides = {"run.init_from": tmp_path / "actor.safetensors", "run.init_prefix": "actor.", **FROZEN_RUN}
+    run = spmd_rl.train(TINY, {"run.dir": tmp_path / "run", "train.parallel": "fsdp", **overrides})
+    loaded = run.policy.state_dict()
+    assert all(torch.equal(loaded[f"actor.{k}"], v) for k, v in donor.items())

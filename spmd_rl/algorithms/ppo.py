@@ -193,9 +193,25 @@ def rollout_tensors(batch: TensorDict) -> dict[str, Tensor]:
 
 def gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     """A context in which the model's backward averages gradients over the trainers (sync) or only accumulates
-    them locally, for micro-batches: DDP's no_sync (a data-parallel wrapper of another kind gives a no_sync of its
-    own; a module without one is a single trainer's, whose gradients need no averaging)."""
-    return contextlib.nullcontext() if sync else getattr(model, "no_sync", contextlib.nullcontext)()
+    them locally, for micro-batches: DDP's no_sync, FSDP2's set_requires_gradient_sync(False) (a module with
+    neither is a single trainer's, whose gradients need no averaging)."""
+    if sync:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        return _without_gradient_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP2: gradients accumulate unreduced in this block; the next backward outside it reduces them all."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def epoch_minibatches(
