@@ -29,6 +29,12 @@ class PPOConfig(AlgorithmConfig):
     max_grad_norm: float = knob(0.5, "gradient norm clipping", min=0.0)
     normalize_advantages: bool = knob(True, "normalize advantages per minibatch")
     target_kl: float | None = knob(None, "stop the epochs early when approx_kl exceeds this (null = never)", min=0.0)
+    micro_batch_size: int = knob(
+        0,
+        "run each minibatch's forward and backward in parts of at most this many samples, gradients accumulated, "
+        "then one clip and optimizer step: the same step with less activation memory (0 = the whole minibatch)",
+        min=0,
+    )
     vtrace: bool = knob(
         False,
         "V-trace targets and advantages (off-policy correction for the async engine's policy "
@@ -60,6 +66,13 @@ class SACConfig(AlgorithmConfig):
     alpha: float = knob(0.2, "entropy temperature (initial value when autotune)", min=0.0)
     autotune: bool = knob(True, "tune the temperature towards the target entropy -|A|")
     weight_sync_every: int = knob(1, "iterations between weight broadcasts to the inference ranks", min=1)
+    micro_batch_size: int = knob(
+        0,
+        "run each gradient step's forward and backward in parts of at most this many transitions (of this "
+        "trainer's share of algo.batch_size), gradients accumulated: the same step with less activation memory "
+        "(0 = the whole batch)",
+        min=0,
+    )
     critic_hidden_sizes: list[int] = knob(
         None, "hidden layer widths of each Q network", factory=lambda: [256, 256], item_min=1
     )

@@ -9,11 +9,12 @@ Such reset steps are marked invalid (valid=False) and every loss is a mean over 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
 from tensordict import TensorDict
-from torch import Tensor
+from torch import Tensor, nn
 
 from spmd_rl.algorithms.configs import PPOConfig
 from spmd_rl.algorithms.vtrace import vtrace
@@ -190,6 +191,29 @@ def rollout_tensors(batch: TensorDict) -> dict[str, Tensor]:
     return data
 
 
+def gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """A context in which the model's backward averages gradients over the trainers (sync) or only accumulates
+    them locally, for micro-batches: DDP's no_sync, FSDP2's set_requires_gradient_sync(False) (a module with
+    neither is a single trainer's, whose gradients need no averaging)."""
+    if sync:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        return _without_gradient_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP2: gradients accumulate unreduced in this block; the next backward outside it reduces them all."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def epoch_minibatches(
     data: dict[str, Tensor], num_minibatches: int, normalize: bool
 ) -> Iterator[tuple[dict[str, Tensor], Tensor, Tensor]]:
@@ -271,9 +295,11 @@ class PPO(Algorithm):
     @classmethod
     def summary(cls, config: PPOConfig, plan: PlanFacts) -> str:
         per_trainer = plan.samples_per_trainer
+        parts = f" in micro-batches of {config.micro_batch_size}" if config.micro_batch_size else ""
         return (
             f"batch {plan.steps_per_iteration} ({per_trainer} per trainer), {config.num_minibatches} "
-            f"minibatch(es) of {per_trainer // config.num_minibatches} per trainer, {config.update_epochs} epochs"
+            f"minibatch(es) of {per_trainer // config.num_minibatches} per trainer{parts}, "
+            f"{config.update_epochs} epochs"
         )
 
     def __init__(self, policy: Policy, config: PPOConfig, context: Context):
@@ -282,7 +308,8 @@ class PPO(Algorithm):
         self.num_iterations = context.num_iterations
         # The module forward/backward go through: the DDP wrapper (grads averaged over trainers) or the policy.
         self.model = context.data_parallel(policy)
-        self.parameters = list(policy.parameters())
+        # Trainable only: a frozen parameter (requires_grad False) gets no gradient and no optimizer state.
+        self.parameters = [param for param in policy.parameters() if param.requires_grad]
         # fused: one kernel over all parameters instead of a dozen small ops per tensor (about 4x faster on CPU).
         self.optimizer = torch.optim.Adam(self.parameters, lr=config.learning_rate, eps=1e-5, fused=True)
 
@@ -346,6 +373,13 @@ class PPO(Algorithm):
         for _ in range(cfg.update_epochs):
             minibatches = whole_batch or epoch_minibatches(data, cfg.num_minibatches, cfg.normalize_advantages)
             for minibatch, share, advantage in minibatches:
+                if 0 < cfg.micro_batch_size < share.shape[0]:  # algo.micro_batch_size: the same step, in parts
+                    losses = self.step_in_parts(minibatch, share, advantage, clip, coefficients)
+                    if losses is None:
+                        stopped = True
+                        break
+                    steps.append(losses)
+                    continue
                 new_log_prob, entropy, new_value = self.model(minibatch["obs"], minibatch["action"])
                 losses = clipped_losses(minibatch, share, advantage, new_log_prob, entropy, new_value, clip, cfg)
                 if cfg.target_kl is not None and self._group_mean(losses[APPROX_KL]) > 1.5 * cfg.target_kl:
@@ -368,6 +402,47 @@ class PPO(Algorithm):
         metrics["clip_coef"] = clip
         metrics["minibatch_steps"] = float(len(steps))
         return metrics
+
+    def step_in_parts(
+        self, minibatch: dict[str, Tensor], share: Tensor, advantage: Tensor, clip: float, coefficients: Tensor
+    ) -> Tensor | None:
+        """One minibatch step with algo.micro_batch_size: gradients_in_parts, then the clip and optimizer step
+        of the whole minibatch. Returns its LOSS_NAMES values, or None when target_kl stops the update (decided,
+        as without parts, on the whole minibatch's approx_kl: known only after the parts' backward, whose
+        gradients are then dropped without a step)."""
+        losses = self.gradients_in_parts(minibatch, share, advantage, clip, coefficients)
+        if self.cfg.target_kl is not None and self._group_mean(losses[APPROX_KL]) > 1.5 * self.cfg.target_kl:
+            for param in self.parameters:
+                param.grad = None
+            return None
+        self._clip_gradients()
+        self.optimizer.step()
+        return losses
+
+    def gradients_in_parts(
+        self, minibatch: dict[str, Tensor], share: Tensor, advantage: Tensor, clip: float, coefficients: Tensor
+    ) -> Tensor:
+        """The minibatch's gradients left in .grad, its forward and backward run in parts of at most
+        algo.micro_batch_size samples; returns its LOSS_NAMES values [5] (the whole minibatch's means).
+
+        share and advantage come from the whole minibatch, so each part's clipped_losses is its own share of every
+        mean: the parts' losses, and their gradients, sum to the whole minibatch's. With DDP the gradients are
+        averaged over the trainers once, in the last part's backward."""
+        for param in self.parameters:
+            param.grad = None
+        total = torch.zeros(len(LOSS_NAMES), device=share.device)
+        starts = range(0, share.shape[0], self.cfg.micro_batch_size)
+        for start in starts:
+            rows = slice(start, start + self.cfg.micro_batch_size)
+            part = {key: value[rows] for key, value in minibatch.items()}
+            with gradient_sync(self.model, start == starts[-1]):
+                new_log_prob, entropy, new_value = self.model(part["obs"], part["action"])
+                losses = clipped_losses(
+                    part, share[rows], advantage[rows], new_log_prob, entropy, new_value, clip, self.cfg
+                )
+                (losses @ coefficients).backward()
+            total += losses.detach()
+        return total
 
     def _clip_gradients(self) -> None:
         """Scale the gradients to a total norm of at most max_grad_norm (as nn.utils.clip_grad_norm_, in its

@@ -23,16 +23,21 @@ from torch import Tensor, nn
 
 from spmd_rl.algorithms.configs import PPOConfig
 from spmd_rl.algorithms.ppo import (
+    APPROX_KL,
     LOSS_NAMES,
     VTRACE_MAX_POLICY_LAG,
+    clipped_losses,
     explained_variance,
     gae_targets,
+    gradient_sync,
     learner_batch,
+    minibatch_weights,
     ppo_losses,
     rollout_tensors,
     total_loss,
     vtrace_targets_from,
 )
+from spmd_rl.config.sections import knob
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, Schedule
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE, Policy
@@ -44,6 +49,12 @@ class RecurrentPPOConfig(PPOConfig):
     """PPO's keys; num_minibatches splits each trainer's env columns (whole sequences), not its steps."""
 
     default_policy: ClassVar[str] = "spmd_rl.modules.recurrent:RecurrentActorCritic"
+    micro_batch_size: int = knob(
+        0,
+        "run each minibatch's replay and backward in parts of at most this many whole sequences (env columns), "
+        "gradients accumulated, then one clip and optimizer step (0 = the whole minibatch)",
+        min=0,
+    )
 
 
 def column_minibatches(columns: int, num_minibatches: int, device) -> Iterator[Tensor]:
@@ -92,7 +103,7 @@ class RecurrentPPO(Algorithm):
         super().__init__(policy, config, context)
         self.cfg = config
         self.model = context.data_parallel(policy)  # forward = evaluate_sequence, grads averaged over trainers
-        self.parameters = list(policy.parameters())
+        self.parameters = [param for param in policy.parameters() if param.requires_grad]  # frozen ones: no state
         self.optimizer = torch.optim.Adam(self.parameters, lr=config.learning_rate, eps=1e-5)
 
     def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
@@ -147,6 +158,13 @@ class RecurrentPPO(Algorithm):
         stopped = False
         for _ in range(cfg.update_epochs):
             for cols in column_minibatches(columns, cfg.num_minibatches, starts.device):
+                if 0 < cfg.micro_batch_size < len(cols):  # algo.micro_batch_size: the same step, in parts
+                    losses = self.step_in_parts(data, starts, state, cols, clip)
+                    if losses is None:
+                        stopped = True
+                        break
+                    steps.append(losses)
+                    continue
                 sequence = {key: value[:, cols] for key, value in data.items()}
                 first = {name: value[cols] for name, value in state.items()}
                 log_prob, entropy, value = self.model(sequence["obs"], sequence["action"], starts[:, cols], first)
@@ -176,6 +194,54 @@ class RecurrentPPO(Algorithm):
         metrics["clip_coef"] = clip
         metrics["minibatch_steps"] = float(len(steps))
         return metrics
+
+    def step_in_parts(self, data: dict, starts: Tensor, state: dict, cols: Tensor, clip: float) -> Tensor | None:
+        """One minibatch step with algo.micro_batch_size: gradients_in_parts, then the whole minibatch's clip and
+        optimizer step. Its LOSS_NAMES values, or None when target_kl stops the update (its gradients dropped)."""
+        cfg = self.cfg
+        losses = self.gradients_in_parts(data, starts, state, cols, clip)
+        if cfg.target_kl is not None and self._group_mean(losses[APPROX_KL]) > 1.5 * cfg.target_kl:
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        nn.utils.clip_grad_norm_(self.parameters, cfg.max_grad_norm)
+        self.optimizer.step()
+        return losses
+
+    def gradients_in_parts(self, data: dict, starts: Tensor, state: dict, cols: Tensor, clip: float) -> Tensor:
+        """The gradients of the minibatch of env columns `cols`, left in .grad, replayed in parts of at most
+        algo.micro_batch_size whole sequences; returns its LOSS_NAMES values (the whole minibatch's means).
+
+        Each entry's share of the means and the normalized advantages come from the whole minibatch, so the parts'
+        losses and gradients sum to the whole's. With DDP the last part's backward averages over the trainers."""
+        cfg = self.cfg
+        steps = starts.shape[0]
+        valid, advantage = data["valid"][:, cols], data["advantage"][:, cols]
+        share, advantage = minibatch_weights(valid.reshape(-1), advantage.reshape(-1), cfg.normalize_advantages)
+        share, advantage = share.reshape(steps, -1), advantage.reshape(steps, -1)
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros(len(LOSS_NAMES), device=starts.device)
+        measure_ratio, ratio_error = self.first_ratio is None, 0.0
+        bounds = range(0, len(cols), cfg.micro_batch_size)
+        for start in bounds:
+            part = slice(start, start + cfg.micro_batch_size)
+            part_cols = cols[part]
+            sequence = {key: value[:, part_cols] for key, value in data.items()}
+            first = {name: value[part_cols] for name, value in state.items()}
+            with gradient_sync(self.model, start == bounds[-1]):
+                log_prob, entropy, value = self.model(sequence["obs"], sequence["action"], starts[:, part_cols], first)
+                flat = {key: value.reshape(-1) for key, value in sequence.items() if key not in ("obs", "action")}
+                weights = (share[:, part].reshape(-1), advantage[:, part].reshape(-1))
+                new = (log_prob.reshape(-1), entropy.reshape(-1), value.reshape(-1))
+                losses = clipped_losses(flat, *weights, *new, clip, cfg)
+                total_loss(dict(zip(LOSS_NAMES, losses.unbind())), cfg).backward()
+            if measure_ratio:  # as the whole minibatch's: the largest |ratio - 1| over its valid entries
+                with torch.no_grad():
+                    ratio = (log_prob.reshape(-1) - flat["log_prob"]).exp()
+                    ratio_error = max(ratio_error, float(((ratio - 1).abs() * flat["valid"]).max()))
+            total += losses.detach()
+        if measure_ratio:
+            self.first_ratio = ratio_error
+        return total
 
     def _group_mean(self, value: Tensor) -> float:
         value = value.detach().clone().reshape(1)

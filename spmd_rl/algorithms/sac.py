@@ -113,7 +113,8 @@ class SAC(Algorithm):
         self.log_alpha = torch.tensor(initial_log_alpha, device=device, requires_grad=cfg.autotune)
         self.target_entropy = -float(action_space.shape[0])
 
-        self.actor_params = list(actor.parameters())
+        # The actor's trainable parameters: a frozen one (requires_grad False) gets no gradient and no Adam state.
+        self.actor_params = [param for param in actor.parameters() if param.requires_grad]
         self.critic_params = list(self.critic.parameters())
         self.target_params = list(self.critic_target.parameters())
         # fused: one kernel over all parameters instead of a dozen small ops per tensor.
@@ -209,6 +210,8 @@ class SAC(Algorithm):
         obs = batch["obs"]
 
         target = self.td_target(batch["reward"], batch["next_obs"], batch["terminated"])
+        if 0 < cfg.micro_batch_size < obs.shape[0]:  # algo.micro_batch_size: the same steps, in parts
+            return self.update_in_parts(batch, target)
         q1, q2 = self.critic(self.actor.features(obs), batch["action"])
         qf1_loss = F.mse_loss(q1, target)
         qf2_loss = F.mse_loss(q2, target)
@@ -238,10 +241,75 @@ class SAC(Algorithm):
         metrics["alpha"] = self.alpha
         return {name: value.detach() for name, value in metrics.items()}
 
+    def update_in_parts(self, batch: TensorDict, target: Tensor) -> dict[str, Tensor]:
+        """update_tensors with algo.micro_batch_size: every step's forward and backward run in parts of at most
+        that many rows, each part's loss weighted by its share of the batch (the losses are batch means), so the
+        summed gradients are the whole batch's; then one average over the trainers and one step, as without parts.
+
+        The TD target (no gradients) is computed on the whole batch first, as without parts. The actor's parts
+        draw their reparameterization noise one after another: on the CPU the same numbers as one draw for the
+        whole batch when each part holds a multiple of 16 of them, otherwise other draws of the same distribution."""
+        obs, action = batch["obs"], batch["action"]
+        size = obs.shape[0]
+        parts = [slice(start, start + self.cfg.micro_batch_size) for start in range(0, size, self.cfg.micro_batch_size)]
+
+        def critic_part(rows: slice) -> dict[str, Tensor]:
+            q1, q2 = self.critic(self.actor.features(obs[rows]), action[rows])
+            weight = q1.shape[0] / size
+            qf1_loss, qf2_loss = F.mse_loss(q1, target[rows]) * weight, F.mse_loss(q2, target[rows]) * weight
+            return {
+                "qf_loss": qf1_loss + qf2_loss,
+                "qf1_loss": qf1_loss,
+                "qf2_loss": qf2_loss,
+                "q1_mean": q1.sum() / size,
+            }
+
+        metrics = self._step_in_parts([self.critic_optimizer], self.critic_params, critic_part, parts, "critic")
+        if self.num_updates % self.cfg.policy_frequency == 0:
+            autotune = self.alpha_optimizer is not None
+            optimizers = [self.actor_optimizer, self.alpha_optimizer] if autotune else [self.actor_optimizer]
+            params = [*self.actor_params, self.log_alpha] if autotune else self.actor_params
+            what = "actor and temperature" if autotune else "actor"
+
+            def actor_part(rows: slice) -> dict[str, Tensor]:
+                part_obs = obs[rows]
+                weight = part_obs.shape[0] / size
+                pi_loss, alpha_loss = self.actor_losses(part_obs)
+                if alpha_loss is None:
+                    return {"actor_loss": pi_loss * weight}
+                pi_loss, alpha_loss = pi_loss * weight, alpha_loss * weight
+                return {"both": pi_loss + alpha_loss, "actor_loss": pi_loss, "alpha_loss": alpha_loss}
+
+            for _ in range(self.cfg.policy_frequency):
+                step = self._step_in_parts(optimizers, params, actor_part, parts, what)
+                metrics.update({name: step[name] for name in ("actor_loss", "alpha_loss") if name in step})
+        if self.num_updates % self.cfg.target_network_frequency == 0:
+            self.update_targets()
+        metrics["alpha"] = self.alpha
+        return {name: value.detach() for name, value in metrics.items()}
+
+    def _step_in_parts(
+        self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], losses, parts: list[slice], what: str
+    ) -> dict[str, Tensor]:
+        """_step on the sum of the parts' gradients: losses(rows) gives each part's weighted losses, the first
+        of them the one to differentiate; returns each loss summed over the parts (the whole batch's)."""
+        grads, totals = None, {}
+        for rows in parts:
+            part = losses(rows)
+            part_grads = torch.autograd.grad(next(iter(part.values())), params)
+            grads = part_grads if grads is None else [g + p for g, p in zip(grads, part_grads)]
+            for name, value in part.items():
+                totals[name] = totals[name] + value.detach() if name in totals else value.detach()
+        self._apply_gradients(optimizers, params, grads, what)
+        return totals
+
     def _step(self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], loss: Tensor, what: str) -> None:
         """Gradients of loss for exactly these parameters (none land on the critics during an actor step), averaged
         over the trainer group, then one step of each optimizer."""
-        grads = torch.autograd.grad(loss, params)
+        self._apply_gradients(optimizers, params, torch.autograd.grad(loss, params), what)
+
+    def _apply_gradients(self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], grads, what: str) -> None:
+        """These gradients averaged over the trainer group, then one step of each optimizer."""
         grads = self.context.average_gradients(grads, f"SAC {what} gradients (update {self.num_updates})")
         for param, grad in zip(params, grads):
             param.grad = grad

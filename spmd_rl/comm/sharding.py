@@ -140,9 +140,3 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-
-def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load whole tensors (every trainer holds them) into the sharded module: each trainer keeps its shards."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=True))

@@ -49,7 +49,17 @@ class RunSection:
         "run directory that holds a run (without run.dir: start a new one); or the path of a checkpoint (or of "
         "its run directory)",
     )
-    init_from: str = knob("", "start from trained weights: a run directory, a checkpoint or a policy.pt (fine-tune)")
+    init_from: str = knob(
+        "",
+        "start from trained weights: a run directory, a checkpoint, a policy.pt or a .safetensors file (fine-tune, "
+        "pretrained weights); every key must fit the policy's names, shapes and dtypes",
+    )
+    init_prefix: str = knob(
+        "",
+        "with run.init_from: load the file into this submodule only, e.g. 'encoder.' (file key x = policy key "
+        "encoder.x; the rest keeps its initialization); 'encoder.:backbone.' reads only the file's keys under "
+        "backbone. (cut off) into policy.encoder",
+    )
     init_algorithm: bool = knob(
         False,
         "with run.init_from a checkpoint: also take the algorithm's state "

@@ -1,5 +1,6 @@
 """Where a policy comes from and where it goes: built from the config (the same module on every rank), saved as
-policy.pt, and loaded back from a run directory, a checkpoint or a policy file (evaluation, `run.init_from`).
+policy.pt, and loaded back from a run directory, a checkpoint or a policy file (evaluation, `run.init_from`, which
+also takes a .safetensors file).
 
 A loaded policy's `act` also takes what gymnasium gives: numpy (or torch), one observation or a batch."""
 
@@ -22,6 +23,7 @@ from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.checkpoint import CHECKPOINTS_DIR, COMPLETE, LATEST, find_checkpoint, load_checkpoint
 from spmd_rl.persist.fileio import checksum_matches, torch_save_atomic
 from spmd_rl.run.evaluation import cuda_indices
+from spmd_rl.run.state_fit import SAFETENSORS_SUFFIX, load_fitted, read_safetensors
 from spmd_rl.runtime.errors import UserError
 
 CONFIG_FILE = "config.yaml"
@@ -68,13 +70,11 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", config_ove
     with torch.random.fork_rng(devices=cuda_indices(device)):  # build_policy seeds torch: keep the caller's RNG
         policy = build_policy(cfg, spec, policy_cls, device)
     try:
-        policy.load_state_dict(state)
-    except RuntimeError as exc:  # missing / unexpected keys, shape mismatches
-        detail = " ".join(str(exc).split())
-        detail = detail if len(detail) <= 300 else detail[:300] + " ..."
+        load_fitted(policy, state)
+    except UserError as exc:  # missing / unexpected keys, shape or dtype mismatches
         raise UserError(
             f"{weights}: its weights do not fit policy.class '{cfg.classes['policy']}' built from "
-            f"{config_file} (was the config changed?): {detail}"
+            f"{config_file} (was the config changed?): {exc}"
         ) from None
     # An acting copy: no parameter needs grad, so act()'s outputs convert to numpy without a no_grad block.
     return accepts_gymnasium_observations(policy.eval().requires_grad_(False)), cfg
@@ -143,8 +143,9 @@ def _as_given(value, single: bool, as_numpy: bool):
 
 
 def read_trained_state(path: str | Path, with_algorithm: bool = False) -> tuple[dict, dict | None]:
-    """(the Policy's state_dict, the Algorithm's state or None) of a run directory, checkpoint or policy file:
-    what `run.init_from` starts a new run from. The algorithm's state exists only in checkpoints."""
+    """(the Policy's state_dict, the Algorithm's state or None) of a run directory, checkpoint or policy file (a
+    policy.pt or a .safetensors file): what `run.init_from` starts a new run from. The algorithm's state exists
+    only in checkpoints."""
     path = Path(path)
     # The algorithm's state lives in checkpoints: from a run directory, take its latest one, not policy.pt.
     weights = find_checkpoint(path) if with_algorithm and path.is_dir() else _weights_location(path)
@@ -200,6 +201,8 @@ def _read_policy_state(weights: Path) -> dict:
         match = _RANK_FILE.fullmatch(weights.name)
         if match and (weights.parent / COMPLETE).exists():  # through the checkpoint's own size check
             state = load_checkpoint(weights.parent, rank=int(match.group(1)), whole=True)
+        elif weights.suffix == SAFETENSORS_SUFFIX:
+            state = read_safetensors(weights)  # its header holds the sizes: a cut file fails to load
         else:
             state = _torch_load(weights)
     if isinstance(state, dict) and isinstance(state.get(CHECKPOINT_POLICY_KEY), dict):

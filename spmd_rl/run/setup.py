@@ -37,6 +37,7 @@ from spmd_rl.run.plan import Plan
 from spmd_rl.run.policies import build_policy, read_trained_state
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.resume import Resume
+from spmd_rl.run.state_fit import load_fitted
 from spmd_rl.run.topology import COLOCATED, ENV, INFERENCE, TRAINER, ProcessGroups, Topology
 from spmd_rl.run.trackers import open_trackers
 from spmd_rl.runtime.distributed import Runtime
@@ -150,6 +151,7 @@ class Run:
         group = self.groups.trainer if self.runtime.world_size > 1 else None
         with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
             policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
+        initial_algorithm_state = self._init_policy_from(policy)
         algorithm, callbacks = self._build_algorithm(policy, group)
         with watchdog.watch(f"making and resetting env.id {cfg.env.id}"):
             envs, first_obs = make_vector_env(cfg.env, self.spec, self._seed_rank())
@@ -196,7 +198,7 @@ class Run:
         self._say_if_env_state_unsaved(runner)
         state = self._load_checkpoint()
         if state is None:
-            self._init_from(policy, algorithm)
+            self._init_algorithm_from(algorithm, initial_algorithm_state)
         else:
             trainer.load_state_dict(state)
             report.load_state_dict(state["metrics"])
@@ -296,6 +298,7 @@ class Run:
         group = self.groups.trainer if len(topology.trainer_ranks) > 1 else None
         with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
             policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
+        initial_algorithm_state = self._init_policy_from(policy)
         if self._gathers_weights:  # after sharding: every trainer gathers its shards for trainer 0's broadcast
             algorithm, callbacks = self._build_algorithm(policy, group)
             weight_sync = self._gathered_weight_source(policy)
@@ -331,7 +334,7 @@ class Run:
         report = Reporter(cfg, plan, logger, callbacks, policy)
         state = self._load_checkpoint()
         if state is None:
-            self._init_from(policy, algorithm)
+            self._init_algorithm_from(algorithm, initial_algorithm_state)
         else:
             trainer.load_state_dict(state)
             report.load_state_dict(state["metrics"])
@@ -461,40 +464,49 @@ class Run:
             group_names=groups,
         )
 
-    def _init_from(self, policy: Policy, algorithm: Algorithm) -> None:
-        """run.init_from: a new run starts from trained weights (and, with run.init_algorithm, the algorithm's
-        state)."""
+    def _init_policy_from(self, policy: Policy) -> dict | None:
+        """run.init_from: a new run starts from trained or pretrained weights, loaded into the policy as it is built
+        (before DDP or sharding wraps it); returns the algorithm's state for _init_algorithm_from when
+        run.init_algorithm asks for it. Nothing when the run resumes: the checkpoint has the weights."""
         run = self.cfg.run
         if not run.init_from:
-            return
+            if run.init_prefix:
+                raise UserError(f"run.init_prefix={run.init_prefix} needs run.init_from (the file to load)")
+            return None
+        if run.init_prefix and run.init_algorithm:
+            raise UserError(
+                "run.init_prefix loads a part of the policy, and run.init_algorithm=true the algorithm's state "
+                "for the whole of it: use one of them"
+            )
+        if self.resume.checkpoint is not None:
+            return None
         policy_state, algorithm_state = read_trained_state(run.init_from, with_algorithm=run.init_algorithm)
         try:
-            if any(sharding.is_dtensor(p) for p in policy.parameters()):
-                self._init_sharded(policy, policy_state, algorithm_state)
-                return
-            policy.load_state_dict(policy_state)
-            if algorithm_state is not None:
-                algorithm.load_state_dict(algorithm_state)
-        except (RuntimeError, KeyError, ValueError) as exc:
+            load_fitted(policy, policy_state, run.init_prefix)
+        except UserError as exc:
             raise UserError(
-                f"run.init_from={run.init_from}: its state does not fit policy.class "
-                f"'{self.cfg.classes['policy']}' / algo.class '{self.cfg.classes['algo']}' with this "
-                f"config: {' '.join(str(exc).split())[:300]}"
+                f"run.init_from={run.init_from}: its weights do not fit policy.class "
+                f"'{self.cfg.classes['policy']}': {exc}"
             ) from None
+        return algorithm_state
 
-    def _init_sharded(self, policy: Policy, policy_state: dict, algorithm_state: dict | None) -> None:
-        """run.init_from into a sharded policy: the file is read into a plain copy (in whatever layout its
-        state-dict hooks accept), whose tensors every trainer then loads as its shards."""
-        if algorithm_state is not None:
+    def _init_algorithm_from(self, algorithm: Algorithm, state: dict | None) -> None:
+        """run.init_algorithm: the algorithm's state from run.init_from's checkpoint (a fresh run only)."""
+        if state is None:
+            return
+        if any(sharding.is_dtensor(p) for p in algorithm.policy.parameters()):
             raise UserError(
                 "run.init_algorithm=true with train.parallel=fsdp is not supported (the optimizer state would have "
                 "to be resharded from a whole copy); start from the weights only, or resume the run instead"
             )
-        with torch.random.fork_rng(devices=cuda_indices(self.runtime.device)):  # build_policy seeds torch
-            plain = build_policy(self.cfg, self.spec, self.policy_cls, "cpu")
-        plain.load_state_dict(policy_state)
-        tensors = {**dict(plain.named_parameters()), **dict(plain.named_buffers())}
-        sharding.load_full_state_dict(policy, {key: tensors[key].detach() for key in policy.state_dict()})
+        try:
+            algorithm.load_state_dict(state)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise UserError(
+                f"run.init_from={self.cfg.run.init_from}: its state does not fit policy.class "
+                f"'{self.cfg.classes['policy']}' / algo.class '{self.cfg.classes['algo']}' with this "
+                f"config: {' '.join(str(exc).split())[:300]}"
+            ) from None
 
     def _say_if_env_state_unsaved(self, runner: EnvRunner) -> None:
         """Once per run (the first rank with envs): a checkpoint cannot hold these envs' state, so a resume begins

@@ -1,0 +1,109 @@
+"""Loading weights someone else saved into a Policy: a .safetensors file (pretrained models ship in that format),
+and the check that a state dict fits the policy (names, shapes, dtypes) with a one-line error naming the keys that
+do not, before anything is copied. `run.init_prefix` maps a file's names onto one submodule of the policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from spmd_rl.runtime.errors import UserError
+
+SAFETENSORS_SUFFIX = ".safetensors"
+SHOWN_KEYS = 4  # keys named in an error line before "and N more"
+
+
+def read_safetensors(file: Path) -> dict[str, Tensor]:
+    """The file's tensors on the CPU; a damaged or foreign file is a UserError naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(file, device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{file} cannot be read as a safetensors file ({first_line}): is it complete?") from None
+
+
+def split_prefix(prefix: str) -> tuple[str, str]:
+    """(the policy's prefix, the file's prefix) of `run.init_prefix`: 'encoder.' or 'encoder.:backbone.'."""
+    target, _, source = prefix.partition(":")
+    for part, what in ((target, "policy"), (source, "file")):
+        if part and not part.endswith("."):
+            raise UserError(
+                f"run.init_prefix={prefix}: the {what}'s prefix '{part}' must end with '.' (e.g. "
+                f"run.init_prefix=encoder. or encoder.:backbone.)"
+            )
+    return target, source
+
+
+def named(keys: list[str]) -> str:
+    """A few keys, then how many more."""
+    shown = ", ".join(keys[:SHOWN_KEYS])
+    return shown if len(keys) <= SHOWN_KEYS else f"{shown} and {len(keys) - SHOWN_KEYS} more"
+
+
+def fit_state_dict(policy: nn.Module, state: dict[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+    """state under the policy's names, checked to fit it exactly: every key the policy (or, with a prefix, its
+    submodule) has, no other, each of the policy's shape and dtype. Raises a UserError listing what does not fit
+    (the caller names the file in front of it).
+
+    With run.init_prefix=T (a policy prefix), file key k is policy key T+k and only the keys under T are required;
+    with T:S (and a file prefix), only the file's keys that start with S are read, with S cut off: a part of a
+    larger pretrained model goes into one submodule."""
+    target, source = split_prefix(prefix)
+    if source:
+        selected = {key[len(source) :]: value for key, value in state.items() if key.startswith(source)}
+        if not selected:
+            raise UserError(
+                f"no key of the file starts with '{source}' (run.init_prefix); its keys: {named(list(state))}"
+            )
+        state = selected
+    everything = policy.state_dict()
+    expected = {key: value for key, value in everything.items() if key.startswith(target)}
+    if not expected:
+        tops = list(dict.fromkeys(key.split(".")[0] for key in everything))
+        raise UserError(
+            f"run.init_prefix={prefix}: the policy has no weights under '{target}' (its top-level names: "
+            f"{named(tops) or 'none'})"
+        )
+    mapped = {target + key: value for key, value in state.items()}
+    missing = [key for key in expected if key not in mapped]
+    unexpected = [source + key[len(target) :] for key in mapped if key not in expected]  # the file's own names
+    shapes = [
+        f"{key} {tuple(mapped[key].shape)} (the policy's {tuple(value.shape)})"
+        for key, value in expected.items()
+        if key in mapped and mapped[key].shape != value.shape
+    ]
+    dtypes = [
+        f"{key} {mapped[key].dtype} (the policy's {value.dtype})"
+        for key, value in expected.items()
+        if key in mapped and mapped[key].shape == value.shape and mapped[key].dtype != value.dtype
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} key(s) the policy has: {named(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected key(s) of the file: {named(unexpected)}")
+    if shapes:
+        problems.append(f"{len(shapes)} shape mismatch(es): {named(shapes)}")
+    if dtypes:
+        problems.append(f"{len(dtypes)} dtype mismatch(es) (convert the file's tensors): {named(dtypes)}")
+    if problems:
+        if target or source:  # say how the file's names were read
+            problems.append(f"file key {source}K was read as policy key {target}K (run.init_prefix={prefix})")
+        raise UserError("; ".join(problems))
+    return mapped
+
+
+def load_fitted(policy: nn.Module, state: dict[str, Tensor], prefix: str = "") -> None:
+    """Copy state into the policy after fit_state_dict's check; with a policy prefix the rest of the policy keeps
+    its initialization."""
+    mapped = fit_state_dict(policy, state, prefix)
+    # The whole state, the policy's own values outside the prefix: a policy whose state_dict is a layout of its
+    # own (load hooks that need every key, as ActorCritic's packed pair) loads a part as well as the whole.
+    whole = policy.state_dict() | mapped
+    with torch.no_grad():
+        policy.load_state_dict(whole)
