@@ -401,7 +401,9 @@ class PPO(Algorithm):
         foreach form, without its argument handling: it runs once per minibatch)."""
         grads = [p.grad for p in self.parameters if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        torch._foreach_mul_(grads, (self.cfg.max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
+        # max_grad_norm / (norm + 1e-6), clamped at 1, in place and in the ops `float / Tensor` dispatches to
+        # (reciprocal, then mul: the same numbers) without Tensor.__rtruediv__'s Python wrapper.
+        torch._foreach_mul_(grads, norm.add_(1e-6).reciprocal_().mul_(self.cfg.max_grad_norm).clamp_(max=1.0))
 
     def _group_mean(self, value: Tensor) -> float:
         """The trainer group's mean of a scalar, so every trainer makes the same early-stop decision."""
