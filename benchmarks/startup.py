@@ -12,12 +12,19 @@ Times, alternating the variants every repeat (medians over repeats):
   2 env ranks), launch to exit: what every multi-rank test and short job pays.
 Each spmd_rl variant also runs "as before": tensordict imported ahead of spmd_rl, the way every rank imported it
 before runtime/fast_imports.py (its import then pulls torch._dynamo).
+
+    python benchmarks/startup.py --cpu [--repeats 5] [--compare-tree DIR]
+
+CPU seconds (user + system, from the children's rusage) to exit instead, robust to a busy machine: `import torch`
+and a one-iteration run of the default config (`train.total_steps=256`, TensorBoard on), of this checkout and,
+alternating with it, of another one (e.g. `git worktree add --detach /tmp/old <commit>`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -45,10 +52,45 @@ def timed(command: list[str], until: str | None = None) -> float:
     return time.perf_counter() - started
 
 
+def cpu_seconds(command: list[str], root: Path = ROOT) -> float:
+    """CPU seconds (user + system) of a command run to its exit, with cwd and PYTHONPATH at root."""
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(command, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+
+
+def cpu_main(repeats: int, other: Path | None) -> None:
+    python = sys.executable
+    trees = {"this checkout": ROOT, **({str(other): other} if other else {})}
+    times: dict[str, list[float]] = {"import torch": [], **{f"one iteration, {name}": [] for name in trees}}
+    print(f"load average at start: {os.getloadavg()}")
+    for _ in range(repeats):
+        times["import torch"].append(cpu_seconds([python, "-c", "import torch"]))
+        for name, root in trees.items():
+            run_dir = f"run.dir={tempfile.mkdtemp(prefix='spmd_startup_')}/run"
+            command = [python, "-m", "spmd_rl.main", "train.total_steps=256", "log.progress=false", run_dir]
+            times[f"one iteration, {name}"].append(cpu_seconds(command, root))
+    floor = statistics.median(times["import torch"])
+    print("| what | median CPU s | minus `import torch` |")
+    print("|---|---|---|")
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median:.2f} | {median - floor:+.2f} |")
+    print(f"load average at end: {os.getloadavg()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    repeats = parser.parse_args().repeats
+    parser.add_argument("--cpu", action="store_true", help="CPU seconds to exit (see above)")
+    parser.add_argument("--compare-tree", type=Path, help="--cpu: another checkout, run alternately with this one")
+    args = parser.parse_args()
+    repeats = args.repeats
+    if args.cpu:
+        cpu_main(repeats, args.compare_tree)
+        return
     python = sys.executable
     variants = {
         "import torch": ([python, "-c", "import torch"], None),

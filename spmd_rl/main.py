@@ -114,9 +114,10 @@ def _main(argv: list[str] | None) -> int:
         return user_error(exc, speaker=True)
 
     # Imported only now: torch, tensordict and the envs take seconds, and --help and config errors answer without.
-    from spmd_rl.runtime.fast_imports import import_tensordict_without_dynamo
+    from spmd_rl.runtime.fast_imports import import_tensordict_without_dynamo, optimizers_without_dynamo
 
     import_tensordict_without_dynamo()
+    optimizers_without_dynamo()
     from spmd_rl.run.driver import train
 
     install_signal_handlers()  # the imports are done: a signal that came meanwhile is raised here

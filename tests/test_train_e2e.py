@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,6 +80,19 @@ def test_one_process_writes_metrics_config_policy_and_tensorboard(tmp_path):
     records = assert_run_complete(result, tmp_path, iterations=8)
     assert records[-1]["env_steps"] == 256
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir())
+    # Every finite value of every metrics line is a TensorBoard scalar at its env_steps, as add_scalar writes it.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    expected = {
+        (key, record["env_steps"]): float(np.float32(value))
+        for record in records
+        for key, value in record.items()
+        if key not in ("iteration", "env_steps") and value is not None and np.isfinite(value)
+    }
+    written = {(tag, e.step): e.value for tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
+    assert written == expected
 
 
 def test_one_process_learns_cartpole_clearly_above_random(tmp_path):

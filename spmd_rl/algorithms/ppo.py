@@ -10,13 +10,15 @@ Such reset steps are marked invalid (valid=False) and every loss is a mean over 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterable, Iterator
 
 import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
 from spmd_rl.algorithms.configs import PPOConfig
+from spmd_rl.algorithms.fused_adam import FusedAdamStep
 from spmd_rl.algorithms.vtrace import vtrace
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, PolicyMethod, Schedule
 from spmd_rl.interfaces.context import Context
@@ -98,8 +100,9 @@ def clipped_losses(
         old_value = minibatch["value"]
         new_value = old_value + (new_value - old_value).clamp(-clip, clip)
     with torch.no_grad():
-        approx_kl = (ratio - 1) - log_ratio  # the low-variance k3 estimator, as SB3
-        clipped = ((ratio - 1).abs() > clip).float()
+        ratio_change = ratio - 1
+        approx_kl = ratio_change - log_ratio  # the low-variance k3 estimator, as SB3
+        clipped = (ratio_change.abs() > clip).float()
     if cfg.ent_coef == 0:
         entropy = entropy.detach()  # reported, but without a gradient the backward pass skips its ops
     # One row per loss, all five means in one matmul (and its one backward op). SB3's plain MSE for the value.
@@ -218,25 +221,36 @@ def epoch_minibatches(
     data: dict[str, Tensor], num_minibatches: int, normalize: bool
 ) -> Iterator[tuple[dict[str, Tensor], Tensor, Tensor]]:
     """One epoch: the batch in num_minibatches random parts (sizes differ by at most one), each with its
-    minibatch_weights (share, advantage).
-
-    The weights of all minibatches are computed at once, per minibatch segment of the shuffled batch, and every
-    minibatch is a slice of the shuffled batch: per minibatch, no op runs here at all (on small networks each op's
-    fixed cost is what an update's time is made of).
-    """
-    size = data["valid"].shape[0]
+    minibatch_weights (share, advantage)."""
     if num_minibatches == 1:  # a mean does not depend on the order: skip the shuffle and its copies
         share, advantage = minibatch_weights(data["valid"], data["advantage"], normalize)
         yield data, share, advantage
         return
+    yield from shuffled_minibatches(data, num_minibatches, normalize)[0]
+
+
+def shuffled_minibatches(
+    data: dict[str, Tensor], num_minibatches: int, normalize: bool, epochs: int = 1
+) -> list[list[tuple[dict[str, Tensor], Tensor, Tensor]]]:
+    """`epochs` epochs of num_minibatches random parts of the batch each (sizes differ by at most one, as
+    tensor_split's), every part with its minibatch_weights (share, advantage); one randperm per epoch, drawn in turn.
+
+    All epochs are shuffled and weighted at once, per minibatch segment of the shuffled batches, and every minibatch
+    is a view of them: per minibatch, no op runs here at all and per epoch none either (on small networks each op's
+    fixed cost is what an update's time is made of). Each segment's sums run over its rows in order, as they would
+    for that minibatch alone, so the numbers are those of one epoch at a time.
+    """
+    size = data["valid"].shape[0]
     device = data["valid"].device
-    order = torch.randperm(size, device=device)
+    orders = [torch.randperm(size, device=device) for _ in range(epochs)]
+    order = orders[0] if epochs == 1 else torch.cat(orders)
     shuffled = {key: value[order] for key, value in data.items()}
-    bounds = [size // num_minibatches + (i < size % num_minibatches) for i in range(num_minibatches)]  # tensor_split's
-    # segment[i]: the minibatch that row i of the shuffled batch belongs to; per-minibatch sums are index_adds over it
-    segment = torch.repeat_interleave(torch.arange(num_minibatches, device=device), torch.tensor(bounds, device=device))
+    bounds = [size // num_minibatches + (i < size % num_minibatches) for i in range(num_minibatches)] * epochs
+    segments = len(bounds)
+    # segment[i]: the minibatch that row i of the shuffled batches belongs to; per-minibatch sums are index_adds
+    segment = torch.repeat_interleave(torch.arange(segments, device=device), torch.tensor(bounds, device=device))
     valid = shuffled["valid"].float()
-    sums = torch.zeros(num_minibatches, device=device)
+    sums = torch.zeros(segments, device=device)
     num_valid = sums.index_add(0, segment, valid)[segment]
     share = valid / num_valid.clamp(min=1)
     advantage = shuffled["advantage"]
@@ -245,11 +259,12 @@ def epoch_minibatches(
         variance = sums.index_add(0, segment, (advantage - mean).square() * share)[segment]
         std = (variance * num_valid / (num_valid - 1).clamp(min=1)).sqrt()
         advantage = torch.where(num_valid > 1, (advantage - mean) / (std + 1e-8), advantage)
-    start = 0
-    for length in bounds:
-        rows = slice(start, start + length)
-        yield {key: value[rows] for key, value in shuffled.items()}, share[rows], advantage[rows]
-        start += length
+    parts = {key: value.split(bounds) for key, value in shuffled.items()}
+    minibatches = [
+        (dict(zip(parts, fields)), part_share, part_advantage)
+        for *fields, part_share, part_advantage in zip(*parts.values(), share.split(bounds), advantage.split(bounds))
+    ]
+    return [minibatches[start : start + num_minibatches] for start in range(0, segments, num_minibatches)]
 
 
 class PPO(Algorithm):
@@ -312,6 +327,7 @@ class PPO(Algorithm):
         self.parameters = [param for param in policy.parameters() if param.requires_grad]
         # fused: one kernel over all parameters instead of a dozen small ops per tensor (about 4x faster on CPU).
         self.optimizer = torch.optim.Adam(self.parameters, lr=config.learning_rate, eps=1e-5, fused=True)
+        self.adam_step = FusedAdamStep(self.optimizer)  # optimizer.step() without its wrapper, once per minibatch
 
     def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
         """GAE over the rollout, the clipped-surrogate update, then the observation statistics."""
@@ -363,15 +379,12 @@ class PPO(Algorithm):
         data = rollout_tensors(batch)
         coefficients = loss_coefficients(cfg).to(self.context.device)
 
-        # One minibatch: the same one every epoch, its weights computed once.
-        whole_batch = None
-        if cfg.num_minibatches == 1:
-            whole_batch = [(data, *minibatch_weights(data["valid"], data["advantage"], cfg.normalize_advantages))]
+        epochs = self.epoch_schedule(data)
+        self.adam_step.refresh()  # the optimizer's state may have been loaded since the last update
 
         steps: list[Tensor] = []  # each step's LOSS_NAMES values, read once after the update (no per-step sync)
         stopped = False
-        for _ in range(cfg.update_epochs):
-            minibatches = whole_batch or epoch_minibatches(data, cfg.num_minibatches, cfg.normalize_advantages)
+        for minibatches in epochs:
             for minibatch, share, advantage in minibatches:
                 if 0 < cfg.micro_batch_size < share.shape[0]:  # algo.micro_batch_size: the same step, in parts
                     losses = self.step_in_parts(minibatch, share, advantage, clip, coefficients)
@@ -389,7 +402,7 @@ class PPO(Algorithm):
                     param.grad = None
                 (losses @ coefficients).backward()
                 self._clip_gradients()
-                self.optimizer.step()
+                self.adam_step()
                 steps.append(losses.detach())
             if stopped:
                 break
@@ -416,7 +429,7 @@ class PPO(Algorithm):
                 param.grad = None
             return None
         self._clip_gradients()
-        self.optimizer.step()
+        self.adam_step()
         return losses
 
     def gradients_in_parts(
@@ -444,12 +457,28 @@ class PPO(Algorithm):
             total += losses.detach()
         return total
 
+    def epoch_schedule(self, data: dict[str, Tensor]) -> Iterable[list[tuple[dict[str, Tensor], Tensor, Tensor]]]:
+        """Each epoch's minibatches with their weights (share, advantage)."""
+        cfg = self.cfg
+        if cfg.num_minibatches == 1:  # the same minibatch every epoch, its weights computed once
+            whole_batch = (data, *minibatch_weights(data["valid"], data["advantage"], cfg.normalize_advantages))
+            return itertools.repeat([whole_batch], cfg.update_epochs)
+        if cfg.target_kl is None:  # every epoch runs: all epochs' shuffles at once, the same draws in the same order
+            return shuffled_minibatches(data, cfg.num_minibatches, cfg.normalize_advantages, cfg.update_epochs)
+        # An early stop leaves the later epochs' shuffles undrawn (the random numbers after it stay as they were).
+        return (
+            shuffled_minibatches(data, cfg.num_minibatches, cfg.normalize_advantages)[0]
+            for _ in range(cfg.update_epochs)
+        )
+
     def _clip_gradients(self) -> None:
         """Scale the gradients to a total norm of at most max_grad_norm (as nn.utils.clip_grad_norm_, in its
         foreach form, without its argument handling: it runs once per minibatch)."""
         grads = [p.grad for p in self.parameters if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        torch._foreach_mul_(grads, (self.cfg.max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
+        # max_grad_norm / (norm + 1e-6), clamped at 1, in place and in the ops `float / Tensor` dispatches to
+        # (reciprocal, then mul: the same numbers) without Tensor.__rtruediv__'s Python wrapper.
+        torch._foreach_mul_(grads, norm.add_(1e-6).reciprocal_().mul_(self.cfg.max_grad_norm).clamp_(max=1.0))
 
     def _group_mean(self, value: Tensor) -> float:
         """The trainer group's mean of a scalar, so every trainer makes the same early-stop decision."""

@@ -1,0 +1,93 @@
+"""A fused torch.optim.Adam's step without its Python wrapper: on small networks, stepped once per minibatch, the
+wrapper (profiler record, hooks, grad mode, grouping the tensors by device and dtype, gathering the state) costs
+more than the fused kernel itself.
+
+The kernel, its arguments and the optimizer's state are torch's own: the state is created by Adam's _init_group
+on the first step and read back from optimizer.state, so state_dict(), load_state_dict() and checkpoints are
+unchanged, and every step's numbers are those of optimizer.step(). Anything but one plain param group of fused
+Adam over same-device float32 parameters that all have gradients goes through optimizer.step() as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.optim.optimizer as optimizer_module
+from torch import nn
+
+
+class FusedAdamStep:
+    """Calls `optimizer.step()` of a fused torch.optim.Adam as the kernel call it ends in. Call refresh() whenever
+    the optimizer's state may have been replaced (load_state_dict): the state's tensors are looked up again."""
+
+    def __init__(self, optimizer: torch.optim.Adam):
+        self.optimizer = optimizer
+        self.state_lists: tuple[list, list, list] | None = None  # (exp_avgs, exp_avg_sqs, steps)
+
+    def refresh(self) -> None:
+        self.state_lists = None
+
+    def __call__(self) -> None:
+        optimizer = self.optimizer
+        group = optimizer.param_groups[0]
+        params = group["params"]
+        grads = [p.grad for p in params]
+        if self.state_lists is None and not self._gather_state(group, grads):
+            optimizer.step()
+            return
+        if any(grad is None for grad in grads):
+            optimizer.step()  # torch's step skips parameters without a gradient
+            return
+        exp_avgs, exp_avg_sqs, steps = self.state_lists
+        beta1, beta2 = group["betas"]
+        with torch.no_grad():
+            torch._foreach_add_(steps, 1)
+            torch._fused_adam_(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                steps,
+                amsgrad=False,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+                grad_scale=None,
+                found_inf=None,
+            )
+
+    def _gather_state(self, group: dict, grads: list) -> bool:
+        """Create (as optimizer.step() would) and look up the state of every parameter; False where this path does
+        not apply and optimizer.step() must run."""
+        optimizer = self.optimizer
+        params = group["params"]
+        supported = (
+            isinstance(optimizer, torch.optim.Adam)
+            and len(optimizer.param_groups) == 1
+            and group.get("fused")
+            and not group.get("amsgrad")
+            and not group.get("differentiable")
+            and not group.get("capturable")
+            and not group.get("decoupled_weight_decay", False)
+            and isinstance(group["lr"], float)
+            and getattr(optimizer, "grad_scale", None) is None  # a GradScaler's unscaling goes through step()
+            and getattr(optimizer, "found_inf", None) is None
+            and not optimizer._optimizer_step_pre_hooks  # hooks, the optimizer's or every optimizer's, run in step()
+            and not optimizer._optimizer_step_post_hooks
+            and not getattr(optimizer_module, "_global_optimizer_pre_hooks", None)
+            and not getattr(optimizer_module, "_global_optimizer_post_hooks", None)
+            and all(grad is not None for grad in grads)
+            and all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in params)
+            and len({p.device for p in params}) == 1
+        )
+        if not supported:
+            return False
+        with_grad, gathered_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+        optimizer._init_group(group, with_grad, gathered_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        if len(with_grad) != len(params):
+            return False
+        self.state_lists = (exp_avgs, exp_avg_sqs, steps)
+        return True

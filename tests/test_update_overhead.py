@@ -1,0 +1,102 @@
+"""The PPO update's overhead cuts (issue 31) compute the same numbers, bit for bit, as the forms they replace: all
+epochs' shuffles at once against one epoch at a time, the fused Adam kernel called directly against
+optimizer.step(), and an optimizer built without importing torch._dynamo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from spmd_rl.algorithms.fused_adam import FusedAdamStep
+from spmd_rl.algorithms.ppo import epoch_minibatches, shuffled_minibatches
+
+
+def batch(size: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(size)
+    valid = torch.rand(size, generator=generator) > 0.3
+    valid[: size // 3] = False  # minibatches with few or no valid entries
+    data = {"obs": torch.randn(size, 4, generator=generator), "valid": valid}
+    for key in ("log_prob", "advantage", "return_", "value"):
+        data[key] = torch.where(valid, torch.randn(size, generator=generator), 0.0)
+    return data
+
+
+@pytest.mark.parametrize("size, parts, epochs", [(256, 2, 20), (67, 4, 3), (5, 5, 2)])
+def test_all_epochs_at_once_equal_one_epoch_at_a_time_bit_for_bit(size, parts, epochs):
+    data = batch(size)
+    torch.manual_seed(3)
+    together = shuffled_minibatches(data, parts, normalize=True, epochs=epochs)
+    after_together = torch.rand(4)  # the random numbers drawn after the update
+    torch.manual_seed(3)
+    one_by_one = [list(epoch_minibatches(data, parts, normalize=True)) for _ in range(epochs)]
+    assert torch.equal(after_together, torch.rand(4))
+    assert len(together) == epochs
+    for epoch, expected_epoch in zip(together, one_by_one):
+        assert len(epoch) == len(expected_epoch) == parts
+        for (part, share, advantage), (expected, expected_share, expected_advantage) in zip(epoch, expected_epoch):
+            assert torch.equal(share, expected_share) and torch.equal(advantage, expected_advantage)
+            assert part.keys() == expected.keys()
+            assert all(torch.equal(part[key], expected[key]) for key in part)
+
+
+def adam_pair(**options) -> tuple[list[nn.Parameter], list[nn.Parameter], torch.optim.Adam, torch.optim.Adam]:
+    torch.manual_seed(0)
+    mine = [nn.Parameter(torch.randn(shape)) for shape in ((2, 4, 8), (2, 1, 8), (3,))]
+    reference = [nn.Parameter(p.detach().clone()) for p in mine]
+    options = dict(lr=1e-3, eps=1e-5, fused=True, **options)
+    return mine, reference, torch.optim.Adam(mine, **options), torch.optim.Adam(reference, **options)
+
+
+def test_fused_adam_step_equals_optimizer_step_bit_for_bit_and_skips_it():
+    mine, reference, optimizer, reference_optimizer = adam_pair()
+    step = FusedAdamStep(optimizer)
+    for index in range(5):
+        grads = [torch.randn_like(p) for p in mine]
+        for params in (mine, reference):
+            for param, grad in zip(params, grads):
+                param.grad = grad.clone()
+        optimizer.param_groups[0]["lr"] = reference_optimizer.param_groups[0]["lr"] = 1e-3 * (1 - index / 5)
+        step()
+        reference_optimizer.step()
+        assert step.state_lists is not None  # the kernel was called directly, not through optimizer.step()
+        assert all(torch.equal(p, q) for p, q in zip(mine, reference))
+    state, expected = optimizer.state_dict(), reference_optimizer.state_dict()
+    assert state["param_groups"] == expected["param_groups"]
+    for index, values in expected["state"].items():
+        assert values.keys() == state["state"][index].keys()
+        assert all(torch.equal(state["state"][index][key], value) for key, value in values.items())
+
+
+def test_fused_adam_step_leaves_what_it_does_not_cover_to_optimizer_step():
+    mine, reference, optimizer, reference_optimizer = adam_pair(amsgrad=True)
+    step = FusedAdamStep(optimizer)
+    for params in (mine, reference):
+        for param in params:
+            param.grad = torch.ones_like(param)
+    step()
+    reference_optimizer.step()
+    assert step.state_lists is None
+    assert all(torch.equal(p, q) for p, q in zip(mine, reference))
+
+
+def test_an_optimizer_is_built_saved_and_loaded_without_importing_torch_dynamo():
+    code = (
+        "import sys, torch\n"
+        "from spmd_rl.runtime.fast_imports import optimizers_without_dynamo\n"
+        "optimizers_without_dynamo()\n"
+        "from spmd_rl.algorithms.fused_adam import FusedAdamStep\n"
+        "p = torch.nn.Parameter(torch.ones(3))\n"
+        "optimizer = torch.optim.Adam([p], fused=True)\n"
+        "p.grad = torch.ones(3)\n"
+        "FusedAdamStep(optimizer)()\n"
+        "optimizer.zero_grad()\n"
+        "optimizer.load_state_dict(optimizer.state_dict())\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
