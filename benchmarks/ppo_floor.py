@@ -147,7 +147,13 @@ def main() -> None:
     print(machine())
     print(f"load average {os.getloadavg()}; {args.envs} envs x {args.steps} steps, medians of {args.repeats}")
     rows = [[f"floor: {key}", f"{value:.0f}", ""] for key, value in parts.items()]
-    rows.append(["spmd_rl (this checkout)", f"{statistics.median(ours):.0f}", f"{statistics.median(ours) / parts['floor']:.2f}x"])
+    rows.append(
+        [
+            "spmd_rl (this checkout)",
+            f"{statistics.median(ours):.0f}",
+            f"{statistics.median(ours) / parts['floor']:.2f}x",
+        ]
+    )
     if theirs:
         other = statistics.median(theirs)
         rows.append([f"spmd_rl ({args.compare_tree})", f"{other:.0f}", f"{other / parts['floor']:.2f}x"])

@@ -207,3 +207,31 @@ def test_bf16_compute_runs_and_its_policy_evaluates_in_float32(tmp_path):
     policy = torch.load(tmp_path / "policy.pt", weights_only=True)
     assert all(v.dtype != torch.bfloat16 for v in policy.values())  # master weights stay float32
     assert all(r["policy_loss"] == r["policy_loss"] for r in metrics_without_timings(tmp_path))  # no NaN
+
+
+@pytest.mark.slow
+def test_fsdp_resume_reshards_two_ranks_to_one_and_back(tmp_path):
+    """A sharded checkpoint of 2 trainers resumes on 1 (the model and Adam state resharded by DCP), that one's on 2
+    again, and the run completes with every iteration logged once; a DDP checkpoint is still refused."""
+    run_dir = tmp_path / "run"
+    args = [*TINY, "train.parallel=fsdp", "env.total_envs=4", "train.total_steps=1024", f"run.dir={run_dir}"]
+    first = main(*args, "run.stop_after_iterations=6", nproc=2)
+    assert "stopped by run.stop_after_iterations=6" in first.stdout + first.stderr, first.stdout + first.stderr
+    one = main(*args, "run.stop_after_iterations=11")
+    assert one.returncode == 75, one.stdout + one.stderr
+    assert "was saved by 2 rank(s) (colocated), this run has 1" in one.stdout and "data order differs" in one.stdout
+    two = main(*args, nproc=2)
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert "was saved by 1 rank(s) (colocated), this run has 2" in two.stdout
+    records = metrics_without_timings(run_dir)
+    assert [r["iteration"] for r in records] == list(range(16))
+    assert [r["env_steps"] for r in records] == [64 * (i + 1) for i in range(16)]
+    policy = torch.load(run_dir / "policy.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in policy.values() if v.is_floating_point())
+
+    ddp_dir = tmp_path / "ddp"
+    ddp = [*TINY, "env.total_envs=4", "train.total_steps=1024", f"run.dir={ddp_dir}"]
+    main(*ddp, "run.stop_after_iterations=6", nproc=2)
+    refused = main(*ddp)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "only train.parallel=fsdp checkpoints reshard" in refused.stderr

@@ -139,4 +139,3 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-

@@ -379,16 +379,20 @@ class Config:
         """A hash of the resolved config; every rank compares it with rank 0's."""
         return hashlib.sha256(yaml.safe_dump(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
-    def resume_dict(self) -> dict:
+    def resume_dict(self, with_layout: bool = True) -> dict:
         """What a resumed run must share with the run it continues: everything but where and how it is run (run,
-        checkpoint, log) and the bound on waits."""
+        checkpoint, log) and the bound on waits (without_layout: the layout too, for a resharded resume)."""
         data = {k: v for k, v in self.to_dict().items() if k not in ("run", "checkpoint", "log")}
         data["dist"] = {k: v for k, v in data["dist"].items() if k != "timeout_s"}
+        if not with_layout:  # the per-rank env counts follow from env.total_envs and the layout
+            del data["layout"]
+            if data["env"].get("total_envs"):
+                data["env"] = {k: v for k, v in data["env"].items() if k != "num_envs"}
         return data
 
-    def resume_digest(self) -> str:
+    def resume_digest(self, with_layout: bool = True) -> str:
         """A hash of resume_dict()."""
-        return hashlib.sha256(yaml.safe_dump(self.resume_dict(), sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(yaml.safe_dump(self.resume_dict(with_layout), sort_keys=True).encode()).hexdigest()
 
 
 def _omitted_defaults(section) -> list[str]:

@@ -35,6 +35,7 @@ class Resume:
     iteration: int = -1  # the checkpoint's iteration (-1: a fresh start)
     note: str = ""  # rank 0: how the default run directory was chosen, for its first line
     fallback: str = ""  # rank 0: what was found that could not be followed, and what is done instead (a line)
+    resharded: bool = False  # the checkpoint was saved by another number of ranks (train.parallel=fsdp)
 
     @property
     def start_iteration(self) -> int:
@@ -63,7 +64,11 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False):
     if verdict.startswith("error: "):
         raise SharedUserError(verdict[len("error: ") :])
     if verdict:
-        resume = Resume(checkpoint=Path(verdict), iteration=checkpoint_iteration(Path(verdict)))
+        resume = Resume(
+            checkpoint=Path(verdict),
+            iteration=checkpoint_iteration(Path(verdict)),
+            resharded=saved_ranks(Path(verdict)) != runtime.world_size,
+        )
     resume.note, resume.fallback = note, fallback
     cfg.run.dir = run_dir
     if runtime.distributed:
@@ -158,7 +163,8 @@ def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
         previous = load_config(config_dir / "config.yaml")
     except UserError as exc:
         raise UserError(f"cannot resume from {config_dir}: its config.yaml does not load ({exc})") from None
-    if previous.resume_digest() != cfg.resume_digest():
+    # The same run, on the same layout or (resharding, sharded runs only) another; everything else must match.
+    if previous.resume_digest(with_layout=False) != cfg.resume_digest(with_layout=False):
         raise UserError(
             f"run directory {config_dir} holds a run with a different config (beyond run, checkpoint and "
             f"log keys){config_difference(previous, cfg)}; rerun with its config.yaml, or choose another run.dir"
@@ -169,13 +175,50 @@ def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
             cleared = f"{run_dir} holds this run's {', '.join(held)} but no checkpoint: cleared, the run starts over"
             fallback = f"{fallback}; {cleared}" if fallback else cleared
         return Resume(fallback=fallback)
-    ranks = len(list(checkpoint.glob("rank*.pt")))
-    if ranks != world_size:
-        raise UserError(
-            f"checkpoint {checkpoint} holds {ranks} rank(s) but this run has {world_size}; resume with "
-            f"the same number of ranks"
+    ranks = saved_ranks(checkpoint)
+    resharded = ranks != world_size or previous.resume_digest() != cfg.resume_digest()
+    if resharded:
+        why = reshard_refusal(cfg, sharded=previous.train.parallel == cfg.train.parallel == "fsdp")
+        if why:
+            raise UserError(
+                f"checkpoint {checkpoint} holds {ranks} rank(s) of layout {_layout_text(previous)} but this run has "
+                f"{world_size} of layout {_layout_text(cfg)}; resume with the same number of ranks and layout "
+                f"({why})"
+            )
+        changed = (
+            f"checkpoint {checkpoint} was saved by {ranks} rank(s) ({_layout_text(previous)}), this run has "
+            f"{world_size} ({_layout_text(cfg)}): the model and optimizer are resharded from its shard files and "
+            f"the rest of the learner's state comes from trainer 0's; env episodes start fresh and every rank's "
+            f"random streams are seeded anew, so the run goes on, but not as {ranks} rank(s) would have continued "
+            f"it (the data order differs)"
         )
-    return Resume(checkpoint=checkpoint, iteration=checkpoint_iteration(checkpoint), fallback=fallback)
+        fallback = f"{fallback}; {changed}" if fallback else changed
+    return Resume(
+        checkpoint=checkpoint, iteration=checkpoint_iteration(checkpoint), fallback=fallback, resharded=resharded
+    )
+
+
+def saved_ranks(checkpoint: Path) -> int:
+    """How many ranks saved this checkpoint (its rank files)."""
+    return len(list(checkpoint.glob("rank*.pt")))
+
+
+def reshard_refusal(cfg: Config, sharded: bool) -> str:
+    """Why a checkpoint of another rank count or layout cannot be resumed by this config ('' when it can)."""
+    if not sharded:
+        return "only train.parallel=fsdp checkpoints reshard"
+    if not cfg.env.total_envs:
+        return "resharding needs env.total_envs, so that an iteration keeps its env steps"
+    if cfg.buffer.log_experience:
+        return "the experience log is written per rank; set buffer.log_experience=false to reshard"
+    return ""
+
+
+def _layout_text(cfg: Config) -> str:
+    layout = cfg.layout
+    if layout.mode == "colocated":
+        return "colocated"
+    return f"split: trainer {layout.trainer}, inference {layout.inference}, env {layout.env}"
 
 
 def config_difference(previous: Config, cfg: Config, shown: int = 5) -> str:

@@ -25,7 +25,7 @@ from spmd_rl.envs.vector import EnvSpec, group_of_envs, make_vector_env
 from spmd_rl.interfaces.algorithm import Algorithm
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import GROUP, Policy, StepField
-from spmd_rl.persist.checkpoint import restore_rng_state
+from spmd_rl.persist.checkpoint import SHARD_FILES, SHARDS_FROM, restore_rng_state
 from spmd_rl.persist.run_control import RunControl, StoppedWithCheckpoint
 from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.roles.inference_server import InferenceParts, InferenceServer, RecurrentStates, UniformActions
@@ -45,6 +45,8 @@ from spmd_rl.runtime.errors import UserError
 from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
 from spmd_rl.storage.experience_log import ExperienceLog
 
+# What a resharded resume takes from trainer 0's file (run.resume onto another number of ranks, fsdp only).
+RESHARDED_KEYS = ("policy", "algorithm", "metrics", "experience_rows", SHARD_FILES, SHARDS_FROM)
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # inference.dtype: None = the parameters' own
 
 
@@ -196,15 +198,16 @@ class Run:
         )
         report = Reporter(cfg, plan, logger, callbacks, policy)
         self._say_if_env_state_unsaved(runner)
-        state = self._load_checkpoint()
+        state = self._load_checkpoint(trainer_part=True)
         if state is None:
             self._init_algorithm_from(algorithm, initial_algorithm_state)
         else:
             trainer.load_state_dict(state)
             report.load_state_dict(state["metrics"])
-            runner.restore(state)
-            server.restore(state)
-            restore_rng_state(state["rng"])  # last: building the envs above drew from the generators
+            if not self.resume.resharded:  # resharded: fresh episodes and this rank's own fresh streams
+                runner.restore(state)
+                server.restore(state)
+                restore_rng_state(state["rng"])  # last: building the envs above drew from the generators
         if rank == 0:
             self.final_policy = self._final_policy(trainer, policy)
         return runner, server, trainer, report
@@ -332,13 +335,14 @@ class Run:
             column_groups=self._column_groups(len(sources)),
         )
         report = Reporter(cfg, plan, logger, callbacks, policy)
-        state = self._load_checkpoint()
+        state = self._load_checkpoint(trainer_part=True)
         if state is None:
             self._init_algorithm_from(algorithm, initial_algorithm_state)
         else:
             trainer.load_state_dict(state)
             report.load_state_dict(state["metrics"])
-            restore_rng_state(state["rng"])
+            if not self.resume.resharded:
+                restore_rng_state(state["rng"])
         if rank == 0:
             self.final_policy = self._final_policy(trainer, policy)
         return trainer, report
@@ -351,12 +355,20 @@ class Run:
         torch.manual_seed(cfg.train.seed * 1_000_003 + self.rank)
         return cfg.train.seed * 1_000_003 + self.rank * cfg.env.num_envs
 
-    def _load_checkpoint(self) -> dict | None:
+    def _load_checkpoint(self, trainer_part: bool = False) -> dict | None:
         """This rank's state in the checkpoint the run resumes from, or None for a fresh start. Always on the CPU:
         generators, env state and samplers are restored from CPU tensors; weights and optimizer state move to their
         device as they are loaded into their modules."""
         if self.resume.checkpoint is None:
             return None
+        if self.resume.resharded:
+            # Saved by another number of ranks (train.parallel=fsdp): trainers take the model and optimizer from
+            # the shard files (resharded) and the rest of the learner's state from trainer 0's file, which all
+            # trainers shared; env and inference ranks start fresh.
+            if not trainer_part:
+                return None
+            state = self.control.store.load(self.resume.checkpoint, 0, map_location="cpu")
+            return {key: state[key] for key in RESHARDED_KEYS if key in state}
         return self.control.store.load(self.resume.checkpoint, self.rank, map_location="cpu")
 
     def _context(self, group) -> Context:
