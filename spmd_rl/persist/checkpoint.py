@@ -158,8 +158,9 @@ def find_checkpoint(path: Path | str) -> Path:
     raise UserError(f"{path} is not a checkpoint: give a run directory or <run dir>/{CHECKPOINTS_DIR}/{_PREFIX}<N>")
 
 
-def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.device = "cpu") -> dict:
-    """Read rank `rank`'s state from a checkpoint directory (see CheckpointStore.load)."""
+def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.device = "cpu", whole: bool = False) -> dict:
+    """Read rank `rank`'s state from a checkpoint directory (see CheckpointStore.load). whole: a sharded
+    checkpoint's placeholders are read as whole tensors here (for evaluation and run.init_from)."""
     directory = Path(path)
     if not directory.is_dir():
         raise UserError(
@@ -192,15 +193,17 @@ def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.devic
         )
     try:
         state = torch.load(file, map_location=map_location, weights_only=True)
-        if has_shards(state):  # where its placeholders' DTensors are (load_shards)
-            state[SHARDS_FROM] = str(directory)
-        return state
     except Exception as exc:  # torch raises several types for damaged files; each means the same to the user
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
             f"checkpoint file {file} cannot be read ({first_line}): delete {directory} to resume "
             f"from the previous checkpoint"
         ) from None
+    if has_shards(state):
+        if whole:
+            return load_shards(state, directory)
+        state[SHARDS_FROM] = str(directory)  # where its placeholders' DTensors are (load_shards)
+    return state
 
 
 def split_sharded(state):
@@ -239,11 +242,11 @@ def save_shards(shards: dict, directory: Path) -> dict[str, str]:
     return {name: sha256_of(directory / name) for name in sorted(names)}
 
 
-def load_shards(state: dict, directory: Path, like) -> dict:
+def load_shards(state: dict, directory: Path, like=None) -> dict:
     """state with its placeholders replaced by DTensors read from the shard files, laid out like the DTensor
-    `like` (the loading run's mesh and placements). Every trainer of that mesh calls it together."""
+    `like` (the loading run's mesh and placements; every trainer of that mesh calls it together), or with like
+    None by whole tensors in this process alone (evaluation, run.init_from)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.tensor import empty as empty_dtensor
 
     shards_dir = directory / SHARDS_DIR
     for name, digest in state.get(SHARD_FILES, {}).items():
@@ -266,12 +269,11 @@ def load_shards(state: dict, directory: Path, like) -> dict:
         meta = stored.get(key)
         if meta is None:
             raise UserError(f"checkpoint {directory}: its shard files hold no '{key}'; resume with the same config")
-        shape, dtype = tuple(meta.size), meta.properties.dtype
-        if len(shape) == 0:  # a 0-d DTensor is replicated
-            targets[key] = empty_dtensor((), dtype=dtype, device_mesh=like.device_mesh, placements=_replicated(like))
-        else:
-            targets[key] = empty_dtensor(shape, dtype=dtype, device_mesh=like.device_mesh, placements=like.placements)
-    dcp.load(targets, storage_reader=reader, process_group=like.device_mesh.get_group())
+        targets[key] = _empty_like_stored(tuple(meta.size), meta.properties.dtype, like)
+    if like is None:
+        dcp.load(targets, storage_reader=reader, no_dist=True)
+    else:
+        dcp.load(targets, storage_reader=reader, process_group=like.device_mesh.get_group())
 
     def fill(value):
         if isinstance(value, dict):
@@ -308,10 +310,15 @@ def has_shards(state: dict) -> bool:
     return SHARD_FILES in state
 
 
-def _replicated(like):
+def _empty_like_stored(shape: tuple, dtype: torch.dtype, like):
+    """An uninitialized tensor to read a stored one into: a DTensor laid out like `like`, or a plain tensor."""
+    if like is None:
+        return torch.empty(shape, dtype=dtype)
     from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import empty as empty_dtensor
 
-    return [Replicate()] * len(like.placements)
+    placements = like.placements if shape else [Replicate()] * len(like.placements)  # a 0-d one is replicated
+    return empty_dtensor(shape, dtype=dtype, device_mesh=like.device_mesh, placements=placements)
 
 
 def _first_line(exc: BaseException) -> str:
