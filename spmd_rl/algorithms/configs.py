@@ -34,6 +34,7 @@ class PPOConfig(AlgorithmConfig):
         "run each minibatch's forward and backward in parts of at most this many samples, gradients accumulated, "
         "then one clip and optimizer step: the same step with less activation memory (0 = the whole minibatch)",
         min=0,
+        omit_default=True,
     )
     vtrace: bool = knob(
         False,
@@ -72,6 +73,7 @@ class SACConfig(AlgorithmConfig):
         "trainer's share of algo.batch_size), gradients accumulated: the same step with less activation memory "
         "(0 = the whole batch)",
         min=0,
+        omit_default=True,
     )
     critic_hidden_sizes: list[int] = knob(
         None, "hidden layer widths of each Q network", factory=lambda: [256, 256], item_min=1

@@ -54,6 +54,7 @@ class RecurrentPPOConfig(PPOConfig):
         "run each minibatch's replay and backward in parts of at most this many whole sequences (env columns), "
         "gradients accumulated, then one clip and optimizer step (0 = the whole minibatch)",
         min=0,
+        omit_default=True,
     )
 
 

@@ -59,6 +59,7 @@ class RunSection:
         "with run.init_from: load the file into this submodule only, e.g. 'encoder.' (file key x = policy key "
         "encoder.x; the rest keeps its initialization); 'encoder.:backbone.' reads only the file's keys under "
         "backbone. (cut off) into policy.encoder",
+        omit_default=True,
     )
     init_algorithm: bool = knob(
         False,

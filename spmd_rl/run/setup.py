@@ -490,6 +490,11 @@ class Run:
                 "run.init_prefix loads a part of the policy, and run.init_algorithm=true the algorithm's state "
                 "for the whole of it: use one of them"
             )
+        if run.init_algorithm and self.cfg.train.parallel == "fsdp":
+            raise UserError(
+                "run.init_algorithm=true with train.parallel=fsdp is not supported (the optimizer state would have "
+                "to be resharded from a whole copy); start from the weights only, or resume the run instead"
+            )
         if self.resume.checkpoint is not None:
             return None
         policy_state, algorithm_state = read_trained_state(run.init_from, with_algorithm=run.init_algorithm)
