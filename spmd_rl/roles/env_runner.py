@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from spmd_rl.envs import spaces
-from spmd_rl.envs.state import as_arrays, as_tensors, capture_env_state, restore_env_state
+from spmd_rl.envs.backend import EnvBackend
+from spmd_rl.envs.state import as_arrays, as_tensors
 from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE
 from spmd_rl.runtime.errors import UserCodeError, describe_exception
 from spmd_rl.runtime.watchdog import watchdog
@@ -32,8 +33,10 @@ class EnvRunner:
         policy_outputs: list[str],
         describe: str = "env runner",
         env_id: str = "env",
+        env_backend: EnvBackend | None = None,
     ):
         self.envs = envs
+        self.env_backend = env_backend  # what saves and restores the envs' state (None: checkpoints hold none)
         self.num_steps = num_steps
         self.to_inference = to_inference
         self.from_inference = from_inference
@@ -199,12 +202,13 @@ class EnvRunner:
     def checkpoint(self) -> dict:
         """What a checkpoint holds of this runner: its envs' own state (None where it cannot be saved) and its
         place between rollouts."""
-        return {"env": capture_env_state(self.envs), "worker": self.state_dict()}
+        env_state = self.env_backend.capture_state(self.envs) if self.env_backend is not None else None
+        return {"env": env_state, "worker": self.state_dict()}
 
     def restore(self, state: dict) -> None:
         # Envs whose state cannot be saved begin fresh episodes (said at start); the rest continue exactly.
         if state["env"] is not None:
-            restore_env_state(self.envs, state["env"])
+            self.env_backend.restore_state(self.envs, state["env"])
             self.load_state_dict(state["worker"])
 
     def close(self) -> None:
