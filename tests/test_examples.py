@@ -187,3 +187,29 @@ def test_heldout_env_lays_its_settings_over_the_training_env_kwargs_and_refuses_
         HeldOutEvalEngine.check_plan(
             types.SimpleNamespace(env=training, engine=HeldOutEvalConfig(kwargs={"gravity": 12.0})), None, None, None
         )
+
+
+def test_a_recurrent_policy_stops_and_resumes_under_the_heldout_engine(example_modules, tmp_path):
+    """The heldout engine extends the sync engine's loops rather than copying them, so its checkpoints hold what
+    the sync engine's do: a recurrent policy's per-env state too (a copy of the loops had lost it: KeyError
+    'recurrent_state' on resume)."""
+    import json
+
+    import spmd_rl
+
+    config = {
+        "env": {"id": "CartPole-v1", "num_envs": 3},
+        "engine": {"class": "heldout_engine:HeldOutEvalEngine", "every": 1, "episodes": 1, "kwargs": {}},
+        "algo": {"class": "spmd_rl.algorithms.recurrent_ppo:RecurrentPPO", "num_steps": 16, "num_minibatches": 2},
+        "policy": {"recurrent_size": 8, "hidden_sizes": [8]},
+        "train": {"total_steps": 16 * 3 * 3},
+        "log": {"progress": False, "tensorboard": False},
+    }
+    overrides = {"run.dir": str(tmp_path / "run"), "run.stop_after_iterations": 1}
+    assert not spmd_rl.train(config, overrides).finished
+    state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000000000" / "rank0.pt", weights_only=True)
+    assert state["recurrent_state"]["h"].shape == (3, 8), "the checkpoint holds every env's state"
+    assert spmd_rl.train(config, overrides).finished
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [0, 1, 2]
+    assert all("heldout_return_mean" in r for r in records)
