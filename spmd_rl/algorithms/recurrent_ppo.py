@@ -25,6 +25,7 @@ from spmd_rl.algorithms.configs import PPOConfig
 from spmd_rl.algorithms.ppo import (
     LOSS_NAMES,
     VTRACE_MAX_POLICY_LAG,
+    check_lag_without_vtrace,
     explained_variance,
     gae_targets,
     learner_batch,
@@ -72,6 +73,7 @@ class RecurrentPPO(Algorithm):
 
     @classmethod
     def check_plan(cls, config: RecurrentPPOConfig, plan: PlanFacts) -> None:
+        check_lag_without_vtrace(config, plan)
         columns = plan.samples_per_trainer // config.num_steps
         if columns < config.num_minibatches:
             raise UserError(

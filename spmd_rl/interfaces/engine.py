@@ -32,6 +32,12 @@ class Engine:
 
     Config: ClassVar[type] = NoConfig
 
+    @classmethod
+    def asked_policy_lag(cls, config: Any) -> int | None:
+        """The policy lag this engine's config asks to act with (PlanFacts.asked_policy_lag, so an algorithm's
+        check_plan can say what of its own would tolerate it); None: no more than the algorithm's schedule."""
+        return None
+
     def __init__(self, config: Any):
         self.config = config
 
