@@ -17,7 +17,7 @@ ranks of an inference rank advance together, so the inference rank serves them i
 one forward pass per step (as the sync engine does): the async engine then gives exactly the sync engine's
 metrics and weights, and the sync engine is unchanged. With a lag > 0 it batches whoever is ready.
 
-Rules that keep it deadlock-free (the async form of DESIGN.md's rules):
+Rules that keep it deadlock-free (the async form of the rules every engine keeps):
 1. Counts follow from the config alone. Per iteration, an env rank sends num_steps observations to its inference
    rank (each carrying its segment index j, which the inference rank checks against its own count), receives as
    many replies, and sends one segment to its trainer; the trainer receives one segment per env rank; the weight

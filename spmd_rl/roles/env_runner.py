@@ -181,7 +181,7 @@ class EnvRunner:
         self.send_segment()
 
     def state_dict(self) -> dict:
-        """Where the envs stand between rollouts (with their own state, see env_state.py): the observation the next
+        """Where the envs stand between rollouts (with their own state, see envs/state.py): the observation the next
         step acts on, which envs' next step is a reset, the step counter."""
         state = {
             "obs": as_tensors(self.obs),
