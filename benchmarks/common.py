@@ -62,7 +62,8 @@ def run_spmd(
         ]
     else:
         cmd = [sys.executable, "-m", "spmd_rl.main", *args]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(root), *([str(user_code)] if user_code else [])]))
+    path = os.pathsep.join([str(root), *([str(user_code)] if user_code else [])])
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=path)
     result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
