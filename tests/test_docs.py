@@ -21,7 +21,9 @@ PACKAGE_FOLDERS = {path.name for path in (ROOT / "spmd_rl").iterdir() if path.is
 
 # What a doc shows as code: `inline` spans and fenced blocks.
 CODE = re.compile(r"```.*?```|`[^`\n]+`", re.S)
-PATH = re.compile(r"(?<![\w./~$<-])((?:\.ci|[A-Za-z_][\w-]*)(?:/[\w.*<>-]+)+/?|[A-Za-z_][\w-]*\.(?:py|sh|yaml|toml))")
+PATH = re.compile(
+    r"(?<![\w./~$<-])((?:\.ci|[A-Za-z_][\w-]*)(?:/[\w.*<>-]+)+/?|[A-Za-z_][\w-]*\.(?:py|sh|yaml|toml)(?![\w(]))"
+)
 MODULE = re.compile(r"-m\s+(spmd_rl(?:\.\w+)*)")
 KEY = re.compile(r"(?<![\w./:$-])([a-z_]+)\.([a-z_]+)(?![\w(/-]|\.[a-z]{2,5}\b)")
 # Paths a run or a user makes (run directories, a user's files), not the repository's.
