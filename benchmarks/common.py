@@ -31,10 +31,16 @@ def free_port() -> int:
 
 
 def run_spmd(
-    overrides: list[str], nproc: int = 0, config: str | None = None, timeout: float = 1800, root: Path = ROOT
+    overrides: list[str],
+    nproc: int = 0,
+    config: str | None = None,
+    timeout: float = 1800,
+    root: Path = ROOT,
+    user_code: Path | None = None,
 ) -> list[dict]:
     """Run `python -m spmd_rl.main` (under torchrun when nproc > 0) and return its metrics records. root: the
-    checkout whose spmd_rl runs (another one, e.g. a `git worktree` of an older commit, to compare in one run)."""
+    checkout whose spmd_rl runs (another one, e.g. a `git worktree` of an older commit, to compare in one run).
+    user_code: a folder of user modules (an example's) importable by the run, as its working directory would be."""
     run_dir = Path(tempfile.mkdtemp(prefix="spmd_bench_"))
     args = (
         (["--config", config] if config else [])
@@ -56,7 +62,8 @@ def run_spmd(
         ]
     else:
         cmd = [sys.executable, "-m", "spmd_rl.main", *args]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    path = os.pathsep.join([str(root), *([str(user_code)] if user_code else [])])
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=path)
     result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-3000:]}")

@@ -20,6 +20,9 @@ Context    What the framework hands an Algorithm so it never writes distributed 
            timeout, run directory, and helpers (data parallelism, gradient averaging, bounded collectives,
            a sharded replay buffer, normalizer merging).
 Callback   Called on trainer ranks after every iteration; may add scalars to metrics.jsonl and TensorBoard.
+EnvBackend A kind of vector env (`env.backend: gymnasium`, `envpool`, or module:Class): probes the spaces, makes a
+           rank's vector envs (groups, seeds, wrappers), and says its step limit, its envs' checkpoint state and
+           what evaluation may wrap (spmd_rl/envs/backend.py).
 Engine     The loops one rank runs for the whole run (`engine.class: sync`, `async`, or module:Class). Its
            `run(run)` gets a `Run`: the plan, this rank's role, builders of the role components (EnvRunner,
            InferenceServer, Trainer, each with its channels open and its state restored) and the run's control
@@ -102,6 +105,11 @@ _ENGINE_TYPES = {
     "action_message": "spmd_rl.roles.messages",
     "segment_message": "spmd_rl.roles.messages",
     "evaluate": "spmd_rl.run.evaluation",
+    # An env backend (env.backend: module:Class) and the engine a user's engine usually extends.
+    "EnvBackend": "spmd_rl.envs.backend",
+    "EnvSpec": "spmd_rl.envs.backend",
+    "finish_vector_env": "spmd_rl.envs.backend",
+    "SyncEngine": "spmd_rl.engines.sync",
     # Training and loading from Python (the names spmd_rl itself exports).
     "train": "spmd_rl.main",
     "TrainedRun": "spmd_rl.main",

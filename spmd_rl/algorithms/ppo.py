@@ -142,6 +142,16 @@ def gae_targets(rollout: TensorDict, next_value: Tensor, cfg: PPOConfig) -> tupl
     return advantage, return_, rollout["value"]
 
 
+def check_lag_without_vtrace(config: PPOConfig, plan: PlanFacts) -> None:
+    """An engine asking for a policy lag is told what PPO needs to tolerate it: V-trace."""
+    asked = plan.asked_policy_lag
+    if asked and not config.vtrace:
+        raise UserError(
+            f"the engine's max policy lag {asked} is more than PPO tolerates (0) without its off-policy correction: "
+            f"set algo.vtrace=true (up to {VTRACE_MAX_POLICY_LAG}), or lower the engine's lag"
+        )
+
+
 def vtrace_targets_from(
     rollout: TensorDict, target_log_prob: Tensor, value: Tensor, next_value: Tensor, cfg: PPOConfig
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -301,6 +311,7 @@ class PPO(Algorithm):
 
     @classmethod
     def check_plan(cls, config: PPOConfig, plan: PlanFacts) -> None:
+        check_lag_without_vtrace(config, plan)
         if plan.samples_per_trainer < config.num_minibatches:
             raise UserError(
                 f"algo.num_minibatches={config.num_minibatches} is more than the "

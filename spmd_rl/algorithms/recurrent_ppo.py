@@ -26,6 +26,7 @@ from spmd_rl.algorithms.ppo import (
     APPROX_KL,
     LOSS_NAMES,
     VTRACE_MAX_POLICY_LAG,
+    check_lag_without_vtrace,
     clipped_losses,
     explained_variance,
     gae_targets,
@@ -84,6 +85,7 @@ class RecurrentPPO(Algorithm):
 
     @classmethod
     def check_plan(cls, config: RecurrentPPOConfig, plan: PlanFacts) -> None:
+        check_lag_without_vtrace(config, plan)
         columns = plan.samples_per_trainer // config.num_steps
         if columns < config.num_minibatches:
             raise UserError(

@@ -61,6 +61,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), only_
     plugin_raw = {name: raw.pop(name) for name in (*PLUGIN_SECTIONS, "callbacks") if name in raw}
     cfg = _build(Config, raw, prefix="", source=source)
     _check_run_name(cfg.run.name)
+    plugins.class_path(plugins.ENV_BACKEND, cfg.env.backend)  # an alias or module:Class (imported when used)
     check_env_groups(cfg.env, "env")
     check_env_groups(evaluation_env(cfg), "eval.env")
     if cfg.checkpoint.keep_best and not cfg.eval.every:
@@ -106,10 +107,11 @@ def check_env_groups(env: EnvSection, where: str) -> None:
         if group.name in seen:
             raise UserError(f"config key '{where}.groups[{i}].name': group '{group.name}' is named twice; rename one")
         seen.add(group.name)
-    if env.backend == "envpool":
+    backend = plugins.load_class(plugins.ENV_BACKEND, env.backend)  # imported only for a config with groups
+    if not getattr(backend, "takes_groups", True):
         raise UserError(
-            f"{where}.groups needs env.backend=gymnasium: an EnvPool pool runs one id with one set of kwargs; "
-            f"drop {where}.groups, or use env.backend=gymnasium"
+            f"{where}.groups needs env.backend=gymnasium: {backend.groups_refusal}; drop {where}.groups, or use "
+            f"env.backend=gymnasium"
         )
     if env.vectorization == "vector_entry_point":
         raise UserError(

@@ -26,6 +26,11 @@ class Kind:
     what: str  # what the class is, for messages
     base: str  # the spmd_rl.api class it must subclass
     aliases: dict  # alias -> (class path, config class path or None)
+    key: str = ""  # the config key that names the class, when it is not `<section>.class`
+
+    @property
+    def setting(self) -> str:
+        return self.key or f"{self.section}.class"
 
 
 ALGORITHM = Kind(
@@ -61,6 +66,17 @@ ENGINE = Kind(
 )
 CALLBACK = Kind("callbacks", "callback", "Callback", {})
 KINDS = {kind.section: kind for kind in (ALGORITHM, POLICY, ENGINE, CALLBACK)}
+# Env backends are named by env.backend and have no config section of their own (env.kwargs is theirs).
+ENV_BACKEND = Kind(
+    "env",
+    "env backend",
+    "EnvBackend",
+    {
+        "gymnasium": ("spmd_rl.envs.backends.gymnasium:GymnasiumBackend", None),
+        "envpool": ("spmd_rl.envs.backends.envpool:EnvPoolBackend", None),
+    },
+    key="env.backend",
+)
 
 
 MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")  # an absolute, importable module name
@@ -74,7 +90,7 @@ def class_path(kind: Kind, name: str) -> str:
     if not colon or not MODULE_NAME.fullmatch(module_name) or not attr.isidentifier():
         aliases = ", ".join(kind.aliases) or "none"
         raise UserError(
-            f"{kind.section}.class '{clip(name)}' is neither a built-in {kind.what} ({aliases}) nor "
+            f"{kind.setting} '{clip(name)}' is neither a built-in {kind.what} ({aliases}) nor "
             f"'package.module:Class'; name your class as module:Class (the working directory is "
             f"importable)"
         )
@@ -91,7 +107,7 @@ def config_class(kind: Kind, name: str) -> type:
         return NoConfig
     if not (isinstance(config, type) and dataclasses.is_dataclass(config)):
         raise UserError(
-            f"{kind.section}.class '{name}': its Config attribute must be a dataclass (the class's own "
+            f"{kind.setting} '{name}': its Config attribute must be a dataclass (the class's own "
             f"config keys), not {config!r}"
         )
     return config
@@ -101,13 +117,13 @@ def load_class(kind: Kind, name: str, base: type | None = None) -> type:
     """Import the named class; with `base` (the spmd_rl.api class named by kind.base), check it subclasses it."""
     cls = _import(kind, class_path(kind, name))
     if base is not None and not (isinstance(cls, type) and issubclass(cls, base)):
-        raise UserError(f"{kind.section}.class '{name}' must be a subclass of spmd_rl.api.{kind.base}; got {cls!r}")
+        raise UserError(f"{kind.setting} '{name}' must be a subclass of spmd_rl.api.{kind.base}; got {cls!r}")
     return cls
 
 
 def _import(kind: Kind, path: str):
     module_name, _, attr = path.partition(":")
-    _import_path_for_user_code()
+    import_path_for_user_code()
     raise_early_signal()  # a signal that came before the import is not left waiting behind it
     try:
         # Bounded like every call into user code (main.py bounds it before the config is read; --help too).
@@ -117,12 +133,12 @@ def _import(kind: Kind, path: str):
         raise
     except (Exception, SystemExit, KeyboardInterrupt) as exc:  # a user's module may fail in any way while importing
         raise UserError(
-            f"{kind.section}.class '{path}': importing module '{module_name}' failed: {import_failure(exc)}"
+            f"{kind.setting} '{path}': importing module '{module_name}' failed: {import_failure(exc)}"
         ) from None
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise UserError(f"{kind.section}.class '{path}': module '{module_name}' has no attribute '{attr}'") from None
+        raise UserError(f"{kind.setting} '{path}': module '{module_name}' has no attribute '{attr}'") from None
 
 
 def import_failure(exc: BaseException) -> str:
@@ -135,9 +151,9 @@ def import_failure(exc: BaseException) -> str:
     return first_line(exc)
 
 
-def _import_path_for_user_code() -> None:
-    # A module in the working directory is found the same way under every launcher (python -m puts the cwd on
-    # sys.path; torchrun's workers and mpirun's ranks may not).
+def import_path_for_user_code() -> None:
+    """Let a module in the working directory be found the same way under every launcher (python -m puts the cwd
+    on sys.path; torchrun's workers and mpirun's ranks may not): plug-in classes and `package.module:EnvId` ids."""
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.append(cwd)

@@ -108,8 +108,7 @@ class EnvSection:
     backend: str = knob(
         "gymnasium",
         "gymnasium: gymnasium's vector envs; envpool: EnvPool's C++ vectorized envs for the ids it provides (e.g. "
-        'Breakout-v5; pip install -e ".[envpool]")',
-        choices=["gymnasium", "envpool"],
+        'Breakout-v5; pip install -e ".[envpool]"); or package.module:Class, a spmd_rl.api.EnvBackend',
     )
     vectorization: str = knob(
         "auto",

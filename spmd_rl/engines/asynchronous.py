@@ -17,7 +17,7 @@ ranks of an inference rank advance together, so the inference rank serves them i
 one forward pass per step (as the sync engine does): the async engine then gives exactly the sync engine's
 metrics and weights, and the sync engine is unchanged. With a lag > 0 it batches whoever is ready.
 
-Rules that keep it deadlock-free (the async form of DESIGN.md's rules):
+Rules that keep it deadlock-free (the async form of the rules every engine keeps):
 1. Counts follow from the config alone. Per iteration, an env rank sends num_steps observations to its inference
    rank (each carrying its segment index j, which the inference rank checks against its own count), receives as
    many replies, and sends one segment to its trainer; the trainer receives one segment per env rank; the weight
@@ -51,25 +51,15 @@ from __future__ import annotations
 import time
 from collections import deque
 
-import torch
-from tensordict import TensorDict
-
 from spmd_rl.engines.configs import AsyncEngineConfig
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.roles.async_inference import AsyncInferenceServer
-from spmd_rl.roles.messages import observation_message
+from spmd_rl.roles.messages import async_observation_message
 from spmd_rl.roles.trainer import combine_segments
 from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.setup import ENV, INFERENCE, TRAINER, Run
 from spmd_rl.runtime.errors import UserError
-
-
-def async_observation_message(spec, num_envs: int) -> TensorDict:
-    """env runner -> inference server in async mode: the observations and the env rank's segment index."""
-    message = observation_message(spec, num_envs)
-    message["segment"] = torch.zeros(1, dtype=torch.int64)
-    return message
 
 
 class AsyncPlan:
@@ -113,16 +103,15 @@ class AsyncEngine(Engine):
                 "engine.class=sync"
             )
         asked = cfg.engine.max_policy_lag
-        if asked is not None and asked > schedule.max_policy_lag:
+        if asked is not None and asked > schedule.max_policy_lag:  # what the algorithm could change: its check_plan
             raise UserError(
                 f"engine.max_policy_lag={asked} is more than algo.class '{cfg.classes['algo']}' declares "
                 f"it tolerates ({schedule.max_policy_lag}); lower engine.max_policy_lag"
-                + (
-                    " or set algo.vtrace=true (PPO's off-policy correction)"
-                    if hasattr(cfg.algo, "vtrace") and not cfg.algo.vtrace
-                    else ""
-                )
             )
+
+    @classmethod
+    def asked_policy_lag(cls, config: AsyncEngineConfig) -> int | None:
+        return config.max_policy_lag
 
     def run(self, run: Run) -> Policy | None:
         async_plan = AsyncPlan(run)

@@ -1,12 +1,13 @@
-"""The state of a rank's vector env, for checkpoints: episodes in progress continue after a resume.
+"""The state of a rank's gymnasium vector env, for checkpoints (the gymnasium backend's capture_state /
+restore_state / unsaved_reason): episodes in progress continue after a resume.
 
-Supported (what make_vector_env builds for plain-numpy envs):
+Supported (what the gymnasium backend builds for plain-numpy envs):
   - gymnasium's numpy-vectorized CartPole (CartPoleVectorEnv): physics state, step counters, autoreset flags, RNG;
   - SyncVectorEnv of classic-control envs: each env's physics state, TimeLimit's step count, RNG, and the vector
     env's autoreset flags;
   - the wrappers RecordEpisodeStatistics (episodes' returns and lengths so far), NormalizeReward (running return
     statistics), ClipAction (no state); and the action space's RNG (random warm-up actions).
-Anything else (AsyncVectorEnv, MuJoCo, Atari, EnvPool, a user's env or wrapper) cannot be saved: unsaved_env_reason
+Anything else (AsyncVectorEnv, MuJoCo, Atari, a user's env or wrapper) cannot be saved: unsaved_env_reason
 says why, so the run can say at start that a resume begins fresh episodes.
 
 restore_env_state expects an env built by the same config and reset, as make_vector_env returns it.
@@ -24,7 +25,6 @@ from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
 from gymnasium.wrappers import common as single_wrappers
 from gymnasium.wrappers import vector as vector_wrappers
 
-from spmd_rl.envs.envpool_backend import GameEpisodeStatistics
 from spmd_rl.runtime.errors import UserError
 
 # Attributes of classic-control envs beyond `state` that a step reads (CartPole's termination warning) or writes.
@@ -115,8 +115,6 @@ def _capture_layer(layer) -> dict:
             high=_encode(layer.high),
             rng=_encode_rng(layer.np_random),
         )
-    elif isinstance(layer, GameEpisodeStatistics):
-        raise _Unsaved("EnvPool's envs run in C++ and do not expose their state")
     elif type(layer) is gym.vector.SyncVectorEnv:
         state.update(autoreset_envs=_encode(layer._autoreset_envs), envs=[_capture_single(env) for env in layer.envs])
     else:

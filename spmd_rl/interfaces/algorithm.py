@@ -66,6 +66,9 @@ class PlanFacts:
     steps_per_iteration: int  # all env ranks together
     samples_per_trainer: int  # env steps a trainer learns from per iteration
     num_iterations: int
+    # The policy lag the engine's config asks to act with (Engine.asked_policy_lag: the async engine's
+    # engine.max_policy_lag); None where it asks for none beyond the algorithm's schedule.
+    asked_policy_lag: int | None = None
 
 
 class Algorithm:

@@ -12,7 +12,9 @@ if TYPE_CHECKING:  # annotations only: the run and its components are built abov
 
 class Engine:
     """The loops of one run on this rank, chosen by `engine.class` (built-ins: `sync`, spmd_rl.engines.sync;
-    `async`, spmd_rl.engines.asynchronous). Subclass it and set `Config` to a dataclass of your keys.
+    `async`, spmd_rl.engines.asynchronous). Subclass it and set `Config` to a dataclass of your keys; to keep the
+    sync engine's loops and add to them, subclass spmd_rl.api.SyncEngine and override its hooks (after_learn,
+    before_sync, checkpoint_state) instead.
 
     `run(run)` receives a spmd_rl.api.Run and typically reads `run.role` (COLOCATED, or ENV / INFERENCE / TRAINER
     in the split layout) and runs one loop per role over `run.iterations`:
@@ -31,6 +33,12 @@ class Engine:
     any process group exists, with a spmd_rl.api.UserError."""
 
     Config: ClassVar[type] = NoConfig
+
+    @classmethod
+    def asked_policy_lag(cls, config: Any) -> int | None:
+        """The policy lag this engine's config asks to act with (PlanFacts.asked_policy_lag, so an algorithm's
+        check_plan can say what of its own would tolerate it); None: no more than the algorithm's schedule."""
+        return None
 
     def __init__(self, config: Any):
         self.config = config

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from spmd_rl.envs import spaces
-from spmd_rl.envs.state import as_arrays, as_tensors, capture_env_state, restore_env_state
-from spmd_rl.envs.vector import old_gym_api_hint
+from spmd_rl.envs.backend import EnvBackend, old_gym_api_hint
+from spmd_rl.envs.state import as_arrays, as_tensors
 from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE
 from spmd_rl.runtime.errors import UserCodeError, describe_exception
 from spmd_rl.runtime.watchdog import watchdog
@@ -33,8 +33,10 @@ class EnvRunner:
         policy_outputs: list[str],
         describe: str = "env runner",
         env_id: str = "env",
+        env_backend: EnvBackend | None = None,
     ):
         self.envs = envs
+        self.env_backend = env_backend  # what saves and restores the envs' state (None: checkpoints hold none)
         self.num_steps = num_steps
         self.to_inference = to_inference
         self.from_inference = from_inference
@@ -180,7 +182,7 @@ class EnvRunner:
         self.send_segment()
 
     def state_dict(self) -> dict:
-        """Where the envs stand between rollouts (with their own state, see env_state.py): the observation the next
+        """Where the envs stand between rollouts (with their own state, see envs/state.py): the observation the next
         step acts on, which envs' next step is a reset, the step counter."""
         state = {
             "obs": as_tensors(self.obs),
@@ -201,12 +203,13 @@ class EnvRunner:
     def checkpoint(self) -> dict:
         """What a checkpoint holds of this runner: its envs' own state (None where it cannot be saved) and its
         place between rollouts."""
-        return {"env": capture_env_state(self.envs), "worker": self.state_dict()}
+        env_state = self.env_backend.capture_state(self.envs) if self.env_backend is not None else None
+        return {"env": env_state, "worker": self.state_dict()}
 
     def restore(self, state: dict) -> None:
         # Envs whose state cannot be saved begin fresh episodes (said at start); the rest continue exactly.
         if state["env"] is not None:
-            restore_env_state(self.envs, state["env"])
+            self.env_backend.restore_state(self.envs, state["env"])
             self.load_state_dict(state["worker"])
 
     def close(self) -> None:

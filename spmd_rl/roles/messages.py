@@ -24,6 +24,13 @@ def observation_message(spec: EnvSpec, num_envs: int) -> TensorDict:
     return TensorDict({"obs": zeros_of(spec.observation_space, num_envs)}, batch_size=[])
 
 
+def async_observation_message(spec: EnvSpec, num_envs: int) -> TensorDict:
+    """env runner -> inference server in async mode: the observations and the env rank's segment index."""
+    message = observation_message(spec, num_envs)
+    message["segment"] = torch.zeros(1, dtype=torch.int64)
+    return message
+
+
 def with_episode_starts(message: TensorDict, state: dict[str, StepField] | None, num_envs: int) -> TensorDict:
     """An observation message for a recurrent policy (state not None) also says, per env, whether the step starts
     an episode: where the inference server resets the state. A stateless policy's message is left as it is."""

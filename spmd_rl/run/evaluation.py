@@ -13,8 +13,9 @@ import torch
 from spmd_rl.config.loading import evaluation_env
 from spmd_rl.config.sections import Config, EnvSection
 from spmd_rl.envs import spaces
-from spmd_rl.envs.envpool_backend import envpool_step_limit
-from spmd_rl.envs.vector import EnvSpec, make_vector_env, probe_env
+from spmd_rl.envs.backend import EnvBackend, backend_for
+from spmd_rl.envs.backends.gymnasium import require_moviepy  # noqa: F401  (spmd_rl.evaluate asks before any work)
+from spmd_rl.envs.vector import EnvSpec, probe_env
 from spmd_rl.interfaces.policy import initial_state
 from spmd_rl.roles.messages import observation_message
 from spmd_rl.runtime.errors import UserError
@@ -54,31 +55,21 @@ def evaluate(
         raise UserError(f"evaluation episodes={episodes}: evaluate at least 1 episode")
     if max_steps is not None and max_steps < 1:
         raise UserError(f"evaluation max_steps={max_steps}: allow at least 1 step per episode")
-    spec = probe_env(env_cfg)
+    backend = backend_for(env_cfg)
+    spec = backend.probe(env_cfg)
     # Returns are the env's own rewards: reward scaling only matters for learning.
     env_cfg = dataclasses.replace(env_cfg, num_envs=min(episodes, env_cfg.num_envs), normalize_reward=False)
-    env_limit = episode_step_limit(env_cfg)
+    env_limit = backend.step_limit(env_cfg)
     max_steps = max_steps or env_limit or DEFAULT_MAX_STEPS
     wrappers = []
     cuts = env_limit is None or max_steps < env_limit
-    if cuts and env_cfg.backend == "envpool":  # EnvPool's envs take no wrappers; they truncate by themselves
-        env_cfg = dataclasses.replace(env_cfg, kwargs={**env_cfg.kwargs, "max_episode_steps": max_steps})
-    elif cuts:  # a limit of our own on each env (vectorized implementations take no wrappers: plain envs then)
-        wrappers.append(lambda env: gym.wrappers.TimeLimit(env, max_steps))
-        if spec.vectorization not in ("sync", "async"):
-            spec = dataclasses.replace(spec, vectorization="sync")
+    if cuts:
+        env_cfg, spec, limit_wrappers = backend.limit_steps(env_cfg, spec, max_steps)
+        wrappers += limit_wrappers
     if video_dir is not None:
-        if env_cfg.backend == "envpool":
-            raise UserError("--video records through gymnasium's wrappers: evaluate with env.backend=gymnasium")
-        require_moviepy()
-        from gymnasium.wrappers import RecordVideo
-
-        env_cfg = dataclasses.replace(env_cfg, num_envs=1, kwargs={**env_cfg.kwargs, "render_mode": "rgb_array"})
-        spec = dataclasses.replace(spec, vectorization="sync")  # RecordVideo wraps a single env
-        wrappers.append(
-            lambda env: RecordVideo(env, str(video_dir), episode_trigger=lambda _: True, name_prefix="eval")
-        )
-    envs, obs = _make_envs(env_cfg, spec, seed, wrappers or None)
+        env_cfg, spec, video_wrappers = backend.record_video(env_cfg, spec, str(video_dir))
+        wrappers += video_wrappers
+    envs, obs = _make_envs(backend, env_cfg, spec, seed, wrappers or None)
 
     device = _device_of(policy)
     was_training = policy.training
@@ -144,16 +135,9 @@ def _evaluate_groups(policy, env_cfg: EnvSection, episodes: int, seed: int, dete
 
 
 def episode_step_limit(env_cfg: EnvSection) -> int | None:
-    """The env's own episode step limit: env.kwargs' max_episode_steps, else its registration's; None if none."""
-    if env_cfg.backend == "envpool":
-        return envpool_step_limit(env_cfg.id, env_cfg.kwargs)
-    limit = env_cfg.kwargs.get("max_episode_steps")
-    if limit is None:
-        try:
-            limit = gym.spec(env_cfg.id.split(":", 1)[-1]).max_episode_steps
-        except gym.error.Error:
-            return None
-    return int(limit) if limit else None
+    """The env's own episode step limit (its backend's: for gymnasium env.kwargs' max_episode_steps, else its
+    registration's); None if none."""
+    return backend_for(env_cfg).step_limit(env_cfg)
 
 
 def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, device: torch.device):
@@ -193,18 +177,11 @@ def _quotas(episodes: int, num_envs: int) -> np.ndarray:
     return np.array([episodes // num_envs + (i < episodes % num_envs) for i in range(num_envs)])
 
 
-def _make_envs(env_cfg: EnvSection, spec, seed: int, wrappers):
+def _make_envs(backend: EnvBackend, env_cfg: EnvSection, spec, seed: int, wrappers):
     try:
-        return make_vector_env(env_cfg, spec, seed, wrappers=wrappers)
+        return backend.make(env_cfg, spec, seed, wrappers=wrappers)
     except gym.error.DependencyNotInstalled as exc:  # rendering needs the env's extra (pygame, mujoco, ...)
         raise UserError(f"env '{env_cfg.id}' cannot render a video: {exc}") from None
-
-
-def require_moviepy() -> None:
-    try:
-        import moviepy  # noqa: F401  (gymnasium's RecordVideo writes the files with it)
-    except ImportError:
-        raise UserError('--video needs moviepy: pip install -e ".[video]"') from None
 
 
 def _device_of(policy) -> torch.device:

@@ -37,8 +37,9 @@ class Plan:
     def explores_at(self, iteration: int) -> bool:
         return iteration < self.explore_iterations
 
-    def facts(self) -> PlanFacts:
+    def facts(self, asked_policy_lag: int | None = None) -> PlanFacts:
         return PlanFacts(
+            asked_policy_lag=asked_policy_lag,
             trainer_ranks=self.trainer_ranks,
             env_ranks=self.env_ranks,
             steps_per_iteration=self.steps_per_iteration,
@@ -163,11 +164,10 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
         sync_every=schedule.weight_sync_every,
         explore_iterations=math.ceil(schedule.random_steps / steps_per_iteration),
     )
-    algorithm_cls.check_plan(cfg.algo, plan.facts())
+    engine_cls = plugins.load_class(plugins.ENGINE, cfg.classes.get("engine", "sync"), Engine)
+    algorithm_cls.check_plan(cfg.algo, plan.facts(engine_cls.asked_policy_lag(cfg.engine)))
     # An engine may refuse a layout or a schedule it cannot run (e.g. the async engine: split layouts only).
-    engine_check = getattr(
-        plugins.load_class(plugins.ENGINE, cfg.classes.get("engine", "sync"), Engine), "check_plan", None
-    )
+    engine_check = getattr(engine_cls, "check_plan", None)
     if engine_check is not None:
         engine_check(cfg, topology, plan, schedule)
     return plan

@@ -20,8 +20,8 @@ from spmd_rl.comm import sharding
 from spmd_rl.comm.channel import local_channel, open_channels
 from spmd_rl.comm.weights import GatheredWeightSource, WeightSync
 from spmd_rl.config.sections import Config
-from spmd_rl.envs.state import unsaved_env_reason
-from spmd_rl.envs.vector import EnvSpec, group_of_envs, make_vector_env
+from spmd_rl.envs.backend import backend_for
+from spmd_rl.envs.vector import EnvSpec, group_of_envs
 from spmd_rl.interfaces.algorithm import Algorithm
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import GROUP, Policy, StepField
@@ -156,7 +156,7 @@ class Run:
         initial_algorithm_state = self._init_policy_from(policy)
         algorithm, callbacks = self._build_algorithm(policy, group)
         with watchdog.watch(f"making and resetting env.id {cfg.env.id}"):
-            envs, first_obs = make_vector_env(cfg.env, self.spec, self._seed_rank())
+            envs, first_obs = backend_for(cfg.env).make(cfg.env, self.spec, self._seed_rank())
         n, t = cfg.env.num_envs, plan.num_steps
         state = self.recurrent_state
         obs_out, obs_in = local_channel(
@@ -174,6 +174,7 @@ class Run:
             list(self.outputs),
             describe=f"rank {rank}",
             env_id=cfg.env.id,
+            env_backend=backend_for(cfg.env),
         )
         server = InferenceServer(
             policy,
@@ -220,7 +221,7 @@ class Run:
         n, t = cfg.env.num_envs, self.plan.num_steps
         state = self.recurrent_state
         with watchdog.watch(f"making and resetting env.id {cfg.env.id}"):
-            envs, first_obs = make_vector_env(cfg.env, spec, self._seed_rank())
+            envs, first_obs = backend_for(cfg.env).make(cfg.env, spec, self._seed_rank())
         (to_inference, to_trainer), (from_inference,) = open_channels(
             me=rank,
             sends=[
@@ -241,6 +242,7 @@ class Run:
             list(self.outputs),
             describe=self.describe(),
             env_id=cfg.env.id,
+            env_backend=backend_for(cfg.env),
         )
         self._say_if_env_state_unsaved(runner)
         state = self._load_checkpoint()
@@ -529,7 +531,7 @@ class Run:
         """Once per run (the first rank with envs): a checkpoint cannot hold these envs' state, so a resume begins
         fresh episodes."""
         first = 0 if self.topology.colocated else self.topology.env_ranks[0]
-        reason = unsaved_env_reason(runner.envs) if self.rank == first else None
+        reason = runner.env_backend.unsaved_reason(runner.envs) if self.rank == first else None
         if reason:
             print(f"spmd_rl: note: {reason}", flush=True)
 

@@ -16,15 +16,58 @@ envpool is imported only when this backend is used: importing it takes ~2 s.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import gymnasium as gym
 import numpy as np
 
 from spmd_rl.config.excerpts import MESSAGE_CHARS, clip, excerpt
+from spmd_rl.config.sections import EnvSection
+from spmd_rl.envs.backend import EnvBackend, EnvSpec, finish_vector_env
 from spmd_rl.runtime.errors import UserError
 
 INSTALL = 'pip install -e ".[envpool]"'
+
+
+class EnvPoolBackend(EnvBackend):
+    takes_groups = False
+    groups_refusal = "an EnvPool pool runs one id with one set of kwargs"
+
+    def probe(self, cfg: EnvSection) -> EnvSpec:
+        if cfg.vectorization != "auto":
+            raise UserError(
+                f"env.vectorization={cfg.vectorization} applies to env.backend=gymnasium; EnvPool vectorizes in C++ "
+                f"(its threads: env.kwargs.num_threads): leave env.vectorization at auto"
+            )
+        observation_space, action_space = probe_envpool(cfg.id, cfg.kwargs)
+        return EnvSpec(cfg.id, observation_space, action_space, "envpool")
+
+    def make(self, cfg: EnvSection, spec: EnvSpec, seed: int, wrappers: list | None = None):
+        if wrappers:
+            raise UserError(
+                f"env.backend=envpool: env '{clip(cfg.id)}' takes no per-env gymnasium wrappers (a video, a step "
+                f"limit of its own); use env.backend=gymnasium for that, or EnvPool's own env.kwargs "
+                f"(max_episode_steps)"
+            )
+        envs = GameEpisodeStatistics(make_envpool(cfg.id, cfg.num_envs, seed, cfg.kwargs))
+        return finish_vector_env(envs, cfg, seed, reset_seed=None)  # its seed is fixed when made
+
+    def step_limit(self, cfg: EnvSection) -> int | None:
+        return envpool_step_limit(cfg.id, cfg.kwargs)
+
+    def limit_steps(self, cfg: EnvSection, spec: EnvSpec, max_steps: int):
+        """EnvPool's envs take no wrappers; they truncate by themselves."""
+        return dataclasses.replace(cfg, kwargs={**cfg.kwargs, "max_episode_steps": max_steps}), spec, []
+
+    def record_video(self, cfg: EnvSection, spec: EnvSpec, video_dir: str):
+        raise UserError("--video records through gymnasium's wrappers: evaluate with env.backend=gymnasium")
+
+    def unsaved_reason(self, envs) -> str | None:
+        return (
+            "the env's state cannot be saved in checkpoints (EnvPool's envs run in C++ and do not expose their "
+            "state): a resume begins fresh episodes"
+        )
 
 
 def import_envpool():

@@ -1,0 +1,118 @@
+"""The EnvBackend contract: everything the framework asks of a kind of vector env, so that no other file tests a
+backend's name. `env.backend` names one: `gymnasium` (envs/backends/gymnasium.py), `envpool`
+(envs/backends/envpool.py), or a user's `package.module:Class` subclassing spmd_rl.api.EnvBackend.
+
+A backend's vector envs follow gymnasium's VectorEnv API with NEXT_STEP autoreset (the step that ends an episode
+returns its final observation; the next step of that env only resets it), and report finished episodes as
+gymnasium's RecordEpisodeStatistics does (info["episode"] = {"r", "l"}, info["_episode"] the mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gymnasium as gym
+from gymnasium.wrappers import vector as vector_wrappers
+
+from spmd_rl.config import plugins
+from spmd_rl.config.excerpts import clip
+from spmd_rl.config.sections import EnvSection
+from spmd_rl.runtime.errors import UserCodeError, UserError, describe_exception
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What every rank must know about the env, without stepping it: the spaces of ONE env."""
+
+    id: str
+    observation_space: gym.Space
+    action_space: gym.Space
+    vectorization: str = "sync"  # the resolved env.vectorization (a backend's own name where it vectorizes itself)
+
+
+class EnvBackend:
+    """One kind of vector env. Override `probe` and `make`; the rest have defaults that fit gymnasium-style envs.
+
+    Every method takes the env section it acts on (env, one of env.groups' sections, or evaluation's env), so one
+    backend object serves them all."""
+
+    # Whether one vector env can hold envs of several ids / kwargs side by side (env.groups); False refuses
+    # env.groups when the config is loaded, with `groups_refusal` as the reason.
+    takes_groups: bool = True
+    groups_refusal: str = "its vector envs run one id with one set of kwargs"
+
+    def probe(self, cfg: EnvSection) -> EnvSpec:
+        """The spaces of one env (of every group with env.groups; they must agree), without a process group.
+        Bad ids or kwargs are a UserError naming the env."""
+        raise NotImplementedError
+
+    def make(self, cfg: EnvSection, spec: EnvSpec, seed: int, wrappers: list | None = None):
+        """(vector env, first observation batch): cfg.num_envs envs seeded from `seed`, with episode statistics
+        and the shared wrappers (finish_vector_env). `wrappers` wrap each single env (evaluation's step limit and
+        video); a backend that takes none refuses them with a UserError."""
+        raise NotImplementedError
+
+    def step_limit(self, cfg: EnvSection) -> int | None:
+        """The episode step limit the envs apply by themselves (None: none known)."""
+        return None
+
+    def limit_steps(self, cfg: EnvSection, spec: EnvSpec, max_steps: int) -> tuple[EnvSection, EnvSpec, list]:
+        """Evaluation's step limit, below the env's own: (section, spec, per-env wrappers) whose envs truncate
+        episodes after `max_steps` steps."""
+        raise UserError(f"env.backend={clip(cfg.backend)} cannot limit an evaluation's episodes to {max_steps} steps")
+
+    def record_video(self, cfg: EnvSection, spec: EnvSpec, video_dir: str) -> tuple[EnvSection, EnvSpec, list]:
+        """Evaluation's --video: (section, spec, per-env wrappers) whose envs write every episode's video."""
+        raise UserError(f"--video: env.backend={clip(cfg.backend)} records no videos")
+
+    def capture_state(self, envs) -> dict | None:
+        """The envs' state for a checkpoint, or None when it cannot be saved (unsaved_reason says why)."""
+        return None
+
+    def restore_state(self, envs, state: dict) -> None:
+        """Put a state from capture_state into envs made by the same config (and reset)."""
+
+    def unsaved_reason(self, envs) -> str | None:
+        """One line saying why a checkpoint cannot hold these envs' state (a resume begins fresh episodes); None
+        when it can."""
+        return "the env's state cannot be saved in checkpoints by this backend: a resume begins fresh episodes"
+
+
+def backend_for(cfg: EnvSection) -> EnvBackend:
+    """The backend env.backend names, ready to use."""
+    return plugins.load_class(plugins.ENV_BACKEND, cfg.backend, EnvBackend)()
+
+
+def differing_space(spec: EnvSpec, other: EnvSpec) -> tuple[str, str, str] | None:
+    """(which space, spec's, other's), each said briefly, for the first space that differs; None if both agree."""
+    for name in ("observation_space", "action_space"):
+        if getattr(other, name) != getattr(spec, name):
+            return name.replace("_", " "), clip(str(getattr(spec, name))), clip(str(getattr(other, name)))
+    return None
+
+
+def finish_vector_env(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
+    """The wrappers every backend's envs share (action clipping, env.normalize_reward), then the first reset:
+    (envs, first observations)."""
+    if isinstance(envs.single_action_space, gym.spaces.Box):
+        envs = vector_wrappers.ClipAction(envs)  # the policy's Gaussian samples are unbounded
+    if cfg.normalize_reward:
+        envs = vector_wrappers.NormalizeReward(envs)
+    try:
+        obs, _ = envs.reset(seed=reset_seed)
+    except Exception as exc:  # the env's own reset: its error and file:line, not the vector env's stack
+        raise UserCodeError(
+            f"env.id '{clip(cfg.id)}': reset failed: {describe_exception(exc)}{old_gym_api_hint(exc)}"
+        ) from None
+    envs.action_space.seed(seed)
+    return envs, obs
+
+
+def old_gym_api_hint(exc: Exception) -> str:
+    """A hint when a reset or step looks written for the old gym API (its results could not be unpacked)."""
+    if isinstance(exc, (ValueError, TypeError)) and "unpack" in str(exc):
+        return (
+            "; gymnasium's reset returns (observation, info) and step (observation, reward, terminated, truncated, "
+            "info): an env written for the old gym API (reset returning only the observation) must be updated"
+        )
+    return ""

@@ -1,0 +1,183 @@
+"""The gymnasium backend (`env.backend: gymnasium`, the default): gymnasium's vector envs for a registered id or a
+user's `package.module:EnvId`, with env.vectorization (the env's own vectorized implementation, sync or async) and
+env.groups (several ids / kwargs side by side in one vector env).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import warnings
+
+import gymnasium as gym
+from gymnasium.wrappers import vector as vector_wrappers
+
+from spmd_rl.config.excerpts import MESSAGE_CHARS, clip, excerpt
+from spmd_rl.config.plugins import MODULE_NAME, import_failure, import_path_for_user_code
+from spmd_rl.config.sections import EnvSection
+from spmd_rl.envs.backend import EnvBackend, EnvSpec, differing_space, finish_vector_env
+from spmd_rl.runtime.errors import UserError, describe_exception
+
+
+class GymnasiumBackend(EnvBackend):
+    def probe(self, cfg: EnvSection) -> EnvSpec:
+        if cfg.groups:
+            return self._probe_groups(cfg)
+        import_path_for_user_code()  # 'package.module:EnvId' is imported by gymnasium
+        env_id = clip(cfg.id)
+        module, colon, name = cfg.id.partition(":")
+        if colon and not (MODULE_NAME.fullmatch(module) and name):
+            raise UserError(
+                f"env.id '{env_id}' must be a registered id (e.g. CartPole-v1) or 'package.module:EnvId-v0', with a "
+                f"module name and an id on either side of the ':'"
+            )
+        if colon:  # imported here, so that anything its import raises is said as such (gym.make would only pass it on)
+            try:
+                importlib.import_module(module)
+            except (Exception, SystemExit, KeyboardInterrupt) as exc:
+                raise UserError(
+                    f"env.id '{env_id}': importing its module failed (module '{module}'): {import_failure(exc)}"
+                ) from None
+        try:
+            # gymnasium's own warnings appear again when the envs are built; here they would only bury our verdict.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                env = gym.make(cfg.id, **cfg.kwargs)
+            registered = gym.spec(_registered_id(cfg.id))  # also rejects ids gym.make only warns about (no version)
+        except gym.error.Error as exc:
+            raise UserError(f"env.id '{env_id}' cannot be made: {clip(str(exc), MESSAGE_CHARS)}") from None
+        except ImportError as exc:
+            raise UserError(
+                f"env.id '{env_id}': importing its module failed: {clip(str(exc), MESSAGE_CHARS)}"
+            ) from None
+        except TypeError as exc:
+            raise UserError(
+                f"env.id '{env_id}' rejected env.kwargs {excerpt(cfg.kwargs)}: {clip(str(exc), MESSAGE_CHARS)}"
+            ) from None
+        except (SystemExit, KeyboardInterrupt) as exc:  # sys.exit() in a registered env's module or constructor
+            raise UserError(f"env.id '{env_id}': making it failed: {import_failure(exc)}") from None
+        except Exception as exc:  # anything else the env's constructor (or a gymnasium wrapper's check) raised
+            given = f" with env.kwargs {excerpt(cfg.kwargs)}" if cfg.kwargs else ""
+            raise UserError(
+                f"env.id '{env_id}' could not be made{given}: {clip(describe_exception(exc), MESSAGE_CHARS)}; "
+                f"fix env.kwargs or the env's constructor"
+            ) from None
+        try:
+            mode = cfg.vectorization
+            if mode == "auto":
+                mode = "vector_entry_point" if registered.vector_entry_point else "sync"
+            elif mode == "vector_entry_point" and not registered.vector_entry_point:
+                raise UserError(
+                    f"env.vectorization=vector_entry_point: env.id '{cfg.id}' has no vectorized "
+                    f"implementation; use env.vectorization=auto, sync or async"
+                )
+            return EnvSpec(cfg.id, env.observation_space, env.action_space, mode)
+        finally:
+            env.close()
+
+    def _probe_groups(self, cfg: EnvSection) -> EnvSpec:
+        specs = []
+        for name, section in cfg.group_sections():
+            try:
+                spec = self.probe(section)
+            except UserError as exc:
+                raise UserError(f"env group '{name}': {exc}") from None
+            specs.append((name, spec))
+        (first, spec), others = specs[0], specs[1:]
+        for name, other in others:
+            differing = differing_space(spec, other)
+            if differing:
+                what, mine, theirs = differing
+                raise UserError(
+                    f"env groups '{first}' and '{name}' differ in their {what}: {mine} vs {theirs}; one policy acts "
+                    f"on every group, so their spaces must be equal"
+                )
+        # Several settings in one vector env: plain single envs side by side (an env's own vectorized implementation
+        # runs one setting).
+        mode = "async" if cfg.vectorization == "async" else "sync"
+        return EnvSpec(cfg.id, spec.observation_space, spec.action_space, mode)
+
+    def make(self, cfg: EnvSection, spec: EnvSpec, seed: int, wrappers: list | None = None):
+        mode = spec.vectorization
+        try:
+            if cfg.groups:
+                envs = _make_group_vector_env(cfg, mode, wrappers)
+            else:
+                envs = gym.make_vec(
+                    cfg.id, num_envs=cfg.num_envs, vectorization_mode=mode, wrappers=wrappers, **cfg.kwargs
+                )
+        except gym.error.Error as exc:
+            raise UserError(
+                f"env.id '{clip(cfg.id)}' cannot be vectorized with env.vectorization={mode}: "
+                f"{clip(str(exc), MESSAGE_CHARS)}"
+            ) from None
+        return finish_vector_env(vector_wrappers.RecordEpisodeStatistics(envs), cfg, seed, reset_seed=seed)
+
+    def step_limit(self, cfg: EnvSection) -> int | None:
+        """env.kwargs' max_episode_steps, else the id's registration's."""
+        limit = cfg.kwargs.get("max_episode_steps")
+        if limit is None:
+            try:
+                limit = gym.spec(_registered_id(cfg.id)).max_episode_steps
+            except gym.error.Error:
+                return None
+        return int(limit) if limit else None
+
+    def limit_steps(self, cfg: EnvSection, spec: EnvSpec, max_steps: int):
+        """A TimeLimit of our own on each env (vectorized implementations take no wrappers: plain envs then)."""
+        if spec.vectorization not in ("sync", "async"):
+            spec = dataclasses.replace(spec, vectorization="sync")
+        return cfg, spec, [lambda env: gym.wrappers.TimeLimit(env, max_steps)]
+
+    def record_video(self, cfg: EnvSection, spec: EnvSpec, video_dir: str):
+        require_moviepy()
+        from gymnasium.wrappers import RecordVideo
+
+        cfg = dataclasses.replace(cfg, num_envs=1, kwargs={**cfg.kwargs, "render_mode": "rgb_array"})
+        spec = dataclasses.replace(spec, vectorization="sync")  # RecordVideo wraps a single env
+        return cfg, spec, [lambda env: RecordVideo(env, video_dir, episode_trigger=lambda _: True, name_prefix="eval")]
+
+    # The state of the vector envs and wrappers gymnasium provides (envs/state.py; imported here, as it needs torch).
+
+    def capture_state(self, envs) -> dict | None:
+        from spmd_rl.envs.state import capture_env_state
+
+        return capture_env_state(envs)
+
+    def restore_state(self, envs, state: dict) -> None:
+        from spmd_rl.envs.state import restore_env_state
+
+        restore_env_state(envs, state)
+
+    def unsaved_reason(self, envs) -> str | None:
+        from spmd_rl.envs.state import unsaved_env_reason
+
+        return unsaved_env_reason(envs)
+
+
+def _make_group_vector_env(cfg: EnvSection, mode: str, wrappers: list | None) -> gym.vector.VectorEnv:
+    """The groups' envs side by side, each made as gymnasium.make_vec makes one (gym.make, then `wrappers`)."""
+
+    def maker(section: EnvSection):
+        def make():
+            env = gym.make(section.id, **section.kwargs)
+            for wrapper in wrappers or ():
+                env = wrapper(env)
+            return env
+
+        return make
+
+    env_fns = [maker(section) for _, section in cfg.group_sections() for _ in range(section.num_envs)]
+    vector_env = gym.vector.AsyncVectorEnv if mode == "async" else gym.vector.SyncVectorEnv
+    return vector_env(env_fns)
+
+
+def _registered_id(env_id: str) -> str:
+    return env_id.split(":", 1)[1] if ":" in env_id else env_id
+
+
+def require_moviepy() -> None:
+    try:
+        import moviepy  # noqa: F401  (gymnasium's RecordVideo writes the files with it)
+    except ImportError:
+        raise UserError('--video needs moviepy: pip install -e ".[video]"') from None
