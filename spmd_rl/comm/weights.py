@@ -360,15 +360,28 @@ class WeightSync(_WeightGroupMember):
         super().verify(version)
 
 
+def _gather_into(view: torch.Tensor, sharded) -> bool:
+    """All-gather a DTensor sharded evenly on dim 0 over a 1-D mesh straight into view (the whole tensor, in
+    view's dtype: each shard is cast before it travels); False for any other layout."""
+    from torch.distributed.tensor import Shard
+
+    mesh = sharded.device_mesh
+    if mesh.ndim != 1 or tuple(sharded.placements) != (Shard(0),) or sharded.shape[0] % mesh.size():
+        return False
+    local = sharded.to_local().to(view.dtype).contiguous()
+    dist.all_gather_into_tensor(view.view(-1), local.view(-1), group=mesh.get_group())
+    return True
+
+
 class GatheredWeightSource(_WeightGroupMember):
     """The trainers' side of a weight broadcast when the module's tensors cannot be the buckets: its parameters
     are sharded over the trainers (train.parallel=fsdp), or they travel in another dtype (inference.dtype=bf16).
 
     Every trainer builds one at the same point and calls broadcast()/verify() at the same points: bucket by
-    bucket, the trainers gather the bucket's sharded parameters (an all-gather in the trainer group per
-    parameter) and the first trainer, a member of the weight group, writes them into one bucket-sized buffer (in
-    the wire dtype) and broadcasts it. No trainer holds more than one bucket (plus one gathered parameter) beyond
-    its shards at any time. Receivers are plain WeightSyncs: the layout is the same, computed from the full
+    bucket, every trainer all-gathers the bucket's sharded parameters (one all-gather in the trainer group per
+    parameter, each shard cast to the wire dtype first) straight into a bucket-sized buffer of its own, and the
+    first trainer, a member of the weight group, broadcasts its buffer. No trainer holds more than that one
+    bucket beyond its shards (a parameter sharded unevenly goes through one whole temporary copy). Receivers are plain WeightSyncs: the layout is the same, computed from the full
     shapes and the wire dtype.
     """
 
@@ -389,30 +402,30 @@ class GatheredWeightSource(_WeightGroupMember):
         self.device = self.entries[0].current().device
         self.broadcasts = 0
         self.version = -1
+        # One bucket on every trainer: the shards are all-gathered straight into it, in the wire dtype.
+        self.buffer = torch.zeros(max(self.bucket_sizes), dtype=torch.uint8, device=self.device)
         if not self.is_source:  # a trainer that only contributes its shards to the gathers
             return
         self._join(group, src, me, timeout, describe_rank)
         self.digest = self._digest(bucket_bytes)
-        self.buffer = torch.zeros(max(self.bucket_sizes), dtype=torch.uint8, device=self.device)
         self._check_same_models()
 
-    def _full(self, entry: _Entry) -> torch.Tensor:
-        """The entry's whole tensor: gathered from the trainers' shards (collective), or the module's own."""
-        tensor = entry.current().detach()
-        return tensor.full_tensor() if is_dtensor(tensor) else tensor
-
-    def _fill(self, index: int, version: int) -> torch.Tensor:
-        """Bucket index, written into the buffer (every trainer gathers; only the source keeps the bytes)."""
-        bucket = self.buffer[: self.bucket_sizes[index]] if self.is_source else None
+    def _fill(self, index: int, version: int) -> torch.Tensor | None:
+        """Bucket index, gathered into the buffer by every trainer together; the source's to broadcast (returned),
+        the others' only the output their all-gathers need (None)."""
+        bucket = self.buffer[: self.bucket_sizes[index]]
         for entry in self.entries:
             if entry.bucket != index:
                 continue
-            full = self._full(entry)
-            if bucket is not None:
-                view = bucket[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
-                view.copy_(full)
-            del full
-        if bucket is not None and index == 0:
+            view = bucket[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+            tensor = entry.current().detach()
+            if not is_dtensor(tensor):
+                view.copy_(tensor)
+            elif not _gather_into(view, tensor):
+                view.copy_(tensor.full_tensor())  # uneven or hybrid shards: through a whole temporary copy
+        if not self.is_source:
+            return None
+        if index == 0:
             bucket[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor([version, self.digest]))
         return bucket
 
