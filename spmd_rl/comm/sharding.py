@@ -17,6 +17,7 @@ algorithm never carries FSDP code of its own (it calls `Context.data_parallel`).
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -103,6 +104,9 @@ def shard_policy(
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
+    # FSDP2 warns of every view a wrapped module returns (in-place ops on one would skip a hook); the built-in
+    # policies return views (slices, squeezes) and never modify them in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mesh = DeviceMesh.from_group(group, device.type)
     # cast_forward_inputs off: observations enter in their own dtype (normalizer math in float32); autocast
     # casts them at each matmul. The parameters FSDP all-gathers are bf16 copies; gradients reduce in float32.
@@ -120,11 +124,12 @@ def shard_policy(
     return module
 
 
-def single_process_group() -> dist.ProcessGroup:
+def single_process_group(device: torch.device) -> dist.ProcessGroup:
     """The world group of a one-process run, created on first use (FSDP over one trainer still needs one: its
-    checkpoints are the same sharded files as with several, so a run can resume on any number of trainers)."""
+    checkpoints are the same sharded files as with several). NCCL for CUDA tensors, as in launched runs."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.group.WORLD
 
 

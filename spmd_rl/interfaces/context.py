@@ -109,7 +109,7 @@ class Context:
         if bf16:
             sharding.compute_in_bf16(module, self.policy_methods, self.device.type)
         if self.parallel == "fsdp":
-            group = self.group if self.group is not None else sharding.single_process_group()
+            group = self.group if self.group is not None else sharding.single_process_group(self.device)
             return sharding.shard_policy(module, group, self.device, self.policy_methods, bf16)
         if self.group is None:
             return module
