@@ -147,16 +147,13 @@ def main() -> None:
     print(machine())
     print(f"load average {os.getloadavg()}; {args.envs} envs x {args.steps} steps, medians of {args.repeats}")
     rows = [[f"floor: {key}", f"{value:.0f}", ""] for key, value in parts.items()]
-    rows.append(
-        [
-            "spmd_rl (this checkout)",
-            f"{statistics.median(ours):.0f}",
-            f"{statistics.median(ours) / parts['floor']:.2f}x",
-        ]
-    )
+    mine = statistics.median(ours)
+    rows.append(["spmd_rl (this checkout)", f"{mine:.0f}", f"{mine / parts['floor']:.2f}x"])
     if theirs:
         other = statistics.median(theirs)
         rows.append([f"spmd_rl ({args.compare_tree})", f"{other:.0f}", f"{other / parts['floor']:.2f}x"])
+        pairs = [f"{a / b:.2f}" for a, b in zip(ours, theirs)]
+        print(f"this / other per repeat: {', '.join(pairs)}")
     print(table(["measure", "CPU µs / env step", "vs floor"], rows))
 
 
