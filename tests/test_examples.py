@@ -198,7 +198,7 @@ ONE_PROCESS = ["layout.mode=colocated", "layout.trainer=0", "layout.inference=0"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["one_process", "split5"])
-def test_frozen_encoder_example_runs_from_a_copy_and_keeps_the_pretrained_encoder(layout, tmp_path):
+def test_frozen_encoder_example_runs_from_a_copy_and_keeps_the_pretrained_encoder(layout, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     from spmd_rl.api import load_policy
@@ -218,6 +218,8 @@ def test_frozen_encoder_example_runs_from_a_copy_and_keeps_the_pretrained_encode
     )
     records = assert_run_complete(result, run_dir, iterations=4)  # 16 envs x 8 steps a iteration
     assert records[-1]["env_steps"] == 512 and records[-1]["episodes"] > 0
+    monkeypatch.chdir(folder)  # building the policy reads encoder.safetensors (then policy.pt's weights replace it)
+    monkeypatch.syspath_prepend(str(folder))
     policy, _ = load_policy(run_dir)
     pretrained = load_file(folder / "encoder.safetensors")
     trained = policy.encoder.state_dict()
