@@ -278,3 +278,89 @@ def test_a_torch_cartpole_run_resumes_exactly_with_its_envs_state(example_module
     assert state["env"]["envs"]["state"].shape == (4, 4), "the checkpoint holds the envs' physics"
     assert train(tmp_path / "split").finished
     assert lines(tmp_path / "split") == lines(tmp_path / "full")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# examples/frozen_encoder: its own script writes the pretrained encoder; its config is split with 2 trainers
+
+SPLIT_AS_CONFIGURED = []  # frozen_catch.yaml: layout.mode=split, 2 trainers, 1 inference, 2 env ranks
+ONE_PROCESS = ["layout.mode=colocated", "layout.trainer=0", "layout.inference=0", "layout.env=0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["one_process", "split5"])
+def test_frozen_encoder_example_runs_from_a_copy_and_keeps_the_pretrained_encoder(layout, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from spmd_rl.api import load_policy
+
+    folder = copy_example("frozen_encoder", tmp_path)
+    made = subprocess.run(
+        [sys.executable, "make_encoder.py", "--steps", "20"], cwd=folder, env=_env(), capture_output=True, text=True
+    )
+    assert made.returncode == 0 and (folder / "encoder.safetensors").is_file(), made.stdout + made.stderr
+    run_dir = tmp_path / "run"
+    nproc, layout_overrides = (0, ONE_PROCESS) if layout == "one_process" else (5, SPLIT_AS_CONFIGURED)
+    result = run_in(
+        folder,
+        ["--config", "frozen_catch.yaml", "algo.num_steps=8", "train.total_steps=512", *layout_overrides]
+        + [f"run.dir={run_dir}", "log.progress=false", "weights.verify_every=1"],
+        nproc=nproc,
+    )
+    records = assert_run_complete(result, run_dir, iterations=4)  # 16 envs x 8 steps a iteration
+    assert records[-1]["env_steps"] == 512 and records[-1]["episodes"] > 0
+    monkeypatch.chdir(folder)  # building the policy reads encoder.safetensors (then policy.pt's weights replace it)
+    monkeypatch.syspath_prepend(str(folder))
+    policy, _ = load_policy(run_dir)
+    pretrained = load_file(folder / "encoder.safetensors")
+    trained = policy.encoder.state_dict()
+    assert trained.keys() == pretrained.keys()
+    assert all(torch.equal(trained[name], pretrained[name]) for name in pretrained)  # frozen: exactly as loaded
+
+
+def test_the_frozen_encoder_gets_no_gradient_nor_optimizer_state_while_the_head_learns(monkeypatch, tmp_path):
+    import gymnasium as gym
+    import numpy as np
+    from tensordict import TensorDict
+
+    from spmd_rl.algorithms.configs import PPOConfig
+    from spmd_rl.algorithms.ppo import PPO
+    from spmd_rl.api import Context, UserError
+
+    monkeypatch.syspath_prepend(str(EXAMPLES / "frozen_encoder"))
+    monkeypatch.chdir(tmp_path)
+    from frozen_policy import FrozenEncoderConfig, FrozenEncoderPolicy, PixelEncoder
+    from make_encoder import random_play_frames
+    from safetensors.torch import load_file, save_file
+
+    frames_space, actions = gym.spaces.Box(0, 255, (10, 5, 1), np.uint8), gym.spaces.Discrete(3)
+    with pytest.raises(UserError, match=r"policy.encoder_file 'encoder.safetensors' does not exist.*make_encoder"):
+        FrozenEncoderPolicy(frames_space, actions, FrozenEncoderConfig())
+    torch.manual_seed(0)
+    save_file(PixelEncoder(10, 5, 1).state_dict(), "encoder.safetensors")
+    pretrained = load_file("encoder.safetensors")
+    policy = FrozenEncoderPolicy(frames_space, actions, FrozenEncoderConfig())
+    encoder = list(policy.encoder.parameters())
+    assert encoder and not any(p.requires_grad for p in encoder)
+    with pytest.raises(UserError, match="does not fit"):
+        FrozenEncoderPolicy(gym.spaces.Box(0, 255, (12, 5, 1), np.uint8), actions, FrozenEncoderConfig())
+
+    frames = random_play_frames(64, seed=0, rows=10, columns=5)
+    with torch.no_grad():
+        out = policy.act(frames)
+    advantage = torch.randn(64)
+    batch = TensorDict(
+        obs=frames,
+        **out,
+        advantage=advantage,
+        return_=out["value"] + advantage,
+        valid=torch.ones(64, dtype=bool),
+        batch_size=[64],
+    )
+    ppo = PPO(policy, PPOConfig(update_epochs=2, num_minibatches=2), Context.local(frames_space, actions))
+    head = [p.detach().clone() for p in policy.actor.parameters()]
+    ppo.update(batch, iteration=0)
+    assert all(p.grad is None and p not in ppo.optimizer.state for p in encoder)
+    assert all(torch.equal(policy.encoder.state_dict()[name], t) for name, t in pretrained.items())
+    assert all(p in ppo.optimizer.state for p in policy.actor.parameters())
+    assert not all(torch.equal(a, b) for a, b in zip(head, policy.actor.parameters()))

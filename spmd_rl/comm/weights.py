@@ -381,8 +381,8 @@ class GatheredWeightSource(_WeightGroupMember):
     bucket, every trainer all-gathers the bucket's sharded parameters (one all-gather in the trainer group per
     parameter, each shard cast to the wire dtype first) straight into a bucket-sized buffer of its own, and the
     first trainer, a member of the weight group, broadcasts its buffer. No trainer holds more than that one
-    bucket beyond its shards (a parameter sharded unevenly goes through one whole temporary copy). Receivers are plain WeightSyncs: the layout is the same, computed from the full
-    shapes and the wire dtype.
+    bucket beyond its shards (a parameter sharded unevenly goes through one whole temporary copy).
+    Receivers are plain WeightSyncs: the layout is the same, computed from the full shapes and the wire dtype.
     """
 
     def __init__(

@@ -1,0 +1,124 @@
+"""A user's policy with a frozen "pretrained" encoder and a trainable head (`policy.class:
+frozen_policy:FrozenEncoderPolicy`), written against spmd_rl.api.
+
+The encoder (`PixelEncoder`, two 3x3 convolutions and a linear layer) is loaded from a safetensors file that
+make_encoder.py writes (`policy.encoder_file`), and frozen: its parameters have requires_grad=False, so they get no
+gradient, DDP leaves them out of its gradient buckets, and Adam keeps no state for them. The head (an actor and a
+critic MLP over the encoder's features) is all that learns. What PPO needs from a policy: per-step outputs action,
+log_prob and value; `evaluate(obs, action)` with gradients (also as `forward`, the method DDP hooks); `value(obs)`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from spmd_rl.api import Policy, StepField, UserError, knob
+
+FEATURES = 64  # the encoder's output width, fixed by its pretraining
+
+
+class PixelEncoder(nn.Module):
+    """uint8 frames [B, H, W, C] -> features [B, FEATURES]: the network make_encoder.py pretrains."""
+
+    def __init__(self, height: int, width: int, channels: int):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(channels, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(16 * height * width, FEATURES),
+            nn.ReLU(),
+        )
+
+    def forward(self, frames: Tensor) -> Tensor:
+        # channels-first floats in [0, 1], in plain memory (a channels-last input gives channels-last gradients)
+        x = frames.permute(0, 3, 1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        return self.net(x / 255.0)
+
+
+@dataclass
+class FrozenEncoderConfig:
+    encoder_file: str = knob(
+        "encoder.safetensors", "the pretrained encoder's weights (safetensors; relative to the working directory)"
+    )
+    hidden: int = knob(64, "width of the hidden layer of the trainable actor and critic heads", min=1)
+
+
+class FrozenEncoderPolicy(Policy):
+    Config = FrozenEncoderConfig
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: FrozenEncoderConfig):
+        super().__init__(observation_space, action_space, config)
+        if not (
+            isinstance(observation_space, gym.spaces.Box)
+            and len(observation_space.shape) == 3
+            and observation_space.dtype == np.uint8
+        ):
+            raise UserError(f"FrozenEncoderPolicy needs uint8 frames (H x W x C), got {observation_space}")
+        if not isinstance(action_space, gym.spaces.Discrete):
+            raise UserError(f"FrozenEncoderPolicy needs a Discrete action space, got {action_space}")
+        self.encoder = PixelEncoder(*observation_space.shape)
+        if not os.path.isfile(config.encoder_file):
+            raise UserError(
+                f"policy.encoder_file '{config.encoder_file}' does not exist in {os.getcwd()}; write it with "
+                f"`python make_encoder.py` (in this example's folder) or give its path"
+            )
+        try:
+            self.encoder.load_state_dict(load_file(config.encoder_file))
+        except RuntimeError as exc:  # missing or unexpected names, other shapes: an encoder for another frame size
+            detail = " ".join(str(exc).split())[:300]  # one line
+            raise UserError(
+                f"policy.encoder_file '{config.encoder_file}' does not fit {observation_space}: {detail}"
+            ) from None
+        self.encoder.requires_grad_(False)
+        actions = int(action_space.n)
+        self.actor = nn.Sequential(nn.Linear(FEATURES, config.hidden), nn.Tanh(), nn.Linear(config.hidden, actions))
+        self.critic = nn.Sequential(nn.Linear(FEATURES, config.hidden), nn.Tanh(), nn.Linear(config.hidden, 1))
+        # near-uniform first actions: a small actor output layer (PPO's usual initialisation)
+        nn.init.orthogonal_(self.actor[2].weight, 0.01)
+        nn.init.zeros_(self.actor[2].bias)
+
+    def outputs(self) -> dict[str, StepField]:
+        return {
+            "action": StepField((), torch.int64),
+            "log_prob": StepField((), torch.float32),
+            "value": StepField((), torch.float32),
+        }
+
+    def features(self, obs: Tensor) -> Tensor:
+        with torch.no_grad():  # frozen: no graph through the encoder, not even for the head's gradients
+            return self.encoder(obs)
+
+    @torch.no_grad()
+    def act(self, obs: Tensor, deterministic: bool = False) -> dict[str, Tensor]:
+        x = self.features(obs)
+        log_probs = torch.log_softmax(self.actor(x), dim=-1)
+        action = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1).squeeze(-1)
+        return {
+            "action": action,
+            "log_prob": log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1),
+            "value": self.critic(x).squeeze(-1),
+        }
+
+    def evaluate(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(log_prob, entropy, value) of the given actions, with gradients (for the head)."""
+        x = self.features(obs)
+        log_probs = torch.log_softmax(self.actor(x), dim=-1)
+        log_prob = log_probs.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        return log_prob, entropy, self.critic(x).squeeze(-1)
+
+    def forward(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.evaluate(obs, action)
+
+    def value(self, obs: Tensor) -> Tensor:
+        return self.critic(self.features(obs)).squeeze(-1)
