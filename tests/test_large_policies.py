@@ -235,3 +235,29 @@ def test_fsdp_resume_reshards_two_ranks_to_one_and_back(tmp_path):
     refused = main(*ddp)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "only train.parallel=fsdp checkpoints reshard" in refused.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,nproc",
+    [
+        (["--config", "configs/ppo_cartpole_recurrent.yaml", "train.total_steps=1024"], 0),
+        (
+            [
+                "--config",
+                "configs/ppo_cartpole_async.yaml",
+                "layout.trainer=2",
+                "layout.env=2",
+                "train.total_steps=2048",
+            ],
+            5,
+        ),
+    ],
+    ids=["recurrent-ppo-one-process", "async-engine-split5-bf16-wire"],
+)
+def test_fsdp_runs_recurrent_ppo_and_the_async_engine(tmp_path, args, nproc):
+    extra = ["inference.dtype=bf16", "weights.verify_every=1"] if nproc else []
+    result = main(*args, "train.parallel=fsdp", *extra, f"run.dir={tmp_path}", "log.progress=false", nproc=nproc)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "finished.json").exists() and (tmp_path / "policy.pt").exists()
+    assert list((tmp_path / "checkpoints").glob("iter_*/shards/.metadata"))

@@ -38,7 +38,20 @@ def shard_units(module: nn.Module) -> list[nn.Module]:
     named = getattr(module, "shard_units", None)
     if callable(named):
         return list(named())
-    return [child for child in module.children() if any(True for _ in child.parameters())]
+    return _children_with_parameters(module)
+
+
+def _children_with_parameters(module: nn.Module) -> list[nn.Module]:
+    """The direct children holding parameters; a container (ModuleList, ModuleDict: no forward) by its own."""
+    units = []
+    for child in module.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)):
+            units += _children_with_parameters(child)
+        else:
+            units.append(child)
+    return units
 
 
 def to_float32(value):
