@@ -116,11 +116,6 @@ class Context:
         # Buffers (normalizer statistics) are merged by their own all-reduce, not synced on every forward.
         return DistributedDataParallel(module, process_group=self.group, forward_sync_buffers=False)
 
-    @property
-    def sharded(self) -> bool:
-        """Whether train.parallel=fsdp: parameters are DTensors, checkpoints sharded files."""
-        return self.parallel == "fsdp"
-
     def average_gradients(
         self, grads: list[Tensor] | tuple[Tensor, ...], what: str = "gradients"
     ) -> tuple[Tensor, ...]:
