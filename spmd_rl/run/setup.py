@@ -419,21 +419,12 @@ class Run:
         return self.cfg.train.parallel == "fsdp" or self.cfg.inference.dtype != "fp32"
 
     def _gathered_weight_source(self, policy: Policy) -> GatheredWeightSource:
-        topology, runtime = self.topology, self.runtime
-        return GatheredWeightSource(
-            policy,
-            self.groups.weights,
-            src=topology.trainer_ranks[0],
-            me=runtime.rank,
-            bucket_bytes=int(self.cfg.weights.bucket_mb * 2**20),
-            timeout=runtime.timeout,
-            describe_rank=topology.describe,
-            wire_dtype=WIRE_DTYPES[self.cfg.inference.dtype],
-        )
+        return self._weight_sync(policy, GatheredWeightSource, wire_dtype=WIRE_DTYPES[self.cfg.inference.dtype])
 
-    def _weight_sync(self, policy: Policy) -> WeightSync:
+    def _weight_sync(self, policy: Policy, kind=WeightSync, **options) -> WeightSync:
+        """This rank's member of the weight group (kind: WeightSync, or a trainer's GatheredWeightSource)."""
         topology, runtime = self.topology, self.runtime
-        return WeightSync(
+        return kind(
             policy,
             self.groups.weights,
             src=topology.trainer_ranks[0],
@@ -441,6 +432,7 @@ class Run:
             bucket_bytes=int(self.cfg.weights.bucket_mb * 2**20),
             timeout=runtime.timeout,
             describe_rank=topology.describe,
+            **options,
         )
 
     def _recurrent_states(self, counts: list[int]) -> RecurrentStates | None:
