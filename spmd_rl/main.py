@@ -205,8 +205,8 @@ def _yaml_text(key: str, value) -> str:
     if hasattr(value, "step") and hasattr(value, "reset") or callable(value):
         what = "a gymnasium Env object" if hasattr(value, "step") else f"a callable ({getattr(value, '__name__', '?')})"
         instead = (
-            "give a registered id such as 'CartPole-v1', or register your env (gymnasium.register(id='MyEnv-v0', "
-            "entry_point=make_env) in my_module) and give 'my_module:MyEnv-v0'"
+            "give a registered id such as 'CartPole-v1', or name your factory, 'my_module:make_env' (a function "
+            "returning a gymnasium Env, importable on every rank; env.kwargs are its keyword arguments)"
             if key.split(".")[-1] == "id"
             else "give its name, 'my_module:Name', importable on every rank"
         )

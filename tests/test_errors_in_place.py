@@ -43,7 +43,7 @@ def test_the_python_api_blames_its_overrides_and_refuses_an_env_object_with_what
     env = gym.make("CartPole-v1")
     with pytest.raises(UserError, match=r"^env.id: got a gymnasium Env object, .* give a registered id"):
         spmd_rl.train(TINY, {"env.id": env})
-    with pytest.raises(UserError, match=r"^env.id: got a callable \(make_env\), .*'my_module:MyEnv-v0'"):
+    with pytest.raises(UserError, match=r"^env.id: got a callable \(make_env\), .*'my_module:make_env'"):
 
         def make_env():
             return gym.make("CartPole-v1")
