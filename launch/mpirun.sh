@@ -54,6 +54,17 @@ if [[ -z ${HOSTFILE:-} ]]; then
     # killed rank 0 before it could; one host only: records from some hosts alone would blame the others' ranks
     flags+=(-x "SPMD_RL_FAILURE_DIR=$failure_dir")
 fi
+# mpirun runs in a process group of its own (set -m), so a signal to this script's group (a terminal's Ctrl-C,
+# `timeout`, kill -TERM -PGID) reaches it once, passed on below, not twice: a second SIGTERM makes mpirun kill the
+# ranks at once, without their checkpoint. Its stdin is /dev/null (a background group reading the terminal would be
+# stopped), and with setpriv it gets SIGTERM, the checkpointed stop, if this script dies (even by kill -9).
+orphan_guard=()
+if command -v setpriv >/dev/null; then
+    orphan_guard=(setpriv --pdeathsig TERM)
+fi
+set -m
 # shellcheck disable=SC2086  # MPIRUN_ARGS is a list of flags
-mpirun "${flags[@]}" ${MPIRUN_ARGS:-} "${PYTHON:-python}" -m spmd_rl.main "$@" &
-wait_for_launcher $!   # passes INT, TERM and USR1 on to mpirun, which passes them on to every rank
+"${orphan_guard[@]}" mpirun "${flags[@]}" ${MPIRUN_ARGS:-} "${PYTHON:-python}" -m spmd_rl.main "$@" </dev/null &
+launcher=$!
+set +m
+wait_for_launcher $launcher   # passes INT, TERM and USR1 on to mpirun, which passes them on to every rank

@@ -1,4 +1,4 @@
-"""Evaluate a trained policy: `python -m spmd_rl.evaluate RUN_DIR|CHECKPOINT [--episodes N] [--deterministic]
+"""Evaluate a trained policy: `python -m spmd_rl.evaluate RUN_DIR|CHECKPOINT [--episodes N] [--stochastic]
 [--seed S] [--max-steps N] [--video DIR] [--json] [--device cpu] [section.key=value ...]`.
 
 In Python, one line loads a policy that acts like the trained one:
@@ -58,7 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         help="changes to the run's config (e.g. env.kwargs), as for spmd_rl.main",
     )
     parser.add_argument("--episodes", type=int, default=10, help="episodes to evaluate (default: %(default)s)")
-    parser.add_argument("--deterministic", action="store_true", help="act with the policy's mode, not a sample")
+    actions = parser.add_mutually_exclusive_group()  # deterministic by default, as evaluation during training
+    actions.add_argument(
+        "--deterministic", action="store_true", default=True, help="act with the policy's mode (the default)"
+    )
+    actions.add_argument(
+        "--stochastic", dest="deterministic", action="store_false", help="sample actions from the policy instead"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds the envs and the policy's sampling (default: 0)")
     parser.add_argument(
         "--max-steps",

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from spmd_rl.config.excerpts import excerpt
 from spmd_rl.config.loading import describe_schema, load_config
 from spmd_rl.config.sections import DistSection
 from spmd_rl.runtime.errors import StopSignal, UserError
@@ -176,12 +177,12 @@ def _config_and_overrides(config, overrides) -> tuple[str | Path | None, list[st
     if isinstance(overrides, (str, bytes)):
         raise UserError(f"overrides {overrides!r}: give a mapping {{'section.key': value}} or a list of 'key=value'")
     items = (
-        {key: _yaml_text(value) for key, value in overrides.items()}
+        {key: _yaml_text(key, value) for key, value in overrides.items()}
         if isinstance(overrides, Mapping)
         else dict(_split_item(item) for item in overrides)
     )
     if isinstance(config, Mapping):  # its keys as overrides, under the given ones
-        items = {**{key: _yaml_text(value) for key, value in _flatten(config)}, **items}
+        items = {**{key: _yaml_text(key, value) for key, value in _flatten(config)}, **items}
         config = None
     elif config is not None and not isinstance(config, (str, Path)):
         raise UserError(f"config {config!r}: give a YAML file's path, a mapping of sections, or None (the defaults)")
@@ -204,11 +205,31 @@ def _flatten(mapping: Mapping, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
-def _yaml_text(value) -> str:
-    """A Python value as an override's text: strings as given (as on the command line), the rest as YAML."""
+def _yaml_text(key: str, value) -> str:
+    """A Python value as an override's text: strings as given (as on the command line), the rest as YAML; an object
+    a config cannot hold (an env, a function: every rank and config.yaml need it by name) is a UserError saying
+    what to give instead."""
     if isinstance(value, str):
         return value
-    text = yaml.safe_dump(_plain(value), default_flow_style=True, width=1 << 30).strip()
+    if hasattr(value, "step") and hasattr(value, "reset") or callable(value):
+        what = "a gymnasium Env object" if hasattr(value, "step") else f"a callable ({getattr(value, '__name__', '?')})"
+        instead = (
+            "give a registered id such as 'CartPole-v1', or name your factory, 'my_module:make_env' (a function "
+            "returning a gymnasium Env, importable on every rank; env.kwargs are its keyword arguments)"
+            if key.split(".")[-1] == "id"
+            else "give its name, 'my_module:Name', importable on every rank"
+        )
+        raise UserError(
+            f"{key}: got {what}, but a config holds names, not objects (every rank builds its own, and config.yaml "
+            f"records the run); {instead}"
+        )
+    try:
+        text = yaml.safe_dump(_plain(value), default_flow_style=True, width=1 << 30).strip()
+    except yaml.representer.RepresenterError:
+        raise UserError(
+            f"{key}: {type(value).__name__} {excerpt(value)} is not a config value: give a number, a string, a bool, "
+            f"a list or a mapping of those"
+        ) from None
     return text.removesuffix("...").strip()  # a scalar's document end marker
 
 

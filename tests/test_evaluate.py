@@ -60,6 +60,16 @@ def test_the_command_line_evaluates_a_trained_run(tiny_run, capsys):
     assert "over 2 episodes (deterministic actions, seed 0)" in capsys.readouterr().out
 
 
+def test_evaluate_acts_deterministically_by_default_as_evaluation_during_training(tiny_run, capsys):
+    policy, cfg = load_policy(tiny_run)
+    during_training = evaluate(policy, cfg.env, episodes=3, seed=0, deterministic=cfg.eval.deterministic)
+    assert main([str(tiny_run), "--episodes", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["deterministic"] and report["returns"] == during_training["returns"]
+    assert main([str(tiny_run), "--episodes", "3", "--stochastic"]) == 0
+    assert "over 3 episodes (sampled actions, seed 0)" in capsys.readouterr().out
+
+
 def test_a_policy_loads_from_its_run_dir_checkpoints_and_files(tiny_run, tmp_path):
     trained = torch.load(tiny_run / "policy.pt", weights_only=True)
     run_dir = tmp_path / "interrupted"  # a run that has checkpoints and no policy.pt yet

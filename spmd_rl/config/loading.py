@@ -46,7 +46,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), only_
     for item in overrides:
         _apply_override(raw, item)
         _reject_repeated_override(given, item)
-    source = str(path) if path is not None else "the command line"
+    source = Source(str(path) if path is not None else "the command line", given)
     for legacy, hint in (("model", "policy"), ("sac", "algo")):
         if legacy in raw:
             raise UserError(
@@ -132,7 +132,7 @@ def _check_run_name(name: str) -> None:
         )
 
 
-def _build_plugin_sections(cfg: Config, raw: dict, source: str, only_policy: bool = False) -> None:
+def _build_plugin_sections(cfg: Config, raw: dict, source: Source, only_policy: bool = False) -> None:
     """algo, policy, engine and callbacks: each names its class, whose own Config dataclass validates the rest.
 
     The algorithm is resolved first: an absent policy.class means the algorithm's default policy. With only_policy
@@ -155,7 +155,7 @@ def _build_plugin_sections(cfg: Config, raw: dict, source: str, only_policy: boo
                 f"config key '{prefix}class' must name a class (an alias or module:Class), got {excerpt(name)}"
             )
         config_cls = plugins.config_class(kind, name)
-        return name, _build(config_cls, value, prefix, f"{source}; keys of {kind.what} '{name}'")
+        return name, _build(config_cls, value, prefix, source.within(f"; keys of {kind.what} '{name}'"))
 
     algo_raw = raw.get("algo")
     policy_raw = raw.get("policy")
@@ -379,6 +379,30 @@ def _apply_override(raw: dict, item: str) -> None:
     node[parts[-1]] = value
 
 
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a config's keys come from: a file (or 'the command line' without one) and the overrides given on top
+    of it, so that a key is blamed on the override that brought it, not on the file."""
+
+    path: str
+    overrides: dict  # dotted key -> the override item that set it ('train.total_steps=5')
+    within_class: str = ""  # '; keys of algorithm 'ppo'': a plug-in section's keys
+
+    def __str__(self) -> str:
+        return f"{self.path}{self.within_class}"
+
+    def of(self, key: str) -> str:
+        """'in FILE' or, when an override set this key, a section holding it or a key inside it, 'in the override
+        ITEM'."""
+        for given, item in self.overrides.items():
+            if key == given or key.startswith(f"{given}.") or given.startswith(f"{key}."):
+                return f"in the override {excerpt(item)}{self.within_class}"
+        return f"in {self}"
+
+    def within(self, within_class: str) -> Source:
+        return dataclasses.replace(self, within_class=within_class)
+
+
 def _reject_repeated_override(given: dict[str, str], item: str) -> None:
     """A key set twice on the command line (or a section set whole and one of its keys) is a mistake to point
     out, not a question of which one wins."""
@@ -393,7 +417,7 @@ def _reject_repeated_override(given: dict[str, str], item: str) -> None:
     given[key] = item
 
 
-def _build(cls, raw: Any, prefix: str, source: str):
+def _build(cls, raw: Any, prefix: str, source: Source):
     where = prefix.rstrip(".") or "the top level"
     if not isinstance(raw, dict):
         raise UserError(f"config key '{where}' must be a mapping of keys, got {excerpt(raw)}")
@@ -405,7 +429,7 @@ def _build(cls, raw: Any, prefix: str, source: str):
             allowed = sorted(f"{prefix}{k}" for k in fields)
             near = difflib.get_close_matches(name, allowed, n=1, cutoff=0.6)
             hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(allowed)}"
-            raise UserError(f"unknown config key '{name}' (in {source}){hint}")
+            raise UserError(f"unknown config key '{name}' ({source.of(f'{prefix}{key}')}){hint}")
     values = {}
     for name, f in fields.items():
         if name not in raw:
@@ -429,7 +453,7 @@ def _is_list_of_sections(kind) -> bool:
     return typing.get_origin(kind) is list and dataclasses.is_dataclass(typing.get_args(kind)[0])
 
 
-def _build_list(cls, raw: Any, key: str, source: str) -> list:
+def _build_list(cls, raw: Any, key: str, source: Source) -> list:
     """A list of mappings, each built and checked as a section of its own (env.groups)."""
     if not isinstance(raw, list):
         raise UserError(f"config key '{key}' must be a list of mappings (in {source}), got {excerpt(raw)}")

@@ -72,6 +72,11 @@ class RunSection:
         "would; rerun to continue (0 = run to the end)",
         min=0,
     )
+    stop_at_return: float | None = knob(
+        None,
+        "finish early, with a checkpoint and exit 0, once the mean return of the last 20 episodes reaches this "
+        "(null = run to the end)",
+    )
 
 
 GROUP_NAME = r"[A-Za-z0-9_.-]{1,40}"  # an env group's name becomes part of metric keys (episode_return_mean/<name>)

@@ -9,6 +9,7 @@ rank reported its file written (a second all_reduce), so a kill at any moment le
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from collections.abc import Callable
@@ -34,6 +35,19 @@ class StoppedWithCheckpoint(Exception):
             f"same command to resume"
         )
         self.checkpoint = checkpoint
+        self.finished = False  # True: the run is done (run.stop_at_return), not waiting for a rerun
+
+
+class ReachedReturn(StoppedWithCheckpoint):
+    """Every rank agreed that rank 0's mean return reached run.stop_at_return: the run is finished (exit 0)."""
+
+    def __init__(self, threshold: float, mean_return: float, iteration: int, checkpoint: Path):
+        Exception.__init__(
+            self,
+            f"reached run.stop_at_return={threshold:g} (mean return of the last episodes {mean_return:.2f}) after "
+            f"iteration {iteration}; checkpoint {checkpoint}; the run is finished",
+        )
+        self.checkpoint, self.finished = checkpoint, True
 
 
 class RunControl:
@@ -41,6 +55,9 @@ class RunControl:
         self.every_iterations = cfg.checkpoint.every_iterations
         self.every_s = cfg.checkpoint.every_s
         self.stop_after = cfg.run.stop_after_iterations
+        self.stop_at_return = cfg.run.stop_at_return
+        # rank 0: the headline return (the mean of the last episodes) after the iteration just logged
+        self.mean_return: Callable[[], float] = lambda: float("nan")
         self.num_iterations = num_iterations
         self.rank, self.world_size, self.distributed = rank, world_size, distributed
         self.store = CheckpointStore(run_dir, keep=cfg.checkpoint.keep)
@@ -57,8 +74,12 @@ class RunControl:
         due = last or stop_here or (self.every_iterations > 0 and (iteration + 1) % self.every_iterations == 0)
         timed_out = self.every_s > 0 and time.monotonic() - self.last_checkpoint >= self.every_s
         stop = requested_stop()
-        signal_number, timed_out = self._agree(stop[1] if stop else 0, timed_out)
-        if not (due or timed_out or signal_number):
+        mean_return = self.mean_return() if self.stop_at_return is not None and self.rank == 0 else float("nan")
+        reached = mean_return >= self.stop_at_return if self.stop_at_return is not None else False  # NaN: not yet
+        signal_number, timed_out, reached, mean_return = self._agree(
+            stop[1] if stop else 0, timed_out, reached, mean_return
+        )
+        if not (due or timed_out or signal_number or reached):
             return
         clock = time.perf_counter()
         directory = self._save(iteration, capture)
@@ -66,6 +87,8 @@ class RunControl:
         self.last_checkpoint = time.monotonic()
         if signal_number:
             raise StoppedWithCheckpoint(signal.Signals(signal_number).name, iteration, directory)
+        if reached and not last:  # after the last iteration the run ends as planned
+            raise ReachedReturn(self.stop_at_return, mean_return, iteration, directory)
         if stop_here:
             raise StoppedWithCheckpoint(f"run.stop_after_iterations={self.stop_after}", iteration, directory)
 
@@ -82,11 +105,24 @@ class RunControl:
                 what="stop: wait for rank 0's checkpoint and policy.pt",
             )
 
-    def _agree(self, signal_number: int, timed_out: bool) -> tuple[int, bool]:
-        """(a signal any rank received, rank 0's clock says a timed checkpoint is due), the same on every rank."""
+    def _agree(
+        self, signal_number: int, timed_out: bool, reached: bool, mean_return: float
+    ) -> tuple[int, bool, bool, float]:
+        """(a signal any rank received, rank 0's clock says a timed checkpoint is due, rank 0's mean return reached
+        run.stop_at_return, rank 0's mean return), the same on every rank. Small integers and the return travel
+        exactly as float64."""
         if not self.distributed:
-            return signal_number, timed_out
-        flags = torch.tensor([signal_number, int(timed_out and self.rank == 0)], dtype=torch.int64)
+            return signal_number, timed_out, reached, mean_return
+        known = self.rank == 0 and mean_return == mean_return  # NaN (no episode yet) takes no part in MAX
+        flags = torch.tensor(
+            [
+                signal_number,
+                int(timed_out and self.rank == 0),
+                int(reached and self.rank == 0),
+                mean_return if known else -math.inf,
+            ],
+            dtype=torch.float64,
+        )
         bounded(
             dist.all_reduce,
             flags,
@@ -95,7 +131,7 @@ class RunControl:
             timeout=self.timeout,
             what="end-of-iteration agreement (checkpoint or stop) all_reduce",
         )
-        return int(flags[0]), bool(flags[1])
+        return int(flags[0]), bool(flags[1]), bool(flags[2]), float(flags[3])
 
     def _save(self, iteration: int, capture: Callable[[], dict]) -> Path:
         """Every rank writes its file; rank 0 commits once all succeeded (a failure anywhere fails everywhere)."""

@@ -337,8 +337,11 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
     except StoppedWithCheckpoint as stopped:
         if runtime.rank == 0:
             save_policy(run.final_policy, run_dir)
+            if stopped.finished:  # run.stop_at_return: done, never resumed; said here, as it is no stop to rerun
+                mark_finished(run_dir, checked.given_digest)
+                print(f"spmd_rl: {stopped}", flush=True)
         control.wait_for_stop_files()
-        return Outcome(run_dir, run.final_policy, stopped)
+        return Outcome(run_dir, run.final_policy, None if stopped.finished else stopped)
     finally:
         stop_at_iteration_boundary(False)
     if runtime.rank == 0:

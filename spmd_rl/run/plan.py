@@ -56,6 +56,9 @@ class Plan:
             f"envs); {self.trainer_ranks} trainer rank(s); {self.num_iterations} iterations = "
             f"{self.num_iterations * self.steps_per_iteration} env steps"
         )
+        whole, left = divmod(cfg.train.total_steps, self.steps_per_iteration)
+        if left and self.num_iterations == whole:  # a run is whole iterations (a dry run is one: not this)
+            text += f" (train.total_steps={cfg.train.total_steps} rounded down to whole iterations)"
         if self.explore_iterations:
             text += f"; {self.explore_iterations} iteration(s) of uniform random actions first"
         if self.sync_every > 1 and layout.startswith("split"):

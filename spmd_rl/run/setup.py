@@ -132,12 +132,13 @@ class Run:
                 trackers=open_trackers(self.cfg, self.run_dir, resumed=self.resume.checkpoint is not None),
                 group_names=self.cfg.env.group_names(),
             )
+            self.control.mean_return = lambda: logger.last_record.get("episode_return_mean", float("nan"))
         finished = stopped = False
         try:
             run_role(logger)
             finished = True
-        except StoppedWithCheckpoint:
-            stopped = True
+        except StoppedWithCheckpoint as stop:
+            stopped, finished = True, stop.finished  # run.stop_at_return reached: the run is finished
             raise
         finally:
             if logger is not None:

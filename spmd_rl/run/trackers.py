@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from spmd_rl.config.excerpts import clip
 from spmd_rl.config.sections import Config
 from spmd_rl.persist.fileio import write_atomic
 from spmd_rl.persist.run_control import STOPPED_EXIT_CODE  # W&B records a stop with the process's exit code
@@ -217,9 +218,8 @@ class MlflowSink:
             self.client.log_dict(self.run_id, cfg.to_dict(), "config.yaml")  # this process's config, whole
         except Exception as exc:
             raise UserError(
-                f"config key 'log.mlflow': cannot start an MLflow run at "
-                f"{log.mlflow_tracking_uri or 'the default tracking URI'} ({type(exc).__name__}: "
-                f"{_first_line(exc)}); set log.mlflow_tracking_uri (or MLFLOW_TRACKING_URI)"
+                f"config key 'log.mlflow': cannot start an MLflow run at {_tracking_uri(log.mlflow_tracking_uri)} "
+                f"({type(exc).__name__}: {_whole_message(exc)}); {_mlflow_advice(log.mlflow_tracking_uri)}"
             ) from None
 
     def log(self, scalars: dict[str, float], env_steps: int) -> None:
@@ -232,3 +232,44 @@ class MlflowSink:
 
     def close(self, status: str) -> None:
         self.client.set_terminated(self.run_id, {"finished": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED"))
+
+
+SERVER_HINT = "point log.mlflow_tracking_uri (or MLFLOW_TRACKING_URI) at a tracking server (http://host:5000)"
+
+
+def _tracking_uri(given: str) -> str:
+    """The URI MLflow used: log.mlflow_tracking_uri, else MLFLOW_TRACKING_URI, else MLflow's default (named)."""
+    if given:
+        return given
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return f"{os.environ['MLFLOW_TRACKING_URI']} (MLFLOW_TRACKING_URI)"
+    import mlflow
+
+    return f"{mlflow.get_tracking_uri()} (MLflow's default)"
+
+
+def _mlflow_advice(given: str) -> str:
+    """What to do, by the scheme of the URI that failed (the mlflow extra is mlflow-skinny: a client only)."""
+    uri = given or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not uri:
+        import mlflow
+
+        uri = mlflow.get_tracking_uri()
+    scheme = uri.partition(":")[0].lower() if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", uri) else "file"
+    if scheme in ("sqlite", "postgresql", "mysql", "mssql") or scheme.startswith(("postgresql+", "mysql+")):
+        return (
+            f"a database store needs the full MLflow (pip install mlflow, not the client mlflow-skinny); or "
+            f"{SERVER_HINT}"
+        )
+    if scheme == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+        return (
+            f"MLflow 3 opens a file store only with MLFLOW_ALLOW_FILE_STORE=true in the environment; or {SERVER_HINT}"
+        )
+    if scheme in ("http", "https"):
+        return "is a tracking server running there (mlflow server --port 5000)? or correct log.mlflow_tracking_uri"
+    return SERVER_HINT
+
+
+def _whole_message(exc: BaseException) -> str:
+    """The exception's message on one line, whole up to 1000 characters (MLflow's say what to do at their end)."""
+    return clip(" ".join(str(exc).split()), 1000) or "no message"

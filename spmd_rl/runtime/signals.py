@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from spmd_rl.runtime.errors import StopSignal
 from spmd_rl.runtime.launch import rank_from_env
@@ -17,9 +18,20 @@ ANNOUNCE_AFTER_S = 1.0  # a failed rank's peers see a closed socket at once and 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
+# A stop signal within this many seconds of the first is the same request, not "stop at once": a signal to the
+# whole process group (a terminal's Ctrl-C, scancel, timeout) reaches a rank directly and again through its
+# launcher (torchrun's agent relays SIGTERM after the terminal's SIGINT, mpirun relays what it got); no person
+# asks twice that fast. A second signal after the window still stops at once.
+REPEAT_WINDOW_S = 2.0
+
+
+def _is_repeat(first_at: float | None) -> bool:
+    return first_at is not None and time.monotonic() - first_at < REPEAT_WINDOW_S
+
 
 class _Early:
     requested: tuple[str, int] | None = None
+    requested_at: float | None = None  # time.monotonic() of the first signal
 
 
 def install_early_signal_handlers() -> None:
@@ -35,7 +47,9 @@ def _on_early_signal(signum: int, frame) -> None:
     # Inside user code (a plug-in module's import) the safe point may never come: the first signal ends it.
     in_user_code = watchdog.watching()
     if _Early.requested is None and not in_user_code:
-        _Early.requested = (name, signum)
+        _Early.requested, _Early.requested_at = (name, signum), time.monotonic()
+        return
+    if _Early.requested is not None and _is_repeat(_Early.requested_at):  # the same request, again via the launcher
         return
     if rank_from_env() in (None, 0):  # rank 0 speaks for the job (see main.py); the rest end quietly
         during = f" ({in_user_code})" if in_user_code else ""
@@ -73,6 +87,7 @@ def install_signal_handlers() -> None:
 class _Graceful:
     enabled = False
     requested: tuple[str, int] | None = None
+    requested_at: float | None = None  # time.monotonic() of the signal that asked for the stop
     announcement: threading.Timer | None = None  # a stop's line, due ANNOUNCE_AFTER_S after its signal
 
 
@@ -102,6 +117,7 @@ def _on_signal(signum: int, frame) -> None:
     name = signal.Signals(signum).name
     if _Graceful.enabled and _Graceful.requested is None:
         _Graceful.requested = request = (name, signum)
+        _Graceful.requested_at = time.monotonic()
         if os.environ.get(FAILURE_DIR_VARIABLE):
             # Under a launcher that keeps failure records, the signal may be the launcher ending the job because a
             # rank failed (mpirun SIGTERMs every rank the moment one dies), before any survivor has written its
@@ -111,6 +127,8 @@ def _on_signal(signum: int, frame) -> None:
             _Graceful.announcement.start()
         else:
             _announce_stop(*request)
+        return
+    if _Graceful.enabled and _is_repeat(_Graceful.requested_at):  # the same request, again through the launcher
         return
     stop = KeyboardInterrupt() if signum == signal.SIGINT else StopSignal(name, signum)
     if _Deferral.depth:

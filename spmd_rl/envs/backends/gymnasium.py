@@ -16,6 +16,7 @@ from spmd_rl.config.excerpts import MESSAGE_CHARS, clip, excerpt
 from spmd_rl.config.plugins import MODULE_NAME, import_failure, import_path_for_user_code
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.backend import EnvBackend, EnvSpec, differing_space, finish_vector_env
+from spmd_rl.envs.factory import register_factory
 from spmd_rl.runtime.errors import UserError, describe_exception
 
 
@@ -38,6 +39,7 @@ class GymnasiumBackend(EnvBackend):
                 raise UserError(
                     f"env.id '{env_id}': importing its module failed (module '{module}'): {import_failure(exc)}"
                 ) from None
+            register_factory(module, name)  # 'module:make_env': a function returning an Env (envs/factory.py)
         try:
             # gymnasium's own warnings appear again when the envs are built; here they would only bury our verdict.
             with warnings.catch_warnings():
