@@ -248,7 +248,7 @@ def main() -> None:
     print("\nTrainer memory per rank (parameters + gradients + Adam state), 2 trainers:")
     print(table(["parameters", "ddp MiB", "fsdp MiB", "fsdp / ddp"], memory))
     print(
-        f"\nWeight sync, 2 FSDP trainers -> 2 inference ranks, {BUCKET_MB} MiB buckets (medians of 3 alternating pairs after the first):"
+        f"\nWeight sync, 2 FSDP trainers -> 2 inference ranks, {BUCKET_MB} MiB buckets (medians of 3 alternating pairs):"
     )
     print(
         table(
