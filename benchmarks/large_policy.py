@@ -247,9 +247,7 @@ def main() -> None:
     frozen = measure(layers, "fsdp", "fp32", frozen=3 * layers // 4)
     print("\nTrainer memory per rank (parameters + gradients + Adam state), 2 trainers:")
     print(table(["parameters", "ddp MiB", "fsdp MiB", "fsdp / ddp"], memory))
-    print(
-        f"\nWeight sync, 2 FSDP trainers -> 2 inference ranks, {BUCKET_MB} MiB buckets (medians of 3 alternating pairs):"
-    )
+    print(f"\nWeight sync, 2 FSDP trainers -> 2 inference ranks, {BUCKET_MB} MiB buckets (medians of 3 pairs):")
     print(
         table(
             [
