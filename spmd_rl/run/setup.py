@@ -414,6 +414,7 @@ class Run:
             compression=buffer.h5_compression,
             flush_every_s=buffer.flush_every_s,
             group_names=groups,
+            must_exist=self.resume.checkpoint is not None,
         )
 
     def _init_from(self, policy: Policy, algorithm: Algorithm) -> None:
