@@ -28,7 +28,7 @@ from spmd_rl.interfaces.policy import (
 from spmd_rl.roles.messages import segment_message
 from spmd_rl.run.policies import build_policy
 from spmd_rl.runtime.errors import UserError, describe_exception
-from spmd_rl.runtime.limits import check_memory
+from spmd_rl.runtime.limits import check_memory, training_state_bytes
 
 SAMPLE_BATCH = 2  # the sample observations the policy's methods are called on
 
@@ -48,6 +48,7 @@ def check_policy(
     """Build the policy on the CPU, act on a batch of sample observations, compare with its declared outputs.
     Returns the outputs, which lay out every channel, segment and experience file."""
     name = f"policy.class '{cfg.classes['policy']}'"
+    check_policy_memory(cfg, spec, policy_cls, name)
     try:
         policy = build_policy(cfg, spec, policy_cls)
     except UserError:
@@ -69,6 +70,25 @@ def check_policy(
     return outputs
 
 
+def check_policy_memory(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], name: str, shards: int = 1) -> None:
+    """The policy's weights, gradients and Adam state against this host's memory, counted on a build on the meta
+    device (no memory), before the real build allocates any of it. A policy that cannot be built on the meta
+    device (it computes with its tensors while built) is not counted here."""
+    try:
+        with torch.device("meta"):
+            policy = policy_cls(spec.observation_space, spec.action_space, cfg.policy)
+        parameters = sum(p.numel() for p in policy.parameters())
+    except Exception:  # noqa: BLE001 - the real build below reports the policy's own errors
+        return
+    key = "policy.hidden_sizes" if hasattr(cfg.policy, "hidden_sizes") else "the policy's size (its policy.* keys)"
+    check_memory(
+        training_state_bytes(parameters, shards),
+        f"{name} ({parameters:,} parameters: weights, gradients and Adam's moments, 16 bytes each"
+        f"{f' over {shards} shards' if shards > 1 else ''})",
+        key,
+    )
+
+
 def check_planned_memory(cfg: Config, spec: EnvSpec, outputs: dict, plan) -> None:
     """The rollout buffers a trainer holds (its segments, double-buffered, and their concatenation), against this
     host's memory, before anything is allocated."""
@@ -80,6 +100,19 @@ def check_planned_memory(cfg: Config, spec: EnvSpec, outputs: dict, plan) -> Non
         f"the rollout buffers of a trainer ({plan.num_steps} steps x {columns} envs x {step_bytes} bytes, 3 copies)",
         "algo.num_steps or env.num_envs",
     )
+    batch = getattr(cfg.algo, "batch_size", None)  # an off-policy algorithm's sampled batch (SAC): all trainers
+    if isinstance(batch, int) and batch > 0:
+        per_trainer = -(-batch // max(1, plan.trainer_ranks))
+        # The sample, its device copy, the next observations; and the activations the actor and two critics keep
+        # for backward (a float per hidden unit each; what else an algorithm holds is not counted).
+        widths = sum(getattr(cfg.policy, "hidden_sizes", None) or ())
+        transition_bytes = 4 * step_bytes + 3 * 4 * widths
+        check_memory(
+            transition_bytes * per_trainer,
+            f"a sampled batch of a trainer ({per_trainer} transitions x {transition_bytes} bytes: the sample, its "
+            f"copies and the networks' activations)",
+            "algo.batch_size",
+        )
 
 
 def _check_declared(name: str, outputs: dict, action_space: gym.Space) -> None:

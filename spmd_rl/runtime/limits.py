@@ -25,6 +25,17 @@ def check_memory(bytes_needed: int, what: str, key: str) -> None:
         )
 
 
+# What training holds per parameter: its fp32 weight, its fp32 gradient and Adam's two fp32 moments.
+BYTES_PER_TRAINED_PARAMETER = 4 + 4 + 8
+
+
+def training_state_bytes(parameters: int, shards: int = 1) -> int:
+    """Bytes one trainer rank holds for a module of `parameters` parameters that it trains with Adam: weights,
+    gradients and optimizer state, divided over `shards` ranks when they are sharded (FSDP; 1 = replicated, DDP).
+    Activations are not counted: they depend on the batch."""
+    return -(-parameters * BYTES_PER_TRAINED_PARAMETER // max(1, shards))
+
+
 def available_memory() -> int | None:
     """Bytes this process may still allocate: the host's MemAvailable (or, where there is no /proc, its physical
     memory), lowered to a cgroup memory limit (a Slurm job's, a container's) when one applies; None if unknown."""
