@@ -9,7 +9,11 @@
 #      line for line and policy.pt byte for byte (checkpoints load to the CPU; state moves to cuda where applied);
 #   3. SAC one process on cuda: its stop + resume equals the uninterrupted run (replay sampler, critics, optimizers);
 #   4. the GPU-trained PPO run evaluates in a process that sees no GPU (CUDA_VISIBLE_DEVICES=);
-#   5. a split layout with 2 GPU ranks (trainer + inference) on this single GPU is refused before start with exit 2.
+#   5. a split layout with 2 GPU ranks (trainer + inference) on this single GPU is refused before start with exit 2;
+#   6. large policies: one-process PPO with train.parallel=fsdp (FSDP2 over a one-rank NCCL group) and
+#      train.precision=bf16 on cuda, stopped halfway and resumed from its sharded (DCP) checkpoint, equals the
+#      uninterrupted run; its policy.pt evaluates without a GPU;
+#   7. the same with policy.class=transformer and activation checkpointing (bf16 on CUDA through autocast).
 # What needs two GPUs or more is printed at the end (NCCL refuses two ranks on one GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,11 +85,31 @@ else
     say FAIL "5. 2 GPU ranks on 1 GPU: $(tail -n 3 "$WORK/split.log")"
 fi
 
+LARGE=(--config configs/ppo_cartpole.yaml train.total_steps=8192 train.device=cuda train.deterministic=true
+       train.parallel=fsdp train.precision=bf16)
+run "${LARGE[@]}" run.dir="$WORK/fsdp_full"
+run "${LARGE[@]}" run.dir="$WORK/fsdp_parts" run.stop_after_iterations=16
+run "${LARGE[@]}" run.dir="$WORK/fsdp_parts"
+if [[ -f $WORK/fsdp_parts/finished.json ]] && same_run "$WORK/fsdp_full" "$WORK/fsdp_parts" \
+    && CUDA_VISIBLE_DEVICES= "$PYTHON" -m spmd_rl.evaluate "$WORK/fsdp_full" --episodes 2 > "$WORK/eval.log" 2>&1; then
+    say PASS "6. fsdp + bf16 on cuda: sharded stop + resume equals the uninterrupted run; evaluates without a GPU"
+else
+    say FAIL "6. fsdp + bf16 on cuda: $(tail -n 3 "$WORK/last.log")"
+fi
+
+if run "${LARGE[@]}" policy.class=transformer train.activation_checkpointing=true run.dir="$WORK/transformer"; then
+    say PASS "7. transformer policy, fsdp + bf16 + activation checkpointing on cuda ($(grep -o 'done: .*steps/s)' "$WORK/last.log"))"
+else
+    say FAIL "7. transformer policy on cuda: $(tail -n 3 "$WORK/last.log")"
+fi
+
 cat <<'EOF'
 Not checked here (needs 2 GPUs or more: NCCL refuses two ranks on one GPU):
   - colocated 2 ranks (DDP over NCCL) and its resume;
   - split layouts: weight broadcast over NCCL, the inference rank's CUDA forward passes, weights.verify_every;
   - the async engine at lag 0 equal to sync, and SAC async (staged weights polled over NCCL);
-  - the NCCL group timeout (a minute past dist.timeout_s) after a stopped rank.
+  - the NCCL group timeout (a minute past dist.timeout_s) after a stopped rank;
+  - FSDP over 2+ trainers on NCCL, the weight sync from shards to inference ranks (GatheredWeightSource, bf16 on
+    the wire), resharding, and benchmarks/large_policy.py's numbers on GPUs.
 EOF
 exit $failed

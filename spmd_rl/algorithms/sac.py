@@ -72,6 +72,7 @@ class SAC(Algorithm):
     """
 
     Config = SACConfig
+    supports_fsdp = False  # its optimizer steps average exactly their own gradients over the trainers
     policy_methods = (
         PolicyMethod("sample", ("obs",), ("action", "log_prob"), "a reparameterized sample, with gradients"),
         PolicyMethod("features", ("obs",), "features", "observations as the critics see them"),

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from spmd_rl.comm.weights import HEADER_BYTES, WeightMismatchError, WeightSync
+from spmd_rl.comm.weights import HEADER_BYTES, WeightSync
 from spmd_rl.runtime.distributed import Peer, comm_error, wait
 
 # Polling a posted broadcast: the first pause, doubled up to the longest (a swap waits at most that long after the
@@ -47,9 +47,12 @@ class StagedWeights:
         assert self._works is None, "one staged broadcast at a time"
         self.posted += 1
         works = []
-        for bucket in self.staging:
+        self._indices = self.sync.buckets_to_send()  # frozen parameters' buckets only with the first broadcast
+        for index in self._indices:
             try:
-                works.append(dist.broadcast(bucket, src=self.sync.src, group=self.sync.group, async_op=True))
+                works.append(
+                    dist.broadcast(self.staging[index], src=self.sync.src, group=self.sync.group, async_op=True)
+                )
             except RuntimeError as exc:  # a member already gone can fail the post itself
                 raise comm_error(self._describe(), exc, self.sync.timeout, self.peer) from exc
         self._works = works
@@ -85,15 +88,9 @@ class StagedWeights:
         self.wait()
         self._works = None
         version, digest = (int(value) for value in self._header.tolist())
-        if digest != self.sync.digest:
-            raise WeightMismatchError(
-                f"{self.sync.describe_rank(self.sync.me)}: weights from "
-                f"{self.sync.describe_rank(self.sync.src)} carry layout digest {digest}, this "
-                f"rank's is {self.sync.digest}"
-            )
-        for live, staged in zip(self.sync.buckets, self.staging):
-            live.copy_(staged)
-        for entry in self.sync.entries:  # a module that replaced a tensor is pointed back at its bucket
-            if entry.current().data_ptr() != entry.view.data_ptr():
-                entry.point_at_view()
+        self.sync._check_digest(digest)
+        for index in self._indices:
+            self.sync.buckets[index].copy_(self.staging[index])
+        self.sync.broadcasts += 1
+        self.sync.point_module_at_buckets()
         return version

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from spmd_rl.comm.flat import aligned
+from spmd_rl.comm.sharding import is_dtensor
 from spmd_rl.runtime.distributed import Peer, comm_error, wait
 
 HEADER_BYTES = 16  # int64 version, int64 layout digest, at the front of bucket 0
@@ -56,7 +58,14 @@ class _Entry:
     is_param: bool
     bucket: int
     offset: int  # bytes into the bucket
+    shape: tuple[int, ...] = ()  # the full tensor's (a sharded parameter's global shape)
+    dtype: torch.dtype = torch.float32  # on the wire
+    frozen: bool = False  # a parameter without requires_grad: sent with the first broadcast only
     view: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _element_size(self.dtype)
 
     def current(self) -> torch.Tensor:
         return (self.owner._parameters if self.is_param else self.owner._buffers)[self.attr]
@@ -66,6 +75,46 @@ class _Entry:
             self.owner._parameters[self.attr].data = self.view
         else:
             self.owner._buffers[self.attr] = self.view
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def lay_out(module: nn.Module, bucket_bytes: int, wire_dtype: torch.dtype | None = None) -> tuple[list, list[int]]:
+    """(entries, bucket sizes in bytes): where each of the module's parameters and buffers lies in the buckets.
+
+    Every member computes the same layout from the same architecture: tensors in module order (parameters, then
+    buffers; frozen parameters last, in buckets of their own so that later broadcasts can leave them out), packed
+    into byte buckets at aligned offsets. Dtypes share buckets (a broadcast moves bytes), so a float32 policy with
+    float64 normalizer statistics and an int64 counter is one collective, not three. wire_dtype: the dtype
+    floating-point parameters travel in (None: their own). Sharded parameters count with their global shape."""
+    named = [(name, True, p) for name, p in module.named_parameters()]
+    named += [(name, False, b) for name, b in module.named_buffers() if b is not None]
+    if not named:
+        raise ValueError("WeightSync: the module has no parameters or buffers to broadcast")
+    named.sort(key=lambda item: item[1] and not item[2].requires_grad)  # stable: frozen parameters last
+    devices = {t.device for *_, t in named}
+    if len(devices) != 1:
+        raise ValueError(
+            f"WeightSync: the module's tensors are on several devices {sorted(map(str, devices))}; "
+            f"move it to one device first"
+        )
+    entries, sizes = [], []
+    used = start = 0  # bytes used in the open bucket, and where its data starts
+    for name, is_param, tensor in named:
+        owner_name, _, attr = name.rpartition(".")
+        frozen = is_param and not tensor.requires_grad
+        dtype = wire_dtype if wire_dtype is not None and is_param and tensor.is_floating_point() else tensor.dtype
+        entry = _Entry(name, module.get_submodule(owner_name), attr, is_param, 0, 0, tuple(tensor.shape), dtype, frozen)
+        first_frozen = frozen and not (entries and entries[-1].frozen)
+        if not sizes or (used > start and (first_frozen or aligned(used) + entry.nbytes > bucket_bytes)):
+            used = start = 0 if sizes else HEADER_BYTES
+            sizes.append(used)
+        entry.bucket, entry.offset = len(sizes) - 1, aligned(used)
+        entries.append(entry)
+        used = sizes[-1] = entry.offset + entry.nbytes
+    return entries, [aligned(size) for size in sizes]
 
 
 def bucket_checksum(data: torch.Tensor) -> int:
@@ -84,23 +133,16 @@ def bucket_checksum(data: torch.Tensor) -> int:
     return int(total)
 
 
-class WeightSync:
-    """Broadcast a module's weights from src to the other members of group, and check they agree.
+class _WeightGroupMember:
+    """What every member of the weight group shares: the bucket layout, its digest, the layout check at start and
+    the checksum verify. Subclasses hold the bytes: WeightSync in buckets the module's tensors are views of,
+    GatheredWeightSource in one bucket-sized buffer it fills from the trainers' shards."""
 
-    Every member of the group builds one, with the same module architecture, in the same order as its other
-    collectives in that group; non-members must not (a collective called by a non-member silently does nothing).
-    """
+    entries: list[_Entry]
+    bucket_sizes: list[int]
+    broadcasts: int
 
-    def __init__(
-        self,
-        module: nn.Module,
-        group,
-        src: int,
-        me: int,
-        bucket_bytes: int,
-        timeout: datetime.timedelta | float,
-        describe_rank: Callable[[int], str] = _plain_rank,
-    ):
+    def _join(self, group, src: int, me: int, timeout, describe_rank) -> None:
         self.group, self.src, self.me, self.describe_rank = group, src, me, describe_rank
         self.timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
         self.members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
@@ -110,75 +152,30 @@ class WeightSync:
                 f"WeightSync: {who} is not a member of the weight group {self.members}; only members "
                 f"may take part in weight broadcasts"
             )
-        self.module = module
-        self.entries, self.buckets = self._lay_out(module, bucket_bytes)
-        self.digest = self._layout_digest(bucket_bytes)
-        header = self.buckets[0][:HEADER_BYTES].view(torch.int64)
-        self._header = header.numpy() if header.device.type == "cpu" else header  # numpy: cheap element writes
-        self._header[0] = -1  # no version received yet
-        self._header[1] = self.digest
-        self._check_same_models()
 
-    # --- layout -----------------------------------------------------------------------------------------------
-    def _lay_out(self, module: nn.Module, bucket_bytes: int) -> tuple[list[_Entry], list[torch.Tensor]]:
-        named = [(name, True) for name, _ in module.named_parameters()]
-        named += [(name, False) for name, b in module.named_buffers() if b is not None]
-        if not named:
-            raise ValueError("WeightSync: the module has no parameters or buffers to broadcast")
-        tensors = {}
-        for name, is_param in named:
-            owner_name, _, attr = name.rpartition(".")
-            owner = module.get_submodule(owner_name)
-            tensors[name] = (owner, attr, is_param, (owner._parameters if is_param else owner._buffers)[attr])
-        devices = {t.device for *_, t in tensors.values()}
-        if len(devices) != 1:
-            raise ValueError(
-                f"WeightSync: the module's tensors are on several devices {sorted(map(str, devices))}; "
-                f"move it to one device first"
-            )
-        device = devices.pop()
-
-        # Tensors in module order, packed into byte buckets at aligned offsets: every member computes the same
-        # layout from the same architecture. Dtypes share buckets (a broadcast moves bytes), so a float32 policy
-        # with float64 normalizer statistics and an int64 counter is one collective, not three.
-        entries, sizes = [], []
-        used = start = 0  # bytes used in the open bucket, and where its data starts
-        for name, (owner, attr, is_param, tensor) in tensors.items():
-            nbytes = tensor.numel() * tensor.element_size()
-            if not sizes or (used > start and aligned(used) + nbytes > bucket_bytes):
-                used = start = 0 if sizes else HEADER_BYTES
-                sizes.append(used)
-            offset = aligned(used)
-            entries.append(_Entry(name, owner, attr, is_param, len(sizes) - 1, offset))
-            used = sizes[-1] = offset + nbytes
-        buckets = [torch.zeros(aligned(size), dtype=torch.uint8, device=device) for size in sizes]
-        for entry in entries:
-            tensor = entry.current()
-            nbytes = tensor.numel() * tensor.element_size()
-            entry.view = (
-                buckets[entry.bucket][entry.offset : entry.offset + nbytes].view(tensor.dtype).view(tensor.shape)
-            )
-            entry.view.copy_(tensor.detach())
-            entry.point_at_view()
-        return entries, buckets
-
-    def _layout_digest(self, bucket_bytes: int) -> int:
-        text = repr([(e.name, tuple(e.view.shape), str(e.view.dtype), e.bucket, e.offset) for e in self.entries])
+    def _digest(self, bucket_bytes: int) -> int:
+        text = repr([(e.name, e.shape, str(e.dtype), e.bucket, e.offset) for e in self.entries])
         return int.from_bytes(hashlib.sha256(f"{bucket_bytes}:{text}".encode()).digest()[:8], "little", signed=True)
 
-    def _data(self, index: int) -> torch.Tensor:
-        """Bucket index without the header: the bytes the checksum covers."""
-        return self.buckets[index][HEADER_BYTES:] if index == 0 else self.buckets[index]
+    @property
+    def live_buckets(self) -> int:
+        """Buckets before the first that holds only frozen parameters: what every broadcast after the first sends."""
+        frozen = [e.bucket for e in self.entries if e.frozen]
+        return min(frozen) if frozen else len(self.bucket_sizes)
+
+    def buckets_to_send(self) -> range:
+        """The buckets of the next broadcast: all of them the first time, then those with trainable weights or
+        buffers (frozen parameters are sent once per process: at start and after a resume)."""
+        return range(len(self.bucket_sizes) if self.broadcasts == 0 else self.live_buckets)
 
     def describe_bucket(self, index: int) -> str:
         names = [e.name for e in self.entries if e.bucket == index]
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        return f"bucket {index} ({self.buckets[index].numel()} bytes: {shown})"
+        return f"bucket {index} ({self.bucket_sizes[index]} bytes: {shown})"
 
-    # --- collectives ------------------------------------------------------------------------------------------
     def _all_gather(self, values: list[int], what: str) -> list[list[int]]:
         """values from every member, in the order of self.members."""
-        mine = torch.tensor(values, dtype=torch.int64, device=self.buckets[0].device)
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         gathered = [torch.empty_like(mine) for _ in self.members]
         others = tuple(rank for rank in self.members if rank != self.me)
         peer = Peer(self.describe_rank(others[0]) if len(others) == 1 else f"one of ranks {list(others)}", others)
@@ -194,9 +191,7 @@ class WeightSync:
         return [t.tolist() for t in gathered]
 
     def _check_same_models(self) -> None:
-        gathered = self._all_gather(
-            [self.digest, len(self.entries), sum(b.numel() for b in self.buckets)], "weight layout check"
-        )
+        gathered = self._all_gather([self.digest, len(self.entries), sum(self.bucket_sizes)], "weight layout check")
         source = gathered[self.members.index(self.src)]
         differing = [
             f"{self.describe_rank(rank)} ({count} tensors, {nbytes} bytes)"
@@ -205,66 +200,38 @@ class WeightSync:
         ]
         if differing:
             raise WeightMismatchError(
-                f"the weight layout (parameter and buffer names, shapes, dtypes, weights.bucket_mb) of "
-                f"{', '.join(differing)} differs from the source {self.describe_rank(self.src)} ({source[1]} "
-                f"tensors, {source[2]} bytes): every member must build the same model with the same config"
+                f"the weight layout (parameter and buffer names, shapes, dtypes, weights.bucket_mb, "
+                f"inference.dtype) of {', '.join(differing)} differs from the source "
+                f"{self.describe_rank(self.src)} ({source[1]} tensors, {source[2]} bytes): every member must "
+                f"build the same model with the same config"
             )
 
-    def _adopt_module_tensors(self) -> None:
-        """Copy any tensor the module replaced (instead of updating in place) into its bucket; re-point it."""
-        for entry in self.entries:
-            current = entry.current()
-            if current.data_ptr() != entry.view.data_ptr():
-                entry.view.copy_(current.detach())
-                entry.point_at_view()
-
-    def broadcast(self, version: int) -> int:
-        """Source: send the module's weights with this version. Receivers: load them; returns the version.
-
-        Every member calls it at the same point of its schedule; receivers' version argument is ignored.
-        """
-        is_source = self.me == self.src
-        if is_source:
-            self._adopt_module_tensors()
-            self._header[0] = version
+    def _broadcast_peer(self) -> Peer:
+        if self.me != self.src:
+            return Peer(self.describe_rank(self.src), (self.src,))
         receivers = tuple(rank for rank in self.members if rank != self.src)
-        peer = (
-            Peer(self.describe_rank(self.src), (self.src,))
-            if not is_source
-            else Peer(
-                self.describe_rank(receivers[0]) if len(receivers) == 1 else f"one of ranks {list(receivers)}",
-                receivers,
-            )
+        return Peer(
+            self.describe_rank(receivers[0]) if len(receivers) == 1 else f"one of ranks {list(receivers)}", receivers
         )
 
-        def describe(index: int) -> str:
-            return (
-                f"{self.describe_rank(self.me)}: weight broadcast from {self.describe_rank(self.src)} (bucket "
-                f"{index + 1} of {len(self.buckets)}{f', version {version}' if is_source else ''})"
-            )
+    def _describe_broadcast(self, index: int, count: int, version: int | None) -> str:
+        return (
+            f"{self.describe_rank(self.me)}: weight broadcast from {self.describe_rank(self.src)} (bucket "
+            f"{index + 1} of {count}{f', version {version}' if version is not None else ''})"
+        )
 
-        works = []
-        for index, bucket in enumerate(self.buckets):
-            try:
-                works.append(dist.broadcast(bucket, src=self.src, group=self.group, async_op=True))
-            except RuntimeError as exc:  # a member already gone can fail the post itself
-                raise comm_error(describe(index), exc, self.timeout, peer) from exc
-        for index, work in enumerate(works):
-            wait(work, self.timeout, lambda index=index: describe(index), peer)
-        received_version, digest = self._header.tolist()
+    def _check_digest(self, digest: int) -> None:
         if digest != self.digest:
             raise WeightMismatchError(
                 f"{self.describe_rank(self.me)}: weights from {self.describe_rank(self.src)} "
                 f"carry layout digest {digest}, this rank's is {self.digest}"
             )
-        if not is_source:
-            for entry in self.entries:
-                if entry.current().data_ptr() != entry.view.data_ptr():
-                    entry.point_at_view()
-        return received_version
 
     def checksums(self) -> list[int]:
-        return [bucket_checksum(self._data(index)) for index in range(len(self.buckets))]
+        raise NotImplementedError
+
+    def held_version(self) -> int:
+        raise NotImplementedError
 
     def verify(self, version: int) -> None:
         """Check that every member holds the source's weights of this version, bit for bit.
@@ -273,9 +240,8 @@ class WeightSync:
         (e.g. right after it). On any mismatch every member raises the same WeightMismatchError naming the ranks,
         the buckets and the version.
         """
-        self._adopt_module_tensors()
         gathered = self._all_gather(
-            [version, int(self._header[0])] + self.checksums(), f"weight verify of version {version}"
+            [version, self.held_version()] + self.checksums(), f"weight verify of version {version}"
         )
         source = gathered[self.members.index(self.src)]
         problems = []  # built from the gathered values only, so every member raises the same message
@@ -298,3 +264,188 @@ class WeightSync:
                     )
         if problems:
             raise WeightMismatchError("weight verify failed: " + "; ".join(problems))
+
+
+class WeightSync(_WeightGroupMember):
+    """Broadcast a module's weights from src to the other members of group, and check they agree.
+
+    Every member of the group builds one, with the same module architecture, in the same order as its other
+    collectives in that group; non-members must not (a collective called by a non-member silently does nothing).
+    The source may instead be a GatheredWeightSource (sharded trainers, or another dtype on the wire): it lays the
+    same bytes out the same way.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group,
+        src: int,
+        me: int,
+        bucket_bytes: int,
+        timeout: datetime.timedelta | float,
+        describe_rank: Callable[[int], str] = _plain_rank,
+    ):
+        self._join(group, src, me, timeout, describe_rank)
+        self.module = module
+        self.entries, self.bucket_sizes = lay_out(module, bucket_bytes)
+        self.device = self.entries[0].current().device
+        self.buckets = [torch.zeros(size, dtype=torch.uint8, device=self.device) for size in self.bucket_sizes]
+        for entry in self.entries:  # the module's tensors become views of the buckets
+            tensor = entry.current()
+            end = entry.offset + entry.nbytes
+            entry.view = self.buckets[entry.bucket][entry.offset : end].view(tensor.dtype).view(tensor.shape)
+            entry.view.copy_(tensor.detach())
+            entry.point_at_view()
+        self.digest = self._digest(bucket_bytes)
+        header = self.buckets[0][:HEADER_BYTES].view(torch.int64)
+        self._header = header.numpy() if header.device.type == "cpu" else header  # numpy: cheap element writes
+        self._header[0] = -1  # no version received yet
+        self._header[1] = self.digest
+        self.broadcasts = 0  # made (source) or received so far: the first one carries the frozen parameters
+        self._check_same_models()
+
+    def _data(self, index: int) -> torch.Tensor:
+        """Bucket index without the header: the bytes the checksum covers."""
+        return self.buckets[index][HEADER_BYTES:] if index == 0 else self.buckets[index]
+
+    def _adopt_module_tensors(self) -> None:
+        """Copy any tensor the module replaced (instead of updating in place) into its bucket; re-point it."""
+        for entry in self.entries:
+            current = entry.current()
+            if current.data_ptr() != entry.view.data_ptr():
+                entry.view.copy_(current.detach())
+                entry.point_at_view()
+
+    def point_module_at_buckets(self) -> None:
+        """After new bytes arrived: a module that replaced a tensor is pointed back at its bucket."""
+        for entry in self.entries:
+            if entry.current().data_ptr() != entry.view.data_ptr():
+                entry.point_at_view()
+
+    def broadcast(self, version: int) -> int:
+        """Source: send the module's weights with this version. Receivers: load them; returns the version.
+
+        Every member calls it at the same point of its schedule; receivers' version argument is ignored.
+        """
+        is_source = self.me == self.src
+        if is_source:
+            self._adopt_module_tensors()
+            self._header[0] = version
+        peer, indices = self._broadcast_peer(), self.buckets_to_send()
+        works = []
+        for index in indices:
+            describe = self._describe_broadcast(index, len(indices), version if is_source else None)
+            try:
+                works.append(dist.broadcast(self.buckets[index], src=self.src, group=self.group, async_op=True))
+            except RuntimeError as exc:  # a member already gone can fail the post itself
+                raise comm_error(describe, exc, self.timeout, peer) from exc
+        for index, work in zip(indices, works):
+            describe = self._describe_broadcast(index, len(indices), version if is_source else None)
+            wait(work, self.timeout, lambda describe=describe: describe, peer)
+        self.broadcasts += 1
+        received_version, digest = self._header.tolist()
+        self._check_digest(digest)
+        if not is_source:
+            self.point_module_at_buckets()
+        return received_version
+
+    def held_version(self) -> int:
+        return int(self._header[0])
+
+    def checksums(self) -> list[int]:
+        return [bucket_checksum(self._data(index)) for index in range(self.live_buckets)]
+
+    def verify(self, version: int) -> None:
+        self._adopt_module_tensors()
+        super().verify(version)
+
+
+class GatheredWeightSource(_WeightGroupMember):
+    """The trainers' side of a weight broadcast when the module's tensors cannot be the buckets: its parameters
+    are sharded over the trainers (train.parallel=fsdp), or they travel in another dtype (inference.dtype=bf16).
+
+    Every trainer builds one at the same point and calls broadcast()/verify() at the same points: bucket by
+    bucket, the trainers gather the bucket's sharded parameters (an all-gather in the trainer group per
+    parameter) and the first trainer, a member of the weight group, writes them into one bucket-sized buffer (in
+    the wire dtype) and broadcasts it. No trainer holds more than one bucket (plus one gathered parameter) beyond
+    its shards at any time. Receivers are plain WeightSyncs: the layout is the same, computed from the full
+    shapes and the wire dtype.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group,
+        src: int,
+        me: int,
+        bucket_bytes: int,
+        timeout: datetime.timedelta | float,
+        describe_rank: Callable[[int], str] = _plain_rank,
+        wire_dtype: torch.dtype | None = None,
+    ):
+        self.is_source = me == src
+        self.module = module
+        self.entries, self.bucket_sizes = lay_out(module, bucket_bytes, wire_dtype)
+        self.device = self.entries[0].current().device
+        self.broadcasts = 0
+        self.version = -1
+        if not self.is_source:  # a trainer that only contributes its shards to the gathers
+            return
+        self._join(group, src, me, timeout, describe_rank)
+        self.digest = self._digest(bucket_bytes)
+        self.buffer = torch.zeros(max(self.bucket_sizes), dtype=torch.uint8, device=self.device)
+        self._check_same_models()
+
+    def _full(self, entry: _Entry) -> torch.Tensor:
+        """The entry's whole tensor: gathered from the trainers' shards (collective), or the module's own."""
+        tensor = entry.current().detach()
+        return tensor.full_tensor() if is_dtensor(tensor) else tensor
+
+    def _fill(self, index: int, version: int) -> torch.Tensor:
+        """Bucket index, written into the buffer (every trainer gathers; only the source keeps the bytes)."""
+        bucket = self.buffer[: self.bucket_sizes[index]] if self.is_source else None
+        for entry in self.entries:
+            if entry.bucket != index:
+                continue
+            full = self._full(entry)
+            if bucket is not None:
+                view = bucket[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+                view.copy_(full)
+            del full
+        if bucket is not None and index == 0:
+            bucket[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor([version, self.digest]))
+        return bucket
+
+    def broadcast(self, version: int) -> int:
+        indices = self.buckets_to_send()
+        for index in indices:
+            bucket = self._fill(index, version)
+            if bucket is None:
+                continue
+            describe = self._describe_broadcast(index, len(indices), version)
+            peer = self._broadcast_peer()
+            try:
+                work = dist.broadcast(bucket, src=self.src, group=self.group, async_op=True)
+            except RuntimeError as exc:  # a member already gone can fail the post itself
+                raise comm_error(describe, exc, self.timeout, peer) from exc
+            wait(work, self.timeout, lambda describe=describe: describe, peer)  # the buffer is reused next
+        self.broadcasts += 1
+        self.version = version
+        return version
+
+    def held_version(self) -> int:
+        return self.version
+
+    def checksums(self) -> list[int]:
+        sums = []
+        for index in range(self.live_buckets):
+            bucket = self._fill(index, self.version)
+            if bucket is not None:
+                sums.append(bucket_checksum(bucket[HEADER_BYTES:] if index == 0 else bucket))
+        return sums
+
+    def verify(self, version: int) -> None:
+        if self.is_source:
+            super().verify(version)
+        else:
+            self.checksums()  # the gathers the source's checksums need

@@ -11,9 +11,24 @@ from typing import Any
 import yaml
 
 
-def knob(default, help: str, *, min=None, max=None, choices=None, item_min=None, item_max=None, factory=None):
-    """A config field with its help text and its allowed values (item_min/item_max: bounds on a list's items)."""
+def knob(
+    default,
+    help: str,
+    *,
+    min=None,
+    max=None,
+    choices=None,
+    item_min=None,
+    item_max=None,
+    factory=None,
+    omit_default: bool = False,
+):
+    """A config field with its help text and its allowed values (item_min/item_max: bounds on a list's items).
+    omit_default: the key is left out of config.yaml and the digests while it holds its default, so runs that do
+    not use a feature added later keep their config.yaml and run directory."""
     meta = {"help": help, "min": min, "max": max, "choices": choices, "item_min": item_min, "item_max": item_max}
+    if omit_default:
+        meta["omit_default"] = True
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -220,6 +235,26 @@ class TrainSection:
         "and counted (metric nonfinite_updates_skipped) instead of ending "
         "the run with exit code 4",
     )
+    parallel: str = knob(
+        "ddp",
+        "how trainers share the policy: ddp (every trainer a full replica) or fsdp (FSDP2: parameters, "
+        "gradients and optimizer state sharded over the trainers; sharded checkpoints)",
+        choices=["ddp", "fsdp"],
+        omit_default=True,
+    )
+    precision: str = knob(
+        "fp32",
+        "fp32, or bf16: the policy's forward and backward compute in bfloat16 while the master weights, the "
+        "optimizer state, the gradient reduction and the loss math stay float32",
+        choices=["fp32", "bf16"],
+        omit_default=True,
+    )
+    activation_checkpointing: bool = knob(
+        False,
+        "recompute each shard unit's activations in the backward pass instead of keeping them (less memory, more "
+        "compute); the units are the policy's shard_units()",
+        omit_default=True,
+    )
 
 
 @dataclass
@@ -245,6 +280,17 @@ class DistSection:
 class WeightsSection:
     bucket_mb: float = knob(64.0, "size of one flat weight bucket broadcast to inference ranks", min=0.001)
     verify_every: int = knob(10, "compare weight checksums across the weight group every N syncs (0 = never)", min=0)
+
+
+@dataclass
+class InferenceSection:
+    dtype: str = knob(
+        "fp32",
+        "the inference ranks' copy of the policy and the weights on the wire: fp32, or bf16 (half the bytes; "
+        "floating-point parameters only, buffers such as normalizer statistics keep their dtype)",
+        choices=["fp32", "bf16"],
+        omit_default=True,
+    )
 
 
 @dataclass
@@ -278,6 +324,7 @@ class Config:
     layout: LayoutSection = field(default_factory=LayoutSection)
     dist: DistSection = field(default_factory=DistSection)
     weights: WeightsSection = field(default_factory=WeightsSection)
+    inference: InferenceSection = field(default_factory=InferenceSection)
     log: LogSection = field(default_factory=LogSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
@@ -298,6 +345,17 @@ class Config:
                 out[f.name] = dataclasses.asdict(value)
         # Keys of features a run does not use are left out, so such a run's config.yaml and digest (its run
         # directory) stay what they were before the feature existed.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value) and f.name in out:
+                for key in _omitted_defaults(value):
+                    del out[f.name][key]
+            if f.name == "callbacks":
+                for entry, (_, config) in zip(out[f.name], value):
+                    for key in _omitted_defaults(config):
+                        del entry[key]
+        if not out["inference"]:
+            del out["inference"]
         if not out["env"]["groups"]:
             del out["env"]["groups"]
         if not out["eval"]["env"]:
@@ -321,3 +379,15 @@ class Config:
     def resume_digest(self) -> str:
         """A hash of resume_dict()."""
         return hashlib.sha256(yaml.safe_dump(self.resume_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def _omitted_defaults(section) -> list[str]:
+    """The keys of a section (or a plug-in's Config) marked omit_default that hold their default."""
+    omitted = []
+    for f in dataclasses.fields(section):
+        if not f.metadata.get("omit_default"):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if getattr(section, f.name) == default:
+            omitted.append(f.name)
+    return omitted

@@ -83,6 +83,9 @@ class Algorithm:
     Config: ClassVar[type] = AlgorithmConfig
     requires: ClassVar[tuple[str, ...]] = ()  # step fields beyond obs/action/ENV_FIELDS (e.g. log_prob)
     policy_methods: ClassVar[tuple[PolicyMethod | str, ...]] = ()  # what learn calls on the policy (see above)
+    # Whether train.parallel=fsdp can shard it: true for algorithms whose gradients come from modules they got from
+    # Context.data_parallel (PPO's); false for one that averages gradients by hand (SAC's).
+    supports_fsdp: ClassVar[bool] = True
 
     @classmethod
     def schedule(cls, config: AlgorithmConfig) -> Schedule:

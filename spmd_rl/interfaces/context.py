@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 
+from spmd_rl.comm import sharding
 from spmd_rl.config.sections import BufferSection
 from spmd_rl.runtime.distributed import bounded
 from spmd_rl.runtime.limits import check_memory
@@ -41,6 +42,12 @@ class Context:
     observation_space: gym.Space
     action_space: gym.Space
     buffer: Any = None  # the buffer config section (replay capacity, backend, files)
+    parallel: str = "ddp"  # train.parallel: ddp (replicas) or fsdp (sharded over the trainer group)
+    precision: str = "fp32"  # train.precision: fp32 or bf16 (compute; master weights stay float32)
+    activation_checkpointing: bool = False  # train.activation_checkpointing
+    # The policy methods the algorithm calls (its class's policy_methods, plus act): with fsdp they all-gather the
+    # parameters as forward does; with bf16 they compute in bfloat16 and return float32.
+    policy_methods: tuple[str, ...] = ("act",)
 
     @classmethod
     def local(
@@ -56,6 +63,10 @@ class Context:
         device: str = "cpu",
         timeout_s: float = 300.0,
         buffer: Any = None,
+        parallel: str = "ddp",
+        precision: str = "fp32",
+        activation_checkpointing: bool = False,
+        policy_methods: tuple[str, ...] = ("act",),
     ) -> Context:
         """A context outside a launched run: for unit tests of an algorithm and for notebooks. With a group, this
         process is one of its trainers."""
@@ -74,17 +85,41 @@ class Context:
             observation_space=observation_space,
             action_space=action_space,
             buffer=buffer if buffer is not None else BufferSection(),
+            parallel=parallel,
+            precision=precision,
+            activation_checkpointing=activation_checkpointing,
+            policy_methods=policy_methods,
         )
 
     # -- data parallelism ---------------------------------------------------------------------------------------
 
     def data_parallel(self, module: nn.Module) -> nn.Module:
-        """The module to run forward/backward through: DDP over the trainer group, or the module itself alone.
-        Only forward() is hooked, so route your loss through `wrapped(...)`."""
+        """The module to run forward/backward through, laid out as train.parallel says.
+
+        - ddp: DDP over the trainer group (the module itself with one trainer). Only forward() is hooked, so route
+          your loss through `wrapped(...)`.
+        - fsdp: the module itself, sharded in place with FSDP2 over the trainer group (spmd_rl.comm.sharding:
+          shard units, registered methods). Call it, or the policy methods your algorithm declares, as usual;
+          gradients are reduce-scattered in backward and the optimizer steps on the shards.
+        With train.precision=bf16 forward and those methods compute in bfloat16 and return float32; with
+        train.activation_checkpointing each shard unit recomputes its activations in backward."""
+        if self.activation_checkpointing:
+            sharding.checkpoint_activations(sharding.shard_units(module))
+        bf16 = self.precision == "bf16"
+        if bf16:
+            sharding.compute_in_bf16(module, self.policy_methods, self.device.type)
+        if self.parallel == "fsdp":
+            group = self.group if self.group is not None else sharding.single_process_group(self.device)
+            return sharding.shard_policy(module, group, self.device, self.policy_methods, bf16)
         if self.group is None:
             return module
         # Buffers (normalizer statistics) are merged by their own all-reduce, not synced on every forward.
         return DistributedDataParallel(module, process_group=self.group, forward_sync_buffers=False)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether train.parallel=fsdp: parameters are DTensors, checkpoints sharded files."""
+        return self.parallel == "fsdp"
 
     def average_gradients(
         self, grads: list[Tensor] | tuple[Tensor, ...], what: str = "gradients"

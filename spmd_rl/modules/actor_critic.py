@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from spmd_rl.comm.sharding import is_dtensor
 from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.modules.configs import ActorCriticConfig
 from spmd_rl.modules.encoders import make_encoder
@@ -146,10 +147,13 @@ def save_as_separate(owner: nn.Module, attribute: str, names: tuple[str, str]) -
 
 
 def _save_separate(module: nn.Module, state_dict: dict, prefix: str, local_metadata, *, attribute, names) -> None:
+    twin = getattr(module, attribute)
+    if is_dtensor(getattr(twin, twin.parameter_names[0][0])):
+        return  # sharded (train.parallel=fsdp): the packed tensors are saved as they are, shard by shard
     packed_prefix = f"{prefix}{attribute}."
     for key in [k for k in state_dict if k.startswith(packed_prefix)]:
         del state_dict[key]
-    for key, value in getattr(module, attribute).separate_state().items():
+    for key, value in twin.separate_state().items():
         index, rest = key.split(".", 1)
         state_dict[f"{prefix}{names[int(index)]}.{rest}"] = value
 

@@ -6,6 +6,11 @@ Layout:
     checkpoints/iter_000000123/COMPLETE                 written by rank 0 once every rank has saved
     checkpoints/latest                                  the name of the newest complete directory
 
+With sharded trainers (train.parallel=fsdp) the state's DTensors (parameter and optimizer shards) are written with
+torch.distributed.checkpoint into `iter_<N>/shards/` by the trainers together, each its own part, and the rank file
+keeps a placeholder per DTensor plus the SHA-256 of the shard files that rank wrote. Loading reads them back into
+DTensors laid out over the loading run's trainers, however many: DCP reshards.
+
 A directory without COMPLETE is a save that was interrupted; it is never loaded and is removed at the next commit.
 Each file is written under a temporary name, fsynced, renamed into place, and its directory fsynced (fileio), so a
 file either has its final name and all its bytes, or does not exist; a full disk is a UserError naming the file.
@@ -24,11 +29,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from spmd_rl.comm.sharding import is_dtensor
 from spmd_rl.config.excerpts import excerpt
-from spmd_rl.persist.fileio import checksum_matches, load_failure, make_dirs, torch_save_atomic, write_atomic
+from spmd_rl.persist.fileio import (
+    checksum_matches,
+    load_failure,
+    make_dirs,
+    sha256_of,
+    torch_save_atomic,
+    write_atomic,
+)
 from spmd_rl.runtime.errors import UserError
 
 CHECKPOINTS_DIR = "checkpoints"
+SHARDS_DIR = "shards"  # torch.distributed.checkpoint's files of the sharded trainers
+SHARDED = "__sharded__"  # a placeholder's key: {SHARDED: "<its key in the shard files>"}
+SHARDS_FROM = "shards_from"  # added on loading: the checkpoint directory the placeholders' shard files are in
+SHARD_FILES = "shard_files"  # rank file key: {file name: sha256} of the shard files this rank wrote
 LATEST = "latest"
 COMPLETE = "COMPLETE"
 _PREFIX = "iter_"
@@ -47,8 +64,13 @@ class CheckpointStore:
         return self.root / f"{_PREFIX}{iteration:09d}"
 
     def save(self, state: dict, iteration: int, rank: int) -> Path:
-        """Write this rank's state for `iteration`; returns the file. Not loadable until commit(iteration)."""
-        path = make_dirs(self.directory(iteration)) / _rank_file(rank)
+        """Write this rank's state for `iteration`; returns the file. Not loadable until commit(iteration).
+        DTensors in the state go to the shard files, written by their trainers together (a collective)."""
+        directory = make_dirs(self.directory(iteration))
+        state, shards = split_sharded(state)
+        if shards:
+            state[SHARD_FILES] = save_shards(shards, directory / SHARDS_DIR)
+        path = directory / _rank_file(rank)
         torch_save_atomic(state, path)
         return path
 
@@ -143,8 +165,9 @@ def find_checkpoint(path: Path | str) -> Path:
     raise UserError(f"{path} is not a checkpoint: give a run directory or <run dir>/{CHECKPOINTS_DIR}/{_PREFIX}<N>")
 
 
-def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.device = "cpu") -> dict:
-    """Read rank `rank`'s state from a checkpoint directory (see CheckpointStore.load)."""
+def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.device = "cpu", whole: bool = False) -> dict:
+    """Read rank `rank`'s state from a checkpoint directory (see CheckpointStore.load). whole: a sharded
+    checkpoint's placeholders are read as whole tensors here (for evaluation and run.init_from)."""
     directory = Path(path)
     if not directory.is_dir():
         raise UserError(
@@ -176,13 +199,138 @@ def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.devic
             f"delete {directory} to resume from the previous checkpoint"
         )
     try:
-        return torch.load(file, map_location=map_location, weights_only=True)
+        state = torch.load(file, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises several types for damaged files; each means the same to the user
         first_line = load_failure(exc)
         raise UserError(
             f"checkpoint file {file} cannot be read ({first_line}): delete {directory} to resume "
             f"from the previous checkpoint"
         ) from None
+    if has_shards(state):
+        if whole:
+            return load_shards(state, directory)
+        state[SHARDS_FROM] = str(directory)  # where its placeholders' DTensors are (load_shards)
+    return state
+
+
+def split_sharded(state):
+    """(state with a placeholder for every DTensor, {key: DTensor}); keys are the DTensors' paths in state."""
+    shards: dict = {}
+
+    def walk(value, path: str):
+        if is_dtensor(value):
+            shards[path] = value.detach()
+            return {SHARDED: path}
+        if isinstance(value, dict):
+            return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v, f"{path}.{i}") for i, v in enumerate(value))
+        return value
+
+    return walk(state, ""), shards
+
+
+def save_shards(shards: dict, directory: Path) -> dict[str, str]:
+    """Write the DTensors with torch.distributed.checkpoint (every trainer of their mesh takes part, each writing
+    its own shards); returns {file: sha256} of the files this rank wrote (the first trainer also hashes the
+    metadata)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    group = next(iter(shards.values())).device_mesh.get_group()
+    try:
+        dcp.save(shards, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), process_group=group)
+    except Exception as exc:  # noqa: BLE001 - DCP gathers every rank's failure into one CheckpointException
+        raise UserError(f"writing the sharded checkpoint {directory} failed: {_first_line(exc)}") from None
+    mine = f"__{dist.get_rank(group)}_"
+    names = [p.name for p in directory.iterdir() if p.name.startswith(mine) or p.name == ".metadata"]
+    if dist.get_rank(group) != 0:
+        names = [n for n in names if n != ".metadata"]
+    return {name: sha256_of(directory / name) for name in sorted(names)}
+
+
+def load_shards(state: dict, directory: Path, like=None) -> dict:
+    """state with its placeholders replaced by DTensors read from the shard files, laid out like the DTensor
+    `like` (the loading run's mesh and placements; every trainer of that mesh calls it together), or with like
+    None by whole tensors in this process alone (evaluation, run.init_from)."""
+    import torch.distributed.checkpoint as dcp
+
+    shards_dir = directory / SHARDS_DIR
+    for name, digest in state.get(SHARD_FILES, {}).items():
+        if sha256_of(shards_dir / name) != digest:
+            raise UserError(
+                f"checkpoint shard file {shards_dir / name} is damaged or missing (its contents differ from the "
+                f"checksum saved with them): delete {directory} to resume from the previous checkpoint"
+            )
+    reader = dcp.FileSystemReader(shards_dir)
+    try:
+        stored = reader.read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - a missing or unreadable .metadata
+        raise UserError(
+            f"checkpoint {directory}: its shard files cannot be read ({_first_line(exc)}): delete {directory} "
+            f"to resume from the previous checkpoint"
+        ) from None
+    _, placeholders = split_placeholders(state)
+    targets = {}
+    for key in placeholders:
+        meta = stored.get(key)
+        if meta is None:
+            raise UserError(f"checkpoint {directory}: its shard files hold no '{key}'; resume with the same config")
+        targets[key] = _empty_like_stored(tuple(meta.size), meta.properties.dtype, like)
+    if like is None:
+        dcp.load(targets, storage_reader=reader, no_dist=True)
+    else:
+        dcp.load(targets, storage_reader=reader, process_group=like.device_mesh.get_group())
+
+    def fill(value):
+        if isinstance(value, dict):
+            if set(value) == {SHARDED}:
+                return targets[value[SHARDED]]
+            return {k: fill(v) for k, v in value.items() if k not in (SHARD_FILES, SHARDS_FROM)}
+        if isinstance(value, (list, tuple)):
+            return type(value)(fill(v) for v in value)
+        return value
+
+    return fill(state)
+
+
+def split_placeholders(state) -> tuple[dict, list[str]]:
+    """(state, the keys of its sharded placeholders)."""
+    keys: list[str] = []
+
+    def walk(value):
+        if isinstance(value, dict):
+            if set(value) == {SHARDED}:
+                keys.append(value[SHARDED])
+                return
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    walk(state)
+    return state, keys
+
+
+def has_shards(state: dict) -> bool:
+    return SHARD_FILES in state
+
+
+def _empty_like_stored(shape: tuple, dtype: torch.dtype, like):
+    """An uninitialized tensor to read a stored one into: a DTensor laid out like `like`, or a plain tensor."""
+    if like is None:
+        return torch.empty(shape, dtype=dtype)
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import empty as empty_dtensor
+
+    placements = like.placements if shape else [Replicate()] * len(like.placements)  # a 0-d one is replicated
+    return empty_dtensor(shape, dtype=dtype, device_mesh=like.device_mesh, placements=placements)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def capture_rng_state() -> dict:

@@ -153,6 +153,18 @@ def torch_save_atomic(obj, path: str | os.PathLike) -> None:
         file.write(CHECKSUM_TRAILER + recording.digest.hexdigest().encode() + b"\n")
 
 
+def sha256_of(path: str | os.PathLike) -> str:
+    """The SHA-256 of a whole file ('' when it is missing or cannot be read)."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as file:
+            for block in iter(lambda: file.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return ""
+    return digest.hexdigest()
+
+
 def checksum_matches(path: str | os.PathLike) -> bool | None:
     """Whether a file torch_save_atomic wrote still holds what was written: True, False (damaged), or None when
     it has no trailer (written by torch.save itself, or by an older version), which cannot be checked."""

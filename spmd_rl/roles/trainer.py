@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import datetime
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from spmd_rl.comm.sharding import full_state_dict, is_dtensor
 from spmd_rl.interfaces.policy import GROUP, RECURRENT_STATE
+from spmd_rl.persist.checkpoint import SHARDS_FROM, load_shards
 from spmd_rl.roles.update_guard import UpdateGuard
 from spmd_rl.runtime.distributed import bounded, comm_error, group_peer, is_comm_failure
 from spmd_rl.runtime.errors import CommError
@@ -63,6 +66,7 @@ class Trainer:
         skip_nonfinite_updates: bool = False,
         policy=None,
         column_groups: torch.Tensor | None = None,
+        final_copy=None,
     ):
         self.algorithm = algorithm  # the user's (or a built-in) spmd_rl.api.Algorithm
         self.policy = policy if policy is not None else getattr(algorithm, "policy", None)
@@ -80,6 +84,10 @@ class Trainer:
         # the same groups in the same order, so it follows from the config); None without groups.
         self.column_groups = column_groups
         self.learn_s = self.weight_sync_s = 0.0
+        # train.parallel=fsdp: the policy's parameters are shards; checkpoints hold them as such, and the full
+        # weights are gathered into final_copy (a plain policy on trainer 0's CPU: what policy.pt is written from).
+        self.sharded = any(is_dtensor(p) for p in self.policy.parameters()) if self.policy is not None else False
+        self.final_copy = final_copy
 
     # -- one iteration -------------------------------------------------------------------------------------------
 
@@ -149,13 +157,24 @@ class Trainer:
         log = self.experience_log
         if log is not None:
             log.flush()
+        if self.sharded:  # DTensors, written shard by shard by the checkpoint store; the full weights for policy.pt
+            policy = {k: v.detach() for k, v in self.policy.state_dict().items()}
+            full = full_state_dict(self.policy)  # a collective of the trainers; trainer 0 gets the tensors
+            if self.final_copy is not None:
+                self.final_copy.load_state_dict(full)
+            del full
+        else:
+            policy = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
         return {
-            "policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items()},
+            "policy": policy,
             "algorithm": self.algorithm.state_dict(),
             "experience_rows": log.total_rows if log is not None else -1,
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if SHARDS_FROM in state:  # shard files, read into DTensors laid out over this run's trainers
+            like = next(p for p in self.policy.parameters() if is_dtensor(p))
+            state = load_shards(state, Path(state[SHARDS_FROM]), like)
         self.policy.load_state_dict(state["policy"])
         self.algorithm.load_state_dict(state["algorithm"])
         if self.experience_log is not None:

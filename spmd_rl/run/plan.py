@@ -101,6 +101,32 @@ def _per_env_rank(total: int, env_ranks: int, what: str) -> int:
     return total // env_ranks
 
 
+def _check_parallel(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) -> None:
+    """train.parallel / train.precision / inference.dtype against what the rest of the config asks for."""
+    if cfg.train.parallel == "fsdp":
+        if not algorithm_cls.supports_fsdp:
+            raise UserError(
+                f"train.parallel=fsdp: algo.class '{cfg.classes['algo']}' does not train through "
+                f"Context.data_parallel (it averages its gradients itself); use train.parallel=ddp"
+            )
+        # Rank 0 evaluates alone, and a sharded module's forward is a collective of all trainers.
+        if cfg.eval.every:
+            raise UserError(
+                "train.parallel=fsdp cannot evaluate during training (eval.every): the policy's parameters are "
+                "sharded over the trainers; set eval.every=0 and evaluate policy.pt with python -m spmd_rl.evaluate"
+            )
+        if cfg.train.skip_nonfinite_updates:
+            raise UserError(
+                "train.parallel=fsdp with train.skip_nonfinite_updates is not supported (each trainer sees only "
+                "its shards of the weights); set train.skip_nonfinite_updates=false"
+            )
+    if cfg.inference.dtype != "fp32" and topology.colocated:
+        raise UserError(
+            f"inference.dtype={cfg.inference.dtype} is for the inference ranks of a split layout; in the colocated "
+            f"layout the trainer's own module acts: use train.precision=bf16 instead"
+        )
+
+
 def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) -> Plan:
     """Every rank's schedule, from the config and the topology alone; the algorithm checks its own constraints."""
     spread_total_envs(cfg, topology)
@@ -124,6 +150,7 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
             f"layout.trainer={len(topology.trainer_ranks)} trainers; make layout.env a multiple of "
             f"layout.trainer"
         )
+    _check_parallel(cfg, topology, algorithm_cls)
     schedule = algorithm_cls.schedule(cfg.algo)
     plan = Plan(
         env_ranks=env_ranks,

@@ -157,7 +157,7 @@ def read_trained_state(path: str | Path, with_algorithm: bool = False) -> tuple[
             f"run.init_algorithm=true needs a checkpoint, and {path} gives {weights} (a policy file "
             f"holds no algorithm state); point run.init_from at a checkpoint or its run directory"
         )
-    return policy_state, load_checkpoint(checkpoint, rank=0)["algorithm"]
+    return policy_state, load_checkpoint(checkpoint, rank=0, whole=True)["algorithm"]
 
 
 # -- locating and reading the weights ----------------------------------------------------------------------------
@@ -193,13 +193,13 @@ def _config_next_to(weights: Path) -> Path:
 
 def _read_policy_state(weights: Path) -> dict:
     if weights.is_dir():
-        state = load_checkpoint(weights, rank=0)
+        state = load_checkpoint(weights, rank=0, whole=True)
         source = weights / "rank0.pt"
     else:
         source = weights
         match = _RANK_FILE.fullmatch(weights.name)
         if match and (weights.parent / COMPLETE).exists():  # through the checkpoint's own size check
-            state = load_checkpoint(weights.parent, rank=int(match.group(1)))
+            state = load_checkpoint(weights.parent, rank=int(match.group(1)), whole=True)
         else:
             state = _torch_load(weights)
     if isinstance(state, dict) and isinstance(state.get(CHECKPOINT_POLICY_KEY), dict):

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from spmd_rl.comm import sharding
 from spmd_rl.comm.channel import local_channel, open_channels
-from spmd_rl.comm.weights import WeightSync
+from spmd_rl.comm.weights import GatheredWeightSource, WeightSync
 from spmd_rl.config.sections import Config
 from spmd_rl.envs.state import unsaved_env_reason
 from spmd_rl.envs.vector import EnvSpec, group_of_envs, make_vector_env
@@ -30,6 +31,7 @@ from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.roles.inference_server import InferenceParts, InferenceServer, RecurrentStates, UniformActions
 from spmd_rl.roles.messages import action_message, observation_message, segment_message, with_episode_starts
 from spmd_rl.roles.trainer import Trainer
+from spmd_rl.run.evaluation import cuda_indices
 from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.plan import Plan
 from spmd_rl.run.policies import build_policy, read_trained_state
@@ -41,6 +43,12 @@ from spmd_rl.runtime.distributed import Runtime
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
 from spmd_rl.storage.experience_log import ExperienceLog
+
+WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # inference.dtype: None = the parameters' own
+
+
+def policy_device(policy: Policy) -> str:
+    return next(iter(policy.state_dict().values()), torch.empty(0)).device.type
 
 
 @dataclass
@@ -196,7 +204,7 @@ class Run:
             server.restore(state)
             restore_rng_state(state["rng"])  # last: building the envs above drew from the generators
         if rank == 0:
-            self.final_policy = policy
+            self.final_policy = self._final_policy(trainer, policy)
         return runner, server, trainer, report
 
     def build_env_runner(self, observation_layout=observation_message) -> EnvRunner:
@@ -258,6 +266,8 @@ class Run:
         state_fields = self.recurrent_state
         with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
             policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
+        if cfg.inference.dtype == "bf16":  # this rank's copy (and the wire) in bf16; it acts under autocast
+            sharding.compute_in_bf16(sharding.cast_parameters(policy, torch.bfloat16), ["act"], policy_device(policy))
         weight_sync = self._weight_sync(policy)
         self._seed_rank()
         observations = [with_episode_starts(observation_layout(self.spec, n), state_fields, n) for _ in served]
@@ -286,9 +296,12 @@ class Run:
         group = self.groups.trainer if len(topology.trainer_ranks) > 1 else None
         with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
             policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
-        # Built before the optimizer and DDP: it points the parameters into its flat buckets.
-        weight_sync = self._weight_sync(policy) if rank == topology.trainer_ranks[0] else None
-        algorithm, callbacks = self._build_algorithm(policy, group)
+        if self._gathers_weights:  # after sharding: every trainer gathers its shards for trainer 0's broadcast
+            algorithm, callbacks = self._build_algorithm(policy, group)
+            weight_sync = self._gathered_weight_source(policy)
+        else:  # before the optimizer and DDP: it points the parameters into its flat buckets
+            weight_sync = self._weight_sync(policy) if rank == topology.trainer_ranks[0] else None
+            algorithm, callbacks = self._build_algorithm(policy, group)
         self._seed_rank()
         _, segment_channels = open_channels(
             me=rank,
@@ -324,7 +337,7 @@ class Run:
             report.load_state_dict(state["metrics"])
             restore_rng_state(state["rng"])
         if rank == 0:
-            self.final_policy = policy
+            self.final_policy = self._final_policy(trainer, policy)
         return trainer, report
 
     # -- the parts the builders share ------------------------------------------------------------------------------
@@ -360,6 +373,10 @@ class Run:
             observation_space=self.spec.observation_space,
             action_space=self.spec.action_space,
             buffer=self.cfg.buffer,
+            parallel=self.cfg.train.parallel,
+            precision=self.cfg.train.precision,
+            activation_checkpointing=self.cfg.train.activation_checkpointing,
+            policy_methods=("act", *(getattr(m, "name", m) for m in self.algorithm_cls.policy_methods)),
         )
 
     def _build_algorithm(self, policy: Policy, group) -> tuple[Algorithm, list]:
@@ -368,6 +385,34 @@ class Run:
             algorithm = self.algorithm_cls(policy, self.cfg.algo, context)
             callbacks = [cls(config, context) for cls, config in self.callback_classes]
         return algorithm, callbacks
+
+    def _final_policy(self, trainer: Trainer, policy: Policy) -> Policy:
+        """What rank 0 saves as policy.pt: the policy itself, or with sharded trainers a plain copy on the CPU that
+        every checkpoint fills with the gathered full weights."""
+        if not trainer.sharded:
+            return policy
+        with torch.random.fork_rng(devices=cuda_indices(self.runtime.device)):  # build_policy seeds torch
+            trainer.final_copy = build_policy(self.cfg, self.spec, self.policy_cls, "cpu")
+        return trainer.final_copy
+
+    @property
+    def _gathers_weights(self) -> bool:
+        """Whether trainers publish through a GatheredWeightSource: their parameters are shards, or the wire
+        carries another dtype than theirs (otherwise trainer 0's own tensors are the buckets)."""
+        return self.cfg.train.parallel == "fsdp" or self.cfg.inference.dtype != "fp32"
+
+    def _gathered_weight_source(self, policy: Policy) -> GatheredWeightSource:
+        topology, runtime = self.topology, self.runtime
+        return GatheredWeightSource(
+            policy,
+            self.groups.weights,
+            src=topology.trainer_ranks[0],
+            me=runtime.rank,
+            bucket_bytes=int(self.cfg.weights.bucket_mb * 2**20),
+            timeout=runtime.timeout,
+            describe_rank=topology.describe,
+            wire_dtype=WIRE_DTYPES[self.cfg.inference.dtype],
+        )
 
     def _weight_sync(self, policy: Policy) -> WeightSync:
         topology, runtime = self.topology, self.runtime
@@ -425,6 +470,9 @@ class Run:
             return
         policy_state, algorithm_state = read_trained_state(run.init_from, with_algorithm=run.init_algorithm)
         try:
+            if any(sharding.is_dtensor(p) for p in policy.parameters()):
+                self._init_sharded(policy, policy_state, algorithm_state)
+                return
             policy.load_state_dict(policy_state)
             if algorithm_state is not None:
                 algorithm.load_state_dict(algorithm_state)
@@ -434,6 +482,20 @@ class Run:
                 f"'{self.cfg.classes['policy']}' / algo.class '{self.cfg.classes['algo']}' with this "
                 f"config: {' '.join(str(exc).split())[:300]}"
             ) from None
+
+    def _init_sharded(self, policy: Policy, policy_state: dict, algorithm_state: dict | None) -> None:
+        """run.init_from into a sharded policy: the file is read into a plain copy (in whatever layout its
+        state-dict hooks accept), whose tensors every trainer then loads as its shards."""
+        if algorithm_state is not None:
+            raise UserError(
+                "run.init_algorithm=true with train.parallel=fsdp is not supported (the optimizer state would have "
+                "to be resharded from a whole copy); start from the weights only, or resume the run instead"
+            )
+        with torch.random.fork_rng(devices=cuda_indices(self.runtime.device)):  # build_policy seeds torch
+            plain = build_policy(self.cfg, self.spec, self.policy_cls, "cpu")
+        plain.load_state_dict(policy_state)
+        tensors = {**dict(plain.named_parameters()), **dict(plain.named_buffers())}
+        sharding.load_full_state_dict(policy, {key: tensors[key].detach() for key in policy.state_dict()})
 
     def _say_if_env_state_unsaved(self, runner: EnvRunner) -> None:
         """Once per run (the first rank with envs): a checkpoint cannot hold these envs' state, so a resume begins

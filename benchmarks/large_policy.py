@@ -1,0 +1,281 @@
+"""Large policies on CPU ranks over gloo: trainer memory with FSDP2 vs DDP, bytes and time of a weight sync from
+shards (fp32 and bf16 on the wire) against a raw dist.broadcast of the same bytes, the extra memory a sync takes on a
+trainer, a frozen backbone's later syncs, and a 7B sync on paper from the measured per-bucket overhead.
+
+    python benchmarks/large_policy.py                  # 100M and 300M parameters
+    python benchmarks/large_policy.py --sizes 20       # quicker: 20M
+
+The model is a stack of square Linear layers (width 2048: 4.2M parameters a layer), built on the meta device and
+materialized after sharding, so no rank ever holds the whole model except where the measurement says so. Ranks are
+forked processes meeting through a file:// store: 2 trainers (FSDP over both), 2 inference ranks (the weight group
+is trainer 0 + the inference ranks). Memory is counted from the tensors themselves (parameters, gradients, Adam's
+two moments), and a sync's extra memory as the growth of the process's peak RSS during it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import machine, table  # noqa: E402
+from spmd_rl.comm import sharding  # noqa: E402
+from spmd_rl.comm.weights import GatheredWeightSource, WeightSync  # noqa: E402
+
+WIDTH = 2048
+BUCKET_MB = 64
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int, frozen_layers: int = 0):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(layers))
+        for block in list(self.blocks)[:frozen_layers]:
+            block.requires_grad_(False)
+
+    def shard_units(self):
+        return list(self.blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if sharding.is_dtensor(t) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _rank(rank: int, world: int, init: str, out: str, layers: int, wire: str, frozen: int):
+    """One rank of the FSDP measurement: ranks 0-1 sharded trainers, ranks 2-3 inference ranks."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(600))
+    torch.set_num_threads(1)
+    trainers, weights = dist.new_group([0, 1]), dist.new_group([0, 2, 3])
+    bucket = BUCKET_MB << 20
+    wire_dtype = torch.bfloat16 if wire == "bf16" else None
+    result = {}
+    if rank >= 2:  # an inference rank: the whole model, plain, in the wire dtype
+        net = Stack(layers, frozen)
+        if wire_dtype is not None:
+            sharding.cast_parameters(net, wire_dtype)
+        sync = WeightSync(net, weights, src=0, me=rank, bucket_bytes=bucket, timeout=600)
+        for _ in range(4):
+            sync.broadcast(-1)
+        raw = torch.empty(sum(sync.bucket_sizes[i] for i in range(sync.live_buckets)), dtype=torch.uint8)
+        dist.broadcast(raw, src=0, group=weights)
+        return
+    with torch.device("meta"):
+        net = Stack(layers, frozen)
+    sharding.shard_policy(net, trainers, torch.device("cpu"), [], bf16=False)
+    net.to_empty(device="cpu")
+    for block in net.blocks:  # any values: the measurements do not depend on them
+        nn.init.uniform_(block.weight, -0.02, 0.02)
+        nn.init.zeros_(block.bias)
+    source = GatheredWeightSource(
+        net, weights if rank == 0 else None, src=0, me=rank, bucket_bytes=bucket, timeout=600, wire_dtype=wire_dtype
+    )
+    before = _peak_rss_bytes()
+    times = []
+    for version in range(4):  # the first also carries the frozen layers; the next three only what trains
+        dist.barrier(group=trainers)
+        clock = time.perf_counter()
+        source.broadcast(version)
+        times.append(time.perf_counter() - clock)
+    result["sync_peak_extra_bytes"] = _peak_rss_bytes() - before
+    result["first_sync_s"], result["sync_s"] = times[0], min(times[1:])
+    result["bucket_bytes"] = max(source.bucket_sizes)
+    result["largest_tensor_bytes"] = max(e.nbytes for e in source.entries)
+    result["all_bytes"] = sum(source.bucket_sizes)
+    result["later_sync_bytes"] = sum(source.bucket_sizes[i] for i in range(source.live_buckets))
+    result["buckets_later"] = source.live_buckets
+    result["trainable_wire_bytes"] = sum(e.nbytes for e in source.entries if not e.frozen)
+    # Training memory, measured after the syncs so that the syncs' peak is not hidden by the backward's.
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable, lr=1e-4, fused=True)
+    net(torch.randn(4, WIDTH)).square().mean().backward()
+    optimizer.step()
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    result["train_bytes"] = _local_bytes(
+        [*net.parameters(), *(p.grad for p in trainable if p.grad is not None), *states]
+    )
+    result["parameters"] = sum(p.numel() for p in net.parameters())
+    if rank == 0:
+        raw = torch.empty(result["later_sync_bytes"], dtype=torch.uint8)
+        clock = time.perf_counter()
+        dist.broadcast(raw, src=0, group=weights)
+        result["raw_broadcast_s"] = time.perf_counter() - clock
+    _save(out, rank, "fsdp", result)
+
+
+def _save(out: str, rank: int, parallel: str, result: dict) -> None:
+    torch.save(result, f"{out}/{parallel}_rank{rank}.pt")
+
+
+def _child(*args):
+    try:
+        _rank(*args)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+def measure(layers: int, parallel: str, wire: str, frozen: int = 0) -> dict:
+    out = tempfile.mkdtemp(prefix="spmd_large_")
+    init = "file://" + os.path.join(out, "store")
+    context = multiprocessing.get_context("fork")
+    if parallel == "fsdp":  # 2 trainers and 2 inference ranks
+        children = [context.Process(target=_child, args=(r, 4, init, out, layers, wire, frozen)) for r in range(4)]
+    else:  # only the two trainers: the ddp measurement is memory alone
+        children = [context.Process(target=_ddp_child, args=(r, init, out, layers)) for r in range(2)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(1800)
+    if any(child.exitcode != 0 for child in children):
+        raise RuntimeError(f"{parallel} {wire} layers={layers}: a rank failed")
+    result = torch.load(f"{out}/{parallel}_rank0.pt")
+    shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def _ddp_child(rank: int, init: str, out: str, layers: int):
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(600))
+        torch.set_num_threads(1)
+        group = dist.group.WORLD
+        with torch.device("meta"):
+            net = Stack(layers)
+        net.to_empty(device="cpu")
+        optimizer = torch.optim.Adam(net.parameters(), lr=1e-4, fused=True)
+        net = nn.parallel.DistributedDataParallel(net, process_group=group)
+        net(torch.randn(4, WIDTH)).square().mean().backward()
+        optimizer.step()
+        states = [v for s in optimizer.state.values() for v in s.values() if v.dim()]
+        result = {
+            "train_bytes": _local_bytes([*net.parameters(), *(p.grad for p in net.parameters()), *states]),
+            "parameters": sum(p.numel() for p in net.parameters()),
+        }
+        _save(out, rank, "ddp", result)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100, 300], help="millions of parameters")
+    args = parser.parse_args()
+    print(machine())
+    print(f"load average before: {os.getloadavg()}")
+    mib = 2**20
+    memory, syncs, paper = [], [], []
+    for millions in args.sizes:
+        layers = max(1, round(millions * 1e6 / (WIDTH * WIDTH + WIDTH)))
+        ddp = measure(layers, "ddp", "fp32")
+        results = {wire: measure(layers, "fsdp", wire) for wire in ("fp32", "bf16")}
+        fsdp = results["fp32"]
+        memory.append(
+            [
+                f"{ddp['parameters'] / 1e6:.0f}M",
+                f"{ddp['train_bytes'] / mib:.0f}",
+                f"{fsdp['train_bytes'] / mib:.0f}",
+                f"{fsdp['train_bytes'] / ddp['train_bytes']:.2f}x",
+            ]
+        )
+        for wire, r in results.items():
+            wire_ratio = r["all_bytes"] / results["fp32"]["all_bytes"]
+            syncs.append(
+                [
+                    f"{ddp['parameters'] / 1e6:.0f}M",
+                    wire,
+                    f"{r['all_bytes'] / mib:.0f} ({wire_ratio:.2f}x)",
+                    f"{r['sync_s']:.2f}",
+                    f"{r['raw_broadcast_s']:.2f}",
+                    f"{r['raw_broadcast_s'] / r['sync_s']:.2f}x",
+                    f"{r['all_bytes'] / r['sync_s'] / 1e9:.2f}",
+                    f"{r['sync_peak_extra_bytes'] / mib:.0f}",
+                    f"{(r['bucket_bytes'] + r['largest_tensor_bytes']) / mib:.0f}",
+                    f"{r['sync_peak_extra_bytes'] / r['bucket_bytes']:.2f}x",
+                ]
+            )
+            buckets = r["buckets_later"]
+            overhead = max(0.0, (r["sync_s"] - r["raw_broadcast_s"]) / buckets)
+            bytes_7b = 7e9 * (2 if wire == "bf16" else 4)
+            paper.append(
+                [
+                    f"{ddp['parameters'] / 1e6:.0f}M",
+                    wire,
+                    f"{overhead * 1e3:.1f}",
+                    f"{bytes_7b / 50e9 + overhead * bytes_7b / (BUCKET_MB * mib):.2f}",
+                ]
+            )
+    # A frozen backbone: 3/4 of the layers frozen; a sync after the first sends only the trainable rest.
+    layers = max(4, round(args.sizes[0] * 1e6 / (WIDTH * WIDTH + WIDTH)))
+    frozen = measure(layers, "fsdp", "fp32", frozen=3 * layers // 4)
+    print("\nTrainer memory per rank (parameters + gradients + Adam state), 2 trainers:")
+    print(table(["parameters", "ddp MiB", "fsdp MiB", "fsdp / ddp"], memory))
+    print(f"\nWeight sync, 2 FSDP trainers -> 2 inference ranks, {BUCKET_MB} MiB buckets (best of 3 after the first):")
+    print(
+        table(
+            [
+                "parameters",
+                "wire",
+                "MiB per sync",
+                "sync s",
+                "raw broadcast s",
+                "raw / sync",
+                "GB/s",
+                "peak extra MiB",
+                "bucket + largest tensor MiB",
+                "peak extra / bucket",
+            ],
+            syncs,
+        )
+    )
+    print(f"\nFrozen backbone ({3 * layers // 4} of {layers} layers frozen):")
+    print(
+        table(
+            ["first sync MiB", "later sync MiB", "trainable MiB", "later / trainable"],
+            [
+                [
+                    f"{frozen['all_bytes'] / mib:.0f}",
+                    f"{frozen['later_sync_bytes'] / mib:.0f}",
+                    f"{frozen['trainable_wire_bytes'] / mib:.0f}",
+                    f"{frozen['later_sync_bytes'] / frozen['trainable_wire_bytes']:.3f}x",
+                ]
+            ],
+        )
+    )
+    print("\nOn paper: 7B parameters at 50 GB/s plus the measured software overhead per bucket:")
+    print(table(["measured at", "wire", "overhead ms per bucket", "7B sync s"], paper))
+    print(f"\nload average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""How a policy is laid out over the trainers: FSDP2 sharding (`train.parallel: fsdp`), bfloat16 compute
+(`train.precision: bf16`) and activation checkpointing, applied to the user's module in one place so that an
+algorithm never carries FSDP code of its own (it calls `Context.data_parallel`).
+
+- Shard units: `policy.shard_units()` when the Policy defines it (a transformer's blocks), otherwise the policy's
+  direct children that hold parameters. Each unit gets its own `fully_shard` (its parameters are all-gathered just
+  for its own forward and backward), then the root gets one for whatever parameters are left.
+- The methods an algorithm calls on the policy besides forward (evaluate, value, act ...) are registered with FSDP,
+  so they all-gather the parameters like forward does. Every trainer calls them the same number of times in the
+  same order (the algorithm's code runs alike on every trainer), which is what FSDP's collectives need.
+- bf16: matmuls and convolutions run in bfloat16 under torch.autocast; FSDP also keeps a bf16 copy of the
+  parameters for its all-gathers (MixedPrecisionPolicy), while the sharded master weights, the optimizer state
+  and the gradient reduce-scatter stay float32. The floating outputs of every registered method are cast back to
+  float32, so the algorithm's loss math (ratios, advantages, value targets) is float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+BF16 = torch.bfloat16
+
+
+def is_dtensor(value) -> bool:
+    """A DTensor (a sharded parameter or optimizer state), without importing torch.distributed.tensor eagerly."""
+    return type(value).__name__ == "DTensor" and hasattr(value, "full_tensor")
+
+
+def shard_units(module: nn.Module) -> list[nn.Module]:
+    """The submodules that get a fully_shard (and activation checkpointing) of their own."""
+    named = getattr(module, "shard_units", None)
+    if callable(named):
+        return list(named())
+    return [child for child in module.children() if any(True for _ in child.parameters())]
+
+
+def to_float32(value):
+    """value with its floating tensors (also inside tuples, lists, dicts and TensorDicts) in float32."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return tuple(to_float32(v) for v in value)
+    if isinstance(value, list):
+        return [to_float32(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_float32(v) for k, v in value.items()}
+    if hasattr(value, "batch_size") and hasattr(value, "apply"):  # a TensorDict
+        return value.apply(lambda t: t.float() if t.is_floating_point() else t)
+    return value
+
+
+def in_bf16(method: Callable, device_type: str) -> Callable:
+    """method run under bfloat16 autocast, its floating outputs returned in float32."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with torch.autocast(device_type, dtype=BF16):
+            out = method(*args, **kwargs)
+        return to_float32(out)
+
+    return run
+
+
+def compute_in_bf16(module: nn.Module, methods: Iterable[str], device_type: str) -> None:
+    """Patch this instance's forward and the named methods to compute in bf16 (its class is untouched)."""
+    for name in dict.fromkeys(["forward", *methods]):
+        if callable(getattr(module, name, None)):
+            setattr(module, name, in_bf16(getattr(module, name), device_type))
+
+
+def checkpoint_activations(units: list[nn.Module]) -> None:
+    """Recompute each unit's activations in backward instead of keeping them (non-reentrant checkpointing).
+    The unit's forward is patched on the instance, so parameter names (and checkpoints) are unchanged."""
+    for unit in units:
+        forward = unit.forward
+        unit.forward = functools.partial(checkpoint, forward, use_reentrant=False)
+
+
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The module's floating-point parameters in dtype, in place (buffers such as normalizer statistics keep
+    theirs: they are read in float32/float64 math)."""
+    for param in module.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+    return module
+
+
+def shard_policy(
+    module: nn.Module,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    methods: Iterable[str],
+    bf16: bool,
+) -> nn.Module:
+    """FSDP2 over group: one fully_shard per shard unit, then the root; methods registered as forward methods.
+    Returns the module itself (fully_shard works in place and keeps parameter names)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    # FSDP2 warns of every view a wrapped module returns (in-place ops on one would skip a hook); the built-in
+    # policies return views (slices, squeezes) and never modify them in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    mesh = DeviceMesh.from_group(group, device.type)
+    # cast_forward_inputs off: observations enter in their own dtype (normalizer math in float32); autocast
+    # casts them at each matmul. The parameters FSDP all-gathers are bf16 copies; gradients reduce in float32.
+    precision = (
+        MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
+    for unit in shard_units(module):
+        fully_shard(unit, mesh=mesh, mp_policy=precision)
+    fully_shard(module, mesh=mesh, mp_policy=precision)
+    for name in dict.fromkeys(methods):
+        if name != "forward" and callable(getattr(module, name, None)):
+            register_fsdp_forward_method(module, name)
+    return module
+
+
+def single_process_group(device: torch.device) -> dist.ProcessGroup:
+    """The world group of a one-process run, created on first use (FSDP over one trainer still needs one: its
+    checkpoints are the same sharded files as with several). NCCL for CUDA tensors, as in launched runs."""
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The sharded module's full state dict, gathered tensor by tensor to the CPU of the group's first rank
+    (the others get an empty dict). Collective over the module's trainers."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load whole tensors (every trainer holds them) into the sharded module: each trainer keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=True))
