@@ -20,7 +20,7 @@ def test_a_policy_too_large_for_the_host_is_refused_before_it_is_built():
     cfg = load_config(None, ["policy.hidden_sizes=[100000,100000]", "env.num_envs=1"])
     with pytest.raises(
         UserError,
-        match=r"\(20,001,600,004 parameters: weights, gradients and Adam's moments.*"
+        match=r"\(20,001,600,004 parameters: weights, gradients and Adam's moments, 16 bytes each.*"
         r"lower policy.hidden_sizes",
     ):
         resolve(cfg, ONE_PROCESS, dry_run=False)

@@ -48,7 +48,6 @@ def check_policy(
     """Build the policy on the CPU, act on a batch of sample observations, compare with its declared outputs.
     Returns the outputs, which lay out every channel, segment and experience file."""
     name = f"policy.class '{cfg.classes['policy']}'"
-    check_policy_memory(cfg, spec, policy_cls, name)
     try:
         policy = build_policy(cfg, spec, policy_cls)
     except UserError:
@@ -78,12 +77,14 @@ def check_policy_memory(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], na
         with torch.device("meta"):
             policy = policy_cls(spec.observation_space, spec.action_space, cfg.policy)
         parameters = sum(p.numel() for p in policy.parameters())
-    except Exception:  # noqa: BLE001 - the real build below reports the policy's own errors
+        frozen = sum(p.numel() for p in policy.parameters() if not p.requires_grad)
+    except Exception:  # noqa: BLE001 - the real build reports the policy's own errors
         return
     key = "policy.hidden_sizes" if hasattr(cfg.policy, "hidden_sizes") else "the policy's size (its policy.* keys)"
+    frozen_bytes = -(-4 * frozen // max(1, shards))  # a frozen parameter has neither gradient nor Adam state
     check_memory(
-        training_state_bytes(parameters, shards),
-        f"{name} ({parameters:,} parameters: weights, gradients and Adam's moments, 16 bytes each"
+        training_state_bytes(parameters - frozen, shards) + frozen_bytes,
+        f"{name} ({parameters:,} parameters: weights, gradients and Adam's moments, 16 bytes each (4 if frozen)"
         f"{f' over {shards} shards' if shards > 1 else ''})",
         key,
     )

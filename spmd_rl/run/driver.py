@@ -273,7 +273,9 @@ def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
         if cfg.eval.env:  # held-out settings: the policy built for env's spaces must act there too
             with watchdog.watch("making eval.env's envs (to read their spaces)"):
                 check_same_spaces(spec, probe_eval_env(cfg), "eval.env")
+        shards = plan.trainer_ranks if cfg.train.parallel == "fsdp" else 1  # FSDP divides the training state
         with watchdog.watch(f"building policy.class {cfg.classes['policy']} and calling its act"):
+            contract.check_policy_memory(cfg, spec, policy_cls, f"policy.class '{cfg.classes['policy']}'", shards)
             outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls)
         contract.check_planned_memory(cfg, spec, outputs, plan)
     except UserError as exc:
