@@ -1,6 +1,6 @@
 """Memory checked before start: a policy whose weights, gradients and Adam state cannot fit this host, or an
-off-policy batch that cannot, is refused with the key to lower, counted without allocating (the policy is built on
-the meta device first). The per-rank estimate divides over shards for FSDP."""
+off-policy batch that cannot, is refused with the key to lower, before training allocates any of it. The per-rank
+estimate divides over shards for FSDP."""
 
 from __future__ import annotations
 
@@ -15,12 +15,29 @@ from spmd_rl.runtime.limits import training_state_bytes
 ONE_PROCESS = LaunchInfo("none", rank=0, world_size=1, local_rank=0, local_world_size=1, init_method="")
 
 
-def test_a_policy_too_large_for_the_host_is_refused_before_it_is_built():
-    # 2 x 10^10 parameters: 320 GB to train, more than any host these tests run on; building it would need 80 GB.
-    cfg = load_config(None, ["policy.hidden_sizes=[100000,100000]", "env.num_envs=1"])
+HUGE_POLICY = """
+import torch
+from torch import nn
+
+from spmd_rl.modules.actor_critic import ActorCritic
+
+
+class HugePolicy(ActorCritic):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # 2 x 10^10 parameters held in 4 bytes (a stride-0 view): a policy that training could never fit (320 GB of
+        # weights, gradients and Adam state), built here at no cost
+        self.table = nn.Parameter(torch.zeros(1).expand(20_000_000_000))
+"""
+
+
+def test_a_policy_too_large_for_the_host_is_refused_before_training_allocates(tmp_path, monkeypatch):
+    (tmp_path / "huge_policy.py").write_text(HUGE_POLICY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(None, ["policy.class=huge_policy:HugePolicy", "env.num_envs=1"])
     with pytest.raises(
         UserError,
-        match=r"\(20,001,600,004 parameters: weights, gradients and Adam's moments, 16 bytes each.*"
+        match=r"\(20,000,00[0-9,]+ parameters: weights, gradients and Adam's moments, 16 bytes each.*"
         r"lower policy.hidden_sizes",
     ):
         resolve(cfg, ONE_PROCESS, dry_run=False)

@@ -43,7 +43,7 @@ def load_classes(cfg: Config) -> tuple[type[Policy], type[Algorithm], type, list
 
 
 def check_policy(
-    cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm_cls: type[Algorithm]
+    cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm_cls: type[Algorithm], shards: int = 1
 ) -> dict[str, StepField]:
     """Build the policy on the CPU, act on a batch of sample observations, compare with its declared outputs.
     Returns the outputs, which lay out every channel, segment and experience file."""
@@ -57,6 +57,8 @@ def check_policy(
             f"{name} could not be built for observation space {spec.observation_space} and action "
             f"space {spec.action_space}: {describe_exception(exc)}"
         ) from None
+    key = "policy.hidden_sizes" if hasattr(cfg.policy, "hidden_sizes") else "the policy's size (its policy.* keys)"
+    check_policy_memory(policy, name, key, shards)
     try:
         outputs = dict(policy.outputs())
     except Exception as exc:
@@ -69,24 +71,20 @@ def check_policy(
     return outputs
 
 
-def check_policy_memory(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], name: str, shards: int = 1) -> None:
-    """The policy's weights, gradients and Adam state against this host's memory, counted on a build on the meta
-    device (no memory), before the real build allocates any of it. A policy that cannot be built on the meta
-    device (it computes with its tensors while built) is not counted here."""
-    try:
-        with torch.device("meta"):
-            policy = policy_cls(spec.observation_space, spec.action_space, cfg.policy)
-        parameters = sum(p.numel() for p in policy.parameters())
-        frozen = sum(p.numel() for p in policy.parameters() if not p.requires_grad)
-    except Exception:  # noqa: BLE001 - the real build reports the policy's own errors
-        return
-    key = "policy.hidden_sizes" if hasattr(cfg.policy, "hidden_sizes") else "the policy's size (its policy.* keys)"
+def check_policy_memory(policy: Policy, name: str, key: str, shards: int = 1) -> None:
+    """The policy's weights, gradients and Adam state (16 bytes a trained parameter, 4 a frozen one, divided over
+    `shards` ranks when sharded) against this host's memory, counted on the policy the contract check built: its
+    own weights are counted as held, since they are freed before training allocates."""
+    parameters = sum(p.numel() for p in policy.parameters())
+    frozen = sum(p.numel() for p in policy.parameters() if not p.requires_grad)
+    held = sum(p.untyped_storage().nbytes() for p in policy.parameters())
     frozen_bytes = -(-4 * frozen // max(1, shards))  # a frozen parameter has neither gradient nor Adam state
     check_memory(
         training_state_bytes(parameters - frozen, shards) + frozen_bytes,
         f"{name} ({parameters:,} parameters: weights, gradients and Adam's moments, 16 bytes each (4 if frozen)"
         f"{f' over {shards} shards' if shards > 1 else ''})",
         key,
+        held_bytes=held,
     )
 
 

@@ -275,8 +275,7 @@ def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
                 check_same_spaces(spec, probe_eval_env(cfg), "eval.env")
         shards = plan.trainer_ranks if cfg.train.parallel == "fsdp" else 1  # FSDP divides the training state
         with watchdog.watch(f"building policy.class {cfg.classes['policy']} and calling its act"):
-            contract.check_policy_memory(cfg, spec, policy_cls, f"policy.class '{cfg.classes['policy']}'", shards)
-            outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls)
+            outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls, shards)
         contract.check_planned_memory(cfg, spec, outputs, plan)
     except UserError as exc:
         raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None

@@ -15,10 +15,13 @@ from spmd_rl.runtime.errors import UserError
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def check_memory(bytes_needed: int, what: str, key: str) -> None:
+def check_memory(bytes_needed: int, what: str, key: str, held_bytes: int = 0) -> None:
     """Raise a UserError naming `key` when `what` (e.g. "the replay buffer of rank 3") would need more memory than
-    this host has available. bytes_needed: what the host's ranks will hold together for it."""
+    this host has available. bytes_needed: what the host's ranks will hold together for it; held_bytes: what of it
+    this process holds already (and will free first), available on top of what the host has left."""
     available = available_memory()
+    if available is not None:
+        available += held_bytes
     if available is not None and bytes_needed > available:
         raise UserError(
             f"{what} needs {_size(bytes_needed)} of memory but this host has {_size(available)} available; lower {key}"
