@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import math
 import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -20,6 +21,7 @@ from spmd_rl.config import plugins
 from spmd_rl.config.excerpts import MESSAGE_CHARS, clip, excerpt
 from spmd_rl.config.sections import GROUP_NAME, PLUGIN_SECTIONS, AlgorithmConfig, Config, EnvSection
 from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.launch import rank_from_env
 from spmd_rl.runtime.watchdog import watchdog
 
 # Bounds on what a user hands us, checked before anything grows with it (a YAML alias bomb, a huge or deeply nested
@@ -281,7 +283,20 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 f"the integer {excerpt(text)} is out of range (no key takes more than a 64-bit integer)",
                 node.start_mark,
             )
+        # YAML 1.2's integers, not 1.1's: a leading zero is decimal (064 is 64, not octal 52) and 1:30 is text (not
+        # base-60 90; the key's type check then says what it wants).
+        if ":" in text:
+            return text
+        digits = text.replace("_", "")
+        if re.fullmatch(r"[-+]?0[0-9]+", digits):
+            return int(digits, 10)
         return super().construct_yaml_int(node)
+
+    def construct_yaml_bool(self, node):
+        value = super().construct_yaml_bool(node)
+        if node.value.lower() in YAML_11_BOOLS:  # text in YAML 1.2: worth a note, since it may have meant the word
+            _bool_notes.append((node.value, value, node.start_mark.line + 1))
+        return value
 
     def _reject_duplicate_keys(self, node, prefix: str, seen: set[int]) -> None:
         if id(node) in seen:  # an alias: checked where its anchor is (and anchors may be recursive)
@@ -306,11 +321,36 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:bool", _UniqueKeyLoader.construct_yaml_bool)
+
+YAML_11_BOOLS = ("yes", "no", "on", "off")
+_bool_notes: list[tuple[str, bool, int]] = []  # (the text, the value, its line) of the document being read
+
+
+def _load_yaml(text: str, where: str):
+    """yaml.load with _UniqueKeyLoader; a note (rank 0's) for every yes/no/on/off it read as a boolean."""
+    _bool_notes.clear()
+    data = yaml.load(text, Loader=_UniqueKeyLoader)
+    if rank_from_env() in (None, 0):
+        for word, value, line in _bool_notes:
+            at = f"{where} line {line}" if where.startswith("config file") else where
+            print(
+                f"spmd_rl: note: {at}: '{word}' is read as {str(value).lower()} (YAML 1.1's booleans yes/no/on/off); "
+                f"write {str(value).lower()} to say so, or quote it ('{word}') for the text",
+                file=sys.stderr,
+                flush=True,
+            )
+    return data
 
 
 def _read_yaml(path: Path) -> dict:
     if path.is_dir():
         raise UserError(f"config file {path} is a directory; pass --config with a YAML file (see configs/)")
+    if path.exists() and not path.is_file():
+        raise UserError(
+            f"config file {path} is not a regular file (a device, FIFO or socket); pass --config with a YAML file "
+            f"(see configs/)"
+        )
     if not path.is_file():
         raise UserError(f"config file {path} does not exist; pass --config with a YAML file (see configs/)")
     try:
@@ -327,7 +367,7 @@ def _read_yaml(path: Path) -> dict:
     except UnicodeDecodeError:
         raise UserError(f"config file {path} is not text (not UTF-8); pass --config with a YAML file") from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        data = _load_yaml(text, f"config file {path}")
     except _DuplicateKeyError as exc:
         raise UserError(
             f"config file {path} gives key '{exc.key}' twice (lines {exc.first_line} and {exc.line}); keep one"
@@ -361,7 +401,7 @@ def _apply_override(raw: dict, item: str) -> None:
     if len(parts) > MAX_DEPTH:
         raise UserError(f"config key '{shown}' is nested deeper than {MAX_DEPTH} levels")
     try:
-        value = yaml.load(text, Loader=_UniqueKeyLoader) if text != "" else ""
+        value = _load_yaml(text, f"override {excerpt(item)}") if text != "" else ""
     except _DuplicateKeyError as exc:
         raise UserError(f"override {excerpt(item)} gives key '{exc.key}' twice; keep one") from None
     except _TooLarge as exc:

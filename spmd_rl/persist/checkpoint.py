@@ -31,7 +31,14 @@ import torch
 
 from spmd_rl.comm.sharding import is_dtensor
 from spmd_rl.config.excerpts import excerpt
-from spmd_rl.persist.fileio import checksum_matches, make_dirs, sha256_of, torch_save_atomic, write_atomic
+from spmd_rl.persist.fileio import (
+    checksum_matches,
+    load_failure,
+    make_dirs,
+    sha256_of,
+    torch_save_atomic,
+    write_atomic,
+)
 from spmd_rl.runtime.errors import UserError
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -194,7 +201,7 @@ def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.devic
     try:
         state = torch.load(file, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises several types for damaged files; each means the same to the user
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first_line = load_failure(exc)
         raise UserError(
             f"checkpoint file {file} cannot be read ({first_line}): delete {directory} to resume "
             f"from the previous checkpoint"

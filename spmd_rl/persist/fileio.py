@@ -218,6 +218,21 @@ class Flushable(Protocol):
 _OPEN_FILES: dict[Path, Flushable] = {}  # resolved path -> its open writer in this process
 
 
+def load_failure(exc: Exception) -> str:
+    """Why torch.load(..., weights_only=True) refused a file, in one line. A refusal of pickled objects says so in
+    our words: torch's own message advises loading with weights_only=False, which would run the file's code."""
+    text = str(exc).strip()
+    if "Weights only load failed" in text:
+        unsupported = next((part for part in text.split("\n") if "Unsupported global" in part), "")
+        found = unsupported.split(":", 2)[-1].split(" was not")[0].strip() if unsupported else ""
+        named = f" ({found})" if found else ""
+        return (
+            f"it holds pickled Python objects{named} besides tensors and plain values, which spmd_rl never loads "
+            f"(loading them could run the file's code); it was not written by spmd_rl or was altered"
+        )
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def register_open_file(path: Path, writer: Flushable) -> None:
     """Claim path for writer (one writer per file: HDF5 would silently share a second handle) and have
     flush_open_files flush it until unregister_open_file."""

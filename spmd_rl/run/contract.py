@@ -28,7 +28,7 @@ from spmd_rl.interfaces.policy import (
 from spmd_rl.roles.messages import segment_message
 from spmd_rl.run.policies import build_policy
 from spmd_rl.runtime.errors import UserError, describe_exception
-from spmd_rl.runtime.limits import check_memory
+from spmd_rl.runtime.limits import check_memory, training_state_bytes
 
 SAMPLE_BATCH = 2  # the sample observations the policy's methods are called on
 
@@ -43,7 +43,7 @@ def load_classes(cfg: Config) -> tuple[type[Policy], type[Algorithm], type, list
 
 
 def check_policy(
-    cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm_cls: type[Algorithm]
+    cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm_cls: type[Algorithm], shards: int = 1
 ) -> dict[str, StepField]:
     """Build the policy on the CPU, act on a batch of sample observations, compare with its declared outputs.
     Returns the outputs, which lay out every channel, segment and experience file."""
@@ -57,6 +57,8 @@ def check_policy(
             f"{name} could not be built for observation space {spec.observation_space} and action "
             f"space {spec.action_space}: {describe_exception(exc)}"
         ) from None
+    key = "policy.hidden_sizes" if hasattr(cfg.policy, "hidden_sizes") else "the policy's size (its policy.* keys)"
+    check_policy_memory(policy, name, key, shards)
     try:
         outputs = dict(policy.outputs())
     except Exception as exc:
@@ -67,6 +69,23 @@ def check_policy(
     _check_algorithm_needs(cfg, policy, outputs, algorithm_cls, state)
     _check_policy_methods(cfg, policy, algorithm_cls, obs, acted, outputs)
     return outputs
+
+
+def check_policy_memory(policy: Policy, name: str, key: str, shards: int = 1) -> None:
+    """The policy's weights, gradients and Adam state (16 bytes a trained parameter, 4 a frozen one, divided over
+    `shards` ranks when sharded) against this host's memory, counted on the policy the contract check built: its
+    own weights are counted as held, since they are freed before training allocates."""
+    parameters = sum(p.numel() for p in policy.parameters())
+    frozen = sum(p.numel() for p in policy.parameters() if not p.requires_grad)
+    held = sum(p.untyped_storage().nbytes() for p in policy.parameters())
+    frozen_bytes = -(-4 * frozen // max(1, shards))  # a frozen parameter has neither gradient nor Adam state
+    check_memory(
+        training_state_bytes(parameters - frozen, shards) + frozen_bytes,
+        f"{name} ({parameters:,} parameters: weights, gradients and Adam's moments, 16 bytes each (4 if frozen)"
+        f"{f' over {shards} shards' if shards > 1 else ''})",
+        key,
+        held_bytes=held,
+    )
 
 
 def check_planned_memory(cfg: Config, spec: EnvSpec, outputs: dict, plan) -> None:
@@ -80,6 +99,19 @@ def check_planned_memory(cfg: Config, spec: EnvSpec, outputs: dict, plan) -> Non
         f"the rollout buffers of a trainer ({plan.num_steps} steps x {columns} envs x {step_bytes} bytes, 3 copies)",
         "algo.num_steps or env.num_envs",
     )
+    batch = getattr(cfg.algo, "batch_size", None)  # an off-policy algorithm's sampled batch (SAC): all trainers
+    if isinstance(batch, int) and batch > 0:
+        per_trainer = -(-batch // max(1, plan.trainer_ranks))
+        # The sample, its device copy, the next observations; and the activations the actor and two critics keep
+        # for backward (a float per hidden unit each; what else an algorithm holds is not counted).
+        widths = sum(getattr(cfg.policy, "hidden_sizes", None) or ())
+        transition_bytes = 4 * step_bytes + 3 * 4 * widths
+        check_memory(
+            transition_bytes * per_trainer,
+            f"a sampled batch of a trainer ({per_trainer} transitions x {transition_bytes} bytes: the sample, its "
+            f"copies and the networks' activations)",
+            "algo.batch_size",
+        )
 
 
 def _check_declared(name: str, outputs: dict, action_space: gym.Space) -> None:

@@ -276,8 +276,9 @@ def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
         if cfg.eval.env:  # held-out settings: the policy built for env's spaces must act there too
             with watchdog.watch("making eval.env's envs (to read their spaces)"):
                 check_same_spaces(spec, probe_eval_env(cfg), "eval.env")
+        shards = plan.trainer_ranks if cfg.train.parallel == "fsdp" else 1  # FSDP divides the training state
         with watchdog.watch(f"building policy.class {cfg.classes['policy']} and calling its act"):
-            outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls)
+            outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls, shards)
         contract.check_planned_memory(cfg, spec, outputs, plan)
     except UserError as exc:
         raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None

@@ -21,7 +21,7 @@ from spmd_rl.envs import spaces
 from spmd_rl.envs.vector import EnvSpec, probe_env
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.checkpoint import CHECKPOINTS_DIR, COMPLETE, LATEST, find_checkpoint, load_checkpoint
-from spmd_rl.persist.fileio import checksum_matches, torch_save_atomic
+from spmd_rl.persist.fileio import checksum_matches, load_failure, torch_save_atomic
 from spmd_rl.run.evaluation import cuda_indices
 from spmd_rl.run.state_fit import SAFETENSORS_SUFFIX, load_fitted, read_safetensors
 from spmd_rl.runtime.errors import UserError
@@ -226,7 +226,7 @@ def _torch_load(file: Path):
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for damaged or foreign files; each means the same here
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first_line = load_failure(exc)
         raise UserError(
             f"{file} cannot be read as weights ({first_line}): is it a complete {POLICY_FILE} or checkpoint file?"
         ) from None

@@ -469,6 +469,7 @@ class Run:
             compression=buffer.h5_compression,
             flush_every_s=buffer.flush_every_s,
             group_names=groups,
+            must_exist=self.resume.checkpoint is not None,
         )
 
     def _init_policy_from(self, policy: Policy) -> dict | None:

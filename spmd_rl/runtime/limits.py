@@ -15,14 +15,28 @@ from spmd_rl.runtime.errors import UserError
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def check_memory(bytes_needed: int, what: str, key: str) -> None:
+def check_memory(bytes_needed: int, what: str, key: str, held_bytes: int = 0) -> None:
     """Raise a UserError naming `key` when `what` (e.g. "the replay buffer of rank 3") would need more memory than
-    this host has available. bytes_needed: what the host's ranks will hold together for it."""
+    this host has available. bytes_needed: what the host's ranks will hold together for it; held_bytes: what of it
+    this process holds already (and will free first), available on top of what the host has left."""
     available = available_memory()
+    if available is not None:
+        available += held_bytes
     if available is not None and bytes_needed > available:
         raise UserError(
             f"{what} needs {_size(bytes_needed)} of memory but this host has {_size(available)} available; lower {key}"
         )
+
+
+# What training holds per parameter: its fp32 weight, its fp32 gradient and Adam's two fp32 moments.
+BYTES_PER_TRAINED_PARAMETER = 4 + 4 + 8
+
+
+def training_state_bytes(parameters: int, shards: int = 1) -> int:
+    """Bytes one trainer rank holds for a module of `parameters` parameters that it trains with Adam: weights,
+    gradients and optimizer state, divided over `shards` ranks when they are sharded (FSDP; 1 = replicated, DDP).
+    Activations are not counted: they depend on the batch."""
+    return -(-parameters * BYTES_PER_TRAINED_PARAMETER // max(1, shards))
 
 
 def available_memory() -> int | None:

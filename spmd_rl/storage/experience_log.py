@@ -28,9 +28,10 @@ class ExperienceLog:
         compression: str | None = None,
         flush_every_s: float = DEFAULT_FLUSH_EVERY_S,
         group_names: list[str] | None = None,
+        must_exist: bool = False,
     ):
         """group_names: with env groups, the names of the group indices the rollouts' `group` column holds,
-        stored as the file's group_names attribute (JSON)."""
+        stored as the file's group_names attribute (JSON). must_exist: a missing file is an error, not a new one."""
         self.path = Path(run_dir) / "buffer" / f"experience_rank{rank}.h5"
         self._writer = HDF5Writer(
             self.path,
@@ -39,6 +40,7 @@ class ExperienceLog:
             compression=compression,
             flush_every_s=flush_every_s,
             attributes={"group_names": json.dumps(group_names)} if group_names else None,
+            must_exist=must_exist,  # resuming from a checkpoint: the rows it counts are in this file
         )
 
     def append(self, td_rollout: TensorDict, policy_version: int, env_step: int) -> None:

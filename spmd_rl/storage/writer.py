@@ -83,12 +83,30 @@ def _writer_is_alive(file: h5py.File) -> int | None:
 def check_rewind(where, total_rows: int, appended: int, capacity: int) -> None:
     """Refuse a rewind to total_rows that would need rows a ring has overwritten since (or rows never appended)."""
     if not 0 <= total_rows <= appended:
-        raise UserError(f"{where}: cannot rewind to {total_rows} rows; {appended} have been appended")
+        raise UserError(
+            f"{where}: cannot rewind to {total_rows} rows, the checkpoint's count; it holds only {appended} (it was "
+            f"replaced or cut short since): restore it from a copy, or remove the run's checkpoints/ to start over"
+        )
     overwritten = appended - max(total_rows, capacity) if capacity else 0
     if overwritten > 0:
         raise UserError(
             f"{where}: cannot rewind to {total_rows} rows: {overwritten} of the rows held then have "
             f"been overwritten since (ring of {capacity} rows)"
+        )
+
+
+def _check_present(path: Path, must_exist: bool) -> None:
+    """A file that is gone (must_exist: a resume's checkpoint counts rows in it) or empty is refused as it is, never
+    replaced by a new one."""
+    if must_exist and not path.exists():
+        raise UserError(
+            f"{path} is missing, but the checkpoint this run resumes from counts rows in it: restore it from a copy, "
+            f"or remove the run's checkpoints/ to start over"
+        )
+    if path.is_file() and path.stat().st_size == 0:
+        raise UserError(
+            f"{path} is empty (0 bytes: a full disk, or a copy cut short); the rows it held are lost: restore it "
+            f"from a copy, or remove it and the run's checkpoints/ to start over"
         )
 
 
@@ -113,6 +131,7 @@ class HDF5Writer:
         overwrite: bool = False,
         flush_every_s: float = DEFAULT_FLUSH_EVERY_S,
         attributes: Mapping | None = None,
+        must_exist: bool = False,
     ):
         self.attributes = dict(attributes or {})  # extra attributes of / for a new file (an existing one has them)
         if not flush_every_s >= 0:  # also refuses NaN
@@ -127,6 +146,7 @@ class HDF5Writer:
                 f"HDF5 chunk_rows ({chunk_rows}) must be >= 0 (0: automatic) and capacity ({capacity}) at least 1"
             )
         self.path = Path(path)
+        _check_present(self.path, must_exist and not overwrite)  # before anything could replace it
         register_open_file(self.path, self)
         existed = self.path.exists() and not overwrite
         try:
