@@ -99,7 +99,9 @@ class TwinMLP(nn.Module):
         h = x.expand(2, *x.shape)
         for weight, bias in hidden:
             h = self.activation(torch.baddbmm(bias, h, weight))
-        out = torch.baddbmm(head_bias, h, head_weight)  # [2, B, max(out_0, out_1)]
+        # float(): under bf16 autocast (train.precision, inference.dtype) the heads' outputs, from which log-probs
+        # and values are computed, are float32; a no-op (the same tensor) in float32.
+        out = torch.baddbmm(head_bias, h, head_weight).float()  # [2, B, max(out_0, out_1)]
         width = out.shape[-1]
         return tuple(out[i] if n == width else out[i, :, :n] for i, n in enumerate(self.out_features))
 
