@@ -261,3 +261,19 @@ def test_fsdp_runs_recurrent_ppo_and_the_async_engine(tmp_path, args, nproc):
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "finished.json").exists() and (tmp_path / "policy.pt").exists()
     assert list((tmp_path / "checkpoints").glob("iter_*/shards/.metadata"))
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_equals_ddp_on_four_ranks(tmp_path):
+    """train.shard_group_size=2 over 4 trainers: shards within pairs, replicas across them (a 2-D mesh), the same
+    update as DDP within float error, its checkpoint written as shards."""
+    runs = {"ddp": [], "hybrid": ["train.parallel=fsdp", "train.shard_group_size=2"]}
+    for name, extra in runs.items():
+        result = main(*TINY, "train.total_steps=512", *extra, f"run.dir={tmp_path / name}", nproc=4)
+        assert result.returncode == 0, result.stdout + result.stderr
+    ddp, hybrid = (torch.load(tmp_path / name / "policy.pt", weights_only=True) for name in runs)
+    for key in ddp:
+        assert torch.allclose(ddp[key].double(), hybrid[key].double(), atol=1e-5, rtol=0), key
+    assert list((tmp_path / "hybrid" / "checkpoints").glob("iter_*/shards/.metadata"))
+    refused = main(*TINY, "train.parallel=fsdp", "train.shard_group_size=3", f"run.dir={tmp_path / 'r'}", nproc=2)
+    assert "train.shard_group_size=3 does not divide the 2 trainers" in refused.stderr, refused.stderr

@@ -105,22 +105,49 @@ def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     return module
 
 
+# The trainer group of every mesh made here: the group a sharded checkpoint is written and read by (a 2-D mesh's
+# own groups are per dimension).
+_TRAINERS_OF_MESH: dict[int, dist.ProcessGroup] = {}
+
+
+def trainer_mesh(group: dist.ProcessGroup, device: torch.device, hybrid=None):
+    """The device mesh FSDP shards over: the trainer group (1-D), or with hybrid sharding a 2-D mesh
+    (replicate, shard) from `hybrid` = (replicate group, shard group, [[global ranks]] per replica)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if hybrid is None:
+        mesh = DeviceMesh.from_group(group, device.type)
+    else:
+        replicate, shard, ranks = hybrid
+        mesh = DeviceMesh.from_group(
+            [replicate, shard], device.type, mesh=torch.tensor(ranks), mesh_dim_names=("replicate", "shard")
+        )
+    _TRAINERS_OF_MESH[id(mesh)] = group
+    return mesh
+
+
+def mesh_trainers(mesh) -> dist.ProcessGroup:
+    """The trainer group of a mesh made by trainer_mesh (a 1-D mesh's own group otherwise)."""
+    return _TRAINERS_OF_MESH.get(id(mesh)) or mesh.get_group()
+
+
 def shard_policy(
     module: nn.Module,
     group: dist.ProcessGroup,
     device: torch.device,
     methods: Iterable[str],
     bf16: bool,
+    hybrid=None,
 ) -> nn.Module:
-    """FSDP2 over group: one fully_shard per shard unit, then the root; methods registered as forward methods.
-    Returns the module itself (fully_shard works in place and keeps parameter names)."""
-    from torch.distributed.device_mesh import DeviceMesh
+    """FSDP2 over group (or, with hybrid, sharded within and replicated across its groups: see trainer_mesh): one
+    fully_shard per shard unit, then the root; methods registered as forward methods. Returns the module itself
+    (fully_shard works in place and keeps parameter names)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     # FSDP2 warns of every view a wrapped module returns (in-place ops on one would skip a hook); the built-in
     # policies return views (slices, squeezes) and never modify them in place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    mesh = DeviceMesh.from_group(group, device.type)
+    mesh = trainer_mesh(group, device, hybrid)
     # cast_forward_inputs off: observations enter in their own dtype (normalizer math in float32); autocast
     # casts them at each matmul. The parameters FSDP all-gathers are bf16 copies; gradients reduce in float32.
     precision = (

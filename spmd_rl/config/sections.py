@@ -257,6 +257,13 @@ class TrainSection:
         choices=["ddp", "fsdp"],
         omit_default=True,
     )
+    shard_group_size: int = knob(
+        0,
+        "with train.parallel=fsdp: hybrid sharding: shard within groups of this many trainers and replicate across "
+        "the groups (gradients are all-reduced between replicas); 0 = shard over all trainers",
+        min=0,
+        omit_default=True,
+    )
     precision: str = knob(
         "fp32",
         "fp32, or bf16: the policy's forward and backward compute in bfloat16 while the master weights, the "

@@ -48,6 +48,8 @@ class Context:
     # The policy methods the algorithm calls (its class's policy_methods, plus act): with fsdp they all-gather the
     # parameters as forward does; with bf16 they compute in bfloat16 and return float32.
     policy_methods: tuple[str, ...] = ("act",)
+    # train.shard_group_size: (replicate group, shard group, [[global ranks] per replica]) for hybrid sharding
+    hybrid_shards: tuple | None = None
 
     @classmethod
     def local(
@@ -110,7 +112,7 @@ class Context:
             sharding.compute_in_bf16(module, self.policy_methods, self.device.type)
         if self.parallel == "fsdp":
             group = self.group if self.group is not None else sharding.single_process_group(self.device)
-            return sharding.shard_policy(module, group, self.device, self.policy_methods, bf16)
+            return sharding.shard_policy(module, group, self.device, self.policy_methods, bf16, self.hybrid_shards)
         if self.group is None:
             return module
         # Buffers (normalizer statistics) are merged by their own all-reduce, not synced on every forward.

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spmd_rl.comm.sharding import is_dtensor
+from spmd_rl.comm.sharding import is_dtensor, mesh_trainers
 from spmd_rl.config.excerpts import excerpt
 from spmd_rl.persist.fileio import (
     checksum_matches,
@@ -237,7 +237,7 @@ def save_shards(shards: dict, directory: Path) -> dict[str, str]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    group = next(iter(shards.values())).device_mesh.get_group()
+    group = mesh_trainers(next(iter(shards.values())).device_mesh)
     try:
         dcp.save(shards, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), process_group=group)
     except Exception as exc:  # noqa: BLE001 - DCP gathers every rank's failure into one CheckpointException
@@ -280,7 +280,7 @@ def load_shards(state: dict, directory: Path, like=None) -> dict:
     if like is None:
         dcp.load(targets, storage_reader=reader, no_dist=True)
     else:
-        dcp.load(targets, storage_reader=reader, process_group=like.device_mesh.get_group())
+        dcp.load(targets, storage_reader=reader, process_group=mesh_trainers(like.device_mesh))
 
     def fill(value):
         if isinstance(value, dict):

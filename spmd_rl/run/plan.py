@@ -124,6 +124,16 @@ def _check_parallel(cfg: Config, topology: Topology, algorithm_cls: type[Algorit
                 "train.parallel=fsdp with train.skip_nonfinite_updates is not supported (each trainer sees only "
                 "its shards of the weights); set train.skip_nonfinite_updates=false"
             )
+    size = cfg.train.shard_group_size
+    if size:
+        trainers = topology.world_size if topology.colocated else len(topology.trainer_ranks)
+        if cfg.train.parallel != "fsdp":
+            raise UserError(f"train.shard_group_size={size} is hybrid sharding: it needs train.parallel=fsdp")
+        if trainers % size:
+            raise UserError(
+                f"train.shard_group_size={size} does not divide the {trainers} trainers; choose a divisor of "
+                f"{trainers} (or 0 to shard over all of them)"
+            )
     if cfg.inference.dtype != "fp32" and topology.colocated:
         raise UserError(
             f"inference.dtype={cfg.inference.dtype} is for the inference ranks of a split layout; in the colocated "

@@ -395,6 +395,9 @@ class Run:
             precision=self.cfg.train.precision,
             activation_checkpointing=self.cfg.train.activation_checkpointing,
             policy_methods=("act", *(getattr(m, "name", m) for m in self.algorithm_cls.policy_methods)),
+            hybrid_shards=(
+                (self.groups.replicate, self.groups.shard, self.groups.shard_mesh) if self.groups.shard_mesh else None
+            ),
         )
 
     def _build_algorithm(self, policy: Policy, group) -> tuple[Algorithm, list]:

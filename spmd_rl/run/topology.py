@@ -137,19 +137,38 @@ def build_topology(layout: LayoutSection, world_size: int) -> Topology:
 
 @dataclass
 class ProcessGroups:
-    """The groups a rank uses: the trainer group (the world when colocated; None in one process) and the weight
-    group (split layouts only). Roles only use the groups they are members of."""
+    """The groups a rank uses: the trainer group (the world when colocated; None in one process), the weight
+    group (split layouts only) and, with hybrid sharding (train.shard_group_size), this trainer's shard group and
+    replicate group. Roles only use the groups they are members of."""
 
     trainer: object | None
     weights: object | None
+    shard: object | None = None  # the trainers this one shards the policy with
+    replicate: object | None = None  # the trainers holding the same shards as this one (one per shard group)
+    shard_mesh: list[list[int]] | None = None  # [replica][shard position] -> global rank
 
 
-def create_process_groups(topology: Topology, timeout: datetime.timedelta) -> ProcessGroups:
+def create_process_groups(topology: Topology, timeout: datetime.timedelta, shard_group_size: int = 0) -> ProcessGroups:
     """Every rank creates every group, once, in this order (new_group is collective over the world)."""
     if not dist.is_initialized():
         return ProcessGroups(trainer=None, weights=None)
     if topology.colocated:
-        return ProcessGroups(trainer=dist.group.WORLD, weights=None)
-    trainer = dist.new_group(list(topology.trainer_ranks), timeout=timeout)
-    weights = dist.new_group(list(topology.weight_ranks), timeout=timeout)
-    return ProcessGroups(trainer=trainer, weights=weights)
+        groups = ProcessGroups(trainer=dist.group.WORLD, weights=None)
+    else:
+        trainer = dist.new_group(list(topology.trainer_ranks), timeout=timeout)
+        weights = dist.new_group(list(topology.weight_ranks), timeout=timeout)
+        groups = ProcessGroups(trainer=trainer, weights=weights)
+    if shard_group_size:
+        trainers = list(range(topology.world_size)) if topology.colocated else list(topology.trainer_ranks)
+        mesh = [trainers[i : i + shard_group_size] for i in range(0, len(trainers), shard_group_size)]
+        me = dist.get_rank()
+        for ranks in mesh:  # shard groups, then replicate groups: the same order on every rank
+            group = dist.new_group(ranks, timeout=timeout)
+            if me in ranks:
+                groups.shard = group
+        for column in zip(*mesh):
+            group = dist.new_group(list(column), timeout=timeout)
+            if me in column:
+                groups.replicate = group
+        groups.shard_mesh = mesh
+    return groups
