@@ -76,6 +76,7 @@ class RunSection:
         None,
         "finish early, with a checkpoint and exit 0, once the mean return of the last 20 episodes reaches this "
         "(null = run to the end)",
+        omit_default=True,
     )
 
 
