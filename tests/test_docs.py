@@ -28,7 +28,8 @@ MODULE = re.compile(r"-m\s+(spmd_rl(?:\.\w+)*)")
 KEY = re.compile(r"(?<![\w./:$-])([a-z_]+)\.([a-z_]+)(?![\w(/-]|\.[a-z]{2,5}\b)")
 # Paths a run or a user makes (run directories, a user's files), not the repository's.
 NOT_IN_REPO = ("runs/", "checkpoints/", "buffer/", "iter_", "my_", "my.", "~", "/tmp", "<", "*", "...")
-# Python names that read like config keys: Run's attributes, TrainedRun's, a gymnasium env's step.
+# Names that read like config keys: Run's attributes, TrainedRun's, a gymnasium env's step, a run directory's
+# lock file, and the README's example of a mistyped key.
 PYTHON_NAMES = {
     "run.plan",
     "run.role",
@@ -37,6 +38,8 @@ PYTHON_NAMES = {
     "run.finished",
     "run.metrics",
     "env.step",
+    "run.lock",  # a file of the run directory
+    "train.totl_steps",  # the README's example of a typo in an override
 }
 EXTENSIONS = {"py", "pt", "yaml", "yml", "json", "jsonl", "h5", "md", "sh", "toml", "txt", "mp4", "png"}
 
