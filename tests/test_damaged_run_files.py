@@ -21,8 +21,9 @@ def test_a_resume_drops_damaged_lines_and_event_records_with_one_note_and_goes_o
     (event_file,) = (run_dir / "tensorboard").iterdir()
     records, _, _ = sound_records(event_file.read_bytes())
     flipped = bytearray(b"".join(records))
-    flipped[sum(map(len, records[:5])) + 14] ^= 0xFF  # a byte of record 5's data: its checksum fails
-    event_file.write_bytes(bytes(flipped) + records[3][:20])  # and a torn record after the last
+    bad = len(records) - 1  # the last iteration's record (one event holds an iteration's scalars)
+    flipped[sum(map(len, records[:bad])) + 14] ^= 0xFF  # a byte of its data: its checksum fails
+    event_file.write_bytes(bytes(flipped) + records[bad][:20])  # and a torn record after the last
 
     resumed = run_main(*common)
 
@@ -36,4 +37,4 @@ def test_a_resume_drops_damaged_lines_and_event_records_with_one_note_and_goes_o
     ]
     assert [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()] == list(range(8))
     assert metrics.read_bytes().splitlines()[:3] == sound
-    assert sound_records(event_file.read_bytes()) == (records[:5] + records[6:], 0, 0)
+    assert sound_records(event_file.read_bytes()) == (records[:bad] + records[bad + 1 :], 0, 0)
