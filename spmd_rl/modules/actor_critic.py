@@ -190,6 +190,34 @@ def _check_action_space(action_space: gym.Space) -> None:
         )
 
 
+def check_vector_action_space(action_space: gym.Space, policy_name: str) -> None:
+    """Discrete (start 0) or a 1-D Box, the action spaces the built-in policies' heads take."""
+    discrete = isinstance(action_space, gym.spaces.Discrete) and int(action_space.start) == 0
+    if not (discrete or (isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1)):
+        raise UserError(
+            f"action space {action_space} is not supported by the {policy_name} (Discrete (start 0) or a "
+            f"1-D Box); wrap the env or bring your own policy.class"
+        )
+
+
+def add_action_head(policy: Policy, action_space: gym.Space, log_std_init: float) -> int:
+    """Set policy.discrete and policy.action_field and, for a Box, register its log_std parameter; returns the
+    actor's output width (logits, or the Gaussian's mean). Shared by the built-in actor-critic policies."""
+    policy.discrete = isinstance(action_space, gym.spaces.Discrete)
+    if policy.discrete:
+        policy.action_field = StepField((), torch.int64)
+        return int(action_space.n)
+    policy.action_field = StepField((int(action_space.shape[0]),), torch.float32)
+    actor_out = policy.action_field.shape[0]
+    policy.log_std = nn.Parameter(torch.full((actor_out,), float(log_std_init)))
+    return actor_out
+
+
+def actor_critic_outputs(action_field: StepField) -> dict[str, StepField]:
+    """The per-step outputs PPO needs from a rollout: the action, its log-prob and the critic's value."""
+    return {"action": action_field, "log_prob": StepField((), torch.float32), "value": StepField((), torch.float32)}
+
+
 class ActorCritic(Policy):
     """Actor and critic MLPs over encoded observations; `forward(obs, action)` is `evaluate` so DDP can wrap it.
 
@@ -200,14 +228,7 @@ class ActorCritic(Policy):
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: ActorCriticConfig):
         super().__init__(observation_space, action_space, config)
         _check_action_space(action_space)
-        self.discrete = isinstance(action_space, gym.spaces.Discrete)
-        if self.discrete:
-            self.action_field = StepField((), torch.int64)
-            actor_out = int(action_space.n)
-        else:
-            self.action_field = StepField((int(action_space.shape[0]),), torch.float32)
-            actor_out = self.action_field.shape[0]
-            self.log_std = nn.Parameter(torch.full((actor_out,), float(config.log_std_init)))
+        actor_out = add_action_head(self, action_space, config.log_std_init)
         self.encoder = make_encoder(observation_space, config)
         hidden, activation = list(config.hidden_sizes), config.activation
         # Built as two MLPs (their initialization, and the random numbers it draws, as before pairing), then packed.
@@ -227,11 +248,7 @@ class ActorCritic(Policy):
         return self.actor_and_critic.separate(1)
 
     def outputs(self) -> dict[str, StepField]:
-        return {
-            "action": self.action_field,
-            "log_prob": StepField((), torch.float32),
-            "value": StepField((), torch.float32),
-        }
+        return actor_critic_outputs(self.action_field)
 
     def update_normalizer(self, obs, context) -> None:
         self.encoder.update_normalizer(obs, context)

@@ -21,10 +21,9 @@ from torch import Tensor, nn
 
 from spmd_rl.config.sections import knob
 from spmd_rl.interfaces.policy import Policy, StepField
-from spmd_rl.modules.actor_critic import mlp
+from spmd_rl.modules.actor_critic import actor_critic_outputs, add_action_head, check_vector_action_space, mlp
 from spmd_rl.modules.configs import ActorCriticConfig
 from spmd_rl.modules.encoders import make_encoder
-from spmd_rl.runtime.errors import UserError
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -44,16 +43,6 @@ class RecurrentActorCriticConfig(ActorCriticConfig):
     hidden_sizes: list[int] = knob(
         None, "hidden layer widths of the actor and critic MLPs after the cell", factory=lambda: [64], item_min=1
     )
-
-
-def _check_action_space(action_space: gym.Space) -> None:
-    discrete = isinstance(action_space, gym.spaces.Discrete) and int(action_space.start) == 0
-    vector_box = isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1
-    if not (discrete or vector_box):
-        raise UserError(
-            f"action space {action_space} is not supported by the recurrent actor-critic (Discrete (start 0) or a "
-            f"1-D Box); wrap the env or bring your own policy.class"
-        )
 
 
 def _flatten_time(obs, steps: int, batch: int):
@@ -76,15 +65,8 @@ class RecurrentActorCritic(Policy):
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: RecurrentActorCriticConfig):
         super().__init__(observation_space, action_space, config)
-        _check_action_space(action_space)
-        self.discrete = isinstance(action_space, gym.spaces.Discrete)
-        if self.discrete:
-            self.action_field = StepField((), torch.int64)
-            actor_out = int(action_space.n)
-        else:
-            self.action_field = StepField((int(action_space.shape[0]),), torch.float32)
-            actor_out = self.action_field.shape[0]
-            self.log_std = nn.Parameter(torch.full((actor_out,), float(config.log_std_init)))
+        check_vector_action_space(action_space, "recurrent actor-critic")
+        actor_out = add_action_head(self, action_space, config.log_std_init)
         self.encoder = make_encoder(observation_space, config)
         self.size = config.recurrent_size
         self.lstm = config.cell == "lstm"
@@ -108,11 +90,7 @@ class RecurrentActorCritic(Policy):
     # -- the contract ---------------------------------------------------------------------------------------------
 
     def outputs(self) -> dict[str, StepField]:
-        return {
-            "action": self.action_field,
-            "log_prob": StepField((), torch.float32),
-            "value": StepField((), torch.float32),
-        }
+        return actor_critic_outputs(self.action_field)
 
     def recurrent_state(self) -> dict[str, StepField]:
         state = {}

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spmd_rl.interfaces.policy import Policy, StepField
-from spmd_rl.modules.actor_critic import LOG_SQRT_2PI
+from spmd_rl.modules.actor_critic import LOG_SQRT_2PI, actor_critic_outputs, add_action_head, check_vector_action_space
 from spmd_rl.modules.configs import TransformerConfig
 from spmd_rl.modules.encoders import VectorEncoder, image_batch, image_layout, is_image
 from spmd_rl.runtime.errors import UserError
@@ -156,15 +156,6 @@ class Block(nn.Module):
 # The policy
 
 
-def _check_action_space(action_space: gym.Space) -> None:
-    discrete = isinstance(action_space, gym.spaces.Discrete) and int(action_space.start) == 0
-    if not (discrete or (isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1)):
-        raise UserError(
-            f"action space {action_space} is not supported by the transformer policy (Discrete (start 0) or a "
-            f"1-D Box); wrap the env or bring your own policy.class"
-        )
-
-
 class TransformerPolicy(Policy):
     """Tokens, a readout token and a position embedding, `depth` pre-norm blocks, a final norm, then linear actor
     and critic heads on the readout token; `forward(obs, action)` is `evaluate` so DDP and FSDP can wrap it."""
@@ -173,21 +164,14 @@ class TransformerPolicy(Policy):
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: TransformerConfig):
         super().__init__(observation_space, action_space, config)
-        _check_action_space(action_space)
+        check_vector_action_space(action_space, "transformer policy")
         width = config.width
         if width % config.heads:
             raise UserError(f"policy.heads={config.heads} must divide policy.width={width}")
         mlp_width = round(width * config.mlp_ratio)
         if mlp_width < 1:
             raise UserError(f"policy.mlp_ratio={config.mlp_ratio} gives blocks an MLP of width 0; use at least 1/width")
-        self.discrete = isinstance(action_space, gym.spaces.Discrete)
-        if self.discrete:
-            self.action_field = StepField((), torch.int64)
-            actor_out = int(action_space.n)
-        else:
-            self.action_field = StepField((int(action_space.shape[0]),), torch.float32)
-            actor_out = self.action_field.shape[0]
-            self.log_std = nn.Parameter(torch.full((actor_out,), float(config.log_std_init)))
+        actor_out = add_action_head(self, action_space, config.log_std_init)
         self.tokens = make_tokens(observation_space, config)
         self.readout = nn.Parameter(torch.zeros(1, 1, width))
         self.position = nn.Parameter(torch.zeros(1, self.tokens.tokens + 1, width))
@@ -207,11 +191,7 @@ class TransformerPolicy(Policy):
         return list(self.blocks)
 
     def outputs(self) -> dict[str, StepField]:
-        return {
-            "action": self.action_field,
-            "log_prob": StepField((), torch.float32),
-            "value": StepField((), torch.float32),
-        }
+        return actor_critic_outputs(self.action_field)
 
     def update_normalizer(self, obs, context) -> None:
         self.tokens.update_normalizer(obs, context)

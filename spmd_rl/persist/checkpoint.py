@@ -270,9 +270,8 @@ def load_shards(state: dict, directory: Path, like=None) -> dict:
             f"checkpoint {directory}: its shard files cannot be read ({_first_line(exc)}): delete {directory} "
             f"to resume from the previous checkpoint"
         ) from None
-    _, placeholders = split_placeholders(state)
     targets = {}
-    for key in placeholders:
+    for key in placeholder_keys(state):
         meta = stored.get(key)
         if meta is None:
             raise UserError(f"checkpoint {directory}: its shard files hold no '{key}'; resume with the same config")
@@ -294,8 +293,8 @@ def load_shards(state: dict, directory: Path, like=None) -> dict:
     return fill(state)
 
 
-def split_placeholders(state) -> tuple[dict, list[str]]:
-    """(state, the keys of its sharded placeholders)."""
+def placeholder_keys(state) -> list[str]:
+    """The keys of a state's sharded placeholders, in order."""
     keys: list[str] = []
 
     def walk(value):
@@ -310,7 +309,7 @@ def split_placeholders(state) -> tuple[dict, list[str]]:
                 walk(v)
 
     walk(state)
-    return state, keys
+    return keys
 
 
 def has_shards(state: dict) -> bool:
