@@ -38,13 +38,24 @@ fi
 # (launch/common.sh).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 make_exit_file
-drop_signal_traceback() {   # the agent's traceback for the signal it was sent; every other line passes at once
-    awk '/^Traceback \(most recent call last\):$/ { held = $0; holding = 1; next }
-         holding { held = held "\n" $0
-                   if ($0 !~ /^[ \t]/) { if ($0 !~ /SignalException: Process [0-9]+ got signal/) print held; holding = 0 }
-                   next }
+# A second signal while the agent handles the first (a signal to the whole process group reaches it directly and
+# relayed by this script) chains a second traceback to the first: the chain is held to its end and dropped only if
+# every exception in it is the agent's SignalException.
+drop_signal_traceback() {   # every other line passes at once
+    awk 'function finish() { if (real) print held; state = 0; fflush() }
+         state == 2 && /^(During handling of the above exception|The above exception was the direct cause)/ {
+             held = held "\n" $0; state = 1; next }
+         state == 2 && /^$/ { held = held "\n" $0; next }
+         state == 2 { finish() }
+         /^Traceback \(most recent call last\):$/ {
+             if (state == 1) held = held "\n" $0; else { held = $0; state = 1; real = 0 }
+             next }
+         state == 1 { held = held "\n" $0
+                      if ($0 ~ /^([ \t]|$)/ || $0 ~ /^(During handling of the above exception|The above exception was the direct cause)/) next
+                      if ($0 !~ /SignalException: Process [0-9]+ got signal/) real = 1
+                      state = 2; next }
          { print; fflush() }
-         END { if (holding) print held }' >&2
+         END { if (state) { real = real || state == 1; finish() } }' >&2
 }
 # Failing ranks leave their records in failure_dir (per attempt, with MAX_RESTARTS), so this script prints the job
 # summary if rank 0 could not; one node only: records from some nodes alone would blame the others' ranks.

@@ -23,6 +23,7 @@ from spmd_rl.runtime.launch import (
     slurm_default_port,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = {
     "RANK": "3",
     "WORLD_SIZE": "4",
@@ -223,3 +224,49 @@ def test_torchrun_job_with_a_crashing_rank_fails(tmp_path, restarts):
     summaries = [line for line in output.splitlines() if "job summary" in line]
     assert summaries and summaries[-1].startswith("spmd_rl: job summary: rank 1 (colocated 1) failed first"), output
     assert "stopping after this iteration" not in output, output[-4000:]
+
+
+# The agent's traceback when the whole process group is signalled: the signal reaches it directly and relayed by
+# launch/torchrun.sh, and the second arrives while it logs the first (seen in CI: a chained traceback with a blank
+# line inside a frame). A chain that holds any other exception is printed whole.
+AGENT_CHAIN = """\
+spmd_rl: stopped by SIGTERM after iteration 10; checkpoint runs/x/checkpoints/iter_000000010
+Traceback (most recent call last):
+  File "torch/distributed/elastic/agent/server/api.py", line 753, in run
+    logger.warning("Received %s death signal, shutting down workers", e.sigval)
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 2144 got signal: 15
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "logging/__init__.py", line 292, in __init__
+    def __init__(self, name, level, pathname, lineno,
+
+  File "torch/distributed/elastic/multiprocessing/api.py", line 86, in _terminate_process_handler
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 2144 got signal: 15
+"""
+REAL_CHAIN = """\
+Traceback (most recent call last):
+  File "a.py", line 1, in f
+ValueError: the real error
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "api.py", line 86, in _terminate_process_handler
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 7 got signal: 15
+"""
+
+
+def _through_torchrun_filter(text):
+    script = ROOT / "launch" / "torchrun.sh"
+    function = f"source <(sed -n '/^drop_signal_traceback()/,/^}}/p' {script}); drop_signal_traceback"
+    done = subprocess.run(["bash", "-c", function], input=text, capture_output=True, text=True, timeout=30)
+    return done.stdout + done.stderr
+
+
+def test_the_torchrun_filter_drops_the_agents_chained_signal_tracebacks_and_nothing_else():
+    assert _through_torchrun_filter(AGENT_CHAIN + "after\n") == AGENT_CHAIN.splitlines()[0] + "\nafter\n"
+    assert _through_torchrun_filter(REAL_CHAIN + "after\n") == REAL_CHAIN + "after\n"
+    assert _through_torchrun_filter(REAL_CHAIN) == REAL_CHAIN   # the stream ends right after the chain
