@@ -269,4 +269,4 @@ def _through_torchrun_filter(text):
 def test_the_torchrun_filter_drops_the_agents_chained_signal_tracebacks_and_nothing_else():
     assert _through_torchrun_filter(AGENT_CHAIN + "after\n") == AGENT_CHAIN.splitlines()[0] + "\nafter\n"
     assert _through_torchrun_filter(REAL_CHAIN + "after\n") == REAL_CHAIN + "after\n"
-    assert _through_torchrun_filter(REAL_CHAIN) == REAL_CHAIN   # the stream ends right after the chain
+    assert _through_torchrun_filter(REAL_CHAIN) == REAL_CHAIN  # the stream ends right after the chain
