@@ -41,8 +41,15 @@ make_exit_file
 # A second signal while the agent handles the first (a signal to the whole process group reaches it directly and
 # relayed by this script) chains a second traceback to the first: the chain is held to its end and dropped only if
 # every exception in it is the agent's SignalException.
+# When a rank fails, the agent logs each SIGTERM it sends and the failed exit code, then raises ChildFailedError
+# with a report of every rank's exit code: 50 lines after the ranks' one line. Once rank 0 has left its code in
+# $exit_file it has spoken for the job (its line or the job summary), so those are dropped; a job whose rank 0
+# left nothing (it was killed, or died before Python ran) keeps them, the only account of what happened.
 drop_signal_traceback() {   # every other line passes at once
-    awk 'function finish() { if (real) print held; state = 0; fflush() }
+    awk -v exit_file="${exit_file:-/dev/null}" '
+         function spoke(  code) { code = ""; getline code < exit_file; close(exit_file); return code != "" }
+         function finish() { if (real) print held; state = 0; fflush() }
+         state == 3 { if (/^=+$/ && ++rules == 2) state = 0; next }   # the ChildFailedError report, to its end
          state == 2 && /^(During handling of the above exception|The above exception was the direct cause)/ {
              held = held "\n" $0; state = 1; next }
          state == 2 && /^$/ { held = held "\n" $0; next }
@@ -52,17 +59,22 @@ drop_signal_traceback() {   # every other line passes at once
              next }
          state == 1 { held = held "\n" $0
                       if ($0 ~ /^([ \t]|$)/ || $0 ~ /^(During handling of the above exception|The above exception was the direct cause)/) next
+                      if ($0 ~ /errors\.ChildFailedError: *$/ && !real && spoke()) { state = 3; rules = 0; next }
                       if ($0 !~ /SignalException: Process [0-9]+ got signal/) real = 1
                       state = 2; next }
+         /^[IWE][0-9]+ [0-9:.]+ [0-9]+ torch\/distributed\/elastic\/multiprocessing\/api\.py:[0-9]+\] (Sending process [0-9]+ closing signal SIG[A-Z]+|failed \(exitcode: -?[0-9]+\) local_rank: [0-9]+ )/ {
+             if (spoke()) next }
          { print; fflush() }
-         END { if (state) { real = real || state == 1; finish() } }' >&2
+         END { if (state == 3) state = 0; if (state) { real = real || state == 1; finish() } }' >&2
 }
 # Failing ranks leave their records in failure_dir (per attempt, with MAX_RESTARTS), so this script prints the job
 # summary if rank 0 could not; one node only: records from some nodes alone would blame the others' ranks.
 if [[ $NNODES == 1 ]]; then
     export SPMD_RL_FAILURE_DIR=$failure_dir
 fi
-# torchrun sets OMP_NUM_THREADS=1 for its workers unless it is already set.
+# torchrun sets OMP_NUM_THREADS=1 for its workers unless it is already set, with a 3-line banner saying so: the
+# same value, set here, without the banner.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # The filter's pid is kept (a process substitution's is $! only right after it starts) so that this script ends
 # after its last line; it reads until the agent and the ranks, its only writers once this shell closes its copy, exit.
 # The filter ignores INT, TERM and USR1: a signal sent to the whole process group (`timeout`, a terminal's Ctrl-C,
