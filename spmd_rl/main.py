@@ -31,9 +31,10 @@ from spmd_rl.run.topology import build_topology
 from spmd_rl.runtime.errors import StopSignal, UserError
 from spmd_rl.runtime.exits import leave_exit_code, user_error
 from spmd_rl.runtime.launch import detect_launch, rank_from_env
+from spmd_rl.runtime.orphans import watch_for_orphaning
 from spmd_rl.runtime.signals import install_early_signal_handlers, install_signal_handlers
 from spmd_rl.runtime.user_exits import guard_os_exit
-from spmd_rl.runtime.watchdog import watchdog
+from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
 
 USAGE_EXAMPLES = """\
 examples:
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     # dist.timeout_s's default until the config gives its own.
     rank = rank_from_env()
     watchdog.configure(DistSection().timeout_s, f"rank {rank if rank is not None else 0}")
+    # Under torchrun: a rank whose agent is gone (a kill -9 of the launcher's group) stops instead of training on.
+    watch_for_orphaning(lambda: watchdog.timeout_s + COLLECTIVE_MARGIN_S, lambda: watchdog.who)
     try:
         code = _main(argv)
     except (StopSignal, KeyboardInterrupt) as stop:  # before the run began: nothing to save, nothing to resume
