@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.launch import command
 from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import Config
 from spmd_rl.runtime.errors import UserError
@@ -334,16 +335,7 @@ def test_file_errors_exit_2_with_one_line_naming_the_file(tmp_path):
 
 def test_under_torchrun_a_config_error_is_printed_once():
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "spmd_rl.main",
-            "train.totl_steps=5",
-        ],
+        [*command("torchrun", 2, standalone=True), "train.totl_steps=5"],
         cwd=ROOT,
         capture_output=True,
         text=True,
