@@ -135,7 +135,7 @@ class TrainedRun:
 
     dir: Path  # the run directory (config.yaml, metrics.jsonl, policy.pt, checkpoints/)
     finished: bool  # False: stopped with a checkpoint (run.stop_after_iterations, a signal); train again to resume
-    metrics: dict  # the last record of metrics.jsonl (its keys: see the README's "Running")
+    metrics: dict  # the last record of metrics.jsonl (its keys: docs/running.md, "What a run writes")
     policy: Any  # the trained Policy, loaded as spmd_rl.load_policy does (eval mode; act takes numpy or torch)
     cfg: Any  # the run's Config, as saved in config.yaml
     stop: str = ""  # the stop line when it stopped ("stopped by ... after iteration N; checkpoint ...")
