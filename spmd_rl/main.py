@@ -155,6 +155,7 @@ def train(config: str | Path | Mapping | None = None, overrides: Mapping[str, An
     nothing calls sys.exit. Torch's thread count, the signal handlers and the stop state are restored afterwards;
     the run seeds torch's, numpy's and Python's generators as the command line does."""
     # Imported only now: torch, tensordict and the envs take seconds.
+    from spmd_rl.persist.run_files import METRICS_FILE
     from spmd_rl.run.driver import train_in_process
     from spmd_rl.run.metrics import last_record
     from spmd_rl.run.policies import load_policy
@@ -165,7 +166,7 @@ def train(config: str | Path | Mapping | None = None, overrides: Mapping[str, An
     return TrainedRun(
         dir=outcome.run_dir,
         finished=outcome.stopped is None,
-        metrics=last_record(outcome.run_dir / "metrics.jsonl"),
+        metrics=last_record(outcome.run_dir / METRICS_FILE),
         policy=policy,
         cfg=run_cfg,
         stop=str(outcome.stopped or ""),

@@ -23,7 +23,7 @@ from spmd_rl.config.sections import Config
 from spmd_rl.envs.vector import EnvSpec, check_same_spaces, probe_env
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.fileio import flush_open_files
-from spmd_rl.persist.run_control import STOPPED_EXIT_CODE, RunControl, StoppedWithCheckpoint
+from spmd_rl.persist.run_control import RunControl, StoppedWithCheckpoint
 from spmd_rl.persist.run_lock import release_run_dirs
 from spmd_rl.run import contract
 from spmd_rl.run.evaluation import probe_eval_env
@@ -36,6 +36,7 @@ from spmd_rl.run.trackers import check_installed
 from spmd_rl.runtime.distributed import Runtime, choose_device, shutdown_runtime, start_runtime
 from spmd_rl.runtime.errors import (
     COMM_ERROR_EXIT_CODE,
+    STOPPED_EXIT_CODE,
     USER_CODE_EXIT_CODE,
     CommError,
     SharedUserError,
