@@ -30,7 +30,7 @@ from spmd_rl.run.evaluation import probe_eval_env
 from spmd_rl.run.plan import Plan, dry_run_plan, plan_run
 from spmd_rl.run.policies import save_policy
 from spmd_rl.run.resume import agree_on_run, mark_finished
-from spmd_rl.run.setup import Run
+from spmd_rl.run.run import Run
 from spmd_rl.run.topology import Topology, build_topology, create_process_groups
 from spmd_rl.run.trackers import check_installed
 from spmd_rl.runtime.distributed import Runtime, choose_device, shutdown_runtime, start_runtime
