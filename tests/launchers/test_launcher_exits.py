@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+from harness.launch import ROOT, command, job_env, with_pythonpath
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "ci_tiny.yaml")
 ENDLESS = ["--config", TINY, "train.total_steps=100000000"]
 BOUND_S = 180  # a hang's bound, far above what each job takes on a quiet machine
@@ -32,14 +32,16 @@ needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open M
 
 def _start(script: str, args: list[str], cwd: Path) -> subprocess.Popen:
     """launch/<script> (or plain torchrun for "torchrun") with 2 ranks, in a session of its own."""
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", PYTHON=sys.executable, NPROC="2", NP="2")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    command = [str(ROOT / "launch" / script), *args]
-    if script == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        command += ["-m", "spmd_rl.main", *args]
+    env = with_pythonpath(job_env(PYTHON=sys.executable, NPROC="2", NP="2"), ROOT)
+    line = command("torchrun", 2, standalone=True) if script == "torchrun" else [str(ROOT / "launch" / script)]
     return subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        [*line, *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
 
 

@@ -19,7 +19,7 @@ from spmd_rl.runtime.errors import COMM_ERROR_EXIT_CODE, USER_CODE_EXIT_CODE
 from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.postmortem import KEY, Failure, after_failure, sign
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NAMES = ["rank 0 (trainer 0)", "rank 1 (inference 0)", "rank 2 (env 0)", "rank 3 (env 1)"]
 
 
