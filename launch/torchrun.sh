@@ -63,9 +63,9 @@ drop_signal_traceback() {   # every other line passes at once
                       if ($0 ~ /errors\.ChildFailedError: *$/ && !real && spoke()) { state = 3; rules = 0; next }
                       if ($0 !~ /SignalException: Process [0-9]+ got signal/) real = 1
                       state = 2; next }
-         /^[IWE][0-9]+ [0-9:.]+ [0-9]+ torch\/distributed\/elastic\/[a-z_\/]+\.py:[0-9]+\] (Sending process [0-9]+ closing signal SIG[A-Z]+|Received [0-9]+ death signal, shutting down workers)$/ {
+         /^[IWE][0-9]+ [0-9:.]+ [0-9]+ ([^ ]*\/)?torch\/distributed\/elastic\/[a-z_\/]+\.py:[0-9]+\] (Sending process [0-9]+ closing signal SIG[A-Z]+|Received [0-9]+ death signal, shutting down workers)$/ {
              next }   # how the agent passes a signal or a failure on: the ranks, or this script, say what happened
-         /^[IWE][0-9]+ [0-9:.]+ [0-9]+ torch\/distributed\/elastic\/multiprocessing\/api\.py:[0-9]+\] failed \(exitcode: -?[0-9]+\) local_rank: [0-9]+ / {
+         /^[IWE][0-9]+ [0-9:.]+ [0-9]+ ([^ ]*\/)?torch\/distributed\/elastic\/multiprocessing\/api\.py:[0-9]+\] failed \(exitcode: -?[0-9]+\) local_rank: [0-9]+ / {
              if (spoke()) next }
          { print; fflush() }
          END { if (state == 3) state = 0; if (state) { real = real || state == 1; finish() } }' >&2
