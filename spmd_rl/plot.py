@@ -159,7 +159,7 @@ def group_seeds(runs: list[Run]) -> tuple[list[list[Run]], list[str]]:
     groups: dict[str, list[Run]] = {}
     for run in runs:
         identity = (
-            json.dumps(_without_per_run_keys(run.config), sort_keys=True, default=str)
+            json.dumps(without_per_run_keys(run.config), sort_keys=True, default=str)
             if run.config
             else str(run.directory)
         )  # no config.yaml: a group of its own
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 def _labels(groups: list[list[Run]]) -> list[str]:
     """A group's name (a single run: its directory's name; seeds: their run.name) followed by the config values
     that set it apart from the other curves, so that overlaid curves say what they compare."""
-    flat = [_flatten(_without_per_run_keys(group[0].config)) for group in groups]
+    flat = [flatten_config(without_per_run_keys(group[0].config)) for group in groups]
     leading, keys = distinguishing_keys(flat)
     labels = []
     for group, values, own in zip(groups, flat, keys):
@@ -312,7 +312,7 @@ def distinguishing_keys(configs: list[dict]) -> tuple[list[str], list[list[str]]
     lacks (a plug-in's own knob, a key left out at its default) is never shown for it: 'key=None' says nothing."""
     absent = object()
     keys = list(dict.fromkeys(k for config in configs for k in config))  # config order: a section's keys together
-    leading = [k for k in EXPERIMENT_KEYS if len({_text(c.get(k, absent)) for c in configs}) > 1]
+    leading = [k for k in EXPERIMENT_KEYS if len({_text(c[k]) for c in configs if k in c}) > 1]
     experiments: dict[str, list[int]] = {}
     for index, config in enumerate(configs):
         experiments.setdefault(_text([config.get(k, absent) for k in leading]), []).append(index)
@@ -352,7 +352,7 @@ def describe_keys(flat: dict, leading: list[str], keys: list[str], limit: int = 
     return text
 
 
-def _without_per_run_keys(config: dict) -> dict:
+def without_per_run_keys(config: dict) -> dict:
     config = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
     for section, key in _PER_RUN_KEYS:
         if isinstance(config.get(section), dict):
@@ -360,11 +360,11 @@ def _without_per_run_keys(config: dict) -> dict:
     return config
 
 
-def _flatten(config: dict, prefix: str = "") -> dict:
+def flatten_config(config: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in config.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten_config(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

@@ -37,6 +37,7 @@ from spmd_rl.runtime.distributed import Runtime, choose_device, shutdown_runtime
 from spmd_rl.runtime.errors import (
     COMM_ERROR_EXIT_CODE,
     USER_CODE_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
     CommError,
     SharedUserError,
     StopSignal,
@@ -134,7 +135,7 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
         if launch.rank == 0:
             leave_exit_code(exit_code)
         shutdown_runtime(runtime, exit_code)
-        release_run_dirs()
+        release_run_dirs(exit_code)
     if dry_run and exit_code == 0 and launch.rank == 0:
         _end_dry_run(outcome.run_dir)
     return exit_code
@@ -209,13 +210,22 @@ def train_in_process(cfg: Config) -> Outcome:
         install_signal_handlers()
     configure_torch(cfg)
     runtime = None
+    exit_code = 1  # what run.lock records: as `python -m spmd_rl.main` would have ended (an error raised here: 1)
     try:
         runtime = start_runtime(launch, cfg.train.device, cfg.dist.timeout_s, *checked.gpu_slot)
-        return run_engine(cfg, launch, runtime, checked, dry_run=False)
+        outcome = run_engine(cfg, launch, runtime, checked, dry_run=False)
+        exit_code = 0 if outcome.stopped is None else STOPPED_EXIT_CODE
+        return outcome
+    except UserError:
+        exit_code = USER_ERROR_EXIT_CODE
+        raise
+    except UserCodeError:
+        exit_code = USER_CODE_EXIT_CODE
+        raise
     finally:
         flush_open_files()
         shutdown_runtime(runtime, 0)  # one process: no group to destroy
-        release_run_dirs()
+        release_run_dirs(exit_code)
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
         if handlers is not None:
