@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from spmd_rl.config.loading import evaluation_env
 from spmd_rl.config.sections import Config
 from spmd_rl.envs.vector import EnvSpec, check_same_spaces, probe_env
 from spmd_rl.interfaces.policy import Policy
@@ -26,7 +27,7 @@ from spmd_rl.persist.fileio import flush_open_files
 from spmd_rl.persist.run_control import STOPPED_EXIT_CODE, RunControl, StoppedWithCheckpoint
 from spmd_rl.persist.run_lock import release_run_dirs
 from spmd_rl.run import contract
-from spmd_rl.run.evaluation import probe_eval_env
+from spmd_rl.run.evaluation import check_video, probe_eval_env
 from spmd_rl.run.plan import Plan, dry_run_plan, plan_run
 from spmd_rl.run.policies import save_policy
 from spmd_rl.run.resume import agree_on_run, mark_finished
@@ -283,6 +284,9 @@ def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
         check_installed(cfg)  # log.wandb, log.mlflow: their packages (rank 0 uses them; every rank checks alike)
         with watchdog.watch(f"making env.id {cfg.env.id} (to read its spaces)"):
             spec = probe_env(cfg.env)
+        if cfg.eval.video_every:  # rank 0 records; every rank checks alike, so that all refuse together
+            with watchdog.watch("rendering one frame of the evaluation env (eval.video_every)"):
+                check_video(evaluation_env(cfg))
         if cfg.eval.env:  # held-out settings: the policy built for env's spaces must act there too
             with watchdog.watch("making eval.env's envs (to read their spaces)"):
                 check_same_spaces(spec, probe_eval_env(cfg), "eval.env")
