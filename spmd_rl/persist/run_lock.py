@@ -56,17 +56,25 @@ def lock_run_dir(run_dir: Path) -> None:
     _held[key] = fd
 
 
+def record_exit(exit_code: int) -> None:
+    """Write how this run ends (exit_code) beside the holder in every run.lock this process holds, keeping the
+    lock: called before the slow part of the exit (the process groups' teardown), so that a launcher's SIGKILL
+    there (plain mpirun kills ranks a second after their SIGTERM) leaves the code written."""
+    for fd in _held.values():
+        with contextlib.suppress(OSError, ValueError):  # a record to read back, never a reason to fail an exit
+            holder = json.loads(os.pread(fd, 4096, 0).decode())
+            record = json.dumps({**holder, "ended": time.time(), "exit_code": exit_code}) + "\n"
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record.encode(), 0)
+
+
 def release_run_dirs(exit_code: int | None = None) -> None:
     """Let go of every run directory this process locked (the end of a run; process exit does the same), first
-    recording how it ended (exit_code; None: record nothing) beside the holder."""
+    recording how it ended (exit_code; None: record nothing more) beside the holder."""
+    if exit_code is not None:
+        record_exit(exit_code)
     while _held:
         _, fd = _held.popitem()
-        if exit_code is not None:
-            with contextlib.suppress(OSError, ValueError):  # a record to read back, never a reason to fail an exit
-                holder = json.loads(os.pread(fd, 4096, 0).decode())
-                record = json.dumps({**holder, "ended": time.time(), "exit_code": exit_code}) + "\n"
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, record.encode(), 0)
         os.close(fd)  # closing the last descriptor of the open file drops its flock
 
 

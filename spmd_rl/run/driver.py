@@ -25,7 +25,7 @@ from spmd_rl.envs.vector import EnvSpec, check_same_spaces, probe_env
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.fileio import flush_open_files
 from spmd_rl.persist.run_control import STOPPED_EXIT_CODE, RunControl, StoppedWithCheckpoint
-from spmd_rl.persist.run_lock import release_run_dirs
+from spmd_rl.persist.run_lock import record_exit, release_run_dirs
 from spmd_rl.run import contract
 from spmd_rl.run.evaluation import check_video, probe_eval_env
 from spmd_rl.run.plan import Plan, dry_run_plan, plan_run
@@ -135,6 +135,7 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
             )
         if launch.rank == 0:
             leave_exit_code(exit_code)
+        record_exit(exit_code)  # run.lock (rank 0's), before the teardown a launcher may cut short with SIGKILL
         shutdown_runtime(runtime, exit_code)
         release_run_dirs(exit_code)
     if dry_run and exit_code == 0 and launch.rank == 0:
