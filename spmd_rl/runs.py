@@ -33,12 +33,11 @@ from pathlib import Path
 
 import yaml
 
+from spmd_rl.persist.run_files import CONFIG_FILE, FINISHED, LOCK_FILE, METRICS_FILE
 from spmd_rl.persist.run_lock import read_lock
 from spmd_rl.plot import SEARCH_DEPTH, describe_keys, distinguishing_keys, flatten_config
-from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE
+from spmd_rl.runtime.errors import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
 
-FINISHED = "finished.json"  # spmd_rl.run.resume.FINISHED (not imported: it pulls torch)
-STOPPED_EXIT_CODE = 75  # spmd_rl.persist.run_control.STOPPED_EXIT_CODE
 _DIGEST_IN_NAME = re.compile(r"-([0-9a-f]{8})(?:-\d+)?$")  # runs/<name>-<digest>[-2]
 
 
@@ -71,7 +70,7 @@ def find_runs(paths: list[Path]) -> list[Path]:
 
 
 def _is_run(path: Path) -> bool:
-    return (path / "config.yaml").exists() or (path / "metrics.jsonl").exists()
+    return (path / CONFIG_FILE).exists() or (path / METRICS_FILE).exists()
 
 
 def _runs_inside(path: Path, depth: int) -> list[Path]:
@@ -101,9 +100,9 @@ def run_status(run_dir: Path) -> tuple[RunStatus, dict]:
     elif isinstance(lock.get("exit_code"), int):
         status.exit_code = lock["exit_code"]
         status.state = "stopped" if status.exit_code == STOPPED_EXIT_CODE else "failed"
-    elif lock or (run_dir / "run.lock").exists():
+    elif lock or (run_dir / LOCK_FILE).exists():
         status.state = "killed"
-    elif (run_dir / "metrics.jsonl").exists():
+    elif (run_dir / METRICS_FILE).exists():
         status.state = "unknown"  # logged without run.lock: a run from before run.lock, or a copied directory
     if status.state == "finished" and isinstance(lock.get("exit_code"), int):
         status.exit_code = lock["exit_code"]
@@ -115,7 +114,7 @@ def run_status(run_dir: Path) -> tuple[RunStatus, dict]:
 
 
 def _read_config(run_dir: Path, notes: list[str]) -> dict:
-    path = run_dir / "config.yaml"
+    path = run_dir / CONFIG_FILE
     if not path.exists():
         return {}
     try:
@@ -128,7 +127,7 @@ def _read_config(run_dir: Path, notes: list[str]) -> dict:
 
 def _read_metrics(run_dir: Path, status: RunStatus) -> None:
     """The last record's counters and the last returns; lines that are no JSON object are skipped and counted."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     try:
         text = path.read_bytes().decode(errors="replace")
         status.updated = path.stat().st_mtime
