@@ -30,8 +30,13 @@ from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
 _PER_RUN_KEYS = (("train", "seed"), ("run", "dir"), ("run", "name"))
 GRID_POINTS = 200
 SEARCH_DEPTH = 3  # how deep a directory of runs is searched: runs/<sweep>/<run>
-LABEL_DETAIL_CHARS = 70
+LABEL_DETAIL_CHARS = 100  # a legend line of about the figure's width
 LINE_STYLES = ("-", "--", ":", "-.")
+EXPERIMENT_KEYS = ("env.id", "algo.class", "policy.class")  # what labels name first: see distinguishing_keys
+COLOUR_ORDER = (*range(0, 20, 2), *range(1, 20, 2))  # matplotlib's tab20: its ten strong colours, then the pale
+AXES_INCHES = (8.0, 4.5)
+LEGEND_ONE_COLUMN_MAX = 8  # more curves than this: two columns, if their labels are short enough
+LEGEND_TWO_COLUMN_CHARS = 55
 LABELS = {
     "env_steps": "env steps",
     "iteration": "iteration",
@@ -155,7 +160,7 @@ def group_seeds(runs: list[Run]) -> tuple[list[list[Run]], list[str]]:
     groups: dict[str, list[Run]] = {}
     for run in runs:
         identity = (
-            json.dumps(_without_per_run_keys(run.config), sort_keys=True, default=str)
+            json.dumps(without_per_run_keys(run.config), sort_keys=True, default=str)
             if run.config
             else str(run.directory)
         )  # no config.yaml: a group of its own
@@ -191,33 +196,64 @@ def curves(groups: list[list[Run]], x: str, y: str) -> list[Curve]:
 
 
 def draw(curves_: list[Curve], x: str, y: str, title: str, output: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure = make_figure(curves_, x, y, title)
+    # "tight" grows the picture around the axes and the legend below them: the axes keep their size with any
+    # number of runs.
+    figure.savefig(output, dpi=120, bbox_inches="tight", pad_inches=0.1)
+    plt.close(figure)
+
+
+def make_figure(curves_: list[Curve], x: str, y: str, title: str):
+    """The figure: axes of a fixed size (AXES_INCHES, whatever the number of curves), the legend below them in one
+    column or two, and a y label wrapped to the axes' height rather than clipped."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(8, 5), layout="constrained")
+    colours = [matplotlib.colormaps["tab20"](i) for i in COLOUR_ORDER]
+    width, height = AXES_INCHES
+    figure = plt.figure(figsize=(width + 1.2, height + 1.0))
+    axes = figure.add_axes((0.9 / (width + 1.2), 0.7 / (height + 1.0), width / (width + 1.2), height / (height + 1.0)))
     for index, curve in enumerate(curves_):
         marker = "o" if len(curve.x) < 20 else None  # short runs: show where the points are
         # Line styles differ too: runs that agree exactly (a layout or backend that must not change results) would
-        # otherwise hide one another.
+        # otherwise hide one another; with tab20's colours, 20 curves in a row look different.
         (line,) = axes.plot(
             curve.x,
             curve.mean,
             label=curve.label,
             marker=marker,
             markersize=3,
+            color=colours[index % len(colours)],
             linestyle=LINE_STYLES[index % len(LINE_STYLES)],
         )
         if curve.low is not None:
             axes.fill_between(curve.x, curve.low, curve.high, color=line.get_color(), alpha=0.2, linewidth=0)
     axes.set_xlabel(LABELS.get(x, x))
-    axes.set_ylabel(LABELS.get(y, y))
     axes.set_title(title)
     axes.grid(alpha=0.3)
-    figure.legend(loc="outside lower center", fontsize="small")  # below the axes: it never covers a curve
-    figure.savefig(output, dpi=120)
-    plt.close(figure)
+    renderer = figure.canvas.get_renderer()
+    _set_whole_ylabel(axes, LABELS.get(y, y), renderer)
+    # Below the x label (measured, in axes coordinates), never over the curves however many there are.
+    below = axes.transAxes.inverted().transform(axes.xaxis.get_tightbbox(renderer).p0)[1]
+    longest = max((len(curve.label) for curve in curves_), default=0)
+    columns = 2 if len(curves_) > LEGEND_ONE_COLUMN_MAX and longest <= LEGEND_TWO_COLUMN_CHARS else 1
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, below - 0.02), ncols=columns, fontsize="small", frameon=False)
+    return figure
+
+
+def _set_whole_ylabel(axes, text: str, renderer) -> None:
+    """The y label on one line if it fits the axes' height, else on two (split at the middle space)."""
+    label = axes.set_ylabel(text)
+    if label.get_window_extent(renderer).height <= axes.get_window_extent(renderer).height or " " not in text:
+        return
+    middle = len(text) // 2
+    spaces = [i for i, char in enumerate(text) if char == " "]
+    split = min(spaces, key=lambda i: abs(i - middle))
+    axes.set_ylabel(f"{text[:split]}\n{text[split + 1 :]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,29 +290,70 @@ def main(argv: list[str] | None = None) -> int:
 def _labels(groups: list[list[Run]]) -> list[str]:
     """A group's name (a single run: its directory's name; seeds: their run.name) followed by the config values
     that set it apart from the other curves, so that overlaid curves say what they compare."""
-    flat = [_flatten(_without_per_run_keys(group[0].config)) for group in groups]
-    keys = list(dict.fromkeys(k for f in flat for k in f))  # config order: a section's keys stay together
-    differing = [k for k in keys if any(f.get(k) != other.get(k) for f in flat for other in flat)]
+    flat = [flatten_config(without_per_run_keys(group[0].config)) for group in groups]
+    leading, keys = distinguishing_keys(flat)
     labels = []
-    for group, values in zip(groups, flat):
+    for group, values, own in zip(groups, flat, keys):
         names = {run.config.get("run", {}).get("name") for run in group}
         name = group[0].directory.name if len(group) == 1 or len(names) != 1 else str(names.pop())
-        shown, section = [], None
-        for key in differing:
-            head, _, tail = key.rpartition(".")
-            shown.append(f"{tail if head == section else key}={values.get(key)}")
-            section = head
-        text = ""
-        for item in shown:  # whole items only: a cut value would say something wrong
-            if len(text) + len(item) > LABEL_DETAIL_CHARS:
-                text += " ..."
-                break
-            text = f"{text} {item}" if text else item
+        text = describe_keys(values, leading, own)
         labels.append(f"{name}: {text}" if text else name)
     return labels
 
 
-def _without_per_run_keys(config: dict) -> dict:
+def distinguishing_keys(configs: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """(leading, keys): the keys that set each flat config (dotted keys) apart from the others, in config order.
+
+    Leading: what makes it another experiment (EXPERIMENT_KEYS: the env, the algorithm, the policy), where those
+    differ among the configs. Keys, for each config: among the configs of the same experiment, each key where this
+    one is not the usual value: a value most of them share (by more than any other, and by two or more) is left out
+    for those that hold it, so that a run that changed one key from the rest shows that key, not the keys every
+    run shares.
+    Without a usual value (a sweep's grid: every value held equally), every holder shows its value. A key a config
+    lacks (a plug-in's own knob, a key left out at its default) is never shown for it: 'key=None' says nothing."""
+    absent = object()
+    keys = list(dict.fromkeys(k for config in configs for k in config))  # config order: a section's keys together
+    leading = [k for k in EXPERIMENT_KEYS if len({_text(c[k]) for c in configs if k in c}) > 1]
+    experiments: dict[str, list[int]] = {}
+    for index, config in enumerate(configs):
+        experiments.setdefault(_text([config.get(k, absent) for k in leading]), []).append(index)
+    shown: list[set[str]] = [set() for _ in configs]
+    for members in experiments.values():
+        for key in keys:
+            if key in leading:
+                continue
+            values = [_text(configs[i].get(key, absent)) for i in members]
+            counts = sorted(((values.count(v), v) for v in set(values)), reverse=True)
+            if len(counts) == 1:
+                continue  # the same in the whole experiment
+            usual = counts[0][1] if counts[0][0] >= 2 and counts[0][0] > counts[1][0] else None
+            for i, value in zip(members, values):
+                if value != usual:
+                    shown[i].add(key)
+    return leading, [[k for k in keys if k in chosen and k in config] for config, chosen in zip(configs, shown)]
+
+
+def _text(value) -> str:
+    return json.dumps(value, sort_keys=True, default=lambda v: f"<{id(v)}>")
+
+
+def describe_keys(flat: dict, leading: list[str], keys: list[str], limit: int = LABEL_DETAIL_CHARS) -> str:
+    """'CartPole-v1 ppo; algo.learning_rate=0.001 num_steps=64': the leading keys' values alone (the module of a
+    plug-in's or env factory's module:name left out), then the keys, a section named once for its keys in a row;
+    whole items only (a cut value would say something wrong), ' ...' past `limit` characters."""
+    text = " ".join(str(flat[k]).rpartition(":")[2] for k in leading if k in flat)
+    section, separator = None, "; " if text else ""
+    for key in keys:
+        head, _, tail = key.rpartition(".")
+        item = f"{tail if head == section else key}={flat.get(key)}"
+        section = head
+        if len(text) + len(item) > limit:
+            return f"{text} ..."
+        text, separator = f"{text}{separator}{item}", " "
+    return text
+
+
+def without_per_run_keys(config: dict) -> dict:
     config = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
     for section, key in _PER_RUN_KEYS:
         if isinstance(config.get(section), dict):
@@ -284,11 +361,11 @@ def _without_per_run_keys(config: dict) -> dict:
     return config
 
 
-def _flatten(config: dict, prefix: str = "") -> dict:
+def flatten_config(config: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in config.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten_config(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

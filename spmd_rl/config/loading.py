@@ -71,6 +71,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), only_
             "checkpoint.keep_best=true keeps the policy with the best evaluation, but eval.every=0 never evaluates; "
             "set eval.every (e.g. eval.every=10) or drop checkpoint.keep_best"
         )
+    if cfg.eval.video_every and not cfg.eval.every:
+        raise UserError(
+            "eval.video_every records a video at every Nth evaluation, but eval.every=0 never evaluates; set "
+            "eval.every (e.g. eval.every=10) or drop eval.video_every"
+        )
     watchdog.rebound(cfg.dist.timeout_s)  # the plug-in imports below are bounded by the config's own bound
     _build_plugin_sections(cfg, plugin_raw, source, only_policy)
     return cfg

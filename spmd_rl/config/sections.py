@@ -159,6 +159,13 @@ class EvalSection:
     )
     episodes: int = knob(10, "episodes per evaluation (dist.timeout_s bounds its time)", min=1, max=100_000)
     deterministic: bool = knob(True, "act with the policy's mode (argmax / mean) when evaluating")
+    video_every: int = knob(
+        0,
+        "with eval.every: record one more episode, as video, at every Nth evaluation into <run dir>/videos/"
+        "iter_<I>/ (0 = never; needs the video extra)",
+        min=0,
+        omit_default=True,
+    )
     env: dict = knob(
         None,
         "env keys the evaluation changes (held-out settings): id, kwargs (replacing env.kwargs), groups (replacing "

@@ -14,3 +14,4 @@ LOCK_FILE = "run.lock"  # the flock rank 0 holds while the run lives
 FINISHED = "finished.json"  # written by rank 0 when a run completed: such a directory is never resumed
 BEST_DIR = "best"  # checkpoint.keep_best: <run dir>/best/policy.pt and its score.json
 SCORE_FILE = "score.json"
+VIDEO_DIR = "videos"  # eval.video_every: <run dir>/videos/iter_<I>/

@@ -19,14 +19,15 @@ from pathlib import Path
 
 import torch
 
+from spmd_rl.config.loading import evaluation_env
 from spmd_rl.config.sections import Config
 from spmd_rl.envs.vector import EnvSpec, check_same_spaces, probe_env
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.fileio import flush_open_files
 from spmd_rl.persist.run_control import RunControl, StoppedWithCheckpoint
-from spmd_rl.persist.run_lock import release_run_dirs
+from spmd_rl.persist.run_lock import record_exit, release_run_dirs
 from spmd_rl.run import contract
-from spmd_rl.run.evaluation import probe_eval_env
+from spmd_rl.run.evaluation import check_video, probe_eval_env
 from spmd_rl.run.plan import Plan, dry_run_plan, plan_run
 from spmd_rl.run.policies import save_policy
 from spmd_rl.run.resume import agree_on_run, mark_finished
@@ -38,6 +39,7 @@ from spmd_rl.runtime.errors import (
     COMM_ERROR_EXIT_CODE,
     STOPPED_EXIT_CODE,
     USER_CODE_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
     CommError,
     SharedUserError,
     StopSignal,
@@ -136,8 +138,9 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
             )
         if launch.rank == 0:
             leave_exit_code(exit_code)
+        record_exit(exit_code)  # run.lock (rank 0's), before the teardown a launcher may cut short with SIGKILL
         shutdown_runtime(runtime, exit_code)
-        release_run_dirs()
+        release_run_dirs(exit_code)
     if dry_run and exit_code == 0 and launch.rank == 0:
         _end_dry_run(outcome.run_dir)
     return exit_code
@@ -213,13 +216,22 @@ def train_in_process(cfg: Config) -> Outcome:
         install_signal_handlers()
     configure_torch(cfg)
     runtime = None
+    exit_code = 1  # what run.lock records: as `python -m spmd_rl.main` would have ended (an error raised here: 1)
     try:
         runtime = start_runtime(launch, cfg.train.device, cfg.dist.timeout_s, *checked.gpu_slot)
-        return run_engine(cfg, launch, runtime, checked, dry_run=False)
+        outcome = run_engine(cfg, launch, runtime, checked, dry_run=False)
+        exit_code = 0 if outcome.stopped is None else STOPPED_EXIT_CODE
+        return outcome
+    except UserError:
+        exit_code = USER_ERROR_EXIT_CODE
+        raise
+    except UserCodeError:
+        exit_code = USER_CODE_EXIT_CODE
+        raise
     finally:
         flush_open_files()
         shutdown_runtime(runtime, 0)  # one process: no group to destroy
-        release_run_dirs()
+        release_run_dirs(exit_code)
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
         if handlers is not None:
@@ -277,6 +289,9 @@ def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
         check_installed(cfg)  # log.wandb, log.mlflow: their packages (rank 0 uses them; every rank checks alike)
         with watchdog.watch(f"making env.id {cfg.env.id} (to read its spaces)"):
             spec = probe_env(cfg.env)
+        if cfg.eval.video_every:  # rank 0 records; every rank checks alike, so that all refuse together
+            with watchdog.watch("rendering one frame of the evaluation env (eval.video_every)"):
+                check_video(evaluation_env(cfg))
         if cfg.eval.env:  # held-out settings: the policy built for env's spaces must act there too
             with watchdog.watch("making eval.env's envs (to read their spaces)"):
                 check_same_spaces(spec, probe_eval_env(cfg), "eval.env")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from pathlib import Path
 
 import gymnasium as gym
@@ -18,7 +19,7 @@ from spmd_rl.envs.backends.gymnasium import require_moviepy  # noqa: F401  (spmd
 from spmd_rl.envs.vector import EnvSpec, probe_env
 from spmd_rl.interfaces.policy import initial_state
 from spmd_rl.roles.messages import observation_message
-from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.errors import UserError, describe_exception
 
 # The episode step limit when neither the caller nor the env's registration gives one: a policy that never ends an
 # episode (a Breakout agent that never presses FIRE) must not evaluate forever.
@@ -95,6 +96,37 @@ def probe_eval_env(cfg: Config) -> EnvSpec:
         return probe_env(evaluation_env(cfg))
     except UserError as exc:
         raise UserError(f"eval.env: {exc}") from None
+
+
+def check_video(env_cfg: EnvSection) -> None:
+    """eval.video_every, before the run starts: the video extra is installed, the backend records videos, and one
+    env renders one frame (classic control needs pygame, MuJoCo an OpenGL backend); a UserError otherwise, now
+    rather than at the first video, hours in. For env.groups, each group's env."""
+    for name, section in env_cfg.group_sections() if env_cfg.groups else [(None, env_cfg)]:
+        where = f"env group '{name}'" if name else f"env '{section.id}'"
+        backend = backend_for(section)
+        spec = backend.probe(section)
+        with tempfile.TemporaryDirectory() as scratch:
+            render_cfg, render_spec, _ = backend.record_video(dataclasses.replace(section, num_envs=1), spec, scratch)
+        envs = None
+        try:
+            envs, _ = _make_envs(backend, render_cfg, render_spec, 0, None)
+            frame = envs.unwrapped.call("render")[0]
+        except UserError:
+            raise
+        except Exception as exc:  # the env's renderer: pygame missing, no OpenGL, a factory without render_mode
+            hint = " (MuJoCo without a display: MUJOCO_GL=egl or osmesa)" if "OpenGL" in str(exc) else ""
+            raise UserError(
+                f"eval.video_every: {where} cannot render a frame: {describe_exception(exc)}{hint}"
+            ) from None
+        finally:
+            if envs is not None:
+                envs.close()
+        if not isinstance(frame, np.ndarray) or frame.ndim != 3:
+            raise UserError(
+                f"eval.video_every: {where} rendered {type(frame).__name__}, not an RGB frame: its render() must "
+                f"return an array (height, width, 3) with render_mode='rgb_array'"
+            )
 
 
 def _summary(returns: list, lengths: list, deterministic: bool, seed: int, max_steps: int, cut: int) -> dict:

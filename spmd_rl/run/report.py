@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import numbers
+import os
+import shutil
 from collections.abc import Mapping
 
 from spmd_rl.config.loading import evaluation_env
 from spmd_rl.config.sections import Config
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.fileio import make_dirs, write_atomic
-from spmd_rl.persist.run_files import BEST_DIR, SCORE_FILE
+from spmd_rl.persist.run_files import BEST_DIR, SCORE_FILE, VIDEO_DIR
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.evaluation import evaluate
 from spmd_rl.run.metrics import MetricsLogger
@@ -63,6 +65,9 @@ class Reporter:
                 seed=self.seed * 1_000_003 + iteration,
                 deterministic=self.eval_cfg.deterministic,
             )
+        evaluations = (iteration + 1) // self.eval_cfg.every
+        if self.eval_cfg.video_every and evaluations % self.eval_cfg.video_every == 0:
+            self.record_video(iteration)
         metrics = {
             "eval_return_mean": result["return_mean"],
             "eval_return_std": result["return_std"],
@@ -72,6 +77,25 @@ class Reporter:
             metrics[f"eval_return_mean/{name}"] = group["return_mean"]
             metrics[f"eval_length_mean/{name}"] = group["length_mean"]
         return metrics
+
+    def record_video(self, iteration: int) -> None:
+        """One more episode, with the evaluation's seed and mode, recorded by gymnasium's RecordVideo into
+        <run dir>/videos/iter_<I>/ (a group's in a folder of its own): a separate episode, so the evaluation's
+        numbers stay what they are without video. Written to a scratch folder first: a folder there is whole."""
+        final = self.logger.run_dir / VIDEO_DIR / f"iter_{iteration:09d}"
+        scratch = final.with_name(final.name + ".partial")
+        shutil.rmtree(scratch, ignore_errors=True)  # left by a run killed while recording
+        with watchdog.watch(f"the video after iteration {iteration} (eval.video_every={self.eval_cfg.video_every})"):
+            evaluate(
+                self.policy,
+                self.env_cfg,
+                1,
+                seed=self.seed * 1_000_003 + iteration,
+                deterministic=self.eval_cfg.deterministic,
+                video_dir=scratch,
+            )
+        shutil.rmtree(final, ignore_errors=True)  # a resume that repeats the iteration records it again
+        os.replace(scratch, final)
 
     def keep_if_best(self, iteration: int, env_steps: int, score: float) -> None:
         """Save the policy to best/ when its evaluation beats the one saved there. The best score so far is the

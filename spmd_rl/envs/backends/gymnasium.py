@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import warnings
 
 import gymnasium as gym
@@ -133,6 +134,9 @@ class GymnasiumBackend(EnvBackend):
 
     def record_video(self, cfg: EnvSection, spec: EnvSpec, video_dir: str):
         require_moviepy()
+        if not os.environ.get("DISPLAY"):  # frames to a file, no window: renderers that need no display
+            os.environ.setdefault("MUJOCO_GL", "egl")  # MuJoCo's default (glfw) fails without one
+            os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame (classic control): else SDL prints errors
         from gymnasium.wrappers import RecordVideo
 
         cfg = dataclasses.replace(cfg, num_envs=1, kwargs={**cfg.kwargs, "render_mode": "rgb_array"})

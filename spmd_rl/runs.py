@@ -1,0 +1,273 @@
+"""The runs under a directory and how each stands: `python -m spmd_rl.runs [DIR ...]` (default: runs/).
+
+One line per run directory (a directory holding config.yaml or metrics.jsonl, searched as spmd_rl.plot searches:
+runs/<run>, runs/<sweep>/<run>), read from the files every run already writes:
+
+    state     running   rank 0 holds run.lock now (an flock: it is free once the process is gone, however it ended)
+              finished  finished.json: done, or run.stop_at_return reached; never resumed
+              stopped   exit 75: a checkpointed stop (a signal, run.stop_after_iterations); rerun to resume
+              failed    any other exit code run.lock recorded (2 bad input, 3 communication, 4 user code, 1 a bug)
+              killed    run.lock is free and recorded no exit: kill -9, a lost node, the watchdog, or a run from before
+                        exit codes were recorded
+              unknown   no run.lock but metrics: a run from before run.lock, or a directory copied without it
+              new       neither: a directory no run has logged in yet
+    iters, env steps (of train.total_steps), the last mean episode return and evaluation return, when metrics.jsonl
+    was last written, the config digest (finished.json's, else the directory name's), and the config keys that set
+    the run apart from the others listed (as spmd_rl.plot's labels: the env, algorithm and policy where they differ,
+    then the keys where a run leaves its experiment's usual value).
+
+Damaged files are read as far as they are sound and named in a note below the table, never a traceback. --json
+prints one JSON object per run instead, for scripts. This module imports no torch: it answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from spmd_rl.persist.run_files import CONFIG_FILE, FINISHED, LOCK_FILE, METRICS_FILE
+from spmd_rl.persist.run_lock import read_lock
+from spmd_rl.plot import SEARCH_DEPTH, describe_keys, distinguishing_keys, flatten_config
+from spmd_rl.runtime.errors import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
+
+_DIGEST_IN_NAME = re.compile(r"-([0-9a-f]{8})(?:-\d+)?$")  # runs/<name>-<digest>[-2]
+
+
+@dataclass
+class RunStatus:
+    directory: str
+    state: str
+    iterations: int | None = None  # iterations logged (the last one's number + 1)
+    env_steps: int | None = None
+    total_steps: int | None = None
+    last_return: float | None = None  # the last logged episode_return_mean
+    last_eval_return: float | None = None
+    updated: float | None = None  # metrics.jsonl's modification time
+    exit_code: int | None = None
+    holder: str = ""  # 'host vm, pid 123' while running
+    digest: str = ""
+    sets_apart: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def find_runs(paths: list[Path]) -> list[Path]:
+    """The run directories under paths, in sorted order (a sweep's in its sweep.json's), searched SEARCH_DEPTH deep."""
+    found = []
+    for path in paths:
+        if _is_run(path):
+            found.append(path)
+        elif path.is_dir():
+            found.extend(_runs_inside(path, SEARCH_DEPTH))
+    return found
+
+
+def _is_run(path: Path) -> bool:
+    return (path / CONFIG_FILE).exists() or (path / METRICS_FILE).exists()
+
+
+def _runs_inside(path: Path, depth: int) -> list[Path]:
+    try:
+        children = sorted(child for child in path.iterdir() if child.is_dir())
+    except OSError:
+        return []
+    found = []
+    for child in children:
+        if _is_run(child):
+            found.append(child)
+        elif depth > 1:
+            found.extend(_runs_inside(child, depth - 1))
+    return found
+
+
+def run_status(run_dir: Path) -> tuple[RunStatus, dict]:
+    """A run's status and its config (as config.yaml holds it; {} when missing or damaged)."""
+    status = RunStatus(str(run_dir), "new")
+    config = _read_config(run_dir, status.notes)
+    held, lock = read_lock(run_dir)
+    if held:
+        status.state = "running"
+        status.holder = f"host {lock.get('host', '?')}, pid {lock.get('pid', '?')}"
+    elif (run_dir / FINISHED).exists():
+        status.state = "finished"
+    elif isinstance(lock.get("exit_code"), int):
+        status.exit_code = lock["exit_code"]
+        status.state = "stopped" if status.exit_code == STOPPED_EXIT_CODE else "failed"
+    elif lock or (run_dir / LOCK_FILE).exists():
+        status.state = "killed"
+    elif (run_dir / METRICS_FILE).exists():
+        status.state = "unknown"  # logged without run.lock: a run from before run.lock, or a copied directory
+    if status.state == "finished" and isinstance(lock.get("exit_code"), int):
+        status.exit_code = lock["exit_code"]
+    _read_metrics(run_dir, status)
+    total = config.get("train", {}).get("total_steps") if isinstance(config.get("train"), dict) else None
+    status.total_steps = total if isinstance(total, int) else None
+    status.digest = _digest(run_dir, status.notes)
+    return status, config
+
+
+def _read_config(run_dir: Path, notes: list[str]) -> dict:
+    path = run_dir / CONFIG_FILE
+    if not path.exists():
+        return {}
+    try:
+        config = yaml.safe_load(path.read_text(errors="replace"))
+    except (OSError, yaml.YAMLError):
+        notes.append(f"{path} does not load: its keys are not compared")
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _read_metrics(run_dir: Path, status: RunStatus) -> None:
+    """The last record's counters and the last returns; lines that are no JSON object are skipped and counted."""
+    path = run_dir / METRICS_FILE
+    try:
+        text = path.read_bytes().decode(errors="replace")
+        status.updated = path.stat().st_mtime
+    except OSError:
+        return
+    lines = text.splitlines()
+    damaged = 0
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(line)
+        except ValueError:
+            damaged += number < len(lines) or bool(line.strip())  # a torn last line counts too: it is data lost
+            continue
+        if isinstance(record.get("iteration"), int):
+            status.iterations = record["iteration"] + 1
+        if isinstance(record.get("env_steps"), int):
+            status.env_steps = record["env_steps"]
+        if _is_number(record.get("episode_return_mean")):
+            status.last_return = record["episode_return_mean"]
+        if _is_number(record.get("eval_return_mean")):
+            status.last_eval_return = record["eval_return_mean"]
+    if damaged:
+        status.notes.append(f"{path}: {damaged} line(s) that are no JSON record skipped")
+
+
+def _digest(run_dir: Path, notes: list[str]) -> str:
+    try:
+        given = json.loads((run_dir / FINISHED).read_text()).get("config_digest")
+        if isinstance(given, str):
+            return given[:8]
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, AttributeError):
+        notes.append(f"{run_dir / FINISHED} is damaged")
+    match = _DIGEST_IN_NAME.search(run_dir.name)
+    return match.group(1) if match else ""
+
+
+def statuses(run_dirs: list[Path]) -> list[RunStatus]:
+    found = [run_status(run_dir) for run_dir in run_dirs]
+    # train.seed stays: unlike plot, which draws seeds as one curve, every run is a line here
+    flat = [
+        {k: v for k, v in flatten_config(config).items() if k not in ("run.dir", "run.name")} for _, config in found
+    ]
+    leading, keys = distinguishing_keys(flat)
+    for (status, config), values, own in zip(found, flat, keys):
+        if config:
+            status.sets_apart = describe_keys(values, leading, own, limit=1000)  # the last column: whole
+    return [status for status, _ in found]
+
+
+def format_table(rows: list[RunStatus], root: Path | None, now: float) -> str:
+    def name(row: RunStatus) -> str:
+        path = Path(row.directory)
+        if root is not None:
+            try:
+                return str(path.relative_to(root))
+            except ValueError:
+                pass
+        return str(path)
+
+    def state(row: RunStatus) -> str:
+        if row.state in ("stopped", "failed"):
+            return f"{row.state} ({row.exit_code})"
+        return row.state
+
+    def steps(row: RunStatus) -> str:
+        if row.env_steps is None:
+            return "-"
+        return f"{row.env_steps}/{row.total_steps}" if row.total_steps else str(row.env_steps)
+
+    def number(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    header = ("RUN", "STATE", "ITERS", "ENV STEPS", "RETURN", "EVAL", "UPDATED", "DIGEST", "SETS IT APART")
+    table = [
+        (
+            name(row),
+            state(row),
+            "-" if row.iterations is None else str(row.iterations),
+            steps(row),
+            number(row.last_return),
+            number(row.last_eval_return),
+            "-" if row.updated is None else _ago(now - row.updated),
+            row.digest or "-",
+            row.sets_apart + (f" [{row.holder}]" if row.holder else ""),
+        )
+        for row in rows
+    ]
+    widths = [max(len(cells[i]) for cells in (header, *table)) for i in range(len(header) - 1)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)) + "  " + cells[-1]
+        for cells in (header, *table)
+    ]
+    lines = [line.rstrip() for line in lines]
+    lines += [f"note: {note}" for row in rows for note in row.notes]
+    return "\n".join(lines)
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return f"{seconds:.0f} s ago"
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spmd_rl.runs", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "paths", nargs="*", type=Path, default=[Path("runs")], metavar="DIR", help="a directory of runs (default runs/)"
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per run instead of the table")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head`: end quietly, as ls does
+    missing = [str(path) for path in args.paths if not path.exists()]
+    if missing:
+        print(
+            f"error: {', '.join(missing)} does not exist: give a directory holding runs (runs/, a sweep's)",
+            file=sys.stderr,
+        )
+        return USER_ERROR_EXIT_CODE
+    rows = statuses(find_runs(args.paths))
+    if args.json:
+        for row in rows:
+            print(json.dumps(asdict(row)))
+        return 0
+    if not rows:
+        print(f"no runs under {', '.join(map(str, args.paths))}")
+        return 0
+    root = args.paths[0] if len(args.paths) == 1 else None
+    print(format_table(rows, root, time.time()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

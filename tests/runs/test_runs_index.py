@@ -1,0 +1,154 @@
+"""python -m spmd_rl.runs: every run directory under runs/ with its state, counters, last return, digest and the
+keys that set it apart, read from the files runs write (run.lock's holder and exit code, finished.json,
+metrics.jsonl, config.yaml), damaged ones included. The states come from real runs (the slow test) and from the
+lock functions a run uses (the fast ones)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from spmd_rl.persist import run_lock
+from spmd_rl.runs import find_runs, main, statuses
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fake_run(root: Path, name: str, ended: int | None, returns=(10.0, 20.0), learning_rate=0.001) -> Path:
+    """A run directory as a run leaves it; ended: the exit code its holder recorded (None: killed, no record)."""
+    run_dir = root / name
+    run_dir.mkdir(parents=True)
+    config = {
+        "run": {"name": name.rsplit("-", 1)[0], "dir": str(run_dir)},
+        "env": {"id": "CartPole-v1"},
+        "algo": {"class": "ppo", "learning_rate": learning_rate},
+        "train": {"seed": 1, "total_steps": 1000},
+    }
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    records = [{"iteration": i, "env_steps": 100 * (i + 1), "episode_return_mean": r} for i, r in enumerate(returns)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run_lock.lock_run_dir(run_dir)
+    run_lock.release_run_dirs(ended)
+    return run_dir
+
+
+def test_each_state_from_the_files_a_run_leaves(tmp_path):
+    runs = tmp_path / "runs"
+    finished = fake_run(runs, "ppo-aaaaaaaa", 0, returns=(10.0, 20.0, 30.0))
+    (finished / "finished.json").write_text(json.dumps({"finished": True, "config_digest": "ab" * 32}) + "\n")
+    fake_run(runs, "ppo-bbbbbbbb", 75)
+    fake_run(runs, "ppo-cccccccc", 4, learning_rate=0.01)
+    fake_run(runs, "ppo-dddddddd", None)
+    running = fake_run(runs / "sweep", "ppo-eeeeeeee", 75)
+    (runs / "new").mkdir()
+    (runs / "new" / "config.yaml").write_text("run: {name: new}\n")
+    run_lock.lock_run_dir(running)  # resumed: held now (an flock conflicts across open files, also in one process)
+    try:
+        rows = {Path(row.directory).relative_to(runs).as_posix(): row for row in statuses(find_runs([runs]))}
+    finally:
+        run_lock.release_run_dirs()
+    assert {name: row.state for name, row in rows.items()} == {
+        "new": "new",
+        "ppo-aaaaaaaa": "finished",
+        "ppo-bbbbbbbb": "stopped",
+        "ppo-cccccccc": "failed",
+        "ppo-dddddddd": "killed",
+        "sweep/ppo-eeeeeeee": "running",
+    }
+    done = rows["ppo-aaaaaaaa"]
+    assert (done.iterations, done.env_steps, done.total_steps, done.last_return) == (3, 300, 1000, 30.0)
+    assert done.digest == "abababab"  # finished.json's; the others: their directory name's
+    assert rows["ppo-bbbbbbbb"].digest == "bbbbbbbb" and rows["ppo-cccccccc"].exit_code == 4
+    assert rows["sweep/ppo-eeeeeeee"].holder == f"host {os.uname().nodename}, pid {os.getpid()}"
+    assert rows["ppo-cccccccc"].sets_apart == "algo.learning_rate=0.01"  # the one key it changed
+    assert rows["ppo-bbbbbbbb"].sets_apart == ""
+
+
+def test_damaged_files_are_notes_not_tracebacks(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    run_dir = fake_run(runs, "ppo-aaaaaaaa", 75, returns=(1.0, 2.0))
+    with open(run_dir / "metrics.jsonl", "ab") as f:
+        f.write(b"\xff\xfe not json\n")
+        f.write(b'{"iteration": 2, "env_steps": 300, "episode_return_mean": 3.0}\n{"iteration": 3, "env_')
+    (run_dir / "run.lock").write_bytes(b"\x00garbage")
+    other = fake_run(runs, "ppo-bbbbbbbb", 0)
+    (other / "config.yaml").write_text("run: [unclosed\n")
+    (other / "finished.json").write_text("{torn")
+    assert main([str(runs)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["RUN", "STATE", "ITERS"]
+    first = lines[1].split()
+    assert first[:5] == ["ppo-aaaaaaaa", "killed", "3", "300/1000", "3.00"]  # the sound records, the last one's
+    assert "metrics.jsonl: 2 line(s) that are no JSON record skipped" in out
+    assert "config.yaml does not load" in out and "finished.json is damaged" in out
+    assert lines[2].split()[:2] == ["ppo-bbbbbbbb", "finished"]
+
+
+def test_json_lines_and_a_missing_directory(tmp_path, capsys):
+    fake_run(tmp_path / "runs", "ppo-aaaaaaaa", 75)
+    assert main([str(tmp_path / "runs"), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert (row["state"], row["exit_code"], row["iterations"]) == ("stopped", 75, 2)
+    assert main([str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nowhere does not exist" in err
+
+
+FAILING_ENV = """
+from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+
+
+class Failing(CartPoleEnv):
+    steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps > 40:
+            raise ValueError("deliberate failure")
+        return super().step(action)
+
+
+def make():
+    return Failing()
+"""
+
+
+@pytest.mark.slow
+def test_real_runs_finished_stopped_and_failed(tmp_path):
+    """Real runs of `python -m spmd_rl.main`, one process each, in one runs/ directory."""
+    (tmp_path / "failing_env.py").write_text(FAILING_ENV)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}", "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "spmd_rl.main", "--config", str(ROOT / "configs" / "ci_tiny.yaml")]
+    cases = {
+        "finished": (["run.name=done"], 0),
+        "stopped": (["run.name=stopped", "run.stop_after_iterations=2"], 75),
+        "failed": (
+            ["run.name=failed", "env.id=failing_env:make"],
+            4,
+        ),
+    }
+    for overrides, code in cases.values():
+        done = subprocess.run([*base, *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == code, done.stderr
+    listing = subprocess.run(
+        [sys.executable, "-m", "spmd_rl.runs"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert listing.returncode == 0, listing.stderr
+    states = {line.split()[0].split("-")[0]: line.split()[1:4] for line in listing.stdout.splitlines()[1:]}
+    assert states["done"][0] == "finished" and states["done"][2] == "256/256"
+    assert states["stopped"][:3] == ["stopped", "(75)", "2"]
+    assert states["failed"][:2] == ["failed", "(4)"]
+    assert "torch" not in subprocess.run(
+        [sys.executable, "-c", "import sys, spmd_rl.runs; print(sorted(sys.modules))"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.split("'")  # answers at once
