@@ -160,7 +160,9 @@ def measure(layers: int, parallel: str, wire: str, frozen: int = 0, design: str 
     init = "file://" + os.path.join(out, "store")
     context = multiprocessing.get_context("fork")
     if parallel == "fsdp":  # 2 trainers and 2 inference ranks
-        children = [context.Process(target=_child, args=(r, 4, init, out, layers, wire, frozen, design)) for r in range(4)]
+        children = [
+            context.Process(target=_child, args=(r, 4, init, out, layers, wire, frozen, design)) for r in range(4)
+        ]
     else:  # only the two trainers: the ddp measurement is memory alone
         children = [context.Process(target=_ddp_child, args=(r, init, out, layers)) for r in range(2)]
     for child in children:

@@ -12,7 +12,7 @@ from torch import nn
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.staged_weights import StagedWeights
-from spmd_rl.comm.weights import ShardedWeightSource, WeightSync, shard_pieces
+from spmd_rl.comm.weights import HEADER_BYTES, ShardedWeightSource, WeightSync, lay_out, shard_pieces
 from tests.multiproc import run_ranks
 
 TRAINERS, RECEIVERS = [0, 1, 2], [3, 4]
@@ -93,15 +93,59 @@ def test_receivers_hold_the_full_weights_each_trainer_sent_its_rows_of(tmp_path,
 
 def test_pieces_cover_every_bucket_byte_once_and_rows_follow_torch_chunk():
     net = FrozenEncoderNet()
-    sync_layout = __import__("spmd_rl.comm.weights", fromlist=["lay_out"]).lay_out(net, 2048)
-    entries, sizes = sync_layout
+    entries, sizes = lay_out(net, 2048)
     pieces = shard_pieces(entries, sizes, [10, 11, 12])
-    for index, size in enumerate(sizes):
+    for index in range(len(sizes)):
         covered = sorted((p.start, p.end) for p in pieces[index])
-        used = [(e.offset, e.offset + e.nbytes) for e in entries if e.bucket == index] + ([(0, 16)] if index == 0 else [])
+        used = [(e.offset, e.offset + e.nbytes) for e in entries if e.bucket == index]
+        used += [(0, HEADER_BYTES)] if index == 0 else []
         assert sum(end - start for start, end in covered) == sum(end - start for start, end in used)
         assert all(a[1] <= b[0] for a, b in zip(covered, covered[1:]))  # no overlaps
     last = [p for bucket in pieces for p in bucket if p.entry is not None and p.entry.name == "head.2.weight"]
     assert [p.sender for p in last] == [10]  # 1 row over 3 trainers: the first holds it, the others none
     middle = [p for bucket in pieces for p in bucket if p.entry is not None and p.entry.name == "head.0.bias"]
     assert [(p.sender, (p.end - p.start) // 4) for p in middle] == [(10, 6), (11, 6), (12, 5)]
+
+
+def _hybrid_send(rank: int, world_size: int, out: str) -> None:
+    """Hybrid sharding, 2 replicas of 2 shards (ranks 0-3), one inference rank (4): the first replica sends."""
+    mesh = [[0, 1], [2, 3]]
+    trainers = dist.new_group([0, 1, 2, 3])
+    shard_groups = [dist.new_group(ranks) for ranks in mesh]
+    replicate_groups = [dist.new_group(list(column)) for column in zip(*mesh)]
+    weights = dist.new_group([0, 4])
+    senders = dist.new_group([0, 1, 4])
+    net = FrozenEncoderNet()
+    if rank == 4:
+        sync = WeightSync(
+            net, weights, src=0, me=4, bucket_bytes=2048, timeout=30, senders=[0, 1], sender_group=senders
+        )
+        assert sync.broadcast(-1) == 3
+        sync.verify(3)
+        torch.save({k: v.clone() for k, v in net.state_dict().items()}, f"{out}/received.pt")
+        return
+    hybrid = (replicate_groups[rank % 2], shard_groups[rank // 2], mesh)
+    sharding.shard_policy(net, trainers, torch.device("cpu"), [], bf16=False, hybrid=hybrid)
+    optimizer = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=0.01)
+    torch.manual_seed(rank)
+    net(torch.randn(5, 6)).square().sum().backward()
+    optimizer.step()
+    source = ShardedWeightSource(
+        net, weights if rank == 0 else None, src=0, me=rank, bucket_bytes=2048, timeout=30,
+        senders=[0, 1], sender_group=senders, receivers=[4],
+    )  # fmt: skip
+    source.broadcast(3)
+    source.verify(3)
+    full = sharding.full_state_dict(net)
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in full.items()}, f"{out}/trainer.pt")
+
+
+def test_with_hybrid_sharding_the_first_replica_sends(tmp_path):
+    import torch.optim  # noqa: F401 - imported by the parent so the forked ranks need not
+
+    assert run_ranks(_hybrid_send, 5, str(tmp_path), timeout_s=60) == [0] * 5
+    full, received = torch.load(tmp_path / "trainer.pt"), torch.load(tmp_path / "received.pt")
+    assert sorted(full) == sorted(received)
+    for key, value in full.items():
+        assert torch.equal(received[key], value), key

@@ -14,10 +14,9 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
 
 from spmd_rl.comm.weights import HEADER_BYTES, WeightSync
-from spmd_rl.runtime.distributed import Peer, comm_error, wait
+from spmd_rl.runtime.distributed import comm_error, wait
 
 # Polling a posted broadcast: the first pause, doubled up to the longest (a swap waits at most that long after the
 # broadcast completed).

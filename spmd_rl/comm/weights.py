@@ -596,7 +596,8 @@ class ShardedWeightSource(GatheredWeightSource):
     def broadcast(self, version: int) -> int:
         indices = self.buckets_to_send()
         if self.me in self.senders:
-            header = torch.tensor([version, self.digest if self.is_source else 0], dtype=torch.int64)  # sent by the source
+            # Bucket 0's header piece is the source's (the first sender's) alone; only it knows the layout digest.
+            header = torch.tensor([version, self.digest], dtype=torch.int64) if self.is_source else None
             peer = Peer(
                 self.describe_rank(self.receivers[0])
                 if len(self.receivers) == 1
