@@ -106,19 +106,16 @@ def test_sharded_sac_updates_equal_ddp_on_two_ranks(tmp_path, micro_batch_size, 
 
 # -- runs --------------------------------------------------------------------------------------------------------
 
-SAC_SMALL = [
-    "--config",
-    "configs/sac_pendulum.yaml",
+SMALL = [
     "policy.hidden_sizes=[32,32]",
     "algo.critic_hidden_sizes=[32,32]",
     "algo.batch_size=64",
-    "algo.learning_starts=128",
-    "train.total_steps=384",
     "train.seed=2",
     "train.parallel=fsdp",
     "log.progress=false",
     "log.tensorboard=false",
 ]
+SAC_SMALL = ["--config", "configs/sac_pendulum.yaml", *SMALL, "algo.learning_starts=128", "train.total_steps=384"]
 
 
 def _env() -> dict:
@@ -177,3 +174,31 @@ def test_sharded_sac_resume_is_exact(tmp_path, nproc):
     assert "resuming from" in resumed.stdout + resumed.stderr
     assert metrics_without_timings(tmp_path / "whole") == metrics_without_timings(tmp_path / "halves")
     assert (tmp_path / "whole" / "policy.pt").read_bytes() == (tmp_path / "halves" / "policy.pt").read_bytes()
+
+
+@pytest.mark.slow
+def test_sharded_sac_runs_split_with_the_async_engine_and_a_bf16_wire(tmp_path):
+    """Split 5 (2 fsdp trainers, 1 inference rank, 2 env ranks), the async engine: each trainer sends its shards of
+    the actor, in bf16, to the inference rank's staging copy, checked against the gathered buckets every sync."""
+    result = main(
+        "--config",
+        "configs/sac_pendulum_async.yaml",
+        *SMALL,
+        "train.total_steps=256",
+        "algo.learning_starts=64",
+        "layout.mode=split",
+        "layout.trainer=2",
+        "layout.inference=1",
+        "layout.env=2",
+        "inference.dtype=bf16",
+        "weights.verify_every=1",
+        f"run.dir={tmp_path}",
+        nproc=5,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "finished.json").exists()
+    assert list((tmp_path / "checkpoints").glob("iter_*/shards/.metadata"))
+    records = metrics_without_timings(tmp_path)
+    assert any(r.get("qf_loss", float("nan")) == r.get("qf_loss") for r in records)  # learned, finite
+    policy = torch.load(tmp_path / "policy.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in policy.values() if v.is_floating_point())
