@@ -125,11 +125,18 @@ class Context:
 
         - ddp: the module itself (`reduce_gradients` averages the gradients over the trainers in one all-reduce).
         - fsdp: the module sharded in place with FSDP2 over the trainer group, with `methods` (besides forward)
-          all-gathering its parameters as forward does; its gradients are reduce-scattered in backward."""
+          all-gathering its parameters as forward does; its gradients are reduce-scattered in backward.
+        train.precision=bf16 and train.activation_checkpointing apply as with data_parallel (forward and `methods`
+        in bfloat16, returning float32)."""
+        if self.activation_checkpointing:
+            sharding.checkpoint_activations(sharding.shard_units(module))
+        bf16 = self.precision == "bf16"
+        if bf16:
+            sharding.compute_in_bf16(module, methods, self.device.type)
         if self.parallel != "fsdp":
             return module
         group = self.group if self.group is not None else sharding.single_process_group(self.device)
-        return sharding.shard_policy(module, group, self.device, methods, False, self.hybrid_shards)
+        return sharding.shard_policy(module, group, self.device, methods, bf16, self.hybrid_shards)
 
     def backward(self, loss: Tensor, params: list[Tensor], accumulate: bool = False) -> None:
         """The gradients of loss for params, into their .grad (added to it with accumulate, for a batch in parts);

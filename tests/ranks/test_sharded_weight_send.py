@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from harness.multiproc import run_ranks
 from torch import nn
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.staged_weights import StagedWeights
 from spmd_rl.comm.weights import HEADER_BYTES, ShardedWeightSource, WeightSync, lay_out, shard_pieces
-from tests.multiproc import run_ranks
 
 TRAINERS, RECEIVERS = [0, 1, 2], [3, 4]
 
