@@ -624,6 +624,7 @@ class ShardedWeightSource(GatheredWeightSource):
                     raise comm_error(describe, exc, self.timeout, peer) from exc
                 for work in works:
                     wait(work, self.timeout, lambda describe=describe: describe, peer)
+                del tensors, works  # before the next bucket's casts, not after them
         self.broadcasts += 1
         self.version = version
         return version
