@@ -609,17 +609,16 @@ class ShardedWeightSource(GatheredWeightSource):
                     f"{self.describe_rank(self.me)}: sending its shards of weight bucket {index + 1} of "
                     f"{len(indices)} (version {version}) to the inference ranks {self.receivers}"
                 )
-                works = []
-                # The bucket's cast shards live until its sends complete: at most one bucket's share at a time.
-                tensors = [
-                    header.to(self.device) if piece.entry is None else self._piece_tensor(piece)
-                    for piece in self.pieces[index]
-                    if piece.sender == self.me
-                ]
+                # Each piece goes on the wire as soon as it is cast, while the next one is cast; the bucket's cast
+                # shards live until its sends complete: at most one bucket's share at a time.
+                works, tensors = [], []
                 try:
-                    for tensor in tensors:
+                    for piece in self.pieces[index]:
+                        if piece.sender != self.me:
+                            continue
+                        tensors.append(header.to(self.device) if piece.entry is None else self._piece_tensor(piece))
                         for receiver in self.receivers:
-                            works.append(dist.isend(tensor, dst=receiver, group=self.sender_group))
+                            works.append(dist.isend(tensors[-1], dst=receiver, group=self.sender_group))
                 except RuntimeError as exc:  # a member already gone can fail the post itself
                     raise comm_error(describe, exc, self.timeout, peer) from exc
                 for work in works:

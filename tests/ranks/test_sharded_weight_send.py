@@ -43,7 +43,7 @@ def _send(rank: int, world_size: int, out: str, wire: str, staged: bool) -> None
         if wire_dtype is not None:
             sharding.cast_parameters(net, wire_dtype)
         sync = WeightSync(
-            net, weights, src=0, me=rank, bucket_bytes=bucket_bytes, timeout=30, senders=TRAINERS, sender_group=senders
+            net, weights, src=0, me=rank, bucket_bytes=bucket_bytes, timeout=90, senders=TRAINERS, sender_group=senders
         )
         if staged:
             stage = StagedWeights(sync)
@@ -62,7 +62,7 @@ def _send(rank: int, world_size: int, out: str, wire: str, staged: bool) -> None
     sharding.shard_policy(net, trainers, torch.device("cpu"), [], bf16=False)
     optimizer = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=0.01)
     source = ShardedWeightSource(
-        net, weights if rank == 0 else None, src=0, me=rank, bucket_bytes=bucket_bytes, timeout=30,
+        net, weights if rank == 0 else None, src=0, me=rank, bucket_bytes=bucket_bytes, timeout=90,
         wire_dtype=wire_dtype, senders=TRAINERS, sender_group=senders, receivers=RECEIVERS,
     )  # fmt: skip
     for version in (7, 8):
@@ -82,7 +82,7 @@ def _send(rank: int, world_size: int, out: str, wire: str, staged: bool) -> None
 def test_receivers_hold_the_full_weights_each_trainer_sent_its_rows_of(tmp_path, wire, staged):
     import torch.optim  # noqa: F401 - imported by the parent so the forked ranks need not (torch._dynamo: seconds)
 
-    assert run_ranks(_send, 5, str(tmp_path), wire, staged, timeout_s=60) == [0] * 5
+    assert run_ranks(_send, 5, str(tmp_path), wire, staged, timeout_s=120) == [0] * 5
     full, received = torch.load(tmp_path / "trainer.pt"), torch.load(tmp_path / "received.pt")
     assert sorted(full) == sorted(received)
     for key, value in full.items():
@@ -118,7 +118,7 @@ def _hybrid_send(rank: int, world_size: int, out: str) -> None:
     net = FrozenEncoderNet()
     if rank == 4:
         sync = WeightSync(
-            net, weights, src=0, me=4, bucket_bytes=2048, timeout=30, senders=[0, 1], sender_group=senders
+            net, weights, src=0, me=4, bucket_bytes=2048, timeout=90, senders=[0, 1], sender_group=senders
         )
         assert sync.broadcast(-1) == 3
         sync.verify(3)
@@ -131,7 +131,7 @@ def _hybrid_send(rank: int, world_size: int, out: str) -> None:
     net(torch.randn(5, 6)).square().sum().backward()
     optimizer.step()
     source = ShardedWeightSource(
-        net, weights if rank == 0 else None, src=0, me=rank, bucket_bytes=2048, timeout=30,
+        net, weights if rank == 0 else None, src=0, me=rank, bucket_bytes=2048, timeout=90,
         senders=[0, 1], sender_group=senders, receivers=[4],
     )  # fmt: skip
     source.broadcast(3)
@@ -144,7 +144,7 @@ def _hybrid_send(rank: int, world_size: int, out: str) -> None:
 def test_with_hybrid_sharding_the_first_replica_sends(tmp_path):
     import torch.optim  # noqa: F401 - imported by the parent so the forked ranks need not
 
-    assert run_ranks(_hybrid_send, 5, str(tmp_path), timeout_s=60) == [0] * 5
+    assert run_ranks(_hybrid_send, 5, str(tmp_path), timeout_s=120) == [0] * 5
     full, received = torch.load(tmp_path / "trainer.pt"), torch.load(tmp_path / "received.pt")
     assert sorted(full) == sorted(received)
     for key, value in full.items():
