@@ -135,7 +135,7 @@ class TrainedRun:
 
     dir: Path  # the run directory (config.yaml, metrics.jsonl, policy.pt, checkpoints/)
     finished: bool  # False: stopped with a checkpoint (run.stop_after_iterations, a signal); train again to resume
-    metrics: dict  # the last record of metrics.jsonl (its keys: see the README's "Running")
+    metrics: dict  # the last record of metrics.jsonl (its keys: docs/running.md, "What a run writes")
     policy: Any  # the trained Policy, loaded as spmd_rl.load_policy does (eval mode; act takes numpy or torch)
     cfg: Any  # the run's Config, as saved in config.yaml
     stop: str = ""  # the stop line when it stopped ("stopped by ... after iteration N; checkpoint ...")
@@ -155,6 +155,7 @@ def train(config: str | Path | Mapping | None = None, overrides: Mapping[str, An
     nothing calls sys.exit. Torch's thread count, the signal handlers and the stop state are restored afterwards;
     the run seeds torch's, numpy's and Python's generators as the command line does."""
     # Imported only now: torch, tensordict and the envs take seconds.
+    from spmd_rl.persist.run_files import METRICS_FILE
     from spmd_rl.run.driver import train_in_process
     from spmd_rl.run.metrics import last_record
     from spmd_rl.run.policies import load_policy
@@ -165,7 +166,7 @@ def train(config: str | Path | Mapping | None = None, overrides: Mapping[str, An
     return TrainedRun(
         dir=outcome.run_dir,
         finished=outcome.stopped is None,
-        metrics=last_record(outcome.run_dir / "metrics.jsonl"),
+        metrics=last_record(outcome.run_dir / METRICS_FILE),
         policy=policy,
         cfg=run_cfg,
         stop=str(outcome.stopped or ""),

@@ -170,9 +170,10 @@ def test_env_total_envs_keeps_the_global_batch_at_any_world_size(config, world_s
     cfg = load_config(ROOT / "configs" / config)
     plan = plan_run(cfg, build_topology(cfg.layout, world_size), PPO)
     assert (plan.envs_total, plan.steps_per_iteration, plan.num_iterations) == (8, 256, 390)
-    assert cfg.env.num_envs * plan.env_ranks == 8
-    line = plan.describe(cfg, world_size, "colocated", PPO)
-    assert f"{plan.env_ranks} env rank(s) x {cfg.env.num_envs} envs = 8 envs (env.total_envs)" in line
+    assert plan.env.num_envs * plan.env_ranks == 8
+    assert cfg.env == load_config(ROOT / "configs" / config).env  # the config stays as given
+    line = plan.describe(plan.run_config(cfg), world_size, "colocated", PPO)
+    assert f"{plan.env_ranks} env rank(s) x {plan.env.num_envs} envs = 8 envs (env.total_envs)" in line
 
 
 def test_env_total_envs_that_the_env_ranks_cannot_share_is_refused():

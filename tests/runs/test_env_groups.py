@@ -58,13 +58,13 @@ def test_group_counts_resolve_per_env_rank_and_a_count_that_does_not_divide_name
     groups = "env.groups=[{name: a, total_envs: 4}, {name: b, num_envs: 3}, {name: c}]"
     cfg = load_config(ROOT / "configs" / "ci_tiny.yaml", [groups, "env.num_envs=1", *SPLIT4])
     plan = plan_run(cfg, build_topology(cfg.layout, 4), PPO)
-    assert [g.num_envs for g in cfg.env.groups] == [2, 3, 1]  # a: 4 over 2 env ranks; c: env.num_envs
-    assert cfg.env.num_envs == 6 and plan.envs_total == 12
+    assert [g.num_envs for g in plan.env.groups] == [2, 3, 1]  # a: 4 over 2 env ranks; c: env.num_envs
+    assert plan.env.num_envs == 6 and plan.envs_total == 12
     assert "in groups a (2 per env rank), b (3 per env rank), c (1 per env rank)" in plan.describe(cfg, 4, "split", PPO)
     # Inherited env.total_envs is written into the group: config.yaml reads back the same at any world size.
     cfg = load_config(ROOT / "configs" / "ci_tiny.yaml", ["env.groups=[{name: a}, {name: b}]", "env.total_envs=4"])
-    plan_run(cfg, build_topology(cfg.layout, 1), PPO)
-    assert [(g.total_envs, g.num_envs) for g in cfg.env.groups] == [(4, 4), (4, 4)] and cfg.env.num_envs == 8
+    env = plan_run(cfg, build_topology(cfg.layout, 1), PPO).env
+    assert [(g.total_envs, g.num_envs) for g in env.groups] == [(4, 4), (4, 4)] and env.num_envs == 8
 
     cfg = load_config(ROOT / "configs" / "ci_tiny.yaml", ["env.groups=[{name: a}, {name: b, total_envs: 3}]"])
     with pytest.raises(UserError, match=r"env.groups\[1\].total_envs \(group 'b'\)=3 cannot be shared equally by 2"):

@@ -1,7 +1,7 @@
 """The Python API as a notebook user meets it: `spmd_rl.train(config, overrides)` runs in this process and returns
 the run (directory, last metrics, trained policy), trains in chunks with run.stop_after_iterations and resumes,
 raises instead of exiting, and leaves the process as it was; `load_policy`'s `act` takes numpy or torch, one
-observation or a batch; importing spmd_rl stays cheap; the README's Python blocks run as written."""
+observation or a batch; importing spmd_rl stays cheap; the docs' Python blocks run as written."""
 
 from __future__ import annotations
 
@@ -116,14 +116,14 @@ def test_importing_spmd_rl_and_its_api_stays_cheap():
     assert result.stdout.split() == ["False", "True", "True"], result.stderr
 
 
-# -- the README's Python blocks, as written -----------------------------------------------------------------------
+# -- the docs' Python blocks, as written -----------------------------------------------------------------------
 
 MARKER = "<!-- readme-test -->"
 
 
 def readme_blocks() -> list[str]:
-    """The ```python blocks that follow the marker line in README.md."""
-    text = (ROOT / "README.md").read_text()
+    """The ```python blocks that follow the marker line in README.md and docs/*.md."""
+    text = "\n".join(doc.read_text() for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     return re.findall(re.escape(MARKER) + r"\n```python\n(.*?)\n```", text, re.DOTALL)
 
 
@@ -131,7 +131,7 @@ def test_the_readme_marks_its_python_api_example():
     blocks = readme_blocks()
     assert len(blocks) >= 1
     assert any("spmd_rl.train(" in block and "load_policy(" in block for block in blocks)
-    assert "obs_batch" not in (ROOT / "README.md").read_text()
+    assert "obs_batch" not in (ROOT / "docs" / "running.md").read_text()
 
 
 @pytest.mark.slow

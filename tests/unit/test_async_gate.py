@@ -14,8 +14,8 @@ from tensordict import TensorDict
 from torch import nn
 
 from spmd_rl.comm.channel import local_channel
+from spmd_rl.engines.asynchronous.inference_server import AsyncInferenceServer
 from spmd_rl.interfaces.policy import StepField
-from spmd_rl.roles.async_inference import AsyncInferenceServer
 from spmd_rl.roles.inference_server import InferenceParts
 from spmd_rl.roles.messages import action_message
 from spmd_rl.run.plan import Plan

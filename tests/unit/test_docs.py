@@ -29,7 +29,7 @@ KEY = re.compile(r"(?<![\w./:$-])([a-z_]+)\.([a-z_]+)(?![\w(/-]|\.[a-z]{2,5}\b)"
 # Paths a run or a user makes (run directories, a user's files), not the repository's.
 NOT_IN_REPO = ("runs/", "checkpoints/", "buffer/", "iter_", "my_", "my.", "~", "/tmp", "<", "*", "...")
 # Names that read like config keys: Run's attributes, TrainedRun's, a gymnasium env's step, a run directory's
-# lock file, and the README's example of a mistyped key.
+# lock file, and docs/running.md's example of a mistyped key.
 PYTHON_NAMES = {
     "run.plan",
     "run.role",
@@ -39,7 +39,7 @@ PYTHON_NAMES = {
     "run.metrics",
     "env.step",
     "run.lock",  # a file of the run directory
-    "train.totl_steps",  # the README's example of a typo in an override
+    "train.totl_steps",  # docs/running.md's example of a typo in an override
 }
 EXTENSIONS = {"py", "pt", "yaml", "yml", "json", "jsonl", "h5", "md", "sh", "toml", "txt", "mp4", "png"}
 
@@ -109,3 +109,28 @@ def test_every_config_key_a_doc_names_is_a_key(doc):
         if section in sections and key not in EXTENSIONS and named not in PYTHON_NAMES and key not in _keys_of(section):
             unknown.add(named)
     assert sorted(unknown) == []
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda doc: doc.name)
+def test_every_link_a_doc_makes_lands(doc):
+    broken = []
+    for target in LINK.findall(doc.read_text()):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (doc.parent / path).resolve() if path else doc
+        if not linked.exists():
+            broken.append(target)
+        elif anchor and linked.suffix == ".md":
+            headings = re.findall(r"^#+ (.*)$", linked.read_text(), re.M)
+            if anchor not in {_anchor(heading) for heading in headings}:
+                broken.append(target)
+    assert broken == []

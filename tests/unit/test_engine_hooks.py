@@ -15,7 +15,7 @@ from spmd_rl.algorithms.configs import PPOConfig
 from spmd_rl.algorithms.ppo import PPO
 from spmd_rl.api import SyncEngine, UserError
 from spmd_rl.engines.asynchronous import AsyncEngine
-from spmd_rl.engines.configs import AsyncEngineConfig
+from spmd_rl.engines.asynchronous.config import AsyncEngineConfig
 from spmd_rl.interfaces.algorithm import PlanFacts
 
 ENGINES = Path(__file__).resolve().parents[2] / "spmd_rl" / "engines"

@@ -12,7 +12,7 @@ import torch
 from spmd_rl.config.sections import LayoutSection
 from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state
 from spmd_rl.run.resume import Resume
-from spmd_rl.run.setup import Run
+from spmd_rl.run.run import Run
 from spmd_rl.run.topology import build_topology
 from spmd_rl.runtime.distributed import choose_backend, choose_device
 from spmd_rl.runtime.errors import UserError

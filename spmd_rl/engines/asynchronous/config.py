@@ -1,5 +1,5 @@
 """The async engine's own config section (`engine: {class: async, ...}`), kept free of torch so that `--help` and
-config errors answer without importing it. AsyncEngine.Config is AsyncEngineConfig."""
+config errors answer without importing it. AsyncEngine.Config (engine.py) is AsyncEngineConfig."""
 
 from __future__ import annotations
 

@@ -51,14 +51,14 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from spmd_rl.engines.configs import AsyncEngineConfig
+from spmd_rl.engines.asynchronous.config import AsyncEngineConfig
+from spmd_rl.engines.asynchronous.inference_server import AsyncInferenceServer
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.interfaces.policy import Policy
-from spmd_rl.roles.async_inference import AsyncInferenceServer
 from spmd_rl.roles.messages import async_observation_message
 from spmd_rl.roles.trainer import combine_segments
 from spmd_rl.run.metrics import MetricsLogger
-from spmd_rl.run.setup import ENV, INFERENCE, TRAINER, Run
+from spmd_rl.run.run import ENV, INFERENCE, TRAINER, Run
 from spmd_rl.runtime.errors import UserError
 
 
