@@ -23,7 +23,9 @@ RECURRENT = [
 @pytest.mark.slow
 def test_recurrent_ppo_fsdp_equals_ddp_colocated_two_ranks(tmp_path):
     for parallel in ("ddp", "fsdp"):
-        result = run_main(*RECURRENT, f"train.parallel={parallel}", f"run.dir={tmp_path / parallel}", nproc=2)
+        result = run_main(
+            *RECURRENT, f"train.parallel={parallel}", f"run.dir={tmp_path / parallel}", nproc=2, timeout=600
+        )
         assert result.returncode == 0, result.stdout + result.stderr
     ddp, fsdp = (torch.load(tmp_path / p / "policy.pt", weights_only=True) for p in ("ddp", "fsdp"))
     assert sorted(ddp) == sorted(fsdp)

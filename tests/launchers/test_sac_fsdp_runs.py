@@ -26,17 +26,21 @@ def test_sharded_sac_resume_is_exact(tmp_path, nproc):
     """N iterations in one go equal N/2, a stop and a resume: metrics and policy.pt byte for byte, with the actor,
     the critics, the target critics and the three Adam states in DCP shard files and the replay shards in the rank
     files."""
-    whole = run_main(*SAC_SMALL, f"run.dir={tmp_path / 'whole'}", nproc=nproc)
+    whole = run_main(*SAC_SMALL, f"run.dir={tmp_path / 'whole'}", nproc=nproc, timeout=600)
     assert whole.returncode == 0, whole.stdout + whole.stderr
     records = records_without_timings(tmp_path / "whole")
     assert any("qf_loss" in r for r in records[len(records) // 2 :])  # the second half learns
     half = run_main(
-        *SAC_SMALL, f"run.dir={tmp_path / 'halves'}", f"run.stop_after_iterations={len(records) // 2}", nproc=nproc
+        *SAC_SMALL,
+        f"run.dir={tmp_path / 'halves'}",
+        f"run.stop_after_iterations={len(records) // 2}",
+        nproc=nproc,
+        timeout=600,
     )
     assert half.returncode == 75 if not nproc else half.returncode != 0, half.stdout + half.stderr
     shards = list((tmp_path / "halves" / "checkpoints").glob("iter_*/shards/*.distcp"))
     assert len(shards) == max(nproc, 1)
-    resumed = run_main(*SAC_SMALL, f"run.dir={tmp_path / 'halves'}", nproc=nproc)
+    resumed = run_main(*SAC_SMALL, f"run.dir={tmp_path / 'halves'}", nproc=nproc, timeout=600)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming from" in resumed.stdout + resumed.stderr
     assert records_without_timings(tmp_path / "whole") == records_without_timings(tmp_path / "halves")
@@ -61,6 +65,7 @@ def test_sharded_sac_runs_split_with_the_async_engine_and_a_bf16_wire(tmp_path):
         "weights.verify_every=1",
         f"run.dir={tmp_path}",
         nproc=5,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "finished.json").exists()
