@@ -17,7 +17,7 @@ SMALL = [
     "log.progress=false",
     "log.tensorboard=false",
 ]
-SAC_SMALL = ["--config", "configs/sac_pendulum.yaml", *SMALL, "algo.learning_starts=128", "train.total_steps=384"]
+SAC_SMALL = ["--config", "configs/sac_pendulum.yaml", *SMALL, "algo.learning_starts=96", "train.total_steps=256"]
 
 
 @pytest.mark.slow
