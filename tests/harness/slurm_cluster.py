@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.launch import free_ports
+
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol")
 CPUS_PER_NODE = 8  # more than this machine has: SlurmdParameters=config_overrides lets a node claim them
 FINISHED_STATES = {
@@ -123,17 +125,6 @@ class SlurmCluster:
         return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in sorted(self.root.glob("*.log")))
 
 
-def _free_ports(count: int) -> list[int]:
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [probe.getsockname()[1] for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
-
-
 # A preempted job gets this long between its SIGTERM and its SIGKILL: far more than a checkpoint of the tiny config.
 PREEMPT_GRACE_S = 60
 
@@ -141,7 +132,7 @@ PREEMPT_GRACE_S = 60
 def write_slurm_conf(root: Path, node_count: int, preemption: bool = False) -> tuple[Path, list[str]]:
     """A minimal slurm.conf for one host: root runs everything, no cgroups, no accounting, no munge."""
     host = socket.gethostname().split(".")[0]
-    controller_port, *node_ports = _free_ports(1 + node_count)
+    controller_port, *node_ports = free_ports(1 + node_count)
     # One node is the host itself (its name resolves, as on a real cluster); several are emulated as n1, n2, ...
     nodes = [host] if node_count == 1 else [f"n{i + 1}" for i in range(node_count)]
     node_lines = [

@@ -5,9 +5,7 @@ End-to-end runs are small (ci_tiny); they prove the schedule and the bounds, not
 benchmarks/async.py)."""
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.launch import command, job_env, with_pythonpath
+from harness.launch import free_port as _free_port
 
 from spmd_rl.algorithms.ppo import compute_gae
 from spmd_rl.algorithms.vtrace import vtrace
@@ -27,33 +27,11 @@ TIMING_KEYS = ("sps", "wall_s", "cpu_s")
 
 
 def _env(**extra):
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    env.pop("RANK", None)
-    env.update(extra)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return with_pythonpath(job_env(**extra), ROOT)
 
 
 def run_main(*args, nproc: int = 0, timeout: float = 240, cwd: Path = ROOT, **env) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "spmd_rl.main"]
-    if nproc:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=1",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
-            "-m",
-            "spmd_rl.main",
-        ]
+    launcher = command("torchrun", nproc) if nproc else command("none")
     return subprocess.run(
         launcher + list(args), cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=timeout
     )

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness.launch import ROOT
-from harness.launch import free_port as _free_port
+from harness.launch import ROOT, command
 from harness.launch import job_env as _env
 from harness.runs import PPO_METRICS, assert_run_complete
 
@@ -76,20 +75,7 @@ def copy_example(name: str, tmp_path: Path) -> Path:
 
 
 def run_in(folder: Path, args: list[str], nproc: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
-    if nproc:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=1",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
-            "-m",
-            "spmd_rl.main",
-        ]
-    else:
-        launcher = [sys.executable, "-m", "spmd_rl.main"]
+    launcher = command("torchrun", nproc) if nproc else command("none")
     return subprocess.run(launcher + args, cwd=folder, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 

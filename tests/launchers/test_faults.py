@@ -14,7 +14,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.launch import free_port
 from harness.multiproc import run_ranks
 
 from spmd_rl.runtime.distributed import Peer, comm_error
@@ -48,9 +48,7 @@ class Job:
         self.layout, self.world = layout, WORLD[layout]
         self.run_dir = tmp_path / "run"  # on every rank's command line: what `pgrep -f` looks for
         self.logs = tmp_path
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         command = [
             sys.executable,
             "-m",

@@ -4,51 +4,29 @@ parameters sent once, sharded checkpoints with exact resume. Real gloo ranks and
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from harness.launch import ROOT, command, job_env
 from harness.multiproc import run_ranks
 from torch import nn
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.weights import GatheredWeightSource, WeightSync
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--config", "configs/ci_tiny.yaml", "train.seed=3"]
 SPLIT5 = ["layout.mode=split", "layout.trainer=2", "layout.inference=1", "layout.env=2", "train.total_steps=512"]
 
 
 def _env() -> dict:
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-    env.pop("RANK", None)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return job_env(PYTHONWARNINGS="ignore")
 
 
 def main(*args, nproc: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "spmd_rl.main"]
-    if nproc:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
-            "-m",
-            "spmd_rl.main",
-        ]
+    launcher = command("torchrun", nproc) if nproc else command("none")
     return subprocess.run(launcher + list(args), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 

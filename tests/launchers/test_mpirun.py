@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness.launch import command
 
 REPO = Path(__file__).resolve().parents[2]
 SPLIT_4 = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]
@@ -108,18 +109,7 @@ def test_mpirun_job_with_a_crashing_rank_fails(tmp_path):
 def test_mpi_rendezvous_with_the_probe(tmp_path):
     # The launch source alone, without training: every rank agrees on rank 0's address and joins one group.
     done = run_job(
-        [
-            "mpirun",
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "--bind-to",
-            "none",
-            "-n",
-            "3",
-            sys.executable,
-            "tests/harness/launch_probe.py",
-            f"run.dir={tmp_path}",
-        ],
+        [*command("mpirun", 3, script="tests/harness/launch_probe.py"), f"run.dir={tmp_path}"],
         mpirun_env(3),
     )
     assert done.returncode == 0, done.stdout[-4000:]

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness.launch import ROOT
-from harness.launch import free_port as _free_port
+from harness.launch import ROOT, command
 from harness.launch import job_env as _env
 from harness.multiproc import assert_all_ok, run_ranks
 from harness.runs import REQUIRED_METRICS, SAC_TINY, TINY, read_metrics
@@ -266,20 +265,7 @@ def run_main(
     env = _env()
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH", "")]))
-    if nproc:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=1",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
-            "-m",
-            "spmd_rl.main",
-        ]
-    else:
-        launcher = [sys.executable, "-m", "spmd_rl.main"]
+    launcher = command("torchrun", nproc) if nproc else command("none")
     return subprocess.run(launcher + list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -8,15 +8,12 @@ checking algorithm verifies on every iteration (so a multi-process run proves th
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
-from harness.launch import ROOT
-from harness.launch import free_port as _free_port
+from harness.launch import ROOT, command, with_pythonpath
 from harness.launch import job_env as _env
 from harness.parts import RECURRENT_TINY
 from harness.parts import SMALL_CARTPOLE as TINY
@@ -125,12 +122,8 @@ def test_a_recurrent_policy_needs_an_algorithm_that_replays_sequences_and_back(t
 
 def run_here(*args, nproc: int = 0, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python -m spmd_rl.main` (under torchrun with nproc) with this folder importable: its plug-ins are here."""
-    env = _env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), env.get("PYTHONPATH")]))
-    launcher = [sys.executable, "-m", "spmd_rl.main"]
-    if nproc:
-        launcher[2:2] = ["torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d"]
-        launcher[6:6] = [f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "-m"]
+    env = with_pythonpath(_env(), ROOT / "tests")
+    launcher = command("torchrun", nproc) if nproc else command("none")
     return subprocess.run(launcher + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

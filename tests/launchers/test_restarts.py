@@ -7,10 +7,10 @@ once in metrics.jsonl. No run.dir is given, so this also tests the default run d
 import json
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
+from harness.launch import command
 from harness.launch import job_env as _env
 from harness.runs import TINY
 
@@ -27,14 +27,7 @@ RUN_TIMEOUT_S = 300  # a bound for a hang, far above the tens of seconds a run t
 @pytest.mark.parametrize("nproc, layout", [(2, ()), (4, SPLIT4)], ids=["colocated-2", "split-4"])
 def test_a_killed_rank_is_restarted_by_torchrun_and_the_run_resumes_and_finishes(tmp_path, nproc, layout):
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--max-restarts=1",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "spmd_rl.main",
+        *command("torchrun", nproc, standalone=True, launcher_args=["--max-restarts=1"]),
         "--config",
         TINY,
         f"train.total_steps={STEPS}",

@@ -7,12 +7,11 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from harness.launch import ROOT
+from harness.launch import ROOT, command
 from harness.launch import job_env as _env
 from harness.runs import SAC_RESUME_TINY as SAC_TINY
 from harness.runs import TINY, assert_same_run, records_without_timings, run_main
@@ -74,13 +73,7 @@ def test_sigterm_stops_every_rank_at_one_iteration_with_a_checkpoint_and_the_run
     run_dir = tmp_path / "run"
     args = [TINY, f"run.dir={run_dir}", "train.total_steps=200000", "algo.update_epochs=1", *SPLIT4]
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=4",
-        "-m",
-        "spmd_rl.main",
+        *command("torchrun", 4, standalone=True),
         "--config",
         *args,
     ]
@@ -106,7 +99,7 @@ def test_sigterm_stops_every_rank_at_one_iteration_with_a_checkpoint_and_the_run
 
 def test_one_process_sigterm_exits_75_with_one_line(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={run_dir}", "train.total_steps=400000"]
+    cmd = [*command("none"), "--config", TINY, f"run.dir={run_dir}", "train.total_steps=400000"]
     process = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not (run_dir / "metrics.jsonl").exists():

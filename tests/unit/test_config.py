@@ -1,8 +1,6 @@
 """Config loading, overrides and every kind of user error: exit code 2 and one line naming the key or file."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -95,44 +93,6 @@ def test_missing_file_and_invalid_yaml(tmp_path):
     scalar.write_text("42\n")
     with pytest.raises(UserError, match="must hold a mapping"):
         load_config(scalar)
-
-
-def _main(*args, cwd=ROOT):
-    return subprocess.run(
-        [sys.executable, "-m", "spmd_rl.main", *args], cwd=cwd, capture_output=True, text=True, timeout=120
-    )
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["train.total_stps=1"], "did you mean 'train.total_steps'"),
-        (["--config", "configs/nope.yaml"], "configs/nope.yaml does not exist"),
-        (["env.id=NoSuchEnv-v0"], "env.id 'NoSuchEnv-v0' cannot be made"),
-        (["env.id=no_such_module:Env-v0"], "importing its module failed"),
-        (["env.id=Blackjack-v1"], "observation space"),
-        (["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=1"], "world size is 1"),
-        (["train.total_steps=10"], "less than one iteration"),
-        (["env.id=CartPole"], "env.id 'CartPole' cannot be made"),
-        (["env.id=Pendulum-v1", "env.vectorization=vector_entry_point"], "has no vectorized implementation"),
-        (["dist.timeout_s=.inf"], "'dist.timeout_s' = inf must be a finite number"),
-        (["dist.timeout_s=1e300"], "'dist.timeout_s' = 1e+300 is out of range"),
-        (["train.seed=1", "train.seed=2"], "config key 'train.seed' is set twice on the command line"),
-    ],
-)
-def test_command_line_user_errors_exit_2_with_one_line(args, message):
-    result = _main(*args, "log.progress=false")
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
-
-
-def test_help_documents_the_sections():
-    result = _main("--help")
-    assert result.returncode == 0
-    for key in ("train.total_steps", "layout.mode", "dist.timeout_s", "weights.verify_every", "env.num_envs"):
-        assert key in result.stdout
 
 
 def test_plan_rejects_unequal_trainer_shares_and_indivisible_sac_batches():
@@ -319,41 +279,6 @@ def test_the_rank_a_launcher_announced_is_read_without_starting_anything(env, ra
     from spmd_rl.runtime.launch import rank_from_env
 
     assert rank_from_env(env) == rank
-
-
-def test_file_errors_exit_2_with_one_line_naming_the_file(tmp_path):
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("# nothing yet\n")
-    twice = tmp_path / "twice.yaml"
-    twice.write_text("dist:\n  timeout_s: 10\n  timeout_s: 20\n")
-    for path, message in ((empty, "empty.yaml is empty"), (twice, "twice.yaml gives key 'dist.timeout_s' twice")):
-        result = _main("--config", str(path))
-        assert result.returncode == 2, result.stderr
-        assert message in result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1
-
-
-def test_under_torchrun_a_config_error_is_printed_once():
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "spmd_rl.main",
-            "train.totl_steps=5",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode != 0  # torchrun reports 1 for any failed worker
-    ours = [line for line in result.stderr.splitlines() if line.startswith("spmd_rl:")]
-    assert len(ours) == 1, result.stderr
-    assert "unknown config key 'train.totl_steps'" in ours[0]
 
 
 def test_a_plugin_config_field_of_a_type_a_config_cannot_check_is_a_user_error(tmp_path, monkeypatch):
