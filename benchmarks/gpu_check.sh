@@ -109,7 +109,8 @@ Not checked here (needs 2 GPUs or more: NCCL refuses two ranks on one GPU):
   - split layouts: weight broadcast over NCCL, the inference rank's CUDA forward passes, weights.verify_every;
   - the async engine at lag 0 equal to sync, and SAC async (staged weights polled over NCCL);
   - the NCCL group timeout (a minute past dist.timeout_s) after a stopped rank;
-  - FSDP over 2+ trainers on NCCL, the weight sync from shards to inference ranks (GatheredWeightSource, bf16 on
-    the wire), resharding, and benchmarks/large_policy.py's numbers on GPUs.
+  - FSDP over 2+ trainers on NCCL, the weight sync from shards to inference ranks (ShardedWeightSource: every
+    trainer's rows point to point over NCCL, bf16 on the wire), SAC on fsdp, resharding, and
+    benchmarks/large_policy.py's numbers on GPUs.
 EOF
 exit $failed

@@ -1,6 +1,8 @@
 """Large policies on CPU ranks over gloo: trainer memory with FSDP2 vs DDP, bytes and time of a weight sync from
-shards (fp32 and bf16 on the wire) against a raw dist.broadcast of the same bytes, the extra memory a sync takes on a
-trainer, a frozen backbone's later syncs, and a 7B sync on paper from the measured per-bucket overhead.
+shards (fp32 and bf16 on the wire; two designs: "gathered", every bucket all-gathered in the trainer group and
+broadcast by trainer 0, and "sent", every trainer sending its own rows to the inference ranks) against a raw
+dist.broadcast of the same bytes, the extra memory a sync takes on a trainer, a frozen backbone's later syncs, and a
+7B sync on paper from the measured per-bucket overhead.
 
     python benchmarks/large_policy.py                  # 100M and 300M parameters
     python benchmarks/large_policy.py --sizes 20       # quicker: 20M
@@ -33,7 +35,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import machine, table  # noqa: E402
 from spmd_rl.comm import sharding  # noqa: E402
-from spmd_rl.comm.weights import GatheredWeightSource, WeightSync  # noqa: E402
+from spmd_rl.comm.weights import GatheredWeightSource, ShardedWeightSource, WeightSync  # noqa: E402
 
 WIDTH = 2048
 BUCKET_MB = 64
@@ -68,11 +70,13 @@ def _local_bytes(tensors) -> int:
     return total
 
 
-def _rank(rank: int, world: int, init: str, out: str, layers: int, wire: str, frozen: int):
+def _rank(rank: int, world: int, init: str, out: str, layers: int, wire: str, frozen: int, design: str):
     """One rank of the FSDP measurement: ranks 0-1 sharded trainers, ranks 2-3 inference ranks."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(600))
     torch.set_num_threads(1)
     trainers, weights = dist.new_group([0, 1]), dist.new_group([0, 2, 3])
+    # design "sent": trainers 0 and 1 send their rows to ranks 2 and 3 over the world group (all four ranks)
+    senders = {"senders": [0, 1], "sender_group": dist.group.WORLD} if design == "sent" else {}
     bucket = BUCKET_MB << 20
     wire_dtype = torch.bfloat16 if wire == "bf16" else None
     result = {}
@@ -80,7 +84,7 @@ def _rank(rank: int, world: int, init: str, out: str, layers: int, wire: str, fr
         net = Stack(layers, frozen)
         if wire_dtype is not None:
             sharding.cast_parameters(net, wire_dtype)
-        sync = WeightSync(net, weights, src=0, me=rank, bucket_bytes=bucket, timeout=600)
+        sync = WeightSync(net, weights, src=0, me=rank, bucket_bytes=bucket, timeout=600, **senders)
         raw = torch.zeros(sum(sync.bucket_sizes[i] for i in range(sync.live_buckets)), dtype=torch.uint8)
         sync.broadcast(-1)
         for _ in range(REPEATS):  # a sync, then the raw broadcast of the same bytes: alternating pairs
@@ -94,9 +98,11 @@ def _rank(rank: int, world: int, init: str, out: str, layers: int, wire: str, fr
     for block in net.blocks:  # any values: the measurements do not depend on them
         nn.init.uniform_(block.weight, -0.02, 0.02)
         nn.init.zeros_(block.bias)
-    source = GatheredWeightSource(
-        net, weights if rank == 0 else None, src=0, me=rank, bucket_bytes=bucket, timeout=600, wire_dtype=wire_dtype
-    )
+    kind, options = (ShardedWeightSource, dict(senders, receivers=[2, 3])) if senders else (GatheredWeightSource, {})
+    source = kind(
+        net, weights if rank == 0 else None, src=0, me=rank, bucket_bytes=bucket, timeout=600, wire_dtype=wire_dtype,
+        **options,
+    )  # fmt: skip
     later_bytes = sum(source.bucket_sizes[i] for i in range(source.live_buckets))
     raw = torch.zeros(later_bytes, dtype=torch.uint8) if rank == 0 else None  # zeros: its pages touched now
     before = _peak_rss_bytes()
@@ -149,12 +155,14 @@ def _child(*args):
     os._exit(0)
 
 
-def measure(layers: int, parallel: str, wire: str, frozen: int = 0) -> dict:
+def measure(layers: int, parallel: str, wire: str, frozen: int = 0, design: str = "gathered") -> dict:
     out = tempfile.mkdtemp(prefix="spmd_large_")
     init = "file://" + os.path.join(out, "store")
     context = multiprocessing.get_context("fork")
     if parallel == "fsdp":  # 2 trainers and 2 inference ranks
-        children = [context.Process(target=_child, args=(r, 4, init, out, layers, wire, frozen)) for r in range(4)]
+        children = [
+            context.Process(target=_child, args=(r, 4, init, out, layers, wire, frozen, design)) for r in range(4)
+        ]
     else:  # only the two trainers: the ddp measurement is memory alone
         children = [context.Process(target=_ddp_child, args=(r, init, out, layers)) for r in range(2)]
     for child in children:
@@ -162,7 +170,7 @@ def measure(layers: int, parallel: str, wire: str, frozen: int = 0) -> dict:
     for child in children:
         child.join(1800)
     if any(child.exitcode != 0 for child in children):
-        raise RuntimeError(f"{parallel} {wire} layers={layers}: a rank failed")
+        raise RuntimeError(f"{parallel} {wire} {design} layers={layers}: a rank failed")
     result = torch.load(f"{out}/{parallel}_rank0.pt")
     shutil.rmtree(out, ignore_errors=True)
     return result
@@ -197,6 +205,7 @@ def _ddp_child(rank: int, init: str, out: str, layers: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 300], help="millions of parameters")
+    parser.add_argument("--designs", nargs="+", default=["gathered", "sent"], choices=["gathered", "sent"])
     args = parser.parse_args()
     print(machine())
     print(f"load average before: {os.getloadavg()}")
@@ -205,8 +214,12 @@ def main() -> None:
     for millions in args.sizes:
         layers = max(1, round(millions * 1e6 / (WIDTH * WIDTH + WIDTH)))
         ddp = measure(layers, "ddp", "fp32")
-        results = {wire: measure(layers, "fsdp", wire) for wire in ("fp32", "bf16")}
-        fsdp = results["fp32"]
+        results = {
+            (wire, design): measure(layers, "fsdp", wire, design=design)
+            for wire in ("fp32", "bf16")
+            for design in args.designs
+        }
+        fsdp = results["fp32", args.designs[0]]
         memory.append(
             [
                 f"{ddp['parameters'] / 1e6:.0f}M",
@@ -215,12 +228,13 @@ def main() -> None:
                 f"{fsdp['train_bytes'] / ddp['train_bytes']:.2f}x",
             ]
         )
-        for wire, r in results.items():
-            wire_ratio = r["all_bytes"] / results["fp32"]["all_bytes"]
+        for (wire, design), r in results.items():
+            wire_ratio = r["all_bytes"] / results["fp32", design]["all_bytes"]
             syncs.append(
                 [
                     f"{ddp['parameters'] / 1e6:.0f}M",
                     wire,
+                    design,
                     f"{r['all_bytes'] / mib:.0f} ({wire_ratio:.2f}x)",
                     f"{r['sync_s']:.2f}",
                     f"{r['raw_broadcast_s']:.2f}",
@@ -238,13 +252,14 @@ def main() -> None:
                 [
                     f"{ddp['parameters'] / 1e6:.0f}M",
                     wire,
+                    design,
                     f"{overhead * 1e3:.1f}",
                     f"{bytes_7b / 50e9 + overhead * bytes_7b / (BUCKET_MB * mib):.2f}",
                 ]
             )
     # A frozen backbone: 3/4 of the layers frozen; a sync after the first sends only the trainable rest.
     layers = max(4, round(args.sizes[0] * 1e6 / (WIDTH * WIDTH + WIDTH)))
-    frozen = measure(layers, "fsdp", "fp32", frozen=3 * layers // 4)
+    frozen = measure(layers, "fsdp", "fp32", frozen=3 * layers // 4, design=args.designs[-1])
     print("\nTrainer memory per rank (parameters + gradients + Adam state), 2 trainers:")
     print(table(["parameters", "ddp MiB", "fsdp MiB", "fsdp / ddp"], memory))
     print(f"\nWeight sync, 2 FSDP trainers -> 2 inference ranks, {BUCKET_MB} MiB buckets (medians of 3 pairs):")
@@ -253,6 +268,7 @@ def main() -> None:
             [
                 "parameters",
                 "wire",
+                "design",
                 "MiB per sync",
                 "sync s",
                 "raw broadcast s",
@@ -265,7 +281,7 @@ def main() -> None:
             syncs,
         )
     )
-    print(f"\nFrozen backbone ({3 * layers // 4} of {layers} layers frozen):")
+    print(f"\nFrozen backbone ({3 * layers // 4} of {layers} layers frozen, design {args.designs[-1]}):")
     print(
         table(
             ["first sync MiB", "later sync MiB", "trainable MiB", "later / trainable"],
@@ -280,7 +296,7 @@ def main() -> None:
         )
     )
     print("\nOn paper: 7B parameters at 50 GB/s plus the measured software overhead per bucket:")
-    print(table(["measured at", "wire", "overhead ms per bucket", "7B sync s"], paper))
+    print(table(["measured at", "wire", "design", "overhead ms per bucket", "7B sync s"], paper))
     print(f"\nload average after: {os.getloadavg()}")
 
 

@@ -3,12 +3,15 @@
 Read top to bottom: the soft TD target, the twin-critic step, the delayed actor and temperature steps, the Polyak
 update of the target critics. One `update` call is one critic gradient step on a replay batch.
 
-Data-parallel trainers average every optimizer step's gradients over the trainer group by hand (one all_reduce of
-one flat buffer per step) instead of wrapping the networks in DDP: an update runs several modules through several
-optimizers, and the actor's loss backpropagates through the critics, which that step must not change. DDP would
-hook and all_reduce the critics' gradients on every backward through them (and need find_unused_parameters for the
-rest); averaging exactly the gradients each optimizer is about to apply keeps every trainer's actor, critics,
-targets and temperature bit-identical with the fewest messages.
+Data-parallel trainers average every optimizer step's gradients over the trainer group (Context.backward and
+reduce_gradients: one all_reduce of one flat buffer per step) instead of wrapping the networks in DDP: an update
+runs several modules through several optimizers, and the actor's loss backpropagates through the critics, which
+that step must not change. DDP would hook and all_reduce the critics' gradients on every backward through them (and
+need find_unused_parameters for the rest); averaging exactly the gradients each optimizer is about to apply keeps
+every trainer's actor, critics, targets and temperature bit-identical with the fewest messages. With
+train.parallel=fsdp the actor, the critics and the target critics are sharded (Context.shard) and the same calls
+reduce-scatter the gradients in backward; each step clears its own gradients first, so the critics' gradients from
+an actor step are never applied.
 """
 
 from __future__ import annotations
@@ -72,7 +75,6 @@ class SAC(Algorithm):
     """
 
     Config = SACConfig
-    supports_fsdp = False  # its optimizer steps average exactly their own gradients over the trainers
     policy_methods = (
         PolicyMethod("sample", ("obs",), ("action", "log_prob"), "a reparameterized sample, with gradients"),
         PolicyMethod("features", ("obs",), "features", "observations as the critics see them"),
@@ -113,6 +115,14 @@ class SAC(Algorithm):
         self.log_alpha = torch.tensor(initial_log_alpha, device=device, requires_grad=cfg.autotune)
         self.target_entropy = -float(action_space.shape[0])
 
+        # Every trainer starts from the first trainer's actor, critics, targets and temperature (whole tensors:
+        # with train.parallel=fsdp each trainer then keeps its shards of them).
+        self.sync_from_first_trainer()
+        methods = tuple(getattr(method, "name", method) for method in self.policy_methods)
+        self.actor = context.shard(actor, ("act", *methods))
+        self.critic = context.shard(self.critic)
+        self.critic_target = context.shard(self.critic_target)
+
         # The actor's trainable parameters: a frozen one (requires_grad False) gets no gradient and no Adam state.
         self.actor_params = [param for param in actor.parameters() if param.requires_grad]
         self.critic_params = list(self.critic.parameters())
@@ -125,8 +135,6 @@ class SAC(Algorithm):
         )
         self.num_updates = 0  # update() calls so far: schedules the delayed actor and target updates
 
-        # Every trainer starts from the first trainer's actor, critics, targets and temperature.
-        self.sync_from_first_trainer()
         example = TensorDict(
             {
                 "obs": zeros_of(obs_space, 1),
@@ -293,26 +301,24 @@ class SAC(Algorithm):
     ) -> dict[str, Tensor]:
         """_step on the sum of the parts' gradients: losses(rows) gives each part's weighted losses, the first
         of them the one to differentiate; returns each loss summed over the parts (the whole batch's)."""
-        grads, totals = None, {}
-        for rows in parts:
+        totals = {}
+        for index, rows in enumerate(parts):
             part = losses(rows)
-            part_grads = torch.autograd.grad(next(iter(part.values())), params)
-            grads = part_grads if grads is None else [g + p for g, p in zip(grads, part_grads)]
+            self.context.backward(next(iter(part.values())), params, accumulate=index > 0)
             for name, value in part.items():
                 totals[name] = totals[name] + value.detach() if name in totals else value.detach()
-        self._apply_gradients(optimizers, params, grads, what)
+        self._apply_gradients(optimizers, params, what)
         return totals
 
     def _step(self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], loss: Tensor, what: str) -> None:
-        """Gradients of loss for exactly these parameters (none land on the critics during an actor step), averaged
-        over the trainer group, then one step of each optimizer."""
-        self._apply_gradients(optimizers, params, torch.autograd.grad(loss, params), what)
+        """Gradients of loss for these parameters (their own: the critics' are not applied in an actor step),
+        averaged over the trainer group, then one step of each optimizer."""
+        self.context.backward(loss, params)
+        self._apply_gradients(optimizers, params, what)
 
-    def _apply_gradients(self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], grads, what: str) -> None:
-        """These gradients averaged over the trainer group, then one step of each optimizer."""
-        grads = self.context.average_gradients(grads, f"SAC {what} gradients (update {self.num_updates})")
-        for param, grad in zip(params, grads):
-            param.grad = grad
+    def _apply_gradients(self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], what: str) -> None:
+        """The parameters' gradients averaged over the trainer group, then one step of each optimizer."""
+        self.context.reduce_gradients(params, f"SAC {what} gradients (update {self.num_updates})")
         for optimizer in optimizers:
             optimizer.step()
 
@@ -327,14 +333,14 @@ class SAC(Algorithm):
     @torch.no_grad()
     def sync_from_first_trainer(self) -> None:
         """Make every trainer's actor (parameters and buffers), critics, targets and temperature the first
-        trainer's. Every trainer calls it, once at start-up; a no-op for a single trainer."""
+        trainer's. Every trainer calls it, once at start-up, before sharding; a no-op for a single trainer."""
         if self.context.group is None:
             return
         tensors = [
             *self.actor.parameters(),
             *self.actor.buffers(),
-            *self.critic_params,
-            *self.target_params,
+            *self.critic.parameters(),
+            *self.critic_target.parameters(),
             self.log_alpha,
         ]
         for dtype in sorted({t.dtype for t in tensors}, key=str):  # one broadcast per dtype (the normalizer's f64)

@@ -10,13 +10,13 @@ into the live buckets (`swap`). The broadcasts are the same collectives, in the 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
-import torch.distributed as dist
 
 from spmd_rl.comm.weights import HEADER_BYTES, WeightSync
-from spmd_rl.runtime.distributed import Peer, comm_error, wait
+from spmd_rl.runtime.distributed import comm_error, wait
 
 # Polling a posted broadcast: the first pause, doubled up to the longest (a swap waits at most that long after the
 # broadcast completed).
@@ -29,11 +29,16 @@ class StagedWeights:
         if sync.me == sync.src:
             raise ValueError("StagedWeights is for the receivers of a weight broadcast, not its source")
         self.sync = sync
-        self.staging = [torch.empty_like(bucket) for bucket in sync.buckets]
+        # Zeros: sharded senders' pieces fill only the tensors' bytes, and the alignment gaps are checksummed too.
+        self.staging = [torch.zeros_like(bucket) for bucket in sync.buckets]
         header = self.staging[0][:HEADER_BYTES].view(torch.int64)
         self._header = header.numpy() if header.device.type == "cpu" else header
-        self.peer = Peer(sync.describe_rank(sync.src), (sync.src,))
+        self.peer = sync._broadcast_peer()
         self._works: list | None = None
+        # Gloo's point-to-point works (the pieces of sharded senders) report completion only from wait(): a thread
+        # waits on them, and its end is what ready() polls. Broadcasts and NCCL works are polled directly.
+        self._waiter: threading.Thread | None = None
+        self._failure: BaseException | None = None
         self.posted = 0  # broadcasts posted so far (the one in flight is number `posted`)
 
     def _describe(self) -> str:
@@ -50,16 +55,29 @@ class StagedWeights:
         self._indices = self.sync.buckets_to_send()  # frozen parameters' buckets only with the first broadcast
         for index in self._indices:
             try:
-                works.append(
-                    dist.broadcast(self.staging[index], src=self.sync.src, group=self.sync.group, async_op=True)
-                )
+                works += self.sync.post_receive(index, self.staging[index])
             except RuntimeError as exc:  # a member already gone can fail the post itself
                 raise comm_error(self._describe(), exc, self.sync.timeout, self.peer) from exc
         self._works = works
+        if self.sync.pieces is not None and self.sync.device.type == "cpu":
+            self._failure = None
+            self._waiter = threading.Thread(target=self._wait_for_pieces, args=(works,), daemon=True)
+            self._waiter.start()
+
+    def _wait_for_pieces(self, works: list) -> None:
+        try:
+            for work in works:
+                work.wait(self.sync.timeout)
+        except BaseException as exc:  # noqa: BLE001 - handed to wait(), which raises it as a CommError
+            self._failure = exc
 
     def ready(self) -> bool:
         """Whether the posted broadcast has completed (a failed one counts as complete; swap() raises it)."""
-        return self._works is not None and all(work.is_completed() for work in self._works)
+        if self._works is None:
+            return False
+        if self._waiter is not None:
+            return not self._waiter.is_alive()
+        return all(work.is_completed() for work in self._works)
 
     def wait(self) -> None:
         """Block until the posted broadcast is complete, bounded by dist.timeout_s. Completion is polled first and
@@ -75,6 +93,10 @@ class StagedWeights:
                 )
             time.sleep(pause)
             pause = min(2 * pause, POLL_LONGEST_S)
+        if self._waiter is not None:
+            if self._failure is not None:
+                raise comm_error(self._describe(), self._failure, self.sync.timeout, self.peer) from self._failure
+            return
         for work in self._works:
             wait(work, self.sync.timeout, self._describe, self.peer)
 
@@ -86,7 +108,7 @@ class StagedWeights:
     def swap(self) -> int:
         """Take the completed broadcast: its bytes into the live buckets (between forward passes); its version."""
         self.wait()
-        self._works = None
+        self._works = self._waiter = None
         version, digest = (int(value) for value in self._header.tolist())
         self.sync._check_digest(digest)
         for index in self._indices:

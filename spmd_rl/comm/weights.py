@@ -133,6 +133,40 @@ def bucket_checksum(data: torch.Tensor) -> int:
     return int(total)
 
 
+@dataclass
+class Piece:
+    """A byte range of a bucket that one trainer sends to every receiver: its rows of a sharded parameter, or
+    (from the first trainer) a whole buffer, or bucket 0's header (entry None)."""
+
+    sender: int  # global rank
+    start: int
+    end: int
+    entry: _Entry | None
+
+
+def shard_pieces(entries: list[_Entry], bucket_sizes: list[int], senders: list[int]) -> list[list[Piece]]:
+    """Per bucket, the pieces the senders send, in the order they are sent and received. Every member computes them
+    from the layout alone: FSDP2 shards every parameter on dim 0 in torch.chunk's way (sender k holds rows
+    [k*c, (k+1)*c) of the d0, c = ceil(d0 / len(senders)), the last ones fewer or none), and rows are contiguous
+    bytes of the whole tensor, so each sender's rows land at their place in the bucket with no reassembly.
+    Buffers are not sharded: the first sender sends them whole, with bucket 0's header."""
+    pieces: list[list[Piece]] = [[] for _ in bucket_sizes]
+    pieces[0].append(Piece(senders[0], 0, HEADER_BYTES, None))
+    for entry in entries:
+        if not entry.is_param or not entry.shape:
+            pieces[entry.bucket].append(Piece(senders[0], entry.offset, entry.offset + entry.nbytes, entry))
+            continue
+        rows = entry.shape[0]
+        row_bytes = entry.nbytes // rows if rows else 0
+        chunk = -(-rows // len(senders))
+        for k, sender in enumerate(senders):
+            first, last = min(rows, k * chunk), min(rows, (k + 1) * chunk)
+            if last > first:
+                start = entry.offset + first * row_bytes
+                pieces[entry.bucket].append(Piece(sender, start, start + (last - first) * row_bytes, entry))
+    return pieces
+
+
 class _WeightGroupMember:
     """What every member of the weight group shares: the bucket layout, its digest, the layout check at start and
     the checksum verify. Subclasses hold the bytes: WeightSync in buckets the module's tensors are views of,
@@ -208,6 +242,9 @@ class _WeightGroupMember:
 
     def _broadcast_peer(self) -> Peer:
         if self.me != self.src:
+            senders = tuple(getattr(self, "senders", None) or (self.src,))
+            if len(senders) > 1:
+                return Peer(f"one of the trainers {list(senders)}", senders)
             return Peer(self.describe_rank(self.src), (self.src,))
         receivers = tuple(rank for rank in self.members if rank != self.src)
         return Peer(
@@ -284,10 +321,17 @@ class WeightSync(_WeightGroupMember):
         bucket_bytes: int,
         timeout: datetime.timedelta | float,
         describe_rank: Callable[[int], str] = _plain_rank,
+        senders: list[int] | None = None,
+        sender_group=None,
     ):
         self._join(group, src, me, timeout, describe_rank)
         self.module = module
         self.entries, self.bucket_sizes = lay_out(module, bucket_bytes)
+        # Sharded trainers (a ShardedWeightSource on each of `senders`, in shard order): every bucket arrives in
+        # pieces, each trainer's rows straight from that trainer over sender_group, instead of one broadcast.
+        self.senders = senders
+        self.sender_group = sender_group
+        self.pieces = shard_pieces(self.entries, self.bucket_sizes, senders) if senders else None
         self.device = self.entries[0].current().device
         self.buckets = [torch.zeros(size, dtype=torch.uint8, device=self.device) for size in self.bucket_sizes]
         for entry in self.entries:  # the module's tensors become views of the buckets
@@ -336,18 +380,29 @@ class WeightSync(_WeightGroupMember):
         for index in indices:
             describe = self._describe_broadcast(index, len(indices), version if is_source else None)
             try:
-                works.append(dist.broadcast(self.buckets[index], src=self.src, group=self.group, async_op=True))
+                works.append(self.post_receive(index, self.buckets[index]))
             except RuntimeError as exc:  # a member already gone can fail the post itself
                 raise comm_error(describe, exc, self.timeout, peer) from exc
-        for index, work in zip(indices, works):
+        for index, bucket_works in zip(indices, works):
             describe = self._describe_broadcast(index, len(indices), version if is_source else None)
-            wait(work, self.timeout, lambda describe=describe: describe, peer)
+            for work in bucket_works:
+                wait(work, self.timeout, lambda describe=describe: describe, peer)
         self.broadcasts += 1
         received_version, digest = self._header.tolist()
         self._check_digest(digest)
         if not is_source:
             self.point_module_at_buckets()
         return received_version
+
+    def post_receive(self, index: int, into: torch.Tensor) -> list:
+        """Post the collective(s) that bring bucket index into `into` (the source: that send it); their works. One
+        broadcast from the source, or with sharded senders one receive per piece, each into its place."""
+        if self.pieces is None:
+            return [dist.broadcast(into, src=self.src, group=self.group, async_op=True)]
+        return [
+            dist.irecv(into[piece.start : piece.end], src=piece.sender, group=self.sender_group)
+            for piece in self.pieces[index]
+        ]
 
     def held_version(self) -> int:
         return int(self._header[0])
@@ -402,18 +457,32 @@ class GatheredWeightSource(_WeightGroupMember):
         self.device = self.entries[0].current().device
         self.broadcasts = 0
         self.version = -1
-        # One bucket on every trainer: the shards are all-gathered straight into it, in the wire dtype.
-        self.buffer = torch.zeros(max(self.bucket_sizes), dtype=torch.uint8, device=self.device)
+        self._buffer: torch.Tensor | None = None  # see buffer
         if not self.is_source:  # a trainer that only contributes its shards to the gathers
             return
         self._join(group, src, me, timeout, describe_rank)
         self.digest = self._digest(bucket_bytes)
         self._check_same_models()
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """One bucket on every trainer: the shards are all-gathered straight into it, in the wire dtype (made on
+        first use: a ShardedWeightSource needs it only to verify)."""
+        if self._buffer is None:
+            self._buffer = torch.zeros(max(self.bucket_sizes), dtype=torch.uint8, device=self.device)
+        return self._buffer
+
     def _fill(self, index: int, version: int) -> torch.Tensor | None:
         """Bucket index, gathered into the buffer by every trainer together; the source's to broadcast (returned),
         the others' only the output their all-gathers need (None)."""
         bucket = self.buffer[: self.bucket_sizes[index]]
+        # The alignment gaps between tensors hold zeros, as every receiver's bucket does: the buffer is reused, and
+        # a receiver of sent shards gets only the tensors' bytes (the checksums cover the gaps too).
+        end = HEADER_BYTES if index == 0 else 0
+        for entry in sorted((e for e in self.entries if e.bucket == index), key=lambda e: e.offset):
+            bucket[end : entry.offset].zero_()
+            end = entry.offset + entry.nbytes
+        bucket[end:].zero_()
         for entry in self.entries:
             if entry.bucket != index:
                 continue
@@ -462,3 +531,99 @@ class GatheredWeightSource(_WeightGroupMember):
             super().verify(version)
         else:
             self.checksums()  # the gathers the source's checksums need
+
+
+class ShardedWeightSource(GatheredWeightSource):
+    """A sharded trainer's side of a weight sync in which every trainer sends its own shards: bucket by bucket,
+    each of `senders` (the trainers holding one copy of the shards, in shard order) sends its rows of the bucket's
+    parameters to every inference rank, which receive them straight into their places in the bucket (WeightSync
+    with the same senders; shard_pieces says what goes where). The first sender also sends the buffers and the
+    header. Nothing is gathered: on the wire are only the bucket's bytes, from all trainers at once, and a trainer
+    holds no copy beyond its shards, except each shard cast to the wire dtype (inference.dtype) while it is sent.
+    Trainers outside `senders` (the other replicas of hybrid sharding) send nothing. verify() checks the
+    receivers against the gathered buckets, as GatheredWeightSource does.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group,
+        src: int,
+        me: int,
+        bucket_bytes: int,
+        timeout: datetime.timedelta | float,
+        describe_rank: Callable[[int], str] = _plain_rank,
+        wire_dtype: torch.dtype | None = None,
+        senders: list[int] | None = None,
+        sender_group=None,
+        receivers: list[int] | None = None,
+    ):
+        super().__init__(module, group, src, me, bucket_bytes, timeout, describe_rank, wire_dtype)
+        self.me, self.src, self.describe_rank = me, src, describe_rank  # also on trainers outside the weight group
+        self.timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+        self.senders, self.sender_group, self.receivers = list(senders), sender_group, list(receivers)
+        if src != self.senders[0]:
+            raise ValueError(f"ShardedWeightSource: the source rank {src} must be the first sender {self.senders}")
+        self.pieces = shard_pieces(self.entries, self.bucket_sizes, self.senders)
+        if me in self.senders:
+            self._check_my_rows()
+
+    def _check_my_rows(self) -> None:
+        """This trainer's shards are the rows shard_pieces says (FSDP2's dim-0 chunks); anything else cannot be
+        sent piecewise, and is a framework error named here rather than a receiver's garbled weights."""
+        for pieces in self.pieces:
+            for piece in pieces:
+                if piece.sender != self.me or piece.entry is None or not piece.entry.is_param:
+                    continue
+                tensor = self._piece_tensor(piece)
+                if tensor.numel() * tensor.element_size() != piece.end - piece.start:
+                    raise ValueError(
+                        f"ShardedWeightSource: {self.describe_rank(self.me)} holds {tuple(tensor.shape)} of "
+                        f"{piece.entry.name} {piece.entry.shape}, not the dim-0 chunk the receivers expect"
+                    )
+
+    def _piece_tensor(self, piece: Piece) -> torch.Tensor:
+        """What this trainer sends for a piece: its local rows in the wire dtype, or a whole buffer."""
+        tensor = piece.entry.current().detach()
+        if is_dtensor(tensor):
+            tensor = tensor.to_local()
+        elif piece.entry.is_param and len(self.senders) > 1 and piece.entry.shape:
+            raise ValueError(
+                f"ShardedWeightSource: parameter {piece.entry.name} is not sharded; every parameter must be"
+            )
+        return tensor.to(piece.entry.dtype).contiguous()
+
+    def broadcast(self, version: int) -> int:
+        indices = self.buckets_to_send()
+        if self.me in self.senders:
+            # Bucket 0's header piece is the source's (the first sender's) alone; only it knows the layout digest.
+            header = torch.tensor([version, self.digest], dtype=torch.int64) if self.is_source else None
+            peer = Peer(
+                self.describe_rank(self.receivers[0])
+                if len(self.receivers) == 1
+                else f"one of ranks {list(self.receivers)}",
+                tuple(self.receivers),
+            )
+            for index in indices:
+                describe = (
+                    f"{self.describe_rank(self.me)}: sending its shards of weight bucket {index + 1} of "
+                    f"{len(indices)} (version {version}) to the inference ranks {self.receivers}"
+                )
+                # Each piece goes on the wire as soon as it is cast, while the next one is cast; the bucket's cast
+                # shards live until its sends complete: at most one bucket's share at a time.
+                works, tensors = [], []
+                try:
+                    for piece in self.pieces[index]:
+                        if piece.sender != self.me:
+                            continue
+                        tensors.append(header.to(self.device) if piece.entry is None else self._piece_tensor(piece))
+                        for receiver in self.receivers:
+                            works.append(dist.isend(tensors[-1], dst=receiver, group=self.sender_group))
+                except RuntimeError as exc:  # a member already gone can fail the post itself
+                    raise comm_error(describe, exc, self.timeout, peer) from exc
+                for work in works:
+                    wait(work, self.timeout, lambda describe=describe: describe, peer)
+                del tensors, works  # before the next bucket's casts, not after them
+        self.broadcasts += 1
+        self.version = version
+        return version

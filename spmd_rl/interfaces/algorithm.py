@@ -87,7 +87,8 @@ class Algorithm:
     requires: ClassVar[tuple[str, ...]] = ()  # step fields beyond obs/action/ENV_FIELDS (e.g. log_prob)
     policy_methods: ClassVar[tuple[PolicyMethod | str, ...]] = ()  # what learn calls on the policy (see above)
     # Whether train.parallel=fsdp can shard it: true for algorithms whose gradients come from modules they got from
-    # Context.data_parallel (PPO's); false for one that averages gradients by hand (SAC's).
+    # Context.data_parallel (PPO's) or Context.shard with Context.backward (SAC's); false for one that computes and
+    # averages its gradients by hand (torch.autograd.grad and average_gradients bypass FSDP's reduce-scatter).
     supports_fsdp: ClassVar[bool] = True
 
     @classmethod

@@ -118,6 +118,56 @@ class Context:
         # Buffers (normalizer statistics) are merged by their own all-reduce, not synced on every forward.
         return DistributedDataParallel(module, process_group=self.group, forward_sync_buffers=False)
 
+    def shard(self, module: nn.Module, methods: tuple[str, ...] = ()) -> nn.Module:
+        """For an algorithm that steps its optimizers itself over several modules (SAC's actor, critics and target
+        critics): the module laid out as train.parallel says, without a DDP wrapper. Compute its gradients with
+        `backward` and average them with `reduce_gradients`, which work in either layout.
+
+        - ddp: the module itself (`reduce_gradients` averages the gradients over the trainers in one all-reduce).
+        - fsdp: the module sharded in place with FSDP2 over the trainer group, with `methods` (besides forward)
+          all-gathering its parameters as forward does; its gradients are reduce-scattered in backward.
+        train.precision=bf16 and train.activation_checkpointing apply as with data_parallel (forward and `methods`
+        in bfloat16, returning float32)."""
+        if self.activation_checkpointing:
+            sharding.checkpoint_activations(sharding.shard_units(module))
+        bf16 = self.precision == "bf16"
+        if bf16:
+            sharding.compute_in_bf16(module, methods, self.device.type)
+        if self.parallel != "fsdp":
+            return module
+        group = self.group if self.group is not None else sharding.single_process_group(self.device)
+        return sharding.shard_policy(module, group, self.device, methods, bf16, self.hybrid_shards)
+
+    def backward(self, loss: Tensor, params: list[Tensor], accumulate: bool = False) -> None:
+        """The gradients of loss for params, into their .grad (added to it with accumulate, for a batch in parts);
+        this trainer's own until `reduce_gradients`.
+
+        ddp: torch.autograd.grad for exactly these parameters: none land anywhere else (SAC's actor loss goes
+        through the critics, whose gradients that step must not touch). fsdp: loss.backward() through the sharded
+        modules, which reduce-scatter their parameters' gradients over the trainers as it runs (FSDP reduces only
+        in backward); gradients that land on other parameters are left there, so a step clears its own parameters'
+        gradients first (accumulate False) and never reads another step's."""
+        if self.parallel == "fsdp":
+            if not accumulate:
+                for param in params:
+                    param.grad = None
+            loss.backward()
+            return
+        grads = torch.autograd.grad(loss, params)
+        for param, grad in zip(params, grads):
+            param.grad = grad if not accumulate or param.grad is None else param.grad + grad
+
+    def reduce_gradients(self, params: list[Tensor], what: str = "gradients") -> None:
+        """params' .grad (from `backward`) replaced by their mean over the trainers: in one flat all-reduce (ddp), or
+        with fsdp only those of parameters outside the sharded modules (a temperature), the sharded ones having
+        been reduced in backward already."""
+        if self.parallel == "fsdp":
+            params = [param for param in params if not sharding.is_dtensor(param)]
+        if self.group is None or not params:
+            return
+        for param, grad in zip(params, self.average_gradients([param.grad for param in params], what)):
+            param.grad = grad
+
     def average_gradients(
         self, grads: list[Tensor] | tuple[Tensor, ...], what: str = "gradients"
     ) -> tuple[Tensor, ...]:

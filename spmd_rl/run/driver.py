@@ -332,7 +332,9 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
             f"run directory {run_dir}{f' ({resume.note})' if resume.note else ''}{start}",
             flush=True,
         )
-    groups = create_process_groups(topology, runtime.group_timeout, cfg.train.shard_group_size)
+    groups = create_process_groups(
+        topology, runtime.group_timeout, cfg.train.shard_group_size, sharded=cfg.train.parallel == "fsdp"
+    )
     control = RunControl(
         cfg, plan.num_iterations, runtime.rank, runtime.world_size, runtime.distributed, run_dir, runtime.timeout
     )

@@ -18,7 +18,7 @@ import torch
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.channel import local_channel, open_channels
-from spmd_rl.comm.weights import GatheredWeightSource, WeightSync
+from spmd_rl.comm.weights import GatheredWeightSource, ShardedWeightSource, WeightSync
 from spmd_rl.config.sections import Config
 from spmd_rl.envs.backend import backend_for
 from spmd_rl.envs.vector import EnvSpec, group_of_envs
@@ -276,7 +276,7 @@ class Run:
             policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
         if cfg.inference.dtype == "bf16":  # this rank's copy (and the wire) in bf16; it acts under autocast
             sharding.compute_in_bf16(sharding.cast_parameters(policy, torch.bfloat16), ["act"], policy_device(policy))
-        weight_sync = self._weight_sync(policy)
+        weight_sync = self._weight_sync(policy, **self._sender_options())
         self._seed_rank()
         observations = [with_episode_starts(observation_layout(self.spec, n), state_fields, n) for _ in served]
         action_channels, obs_channels = open_channels(
@@ -423,7 +423,24 @@ class Run:
         return self.cfg.train.parallel == "fsdp" or self.cfg.inference.dtype != "fp32"
 
     def _gathered_weight_source(self, policy: Policy) -> GatheredWeightSource:
-        return self._weight_sync(policy, GatheredWeightSource, wire_dtype=WIRE_DTYPES[self.cfg.inference.dtype])
+        """Sharded trainers each send their own shards (ShardedWeightSource); replicated ones with another wire
+        dtype fill one bucket at a time for trainer 0's broadcast (GatheredWeightSource)."""
+        wire_dtype = WIRE_DTYPES[self.cfg.inference.dtype]
+        if self.groups.sender_ranks:
+            return self._weight_sync(
+                policy,
+                ShardedWeightSource,
+                wire_dtype=wire_dtype,
+                receivers=list(self.topology.inference_ranks),
+                **self._sender_options(),
+            )
+        return self._weight_sync(policy, GatheredWeightSource, wire_dtype=wire_dtype)
+
+    def _sender_options(self) -> dict:
+        """With sharded trainers: who sends the pieces of every bucket (for both ends of a sync)."""
+        if not self.groups.sender_ranks:
+            return {}
+        return {"senders": list(self.groups.sender_ranks), "sender_group": self.groups.weight_senders}
 
     def _weight_sync(self, policy: Policy, kind=WeightSync, **options) -> WeightSync:
         """This rank's member of the weight group (kind: WeightSync, or a trainer's GatheredWeightSource)."""

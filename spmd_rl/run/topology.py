@@ -144,10 +144,18 @@ class ProcessGroups:
     shard: object | None = None  # the trainers this one shards the policy with
     replicate: object | None = None  # the trainers holding the same shards as this one (one per shard group)
     shard_mesh: list[list[int]] | None = None  # [replica][shard position] -> global rank
+    # train.parallel=fsdp in a split layout: the trainers that send their own shards to the inference ranks (one
+    # copy of the shards: all trainers, or the first replica's with hybrid sharding), in shard order, and the
+    # group of those senders and the inference ranks their sends go over.
+    sender_ranks: tuple[int, ...] = ()
+    weight_senders: object | None = None
 
 
-def create_process_groups(topology: Topology, timeout: datetime.timedelta, shard_group_size: int = 0) -> ProcessGroups:
-    """Every rank creates every group, once, in this order (new_group is collective over the world)."""
+def create_process_groups(
+    topology: Topology, timeout: datetime.timedelta, shard_group_size: int = 0, sharded: bool = False
+) -> ProcessGroups:
+    """Every rank creates every group, once, in this order (new_group is collective over the world). sharded:
+    train.parallel=fsdp (a split layout then also gets the group its trainers send their shards over)."""
     import torch.distributed as dist  # here: main.py checks the layout before torch is imported
 
     if not dist.is_initialized():
@@ -171,4 +179,8 @@ def create_process_groups(topology: Topology, timeout: datetime.timedelta, shard
             if me in column:
                 groups.replicate = group
         groups.shard_mesh = mesh
+    if sharded and not topology.colocated:
+        trainers = list(topology.trainer_ranks)
+        groups.sender_ranks = tuple(trainers[:shard_group_size] if shard_group_size else trainers)
+        groups.weight_senders = dist.new_group(sorted(groups.sender_ranks + topology.inference_ranks), timeout=timeout)
     return groups

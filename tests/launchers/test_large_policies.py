@@ -124,7 +124,6 @@ def test_inference_rank_holds_the_gathered_full_weights_and_frozen_ones_are_sent
 
 def test_layout_refusals_are_one_line_exit_2(tmp_path):
     cases = [
-        (["--config", "configs/sac_pendulum.yaml", "train.parallel=fsdp"], "algo.class 'sac'"),
         ([*TINY, "train.parallel=fsdp", "eval.every=2"], "eval.every"),
         ([*TINY, "inference.dtype=bf16"], "inference.dtype=bf16 is for the inference ranks"),
     ]
