@@ -33,7 +33,7 @@ class StagedWeights:
         self.staging = [torch.zeros_like(bucket) for bucket in sync.buckets]
         header = self.staging[0][:HEADER_BYTES].view(torch.int64)
         self._header = header.numpy() if header.device.type == "cpu" else header
-        self.peer = sync._broadcast_peer()
+        self.peer = sync.broadcast_peer()
         self._works: list | None = None
         # Gloo's point-to-point works (the pieces of sharded senders) report completion only from wait(): a thread
         # waits on them, and its end is what ready() polls. Broadcasts and NCCL works are polled directly.

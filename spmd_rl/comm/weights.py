@@ -240,7 +240,7 @@ class _WeightGroupMember:
                 f"build the same model with the same config"
             )
 
-    def _broadcast_peer(self) -> Peer:
+    def broadcast_peer(self) -> Peer:
         if self.me != self.src:
             senders = tuple(getattr(self, "senders", None) or (self.src,))
             if len(senders) > 1:
@@ -375,7 +375,7 @@ class WeightSync(_WeightGroupMember):
         if is_source:
             self._adopt_module_tensors()
             self._header[0] = version
-        peer, indices = self._broadcast_peer(), self.buckets_to_send()
+        peer, indices = self.broadcast_peer(), self.buckets_to_send()
         works = []
         for index in indices:
             describe = self._describe_broadcast(index, len(indices), version if is_source else None)
@@ -505,7 +505,7 @@ class GatheredWeightSource(_WeightGroupMember):
             if bucket is None:
                 continue
             describe = self._describe_broadcast(index, len(indices), version)
-            peer = self._broadcast_peer()
+            peer = self.broadcast_peer()
             try:
                 work = dist.broadcast(bucket, src=self.src, group=self.group, async_op=True)
             except RuntimeError as exc:  # a member already gone can fail the post itself

@@ -19,6 +19,7 @@ from spmd_rl.interfaces.policy import StepField
 from spmd_rl.roles.inference_server import InferenceParts
 from spmd_rl.roles.messages import action_message
 from spmd_rl.run.plan import Plan
+from spmd_rl.runtime.distributed import Peer
 from spmd_rl.runtime.errors import CommError
 
 NUM_ENVS = 2  # envs per env rank
@@ -78,6 +79,7 @@ def make_server(plan: Plan, lag_bound: int, iterations: range, env_ranks: int = 
         me=1,
         buckets=[torch.zeros(64, dtype=torch.uint8)],
         describe_rank=lambda rank: f"rank {rank}",
+        broadcast_peer=lambda: Peer("rank 0", (0,)),
         timeout=datetime.timedelta(seconds=5),
     )
     parts = InferenceParts(

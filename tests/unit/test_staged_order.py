@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from spmd_rl.comm.staged_weights import StagedWeights
+from spmd_rl.runtime.distributed import Peer
 from spmd_rl.runtime.errors import CommError
 
 
@@ -37,6 +38,7 @@ def _staged(timeout_s: float) -> StagedWeights:
         src=0,
         buckets=[torch.zeros(64, dtype=torch.uint8)],
         describe_rank=lambda rank: f"rank {rank}",
+        broadcast_peer=lambda: Peer("rank 0", (0,)),
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return StagedWeights(sync)
