@@ -24,6 +24,24 @@ def machine() -> str:
     )
 
 
+def versions() -> dict[str, str]:
+    """The versions a learning number depends on (physics releases change trajectories): written beside every
+    learning benchmark's numbers. A package that is not installed is "-"."""
+    from importlib import metadata
+
+    found = {"python": platform.python_version()}
+    for package in ("torch", "gymnasium", "mujoco", "envpool", "numpy"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = "-"
+    return found
+
+
+def versions_line() -> str:
+    return "versions: " + ", ".join(f"{name} {version}" for name, version in versions().items())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

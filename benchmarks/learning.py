@@ -14,7 +14,7 @@ import statistics
 import time
 
 import torch
-from common import machine, run_spmd, table
+from common import machine, run_spmd, table, versions_line
 
 from spmd_rl.config.loading import load_config
 
@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--no-sb3", action="store_true")
     args = parser.parse_args()
     print(f"machine: {machine()}")
+    print(versions_line())
     runs: dict[str, list[dict]] = {}
     for seed in range(1, args.seeds + 1):
         if not args.no_sb3:
