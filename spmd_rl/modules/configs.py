@@ -18,6 +18,12 @@ class ActorCriticConfig:
     activation: str = knob("tanh", "hidden activation", choices=["tanh", "relu", "elu"])
     normalize_obs: bool = knob(False, "running normalization of vector observations (merged across trainers)")
     log_std_init: float = knob(0.0, "initial log std of the Gaussian policy (continuous actions)")
+    ortho_init: bool = knob(
+        True,
+        "orthogonal initialization of the actor and critic MLPs (gain sqrt(2), heads 0.01 and 1, zero biases); "
+        "false: torch's default nn.Linear initialization (SB3's ortho_init=False)",
+        omit_default=True,
+    )
     encoder: str = knob(
         "auto",
         "auto: an MLP for vector observations, a CNN for images (uint8 HxWxC or CxHxW); or force mlp (flattens) or cnn",
