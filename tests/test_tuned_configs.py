@@ -62,7 +62,8 @@ def test_ortho_init_false_keeps_torchs_linear_initialization():
 
 
 def test_reward_normalization_discounts_with_its_gamma_and_clips():
-    env_cfg = load_config(None, ["env.normalize_reward=true", "env.normalize_reward_gamma=0.5", "env.clip_reward=0.3"]).env
+    overrides = ["env.normalize_reward=true", "env.normalize_reward_gamma=0.5", "env.clip_reward=0.3"]
+    env_cfg = load_config(None, overrides).env
     envs = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
     envs, _ = finish_vector_env(envs, env_cfg, seed=0, reset_seed=0)
     rewards = np.concatenate([envs.step(np.array([0, 1]))[1] for _ in range(30)])
