@@ -38,7 +38,8 @@ def test_a_stopped_benchmark_resumes_its_unfinished_seeds(tmp_path):
     first = seed_runner(tmp_path, seeds=2)
     assert first.returncode == 0, first.stderr
     assert "seed 1: starting" in first.stdout and "seed 2: resuming" in first.stdout
-    iterations = [json.loads(line)["iteration"] for line in (where / "seed2" / "metrics.jsonl").read_text().splitlines()]
+    lines = (where / "seed2" / "metrics.jsonl").read_text().splitlines()
+    iterations = [json.loads(line)["iteration"] for line in lines]
     assert iterations == list(range(8))  # resumed after iteration 2, nothing run twice
     for seed in (1, 2):
         assert (where / f"seed{seed}" / "finished.json").exists()
