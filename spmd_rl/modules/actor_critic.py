@@ -26,6 +26,7 @@ from spmd_rl.comm.sharding import is_dtensor
 from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.modules.configs import ActorCriticConfig
 from spmd_rl.modules.encoders import make_encoder
+from spmd_rl.modules.masks import action_mask_of, masked
 from spmd_rl.runtime.errors import UserError
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
@@ -271,7 +272,8 @@ class ActorCritic(Policy):
         no grad context of its own: this runs once per env step."""
         out, value = self.actor_and_critic(self.encoder(obs))
         if self.discrete:
-            log_probs = torch.log_softmax(out, dim=-1)
+            # An action mask in the observation (modules/masks.py): the disallowed actions get probability 0.
+            log_probs = torch.log_softmax(masked(out, action_mask_of(obs)), dim=-1)
             if deterministic:
                 action = log_probs.argmax(-1)
             else:
@@ -288,7 +290,7 @@ class ActorCritic(Policy):
         """(log_prob, entropy, value) of given actions, with gradients."""
         out, value = self.actor_and_critic(self.encoder(obs))
         if self.discrete:
-            log_probs = torch.log_softmax(out, dim=-1)
+            log_probs = torch.log_softmax(masked(out, action_mask_of(obs)), dim=-1)
             # nll_loss picks each row's log-prob in one op (and one cheap backward) instead of gather + reshapes
             log_prob = -F.nll_loss(log_probs, action.long(), reduction="none")
             entropy = -(log_probs.exp() * log_probs).sum(-1)
