@@ -15,7 +15,7 @@ import copy
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
-from torch import Tensor
+from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from spmd_rl.algorithms.configs import DQNConfig
@@ -77,6 +77,21 @@ def n_step_transitions(segment: TensorDict, gamma: float, n: int) -> TensorDict:
     )
 
 
+@torch.no_grad()
+def own_storage(module: nn.Module) -> nn.Module:
+    """module with every parameter and buffer in a storage of its own. A deep copy keeps the sharing of the
+    original, whose tensors may be views into one flat weight-sync bucket of mixed dtypes (split layouts), which
+    torch.save refuses for a state dict of its own."""
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                sub._parameters[name] = nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
+        for name, buffer in sub._buffers.items():
+            if buffer is not None:
+                sub._buffers[name] = buffer.clone()
+    return module
+
+
 class DQN(Algorithm):
     """Owns the target network, the optimizer and the replay shard; updates the policy (a QNetwork, or any policy
     with `q_values(obs)` and an `epsilon` buffer).
@@ -118,7 +133,7 @@ class DQN(Algorithm):
         super().__init__(policy, cfg, context)
         self.cfg = cfg
         self.q_network = policy
-        self.target = copy.deepcopy(policy).requires_grad_(False)
+        self.target = own_storage(copy.deepcopy(policy)).requires_grad_(False)
         # The online network's trainable parameters: a frozen one (requires_grad False) gets no Adam state.
         self.params = [param for param in policy.parameters() if param.requires_grad]
         self.online_tensors = [*policy.parameters(), *policy.buffers()]
