@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # System packages the launcher tests need: Open MPI (mpirun + headers for mpi4py) and a Slurm that the tests
-# bring up themselves (slurmctld + slurmd on this host; see tests/slurm_cluster.py). Run as root, before the venv.
+# bring up themselves (slurmctld + slurmd on this host; see tests/harness/slurm_cluster.py). Run as root, before the venv.
 # The Slurm tests use AuthType=auth/none, so munge is installed only because Debian's slurm packages expect it;
 # no munge daemon is started.
 set -euo pipefail

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' launcher helper: launch lines are spelled in one place
+
+from harness.launch import command, free_port  # noqa: E402 (after the path it is found on)
+
+__all__ = ["ROOT", "command", "free_port", "machine", "run_spmd", "table", "versions", "versions_line"]
 
 
 def machine() -> str:
@@ -42,12 +46,6 @@ def versions_line() -> str:
     return "versions: " + ", ".join(f"{name} {version}" for name, version in versions().items())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_spmd(
     overrides: list[str],
     nproc: int = 0,
@@ -65,21 +63,7 @@ def run_spmd(
         + overrides
         + [f"run.dir={run_dir}", "log.progress=false", "log.tensorboard=false", "log.interval_s=1000000"]
     )
-    if nproc:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=1",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-            "-m",
-            "spmd_rl.main",
-            *args,
-        ]
-    else:
-        cmd = [sys.executable, "-m", "spmd_rl.main", *args]
+    cmd = [*(command("torchrun", nproc) if nproc else command("none")), *args]
     path = os.pathsep.join([str(root), *([str(user_code)] if user_code else [])])
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=path)
     result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)

@@ -17,11 +17,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, free_port, machine, table
+from common import ROOT, command, machine, table
 
 # name: (config file, stated return, budget in env steps, envs in all (the config's env.num_envs))
 EXAMPLES = {
@@ -42,19 +41,7 @@ def run_example(name: str, layout: str, seed: int) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix=f"spmd_example_{name}_"))
     folder = work / name
     shutil.copytree(ROOT / "examples" / name, folder, ignore=shutil.ignore_patterns("__pycache__", "runs"))
-    launcher = [sys.executable, "-m", "spmd_rl.main"]
-    if nproc:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=1",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-            "-m",
-            "spmd_rl.main",
-        ]
+    launcher = command("torchrun", nproc) if nproc else command("none")
     cmd = [
         *launcher,
         "--config",

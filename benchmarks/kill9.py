@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "ci_tiny.yaml")
@@ -72,14 +73,6 @@ def wait(procs: list[subprocess.Popen], timeout: float = 600) -> tuple[list[int]
         _, stderr = p.communicate(timeout=max(deadline - time.monotonic(), 1))
         last_lines.append((stderr or "").strip().splitlines()[-1:] or [""])
     return [p.returncode for p in procs], [line for (line,) in last_lines]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def records(run_dir: Path) -> list[dict]:

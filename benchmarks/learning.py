@@ -48,7 +48,7 @@ LAYOUTS = {
     "colocated2": (2, None, ["env.num_envs=4"]),
     "split8": (8, "configs/ppo_cartpole_split.yaml", []),
     "async6": (6, "configs/ppo_cartpole_async.yaml", []),  # async engine, V-trace, max_policy_lag 2
-    # Large-policy paths (README "Large policies") on the same default config:
+    # Large-policy paths (docs/large-policies.md) on the same default config:
     "one-bf16": (0, None, ["train.precision=bf16"]),
     "colocated2-fsdp": (2, None, ["env.num_envs=4", "train.parallel=fsdp"]),
 }

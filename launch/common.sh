@@ -14,12 +14,16 @@ make_exit_file() {   # not in $(...): the trap that removes the files must belon
 }
 
 # Passes SIGINT, SIGTERM and SIGUSR1 on to the launcher (which passes them on to every rank), waits until it has
-# exited, and exits: 75 when it failed only because the ranks stopped cleanly with a checkpoint, else its status.
+# exited, and exits with the job's code: when the launcher failed, rank 0's own (the launcher's is 1 whatever the
+# ranks did) where it is 2 (a config or layout error, the same on every rank) or 75 (a checkpointed stop), and,
+# after a signal to this script, 128+N (rank 0's, or N's itself with a line of its own when rank 0 left no code:
+# the signal came before it could); else the launcher's status.
 wait_for_launcher() {
     local job=$1 filter=${2:-} sig status ranks_code
+    signalled=""
     for sig in INT TERM USR1; do
         # shellcheck disable=SC2064  # the job's pid is fixed now
-        trap "kill -$sig $job 2>/dev/null" "$sig"
+        trap "signalled=\${signalled:-$sig}; kill -$sig $job 2>/dev/null" "$sig"
     done
     while true; do   # a trapped signal ends `wait` early: wait again until the launcher itself has exited
         wait "$job" && status=0 || status=$?
@@ -39,8 +43,15 @@ wait_for_launcher() {
         "${PYTHON:-python}" -m spmd_rl.runtime.postmortem "$records" || true
     fi
     ranks_code=$(cat "$exit_file" 2>/dev/null || true)
-    if [[ $status != 0 && $ranks_code == 75 ]]; then
-        exit 75
+    if [[ $status != 0 ]]; then
+        case $ranks_code in
+            2 | 75) exit "$ranks_code" ;;
+            1[3-9][0-9] | 2[0-5][0-9]) [[ -n $signalled ]] && exit "$ranks_code" ;;
+            "") if [[ -n $signalled ]]; then
+                    echo "spmd_rl: $(basename "$0"): stopped by SIG$signalled while the ranks were starting" >&2
+                    exit $((128 + $(kill -l "$signalled")))
+                fi ;;
+        esac
     fi
     exit "$status"
 }

@@ -41,8 +41,16 @@ make_exit_file
 # A second signal while the agent handles the first (a signal to the whole process group reaches it directly and
 # relayed by this script) chains a second traceback to the first: the chain is held to its end and dropped only if
 # every exception in it is the agent's SignalException.
+# When a rank fails or a signal comes, the agent logs each SIGTERM it sends on (dropped: the ranks' lines, or this
+# script's, say what happened). After a failure it logs the failed exit code and raises ChildFailedError with a
+# report of every rank's: 50 lines after the ranks' one line. Once rank 0 has left its code in $exit_file it has
+# spoken for the job (its line or the job summary), so those are dropped too; a job whose rank 0 left nothing (it
+# was killed, or died before Python ran) keeps them, the only account of what happened.
 drop_signal_traceback() {   # every other line passes at once
-    awk 'function finish() { if (real) print held; state = 0; fflush() }
+    awk -v exit_file="${exit_file:-/dev/null}" '
+         function spoke(  code) { code = ""; getline code < exit_file; close(exit_file); return code != "" }
+         function finish() { if (real) print held; state = 0; fflush() }
+         state == 3 { if (/^=+$/ && ++rules == 2) state = 0; next }   # the ChildFailedError report, to its end
          state == 2 && /^(During handling of the above exception|The above exception was the direct cause)/ {
              held = held "\n" $0; state = 1; next }
          state == 2 && /^$/ { held = held "\n" $0; next }
@@ -52,25 +60,44 @@ drop_signal_traceback() {   # every other line passes at once
              next }
          state == 1 { held = held "\n" $0
                       if ($0 ~ /^([ \t]|$)/ || $0 ~ /^(During handling of the above exception|The above exception was the direct cause)/) next
+                      if ($0 ~ /errors\.ChildFailedError: *$/ && !real && spoke()) { state = 3; rules = 0; next }
                       if ($0 !~ /SignalException: Process [0-9]+ got signal/) real = 1
                       state = 2; next }
+         /^[IWE][0-9]+ [0-9:.]+ [0-9]+ torch\/distributed\/elastic\/[a-z_\/]+\.py:[0-9]+\] (Sending process [0-9]+ closing signal SIG[A-Z]+|Received [0-9]+ death signal, shutting down workers)$/ {
+             next }   # how the agent passes a signal or a failure on: the ranks, or this script, say what happened
+         /^[IWE][0-9]+ [0-9:.]+ [0-9]+ torch\/distributed\/elastic\/multiprocessing\/api\.py:[0-9]+\] failed \(exitcode: -?[0-9]+\) local_rank: [0-9]+ / {
+             if (spoke()) next }
          { print; fflush() }
-         END { if (state) { real = real || state == 1; finish() } }' >&2
+         END { if (state == 3) state = 0; if (state) { real = real || state == 1; finish() } }' >&2
 }
 # Failing ranks leave their records in failure_dir (per attempt, with MAX_RESTARTS), so this script prints the job
 # summary if rank 0 could not; one node only: records from some nodes alone would blame the others' ranks.
 if [[ $NNODES == 1 ]]; then
     export SPMD_RL_FAILURE_DIR=$failure_dir
 fi
-# torchrun sets OMP_NUM_THREADS=1 for its workers unless it is already set.
+# torchrun sets OMP_NUM_THREADS=1 for its workers unless it is already set, with a 3-line banner saying so: the
+# same value, set here, without the banner.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # The filter's pid is kept (a process substitution's is $! only right after it starts) so that this script ends
 # after its last line; it reads until the agent and the ranks, its only writers once this shell closes its copy, exit.
 # The filter ignores INT, TERM and USR1: a signal sent to the whole process group (`timeout`, a terminal's Ctrl-C,
 # Slurm) would otherwise end it first, and the ranks' last lines would go into a closed pipe.
 exec {to_filter}> >(trap '' INT TERM USR1; drop_signal_traceback)
 filter=$!
-SPMD_RL_EXIT_FILE=$exit_file "${PYTHON:-python}" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" \
-    "${rendezvous[@]}" --max-restarts="${MAX_RESTARTS:-0}" -m spmd_rl.main "$@" 2>&"$to_filter" &
+# The agent runs in a process group of its own (set -m), so a signal to this script's group reaches it once, passed
+# on by wait_for_launcher, not twice: a second SIGTERM while it logs the first breaks its logging ("--- Logging
+# error ---" and a stack) or chains a second traceback. Its stdin is /dev/null (a background group reading the
+# terminal would be stopped), and with setpriv it gets SIGTERM, the checkpointed stop, if this script dies (even by
+# kill -9; the ranks also watch the agent: spmd_rl/runtime/orphans.py).
+orphan_guard=()
+if command -v setpriv >/dev/null; then
+    orphan_guard=(setpriv --pdeathsig TERM)
+fi
+set -m
+SPMD_RL_EXIT_FILE=$exit_file "${orphan_guard[@]}" "${PYTHON:-python}" -m torch.distributed.run --nnodes="$NNODES" \
+    --nproc_per_node="$NPROC" "${rendezvous[@]}" --max-restarts="${MAX_RESTARTS:-0}" -m spmd_rl.main "$@" \
+    2>&"$to_filter" </dev/null &
 job=$!
+set +m
 exec {to_filter}>&-
 wait_for_launcher "$job" "$filter"   # the agent passes INT, TERM and USR1 on to every rank

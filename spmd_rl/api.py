@@ -86,11 +86,11 @@ from spmd_rl.runtime.errors import UserCodeError, UserError
 # What an engine is written with. Imported when first used: they pull in tensordict (seconds: torch._dynamo), and
 # a user's policy or algorithm module imports this one to answer --help and config errors at once.
 _ENGINE_TYPES = {
-    "Run": "spmd_rl.run.setup",
-    "COLOCATED": "spmd_rl.run.setup",
-    "ENV": "spmd_rl.run.setup",
-    "INFERENCE": "spmd_rl.run.setup",
-    "TRAINER": "spmd_rl.run.setup",
+    "Run": "spmd_rl.run.run",
+    "COLOCATED": "spmd_rl.run.run",
+    "ENV": "spmd_rl.run.run",
+    "INFERENCE": "spmd_rl.run.run",
+    "TRAINER": "spmd_rl.run.run",
     "Plan": "spmd_rl.run.plan",
     "Reporter": "spmd_rl.run.report",
     "MetricsLogger": "spmd_rl.run.metrics",

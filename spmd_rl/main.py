@@ -27,12 +27,14 @@ import yaml
 from spmd_rl.config.excerpts import excerpt
 from spmd_rl.config.loading import describe_schema, load_config
 from spmd_rl.config.sections import DistSection
+from spmd_rl.run.topology import build_topology
 from spmd_rl.runtime.errors import StopSignal, UserError
-from spmd_rl.runtime.exits import user_error
+from spmd_rl.runtime.exits import leave_exit_code, user_error
 from spmd_rl.runtime.launch import detect_launch, rank_from_env
+from spmd_rl.runtime.orphans import watch_for_orphaning
 from spmd_rl.runtime.signals import install_early_signal_handlers, install_signal_handlers
 from spmd_rl.runtime.user_exits import guard_os_exit
-from spmd_rl.runtime.watchdog import watchdog
+from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
 
 USAGE_EXAMPLES = """\
 examples:
@@ -85,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     # dist.timeout_s's default until the config gives its own.
     rank = rank_from_env()
     watchdog.configure(DistSection().timeout_s, f"rank {rank if rank is not None else 0}")
+    # Under torchrun: a rank whose agent is gone (a kill -9 of the launcher's group) stops instead of training on.
+    watch_for_orphaning(lambda: watchdog.timeout_s + COLLECTIVE_MARGIN_S, lambda: watchdog.who)
     try:
-        return _main(argv)
+        code = _main(argv)
     except (StopSignal, KeyboardInterrupt) as stop:  # before the run began: nothing to save, nothing to resume
         name, code = (
             ("SIGINT", 130) if isinstance(stop, KeyboardInterrupt) else (stop.signal_name, 128 + stop.signal_number)
@@ -94,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         # Rank 0 speaks for the job: a launcher that saw another rank fail signals the rest, which end quietly.
         if rank_from_env() in (None, 0):
             print(f"spmd_rl: stopped by {name} while starting, before the run began", file=sys.stderr, flush=True)
-        return code
+    if rank_from_env() in (None, 0):
+        # also for what ends before the run starts (a config or layout error, a signal): torchrun exits 1 whatever
+        # its ranks did, and launch/torchrun.sh reads the job's code from here
+        leave_exit_code(code)
+    return code
 
 
 def _main(argv: list[str] | None) -> int:
@@ -113,6 +121,10 @@ def _main(argv: list[str] | None) -> int:
         launch = detect_launch()
     except UserError as exc:
         return user_error(exc, speaker=True)
+    try:  # the layout needs only the world size: checked before torch's seconds-long import on every rank
+        build_topology(cfg.layout, launch.world_size)
+    except UserError as exc:
+        return user_error(exc, speaker=launch.rank == 0)
 
     # Imported only now: torch, tensordict and the envs take seconds, and --help and config errors answer without.
     from spmd_rl.runtime.fast_imports import import_tensordict_without_dynamo, optimizers_without_dynamo
@@ -135,7 +147,7 @@ class TrainedRun:
 
     dir: Path  # the run directory (config.yaml, metrics.jsonl, policy.pt, checkpoints/)
     finished: bool  # False: stopped with a checkpoint (run.stop_after_iterations, a signal); train again to resume
-    metrics: dict  # the last record of metrics.jsonl (its keys: see the README's "Running")
+    metrics: dict  # the last record of metrics.jsonl (its keys: docs/running.md, "What a run writes")
     policy: Any  # the trained Policy, loaded as spmd_rl.load_policy does (eval mode; act takes numpy or torch)
     cfg: Any  # the run's Config, as saved in config.yaml
     stop: str = ""  # the stop line when it stopped ("stopped by ... after iteration N; checkpoint ...")
@@ -155,6 +167,7 @@ def train(config: str | Path | Mapping | None = None, overrides: Mapping[str, An
     nothing calls sys.exit. Torch's thread count, the signal handlers and the stop state are restored afterwards;
     the run seeds torch's, numpy's and Python's generators as the command line does."""
     # Imported only now: torch, tensordict and the envs take seconds.
+    from spmd_rl.persist.run_files import METRICS_FILE
     from spmd_rl.run.driver import train_in_process
     from spmd_rl.run.metrics import last_record
     from spmd_rl.run.policies import load_policy
@@ -165,7 +178,7 @@ def train(config: str | Path | Mapping | None = None, overrides: Mapping[str, An
     return TrainedRun(
         dir=outcome.run_dir,
         finished=outcome.stopped is None,
-        metrics=last_record(outcome.run_dir / "metrics.jsonl"),
+        metrics=last_record(outcome.run_dir / METRICS_FILE),
         policy=policy,
         cfg=run_cfg,
         stop=str(outcome.stopped or ""),

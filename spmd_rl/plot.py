@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from spmd_rl.persist.run_files import CONFIG_FILE, METRICS_FILE
 from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
 
 # What a curve's identity ignores when grouping seeds.
@@ -75,7 +76,7 @@ class Curve:
 def read_metrics(run_dir: Path) -> list[dict]:
     """The records of run_dir/metrics.jsonl, one per iteration (the last written wins, as after a resume that
     repeated iterations), in iteration order. A torn last line (a run killed mid-write) is skipped."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     if not path.is_file():
         raise UserError(f"{run_dir} has no metrics.jsonl: give the directory of a run (its run.dir)")
     lines = path.read_text(errors="replace").splitlines()  # bytes that are not UTF-8: a damaged line, named below
@@ -97,7 +98,7 @@ def read_run(run_dir: Path) -> Run:
     if not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} does not exist")
     records = read_metrics(run_dir)
-    config_path = run_dir / "config.yaml"
+    config_path = run_dir / CONFIG_FILE
     try:
         config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
     except yaml.YAMLError:
@@ -112,7 +113,7 @@ def expand_run_dirs(paths: list[Path]) -> tuple[list[Path], list[str]]:
     to judge."""
     found, notes = [], []
     for path in paths:
-        if not path.is_dir() or (path / "metrics.jsonl").exists():
+        if not path.is_dir() or (path / METRICS_FILE).exists():
             found.append(path)
             continue
         logged, waiting = _runs_inside(path, SEARCH_DEPTH)
@@ -127,7 +128,7 @@ def _runs_inside(path: Path, depth: int) -> tuple[list[Path], list[Path]]:
     logged, waiting = [], []
     names = _sweep_order(path) or sorted(child.name for child in path.iterdir() if child.is_dir())
     for child in (path / name for name in names):
-        if (child / "config.yaml").exists() or (child / "metrics.jsonl").exists():
+        if (child / CONFIG_FILE).exists() or (child / METRICS_FILE).exists():
             (logged if _has_metrics(child) else waiting).append(child)
         elif depth > 1 and child.is_dir():
             more_logged, more_waiting = _runs_inside(child, depth - 1)
@@ -144,7 +145,7 @@ def _sweep_order(path: Path) -> list[str]:
 
 
 def _has_metrics(run_dir: Path) -> bool:
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     return path.is_file() and path.stat().st_size > 0
 
 

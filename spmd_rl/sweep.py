@@ -42,11 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spmd_rl.config.loading import load_config
-from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
+from spmd_rl.persist.run_files import CONFIG_FILE, FINISHED
+from spmd_rl.runtime.errors import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
 
 FAILED_EXIT_CODE = 1
-STOPPED_EXIT_CODE = 75  # as spmd_rl.main after a stop with a checkpoint: rerun to resume
-FINISHED = "finished.json"  # spmd_rl.run.resume.FINISHED: a finished run's directory (not imported: it pulls torch)
 PLAN = "sweep.json"
 LOG = "sweep.log"
 SBATCH = "sweep.sbatch"
@@ -154,7 +153,7 @@ class Sweep:
             # resolved for its world size (env.total_envs, env.groups), which the sweep does not know.
             given = json.loads((run_dir / FINISHED).read_text()).get("config_digest")
             if given is None:  # a run finished before finished.json recorded it
-                given = load_config(run_dir / "config.yaml").resume_digest()
+                given = load_config(run_dir / CONFIG_FILE).resume_digest()
             return given == self.digests[index]
         except (UserError, OSError, ValueError, AttributeError):
             return False  # damaged: let spmd_rl.main say what it finds

@@ -277,7 +277,56 @@ def shuffled_minibatches(
     return [minibatches[start : start + num_minibatches] for start in range(0, segments, num_minibatches)]
 
 
-class PPO(Algorithm):
+class PPOUpdateTail:
+    """What a PPO update does around its minibatch steps, shared by PPO and RecurrentPPO (which differ in how a
+    minibatch is formed and replayed): the annealed learning rate and clip coefficient, the early stop on the
+    trainer group's approx_kl, the update's metrics, and the optimizer's state. Uses self.cfg (a PPOConfig),
+    self.context, self.optimizer."""
+
+    def annealed(self, iteration: int) -> tuple[float, float]:
+        """(learning rate, clip coefficient) for a 0-based iteration: linear decay towards 0 when annealing."""
+        remaining = 1.0 - iteration / self.context.num_iterations
+        lr = self.cfg.learning_rate * (remaining if self.cfg.anneal_lr else 1.0)
+        clip = self.cfg.clip_coef * (remaining if self.cfg.anneal_clip else 1.0)
+        return lr, clip
+
+    def start_update(self, iteration: int) -> tuple[float, float]:
+        """The iteration's (learning rate, clip coefficient), the learning rate set in the optimizer."""
+        lr, clip = self.annealed(iteration)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
+        return lr, clip
+
+    def stops_early(self, approx_kl: Tensor) -> bool:
+        """algo.target_kl: whether the update stops before this minibatch's step (as SB3: no step on a minibatch
+        whose policy already moved too far), decided on the trainer group's mean so every trainer stops alike."""
+        return self.cfg.target_kl is not None and self._group_mean(approx_kl) > 1.5 * self.cfg.target_kl
+
+    def update_metrics(self, steps: list[Tensor], data: dict[str, Tensor], lr: float, clip: float) -> dict[str, float]:
+        """The losses averaged over every minibatch step taken (SB3 averages the same way), explained_variance of
+        the rollout values, learning_rate, clip_coef and minibatch_steps."""
+        means = torch.stack(steps).mean(0).tolist() if steps else [float("nan")] * len(LOSS_NAMES)
+        metrics = dict(zip(LOSS_NAMES, means))
+        valid = data["valid"]
+        metrics["explained_variance"] = explained_variance(data["value"][valid], data["return_"][valid])
+        metrics["learning_rate"] = lr
+        metrics["clip_coef"] = clip
+        metrics["minibatch_steps"] = float(len(steps))
+        return metrics
+
+    def _group_mean(self, value: Tensor) -> float:
+        """The trainer group's mean of a scalar, so every trainer makes the same early-stop decision."""
+        value = value.detach().clone().reshape(1)
+        return float(self.context.all_reduce(value, f"{type(self).__name__} target_kl: approx_kl", mean=True))
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class PPO(PPOUpdateTail, Algorithm):
     """Owns the optimizer and runs the PPO update on this trainer's share of the batch.
 
     With several trainers, forward/backward go through the policy's DDP wrapper, so gradients are averaged over
@@ -331,7 +380,6 @@ class PPO(Algorithm):
     def __init__(self, policy: Policy, config: PPOConfig, context: Context):
         super().__init__(policy, config, context)
         self.cfg = config
-        self.num_iterations = context.num_iterations
         # The module forward/backward go through: the DDP wrapper (grads averaged over trainers) or the policy.
         self.model = context.data_parallel(policy)
         # Trainable only: a frozen parameter (requires_grad False) gets no gradient and no optimizer state.
@@ -369,13 +417,6 @@ class PPO(Algorithm):
         value = value.reshape(rollout.batch_size)
         return vtrace_targets_from(rollout, target_log_prob, value, next_value, cfg)
 
-    def annealed(self, iteration: int) -> tuple[float, float]:
-        """(learning rate, clip coefficient) for a 0-based iteration: linear decay towards 0 when annealing."""
-        remaining = 1.0 - iteration / self.num_iterations
-        lr = self.cfg.learning_rate * (remaining if self.cfg.anneal_lr else 1.0)
-        clip = self.cfg.clip_coef * (remaining if self.cfg.anneal_clip else 1.0)
-        return lr, clip
-
     def update(self, batch: TensorDict, iteration: int) -> dict[str, float]:
         """One PPO update on a flat batch [B] with keys obs, action, log_prob, advantage, return_, value, valid.
 
@@ -384,9 +425,7 @@ class PPO(Algorithm):
         update_epochs * num_minibatches when target_kl stopped the update early).
         """
         cfg = self.cfg
-        lr, clip = self.annealed(iteration)
-        for param_group in self.optimizer.param_groups:
-            param_group["lr"] = lr
+        lr, clip = self.start_update(iteration)
         data = rollout_tensors(batch)
         coefficients = loss_coefficients(cfg).to(self.context.device)
 
@@ -406,8 +445,8 @@ class PPO(Algorithm):
                     continue
                 new_log_prob, entropy, new_value = self.model(minibatch["obs"], minibatch["action"])
                 losses = clipped_losses(minibatch, share, advantage, new_log_prob, entropy, new_value, clip, cfg)
-                if cfg.target_kl is not None and self._group_mean(losses[APPROX_KL]) > 1.5 * cfg.target_kl:
-                    stopped = True  # as SB3: no step on a minibatch whose policy already moved too far
+                if self.stops_early(losses[APPROX_KL]):
+                    stopped = True
                     break
                 for param in self.parameters:  # zero_grad(set_to_none=True), without its per-call bookkeeping
                     param.grad = None
@@ -418,14 +457,7 @@ class PPO(Algorithm):
             if stopped:
                 break
 
-        means = torch.stack(steps).mean(0).tolist() if steps else [float("nan")] * len(LOSS_NAMES)
-        metrics = dict(zip(LOSS_NAMES, means))
-        valid = data["valid"]
-        metrics["explained_variance"] = explained_variance(data["value"][valid], data["return_"][valid])
-        metrics["learning_rate"] = lr
-        metrics["clip_coef"] = clip
-        metrics["minibatch_steps"] = float(len(steps))
-        return metrics
+        return self.update_metrics(steps, data, lr, clip)
 
     def step_in_parts(
         self, minibatch: dict[str, Tensor], share: Tensor, advantage: Tensor, clip: float, coefficients: Tensor
@@ -435,7 +467,7 @@ class PPO(Algorithm):
         as without parts, on the whole minibatch's approx_kl: known only after the parts' backward, whose
         gradients are then dropped without a step)."""
         losses = self.gradients_in_parts(minibatch, share, advantage, clip, coefficients)
-        if self.cfg.target_kl is not None and self._group_mean(losses[APPROX_KL]) > 1.5 * self.cfg.target_kl:
+        if self.stops_early(losses[APPROX_KL]):
             for param in self.parameters:
                 param.grad = None
             return None
@@ -490,14 +522,3 @@ class PPO(Algorithm):
         # max_grad_norm / (norm + 1e-6), clamped at 1, in place and in the ops `float / Tensor` dispatches to
         # (reciprocal, then mul: the same numbers) without Tensor.__rtruediv__'s Python wrapper.
         torch._foreach_mul_(grads, norm.add_(1e-6).reciprocal_().mul_(self.cfg.max_grad_norm).clamp_(max=1.0))
-
-    def _group_mean(self, value: Tensor) -> float:
-        """The trainer group's mean of a scalar, so every trainer makes the same early-stop decision."""
-        value = value.detach().clone().reshape(1)
-        return float(self.context.all_reduce(value, "PPO target_kl: approx_kl", mean=True))
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])

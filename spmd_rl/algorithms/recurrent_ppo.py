@@ -26,9 +26,9 @@ from spmd_rl.algorithms.ppo import (
     APPROX_KL,
     LOSS_NAMES,
     VTRACE_MAX_POLICY_LAG,
+    PPOUpdateTail,
     check_lag_without_vtrace,
     clipped_losses,
-    explained_variance,
     gae_targets,
     gradient_sync,
     learner_batch,
@@ -67,7 +67,7 @@ def column_minibatches(columns: int, num_minibatches: int, device) -> Iterator[T
     yield from torch.randperm(columns, device=device).tensor_split(num_minibatches)
 
 
-class RecurrentPPO(Algorithm):
+class RecurrentPPO(PPOUpdateTail, Algorithm):
     """The clipped-surrogate update over sequences of a recurrent policy.
 
     Needs from the policy: a recurrent state (`recurrent_state()`), per-step outputs log_prob and value,
@@ -140,19 +140,11 @@ class RecurrentPPO(Algorithm):
             )
         return vtrace_targets_from(rollout, target_log_prob, value, next_value, cfg)
 
-    def annealed(self, iteration: int) -> tuple[float, float]:
-        remaining = 1.0 - iteration / self.context.num_iterations
-        lr = self.cfg.learning_rate * (remaining if self.cfg.anneal_lr else 1.0)
-        clip = self.cfg.clip_coef * (remaining if self.cfg.anneal_clip else 1.0)
-        return lr, clip
-
     def update(self, batch: TensorDict, starts: Tensor, state: dict, iteration: int) -> dict[str, float]:
         """Epochs of minibatches of whole env columns [T, b]: replay each from its first state, then PPO's losses
         over its T * b steps."""
         cfg = self.cfg
-        lr, clip = self.annealed(iteration)
-        for param_group in self.optimizer.param_groups:
-            param_group["lr"] = lr
+        lr, clip = self.start_update(iteration)
         data = rollout_tensors(batch)  # [T, N] each, targets of reset steps zeroed
         columns = starts.shape[1]
 
@@ -177,7 +169,7 @@ class RecurrentPPO(Algorithm):
                     with torch.no_grad():
                         ratio = (log_prob.reshape(-1) - flat["log_prob"]).exp()
                         self.first_ratio = float(((ratio - 1).abs() * flat["valid"]).max())
-                if cfg.target_kl is not None and self._group_mean(losses["approx_kl"]) > 1.5 * cfg.target_kl:
+                if self.stops_early(losses["approx_kl"]):
                     stopped = True
                     break
                 self.optimizer.zero_grad(set_to_none=True)
@@ -189,21 +181,14 @@ class RecurrentPPO(Algorithm):
             if stopped:
                 break
 
-        means = torch.stack(steps).mean(0).tolist() if steps else [float("nan")] * len(LOSS_NAMES)
-        metrics = dict(zip(LOSS_NAMES, means))
-        valid = data["valid"]
-        metrics["explained_variance"] = explained_variance(data["value"][valid], data["return_"][valid])
-        metrics["learning_rate"] = lr
-        metrics["clip_coef"] = clip
-        metrics["minibatch_steps"] = float(len(steps))
-        return metrics
+        return self.update_metrics(steps, data, lr, clip)
 
     def step_in_parts(self, data: dict, starts: Tensor, state: dict, cols: Tensor, clip: float) -> Tensor | None:
         """One minibatch step with algo.micro_batch_size: gradients_in_parts, then the whole minibatch's clip and
         optimizer step. Its LOSS_NAMES values, or None when target_kl stops the update (its gradients dropped)."""
         cfg = self.cfg
         losses = self.gradients_in_parts(data, starts, state, cols, clip)
-        if cfg.target_kl is not None and self._group_mean(losses[APPROX_KL]) > 1.5 * cfg.target_kl:
+        if self.stops_early(losses[APPROX_KL]):
             self.optimizer.zero_grad(set_to_none=True)
             return None
         nn.utils.clip_grad_norm_(self.parameters, cfg.max_grad_norm)
@@ -245,13 +230,3 @@ class RecurrentPPO(Algorithm):
         if measure_ratio:
             self.first_ratio = ratio_error
         return total
-
-    def _group_mean(self, value: Tensor) -> float:
-        value = value.detach().clone().reshape(1)
-        return float(self.context.all_reduce(value, "RecurrentPPO target_kl: approx_kl", mean=True))
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])

@@ -63,7 +63,10 @@ ENGINE = Kind(
     "Engine",
     {
         "sync": ("spmd_rl.engines.sync:SyncEngine", "spmd_rl.config.sections:NoConfig"),
-        "async": ("spmd_rl.engines.asynchronous:AsyncEngine", "spmd_rl.engines.configs:AsyncEngineConfig"),
+        "async": (
+            "spmd_rl.engines.asynchronous.engine:AsyncEngine",
+            "spmd_rl.engines.asynchronous.config:AsyncEngineConfig",
+        ),
     },
 )
 CALLBACK = Kind("callbacks", "callback", "Callback", {})

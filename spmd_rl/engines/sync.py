@@ -17,7 +17,7 @@ from spmd_rl.roles.inference_server import InferenceServer
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.report import Reporter
-from spmd_rl.run.setup import COLOCATED, ENV, INFERENCE, TRAINER, Run
+from spmd_rl.run.run import COLOCATED, ENV, INFERENCE, TRAINER, Run
 
 
 class SyncEngine(Engine):

@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # annotations only: the run and its components are built abov
 
 class Engine:
     """The loops of one run on this rank, chosen by `engine.class` (built-ins: `sync`, spmd_rl.engines.sync;
-    `async`, spmd_rl.engines.asynchronous). Subclass it and set `Config` to a dataclass of your keys; to keep the
+    `async`, spmd_rl/engines/asynchronous/). Subclass it and set `Config` to a dataclass of your keys; to keep the
     sync engine's loops and add to them, subclass spmd_rl.api.SyncEngine and override its hooks (after_learn,
     before_sync, checkpoint_state) instead.
 

@@ -62,7 +62,7 @@ class SquashedGaussianConfig:
 class TransformerConfig:
     """The built-in transformer (`policy.class: transformer`): observations as tokens, a pre-norm transformer
     encoder, and actor and critic heads on a readout token. The defaults are small (~0.1M parameters, for CPU);
-    ~1B parameters is width 2048, depth 20, heads 16 (a GPU; see the README)."""
+    ~1B parameters is width 2048, depth 20, heads 16 (a GPU; see docs/plugins.md)."""
 
     width: int = knob(64, "token width (the model dimension)", min=1)
     depth: int = knob(2, "number of transformer blocks (each one FSDP shard unit)", min=1)

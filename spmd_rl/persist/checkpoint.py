@@ -39,9 +39,9 @@ from spmd_rl.persist.fileio import (
     torch_save_atomic,
     write_atomic,
 )
+from spmd_rl.persist.run_files import CHECKPOINTS_DIR
 from spmd_rl.runtime.errors import UserError
 
-CHECKPOINTS_DIR = "checkpoints"
 SHARDS_DIR = "shards"  # torch.distributed.checkpoint's files of the sharded trainers
 SHARDED = "__sharded__"  # a placeholder's key: {SHARDED: "<its key in the shard files>"}
 SHARDS_FROM = "shards_from"  # added on loading: the checkpoint directory the placeholders' shard files are in

@@ -23,8 +23,6 @@ from spmd_rl.runtime.distributed import bounded
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.runtime.signals import requested_stop
 
-STOPPED_EXIT_CODE = 75  # stopped on a signal with a checkpoint: rerun the same command to resume (EX_TEMPFAIL)
-
 
 class StoppedWithCheckpoint(Exception):
     """Every rank agreed to stop after a signal; the checkpoint is committed. main prints one line, exit 75."""

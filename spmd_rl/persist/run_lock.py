@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 
 from spmd_rl.persist.fileio import file_error
+from spmd_rl.persist.run_files import LOCK_FILE
 from spmd_rl.runtime.errors import UserError
-
-LOCK_FILE = "run.lock"
 
 _held: dict[Path, int] = {}  # run directory -> the descriptor whose flock this process holds
 

@@ -23,19 +23,20 @@ from spmd_rl.config.sections import Config
 from spmd_rl.envs.vector import EnvSpec, check_same_spaces, probe_env
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.fileio import flush_open_files
-from spmd_rl.persist.run_control import STOPPED_EXIT_CODE, RunControl, StoppedWithCheckpoint
+from spmd_rl.persist.run_control import RunControl, StoppedWithCheckpoint
 from spmd_rl.persist.run_lock import release_run_dirs
 from spmd_rl.run import contract
 from spmd_rl.run.evaluation import probe_eval_env
 from spmd_rl.run.plan import Plan, dry_run_plan, plan_run
 from spmd_rl.run.policies import save_policy
 from spmd_rl.run.resume import agree_on_run, mark_finished
-from spmd_rl.run.setup import Run
+from spmd_rl.run.run import Run
 from spmd_rl.run.topology import Topology, build_topology, create_process_groups
 from spmd_rl.run.trackers import check_installed
 from spmd_rl.runtime.distributed import Runtime, choose_device, shutdown_runtime, start_runtime
 from spmd_rl.runtime.errors import (
     COMM_ERROR_EXIT_CODE,
+    STOPPED_EXIT_CODE,
     USER_CODE_EXIT_CODE,
     CommError,
     SharedUserError,
@@ -56,6 +57,10 @@ from spmd_rl.runtime.watchdog import watchdog
 class Checked:
     """What the checks before start resolved: the same on every rank."""
 
+    cfg: Config  # the config the run executes: the given one with the plan's env counts per env rank (config.yaml)
+    # The config as the command gave it (env.total_envs not yet spread): what a sweep, which never sees the world
+    # size, knows its runs by; finished.json records its resume digest
+    given: Config
     topology: Topology
     plan: Plan
     policy_cls: type
@@ -65,9 +70,6 @@ class Checked:
     spec: EnvSpec
     outputs: dict
     gpu_slot: tuple[int | None, int]  # this rank's GPU on its node (None: an env rank), and how many it needs
-    # The config's resume digest as the command gave it, before the plan resolves env counts per env rank (what a
-    # sweep, which never sees the world size, knows its runs by: finished.json records it)
-    given_digest: str
 
 
 @dataclass
@@ -88,6 +90,7 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
         return _say_user_exit(exc, f"rank {launch.rank}")
     if isinstance(checked, int):
         return checked
+    cfg = checked.cfg  # the config the run executes (the plan's env counts per env rank)
     configure_torch(cfg)
     install_signal_handlers()
     runtime = None
@@ -201,6 +204,7 @@ def train_in_process(cfg: Config) -> Outcome:
     the next one starts (stop_at_iteration_boundary)."""
     launch = LaunchInfo("none", rank=0, world_size=1, local_rank=0, local_world_size=1, init_method="")
     checked = resolve(cfg, launch, dry_run=False)
+    cfg = checked.cfg  # the config the run executes (the plan's env counts per env rank)
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     handlers = None
@@ -257,18 +261,18 @@ def resolve(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
         raise refused.error from None
 
 
-def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
+def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
     host_rank = launch.rank if launch.world_size > 1 else None
-    given_digest = cfg.resume_digest()
     try:
-        topology = build_topology(cfg.layout, launch.world_size)
+        topology = build_topology(given.layout, launch.world_size)
         with watchdog.watch("importing the plug-in modules (policy, algo, engine, callbacks)"):
-            policy_cls, algorithm_cls, engine_cls, callback_classes = contract.load_classes(cfg)
-        plan = plan_run(cfg, topology, algorithm_cls)
+            policy_cls, algorithm_cls, engine_cls, callback_classes = contract.load_classes(given)
+        plan = plan_run(given, topology, algorithm_cls)
         if dry_run:
             plan = dry_run_plan(plan)
     except UserError as exc:
         raise _Refused(exc, speaker=launch.rank == 0) from None
+    cfg = plan.run_config(given)  # from here on: the env counts per env rank, as every env rank makes its envs
     try:
         check_installed(cfg)  # log.wandb, log.mlflow: their packages (rank 0 uses them; every rank checks alike)
         with watchdog.watch(f"making env.id {cfg.env.id} (to read its spaces)"):
@@ -288,7 +292,7 @@ def _check(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
     except UserError as exc:
         raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
     return Checked(
-        topology, plan, policy_cls, algorithm_cls, engine_cls, callback_classes, spec, outputs, gpu_slot, given_digest
+        cfg, given, topology, plan, policy_cls, algorithm_cls, engine_cls, callback_classes, spec, outputs, gpu_slot
     )
 
 
@@ -339,7 +343,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
         if runtime.rank == 0:
             save_policy(run.final_policy, run_dir)
             if stopped.finished:  # run.stop_at_return: done, never resumed; said here, as it is no stop to rerun
-                mark_finished(run_dir, checked.given_digest)
+                mark_finished(run_dir, checked.given.resume_digest())
                 print(f"spmd_rl: {stopped}", flush=True)
         control.wait_for_stop_files()
         return Outcome(run_dir, run.final_policy, None if stopped.finished else stopped)
@@ -347,7 +351,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
         stop_at_iteration_boundary(False)
     if runtime.rank == 0:
         save_policy(run.final_policy, run_dir)
-        mark_finished(run_dir, checked.given_digest)
+        mark_finished(run_dir, checked.given.resume_digest())
     return Outcome(run_dir, run.final_policy)
 
 

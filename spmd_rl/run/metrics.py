@@ -21,6 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from spmd_rl.persist.fileio import LineAppender, file_error, write_atomic
+from spmd_rl.persist.run_files import METRICS_FILE, TENSORBOARD_DIR
 
 # The mean over the last RETURN_WINDOW finished episodes (all env ranks) is the headline return.
 RETURN_WINDOW = 20
@@ -43,7 +44,7 @@ class MetricsLogger:
         self.resumed_env_steps = resumed_env_steps  # env steps before this process: the timings leave them out
         self.interval_s = interval_s
         self.trackers = trackers  # trackers.Trackers (W&B, MLflow) or None: they get TensorBoard's scalars
-        self.jsonl = LineAppender(run_dir / "metrics.jsonl")
+        self.jsonl = LineAppender(run_dir / METRICS_FILE)
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imported only where used: it is slow to import
@@ -52,12 +53,12 @@ class MetricsLogger:
                 # A resumed run drops the events a stopped run wrote after its checkpoint (purge_step), so TensorBoard
                 # continues at the right step.
                 self.writer = SummaryWriter(
-                    log_dir=str(run_dir / "tensorboard"),
+                    log_dir=str(run_dir / TENSORBOARD_DIR),
                     purge_step=resumed_env_steps + 1 if resumed_env_steps else None,
                 )
             except OSError as exc:
                 self.jsonl.close()
-                raise file_error(run_dir / "tensorboard", exc, "cannot create TensorBoard's directory") from None
+                raise file_error(run_dir / TENSORBOARD_DIR, exc, "cannot create TensorBoard's directory") from None
         show_bar = sys.stderr.isatty() if progress is None else progress
         self.bar = tqdm(
             total=total_steps,

@@ -4,11 +4,12 @@ layout and schedule check lives here, or in the hooks it calls (the algorithm's 
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, replace
 
 from spmd_rl.config import plugins
-from spmd_rl.config.sections import Config
+from spmd_rl.config.sections import Config, EnvSection
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.run.topology import Topology
@@ -26,6 +27,14 @@ class Plan:
     max_env_columns_per_trainer: int  # env columns of the busiest trainer
     sync_every: int  # iterations between weight broadcasts
     explore_iterations: int  # first iterations acting uniformly at random (off-policy warm-up)
+    # The env section with its counts per env rank resolved (env.total_envs and the groups' total_envs spread over
+    # the env ranks into num_envs): what every env rank makes. The config itself stays as the command gave it.
+    # (None only in a Plan built by hand, e.g. in a test of a component: plan_run always sets it.)
+    env: EnvSection | None = None
+
+    def run_config(self, cfg: Config) -> Config:
+        """The config the run executes and config.yaml records: the given one with the env counts resolved."""
+        return replace(cfg, env=self.env)
 
     def version_at(self, iteration: int) -> int:
         """The policy version every env step of this iteration must use (broadcasts so far)."""
@@ -50,8 +59,8 @@ class Plan:
     def describe(self, cfg: Config, world_size: int, layout: str, algorithm_cls: type[Algorithm]) -> str:
         text = (
             f"{cfg.classes['algo']} (policy {cfg.classes['policy']}) on {cfg.env.id}; world size {world_size}, "
-            f"layout {layout}; {self.env_ranks} env rank(s) x {cfg.env.num_envs} envs = {self.envs_total} envs"
-            f"{' (env.total_envs)' if cfg.env.total_envs and not cfg.env.groups else ''}{_group_counts(cfg)}; "
+            f"layout {layout}; {self.env_ranks} env rank(s) x {self.env.num_envs} envs = {self.envs_total} envs"
+            f"{' (env.total_envs)' if self.env.total_envs and not self.env.groups else ''}{_group_counts(self.env)}; "
             f"{self.steps_per_iteration} env steps per iteration ({self.num_steps} steps x {self.envs_total} "
             f"envs); {self.trainer_ranks} trainer rank(s); {self.num_iterations} iterations = "
             f"{self.num_iterations * self.steps_per_iteration} env steps"
@@ -67,24 +76,25 @@ class Plan:
         return text + (f"; {summary}" if summary else "")
 
 
-def _group_counts(cfg: Config) -> str:
+def _group_counts(env: EnvSection) -> str:
     """' in groups a (4 per env rank), b (4 per env rank)', or nothing without env.groups."""
-    if not cfg.env.groups:
+    if not env.groups:
         return ""
-    return " in groups " + ", ".join(f"{g.name} ({g.num_envs} per env rank)" for g in cfg.env.groups)
+    return " in groups " + ", ".join(f"{g.name} ({g.num_envs} per env rank)" for g in env.groups)
 
 
-def spread_total_envs(cfg: Config, topology: Topology) -> None:
-    """env.total_envs, when set, becomes env.num_envs per env rank: the same global batch at any world size.
+def spread_total_envs(given: EnvSection, topology: Topology) -> EnvSection:
+    """A copy of the env section in which env.total_envs, when set, is env.num_envs per env rank: the same global
+    batch at any world size.
 
     With env.groups, every env rank hosts every group: a group's total_envs (its own, else env.total_envs when it
     gives no num_envs) becomes its num_envs per env rank, a group without counts takes env.num_envs, and
     env.num_envs becomes the sum, the width of every env rank's vector env."""
-    env, env_ranks = cfg.env, len(topology.env_ranks)
+    env, env_ranks = copy.deepcopy(given), len(topology.env_ranks)
     if not env.groups:
         if env.total_envs:
             env.num_envs = _per_env_rank(env.total_envs, env_ranks, "env.total_envs")
-        return
+        return env
     for i, group in enumerate(env.groups):
         what = f"env.groups[{i}].total_envs (group '{group.name}')"
         if not group.total_envs and not group.num_envs:
@@ -94,6 +104,7 @@ def spread_total_envs(cfg: Config, topology: Topology) -> None:
         if group.total_envs:
             group.num_envs = _per_env_rank(group.total_envs, env_ranks, what)
     env.num_envs = sum(group.num_envs for group in env.groups)
+    return env
 
 
 def _per_env_rank(total: int, env_ranks: int, what: str) -> int:
@@ -142,10 +153,11 @@ def _check_parallel(cfg: Config, topology: Topology, algorithm_cls: type[Algorit
 
 
 def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) -> Plan:
-    """Every rank's schedule, from the config and the topology alone; the algorithm checks its own constraints."""
-    spread_total_envs(cfg, topology)
+    """Every rank's schedule, from the config and the topology alone; the algorithm checks its own constraints.
+    The config is left as given; the plan carries the env counts per env rank (plan.env, plan.run_config)."""
+    env = spread_total_envs(cfg.env, topology)
     env_ranks = len(topology.env_ranks)
-    envs_total = env_ranks * cfg.env.num_envs
+    envs_total = env_ranks * env.num_envs
     num_steps = cfg.algo.num_steps
     steps_per_iteration = envs_total * num_steps
     num_iterations = cfg.train.total_steps // steps_per_iteration
@@ -173,16 +185,17 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
         num_steps=num_steps,
         steps_per_iteration=steps_per_iteration,
         num_iterations=num_iterations,
-        max_env_columns_per_trainer=max(env_ranks_per_trainer) * cfg.env.num_envs,
+        max_env_columns_per_trainer=max(env_ranks_per_trainer) * env.num_envs,
         sync_every=schedule.weight_sync_every,
         explore_iterations=math.ceil(schedule.random_steps / steps_per_iteration),
+        env=env,
     )
     engine_cls = plugins.load_class(plugins.ENGINE, cfg.classes.get("engine", "sync"), Engine)
     algorithm_cls.check_plan(cfg.algo, plan.facts(engine_cls.asked_policy_lag(cfg.engine)))
     # An engine may refuse a layout or a schedule it cannot run (e.g. the async engine: split layouts only).
     engine_check = getattr(engine_cls, "check_plan", None)
     if engine_check is not None:
-        engine_check(cfg, topology, plan, schedule)
+        engine_check(plan.run_config(cfg), topology, plan, schedule)
     return plan
 
 

@@ -20,14 +20,13 @@ from spmd_rl.config.sections import Config
 from spmd_rl.envs import spaces
 from spmd_rl.envs.vector import EnvSpec, probe_env
 from spmd_rl.interfaces.policy import Policy
-from spmd_rl.persist.checkpoint import CHECKPOINTS_DIR, COMPLETE, LATEST, find_checkpoint, load_checkpoint
+from spmd_rl.persist.checkpoint import COMPLETE, LATEST, find_checkpoint, load_checkpoint
 from spmd_rl.persist.fileio import checksum_matches, load_failure, torch_save_atomic
+from spmd_rl.persist.run_files import CHECKPOINTS_DIR, CONFIG_FILE, POLICY_FILE
 from spmd_rl.run.evaluation import cuda_indices
 from spmd_rl.run.state_fit import SAFETENSORS_SUFFIX, load_fitted, read_safetensors
 from spmd_rl.runtime.errors import UserError
 
-CONFIG_FILE = "config.yaml"
-POLICY_FILE = "policy.pt"
 CHECKPOINT_POLICY_KEY = "policy"  # rank 0's checkpoint file holds the Policy's state_dict under this key
 _RANK_FILE = re.compile(r"rank(\d+)\.pt")
 

@@ -11,6 +11,7 @@ from spmd_rl.config.loading import evaluation_env
 from spmd_rl.config.sections import Config
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.fileio import make_dirs, write_atomic
+from spmd_rl.persist.run_files import BEST_DIR, SCORE_FILE
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.evaluation import evaluate
 from spmd_rl.run.metrics import MetricsLogger
@@ -18,8 +19,6 @@ from spmd_rl.run.plan import Plan
 from spmd_rl.run.policies import save_policy
 from spmd_rl.runtime.errors import UserCodeError
 from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
-
-BEST_DIR = "best"  # checkpoint.keep_best: <run dir>/best/policy.pt and its score.json
 
 
 class Reporter:
@@ -78,7 +77,7 @@ class Reporter:
         """Save the policy to best/ when its evaluation beats the one saved there. The best score so far is the
         file's, so a resumed run goes on comparing against it."""
         best = self.logger.run_dir / BEST_DIR
-        score_file = best / "score.json"
+        score_file = best / SCORE_FILE
         if score_file.exists() and json.loads(score_file.read_text())["eval_return_mean"] >= score:
             return
         make_dirs(best)

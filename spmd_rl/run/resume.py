@@ -21,6 +21,7 @@ from spmd_rl.config.sections import Config
 from spmd_rl.persist.checkpoint import CheckpointStore, find_checkpoint
 from spmd_rl.persist.event_files import repair_event_files
 from spmd_rl.persist.fileio import make_dirs, write_atomic
+from spmd_rl.persist.run_files import BUFFER_DIR, CHECKPOINTS_DIR, CONFIG_FILE, FINISHED, METRICS_FILE, TENSORBOARD_DIR
 from spmd_rl.persist.run_lock import lock_run_dir
 from spmd_rl.run.metrics import drop_records_after
 from spmd_rl.runtime.distributed import broadcast_text
@@ -87,7 +88,7 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False):
         dropped = prepare_run_dir(path, resume)
         if dropped:  # damaged outputs of the run resumed: what went is said in rank 0's note line
             resume.fallback = f"{resume.fallback}; {dropped}" if resume.fallback else dropped
-        write_atomic(path / "config.yaml", cfg.to_yaml())
+        write_atomic(path / CONFIG_FILE, cfg.to_yaml())
     return path, resume
 
 
@@ -122,9 +123,6 @@ def command_run_dir(root: Path, stem: str, new: bool) -> tuple[str, str]:
     return str(root / f"{stem}-{newest + 1}"), f"new: {why}"
 
 
-FINISHED = "finished.json"  # written by rank 0 when a run completed: such a directory is never resumed
-
-
 def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
     """Rank 0: where this run starts, from run.resume and what run_dir holds; refuses (UserError) to mix runs.
 
@@ -132,7 +130,7 @@ def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
     run; a path: that checkpoint. A finished run, or one with another config, is never continued."""
     mode = cfg.run.resume
     store = CheckpointStore(run_dir, keep=cfg.checkpoint.keep)
-    holds_run = (run_dir / "config.yaml").exists()
+    holds_run = (run_dir / CONFIG_FILE).exists()
     if mode == "never":
         if holds_run:
             raise UserError(
@@ -160,7 +158,7 @@ def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
                 f"run.init_from={mode}"
             )
     try:
-        previous = load_config(config_dir / "config.yaml")
+        previous = load_config(config_dir / CONFIG_FILE)
     except UserError as exc:
         raise UserError(f"cannot resume from {config_dir}: its config.yaml does not load ({exc})") from None
     # The same run, on the same layout or (resharding, sharded runs only) another; everything else must match.
@@ -170,7 +168,7 @@ def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
             f"log keys){config_difference(previous, cfg)}; rerun with its config.yaml, or choose another run.dir"
         )
     if checkpoint is None:  # the same run, stopped before its first checkpoint: it starts over (see prepare_run_dir)
-        held = [name for name in ("metrics.jsonl", "buffer", "tensorboard") if (run_dir / name).exists()]
+        held = [name for name in (METRICS_FILE, BUFFER_DIR, TENSORBOARD_DIR) if (run_dir / name).exists()]
         if held:
             cleared = f"{run_dir} holds this run's {', '.join(held)} but no checkpoint: cleared, the run starts over"
             fallback = f"{fallback}; {cleared}" if fallback else cleared
@@ -267,11 +265,11 @@ def prepare_run_dir(run_dir: Path, resume: Resume) -> str:
     of the same run that had no checkpoint, its outputs are cleared."""
     if resume.checkpoint is not None:
         dropped = [
-            drop_records_after(run_dir / "metrics.jsonl", resume.iteration),
-            repair_event_files(run_dir / "tensorboard"),
+            drop_records_after(run_dir / METRICS_FILE, resume.iteration),
+            repair_event_files(run_dir / TENSORBOARD_DIR),
         ]
         return "; ".join(note for note in dropped if note)
-    for name in ("metrics.jsonl", "tensorboard", "buffer", "checkpoints"):
+    for name in (METRICS_FILE, TENSORBOARD_DIR, BUFFER_DIR, CHECKPOINTS_DIR):
         path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)

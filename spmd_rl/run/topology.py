@@ -12,8 +12,6 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from spmd_rl.config.sections import LayoutSection
 from spmd_rl.runtime.errors import UserError
 
@@ -150,6 +148,8 @@ class ProcessGroups:
 
 def create_process_groups(topology: Topology, timeout: datetime.timedelta, shard_group_size: int = 0) -> ProcessGroups:
     """Every rank creates every group, once, in this order (new_group is collective over the world)."""
+    import torch.distributed as dist  # here: main.py checks the layout before torch is imported
+
     if not dist.is_initialized():
         return ProcessGroups(trainer=None, weights=None)
     if topology.colocated:

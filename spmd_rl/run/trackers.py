@@ -29,8 +29,10 @@ from pathlib import Path
 from spmd_rl.config.excerpts import clip
 from spmd_rl.config.sections import Config
 from spmd_rl.persist.fileio import write_atomic
-from spmd_rl.persist.run_control import STOPPED_EXIT_CODE  # W&B records a stop with the process's exit code
-from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.errors import (
+    STOPPED_EXIT_CODE,  # W&B records a stop with the process's exit code
+    UserError,
+)
 
 # config key -> (the module it imports, the pip extra that installs it)
 PACKAGES = {"log.wandb": ("wandb", "wandb"), "log.mlflow": ("mlflow", "mlflow")}

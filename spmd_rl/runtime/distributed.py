@@ -6,6 +6,7 @@ import datetime
 import errno
 import os
 import re
+import secrets
 import socket
 import sys
 import threading
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from spmd_rl.runtime.errors import CommError, UserError
 from spmd_rl.runtime.launch import LaunchInfo
+from spmd_rl.runtime.postmortem import set_job_key
 
 NCCL_WATCHDOG_MARGIN = datetime.timedelta(seconds=60)
 
@@ -175,7 +177,26 @@ def start_runtime(
                 f"rank {launch.rank}: init_process_group ({launch.launcher}, {launch.init_method}) "
                 f"failed within dist.timeout_s={timeout_s}: {exc}"
             ) from exc
+        _share_job_key(launch.rank)
     return runtime
+
+
+JOB_KEY_BYTES = 32
+
+
+def _share_job_key(rank: int) -> None:
+    """Rank 0 draws the job's secret and broadcasts it over the new group (not the store: any local process can
+    read and write that); failure records in the store are signed with it (spmd_rl.runtime.postmortem)."""
+    key = torch.zeros(JOB_KEY_BYTES, dtype=torch.uint8)
+    if rank == 0:
+        key.copy_(torch.frombuffer(bytearray(secrets.token_bytes(JOB_KEY_BYTES)), dtype=torch.uint8))
+    try:
+        dist.broadcast(key, src=0)  # a CPU tensor: gloo, also beside NCCL
+    except Exception as exc:
+        raise CommError(
+            f"rank {rank}: receiving the job's key from rank 0 failed: {exc}", peers=(0,) if rank else ()
+        ) from exc
+    set_job_key(key.numpy().tobytes())
 
 
 def _single_host(launch: LaunchInfo) -> bool:

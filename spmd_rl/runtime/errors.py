@@ -13,6 +13,9 @@ import traceback
 
 USER_ERROR_EXIT_CODE = 2
 COMM_ERROR_EXIT_CODE = 3
+# Stopped on a signal (or run.stop_after_iterations) with a checkpoint: rerun the same command to resume
+# (EX_TEMPFAIL). launch/mpirun.sh and launch/torchrun.sh pass it on; spmd_rl.sweep exits with it too.
+STOPPED_EXIT_CODE = 75
 
 
 class UserError(Exception):

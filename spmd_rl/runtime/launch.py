@@ -54,7 +54,7 @@ def _require(env: Mapping[str, str], names: tuple[str, ...], launcher: str) -> N
         raise UserError(
             f"{launcher} launch detected ({', '.join(present)} set) but {', '.join(missing)} "
             f"{'is' if len(missing) == 1 else 'are'} missing; launch with {launcher} as documented "
-            f"in README.md or unset the partial variables"
+            f"in docs/launching.md or unset the partial variables"
         )
 
 

@@ -14,17 +14,27 @@ seconds for the others' records and prints one line naming the first cause:
      passed while it was stopped; a knock-on times out no earlier than the rank it waits on);
   4. else the ranks that left no record at all, or, when every rank reported, the earliest communication error.
 The store may be gone after a failure (its host died) or frozen (its host is stopped), so every store operation
-runs in a daemon thread joined within a bound: a failing rank always exits promptly.
+runs in a daemon thread joined within a bound: a failing rank always exits promptly. Rank 0 collects until every
+rank has reported or the bound has passed, so a record that comes late still counts.
+
+Any local process can reach the job's store (its port is in torchrun's agent store, which listens on every
+interface), so a record in it carries an HMAC-SHA256 under a per-job key that no listener serves: rank 0 draws it at
+start-up and broadcasts it over the process group (spmd_rl.runtime.distributed.start_runtime); a stale record (an
+earlier attempt's) or a planted one fails the check, is ignored, and is named in a line of its own.
 
 A launcher may stop rank 0 before it prints the summary (mpirun kills every rank as soon as one dies). So when
 $SPMD_RL_FAILURE_DIR names a directory (launch/mpirun.sh and launch/torchrun.sh on one host), every failing rank
 also leaves its record there as a file, with the names of all ranks, and rank 0 a marker once it has spoken for the
 job; after the job, `python -m spmd_rl.runtime.postmortem DIR` prints the same summary from the files unless the
-marker is there. No torch at module level: that runs in the launcher script, after every rank is gone.
+marker is there. The files need no signature: the directory is the launcher script's own (mktemp -d: mode 0700), and
+the summary ignores, with a line, a directory that another user owns or may write. No torch at module level: that
+runs in the launcher script, after every rank is gone.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import signal
@@ -50,6 +60,27 @@ STALL_MARGIN_S = 1.0
 FROZEN_S = 2.0  # a rank that did not run for this long during its failed wait was stopped: the first cause
 FAILURE_DIR_VARIABLE = "SPMD_RL_FAILURE_DIR"
 SPOKEN_MARKER = "rank0-spoke"  # rank 0 printed the summary, or its own line speaks for the job
+
+
+class _JobKey:
+    key: bytes | None = None  # set on every rank of a distributed run at start-up (set_job_key)
+
+
+def set_job_key(key: bytes) -> None:
+    """The per-job secret this rank signs its store record with, and rank 0 checks the others' with."""
+    _JobKey.key = bytes(key)
+
+
+def sign(payload: bytes, key: bytes) -> bytes:
+    """payload + b"|" + its HMAC-SHA256 under key, in hex."""
+    return payload + b"|" + hmac.new(key, payload, hashlib.sha256).hexdigest().encode()
+
+
+def verified(data: bytes, key: bytes) -> bytes | None:
+    """The payload of a signed record, or None when its HMAC is not key's (planted, stale, damaged)."""
+    payload, _, mac = data.rpartition(b"|")
+    expected = hmac.new(key, payload, hashlib.sha256).hexdigest().encode()
+    return payload if payload and hmac.compare_digest(mac, expected) else None
 
 
 @dataclass(frozen=True)
@@ -166,15 +197,31 @@ def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[in
         store = _default_store()
         if store is None:
             return
+        key = _JobKey.key
+        if key is None:  # the key is set right after the group exists: a failure before it has no store record
+            return
         if failure.rank != 0:
-            _bounded(lambda: store.set(KEY.format(failure.rank), failure.encode()), PUBLISH_BOUND_S)
+            _bounded(lambda: store.set(KEY.format(failure.rank), sign(failure.encode(), key)), PUBLISH_BOUND_S)
         elif failure.exit_code == COMM_ERROR_EXIT_CODE:
             others: dict[int, Failure] = {}
+            forged: list[int] = []
             complete = False
             try:
-                _bounded(lambda: _collect(store, world_size, others, failure), AMBIGUOUS_GRACE_S + PUBLISH_BOUND_S)
+                _bounded(
+                    lambda: _collect(store, world_size, others, failure, key, forged),
+                    AMBIGUOUS_GRACE_S + PUBLISH_BOUND_S,
+                )
                 complete = True
             finally:
+                if forged:
+                    print(
+                        f"spmd_rl: rank 0: ignored the record{'s' if len(forged) > 1 else ''} for rank"
+                        f"{'s' if len(forged) > 1 else ''} {', '.join(map(str, sorted(set(forged))))} in the job's "
+                        f"store: not signed with this job's key (written by another process, or left by an earlier "
+                        f"attempt)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 # A launcher's SIGTERM cuts the wait short: the summary of what arrived, unless the launcher
                 # script prints it after the job from the files, which hold every record written meanwhile.
                 if complete or not in_file:
@@ -190,9 +237,12 @@ def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[in
         pass
 
 
-def _collect(store, world_size: int, into: dict[int, Failure], own: Failure) -> None:
-    """Records of ranks 1..world_size-1 into `into` as they arrive: for COLLECT_GRACE_S, and on (up to
-    AMBIGUOUS_GRACE_S) while more than one silent rank is among those the failed ranks waited on."""
+def _collect(store, world_size: int, into: dict[int, Failure], own: Failure, key: bytes, forged: list[int]) -> None:
+    """Signed records of ranks 1..world_size-1 into `into` as they arrive, until every rank has reported or, with
+    silent ranks left, for COLLECT_GRACE_S, and on (up to AMBIGUOUS_GRACE_S) while the records that came leave the
+    cause open: no failure but communication errors, and not exactly one silent rank among those the failed ranks
+    waited on (the ranks that waited on the dead one directly may report last). A record without this job's
+    signature goes to `forged` (its rank stays missing: its real record may still come)."""
     start = time.monotonic()
     missing = set(range(1, world_size))
 
@@ -201,14 +251,21 @@ def _collect(store, world_size: int, into: dict[int, Failure], own: Failure) -> 
         if waited < COLLECT_GRACE_S:
             return True
         records = [own, *into.values()]
+        if any(f.exit_code != COMM_ERROR_EXIT_CODE for f in records):  # a cause has reported (rule 1)
+            return False
         candidates = {p for f in records for p in f.peers if p in missing}
-        return waited < AMBIGUOUS_GRACE_S and len(candidates) > 1
+        return waited < AMBIGUOUS_GRACE_S and len(candidates) != 1
 
     while missing and keep_waiting():
         for rank in sorted(missing):
-            key = KEY.format(rank)
-            if store.check([key]):
-                into[rank] = Failure.decode(store.get(key))
+            name = KEY.format(rank)
+            if store.check([name]):
+                payload = verified(store.get(name), key)
+                if payload is None:
+                    if rank not in forged:
+                        forged.append(rank)
+                    continue
+                into[rank] = Failure.decode(payload)
                 missing.discard(rank)
         time.sleep(POLL_S)
 
@@ -290,6 +347,12 @@ def summarize_files(directory: Path) -> str | None:
     """The summary line from the record files of DIR, or None: no record, or rank 0 spoke for the job already."""
     if (directory / SPOKEN_MARKER).exists():
         return None
+    foreign = _not_private(directory)
+    if foreign:
+        print(
+            f"spmd_rl: job summary: ignored the failure records in {directory}: {foreign}", file=sys.stderr, flush=True
+        )
+        return None
     records: dict[int, Failure] = {}
     names: list[str] = []
     world_size = 0
@@ -310,6 +373,21 @@ def summarize_files(directory: Path) -> str | None:
 
     own = records.pop(min(records))
     return f"spmd_rl: job summary: {first_cause(own, records, max(world_size, own.rank + 1), describe)}"
+
+
+def _not_private(directory: Path) -> str:
+    """Why another user could have written records into directory (or its parent, the launcher's own directory
+    when this is an attempt's), or '' when nobody but this user can."""
+    for path in (directory, directory.parent) if directory.name.startswith("attempt") else (directory,):
+        try:
+            info = path.stat()
+        except OSError as exc:
+            return f"cannot read it ({exc.strerror})"
+        if hasattr(os, "getuid") and info.st_uid != os.getuid():
+            return f"{path} belongs to another user (uid {info.st_uid})"
+        if info.st_mode & 0o022:
+            return f"{path} may be written by other users (mode {info.st_mode & 0o777:o})"
+    return ""
 
 
 if __name__ == "__main__":  # launch/common.sh, after a failed job: python -m spmd_rl.runtime.postmortem DIR

@@ -10,6 +10,7 @@ import threading
 import time
 
 from spmd_rl.runtime.errors import StopSignal
+from spmd_rl.runtime.exits import leave_exit_code
 from spmd_rl.runtime.launch import rank_from_env
 from spmd_rl.runtime.postmortem import FAILURE_DIR_VARIABLE, a_rank_has_failed
 from spmd_rl.runtime.watchdog import watchdog
@@ -51,10 +52,12 @@ def _on_early_signal(signum: int, frame) -> None:
         return
     if _Early.requested is not None and _is_repeat(_Early.requested_at):  # the same request, again via the launcher
         return
+    code = 130 if signum == signal.SIGINT else 128 + signum
     if rank_from_env() in (None, 0):  # rank 0 speaks for the job (see main.py); the rest end quietly
         during = f" ({in_user_code})" if in_user_code else ""
         print(f"spmd_rl: stopped by {name} while starting{during}, before the run began", file=sys.stderr, flush=True)
-    os._exit(130 if signum == signal.SIGINT else 128 + signum)
+        leave_exit_code(code)
+    os._exit(code)
 
 
 def raise_early_signal() -> None:

@@ -1,0 +1,16 @@
+"""The names of what a run directory holds, defined once: the run writes them, resume, the sweep, plot, evaluate
+and load_policy read them. Plain names, no torch, so the tools that only look at run directories import this alone.
+docs/running.md ("What a run writes") lists them for users."""
+
+from __future__ import annotations
+
+CONFIG_FILE = "config.yaml"  # the resolved config
+METRICS_FILE = "metrics.jsonl"  # one JSON record per iteration
+TENSORBOARD_DIR = "tensorboard"
+POLICY_FILE = "policy.pt"  # the Policy's state_dict, at the end or on a stop
+CHECKPOINTS_DIR = "checkpoints"  # iter_<N>/rank<R>.pt per rank, and `latest`
+BUFFER_DIR = "buffer"  # HDF5 experience logs and replay shards
+LOCK_FILE = "run.lock"  # the flock rank 0 holds while the run lives
+FINISHED = "finished.json"  # written by rank 0 when a run completed: such a directory is never resumed
+BEST_DIR = "best"  # checkpoint.keep_best: <run dir>/best/policy.pt and its score.json
+SCORE_FILE = "score.json"

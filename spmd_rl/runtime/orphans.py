@@ -1,0 +1,88 @@
+"""A rank whose torchrun agent is gone stops, instead of training on as an orphan.
+
+torchrun starts each rank in a session of its own, so a kill -9 of the launcher's process group (or of the agent
+alone, or an OOM kill of it) does not reach the ranks: they would go on training with nobody to collect their exit
+codes, holding the run directory's lock, so that rerunning the command is refused. A rank started by torchrun
+therefore watches its parent (the agent) from the first line of main: a daemon thread compares os.getppid() with
+the agent's pid twice a second, which works on every POSIX system (no prctl(PR_SET_PDEATHSIG), which is Linux-only
+and fires when the parent's *thread* ends). Once the agent is gone, the rank acts as on a SIGTERM to it: the
+checkpointed stop at the next iteration boundary (every rank sees the same agent go, within the poll interval), or
+during start-up the stop before the run began. A rank still alive a bound later (a wait on a peer that went first)
+exits at once. Its stdout and stderr may be pipes whose reader died with the agent's group (launch/torchrun.sh's
+filter): those go to /dev/null, so a line written to them cannot turn the stop into an error.
+
+Only under torchrun: elsewhere a parent's exit means nothing (`nohup python -m spmd_rl.main &` outlives its shell;
+mpirun and srun stop their ranks themselves).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+POLL_S = 0.5  # how often the parent's pid is compared: the stop begins at most this late
+AGENT_VARIABLE = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent for every worker it starts
+
+
+def watch_for_orphaning(bound_s: Callable[[], float], who: Callable[[], str]) -> bool:
+    """Under torchrun, start the daemon thread that stops this rank when its agent is gone; whether it started.
+    bound_s() is how long after the SIGTERM the rank may take to stop (read when the agent goes, so the config's
+    dist.timeout_s counts once read); who() names the rank for its line."""
+    if AGENT_VARIABLE not in os.environ:
+        return False
+    agent = os.getppid()
+    if agent == 1:  # already orphaned before this line ran
+        agent = -1
+    thread = threading.Thread(target=_watch, args=(agent, bound_s, who), name="spmd_rl-orphan-watch", daemon=True)
+    thread.start()
+    return True
+
+
+def _watch(agent: int, bound_s: Callable[[], float], who: Callable[[], str]) -> None:
+    while os.getppid() == agent:
+        time.sleep(POLL_S)
+    _silence_dead_pipes()
+    bound = bound_s()
+    if os.environ.get("RANK", "0") == "0":  # rank 0 speaks for the job, if anybody still reads its stderr
+        _say(
+            f"spmd_rl: {who()}: the torchrun agent (pid {agent}) is gone (killed?): stopping as on SIGTERM, with a "
+            f"checkpoint at the next iteration boundary, at once after {bound:g} s"
+        )
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(bound)
+    _say(f"spmd_rl: {who()}: still running {bound:g} s after the torchrun agent went: exiting at once")
+    os._exit(128 + signal.SIGTERM)
+
+
+def _silence_dead_pipes() -> None:
+    """stdout and stderr, when they are pipes nobody reads any more (poll says POLLERR), go to /dev/null."""
+    try:
+        poller = select.poll()
+    except AttributeError:  # no poll() on this system: leave them as they are
+        return
+    for fd in (1, 2):
+        try:
+            poller.register(fd, select.POLLOUT)
+        except (OSError, ValueError):
+            continue
+    try:
+        broken = [fd for fd, events in poller.poll(0) if events & (select.POLLERR | select.POLLHUP)]
+        if broken:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for fd in broken:
+                os.dup2(devnull, fd)
+            os.close(devnull)
+    except OSError:
+        pass
+
+
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # a closed or broken stderr: nobody to tell
+        pass

@@ -1,0 +1,54 @@
+"""The test suite in four tiers, by what a test costs, over one harness (tests/harness/). Details: tests/README.md.
+
+    tests/unit       no subprocess and no process group: pure functions, classes, configs, in-process checks
+    tests/ranks      real gloo process groups forked inside the test (harness.multiproc.run_ranks)
+    tests/runs       end-to-end runs of one process (`python -m spmd_rl.main`, spmd_rl.train, user-code subprocesses)
+    tests/launchers  torchrun, mpirun and Slurm jobs, hand-started ranks, signals to jobs and injected faults
+
+A test module goes in the tier of its most expensive test; split a module when a cheap part is worth having in a
+faster tier. Modules import only from harness/ (never from another test module); their file names are unique across
+tiers (pytest imports them by base name). Every test is marked with its tier, so `-m "not launchers"` works too.
+
+Under pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs it) each module's tests stay on one worker (its
+module-scoped fixtures, a trained run or a Slurm cluster, are made once), and the modules that start real Slurm
+daemons share one group, so no two throw-away clusters run at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from harness.launch import free_port as _free_port
+from harness.launch import job_env as _job_env
+
+TIERS = ("unit", "ranks", "runs", "launchers")
+SLURM_MODULES = {"test_slurm.py", "test_sweep.py"}  # they start slurmctld + slurmd (harness/slurm_cluster.py)
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    for tier in TIERS:
+        config.addinivalue_line("markers", f"{tier}: a test of the tests/{tier} tier (set by tests/conftest.py)")
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs a group's tests on one worker")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        relative = Path(item.fspath).resolve().relative_to(TESTS)
+        if relative.parts[0] in TIERS:
+            item.add_marker(relative.parts[0])
+        group = "slurm" if relative.name in SLURM_MODULES else relative.as_posix()
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture
+def job_env() -> dict[str, str]:
+    """The environment for a job's processes (gloo on loopback, unbuffered, no inherited RANK)."""
+    return _job_env()
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    return _free_port()

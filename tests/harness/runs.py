@@ -1,0 +1,126 @@
+"""`python -m spmd_rl.main` runs of the shipped tiny configs, and the checks on what a run leaves behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from harness.launch import PYTHON, ROOT, command, job_env
+
+TINY = str(ROOT / "configs" / "ci_tiny.yaml")
+REQUIRED_METRICS = {
+    "iteration",
+    "env_steps",
+    "episode_return_mean",
+    "episode_length_mean",
+    "sps",
+    "time_env_s",
+    "time_inference_s",
+    "time_transfer_s",
+    "time_learn_s",
+    "time_weight_sync_s",
+}
+PPO_METRICS = {"policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "explained_variance"}
+# SAC on Pendulum in 96 steps (the end-to-end runs) ...
+SAC_TINY = [
+    "--config",
+    str(ROOT / "configs" / "sac_pendulum.yaml"),
+    "algo.num_steps=4",
+    "train.total_steps=96",
+    "algo.learning_starts=32",
+    "algo.batch_size=16",
+    "policy.hidden_sizes=[16,16]",
+    "log.progress=false",
+    "log.tensorboard=false",
+]
+# ... and in 160 steps with smaller critics (the resume runs: long enough to stop halfway after learning started).
+SAC_RESUME_TINY = [
+    "--config",
+    str(ROOT / "configs" / "sac_pendulum.yaml"),
+    "algo.num_steps=4",
+    "train.total_steps=160",
+    "algo.learning_starts=32",
+    "algo.batch_size=16",
+    "policy.hidden_sizes=[16,16]",
+    "algo.critic_hidden_sizes=[16,16]",
+    "log.progress=false",
+    "log.tensorboard=false",
+]
+TIMINGS = ("sps", "wall_s", "cpu_s")
+
+
+def run_main(*args, nproc: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`python -m spmd_rl.main ARGS` from the repository, under torchrun when nproc > 0."""
+    launcher = command("torchrun", nproc) if nproc else command("none")
+    return subprocess.run(
+        launcher + list(args), cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def run_main_measured(*args, cwd: Path = ROOT, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float, int]:
+    """`python -m spmd_rl.main ARGS`: the result, its wall time in seconds and a bound on its peak memory in MiB
+    (wait4's maxrss, which on Linux also counts the forking test process's memory up to the exec)."""
+    started = time.monotonic()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(
+            [PYTHON, "-m", "spmd_rl.main", *args],
+            cwd=cwd,
+            stdout=out,
+            stderr=err,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        while True:
+            pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() - started > timeout:
+                child.kill()
+            time.sleep(0.01)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        result = subprocess.CompletedProcess(child.args, child.returncode, out.read(), err.read())
+    return result, time.monotonic() - started, usage.ru_maxrss // 1024
+
+
+def assert_one_line_exit_2(result: subprocess.CompletedProcess, *expected: str, max_chars: int = 600) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("spmd_rl:") and "error:" in lines[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert len(lines[0]) <= max_chars, f"{len(lines[0])} characters: {lines[0][:300]}"
+    assert all(text in lines[0] for text in expected), lines[0]
+    return lines[0]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_run_complete(result, run_dir: Path, iterations: int, algo_metrics=PPO_METRICS) -> list[dict]:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert [r["iteration"] for r in records] == list(range(iterations))
+    assert REQUIRED_METRICS | algo_metrics <= set(records[-1])
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "policy.pt").is_file()
+    assert "done:" in result.stdout
+    return records
+
+
+def records_without_timings(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [
+        {k: v for k, v in json.loads(line).items() if not k.startswith("time_") and k not in TIMINGS} for line in lines
+    ]
+
+
+def assert_same_run(full, resumed):
+    assert records_without_timings(resumed) == records_without_timings(full)
+    a, b = torch.load(full / "policy.pt"), torch.load(resumed / "policy.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights differ"

@@ -1,0 +1,158 @@
+"""The launcher scripts keep the exit-code promise, tried the way it happens (real torchrun, real mpirun, signals to
+the whole process group as a terminal's Ctrl-C, `timeout` or Slurm send them, kill -9 of the group):
+- a layout error is exit 2 and the ranks' one line (under launch/torchrun.sh without torchrun's report);
+- SIGTERM while the agent starts, while the ranks start, and while they train: one line, and 143 or 75;
+- kill -9 of launch/torchrun.sh's group: the ranks (in sessions of their own, which the kill does not reach) see
+  their agent go and stop with a checkpoint, releasing the run directory, and rerunning the command resumes; the
+  same for plain torchrun, whose agent the kill takes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from harness.launch import ROOT, command, job_env, with_pythonpath
+
+TINY = str(ROOT / "configs" / "ci_tiny.yaml")
+ENDLESS = ["--config", TINY, "train.total_steps=100000000"]
+BOUND_S = 180  # a hang's bound, far above what each job takes on a quiet machine
+
+pytestmark = pytest.mark.slow
+
+needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+
+
+def _start(script: str, args: list[str], cwd: Path) -> subprocess.Popen:
+    """launch/<script> (or plain torchrun for "torchrun") with 2 ranks, in a session of its own."""
+    env = with_pythonpath(job_env(PYTHON=sys.executable, NPROC="2", NP="2"), ROOT)
+    line = command("torchrun", 2, standalone=True) if script == "torchrun" else [str(ROOT / "launch" / script)]
+    return subprocess.Popen(
+        [*line, *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _ranks(cwd: Path) -> list[int]:
+    """The pids of the ranks working in cwd (each test has its own)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_text().split("\0")
+            launcher = "torch.distributed.run" in argv or Path(argv[0]).name in ("mpirun", "setpriv")
+            if "spmd_rl.main" in argv and not launcher and os.readlink(proc / "cwd") == str(cwd):
+                pids.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def _finish(job: subprocess.Popen, cwd: Path) -> tuple[int, str]:
+    try:
+        output, _ = job.communicate(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        output = ""
+    finally:
+        for pid in [job.pid, *_ranks(cwd)]:  # nothing outlives the test, a hang included
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    assert job.returncode is not None, f"still running after {BOUND_S} s (a hang)"
+    return job.returncode, output
+
+
+def _wait_for(condition, job: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not condition():
+        assert job.poll() is None, f"the job ended before {what}: {job.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {BOUND_S} s"
+        time.sleep(0.05)
+
+
+def _lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("script", ["torchrun.sh", pytest.param("mpirun.sh", marks=needs_mpirun)])
+def test_a_layout_error_is_exit_2_and_the_ranks_one_line(tmp_path, script):
+    layout = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=1"]
+    code, output = _finish(_start(script, ["--config", TINY, *layout], tmp_path), tmp_path)
+    error = (
+        "spmd_rl: error: layout trainer=1, inference=1, env=1 needs 3 ranks but the world size is 2; make the "
+        "counts sum to 2 (or set one of them to -1)"
+    )
+    assert code == 2, output
+    if script == "torchrun.sh":
+        assert _lines(output) == [error], output  # no banner, no agent log, no ChildFailedError report
+    else:  # mpirun adds its own note of which process exited non-zero
+        assert _lines(output)[0] == error and output.count("spmd_rl:") == 1, output
+
+
+@pytest.mark.parametrize(
+    "script, moment",
+    [
+        ("torchrun.sh", "agent starting"),
+        ("torchrun.sh", "ranks starting"),
+        ("torchrun.sh", "training"),
+        pytest.param("mpirun.sh", "ranks starting", marks=needs_mpirun),
+    ],
+)
+def test_sigterm_to_the_group_at_any_moment_is_one_line_and_143_or_75(tmp_path, script, moment):
+    job = _start(script, ENDLESS, tmp_path)
+    if moment == "agent starting":
+        time.sleep(0.5)  # the agent is importing torch; no rank exists yet
+    elif moment == "ranks starting":
+        _wait_for(lambda: _ranks(tmp_path), job, "rank process")
+    else:
+        _wait_for(lambda: any(p.stat().st_size for p in tmp_path.glob("runs/*/metrics.jsonl")), job, "metrics")
+    os.killpg(job.pid, signal.SIGTERM)
+    code, output = _finish(job, tmp_path)
+    said = [line for line in _lines(output) if not line.startswith(("spmd_rl: launcher ", "iter "))]
+    assert len(said) == 1 and "stopped by SIGTERM" in said[0], output
+    assert code == (75 if moment == "training" else 128 + signal.SIGTERM), output
+    if moment == "training":
+        assert "checkpoint" in said[0] and "rerun the same command to resume" in said[0], output
+
+
+# launch/torchrun.sh runs the agent in a group of its own, with setpriv's parent-death SIGTERM: the agent stops
+# the ranks. Plain torchrun's group holds the agent: the kill takes it, and the ranks watch it go themselves.
+@pytest.mark.parametrize("script", ["torchrun.sh", "torchrun"])
+def test_kill_9_of_the_launchers_group_stops_the_ranks_with_a_checkpoint_and_a_rerun_resumes(tmp_path, script):
+    job = _start(script, ENDLESS, tmp_path)
+    _wait_for(lambda: any(p.stat().st_size for p in tmp_path.glob("runs/*/metrics.jsonl")), job, "metrics")
+    ranks = _ranks(tmp_path)
+    assert len(ranks) == 2
+    os.killpg(job.pid, signal.SIGKILL)  # the script, the agent and the output filter; not the ranks' sessions
+    deadline = time.monotonic() + BOUND_S
+    while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    job.communicate()
+    assert not left, f"ranks {left} still running {BOUND_S} s after their agent was killed"
+    (run_dir,) = tmp_path.glob("runs/*")
+    with open(run_dir / "run.lock") as lock:  # released: a rerun may take it
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    assert list((run_dir / "checkpoints").glob("iter_*")), "the stop left no checkpoint"
+    records = run_dir.joinpath("metrics.jsonl").read_text().count("\n")
+    rerun = _start(script, ENDLESS, tmp_path)
+    _wait_for(lambda: run_dir.joinpath("metrics.jsonl").read_text().count("\n") > records, rerun, "resumed metrics")
+    os.killpg(rerun.pid, signal.SIGTERM)
+    code, output = _finish(rerun, tmp_path)
+    assert f"{run_dir.relative_to(tmp_path)} (this command's unfinished run); resuming from" in output, output
+    assert code == (75 if script == "torchrun.sh" else 1), output  # plain torchrun: 1 after a clean stop

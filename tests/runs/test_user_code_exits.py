@@ -1,0 +1,163 @@
+"""Exits that tell the truth: user code that calls sys.exit or os._exit (a policy's constructor or act, an env's
+step, a callback), changes its outputs' shape or dtype after the start-up check, hangs in act, or returns a
+callback result that is no scalar ends a real run with exit 4 and one line naming the user's file:line or the
+key, never exit 0 without finished.json (or a traceback). Each case is a real one-process run of the command line,
+as a user would start it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from spmd_rl.interfaces.policy import StepField
+from spmd_rl.roles.inference_server import check_act_outputs
+from spmd_rl.run.report import callback_scalars
+from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, UserCodeError
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "ci_tiny.yaml")
+
+USER_MODULE = """
+import os
+import sys
+import time
+
+import gymnasium as gym
+
+from spmd_rl.api import Callback
+from spmd_rl.modules.actor_critic import ActorCritic
+
+MODE = os.environ["USER_CODE_MODE"]
+
+
+class Policy(ActorCritic):
+    def __init__(self, *args, **kwargs):
+        if MODE == "init_exit_3":
+            sys.exit(3)  # LINE:init_exit_3
+        super().__init__(*args, **kwargs)
+        self.acts = 0
+
+    def act(self, obs, deterministic=False):
+        self.acts += 1
+        late = self.acts > 5  # after the start-up contract check's two calls
+        if late and MODE == "act_exit_0":
+            sys.exit(0)  # LINE:act_exit_0
+        if late and MODE == "act_os_exit_0":
+            os._exit(0)  # LINE:act_os_exit_0
+        if late and MODE == "act_hangs":
+            time.sleep(600)  # LINE:act_hangs
+        if deterministic and late and MODE == "eval_hangs":  # training acts stochastically: only evaluation
+            time.sleep(600)  # LINE:eval_hangs
+        out = super().act(obs, deterministic)
+        if late and MODE == "act_shape":
+            out["action"] = out["action"][:1]
+        return out
+
+
+class ExitingCartPole(gym.Wrapper):
+    def __init__(self):
+        super().__init__(gym.make("CartPole-v1"))
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps > 5:
+            sys.exit(0)  # LINE:env_step_exit_0
+        return self.env.step(action)
+
+
+gym.register("ExitingCartPole-v0", entry_point=ExitingCartPole)
+
+
+class Hook(Callback):
+    def on_iteration_end(self, iteration, metrics, algorithm):
+        if MODE == "callback_exit_0":
+            sys.exit(0)  # LINE:callback_exit_0
+        if MODE == "callback_list":
+            return [1.0]
+        return {"note": "not a number"}
+"""
+
+
+def _line_of(mode: str, folder: Path) -> str:
+    lines = (folder / "user_code.py").read_text().splitlines()
+    return f"{folder / 'user_code.py'}:{next(i for i, text in enumerate(lines, 1) if f'LINE:{mode}' in text)}"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("user_code")
+    (path / "user_code.py").write_text(textwrap.dedent(USER_MODULE).lstrip())
+    return path
+
+
+CASES = {
+    # mode: (extra overrides, what the one line must say besides its file:line)
+    "init_exit_3": (["policy.class=user_code:Policy"], "sys.exit(3) was called"),
+    "act_exit_0": (["policy.class=user_code:Policy"], "sys.exit(0) was called"),
+    "act_os_exit_0": (["policy.class=user_code:Policy"], "os._exit(0) was called"),
+    # a bound that leaves the user module's own import of torch time on a busy machine
+    "act_hangs": (["policy.class=user_code:Policy", "dist.timeout_s=60"], "policy.act did not return within 60 s"),
+    "eval_hangs": (
+        ["policy.class=user_code:Policy", "dist.timeout_s=60", "eval.every=1"],
+        "the evaluation after iteration 0 (10 eval.episodes) did not return within 60 s",
+    ),
+    "act_shape": (["policy.class=user_code:Policy"], "act() returned 'action' as (1,) torch.int64"),
+    "env_step_exit_0": (["env.id=user_code:ExitingCartPole-v0"], "sys.exit(0) was called"),
+    "callback_exit_0": (["callbacks=[user_code:Hook]"], "sys.exit(0) was called"),
+    "callback_list": (["callbacks=[user_code:Hook]"], "returned a list; return None or a dict of scalars"),
+    "callback_string": (["callbacks=[user_code:Hook]"], "returned 'note': str 'not a number'"),
+}
+
+
+SLOW = {"act_hangs", "eval_hangs"}  # each waits out its bound
+
+
+@pytest.mark.parametrize(
+    "mode", [pytest.param(mode, marks=[pytest.mark.slow] if mode in SLOW else []) for mode in CASES]
+)
+def test_user_code_that_exits_or_breaks_its_contract_ends_the_run_with_exit_4_and_one_line(folder, tmp_path, mode):
+    overrides, says = CASES[mode]
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, USER_CODE_MODE=mode, PYTHONPATH=os.pathsep.join([str(folder), str(ROOT)]))
+    env.pop("RANK", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={run_dir}", *overrides],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == USER_CODE_EXIT_CODE, result.stdout[-2000:] + result.stderr[-2000:]
+    ours = [line for line in result.stderr.splitlines() if line.startswith("spmd_rl:") and "note:" not in line]
+    assert len(ours) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert says in ours[0], ours[0]
+    if "LINE:" + mode in (folder / "user_code.py").read_text():
+        assert _line_of(mode, folder) in ours[0], ours[0]
+    assert not (run_dir / "finished.json").exists()
+
+
+def test_the_per_step_check_names_the_key_and_passes_outputs_as_declared():
+    fields = {"action": StepField((), torch.int64), "log_prob": StepField((), torch.float32)}
+    policy = torch.nn.Linear(1, 1)
+    check_act_outputs(policy, {"action": torch.zeros(3, dtype=torch.int64), "log_prob": torch.zeros(3)}, fields, 3)
+    with pytest.raises(UserCodeError, match="'log_prob' as \\(3,\\) torch.float64"):
+        check_act_outputs(
+            policy, {"action": torch.zeros(3, dtype=torch.int64), "log_prob": torch.zeros(3).double()}, fields, 3
+        )
+    with pytest.raises(UserCodeError, match="'log_prob' as nothing"):
+        check_act_outputs(policy, {"action": torch.zeros(3, dtype=torch.int64)}, fields, 3)
+
+
+def test_callback_scalars_take_numbers_of_every_kind():
+    import numpy as np
+
+    got = callback_scalars("m:C", 0, {"a": 1, "b": np.float32(2.5), "c": torch.tensor(3.0), "d": True})
+    assert got == {"a": 1.0, "b": 2.5, "c": 3.0, "d": 1.0}
+    assert callback_scalars("m:C", 0, None) == {} and callback_scalars("m:C", 0, {}) == {}

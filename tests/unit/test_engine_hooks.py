@@ -1,0 +1,82 @@
+"""Engines extended by subclassing SyncEngine's hooks, and the policy-lag hint said by the algorithm (its
+check_plan), so that no engine names an algorithm's knob."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import spmd_rl
+from spmd_rl.algorithms.configs import PPOConfig
+from spmd_rl.algorithms.ppo import PPO
+from spmd_rl.api import SyncEngine, UserError
+from spmd_rl.engines.asynchronous import AsyncEngine
+from spmd_rl.engines.asynchronous.config import AsyncEngineConfig
+from spmd_rl.interfaces.algorithm import PlanFacts
+
+ENGINES = Path(__file__).resolve().parents[2] / "spmd_rl" / "engines"
+CALLS: list = []
+
+
+class HookedEngine(SyncEngine):
+    """Records its hooks and keeps a number of its own in every checkpoint."""
+
+    def after_learn(self, run, trainer, iteration, metrics, logger):
+        CALLS.append(("after_learn", iteration))
+        return {**metrics, "hooked": float(iteration)}
+
+    def before_sync(self, run, trainer, iteration):
+        CALLS.append(("before_sync", iteration))
+
+    def checkpoint_state(self, trainer=None, report=None, runner=None, server=None):
+        return {**super().checkpoint_state(trainer, report, runner, server), "hooked": torch.tensor(len(CALLS))}
+
+
+def test_a_subclass_hooks_into_the_sync_loops_and_extends_the_checkpoint(tmp_path):
+    config = {
+        "env": {"num_envs": 2},
+        "engine": {"class": "test_engine_hooks:HookedEngine"},
+        "algo": {"num_steps": 8, "num_minibatches": 2, "update_epochs": 1},
+        "train": {"total_steps": 48},
+        "log": {"progress": False, "tensorboard": False},
+    }
+    CALLS.clear()
+    run = spmd_rl.train(config, {"run.dir": str(tmp_path / "run"), "run.stop_after_iterations": 2})
+    assert not run.finished
+    # PPO syncs after every iteration: both hooks once per iteration, after_learn first.
+    assert CALLS == [("after_learn", 0), ("before_sync", 0), ("after_learn", 1), ("before_sync", 1)]
+    state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000000001" / "rank0.pt", weights_only=True)
+    assert int(state["hooked"]) == 4 and "metrics" in state and "env" in state
+    assert spmd_rl.train(config, {"run.dir": str(tmp_path / "run")}).finished
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["hooked"] for r in records] == [0.0, 1.0, 2.0]
+
+
+def _facts(asked):
+    return PlanFacts(1, 1, 64, 64, 3, asked_policy_lag=asked)
+
+
+def test_the_vtrace_hint_comes_from_the_algorithms_check_plan():
+    assert AsyncEngine.asked_policy_lag(AsyncEngineConfig(max_policy_lag=2)) == 2
+    with pytest.raises(UserError, match=r"tolerates \(0\).*set algo.vtrace=true"):
+        PPO.check_plan(PPOConfig(), _facts(2))
+    PPO.check_plan(PPOConfig(vtrace=True), _facts(2))
+    PPO.check_plan(PPOConfig(), _facts(0))
+    PPO.check_plan(PPOConfig(), _facts(None))
+
+
+def test_no_engine_reads_an_algorithms_knob():
+    """cfg.algo goes whole to the algorithm's own class methods; an engine reads none of its fields."""
+    found = []
+    for path in ENGINES.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "algo":
+                found.append(f"{path.name}:{node.lineno} .algo.{node.attr}")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "hasattr":
+                if any(isinstance(a, ast.Attribute) and a.attr == "algo" for a in node.args):
+                    found.append(f"{path.name}:{node.lineno} hasattr(.algo)")
+    assert found == []
