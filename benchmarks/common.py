@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the tests' launcher helper: launch li
 
 from harness.launch import command, free_port  # noqa: E402 (after the path it is found on)
 
-__all__ = ["ROOT", "command", "free_port", "machine", "run_spmd", "table"]
+__all__ = ["ROOT", "command", "free_port", "machine", "run_spmd", "table", "versions", "versions_line"]
 
 
 def machine() -> str:
@@ -26,6 +26,24 @@ def machine() -> str:
         f"Python {platform.python_version()}, torch {torch.__version__}, "
         f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}"
     )
+
+
+def versions() -> dict[str, str]:
+    """The versions a learning number depends on (physics releases change trajectories): written beside every
+    learning benchmark's numbers. A package that is not installed is "-"."""
+    from importlib import metadata
+
+    found = {"python": platform.python_version()}
+    for package in ("torch", "gymnasium", "mujoco", "envpool", "numpy"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = "-"
+    return found
+
+
+def versions_line() -> str:
+    return "versions: " + ", ".join(f"{name} {version}" for name, version in versions().items())
 
 
 def run_spmd(

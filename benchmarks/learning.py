@@ -5,16 +5,36 @@
 spmd_rl runs its default config as a user would; Stable-Baselines3 PPO runs the same hyperparameters, read from
 that default config, in this process (needs the bench extra). Wall time is training time: from the first
 iteration (spmd_rl: its metrics' wall_s; SB3: learn()) to the solving iteration, imports and start-up excluded.
+
+A config over seeds, beside the published numbers (the seed runner):
+
+    nice -n 19 python benchmarks/learning.py --config configs/mujoco/ppo_halfcheetah.yaml --seeds 3 \
+        --out /work/bench28 [--parallel 2] [--report-only] [section.key=value ...]
+
+runs `python -m spmd_rl.main` once per seed (train.seed = 1..N), --parallel at a time, each in its own run directory
+OUT/<config name>[+<overrides>]/seed<N> (its console in seed<N>.log beside it), then prints one table: the final
+deterministic evaluation (the config's eval.every must evaluate the last iteration) and the mean of the last 20
+training episodes, mean +- std over the seeds, beside the published numbers; the same table and the versions go to
+OUT/<...>/results.md. A stopped or killed benchmark resumes by rerunning the same command: finished seeds are
+skipped, unfinished ones rerun with their run directory, which resumes them from their last checkpoint as any run
+does. --report-only prints the table of what has finished so far.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
 import statistics
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
-from common import machine, run_spmd, table
+from common import ROOT, machine, run_spmd, table, versions, versions_line
 
 from spmd_rl.config.loading import load_config
 
@@ -99,13 +119,164 @@ def fmt(value, digits=1):
     return "-" if value is None else (f"{value:.{digits}f}" if isinstance(value, float) else str(value))
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# A config over seeds, beside the published numbers
+
+# (source, its mean, its std). RL Zoo: benchmark.md of rl-baselines3-zoo (commit 22e3ff2): one trained agent per
+# task (v3), its deterministic evaluation over ~150k steps; that std is over its episodes, not over seeds. CleanRL:
+# its ppo_continuous_action (untuned) on v4, as issue 28 quotes it.
+PUBLISHED = {
+    "ppo_halfcheetah": [
+        ("RL Zoo PPO, HalfCheetah-v3, 1M", 5819.1, 663.5),
+        ("CleanRL PPO, HalfCheetah-v4", 1442.6, 46.0),
+    ],
+    "ppo_hopper": [("RL Zoo PPO, Hopper-v3, 1M", 2410.4, 10.0)],
+    "ppo_walker2d": [("RL Zoo PPO, Walker2d-v3, 1M", 3478.8, 821.7)],
+    "sac_halfcheetah": [("RL Zoo SAC, HalfCheetah-v3, 1M", 9535.5, 100.5)],
+    "sac_hopper": [("RL Zoo SAC, Hopper-v3, 1M", 2325.5, 1129.7)],
+    "sac_walker2d": [("RL Zoo SAC, Walker2d-v3, 1M", 3863.2, 254.3)],
+    "dqn_cartpole": [("RL Zoo DQN, CartPole-v1, 50k", 500.0, 0.0)],
+}
+FINISHED = "finished.json"  # what spmd_rl writes in a run directory that finished (spmd_rl/run/resume.py)
+
+
+def bench_dir(out: Path, config: Path, overrides: list[str]) -> Path:
+    """OUT/<config stem>[+<overrides>]: other overrides are other runs (a run directory resumes only its config)."""
+    tag = "+".join(re.sub(r"[^A-Za-z0-9_.=-]", "_", o) for o in overrides)
+    return out / (config.stem + (f"+{tag}" if tag else ""))
+
+
+def run_seed(config: Path, seed: int, where: Path, overrides: list[str], timeout_s: float) -> int:
+    """One seed's run, resumed if its directory holds an unfinished one; its exit code (0: finished)."""
+    run_dir = where / f"seed{seed}"
+    if (run_dir / FINISHED).exists():
+        print(f"seed {seed}: finished before, skipped ({run_dir})", flush=True)
+        return 0
+    resuming = (run_dir / "metrics.jsonl").exists()
+    cmd = [sys.executable, "-m", "spmd_rl.main", "--config", str(config.resolve()), *overrides]
+    cmd += [f"train.seed={seed}", f"run.dir={run_dir}", "log.progress=false"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    print(f"seed {seed}: {'resuming' if resuming else 'starting'} in {run_dir}", flush=True)
+    with open(where / f"seed{seed}.log", "a") as log:
+        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {versions_line()}\n$ {' '.join(cmd)}\n")
+        log.flush()
+        try:
+            run = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"seed {seed}: still running after --timeout-h, killed (rerun to resume it)", flush=True)
+            return 124
+    code = run.returncode
+    print(f"seed {seed}: exit {code}" + ("" if code == 0 else f" (see {where}/seed{seed}.log; rerun to resume)"))
+    if code == 0:
+        (run_dir / "versions.json").write_text(json.dumps(versions()) + "\n")
+    return code
+
+
+def seed_result(run_dir: Path) -> dict | None:
+    """A finished seed's final evaluation (None unless the last iteration was evaluated) and the mean of its last
+    20 training episodes; None while the seed is unfinished."""
+    if not (run_dir / FINISHED).exists():
+        return None
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if r.get("eval_return_mean") is not None]
+    last = records[-1]
+    final_eval = evaluated[-1] if evaluated and evaluated[-1]["iteration"] == last["iteration"] else None
+    return {
+        "eval": final_eval["eval_return_mean"] if final_eval else None,
+        "train": last["episode_return_mean"],
+        "env_steps": last["env_steps"],
+        "wall_s": last["wall_s"],
+    }
+
+
+def mean_std(values: list[float]) -> str:
+    if not values:
+        return "-"
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.0f} +- {std:.0f}"
+
+
+def seeds_table(config: Path, where: Path, seeds: list[int]) -> str:
+    """Ours (mean +- std over the finished seeds) above the published numbers for the config, in one table."""
+    done = {s: r for s in seeds if (r := seed_result(where / f"seed{s}")) is not None}
+    evals = [r["eval"] for r in done.values() if r["eval"] is not None]
+    trains = [r["train"] for r in done.values() if r["train"] is not None]
+    ours = statistics.mean(evals) if evals else None
+    rows = [
+        [
+            f"spmd_rl {where.name}",
+            f"{len(done)}/{len(seeds)}",
+            mean_std(evals),
+            " ".join("-" if r["eval"] is None else f"{r['eval']:.0f}" for r in done.values()) or "-",
+            mean_std(trains),
+            f"{statistics.mean(r['env_steps'] for r in done.values()):.0f}" if done else "-",
+            f"{statistics.mean(r['wall_s'] for r in done.values()) / 60:.0f}" if done else "-",
+            "",
+        ]
+    ]
+    for source, mean, std in PUBLISHED.get(config.stem, []):
+        versus = f"{ours - mean:+.0f} ({ours / mean:.2f}x)" if ours is not None and mean else "-"
+        rows.append([source, "1 agent", f"{mean:.0f} +- {std:.0f}", "", "", "", "", versus])
+    headers = [
+        "run",
+        "seeds done",
+        "final eval (deterministic), mean +- std over seeds",
+        "per seed",
+        "last 20 training episodes",
+        "env steps",
+        "wall min/run",
+        "spmd_rl vs this",
+    ]
+    return table(headers, rows)
+
+
+def run_seeds(args, overrides: list[str]) -> int:
+    config = Path(args.config)
+    if not config.is_file():
+        print(f"learning.py: --config {config}: no such file", file=sys.stderr)
+        return 2
+    where = bench_dir(Path(args.out), config, overrides)
+    where.mkdir(parents=True, exist_ok=True)
+    seeds = list(range(1, args.seeds + 1))
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    header = f"machine: {machine()}; load average at start {load}\n{versions_line()}"
+    print(header, flush=True)
+    codes = {}
+    if not args.report_only:
+        with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+            futures = {s: pool.submit(run_seed, config, s, where, overrides, args.timeout_h * 3600) for s in seeds}
+            codes = {s: future.result() for s, future in futures.items()}
+    result = seeds_table(config, where, seeds)
+    print(result)
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    command = " ".join(["--config", str(config), f"--seeds {args.seeds}", *overrides])
+    (where / "results.md").write_text(f"learning.py {command}\n\n{header}; at the end {load}\n\n{result}\n")
+    failed = [s for s, code in codes.items() if code != 0]
+    if failed:
+        print(f"seeds {failed} did not finish: rerun the same command to resume them", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--layouts", default="one,colocated2,split8")
     parser.add_argument("--no-sb3", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--config", help="the seed runner: this config over seeds 1..--seeds (see above)")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="the seed runner's folder of runs")
+    parser.add_argument(
+        "--parallel", type=int, default=2, help="the seed runner's runs at a time", choices=range(1, 65)
+    )
+    parser.add_argument("--timeout-h", type=float, default=24.0, help="the seed runner's bound on one run, hours")
+    parser.add_argument("--report-only", action="store_true", help="the seed runner: print the table, run nothing")
+    args, overrides = parser.parse_known_args()
+    if args.config:
+        sys.exit(run_seeds(args, overrides))
+    if overrides:
+        parser.error(f"unrecognized arguments: {' '.join(overrides)} (config overrides need --config)")
     print(f"machine: {machine()}")
+    print(versions_line())
     runs: dict[str, list[dict]] = {}
     for seed in range(1, args.seeds + 1):
         if not args.no_sb3:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import machine, run_spmd, table
+from common import machine, run_spmd, table, versions_line
 
 TARGET = -200.0
 SPLIT4 = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--layouts", default="one,split4")
     args = parser.parse_args()
     print(f"machine: {machine()}")
+    print(versions_line())
     rows = []
     for layout in args.layouts.split(","):
         nproc, config, overrides = LAYOUTS[layout]

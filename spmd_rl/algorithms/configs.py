@@ -86,3 +86,34 @@ class SACConfig(AlgorithmConfig):
                 f"algo.alpha={self.alpha} with algo.autotune=true: the temperature is tuned in log space "
                 "from its initial value algo.alpha, which must be > 0"
             )
+
+
+@dataclass
+class DQNConfig(AlgorithmConfig):
+    """DQN's hyperparameters (the defaults are Stable-Baselines3 DQN's, with Double DQN on): a Q-network policy
+    (epsilon-greedy act), a target network, Huber loss on n-step TD targets from the replay buffer."""
+
+    default_policy: ClassVar[str] = "q_network"
+    num_steps: int = knob(
+        4, "env steps per segment an env rank streams to its trainer's replay shard (SB3's train_freq)", min=1
+    )
+    gamma: float = knob(0.99, "discount factor", min=0.0, max=1.0)
+    learning_rate: float = knob(1e-4, "Adam learning rate", min=0.0)
+    batch_size: int = knob(32, "sampled transitions per gradient step, all trainers together", min=1)
+    learning_starts: int = knob(100, "env steps (all env ranks) of uniform random actions before learning", min=0)
+    updates_per_step: float = knob(
+        0.25, "gradient steps per env step, all env ranks together (SB3's gradient_steps / train_freq)", min=0.0
+    )
+    target_update_interval: int = knob(
+        10000, "env steps (all env ranks) between target network updates (counted as SB3 counts them)", min=1
+    )
+    tau: float = knob(1.0, "target update rate: 1 = a hard copy, < 1 = Polyak averaging", min=0.0, max=1.0)
+    double: bool = knob(True, "Double DQN: the online network picks the next action, the target network values it")
+    n_step: int = knob(1, "n-step returns (shorter where an episode or the segment ends first)", min=1)
+    exploration_fraction: float = knob(
+        0.1, "fraction of train.total_steps over which epsilon falls linearly to its final value", min=0.0, max=1.0
+    )
+    exploration_initial_eps: float = knob(1.0, "epsilon at the start", min=0.0, max=1.0)
+    exploration_final_eps: float = knob(0.05, "epsilon after exploration_fraction of the run", min=0.0, max=1.0)
+    max_grad_norm: float = knob(10.0, "gradient norm clipping (0 = none)", min=0.0)
+    weight_sync_every: int = knob(1, "iterations between weight broadcasts to the inference ranks", min=1)

@@ -40,6 +40,7 @@ ALGORITHM = Kind(
     {
         "ppo": ("spmd_rl.algorithms.ppo:PPO", "spmd_rl.algorithms.configs:PPOConfig"),
         "sac": ("spmd_rl.algorithms.sac:SAC", "spmd_rl.algorithms.configs:SACConfig"),
+        "dqn": ("spmd_rl.algorithms.dqn:DQN", "spmd_rl.algorithms.configs:DQNConfig"),
     },
 )
 POLICY = Kind(
@@ -53,6 +54,7 @@ POLICY = Kind(
             "spmd_rl.modules.configs:SquashedGaussianConfig",
         ),
         "transformer": ("spmd_rl.modules.transformer:TransformerPolicy", "spmd_rl.modules.configs:TransformerConfig"),
+        "q_network": ("spmd_rl.modules.q_network:QNetwork", "spmd_rl.modules.configs:QNetworkConfig"),
     },
 )
 ENGINE = Kind(

@@ -122,6 +122,20 @@ class EnvSection:
         choices=["auto", "vector_entry_point", "sync", "async"],
     )
     normalize_reward: bool = knob(False, "scale rewards by a running estimate of the return's std (per env rank)")
+    normalize_reward_gamma: float = knob(
+        0.99,
+        "env.normalize_reward: the discount of the return whose std scales the rewards (RL Zoo's VecNormalize uses "
+        "the algorithm's gamma)",
+        min=0.0,
+        max=1.0,
+        omit_default=True,
+    )
+    clip_reward: float = knob(
+        0.0,
+        "clip the (normalized, with env.normalize_reward) rewards to +-this (RL Zoo's VecNormalize: 10; 0 = no clip)",
+        min=0.0,
+        omit_default=True,
+    )
     groups: list[EnvGroup] = knob(
         None,
         "env groups (multi-task): a list of {name, id, kwargs, num_envs, total_envs}; every env rank hosts every "

@@ -97,7 +97,9 @@ def finish_vector_env(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
     if isinstance(envs.single_action_space, gym.spaces.Box):
         envs = vector_wrappers.ClipAction(envs)  # the policy's Gaussian samples are unbounded
     if cfg.normalize_reward:
-        envs = vector_wrappers.NormalizeReward(envs)
+        envs = vector_wrappers.NormalizeReward(envs, gamma=cfg.normalize_reward_gamma)
+    if cfg.clip_reward > 0:
+        envs = vector_wrappers.ClipReward(envs, -cfg.clip_reward, cfg.clip_reward)
     try:
         obs, _ = envs.reset(seed=reset_seed)
     except Exception as exc:  # the env's own reset: its error and file:line, not the vector env's stack

@@ -103,8 +103,8 @@ def _capture_layer(layer) -> dict:
             prev_dones=_encode(layer._prev_dones),
             update_running_mean=_encode(layer.update_running_mean),
         )
-    elif isinstance(layer, vector_wrappers.ClipAction):
-        pass  # clips each action; holds nothing between steps
+    elif isinstance(layer, (vector_wrappers.ClipAction, vector_wrappers.ClipReward)):
+        pass  # clips each action or reward; holds nothing between steps
     elif type(layer) is CartPoleVectorEnv:
         state.update(
             state=_encode(layer.state),

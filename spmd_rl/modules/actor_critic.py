@@ -26,6 +26,7 @@ from spmd_rl.comm.sharding import is_dtensor
 from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.modules.configs import ActorCriticConfig
 from spmd_rl.modules.encoders import make_encoder
+from spmd_rl.modules.masks import action_mask_of, masked
 from spmd_rl.runtime.errors import UserError
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
@@ -33,22 +34,29 @@ ACTIVATION_FUNCTIONS = {"tanh": torch.tanh, "relu": torch.relu, "elu": F.elu}
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
-def _layer(in_features: int, out_features: int, gain: float) -> nn.Linear:
+def _layer(in_features: int, out_features: int, gain: float | None) -> nn.Linear:
     layer = nn.Linear(in_features, out_features)
-    nn.init.orthogonal_(layer.weight, gain)
-    nn.init.zeros_(layer.bias)
+    if gain is not None:  # None: nn.Linear's own initialization, as it is
+        nn.init.orthogonal_(layer.weight, gain)
+        nn.init.zeros_(layer.bias)
     return layer
 
 
 def mlp(
-    in_features: int, hidden_sizes: list[int], out_features: int, activation: str, head_gain: float
+    in_features: int,
+    hidden_sizes: list[int],
+    out_features: int,
+    activation: str,
+    head_gain: float,
+    ortho_init: bool = True,
 ) -> nn.Sequential:
-    """Hidden layers with orthogonal init (gain sqrt(2)), then a linear head with its own gain."""
+    """Hidden layers with orthogonal init (gain sqrt(2)), then a linear head with its own gain; without ortho_init,
+    torch's default initialization for all of them (SB3's ortho_init=False)."""
     layers: list[nn.Module] = []
     for width in hidden_sizes:
-        layers += [_layer(in_features, width, math.sqrt(2)), ACTIVATIONS[activation]()]
+        layers += [_layer(in_features, width, math.sqrt(2) if ortho_init else None), ACTIVATIONS[activation]()]
         in_features = width
-    layers.append(_layer(in_features, out_features, head_gain))
+    layers.append(_layer(in_features, out_features, head_gain if ortho_init else None))
     return nn.Sequential(*layers)
 
 
@@ -232,8 +240,9 @@ class ActorCritic(Policy):
         self.encoder = make_encoder(observation_space, config)
         hidden, activation = list(config.hidden_sizes), config.activation
         # Built as two MLPs (their initialization, and the random numbers it draws, as before pairing), then packed.
-        actor = mlp(self.encoder.out_features, hidden, actor_out, activation, head_gain=0.01)
-        critic = mlp(self.encoder.out_features, hidden, 1, activation, head_gain=1.0)
+        ortho = config.ortho_init
+        actor = mlp(self.encoder.out_features, hidden, actor_out, activation, head_gain=0.01, ortho_init=ortho)
+        critic = mlp(self.encoder.out_features, hidden, 1, activation, head_gain=1.0, ortho_init=ortho)
         self.actor_and_critic = TwinMLP(actor, critic, activation)
         save_as_separate(self, "actor_and_critic", ("actor", "critic"))
 
@@ -263,7 +272,8 @@ class ActorCritic(Policy):
         no grad context of its own: this runs once per env step."""
         out, value = self.actor_and_critic(self.encoder(obs))
         if self.discrete:
-            log_probs = torch.log_softmax(out, dim=-1)
+            # An action mask in the observation (modules/masks.py): the disallowed actions get probability 0.
+            log_probs = torch.log_softmax(masked(out, action_mask_of(obs)), dim=-1)
             if deterministic:
                 action = log_probs.argmax(-1)
             else:
@@ -280,7 +290,7 @@ class ActorCritic(Policy):
         """(log_prob, entropy, value) of given actions, with gradients."""
         out, value = self.actor_and_critic(self.encoder(obs))
         if self.discrete:
-            log_probs = torch.log_softmax(out, dim=-1)
+            log_probs = torch.log_softmax(masked(out, action_mask_of(obs)), dim=-1)
             # nll_loss picks each row's log-prob in one op (and one cheap backward) instead of gather + reshapes
             log_prob = -F.nll_loss(log_probs, action.long(), reduction="none")
             entropy = -(log_probs.exp() * log_probs).sum(-1)

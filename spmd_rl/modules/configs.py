@@ -18,6 +18,12 @@ class ActorCriticConfig:
     activation: str = knob("tanh", "hidden activation", choices=["tanh", "relu", "elu"])
     normalize_obs: bool = knob(False, "running normalization of vector observations (merged across trainers)")
     log_std_init: float = knob(0.0, "initial log std of the Gaussian policy (continuous actions)")
+    ortho_init: bool = knob(
+        True,
+        "orthogonal initialization of the actor and critic MLPs (gain sqrt(2), heads 0.01 and 1, zero biases); "
+        "false: torch's default nn.Linear initialization (SB3's ortho_init=False)",
+        omit_default=True,
+    )
     encoder: str = knob(
         "auto",
         "auto: an MLP for vector observations, a CNN for images (uint8 HxWxC or CxHxW); or force mlp (flattens) or cnn",
@@ -73,3 +79,37 @@ class TransformerConfig:
     )
     normalize_obs: bool = knob(False, "running normalization of vector observations (merged across trainers)")
     log_std_init: float = knob(0.0, "initial log std of the Gaussian policy (continuous actions)")
+
+
+@dataclass
+class QNetworkConfig:
+    """DQN's Q-network (`policy.class: q_network`): the actor-critic's observation encoder (an MLP for vectors, a
+    CNN for images), then an MLP giving Q(s, a) for every discrete action; act is epsilon-greedy."""
+
+    hidden_sizes: list[int] = knob(
+        None, "hidden layer widths of the Q MLP (SB3's DQN default)", factory=lambda: [64, 64], item_min=1
+    )
+    activation: str = knob("relu", "hidden activation", choices=["tanh", "relu", "elu"])
+    normalize_obs: bool = knob(False, "running normalization of vector observations (merged across trainers)")
+    encoder: str = knob(
+        "auto",
+        "auto: an MLP for vector observations, a CNN for images (uint8 HxWxC or CxHxW); or force mlp or cnn",
+        choices=["auto", "mlp", "cnn"],
+    )
+    cnn: str = knob(
+        "nature",
+        "CNN encoder preset (see policy.cnn of the actor-critic): small or nature",
+        choices=["small", "nature"],
+    )
+    cnn_channels: list[int] = knob(
+        None, "CNN encoder: output channels of each conv layer ([] = the preset's)", factory=list, item_min=1
+    )
+    cnn_kernels: list[int] = knob(
+        None, "CNN encoder: kernel size of each conv layer ([] = the preset's)", factory=list, item_min=1
+    )
+    cnn_strides: list[int] = knob(
+        None, "CNN encoder: stride of each conv layer ([] = the preset's)", factory=list, item_min=1
+    )
+    cnn_features: int = knob(
+        0, "CNN encoder: width of the linear layer after the convolutions (0 = the preset's)", min=0
+    )

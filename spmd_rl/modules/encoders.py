@@ -17,6 +17,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
+from spmd_rl.modules.masks import MASK_KEY
 from spmd_rl.modules.normalizer import RunningNormalizer
 from spmd_rl.runtime.errors import UserError
 
@@ -152,11 +153,14 @@ class ImageEncoder(nn.Module):
 
 
 class DictEncoder(nn.Module):
-    """One encoder per key of a Dict space; their features concatenated in the space's key order."""
+    """One encoder per key of a Dict space (but `action_mask`); their features concatenated in the space's key
+    order."""
 
     def __init__(self, space: gym.spaces.Dict, config):
         super().__init__()
-        self.encoders = nn.ModuleDict({key: make_encoder(sub, config) for key, sub in space.spaces.items()})
+        # An action mask (modules/masks.py) tells the policy which actions it may take; it is no input feature.
+        inputs = {key: sub for key, sub in space.spaces.items() if key != MASK_KEY}
+        self.encoders = nn.ModuleDict({key: make_encoder(sub, config) for key, sub in inputs.items()})
         self.out_features = sum(e.out_features for e in self.encoders.values())
 
     def forward(self, obs: TensorDict) -> Tensor:

@@ -84,8 +84,8 @@ class RecurrentActorCritic(Policy):
             else:
                 nn.init.zeros_(weight)
         hidden, activation = list(config.hidden_sizes), config.activation
-        self.actor = mlp(self.size, hidden, actor_out, activation, head_gain=0.01)
-        self.critic = mlp(self.size, hidden, 1, activation, head_gain=1.0)
+        self.actor = mlp(self.size, hidden, actor_out, activation, head_gain=0.01, ortho_init=config.ortho_init)
+        self.critic = mlp(self.size, hidden, 1, activation, head_gain=1.0, ortho_init=config.ortho_init)
 
     # -- the contract ---------------------------------------------------------------------------------------------
 
