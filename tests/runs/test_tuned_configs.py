@@ -10,6 +10,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import pytest
+from harness.launch import ROOT
 import torch
 
 import spmd_rl
@@ -19,7 +20,7 @@ from spmd_rl.modules.actor_critic import ActorCritic
 
 pytest.importorskip("mujoco", reason="the tuned MuJoCo configs need the mujoco extra")
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "mujoco"
+CONFIGS = ROOT / "configs" / "mujoco"
 PPO = sorted(CONFIGS.glob("ppo_*.yaml"))
 SAC = sorted(CONFIGS.glob("sac_*.yaml"))
 
