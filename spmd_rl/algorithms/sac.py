@@ -75,6 +75,9 @@ class SAC(Algorithm):
     """
 
     Config = SACConfig
+    reshard_refusal = (
+        "each trainer's replay shard is its own, and a resharded resume would give every trainer trainer 0's"
+    )
     policy_methods = (
         PolicyMethod("sample", ("obs",), ("action", "log_prob"), "a reparameterized sample, with gradients"),
         PolicyMethod("features", ("obs",), "features", "observations as the critics see them"),

@@ -90,6 +90,10 @@ class Algorithm:
     # Context.data_parallel (PPO's) or Context.shard with Context.backward (SAC's); false for one that computes and
     # averages its gradients by hand (torch.autograd.grad and average_gradients bypass FSDP's reduce-scatter).
     supports_fsdp: ClassVar[bool] = True
+    # Why a checkpoint of this algorithm cannot be resumed on another number of trainers ('' when it can): a resharded
+    # resume takes the model and optimizer from the shard files and the rest of the learner's state from trainer 0's
+    # file, which is wrong for state each trainer holds its own part of (a replay shard).
+    reshard_refusal: ClassVar[str] = ""
 
     @classmethod
     def schedule(cls, config: AlgorithmConfig) -> Schedule:

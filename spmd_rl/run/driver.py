@@ -316,7 +316,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
     topology, plan = checked.topology, checked.plan
     if dry_run:  # its temporary directory goes: no W&B or MLflow run for it
         cfg.log.wandb = cfg.log.mlflow = False
-    run_dir, resume = agree_on_run(cfg, runtime, dry_run=dry_run)
+    run_dir, resume = agree_on_run(cfg, runtime, dry_run, checked.algorithm_cls.reshard_refusal)
     if runtime.rank == 0 and resume.fallback:
         print(f"spmd_rl: note: {resume.fallback}", flush=True)
     if runtime.rank == 0:

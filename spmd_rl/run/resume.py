@@ -43,17 +43,17 @@ class Resume:
         return self.iteration + 1
 
 
-def agree_on_run(cfg: Config, runtime, dry_run: bool = False):
+def agree_on_run(cfg: Config, runtime, dry_run: bool = False, algorithm_refusal: str = ""):
     """Rank 0 names the run directory and decides where the run starts (a checkpoint to resume from, or
     iteration 0; a run directory that would mix two runs is refused); every rank checks it runs rank 0's exact
-    config; rank 0 saves it. Returns (run directory, Resume)."""
+    config; rank 0 saves it. algorithm_refusal: the algorithm's reshard_refusal. Returns (run directory, Resume)."""
     resume, verdict, note, fallback = Resume(), "", "", ""
     if runtime.rank == 0:
         run_dir, note = _default_run_dir(cfg, dry_run)
         if not dry_run:
             try:
                 lock_run_dir(make_dirs(run_dir))  # one writer: a second copy of this command is refused here
-                resume = decide_resume(cfg, Path(run_dir), runtime.world_size)
+                resume = decide_resume(cfg, Path(run_dir), runtime.world_size, algorithm_refusal)
                 verdict, fallback = str(resume.checkpoint or ""), resume.fallback
             except UserError as exc:
                 verdict = f"error: {exc}"
@@ -123,7 +123,7 @@ def command_run_dir(root: Path, stem: str, new: bool) -> tuple[str, str]:
     return str(root / f"{stem}-{newest + 1}"), f"new: {why}"
 
 
-def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
+def decide_resume(cfg, run_dir: Path, world_size: int, algorithm_refusal: str = "") -> Resume:
     """Rank 0: where this run starts, from run.resume and what run_dir holds; refuses (UserError) to mix runs.
 
     auto: the latest checkpoint of run_dir, else a fresh start; never: a fresh start, refused if run_dir holds a
@@ -176,7 +176,7 @@ def decide_resume(cfg, run_dir: Path, world_size: int) -> Resume:
     ranks = saved_ranks(checkpoint)
     resharded = ranks != world_size or previous.resume_digest() != cfg.resume_digest()
     if resharded:
-        why = reshard_refusal(cfg, sharded=previous.train.parallel == cfg.train.parallel == "fsdp")
+        why = reshard_refusal(cfg, previous.train.parallel == cfg.train.parallel == "fsdp", algorithm_refusal)
         if why:
             raise UserError(
                 f"checkpoint {checkpoint} holds {ranks} rank(s) of layout {_layout_text(previous)} but this run has "
@@ -201,10 +201,12 @@ def saved_ranks(checkpoint: Path) -> int:
     return len(list(checkpoint.glob("rank*.pt")))
 
 
-def reshard_refusal(cfg: Config, sharded: bool) -> str:
+def reshard_refusal(cfg: Config, sharded: bool, algorithm_refusal: str = "") -> str:
     """Why a checkpoint of another rank count or layout cannot be resumed by this config ('' when it can)."""
     if not sharded:
         return "only train.parallel=fsdp checkpoints reshard"
+    if algorithm_refusal:
+        return f"algo.class '{cfg.classes['algo']}': {algorithm_refusal}"
     if not cfg.env.total_envs:
         return "resharding needs env.total_envs, so that an iteration keeps its env steps"
     if cfg.buffer.log_experience:

@@ -40,6 +40,10 @@ def test_sharded_sac_resume_is_exact(tmp_path, nproc):
     assert half.returncode == 75 if not nproc else half.returncode != 0, half.stdout + half.stderr
     shards = list((tmp_path / "halves" / "checkpoints").glob("iter_*/shards/*.distcp"))
     assert len(shards) == max(nproc, 1)
+    if nproc:  # another number of trainers: refused (each trainer's replay shard is its own), the run dir untouched
+        refused = run_main(*SAC_SMALL, f"run.dir={tmp_path / 'halves'}", timeout=600)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert "algo.class 'sac': each trainer's replay shard is its own" in refused.stderr, refused.stderr
     resumed = run_main(*SAC_SMALL, f"run.dir={tmp_path / 'halves'}", nproc=nproc, timeout=600)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming from" in resumed.stdout + resumed.stderr
