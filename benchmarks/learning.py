@@ -37,6 +37,7 @@ import torch
 from common import ROOT, machine, run_spmd, table, versions, versions_line
 
 from spmd_rl.config.loading import load_config
+from spmd_rl.persist.run_files import FINISHED, METRICS_FILE
 
 SOLVED = 475.0
 BUDGET = 100_000
@@ -137,7 +138,6 @@ PUBLISHED = {
     "sac_walker2d": [("RL Zoo SAC, Walker2d-v3, 1M", 3863.2, 254.3)],
     "dqn_cartpole": [("RL Zoo DQN, CartPole-v1, 50k", 500.0, 0.0)],
 }
-FINISHED = "finished.json"  # what spmd_rl writes in a run directory that finished (spmd_rl/run/resume.py)
 
 
 def bench_dir(out: Path, config: Path, overrides: list[str]) -> Path:
@@ -152,7 +152,7 @@ def run_seed(config: Path, seed: int, where: Path, overrides: list[str], timeout
     if (run_dir / FINISHED).exists():
         print(f"seed {seed}: finished before, skipped ({run_dir})", flush=True)
         return 0
-    resuming = (run_dir / "metrics.jsonl").exists()
+    resuming = (run_dir / METRICS_FILE).exists()
     cmd = [sys.executable, "-m", "spmd_rl.main", "--config", str(config.resolve()), *overrides]
     cmd += [f"train.seed={seed}", f"run.dir={run_dir}", "log.progress=false"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -177,7 +177,7 @@ def seed_result(run_dir: Path) -> dict | None:
     20 training episodes; None while the seed is unfinished."""
     if not (run_dir / FINISHED).exists():
         return None
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
     evaluated = [r for r in records if r.get("eval_return_mean") is not None]
     last = records[-1]
     final_eval = evaluated[-1] if evaluated and evaluated[-1]["iteration"] == last["iteration"] else None

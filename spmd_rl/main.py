@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     # User code runs from the first plug-in import on (while the config is read, --help included): bounded by
     # dist.timeout_s's default until the config gives its own.
     rank = rank_from_env()
+    if rank in (None, 0):
+        leave_exit_code(None)  # no code yet for this attempt (torchrun may have restarted the ranks)
     watchdog.configure(DistSection().timeout_s, f"rank {rank if rank is not None else 0}")
     # Under torchrun: a rank whose agent is gone (a kill -9 of the launcher's group) stops instead of training on.
     watch_for_orphaning(lambda: watchdog.timeout_s + COLLECTIVE_MARGIN_S, lambda: watchdog.who)

@@ -59,7 +59,7 @@ class RunStatus:
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
-    """The run directories under paths, in sorted order (a sweep's in its sweep.json's), searched SEARCH_DEPTH deep."""
+    """The run directories under paths, in sorted order, searched SEARCH_DEPTH deep."""
     found = []
     for path in paths:
         if _is_run(path):

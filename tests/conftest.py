@@ -16,6 +16,7 @@ daemons share one group, so no two throw-away clusters run at once.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,6 @@ from harness.launch import free_port as _free_port
 from harness.launch import job_env as _job_env
 
 TIERS = ("unit", "ranks", "runs", "launchers")
-SLURM_MODULES = {"test_slurm.py", "test_sweep.py"}  # they start slurmctld + slurmd (harness/slurm_cluster.py)
 TESTS = Path(__file__).resolve().parent
 
 
@@ -33,12 +33,20 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs a group's tests on one worker")
 
 
+@functools.cache
+def _starts_slurm(module: Path) -> bool:
+    """Whether a test module starts a throw-away Slurm cluster (slurmctld + slurmd, harness/slurm_cluster.py): those
+    modules share one xdist group, so that two clusters never run at once."""
+    return "slurm_cluster_fixture" in module.read_text()
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        relative = Path(item.fspath).resolve().relative_to(TESTS)
+        module = Path(item.fspath).resolve()
+        relative = module.relative_to(TESTS)
         if relative.parts[0] in TIERS:
             item.add_marker(relative.parts[0])
-        group = "slurm" if relative.name in SLURM_MODULES else relative.as_posix()
+        group = "slurm" if _starts_slurm(module) else relative.as_posix()
         item.add_marker(pytest.mark.xdist_group(group))
 
 

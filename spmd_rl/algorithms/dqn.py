@@ -3,9 +3,9 @@ target network updated by hard copies or Polyak averaging; SB3's DQN schedule (t
 in env steps, gradient steps after each segment).
 
 Read top to bottom: the n-step transitions of a segment, the epsilon schedule, the TD target, the gradient step,
-the target update. One `update` call is one gradient step on a replay batch. As in SAC (algorithms/sac.py), data-
-parallel trainers average each step's gradients by hand (one all_reduce) and keep their networks bit-identical;
-the replay buffer is sharded over the trainers.
+the target update. One `update` call is one gradient step on a replay batch. Data-parallel trainers average each
+step's gradients by hand (torch.autograd.grad, then one all_reduce: SAC did so before it went through
+Context.backward) and keep their networks bit-identical; the replay buffer is sharded over the trainers.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class DQN(Algorithm):
     """
 
     Config = DQNConfig
-    supports_fsdp = False  # its optimizer steps average exactly their own gradients over the trainers
+    supports_fsdp = False  # its gradients are averaged by hand (average_gradients), which bypasses FSDP's reduce
     policy_methods = (PolicyMethod("q_values", ("obs",), "q_values", "Q(s, a) of every action, with gradients"),)
 
     @classmethod

@@ -554,9 +554,10 @@ class ShardedWeightSource(GatheredWeightSource):
         timeout: datetime.timedelta | float,
         describe_rank: Callable[[int], str] = _plain_rank,
         wire_dtype: torch.dtype | None = None,
-        senders: list[int] | None = None,
-        sender_group=None,
-        receivers: list[int] | None = None,
+        *,
+        senders: list[int],
+        sender_group,
+        receivers: list[int],
     ):
         super().__init__(module, group, src, me, bucket_bytes, timeout, describe_rank, wire_dtype)
         self.me, self.src, self.describe_rank = me, src, describe_rank  # also on trainers outside the weight group

@@ -140,7 +140,7 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
             leave_exit_code(exit_code)
         record_exit(exit_code)  # run.lock (rank 0's), before the teardown a launcher may cut short with SIGKILL
         shutdown_runtime(runtime, exit_code)
-        release_run_dirs(exit_code)
+        release_run_dirs()  # the exit is recorded above
     if dry_run and exit_code == 0 and launch.rank == 0:
         _end_dry_run(outcome.run_dir)
     return exit_code

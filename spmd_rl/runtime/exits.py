@@ -63,13 +63,15 @@ def unexpected_error(exc: Exception, who: str) -> int:
 EXIT_FILE_VARIABLE = "SPMD_RL_EXIT_FILE"
 
 
-def leave_exit_code(exit_code: int) -> None:
-    """Rank 0's exit code, written to the file $SPMD_RL_EXIT_FILE names (launch/mpirun.sh sets it): mpirun exits 1
-    when it was signalled, whatever the ranks did, so its wrapper reads the code from there. Never raises."""
+def leave_exit_code(exit_code: int | None) -> None:
+    """Rank 0's exit code, written to the file $SPMD_RL_EXIT_FILE names (launch/mpirun.sh and launch/torchrun.sh
+    set it): mpirun and torchrun exit 1 when signalled, whatever the ranks did, so the scripts read the code from
+    there. None empties the file: a rank 0 restarted by torchrun (MAX_RESTARTS) starts with it, so that an earlier
+    attempt's code is not taken for this one's. Never raises."""
     path = os.environ.get(EXIT_FILE_VARIABLE)
     if path:
         try:
             with open(path, "w") as file:
-                file.write(f"{exit_code}\n")
+                file.write("" if exit_code is None else f"{exit_code}\n")
         except OSError:
-            pass  # the wrapper then reports mpirun's own code
+            pass  # the script then reports the launcher's own code

@@ -36,8 +36,8 @@ def watch_for_orphaning(bound_s: Callable[[], float], who: Callable[[], str]) ->
     if AGENT_VARIABLE not in os.environ:
         return False
     agent = os.getppid()
-    if agent == 1:  # already orphaned before this line ran
-        agent = -1
+    if agent == 1 and not _is_torchrun(agent):  # already orphaned before this line ran (torchrun may be a
+        agent = -1  # container's pid 1, though: then pid 1 is the agent)
     thread = threading.Thread(target=_watch, args=(agent, bound_s, who), name="spmd_rl-orphan-watch", daemon=True)
     thread.start()
     return True
@@ -57,6 +57,16 @@ def _watch(agent: int, bound_s: Callable[[], float], who: Callable[[], str]) -> 
     time.sleep(bound)
     _say(f"spmd_rl: {who()}: still running {bound:g} s after the torchrun agent went: exiting at once")
     os._exit(128 + signal.SIGTERM)
+
+
+def _is_torchrun(pid: int) -> bool:
+    """Whether process pid runs torchrun's agent (True where /proc cannot tell: the parent is trusted)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            argv = cmdline.read()
+    except OSError:
+        return True
+    return b"torch.distributed.run" in argv or b"torchrun" in argv
 
 
 def _silence_dead_pipes() -> None:
