@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
+from torch import nn
 
 from spmd_rl.algorithms.configs import PPOConfig, SACConfig
 from spmd_rl.algorithms.ppo import PPO
@@ -173,3 +174,18 @@ def run_iterations(control: RunControl, iterations: range) -> list[int]:
     for iteration in iterations:
         control.after_iteration(iteration, capture_at(iteration))
     return captured
+
+
+class FrozenEncoderNet(nn.Module):
+    """A frozen 'pretrained' encoder, a trainable head and a float64 buffer: the three kinds of tensor a weight sync
+    moves (head_width and outputs: an output of 1 row shards unevenly over 3 trainers)."""
+
+    def __init__(self, head_width: int = 16, outputs: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32)).requires_grad_(False)
+        self.head = nn.Sequential(nn.Linear(32, head_width), nn.Tanh(), nn.Linear(head_width, outputs))
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x):
+        return self.head(self.encoder(x))

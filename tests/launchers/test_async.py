@@ -16,6 +16,7 @@ import pytest
 import torch
 from harness.launch import command, job_env, with_pythonpath
 from harness.launch import free_port as _free_port
+from harness.runs import SAC_TINY
 
 from spmd_rl.algorithms.ppo import compute_gae
 from spmd_rl.algorithms.vtrace import vtrace
@@ -83,16 +84,8 @@ def test_lag_0_gives_exactly_the_sync_engines_result_and_a_stopped_run_resumes_t
     assert same_weights(tmp_path / "async", tmp_path / "parts")
 
 
-SAC_TINY = (
-    "--config",
-    str(ROOT / "configs" / "sac_pendulum.yaml"),
-    "algo.num_steps=4",
-    "train.total_steps=96",
-    "algo.learning_starts=32",
-    "algo.batch_size=16",
-    "policy.hidden_sizes=[16,16]",
-    "log.progress=false",
-    "log.tensorboard=false",
+SAC_SPLIT6 = (
+    *SAC_TINY,
     "layout.mode=split",
     "layout.trainer=2",
     "layout.inference=2",
@@ -106,15 +99,15 @@ def test_sac_async_at_lag_0_equals_sync_and_runs_with_any_lag(tmp_path):
     """SAC (random warm-up, replay sharded over 2 trainers) runs async unchanged; at lag 0 exactly as sync. Its
     warm-up updates have no collective, so trainer 0 publishes versions before trainer 1 has its segments: the
     inference rank of env 1 must not take them in early."""
-    sync = run_main(*SAC_TINY, f"run.dir={tmp_path / 'sync'}", nproc=6)
+    sync = run_main(*SAC_SPLIT6, f"run.dir={tmp_path / 'sync'}", nproc=6)
     assert sync.returncode == 0, sync.stderr[-3000:]
     exact = run_main(
-        *SAC_TINY, f"run.dir={tmp_path / 'exact'}", "engine.class=async", "engine.max_policy_lag=0", nproc=6
+        *SAC_SPLIT6, f"run.dir={tmp_path / 'exact'}", "engine.class=async", "engine.max_policy_lag=0", nproc=6
     )
     assert exact.returncode == 0, exact.stderr[-3000:]
     assert learning_records(tmp_path / "sync") == learning_records(tmp_path / "exact")
     assert same_weights(tmp_path / "sync", tmp_path / "exact")
-    free = run_main(*SAC_TINY, f"run.dir={tmp_path / 'free'}", "engine.class=async", nproc=6)
+    free = run_main(*SAC_SPLIT6, f"run.dir={tmp_path / 'free'}", "engine.class=async", nproc=6)
     assert free.returncode == 0, free.stderr[-3000:]
     assert len(records(tmp_path / "free")) == 12
 

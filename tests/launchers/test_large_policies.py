@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from harness.launch import ROOT, command, job_env
 from harness.multiproc import run_ranks
-from torch import nn
+from harness.parts import FrozenEncoderNet
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.weights import GatheredWeightSource, WeightSync
@@ -38,20 +38,6 @@ def metrics_without_timings(run_dir: Path) -> list[dict]:
 
 
 # -- weight sync from shards (unit, real gloo ranks) -------------------------------------------------------------
-
-
-class FrozenEncoderNet(nn.Module):
-    """A frozen 'pretrained' encoder, a trainable head and a buffer: the three kinds of tensor a sync moves."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.encoder = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32)).requires_grad_(False)
-        self.head = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 3))
-        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
-
-    def forward(self, x):
-        return self.head(self.encoder(x))
 
 
 def _sharded_sync(rank: int, world_size: int, out: str, wire: str) -> None:

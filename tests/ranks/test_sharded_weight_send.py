@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness.multiproc import run_ranks
-from torch import nn
+from harness.parts import FrozenEncoderNet
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.staged_weights import StagedWeights
@@ -18,26 +18,12 @@ from spmd_rl.comm.weights import HEADER_BYTES, ShardedWeightSource, WeightSync, 
 TRAINERS, RECEIVERS = [0, 1, 2], [3, 4]
 
 
-class FrozenEncoderNet(nn.Module):
-    """A frozen encoder, a trainable head with a 1-row output (uneven over 3 trainers) and a float64 buffer."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.encoder = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32)).requires_grad_(False)
-        self.head = nn.Sequential(nn.Linear(32, 17), nn.Tanh(), nn.Linear(17, 1))
-        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
-
-    def forward(self, x):
-        return self.head(self.encoder(x))
-
-
 def _send(rank: int, world_size: int, out: str, wire: str, staged: bool) -> None:
     trainers = dist.new_group(TRAINERS)
     weights = dist.new_group([TRAINERS[0], *RECEIVERS])
     senders = dist.new_group(TRAINERS + RECEIVERS)
     wire_dtype = torch.bfloat16 if wire == "bf16" else None
-    net = FrozenEncoderNet()
+    net = FrozenEncoderNet(head_width=17, outputs=1)
     bucket_bytes = 2048  # several buckets
     if rank in RECEIVERS:
         if wire_dtype is not None:
@@ -92,7 +78,7 @@ def test_receivers_hold_the_full_weights_each_trainer_sent_its_rows_of(tmp_path,
 
 
 def test_pieces_cover_every_bucket_byte_once_and_rows_follow_torch_chunk():
-    net = FrozenEncoderNet()
+    net = FrozenEncoderNet(head_width=17, outputs=1)
     entries, sizes = lay_out(net, 2048)
     pieces = shard_pieces(entries, sizes, [10, 11, 12])
     for index in range(len(sizes)):
@@ -115,7 +101,7 @@ def _hybrid_send(rank: int, world_size: int, out: str) -> None:
     replicate_groups = [dist.new_group(list(column)) for column in zip(*mesh)]
     weights = dist.new_group([0, 4])
     senders = dist.new_group([0, 1, 4])
-    net = FrozenEncoderNet()
+    net = FrozenEncoderNet(head_width=17, outputs=1)
     if rank == 4:
         sync = WeightSync(
             net, weights, src=0, me=4, bucket_bytes=2048, timeout=90, senders=[0, 1], sender_group=senders
