@@ -131,15 +131,30 @@ def expand_run_dirs(paths: list[Path]) -> tuple[list[Path], list[str]]:
 def _runs_inside(path: Path, depth: int) -> tuple[list[Path], list[Path]]:
     """(runs with metrics, runs without) in path and, depth - 1 levels further, in the folders that are no runs."""
     logged, waiting = [], []
-    names = _sweep_order(path) or sorted(child.name for child in path.iterdir() if child.is_dir())
-    for child in (path / name for name in names):
-        if (child / CONFIG_FILE).exists() or (child / METRICS_FILE).exists():
-            (logged if _has_metrics(child) else waiting).append(child)
-        elif depth > 1 and child.is_dir():
-            more_logged, more_waiting = _runs_inside(child, depth - 1)
-            logged += more_logged
-            waiting += more_waiting
+    for run_dir in run_dirs_inside(path, depth):
+        (logged if _has_metrics(run_dir) else waiting).append(run_dir)
     return logged, waiting
+
+
+def is_run_dir(path: Path) -> bool:
+    """A run directory: one a run has started in (it holds config.yaml or metrics.jsonl)."""
+    return (path / CONFIG_FILE).exists() or (path / METRICS_FILE).exists()
+
+
+def run_dirs_inside(path: Path, depth: int, sweep_order: bool = True) -> list[Path]:
+    """The run directories in path and, depth - 1 levels further, in the folders that are no runs: a sweep's in its
+    sweep.json's order (with sweep_order), any other folder's sorted by name. An unreadable folder holds none."""
+    try:
+        names = (sweep_order and _sweep_order(path)) or sorted(c.name for c in path.iterdir() if c.is_dir())
+    except OSError:
+        return []
+    found = []
+    for child in (path / name for name in names):
+        if is_run_dir(child):
+            found.append(child)
+        elif depth > 1 and child.is_dir():
+            found.extend(run_dirs_inside(child, depth - 1, sweep_order))
+    return found
 
 
 def _sweep_order(path: Path) -> list[str]:

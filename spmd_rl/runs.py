@@ -35,7 +35,7 @@ import yaml
 
 from spmd_rl.persist.run_files import CONFIG_FILE, FINISHED, LOCK_FILE, METRICS_FILE
 from spmd_rl.persist.run_lock import read_lock
-from spmd_rl.plot import SEARCH_DEPTH, describe_keys, distinguishing_keys, flatten_config
+from spmd_rl.plot import SEARCH_DEPTH, describe_keys, distinguishing_keys, flatten_config, is_run_dir, run_dirs_inside
 from spmd_rl.runtime.errors import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
 
 _DIGEST_IN_NAME = re.compile(r"-([0-9a-f]{8})(?:-\d+)?$")  # runs/<name>-<digest>[-2]
@@ -62,28 +62,10 @@ def find_runs(paths: list[Path]) -> list[Path]:
     """The run directories under paths, in sorted order, searched SEARCH_DEPTH deep."""
     found = []
     for path in paths:
-        if _is_run(path):
+        if is_run_dir(path):
             found.append(path)
         elif path.is_dir():
-            found.extend(_runs_inside(path, SEARCH_DEPTH))
-    return found
-
-
-def _is_run(path: Path) -> bool:
-    return (path / CONFIG_FILE).exists() or (path / METRICS_FILE).exists()
-
-
-def _runs_inside(path: Path, depth: int) -> list[Path]:
-    try:
-        children = sorted(child for child in path.iterdir() if child.is_dir())
-    except OSError:
-        return []
-    found = []
-    for child in children:
-        if _is_run(child):
-            found.append(child)
-        elif depth > 1:
-            found.extend(_runs_inside(child, depth - 1))
+            found.extend(run_dirs_inside(path, SEARCH_DEPTH, sweep_order=False))
     return found
 
 
