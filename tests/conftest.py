@@ -9,9 +9,10 @@ A test module goes in the tier of its most expensive test; split a module when a
 faster tier. Modules import only from harness/ (never from another test module); their file names are unique across
 tiers (pytest imports them by base name). Every test is marked with its tier, so `-m "not launchers"` works too.
 
-Under pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs it) each module's tests stay on one worker (its
-module-scoped fixtures, a trained run or a Slurm cluster, are made once), and the modules that start real Slurm
-daemons share one group, so no two throw-away clusters run at once.
+Under pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs it) the tests of a module with a module-scoped fixture
+(a trained run, a Slurm cluster) stay on one worker, so the fixture is made once; the modules that start real Slurm
+daemons share one group, so no two throw-away clusters run at once. Every other test goes to whichever worker is
+free: a module of long tests no longer runs alone on one worker at the end while the other idles.
 """
 
 from __future__ import annotations
@@ -40,14 +41,22 @@ def _starts_slurm(module: Path) -> bool:
     return "slurm_cluster_fixture" in module.read_text()
 
 
+@functools.cache
+def _has_module_fixture(module: Path) -> bool:
+    """Whether a test module defines a fixture made once for the module (or longer): its tests share one worker."""
+    return any(f'scope="{scope}"' in module.read_text() for scope in ("module", "package", "session"))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = Path(item.fspath).resolve()
         relative = module.relative_to(TESTS)
         if relative.parts[0] in TIERS:
             item.add_marker(relative.parts[0])
-        group = "slurm" if _starts_slurm(module) else relative.as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
+        if _starts_slurm(module):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif _has_module_fixture(module):
+            item.add_marker(pytest.mark.xdist_group(relative.as_posix()))
 
 
 @pytest.fixture

@@ -42,6 +42,13 @@ def job_env(**variables: str) -> dict[str, str]:
     return env
 
 
+def rank_env(rank: int, world: int, port: int, **variables: str) -> dict[str, str]:
+    """job_env for one rank of a job started by hand, without a launcher agent (so only the framework decides how
+    the job ends): the variables torchrun would set on one host, the store on port."""
+    hand_set = dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    return job_env(**hand_set, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **variables)
+
+
 def with_pythonpath(env: dict[str, str], *folders: Path | str) -> dict[str, str]:
     """env with folders put first on PYTHONPATH (what it had before stays after them)."""
     paths = [str(folder) for folder in folders] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

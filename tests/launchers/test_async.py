@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness.launch import command, job_env, with_pythonpath
+from harness.launch import command, job_env, rank_env, with_pythonpath
 from harness.launch import free_port as _free_port
 from harness.runs import SAC_TINY
 
@@ -24,6 +24,13 @@ from spmd_rl.algorithms.vtrace import vtrace
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "ci_tiny.yaml")
 SPLIT4 = ("layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2")
+SPLIT5 = ("layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=3")
+
+
+def vtrace_at_lag(lag: int) -> tuple[str, ...]:
+    return ("engine.class=async", f"engine.max_policy_lag={lag}", "algo.vtrace=true")
+
+
 TIMING_KEYS = ("sps", "wall_s", "cpu_s")
 
 
@@ -121,13 +128,8 @@ def test_checkpoints_and_a_stop_at_lag_2_are_taken_at_agreed_iterations_and_the_
         TINY,
         f"run.dir={run_dir}",
         "train.total_steps=2880",
-        "layout.mode=split",
-        "layout.trainer=1",
-        "layout.inference=1",
-        "layout.env=3",
-        "engine.class=async",
-        "engine.max_policy_lag=2",
-        "algo.vtrace=true",
+        *SPLIT5,
+        *vtrace_at_lag(2),
         "checkpoint.every_iterations=4",
     )
     stopped = run_main(*common, "run.stop_after_iterations=10", nproc=5)
@@ -151,13 +153,8 @@ def test_the_lag_bound_is_never_exceeded_and_lag_happens(tmp_path):
         TINY,
         f"run.dir={run_dir}",
         "train.total_steps=2880",
-        "layout.mode=split",
-        "layout.trainer=1",
-        "layout.inference=1",
-        "layout.env=3",
-        "engine.class=async",
-        "engine.max_policy_lag=1",
-        "algo.vtrace=true",
+        *SPLIT5,
+        *vtrace_at_lag(1),
         nproc=5,
     )
     ours = "\n".join(line for line in result.stderr.splitlines() if line.startswith("spmd_rl:"))
@@ -228,28 +225,18 @@ def test_async_config_errors_exit_2_before_any_group(tmp_path):
 def _start_ranks(world: int, args: list[str]) -> list[subprocess.Popen]:
     """Ranks started by hand (RANK/WORLD_SIZE/MASTER_*): no torchrun agent stops the others, so the framework
     alone decides how the job ends."""
-    port = str(_free_port())
-    procs = []
-    for rank in range(world):
-        env = _env(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
+    port = _free_port()
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "spmd_rl.main", *args],
+            cwd=ROOT,
+            env=with_pythonpath(rank_env(rank, world, port), ROOT),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "spmd_rl.main", *args],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    return procs
+        for rank in range(world)
+    ]
 
 
 @pytest.mark.slow
@@ -266,13 +253,8 @@ def test_a_killed_or_stopped_env_rank_ends_the_async_job_within_the_timeout_nami
             f"run.dir={run_dir}",
             "train.total_steps=10000000",
             "algo.update_epochs=1",
-            "layout.mode=split",
-            "layout.trainer=1",
-            "layout.inference=1",
-            "layout.env=3",
-            "engine.class=async",
-            "engine.max_policy_lag=1",
-            "algo.vtrace=true",
+            *SPLIT5,
+            *vtrace_at_lag(1),
             f"dist.timeout_s={timeout_s}",
         ],
     )
@@ -417,10 +399,7 @@ def test_a_plugin_algorithm_that_declares_its_lag_runs_async(tmp_path):
         f"run.dir={run_dir}",
         "algo.class=laggy:LaggyReinforce",
         "train.total_steps=1440",
-        "layout.mode=split",
-        "layout.trainer=1",
-        "layout.inference=1",
-        "layout.env=3",
+        *SPLIT5,
         "engine.class=async",
         nproc=5,
         cwd=tmp_path,

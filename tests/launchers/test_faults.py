@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness.launch import free_port
+from harness.launch import free_port, rank_env
 from harness.multiproc import run_ranks
 
 from spmd_rl.runtime.distributed import Peer, comm_error
@@ -63,18 +63,7 @@ class Job:
         ]
         self.procs = []
         for rank in range(self.world):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(self.world),
-                "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(self.world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "GLOO_SOCKET_IFNAME": "lo",
-                "PYTHONPATH": str(REPO),
-                "SPMD_RL_DEBUG": "",
-            }
+            env = rank_env(rank, self.world, port, PYTHONPATH=str(REPO), SPMD_RL_DEBUG="")
             with open(self.logs / f"stdout{rank}", "w") as out, open(self.logs / f"stderr{rank}", "w") as err:
                 self.procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=err))
         self.ended_at: dict[int, float] = {}
@@ -86,6 +75,12 @@ class Job:
             assert time.monotonic() < give_up_at, f"no iteration logged within {START_S}s: {self.stderr(0)}"
             assert all(p.poll() is None for p in self.procs), f"a rank ended before training: {self.all_stderr()}"
             time.sleep(0.2)
+
+    def signal_when_training(self, rank: int, signum: int) -> float:
+        """Send signum to rank once the job is training; returns when it was sent (time.monotonic)."""
+        self.wait_until_training()
+        self.procs[rank].send_signal(signum)
+        return time.monotonic()
 
     def wait(self, ranks, deadline_s: float) -> None:
         """Until every rank in `ranks` has exited (recording when), for at most deadline_s."""
@@ -160,20 +155,27 @@ def check_ended_in_time(job: Job, since: float, ranks) -> None:
 
 # -- a rank killed (kill -9) ---------------------------------------------------------------------------------------
 
-KILL_CASES = [
-    pytest.param("colocated", 1, id="colocated-rank1"),
-    pytest.param("split", 0, id="split-trainer", marks=pytest.mark.slow),
-    pytest.param("split", 1, id="split-inference", marks=pytest.mark.slow),
-    pytest.param("split", 2, id="split-env", marks=pytest.mark.slow),
-]
+VICTIMS = {  # a case's id: (layout, the rank the fault hits)
+    "colocated-rank1": ("colocated", 1),
+    "split-trainer": ("split", 0),
+    "split-inference": ("split", 1),
+    "split-env": ("split", 2),
+}
+
+
+def victim_cases(quick: str) -> list:
+    """Every layout and victim, the quick case first; the others are marked slow."""
+    order = [quick, *(case for case in VICTIMS if case != quick)]
+    return [pytest.param(*VICTIMS[case], id=case, marks=[] if case == quick else pytest.mark.slow) for case in order]
+
+
+KILL_CASES = victim_cases(quick="colocated-rank1")
 
 
 @pytest.mark.parametrize("layout, victim", KILL_CASES)
 def test_a_killed_rank_ends_the_job_with_one_line_per_rank(jobs, layout, victim):
     job = jobs(layout)
-    job.wait_until_training()
-    job.procs[victim].send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
+    killed_at = job.signal_when_training(victim, signal.SIGKILL)
     survivors = [r for r in range(job.world) if r != victim]
     job.wait(range(job.world), TIMEOUT_S + MARGIN_S)
     summary = check_lines(job, {r: (COMM_ERROR_EXIT_CODE, "communication error") for r in survivors})
@@ -188,20 +190,13 @@ def test_a_killed_rank_ends_the_job_with_one_line_per_rank(jobs, layout, victim)
 
 # -- a rank stopped (SIGSTOP): the others time out; the stopped one, resumed, finds them gone -------------------------
 
-STOP_CASES = [
-    pytest.param("split", 2, id="split-env"),
-    pytest.param("split", 0, id="split-trainer", marks=pytest.mark.slow),
-    pytest.param("split", 1, id="split-inference", marks=pytest.mark.slow),
-    pytest.param("colocated", 1, id="colocated-rank1", marks=pytest.mark.slow),
-]
+STOP_CASES = victim_cases(quick="split-env")
 
 
 @pytest.mark.parametrize("layout, victim", STOP_CASES)
 def test_a_stopped_rank_is_named_as_the_first_cause(jobs, layout, victim):
     job = jobs(layout)
-    job.wait_until_training()
-    job.procs[victim].send_signal(signal.SIGSTOP)
-    stopped_at = time.monotonic()
+    stopped_at = job.signal_when_training(victim, signal.SIGSTOP)
     others = [r for r in range(job.world) if r != victim]
     job.wait(others, TIMEOUT_S + MARGIN_S)
     check_ended_in_time(job, stopped_at, others)

@@ -102,6 +102,11 @@ LAUNCHERS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher, variables, sig", LAUNCHERS)
 def test_a_launcher_stopped_by_a_signal_exits_75_and_the_same_command_resumes(tmp_path, launcher, variables, sig):
+    """The first job is stopped by `sig` to the launcher script alone; the rerun, which resumes, by SIGTERM to its
+    whole process group, as `timeout`, a terminal's Ctrl-C and Slurm signal every process of the job. The ranks get
+    that one twice, directly and relayed by the launcher: the repeat within runtime/signals.py's REPEAT_WINDOW_S is
+    the same request, so it is the checkpointed stop and exit 75, as a signal to the script alone (was exit 1, a
+    stop at once)."""
     if "mpirun" in launcher[0] and shutil.which("mpirun") is None:
         pytest.skip("Open MPI's mpirun is not installed; run .ci/install-system.sh as root")
     command = [str(ROOT / launcher[0]), *ENDLESS]
@@ -109,8 +114,9 @@ def test_a_launcher_stopped_by_a_signal_exits_75_and_the_same_command_resumes(tm
     assert code == 75, err[-3000:]
     assert f"stopped by {sig.name} after iteration" in err and "Traceback" not in err, err[-3000:]
     (run_dir,) = run_dirs(tmp_path)
-    code, out, err = _stop_with(command, tmp_path, sig, _env(**variables))
+    code, out, err = _stop_with(command, tmp_path, signal.SIGTERM, _env(**variables), group=True)
     assert code == 75 and f"runs/{run_dir} (this command's unfinished run); resuming from" in out, out[-3000:]
+    assert "stopped by SIGTERM after iteration" in err and "Traceback" not in err, err[-3000:]
     assert run_dirs(tmp_path) == [run_dir]
 
 
@@ -129,22 +135,3 @@ def test_a_signal_while_starting_is_one_line_and_exit_128_plus_its_number(tmp_pa
     _, err = job.communicate(timeout=60)
     assert job.returncode == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-
-
-GROUP_SIGNALS = [
-    pytest.param([str(ROOT / "launch" / "torchrun.sh")], {"NPROC": "2"}, signal.SIGTERM, id="torchrun.sh-sigterm"),
-    pytest.param([str(ROOT / "launch" / "mpirun.sh")], {"NP": "2"}, signal.SIGTERM, id="mpirun.sh-sigterm"),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("launcher, variables, sig", GROUP_SIGNALS)
-def test_a_signal_to_the_whole_process_group_is_the_checkpointed_stop(tmp_path, launcher, variables, sig):
-    # `timeout`, a terminal's Ctrl-C and Slurm signal every process of the job. The ranks get it twice, directly and
-    # relayed by the launcher: the repeat within runtime/signals.py's REPEAT_WINDOW_S is the same request, so it is
-    # the checkpointed stop and exit 75, as a signal to the script alone (was exit 1, a stop at once).
-    if "mpirun" in launcher[0] and shutil.which("mpirun") is None:
-        pytest.skip("Open MPI's mpirun is not installed; run .ci/install-system.sh as root")
-    code, out, err = _stop_with([*launcher, *ENDLESS], tmp_path, sig, _env(**variables), group=True)
-    assert code == 75, out[-3000:] + err[-3000:]
-    assert f"stopped by {sig.name} after iteration" in err and "Traceback" not in err, err[-3000:]

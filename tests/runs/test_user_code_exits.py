@@ -116,31 +116,55 @@ CASES = {
 }
 
 
-SLOW = {"act_hangs", "eval_hangs"}  # each waits out its bound
+HANGS = ("act_hangs", "eval_hangs")  # each waits out its bound: the two run at once, in one test
 
 
-@pytest.mark.parametrize(
-    "mode", [pytest.param(mode, marks=[pytest.mark.slow] if mode in SLOW else []) for mode in CASES]
-)
-def test_user_code_that_exits_or_breaks_its_contract_ends_the_run_with_exit_4_and_one_line(folder, tmp_path, mode):
-    overrides, says = CASES[mode]
-    run_dir = tmp_path / "run"
+def _start(folder: Path, tmp_path: Path, mode: str) -> subprocess.Popen:
+    overrides, _ = CASES[mode]
     env = dict(os.environ, USER_CODE_MODE=mode, PYTHONPATH=os.pathsep.join([str(folder), str(ROOT)]))
     env.pop("RANK", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={run_dir}", *overrides],
+    return subprocess.Popen(
+        [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={tmp_path / mode}", *overrides],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=180,
     )
-    assert result.returncode == USER_CODE_EXIT_CODE, result.stdout[-2000:] + result.stderr[-2000:]
-    ours = [line for line in result.stderr.splitlines() if line.startswith("spmd_rl:") and "note:" not in line]
-    assert len(ours) == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+def _check_exit_4_and_one_line(folder: Path, tmp_path: Path, mode: str, run: subprocess.Popen) -> None:
+    try:
+        stdout, stderr = run.communicate(timeout=180)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    _, says = CASES[mode]
+    assert run.returncode == USER_CODE_EXIT_CODE, stdout[-2000:] + stderr[-2000:]
+    ours = [line for line in stderr.splitlines() if line.startswith("spmd_rl:") and "note:" not in line]
+    assert len(ours) == 1 and "Traceback" not in stderr, stderr
     assert says in ours[0], ours[0]
     if "LINE:" + mode in (folder / "user_code.py").read_text():
         assert _line_of(mode, folder) in ours[0], ours[0]
-    assert not (run_dir / "finished.json").exists()
+    assert not (tmp_path / mode / "finished.json").exists()
+
+
+@pytest.mark.parametrize("mode", [mode for mode in CASES if mode not in HANGS])
+def test_user_code_that_exits_or_breaks_its_contract_ends_the_run_with_exit_4_and_one_line(folder, tmp_path, mode):
+    _check_exit_4_and_one_line(folder, tmp_path, mode, _start(folder, tmp_path, mode))
+
+
+@pytest.mark.slow
+def test_user_code_that_hangs_in_act_or_in_evaluation_ends_the_run_with_exit_4_and_one_line(folder, tmp_path):
+    runs = {mode: _start(folder, tmp_path, mode) for mode in HANGS}  # both wait out their bound at the same time
+    try:
+        for mode, run in runs.items():
+            _check_exit_4_and_one_line(folder, tmp_path, mode, run)
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                run.kill()
+                run.communicate()
 
 
 def test_the_per_step_check_names_the_key_and_passes_outputs_as_declared():
