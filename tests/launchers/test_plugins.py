@@ -243,7 +243,7 @@ log:
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # a few files, written per test: the module's tests need not share a worker
 def plugins(tmp_path_factory) -> Path:
     """A user's folder, outside the package: four modules, a broken one, and a config naming them."""
     folder = tmp_path_factory.mktemp("user_plugins")

@@ -53,7 +53,7 @@ class FailingPPO(PPO):
 '''
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # a few files, written per test: the module's tests need not share a worker
 def user_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("user_code")
     (folder / "user_nets.py").write_text(textwrap.dedent(USER_NETS).lstrip())

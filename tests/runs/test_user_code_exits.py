@@ -90,7 +90,7 @@ def _line_of(mode: str, folder: Path) -> str:
     return f"{folder / 'user_code.py'}:{next(i for i, text in enumerate(lines, 1) if f'LINE:{mode}' in text)}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # a few files, written per test: the module's tests need not share a worker
 def folder(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("user_code")
     (path / "user_code.py").write_text(textwrap.dedent(USER_MODULE).lstrip())
