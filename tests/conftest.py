@@ -10,9 +10,12 @@ faster tier. Modules import only from harness/ (never from another test module);
 tiers (pytest imports them by base name). Every test is marked with its tier, so `-m "not launchers"` works too.
 
 Under pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs it) the tests of a module with a module-scoped fixture
-(a trained run, a Slurm cluster) stay on one worker, so the fixture is made once; the modules that start real Slurm
-daemons share one group, so no two throw-away clusters run at once. Every other test goes to whichever worker is
-free: a module of long tests no longer runs alone on one worker at the end while the other idles.
+(a trained run, a Slurm cluster) are marked to stay on one worker, so the fixture is made once, and the modules that
+start real Slurm daemons share one group, so no two throw-away clusters run at once. Every other test goes to
+whichever worker is free. Caveat, measured 2026-12-02: pytest-xdist 3.8 under pytest 9.2 ignores every xdist_group
+(it renames `item._nodeid`, which pytest 9 no longer reads: the ids keep no `@group`), so today every test goes to
+whichever worker is free, a module fixture is made once per worker that runs its tests, and two Slurm clusters
+can run at once (they use free ports and temporary folders of their own, so they can).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def _has_module_fixture(module: Path) -> bool:
     return any(f'scope="{scope}"' in module.read_text() for scope in ("module", "package", "session"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = Path(item.fspath).resolve()
