@@ -391,14 +391,19 @@ def test_first_cause_names_the_silent_rank_the_others_waited_on():
     )
 
 
+def timed_out_on_rank_0(rank_2_at: float) -> dict[int, Failure]:
+    """The other ranks' records when rank 0 was stopped: each timed out waiting on it (rank 1 on it alone)."""
+    return {
+        1: Failure(1, COMM_ERROR_EXIT_CODE, 10.2, (0,), True),
+        2: Failure(2, COMM_ERROR_EXIT_CODE, rank_2_at, (0, 1, 3), True),
+        3: Failure(3, COMM_ERROR_EXIT_CODE, 10.2, (0, 1, 2), True),
+    }
+
+
 def test_first_cause_names_a_resumed_rank_that_did_not_time_out_itself():
     # Rank 0 was stopped, then resumed: every other rank timed out on it; it found them gone.
     own = Failure(0, COMM_ERROR_EXIT_CODE, 14.0, (1,), timed_out=False)
-    others = {
-        1: Failure(1, COMM_ERROR_EXIT_CODE, 10.2, (0,), True),
-        2: Failure(2, COMM_ERROR_EXIT_CODE, 10.2, (0, 1, 3), True),
-        3: Failure(3, COMM_ERROR_EXIT_CODE, 10.2, (0, 1, 2), True),
-    }
+    others = timed_out_on_rank_0(rank_2_at=10.2)
     assert first_cause(own, others, 4, _describe).startswith(
         "rank 0 (trainer 0) stopped responding first: ranks [1, 2, 3] timed out waiting on it"
     )
@@ -413,11 +418,7 @@ def test_failure_records_survive_the_store_as_plain_json():
 def test_first_cause_names_a_resumed_rank_whose_own_deadline_passed_while_it_was_stopped():
     # Rank 0 was stopped longer than the timeout: resumed, its own wait has expired too, but long after the others'.
     own = Failure(0, COMM_ERROR_EXIT_CODE, 31.0, (1, 2, 3), timed_out=True)
-    others = {
-        1: Failure(1, COMM_ERROR_EXIT_CODE, 10.2, (0,), True),
-        2: Failure(2, COMM_ERROR_EXIT_CODE, 10.3, (0, 1, 3), True),
-        3: Failure(3, COMM_ERROR_EXIT_CODE, 10.2, (0, 1, 2), True),
-    }
+    others = timed_out_on_rank_0(rank_2_at=10.3)
     assert first_cause(own, others, 4, _describe).startswith(
         "rank 0 (trainer 0) stopped responding first: ranks [1, 2, 3] timed out waiting on it"
     )
@@ -427,11 +428,7 @@ def test_first_cause_names_the_rank_that_says_it_did_not_run_during_its_wait():
     # Rank 0 was stopped and resumed at once after its peers timed out: its own failure comes only a moment after
     # theirs, but its watchdog saw 16 s without a tick.
     own = Failure(0, COMM_ERROR_EXIT_CODE, 10.4, (1, 2, 3), timed_out=True, frozen_s=16.0)
-    others = {
-        1: Failure(1, COMM_ERROR_EXIT_CODE, 10.2, (0,), True),
-        2: Failure(2, COMM_ERROR_EXIT_CODE, 10.3, (0, 1, 3), True),
-        3: Failure(3, COMM_ERROR_EXIT_CODE, 10.2, (0, 1, 2), True),
-    }
+    others = timed_out_on_rank_0(rank_2_at=10.3)
     assert first_cause(own, others, 4, _describe).startswith(
         "rank 0 (trainer 0) stopped responding first: it did not run at all for 16 s"
     )
