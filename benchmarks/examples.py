@@ -2,9 +2,11 @@
 from inside the copy, under torchrun for several ranks), to its full budget, per seed and layout.
 
     python benchmarks/examples.py [--seeds 3] [--examples pixel_catch,a2c] [--layouts one,colocated2,split4]
+    python benchmarks/examples.py --examples frozen_encoder --layouts split5,split5-fsdp [--seeds 1]
 
 Every layout runs the same number of envs in all (the example's env.num_envs shared by its env ranks), so an
-iteration is the same batch in each.
+iteration is the same batch in each. An example with a preparation script (frozen_encoder's make_encoder.py, which
+writes its "pretrained" encoder) runs it in the copy first, as its README says.
 
 Returns are the mean of the last 20 episodes (the metrics' episode_return_mean); "steps to target" is the first
 iteration where it reaches the example's stated return.
@@ -22,16 +24,26 @@ from pathlib import Path
 
 from common import ROOT, command, machine, table
 
-# name: (config file, stated return, budget in env steps, envs in all (the config's env.num_envs))
+# name: (config file, stated return, budget in env steps, envs in all (the config's env.num_envs or total_envs))
 EXAMPLES = {
     "pixel_catch": ("catch.yaml", 0.8, 40_000, 16),  # +1 per catch, -1 per miss; random play averages about -0.6
     "a2c": ("a2c_cartpole.yaml", 475.0, 200_000, 8),  # CartPole-v1's "solved"; random play averages about 22
+    "frozen_encoder": ("frozen_catch.yaml", 0.8, 40_000, 16),  # pixel Catch again, with a frozen pretrained encoder
 }
+# Scripts an example's README runs in its folder before training.
+PREPARE = {"frozen_encoder": ["make_encoder.py"]}
 # layout: (torchrun processes (0 = plain python), env ranks, overrides)
 LAYOUTS = {
     "one": (0, 1, []),
     "colocated2": (2, 2, []),
     "split4": (4, 2, ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]),
+    # 2 trainers need 2 env ranks (a trainer learns from its own env ranks' data): 5 processes.
+    "split5": (5, 2, ["layout.mode=split", "layout.trainer=2", "layout.inference=1", "layout.env=2"]),
+    "split5-fsdp": (
+        5,
+        2,
+        ["layout.mode=split", "layout.trainer=2", "layout.inference=1", "layout.env=2", "train.parallel=fsdp"],
+    ),
 }
 
 
@@ -41,6 +53,9 @@ def run_example(name: str, layout: str, seed: int) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix=f"spmd_example_{name}_"))
     folder = work / name
     shutil.copytree(ROOT / "examples" / name, folder, ignore=shutil.ignore_patterns("__pycache__", "runs"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    for script in PREPARE.get(name, []):
+        subprocess.run(command(script=script), cwd=folder, env=env, check=True, capture_output=True, timeout=600)
     launcher = command("torchrun", nproc) if nproc else command("none")
     cmd = [
         *launcher,
@@ -55,7 +70,6 @@ def run_example(name: str, layout: str, seed: int) -> list[dict]:
         "log.tensorboard=false",
         "log.interval_s=1000000",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     result = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} in {folder} failed ({result.returncode}):\n{result.stderr[-3000:]}")

@@ -1,6 +1,6 @@
 """Env steps and wall time until CartPole-v1 is solved (mean of the last 20 episode returns >= 475).
 
-    python benchmarks/learning.py [--seeds 5] [--layouts one,colocated2,split8] [--no-sb3]
+    python benchmarks/learning.py [--seeds 5 | --seed-list 5,6] [--layouts one,colocated2,split8] [--no-sb3]
 
 spmd_rl runs its default config as a user would; Stable-Baselines3 PPO runs the same hyperparameters, read from
 that default config, in this process (needs the bench extra). Wall time is training time: from the first
@@ -237,7 +237,7 @@ def run_seeds(args, overrides: list[str]) -> int:
         return 2
     where = bench_dir(Path(args.out), config, overrides)
     where.mkdir(parents=True, exist_ok=True)
-    seeds = list(range(1, args.seeds + 1))
+    seeds = seed_list(args)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     header = f"machine: {machine()}; load average at start {load}\n{versions_line()}"
     print(header, flush=True)
@@ -249,7 +249,8 @@ def run_seeds(args, overrides: list[str]) -> int:
     result = seeds_table(config, where, seeds)
     print(result)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    command = " ".join(["--config", str(config), f"--seeds {args.seeds}", *overrides])
+    chosen = f"--seed-list {args.seed_list}" if args.seed_list else f"--seeds {args.seeds}"
+    command = " ".join(["--config", str(config), chosen, *overrides])
     (where / "results.md").write_text(f"learning.py {command}\n\n{header}; at the end {load}\n\n{result}\n")
     failed = [s for s, code in codes.items() if code != 0]
     if failed:
@@ -258,9 +259,21 @@ def run_seeds(args, overrides: list[str]) -> int:
     return 0
 
 
+def seed_list(args) -> list[int]:
+    """--seed-list (e.g. one seed left over from an earlier run) or 1..--seeds."""
+    if not args.seed_list:
+        return list(range(1, args.seeds + 1))
+    try:
+        return [int(s) for s in args.seed_list.split(",")]
+    except ValueError:
+        print(f"learning.py: --seed-list {args.seed_list}: comma-separated integers expected", file=sys.stderr)
+        sys.exit(2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--seed-list", default="", help="these seeds (comma-separated) instead of 1..--seeds")
     parser.add_argument("--layouts", default="one,colocated2,split8")
     parser.add_argument("--no-sb3", action="store_true")
     parser.add_argument("--config", help="the seed runner: this config over seeds 1..--seeds (see above)")
@@ -271,6 +284,7 @@ def main() -> None:
     parser.add_argument("--timeout-h", type=float, default=24.0, help="the seed runner's bound on one run, hours")
     parser.add_argument("--report-only", action="store_true", help="the seed runner: print the table, run nothing")
     args, overrides = parser.parse_known_args()
+    seed_list(args)  # a bad --seed-list is refused before anything runs
     if args.config:
         sys.exit(run_seeds(args, overrides))
     if overrides:
@@ -278,7 +292,7 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(versions_line())
     runs: dict[str, list[dict]] = {}
-    for seed in range(1, args.seeds + 1):
+    for seed in seed_list(args):
         if not args.no_sb3:
             runs.setdefault("sb3 (same settings)", []).append(sb3_solve(seed))
         for layout in args.layouts.split(","):
