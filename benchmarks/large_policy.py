@@ -135,7 +135,7 @@ def _rank(rank: int, world: int, init: str, out: str, layers: int, wire: str, fr
     raw = torch.zeros(later_bytes, dtype=torch.uint8) if rank == 0 else None  # zeros: its pages touched now
     before = _peak_rss_bytes()
     source.broadcast(0)  # the first also carries the frozen layers; later ones only what trains
-    versions = iter(range(1, 2 * pairs + 1))
+    versions = iter(range(1, pairs + 1))
     result["records"] = _rounds(
         pairs,
         lambda: source.broadcast(next(versions)),
