@@ -12,12 +12,20 @@ materialized after sharding, so no rank ever holds the whole model except where 
 forked processes meeting through a file:// store: 2 trainers (FSDP over both), 2 inference ranks (the weight group
 is trainer 0 + the inference ranks). Memory is counted from the tensors themselves (parameters, gradients, Adam's
 two moments), and a sync's extra memory as the growth of the process's peak RSS during it.
+
+Time on a shared machine: a sync and a raw broadcast of the same bytes alternate (A B, B A, ...) for --pairs rounds,
+each after a barrier of all four ranks and timed from the first rank's start to the last rank's end (an inference
+rank holds the weights only when its receives complete); the ratio reported is the median of the rounds' ratios, and
+beside it the ratio of the CPU seconds the four processes spent (all their threads, the kernel's socket copies
+included), which depends less on what else the machine runs. The on-paper 7B row takes the software overhead per
+bucket measured here, over gloo between CPU processes: a GPU's per-bucket overhead over NCCL is not measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import multiprocessing
 import os
 import resource
@@ -39,7 +47,8 @@ from spmd_rl.comm.weights import GatheredWeightSource, ShardedWeightSource, Weig
 
 WIDTH = 2048
 BUCKET_MB = 64
-REPEATS = 3  # alternating pairs of (sync, raw broadcast of the same bytes); medians
+PAIRS = 9  # rounds of (sync, raw broadcast of the same bytes), alternating which goes first; medians
+PAPER_PARAMETERS, PAPER_LINK_BYTES_S = 7e9, 50e9  # the on-paper sync: a 7B policy over a 50 GB/s link
 
 
 class Stack(nn.Module):
@@ -70,7 +79,27 @@ def _local_bytes(tensors) -> int:
     return total
 
 
-def _rank(rank: int, world: int, init: str, out: str, layers: int, wire: str, frozen: int, design: str):
+def _timed(records: list, round_: int, what: str, step) -> None:
+    """step() after a barrier of all ranks; (round, what, start, end, CPU seconds) appended to records. Every
+    rank's clock is the same (perf_counter is CLOCK_MONOTONIC, system-wide), so the parent can take the span from
+    the first start to the last end."""
+    dist.barrier()
+    cpu, start = time.process_time(), time.perf_counter()
+    step()
+    records.append((round_, what, start, time.perf_counter(), time.process_time() - cpu))
+
+
+def _rounds(pairs: int, sync, raw) -> list:
+    """pairs rounds of a sync and a raw broadcast, the first of the two alternating; every rank's records."""
+    records: list = []
+    for round_ in range(pairs):
+        steps = [("sync", sync), ("raw", raw)]
+        for what, step in steps if round_ % 2 == 0 else steps[::-1]:
+            _timed(records, round_, what, step)
+    return records
+
+
+def _rank(rank: int, world: int, init: str, out: str, layers: int, wire: str, frozen: int, design: str, pairs: int):
     """One rank of the FSDP measurement: ranks 0-1 sharded trainers, ranks 2-3 inference ranks."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(600))
     torch.set_num_threads(1)
@@ -87,9 +116,8 @@ def _rank(rank: int, world: int, init: str, out: str, layers: int, wire: str, fr
         sync = WeightSync(net, weights, src=0, me=rank, bucket_bytes=bucket, timeout=600, **senders)
         raw = torch.zeros(sum(sync.bucket_sizes[i] for i in range(sync.live_buckets)), dtype=torch.uint8)
         sync.broadcast(-1)
-        for _ in range(REPEATS):  # a sync, then the raw broadcast of the same bytes: alternating pairs
-            sync.broadcast(-1)
-            dist.broadcast(raw, src=0, group=weights)
+        records = _rounds(pairs, lambda: sync.broadcast(-1), lambda: dist.broadcast(raw, src=0, group=weights))
+        _save(out, rank, "fsdp", {"records": records})
         return
     with torch.device("meta"):
         net = Stack(layers, frozen)
@@ -106,22 +134,14 @@ def _rank(rank: int, world: int, init: str, out: str, layers: int, wire: str, fr
     later_bytes = sum(source.bucket_sizes[i] for i in range(source.live_buckets))
     raw = torch.zeros(later_bytes, dtype=torch.uint8) if rank == 0 else None  # zeros: its pages touched now
     before = _peak_rss_bytes()
-    clock = time.perf_counter()
     source.broadcast(0)  # the first also carries the frozen layers; later ones only what trains
-    result["first_sync_s"] = time.perf_counter() - clock
-    syncs, raws = [], []
-    for version in range(1, REPEATS + 1):
-        dist.barrier(group=trainers)
-        clock = time.perf_counter()
-        source.broadcast(version)
-        syncs.append(time.perf_counter() - clock)
-        if rank == 0:
-            clock = time.perf_counter()
-            dist.broadcast(raw, src=0, group=weights)
-            raws.append(time.perf_counter() - clock)
+    versions = iter(range(1, pairs + 1))
+    result["records"] = _rounds(
+        pairs,
+        lambda: source.broadcast(next(versions)),
+        lambda: dist.broadcast(raw, src=0, group=weights) if rank == 0 else None,  # trainer 1 is not in it
+    )
     result["sync_peak_extra_bytes"] = _peak_rss_bytes() - before
-    result["sync_s"] = statistics.median(syncs)
-    result["raw_broadcast_s"] = statistics.median(raws) if raws else 0.0
     result["bucket_bytes"] = max(source.bucket_sizes)
     result["all_bytes"] = sum(source.bucket_sizes)
     result["later_sync_bytes"] = sum(source.bucket_sizes[i] for i in range(source.live_buckets))
@@ -155,13 +175,39 @@ def _child(*args):
     os._exit(0)
 
 
-def measure(layers: int, parallel: str, wire: str, frozen: int = 0, design: str = "gathered") -> dict:
+def _times(records_by_rank: list[list]) -> dict:
+    """Per round, each step's span over all ranks (first start to last end) and CPU seconds (all ranks)."""
+    rounds: dict[int, dict] = {}
+    for steps in zip(*records_by_rank):
+        (round_, what, *_), spans = steps[0], [step[2:] for step in steps]
+        wall = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+        rounds.setdefault(round_, {})[what] = (wall, sum(cpu for *_, cpu in spans))
+    sync = [r["sync"][0] for r in rounds.values()]
+    raw = [r["raw"][0] for r in rounds.values()]
+    return {
+        "sync_s": statistics.median(sync),
+        "raw_broadcast_s": statistics.median(raw),
+        "ratio": statistics.median(r["raw"][0] / r["sync"][0] for r in rounds.values()),
+        "ratio_low_high": (
+            min(r["raw"][0] / r["sync"][0] for r in rounds.values()),
+            max(r["raw"][0] / r["sync"][0] for r in rounds.values()),
+        ),
+        "cpu_ratio": statistics.median(r["raw"][1] / r["sync"][1] for r in rounds.values()),
+        "overhead_s": statistics.median(r["sync"][0] - r["raw"][0] for r in rounds.values()),
+    }
+
+
+def measure(
+    layers: int, parallel: str, wire: str, frozen: int = 0, design: str = "gathered", pairs: int = PAIRS
+) -> dict:
     out = tempfile.mkdtemp(prefix="spmd_large_")
+    load = f"{os.getloadavg()[0]:.1f}"
     init = "file://" + os.path.join(out, "store")
     context = multiprocessing.get_context("fork")
     if parallel == "fsdp":  # 2 trainers and 2 inference ranks
         children = [
-            context.Process(target=_child, args=(r, 4, init, out, layers, wire, frozen, design)) for r in range(4)
+            context.Process(target=_child, args=(r, 4, init, out, layers, wire, frozen, design, pairs))
+            for r in range(4)
         ]
     else:  # only the two trainers: the ddp measurement is memory alone
         children = [context.Process(target=_ddp_child, args=(r, init, out, layers)) for r in range(2)]
@@ -169,10 +215,14 @@ def measure(layers: int, parallel: str, wire: str, frozen: int = 0, design: str 
         child.start()
     for child in children:
         child.join(1800)
+    load += f"-{os.getloadavg()[0]:.1f}"
     if any(child.exitcode != 0 for child in children):
         raise RuntimeError(f"{parallel} {wire} {design} layers={layers}: a rank failed")
     result = torch.load(f"{out}/{parallel}_rank0.pt")
+    if parallel == "fsdp":
+        result.update(_times([torch.load(f"{out}/fsdp_rank{r}.pt")["records"] for r in range(4)]))
     shutil.rmtree(out, ignore_errors=True)
+    result["load"] = load
     return result
 
 
@@ -205,7 +255,8 @@ def _ddp_child(rank: int, init: str, out: str, layers: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 300], help="millions of parameters")
-    parser.add_argument("--designs", nargs="+", default=["gathered", "sent"], choices=["gathered", "sent"])
+    parser.add_argument("--designs", nargs="+", default=["sent"], choices=["gathered", "sent"])
+    parser.add_argument("--pairs", type=int, default=PAIRS, help="rounds of a sync and a raw broadcast")
     args = parser.parse_args()
     print(machine())
     print(f"load average before: {os.getloadavg()}")
@@ -215,7 +266,7 @@ def main() -> None:
         layers = max(1, round(millions * 1e6 / (WIDTH * WIDTH + WIDTH)))
         ddp = measure(layers, "ddp", "fp32")
         results = {
-            (wire, design): measure(layers, "fsdp", wire, design=design)
+            (wire, design): measure(layers, "fsdp", wire, design=design, pairs=args.pairs)
             for wire in ("fp32", "bf16")
             for design in args.designs
         }
@@ -230,6 +281,7 @@ def main() -> None:
         )
         for (wire, design), r in results.items():
             wire_ratio = r["all_bytes"] / results["fp32", design]["all_bytes"]
+            low, high = r["ratio_low_high"]
             syncs.append(
                 [
                     f"{ddp['parameters'] / 1e6:.0f}M",
@@ -238,31 +290,42 @@ def main() -> None:
                     f"{r['all_bytes'] / mib:.0f} ({wire_ratio:.2f}x)",
                     f"{r['sync_s']:.2f}",
                     f"{r['raw_broadcast_s']:.2f}",
-                    f"{r['raw_broadcast_s'] / r['sync_s']:.2f}x",
-                    f"{r['all_bytes'] / r['sync_s'] / 1e9:.2f}",
+                    f"{r['ratio']:.2f}x ({low:.2f}-{high:.2f})",
+                    f"{r['cpu_ratio']:.2f}x",
                     f"{r['sync_peak_extra_bytes'] / mib:.0f}",
                     f"{r['bucket_bytes'] / mib:.0f}",
                     f"{r['sync_peak_extra_bytes'] / r['bucket_bytes']:.2f}x",
+                    r["load"],
                 ]
             )
-            buckets = r["buckets_later"]
-            overhead = max(0.0, (r["sync_s"] - r["raw_broadcast_s"]) / buckets)
-            bytes_7b = 7e9 * (2 if wire == "bf16" else 4)
+            if wire != "bf16":
+                continue
+            # The software overhead per bucket: what a sync takes beyond a raw broadcast of the same bytes
+            # (median over the rounds), per bucket of this size; a 7B bf16 policy is that many buckets.
+            overhead = r["overhead_s"] / r["buckets_later"]
+            buckets_7b = math.ceil(PAPER_PARAMETERS * 2 / r["bucket_bytes"])
+            wire_s = PAPER_PARAMETERS * 2 / PAPER_LINK_BYTES_S
             paper.append(
                 [
                     f"{ddp['parameters'] / 1e6:.0f}M",
-                    wire,
                     design,
                     f"{overhead * 1e3:.1f}",
-                    f"{bytes_7b / 50e9 + overhead * bytes_7b / (BUCKET_MB * mib):.2f}",
+                    str(buckets_7b),
+                    f"{wire_s:.2f}",
+                    f"{wire_s + buckets_7b * max(0.0, overhead):.2f}",
+                    r["load"],
                 ]
             )
     # A frozen backbone: 3/4 of the layers frozen; a sync after the first sends only the trainable rest.
     layers = max(4, round(args.sizes[0] * 1e6 / (WIDTH * WIDTH + WIDTH)))
-    frozen = measure(layers, "fsdp", "fp32", frozen=3 * layers // 4, design=args.designs[-1])
+    frozen = measure(layers, "fsdp", "fp32", frozen=3 * layers // 4, design=args.designs[-1], pairs=1)
     print("\nTrainer memory per rank (parameters + gradients + Adam state), 2 trainers:")
     print(table(["parameters", "ddp MiB", "fsdp MiB", "fsdp / ddp"], memory))
-    print(f"\nWeight sync, 2 FSDP trainers -> 2 inference ranks, {BUCKET_MB} MiB buckets (medians of 3 pairs):")
+    print(
+        f"\nWeight sync, 2 FSDP trainers -> 2 inference ranks, {BUCKET_MB} MiB buckets; times from the first rank's "
+        f"start to the last rank's end, medians of {args.pairs} alternating rounds; raw / sync: the median of the "
+        f"rounds' ratios (lowest-highest):"
+    )
     print(
         table(
             [
@@ -273,10 +336,11 @@ def main() -> None:
                 "sync s",
                 "raw broadcast s",
                 "raw / sync",
-                "GB/s",
+                "CPU s raw / sync",
                 "peak extra MiB",
                 "largest bucket MiB",
                 "peak extra / bucket",
+                "load",
             ],
             syncs,
         )
@@ -295,8 +359,12 @@ def main() -> None:
             ],
         )
     )
-    print("\nOn paper: 7B parameters at 50 GB/s plus the measured software overhead per bucket:")
-    print(table(["measured at", "wire", "design", "overhead ms per bucket", "7B sync s"], paper))
+    print(
+        f"\nOn paper: a {PAPER_PARAMETERS / 1e9:.0f}B bf16 policy over a {PAPER_LINK_BYTES_S / 1e9:.0f} GB/s link, "
+        f"plus the software overhead per bucket measured here with a bf16 wire (CPU processes over gloo; a GPU's "
+        f"over NCCL is not measured; a negative overhead counts as 0):"
+    )
+    print(table(["measured at", "design", "overhead ms per bucket", "buckets", "wire s", "7B sync s", "load"], paper))
     print(f"\nload average after: {os.getloadavg()}")
 
 

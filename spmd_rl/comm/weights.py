@@ -21,6 +21,7 @@ travels inside the first bucket instead of costing a collective of its own.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import hashlib
 import math
@@ -467,9 +468,10 @@ class GatheredWeightSource(_WeightGroupMember):
     @property
     def buffer(self) -> torch.Tensor:
         """One bucket on every trainer: the shards are all-gathered straight into it, in the wire dtype (made on
-        first use: a ShardedWeightSource needs it only to verify)."""
+        first use; a ShardedWeightSource casts into part of it to send, and gathers into it only to verify).
+        Uninitialized, so that only the pages used count: _fill writes every byte of a bucket it gathers."""
         if self._buffer is None:
-            self._buffer = torch.zeros(max(self.bucket_sizes), dtype=torch.uint8, device=self.device)
+            self._buffer = torch.empty(max(self.bucket_sizes), dtype=torch.uint8, device=self.device)
         return self._buffer
 
     def _fill(self, index: int, version: int) -> torch.Tensor | None:
@@ -539,7 +541,8 @@ class ShardedWeightSource(GatheredWeightSource):
     parameters to every inference rank, which receive them straight into their places in the bucket (WeightSync
     with the same senders; shard_pieces says what goes where). The first sender also sends the buffers and the
     header. Nothing is gathered: on the wire are only the bucket's bytes, from all trainers at once, and a trainer
-    holds no copy beyond its shards, except each shard cast to the wire dtype (inference.dtype) while it is sent.
+    holds no copy beyond its shards but the ring that the shards cast to the wire dtype (inference.dtype) go
+    through, half a bucket at most (see _send_my_pieces).
     Trainers outside `senders` (the other replicas of hybrid sharding) send nothing. verify() checks the
     receivers against the gathered buckets, as GatheredWeightSource does.
     """
@@ -576,55 +579,104 @@ class ShardedWeightSource(GatheredWeightSource):
             for piece in pieces:
                 if piece.sender != self.me or piece.entry is None or not piece.entry.is_param:
                     continue
-                tensor = self._piece_tensor(piece)
-                if tensor.numel() * tensor.element_size() != piece.end - piece.start:
+                rows = self._local_rows(piece)
+                if rows.numel() * _element_size(piece.entry.dtype) != piece.end - piece.start:
                     raise ValueError(
-                        f"ShardedWeightSource: {self.describe_rank(self.me)} holds {tuple(tensor.shape)} of "
+                        f"ShardedWeightSource: {self.describe_rank(self.me)} holds {tuple(rows.shape)} of "
                         f"{piece.entry.name} {piece.entry.shape}, not the dim-0 chunk the receivers expect"
                     )
 
-    def _piece_tensor(self, piece: Piece) -> torch.Tensor:
-        """What this trainer sends for a piece: its local rows in the wire dtype, or a whole buffer."""
+    def _local_rows(self, piece: Piece) -> torch.Tensor:
+        """This trainer's own tensor for a piece: its local rows of a parameter (in the training dtype), or a
+        whole buffer."""
         tensor = piece.entry.current().detach()
         if is_dtensor(tensor):
-            tensor = tensor.to_local()
-        elif piece.entry.is_param and len(self.senders) > 1 and piece.entry.shape:
+            return tensor.to_local()
+        if piece.entry.is_param and len(self.senders) > 1 and piece.entry.shape:
             raise ValueError(
                 f"ShardedWeightSource: parameter {piece.entry.name} is not sharded; every parameter must be"
             )
-        return tensor.to(piece.entry.dtype).contiguous()
+        return tensor
+
+    def _ring_bytes(self, indices: range) -> int:
+        """The size of the ring the pieces of this sync that need a cast are cast into: half the largest bucket
+        (the sends then run while the next pieces are cast, and a trainer holds at most half a bucket beyond its
+        shards), but no more than all of this sync's casts and no less than its largest; 0: nothing is cast."""
+        sizes = [
+            aligned(piece.end - piece.start)
+            for index in indices
+            for piece in self.pieces[index]
+            if piece.sender == self.me and piece.entry is not None and self._needs_cast(piece)
+        ]
+        return min(sum(sizes), max(max(sizes), max(self.bucket_sizes) // 2)) if sizes else 0
+
+    def _needs_cast(self, piece: Piece) -> bool:
+        rows = self._local_rows(piece)
+        return rows.dtype != piece.entry.dtype or not rows.is_contiguous()
 
     def broadcast(self, version: int) -> int:
-        indices = self.buckets_to_send()
         if self.me in self.senders:
-            # Bucket 0's header piece is the source's (the first sender's) alone; only it knows the layout digest.
-            header = torch.tensor([version, self.digest], dtype=torch.int64) if self.is_source else None
-            peer = Peer(
-                self.describe_rank(self.receivers[0])
-                if len(self.receivers) == 1
-                else f"one of ranks {list(self.receivers)}",
-                tuple(self.receivers),
-            )
-            for index in indices:
-                describe = (
-                    f"{self.describe_rank(self.me)}: sending its shards of weight bucket {index + 1} of "
-                    f"{len(indices)} (version {version}) to the inference ranks {self.receivers}"
-                )
-                # Each piece goes on the wire as soon as it is cast, while the next one is cast; the bucket's cast
-                # shards live until its sends complete: at most one bucket's share at a time.
-                works, tensors = [], []
-                try:
-                    for piece in self.pieces[index]:
-                        if piece.sender != self.me:
-                            continue
-                        tensors.append(header.to(self.device) if piece.entry is None else self._piece_tensor(piece))
-                        for receiver in self.receivers:
-                            works.append(dist.isend(tensors[-1], dst=receiver, group=self.sender_group))
-                except RuntimeError as exc:  # a member already gone can fail the post itself
-                    raise comm_error(describe, exc, self.timeout, peer) from exc
-                for work in works:
-                    wait(work, self.timeout, lambda describe=describe: describe, peer)
-                del tensors, works  # before the next bucket's casts, not after them
+            self._send_my_pieces(self.buckets_to_send(), version)
         self.broadcasts += 1
         self.version = version
         return version
+
+    def _send_my_pieces(self, indices: range, version: int) -> None:
+        """Post this trainer's pieces of every bucket to every receiver, in the receivers' order, each as soon as it
+        is ready, and wait for them all. A piece already in the wire dtype goes from the shard itself; one that
+        needs a cast is cast into the next free part of a ring of _ring_bytes, which is reused as the oldest sends
+        complete: the sends of one piece overlap the cast of the next, across bucket boundaries too, and the casts
+        write into pages touched once per process rather than into fresh allocations (page faults)."""
+        # Bucket 0's header piece is the source's (the first sender's) alone; only it knows the layout digest.
+        header = torch.tensor([version, self.digest], dtype=torch.int64, device=self.device) if self.is_source else None
+        many = len(self.receivers) > 1
+        peer = Peer(
+            f"one of ranks {list(self.receivers)}" if many else self.describe_rank(self.receivers[0]),
+            tuple(self.receivers),
+        )
+
+        def describe(index: int) -> str:
+            return (
+                f"{self.describe_rank(self.me)}: sending its shards of weight bucket {index + 1} of {len(indices)} "
+                f"(version {version}) to the inference ranks {self.receivers}"
+            )
+
+        ring_bytes = self._ring_bytes(indices)
+        # The ring is the front of the bucket buffer verify() gathers into (never in use at once): one bucket of
+        # extra memory in all, kept from sync to sync (allocating the ring afresh every sync left the allocator's
+        # heap holding several of them).
+        ring = self.buffer[:ring_bytes] if ring_bytes else None
+        head = 0  # where the next cast goes in the ring
+        in_flight = collections.deque()  # (ring start, ring end, bucket index, works), oldest first
+
+        def complete_oldest() -> None:
+            _, _, index, works = in_flight.popleft()
+            for work in works:
+                wait(work, self.timeout, lambda: describe(index), peer)
+
+        for index in indices:
+            for piece in self.pieces[index]:
+                if piece.sender != self.me:
+                    continue
+                start = end = 0  # the ring bytes this piece holds until its sends complete (none: sent in place)
+                if piece.entry is None:
+                    tensor = header
+                else:
+                    tensor = rows = self._local_rows(piece)
+                    if self._needs_cast(piece):
+                        nbytes = piece.end - piece.start
+                        start = head if head + nbytes <= ring_bytes else 0
+                        end = start + nbytes
+                        # Pieces are placed in the order they are sent, so the ones in the way are the oldest.
+                        while in_flight and any(s < end and start < e for s, e, *_ in in_flight):
+                            complete_oldest()
+                        tensor = ring[start:end].view(piece.entry.dtype).view(rows.shape)
+                        tensor.copy_(rows)
+                        head = aligned(end)
+                try:
+                    works = [dist.isend(tensor, dst=receiver, group=self.sender_group) for receiver in self.receivers]
+                except RuntimeError as exc:  # a member already gone can fail the post itself
+                    raise comm_error(describe(index), exc, self.timeout, peer) from exc
+                in_flight.append((start, end, index, works))
+        while in_flight:
+            complete_oldest()

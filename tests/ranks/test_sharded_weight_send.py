@@ -5,11 +5,14 @@ sent once, verify, and the async engine's staged receive. Real gloo ranks."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 from harness.multiproc import run_ranks
 from harness.parts import FrozenEncoderNet
+from torch import nn
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.staged_weights import StagedWeights
@@ -51,6 +54,9 @@ def _send(rank: int, world_size: int, out: str, wire: str, staged: bool) -> None
         net, weights if rank == 0 else None, src=0, me=rank, bucket_bytes=bucket_bytes, timeout=90,
         wire_dtype=wire_dtype, senders=TRAINERS, sender_group=senders, receivers=RECEIVERS,
     )  # fmt: skip
+    if wire_dtype is not None:  # the first sync's casts pass through the cast ring more than once (it wraps)
+        casts = sum(p.end - p.start for bucket in source.pieces for p in bucket if p.sender == rank and p.entry)
+        assert source._ring_bytes(range(len(source.bucket_sizes))) < casts
     for version in (7, 8):
         torch.manual_seed(version + rank)
         net(torch.randn(5, 6)).square().sum().backward()
@@ -75,6 +81,42 @@ def test_receivers_hold_the_full_weights_each_trainer_sent_its_rows_of(tmp_path,
         expected = value.to(torch.bfloat16) if wire == "bf16" and value.dtype == torch.float32 else value
         assert received[key].dtype == expected.dtype, key
         assert torch.equal(received[key], expected), key
+
+
+def _send_through_the_ring(rank: int, world_size: int, out: str) -> None:
+    """2 trainers, 1 receiver; bf16 on the wire; pieces of 8 MiB (more than the sockets take at once) and a cast
+    ring of one piece, so every cast reuses the ring bytes the previous piece was sent from."""
+    trainers, weights = dist.new_group([0, 1]), dist.new_group([0, 2])
+    torch.manual_seed(0)
+    net = nn.Sequential(*(nn.Linear(2048, 4096, bias=False) for _ in range(3)))
+    bucket_bytes = 16 << 20  # one weight (4096 x 2048 in bf16) a bucket; the ring is half of one
+    if rank == 2:
+        sharding.cast_parameters(net, torch.bfloat16)
+        sync = WeightSync(
+            net, weights, src=0, me=2, bucket_bytes=bucket_bytes, timeout=90, senders=[0, 1],
+            sender_group=dist.group.WORLD,
+        )  # fmt: skip
+        time.sleep(0.5)  # the trainers' first sends wait for these receives, their later casts for those sends
+        assert sync.broadcast(-1) == 1
+        torch.save({k: v.clone() for k, v in net.state_dict().items()}, f"{out}/received.pt")
+        return
+    sharding.shard_policy(net, trainers, torch.device("cpu"), [], bf16=False)
+    source = ShardedWeightSource(
+        net, weights if rank == 0 else None, src=0, me=rank, bucket_bytes=bucket_bytes, timeout=90,
+        wire_dtype=torch.bfloat16, senders=[0, 1], sender_group=dist.group.WORLD, receivers=[2],
+    )  # fmt: skip
+    assert source._ring_bytes(range(len(source.bucket_sizes))) < 2 * (8 << 20)  # one piece: each cast reuses it
+    source.broadcast(1)
+    full = sharding.full_state_dict(net)
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in full.items()}, f"{out}/trainer.pt")
+
+
+def test_a_bf16_sync_whose_casts_reuse_the_cast_ring_arrives_whole(tmp_path):
+    assert run_ranks(_send_through_the_ring, 3, str(tmp_path), timeout_s=120) == [0] * 3
+    full, received = torch.load(tmp_path / "trainer.pt"), torch.load(tmp_path / "received.pt")
+    for key, value in full.items():
+        assert torch.equal(received[key], value.to(torch.bfloat16)), key
 
 
 def test_pieces_cover_every_bucket_byte_once_and_rows_follow_torch_chunk():
