@@ -18,6 +18,17 @@ training episodes, mean +- std over the seeds, beside the published numbers; the
 OUT/<...>/results.md. A stopped or killed benchmark resumes by rerunning the same command: finished seeds are
 skipped, unfinished ones rerun with their run directory, which resumes them from their last checkpoint as any run
 does. --report-only prints the table of what has finished so far.
+
+Each finished seed also leaves a small results file, RESULTS/<config name>[+<overrides>]/seed<N>.json (RESULTS:
+--results, by default benchmarks/results/ of this checkout, committed to git): its final evaluation, the mean of its
+last 20 training episodes, env steps, wall time, versions, date and load average. The skip of finished seeds and
+--report-only read these files first, so a later session on a fresh machine (only git persists) reruns only the
+seeds that have none. No checkpoints go there.
+
+--sb3 (DQN and TD3 configs; needs the bench extra) runs Stable-Baselines3's DQN or TD3 beside each seed, in the
+same benchmark run, with the config's hyperparameters translated key by key (sb3_kwargs) and the same seed and
+budget: its final deterministic evaluation (10 episodes) and last 20 training episodes, in
+RESULTS/<...>/sb3_seed<N>.json, as one more row of the table.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 from common import ROOT, machine, run_spmd, table, versions, versions_line
 
@@ -137,6 +149,7 @@ PUBLISHED = {
     "sac_hopper": [("RL Zoo SAC, Hopper-v3, 1M", 2325.5, 1129.7)],
     "sac_walker2d": [("RL Zoo SAC, Walker2d-v3, 1M", 3863.2, 254.3)],
     "dqn_cartpole": [("RL Zoo DQN, CartPole-v1, 50k", 500.0, 0.0)],
+    "td3_pendulum": [("RL Zoo TD3, Pendulum-v1, 20k", -151.9, 90.2)],
 }
 
 
@@ -146,11 +159,28 @@ def bench_dir(out: Path, config: Path, overrides: list[str]) -> Path:
     return out / (config.stem + (f"+{tag}" if tag else ""))
 
 
-def run_seed(config: Path, seed: int, where: Path, overrides: list[str], timeout_s: float) -> int:
+def results_file(results: Path, where: Path, seed: int, who: str = "") -> Path:
+    """RESULTS/<config name>[+<overrides>]/[<who>_]seed<N>.json: a finished seed's numbers, kept in git."""
+    return results / where.name / f"{who + '_' if who else ''}seed{seed}.json"
+
+
+def write_result(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    record = {**result, "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    path.write_text(json.dumps({**record, "load_at_end": load}, indent=1) + "\n")
+
+
+def run_seed(config: Path, seed: int, where: Path, overrides: list[str], timeout_s: float, results: Path) -> int:
     """One seed's run, resumed if its directory holds an unfinished one; its exit code (0: finished)."""
     run_dir = where / f"seed{seed}"
+    saved = results_file(results, where, seed)
+    if saved.exists():
+        print(f"seed {seed}: finished before, skipped ({saved})", flush=True)
+        return 0
     if (run_dir / FINISHED).exists():
         print(f"seed {seed}: finished before, skipped ({run_dir})", flush=True)
+        write_result(saved, {"seed": seed, **seed_result(run_dir)})
         return 0
     resuming = (run_dir / METRICS_FILE).exists()
     cmd = [sys.executable, "-m", "spmd_rl.main", "--config", str(config.resolve()), *overrides]
@@ -169,7 +199,115 @@ def run_seed(config: Path, seed: int, where: Path, overrides: list[str], timeout
     print(f"seed {seed}: exit {code}" + ("" if code == 0 else f" (see {where}/seed{seed}.log; rerun to resume)"))
     if code == 0:
         (run_dir / "versions.json").write_text(json.dumps(versions()) + "\n")
+        write_result(saved, {"seed": seed, **seed_result(run_dir)})
     return code
+
+
+def sb3_kwargs(cfg) -> tuple[str, dict]:
+    """SB3's algorithm name and keyword arguments for this config's DQN or TD3 hyperparameters, key by key.
+
+    SB3's train_freq counts env steps per env (as algo.num_steps does), gradient_steps the updates after each
+    train_freq (algo.updates_per_step of every env step of all envs). SB3's DQN has no Double DQN (it takes the max
+    over its target network): a config with algo.double=true is compared with SB3's plain target."""
+    algo, policy = cfg.algo, cfg.policy
+    activation = {"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh, "elu": torch.nn.ELU}[policy.activation]
+    gradient_steps = round(algo.updates_per_step * algo.num_steps * cfg.env.num_envs)
+    common = dict(
+        buffer_size=cfg.buffer.capacity,
+        learning_starts=algo.learning_starts,
+        batch_size=algo.batch_size,
+        tau=algo.tau,
+        gamma=algo.gamma,
+        train_freq=algo.num_steps,
+        gradient_steps=gradient_steps,
+    )
+    name = cfg.classes["algo"]
+    if name == "dqn":
+        return "DQN", dict(
+            common,
+            learning_rate=algo.learning_rate,
+            n_steps=algo.n_step,
+            target_update_interval=algo.target_update_interval,
+            exploration_fraction=algo.exploration_fraction,
+            exploration_initial_eps=algo.exploration_initial_eps,
+            exploration_final_eps=algo.exploration_final_eps,
+            max_grad_norm=algo.max_grad_norm if algo.max_grad_norm > 0 else float("inf"),
+            policy_kwargs=dict(net_arch=list(policy.hidden_sizes), activation_fn=activation),
+        )
+    if name == "td3":
+        assert algo.policy_lr == algo.q_lr, "SB3's TD3 has one learning rate for the actor and the critics"
+        assert list(policy.hidden_sizes) == list(algo.critic_hidden_sizes), "SB3's net_arch: actor and critics alike"
+        return "TD3", dict(
+            common,
+            learning_rate=algo.policy_lr,
+            policy_delay=algo.policy_delay,
+            target_policy_noise=algo.target_policy_noise,
+            target_noise_clip=algo.target_noise_clip,
+            policy_kwargs=dict(net_arch=list(policy.hidden_sizes), activation_fn=activation),
+        )
+    raise SystemExit(f"learning.py --sb3: algo.class {name!r} has no SB3 translation here (dqn and td3 do)")
+
+
+def sb3_seed(config: Path, overrides: list[str], seed: int) -> dict:
+    """SB3 on this config's env, hyperparameters, seed and budget, in this process: its final deterministic
+    evaluation (10 episodes) and the mean of its last 20 training episodes."""
+    import gymnasium as gym
+    from stable_baselines3 import DQN, TD3
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.evaluation import evaluate_policy
+    from stable_baselines3.common.noise import NormalActionNoise
+
+    cfg = load_config(str(config), overrides)
+    name, kwargs = sb3_kwargs(cfg)
+    torch.set_num_threads(1)
+    env = make_vec_env(cfg.env.id, n_envs=cfg.env.num_envs, seed=seed)
+    if name == "TD3":
+        # policy.exploration_noise: the std of Gaussian noise on actions scaled to [-1, 1], as SB3's action noise.
+        dims = env.action_space.shape[0]
+        kwargs["action_noise"] = NormalActionNoise(np.zeros(dims), np.full(dims, cfg.policy.exploration_noise))
+    model = {"DQN": DQN, "TD3": TD3}[name]("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
+    start = time.perf_counter()
+    model.learn(total_timesteps=cfg.train.total_steps)
+    wall = time.perf_counter() - start
+    returns = [e["r"] for e in list(model.ep_info_buffer)[-WINDOW:]]
+    eval_env = gym.make(cfg.env.id)
+    eval_env.reset(seed=10_000 + seed)
+    mean, _ = evaluate_policy(model, eval_env, n_eval_episodes=cfg.eval.episodes or 10, deterministic=True)
+    return {
+        "eval": float(mean),
+        "train": sum(returns) / len(returns) if returns else None,
+        "env_steps": model.num_timesteps,
+        "wall_s": wall,
+    }
+
+
+def run_sb3_seed(config: Path, seed: int, where: Path, overrides: list[str], timeout_s: float, results: Path) -> int:
+    """SB3's run of this seed in a process of its own (so --parallel applies), unless its results file exists."""
+    saved = results_file(results, where, seed, "sb3")
+    if saved.exists():
+        print(f"sb3 seed {seed}: finished before, skipped ({saved})", flush=True)
+        return 0
+    cmd = [sys.executable, __file__, "--config", str(config), "--sb3-seed", str(seed), "--results", str(saved)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    print(f"sb3 seed {seed}: starting", flush=True)
+    with open(where / f"sb3_seed{seed}.log", "a") as log:
+        try:
+            run = subprocess.run(
+                [*cmd, *overrides], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
+            )
+        except subprocess.TimeoutExpired:
+            print(f"sb3 seed {seed}: still running after --timeout-h, killed", flush=True)
+            return 124
+    print(f"sb3 seed {seed}: exit {run.returncode}", flush=True)
+    return run.returncode
+
+
+def saved_result(results: Path, where: Path, seed: int, who: str = "") -> dict | None:
+    """A finished seed's numbers: its results file, else (spmd_rl) its run directory; None while unfinished."""
+    saved = results_file(results, where, seed, who)
+    if saved.exists():
+        return json.loads(saved.read_text())
+    return None if who else seed_result(where / f"seed{seed}")
 
 
 def seed_result(run_dir: Path) -> dict | None:
@@ -196,26 +334,36 @@ def mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.0f} +- {std:.0f}"
 
 
-def seeds_table(config: Path, where: Path, seeds: list[int]) -> str:
-    """Ours (mean +- std over the finished seeds) above the published numbers for the config, in one table."""
-    done = {s: r for s in seeds if (r := seed_result(where / f"seed{s}")) is not None}
+def seeds_row(label: str, done: dict[int, dict], seeds: list[int], versus: str = "") -> list[str]:
     evals = [r["eval"] for r in done.values() if r["eval"] is not None]
     trains = [r["train"] for r in done.values() if r["train"] is not None]
-    ours = statistics.mean(evals) if evals else None
-    rows = [
-        [
-            f"spmd_rl {where.name}",
-            f"{len(done)}/{len(seeds)}",
-            mean_std(evals),
-            " ".join("-" if r["eval"] is None else f"{r['eval']:.0f}" for r in done.values()) or "-",
-            mean_std(trains),
-            f"{statistics.mean(r['env_steps'] for r in done.values()):.0f}" if done else "-",
-            f"{statistics.mean(r['wall_s'] for r in done.values()) / 60:.0f}" if done else "-",
-            "",
-        ]
+    return [
+        label,
+        f"{len(done)}/{len(seeds)}",
+        mean_std(evals),
+        " ".join("-" if r["eval"] is None else f"{r['eval']:.0f}" for r in done.values()) or "-",
+        mean_std(trains),
+        f"{statistics.mean(r['env_steps'] for r in done.values()):.0f}" if done else "-",
+        f"{statistics.mean(r['wall_s'] for r in done.values()) / 60:.1f}" if done else "-",
+        versus,
     ]
+
+
+def seeds_table(config: Path, where: Path, seeds: list[int], results: Path, sb3: bool = False) -> str:
+    """Ours (mean +- std over the finished seeds) above SB3's (--sb3) and the published numbers, in one table."""
+    done = {s: r for s in seeds if (r := saved_result(results, where, s)) is not None}
+    evals = [r["eval"] for r in done.values() if r["eval"] is not None]
+    ours = statistics.mean(evals) if evals else None
+    rows = [seeds_row(f"spmd_rl {where.name}", done, seeds)]
+    if sb3:
+        theirs = {s: r for s in seeds if (r := saved_result(results, where, s, "sb3")) is not None}
+        sb3_evals = [r["eval"] for r in theirs.values() if r["eval"] is not None]
+        mean = statistics.mean(sb3_evals) if sb3_evals else None
+        versus = f"{ours - mean:+.0f}" if ours is not None and mean is not None else "-"
+        rows.append(seeds_row("SB3, same settings, seeds and budget", theirs, seeds, versus))
     for source, mean, std in PUBLISHED.get(config.stem, []):
-        versus = f"{ours - mean:+.0f} ({ours / mean:.2f}x)" if ours is not None and mean else "-"
+        ratio = f" ({ours / mean:.2f}x)" if ours is not None and mean > 0 else ""  # no ratio of negative returns
+        versus = f"{ours - mean:+.0f}{ratio}" if ours is not None and mean else "-"
         rows.append([source, "1 agent", f"{mean:.0f} +- {std:.0f}", "", "", "", "", versus])
     headers = [
         "run",
@@ -241,18 +389,24 @@ def run_seeds(args, overrides: list[str]) -> int:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     header = f"machine: {machine()}; load average at start {load}\n{versions_line()}"
     print(header, flush=True)
+    results = Path(args.results)
     codes = {}
     if not args.report_only:
+        timeout_s = args.timeout_h * 3600
         with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-            futures = {s: pool.submit(run_seed, config, s, where, overrides, args.timeout_h * 3600) for s in seeds}
+            futures = {s: pool.submit(run_seed, config, s, where, overrides, timeout_s, results) for s in seeds}
+            if args.sb3:
+                futures |= {
+                    -s: pool.submit(run_sb3_seed, config, s, where, overrides, timeout_s, results) for s in seeds
+                }
             codes = {s: future.result() for s, future in futures.items()}
-    result = seeds_table(config, where, seeds)
+    result = seeds_table(config, where, seeds, results, args.sb3)
     print(result)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     chosen = f"--seed-list {args.seed_list}" if args.seed_list else f"--seeds {args.seeds}"
     command = " ".join(["--config", str(config), chosen, *overrides])
     (where / "results.md").write_text(f"learning.py {command}\n\n{header}; at the end {load}\n\n{result}\n")
-    failed = [s for s, code in codes.items() if code != 0]
+    failed = [("sb3 " if s < 0 else "") + str(abs(s)) for s, code in codes.items() if code != 0]
     if failed:
         print(f"seeds {failed} did not finish: rerun the same command to resume them", file=sys.stderr)
         return 1
@@ -283,8 +437,20 @@ def main() -> None:
     )
     parser.add_argument("--timeout-h", type=float, default=24.0, help="the seed runner's bound on one run, hours")
     parser.add_argument("--report-only", action="store_true", help="the seed runner: print the table, run nothing")
+    parser.add_argument(
+        "--results",
+        default=str(ROOT / "benchmarks" / "results"),
+        help="the seed runner's folder of per-seed results files (kept in git)",
+    )
+    parser.add_argument("--sb3", action="store_true", help="the seed runner: SB3 DQN or TD3 beside each seed")
+    parser.add_argument("--sb3-seed", type=int, help=argparse.SUPPRESS)  # one SB3 seed, into the file --results
     args, overrides = parser.parse_known_args()
     seed_list(args)  # a bad --seed-list is refused before anything runs
+    if args.sb3_seed is not None:
+        result = sb3_seed(Path(args.config), overrides, args.sb3_seed)
+        print(json.dumps(result), flush=True)
+        write_result(Path(args.results), {"seed": args.sb3_seed, **result})
+        sys.exit(0)
     if args.config:
         sys.exit(run_seeds(args, overrides))
     if overrides:

@@ -1,5 +1,5 @@
 """The built-in algorithms' own config sections (`algo:` in YAML), kept free of torch so that `--help` and config
-errors answer without importing it. PPO.Config is PPOConfig, SAC.Config is SACConfig."""
+errors answer without importing it. PPO.Config is PPOConfig, SAC.Config is SACConfig (and so on)."""
 
 from __future__ import annotations
 
@@ -117,3 +117,34 @@ class DQNConfig(AlgorithmConfig):
     exploration_final_eps: float = knob(0.05, "epsilon after exploration_fraction of the run", min=0.0, max=1.0)
     max_grad_norm: float = knob(10.0, "gradient norm clipping (0 = none)", min=0.0)
     weight_sync_every: int = knob(1, "iterations between weight broadcasts to the inference ranks", min=1)
+
+
+@dataclass
+class TD3Config(AlgorithmConfig):
+    """TD3's hyperparameters (Fujimoto et al. 2018; the defaults are Stable-Baselines3 TD3's) and its critics' shape:
+    a deterministic actor (exploration noise: policy.exploration_noise), twin critics, target policy smoothing and
+    delayed actor and target updates."""
+
+    default_policy: ClassVar[str] = "deterministic_actor"
+    num_steps: int = knob(8, "env steps per segment an env rank streams to its trainer's replay shard", min=1)
+    gamma: float = knob(0.99, "discount factor", min=0.0, max=1.0)
+    tau: float = knob(0.005, "Polyak averaging rate of the target actor and the target critics", min=0.0, max=1.0)
+    batch_size: int = knob(256, "sampled transitions per gradient step, all trainers together", min=1)
+    learning_starts: int = knob(100, "env steps (all env ranks) of uniform random actions before learning", min=0)
+    updates_per_step: float = knob(1.0, "critic gradient steps per env step (all env ranks together)", min=0.0)
+    policy_lr: float = knob(1e-3, "actor learning rate", min=0.0)
+    q_lr: float = knob(1e-3, "critic learning rate", min=0.0)
+    policy_delay: int = knob(
+        2, "one actor step and one Polyak update of the targets every N critic steps (delayed updates)", min=1
+    )
+    target_policy_noise: float = knob(
+        0.2, "std of the target policy smoothing noise, in units of the action's half-range", min=0.0
+    )
+    target_noise_clip: float = knob(
+        0.5, "the smoothing noise clipped to +- this, in units of the action's half-range", min=0.0
+    )
+    weight_sync_every: int = knob(1, "iterations between weight broadcasts to the inference ranks", min=1)
+    critic_hidden_sizes: list[int] = knob(
+        None, "hidden layer widths of each Q network", factory=lambda: [256, 256], item_min=1
+    )
+    critic_activation: str = knob("relu", "hidden activation of the Q networks", choices=["tanh", "relu", "elu"])

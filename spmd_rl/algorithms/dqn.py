@@ -4,8 +4,10 @@ in env steps, gradient steps after each segment).
 
 Read top to bottom: the n-step transitions of a segment, the epsilon schedule, the TD target, the gradient step,
 the target update. One `update` call is one gradient step on a replay batch. Data-parallel trainers average each
-step's gradients by hand (torch.autograd.grad, then one all_reduce: SAC did so before it went through
-Context.backward) and keep their networks bit-identical; the replay buffer is sharded over the trainers.
+step's gradients as SAC does (Context.backward, then reduce_gradients: one all_reduce of one flat buffer) and keep
+their networks bit-identical; with train.parallel=fsdp the online and the target network are sharded
+(Context.shard) and the same calls reduce-scatter the gradients in backward. The replay buffer is sharded over the
+trainers.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from spmd_rl.algorithms.configs import DQNConfig
-from spmd_rl.algorithms.sac import as_floats
+from spmd_rl.algorithms.twin_critic import as_floats
+from spmd_rl.comm.sharding import is_dtensor
 from spmd_rl.envs.spaces import zeros_of
 from spmd_rl.interfaces.algorithm import ANY_LAG, Algorithm, PlanFacts, PolicyMethod, Schedule
 from spmd_rl.interfaces.context import Context
@@ -92,6 +94,11 @@ def own_storage(module: nn.Module) -> nn.Module:
     return module
 
 
+def local_view(tensor: Tensor) -> Tensor:
+    """This process's part of a tensor: its shard of a DTensor (the same storage), the tensor itself otherwise."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
 class DQN(Algorithm):
     """Owns the target network, the optimizer and the replay shard; updates the policy (a QNetwork, or any policy
     with `q_values(obs)` and an `epsilon` buffer).
@@ -104,7 +111,6 @@ class DQN(Algorithm):
     """
 
     Config = DQNConfig
-    supports_fsdp = False  # its gradients are averaged by hand (average_gradients), which bypasses FSDP's reduce
     policy_methods = (PolicyMethod("q_values", ("obs",), "q_values", "Q(s, a) of every action, with gradients"),)
 
     @classmethod
@@ -132,16 +138,25 @@ class DQN(Algorithm):
     def __init__(self, policy, cfg: DQNConfig, context: Context):
         super().__init__(policy, cfg, context)
         self.cfg = cfg
-        self.q_network = policy
-        self.target = own_storage(copy.deepcopy(policy)).requires_grad_(False)
+        target = own_storage(copy.deepcopy(policy)).requires_grad_(False)
+        # Every trainer starts from the first trainer's networks (whole tensors: with train.parallel=fsdp each
+        # trainer then keeps its shards of them).
+        context.broadcast_tensors(
+            [*policy.parameters(), *policy.buffers(), *target.parameters(), *target.buffers()], "DQN initial state"
+        )
+        methods = tuple(getattr(method, "name", method) for method in self.policy_methods)
+        self.q_network = context.shard(policy, ("act", *methods))
+        self.target = context.shard(target, methods)
         # The online network's trainable parameters: a frozen one (requires_grad False) gets no Adam state.
-        self.params = [param for param in policy.parameters() if param.requires_grad]
-        self.online_tensors = [*policy.parameters(), *policy.buffers()]
-        self.target_tensors = [*self.target.parameters(), *self.target.buffers()]
+        self.params = [param for param in self.q_network.parameters() if param.requires_grad]
+        # The tensors a target update reads and writes; with fsdp each trainer's own shards of the parameters
+        # (the two networks are sharded alike), which foreach ops take where DTensors are refused.
+        self.online_params = [local_view(param) for param in self.q_network.parameters()]
+        self.target_params = [local_view(param) for param in self.target.parameters()]
+        self.online_buffers, self.target_buffers = list(self.q_network.buffers()), list(self.target.buffers())
         self.optimizer = torch.optim.Adam(self.params, lr=cfg.learning_rate, fused=True)
         self.num_updates = 0
         self.total_steps = context.num_iterations * context.steps_per_iteration
-        self.sync_from_first_trainer()
         with torch.no_grad():
             self.q_network.epsilon.fill_(self.epsilon_at(0))
         obs_space = context.observation_space
@@ -215,10 +230,8 @@ class DQN(Algorithm):
         target = self.td_target(batch["reward"], batch["next_obs"], batch["discount"])
         q = self.q_network.q_values(batch["obs"]).gather(-1, batch["action"].long().unsqueeze(-1)).squeeze(-1)
         loss = F.smooth_l1_loss(q, target)
-        grads = torch.autograd.grad(loss, self.params)
-        grads = self.context.average_gradients(grads, f"DQN gradients (update {self.num_updates})")
-        for param, grad in zip(self.params, grads):
-            param.grad = grad
+        self.context.backward(loss, self.params)
+        self.context.reduce_gradients(self.params, f"DQN gradients (update {self.num_updates})")
         if self.cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
         self.optimizer.step()
@@ -228,29 +241,14 @@ class DQN(Algorithm):
     def update_target(self) -> None:
         """target <- online (algo.tau = 1) or tau * online + (1 - tau) * target; buffers (observation statistics)
         are copied."""
-        params = len(list(self.target.parameters()))
         if self.cfg.tau == 1.0:
-            torch._foreach_copy_(self.target_tensors, self.online_tensors)
-            return
-        torch._foreach_lerp_(self.target_tensors[:params], self.online_tensors[:params], self.cfg.tau)
-        torch._foreach_copy_(self.target_tensors[params:], self.online_tensors[params:])
+            torch._foreach_copy_(self.target_params, self.online_params)
+        else:
+            torch._foreach_lerp_(self.target_params, self.online_params, self.cfg.tau)
+        torch._foreach_copy_(self.target_buffers, self.online_buffers)
 
     # -----------------------------------------------------------------------------------------------------------
-    # Start-up and checkpoints
-
-    @torch.no_grad()
-    def sync_from_first_trainer(self) -> None:
-        """Every trainer's online network (parameters and buffers) and target the first trainer's; once at
-        start-up, a no-op for a single trainer."""
-        if self.context.group is None:
-            return
-        tensors = [*self.online_tensors, *self.target_tensors]
-        for dtype in sorted({t.dtype for t in tensors}, key=str):  # one broadcast per dtype
-            same_dtype = [t for t in tensors if t.dtype == dtype]
-            flat = _flatten_dense_tensors([t.detach() for t in same_dtype])
-            self.context.broadcast(flat, f"DQN initial state ({dtype})")
-            for tensor, value in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
-                tensor.copy_(value)
+    # Checkpoints
 
     def state_dict(self) -> dict:
         """Target network, optimizer, counters and the replay shard (the online network is saved as the policy)."""

@@ -16,53 +16,22 @@ an actor step are never applied.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
-import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from spmd_rl.algorithms.configs import SACConfig
-from spmd_rl.envs.spaces import zeros_of
-from spmd_rl.interfaces.algorithm import ANY_LAG, Algorithm, PlanFacts, PolicyMethod, Schedule
+from spmd_rl.algorithms.twin_critic import TwinCriticLearner, as_floats, transitions_of
+from spmd_rl.interfaces.algorithm import PolicyMethod
 from spmd_rl.interfaces.context import Context
-from spmd_rl.modules.sac_networks import SquashedGaussianActor, TwinQ
-from spmd_rl.runtime.errors import UserError
+from spmd_rl.modules.sac_networks import SquashedGaussianActor
+
+__all__ = ["SAC", "as_floats", "transitions_of"]  # the last two: their home is twin_critic.py
 
 
-def transitions_of(segment: TensorDict) -> TensorDict:
-    """The real transitions (s, a, r, s', terminated) of a segment, as rows.
-
-    In NEXT_STEP autoreset mode the observation after step t is obs[t + 1] (the segment's next_obs after the last
-    step), also when step t ended an episode: that is then the episode's final observation. Reset steps (valid
-    False) are no transitions and are dropped. Truncation is not termination: a truncated transition keeps its
-    bootstrap.
-    """
-    rollout = segment["rollout"]
-    next_obs = torch.cat([rollout["obs"][1:], segment["next_obs"].unsqueeze(0)])
-    valid = rollout["valid"]
-    return TensorDict(
-        {
-            "obs": rollout["obs"][valid],
-            "action": rollout["action"][valid],
-            "reward": rollout["reward"][valid],
-            "next_obs": next_obs[valid],
-            "terminated": rollout["terminated"][valid],
-        },
-        batch_size=[int(valid.sum())],
-    )
-
-
-def as_floats(metrics: dict[str, Tensor]) -> dict[str, float]:
-    """0-d tensors as Python floats, in one copy."""
-    names = list(metrics)
-    return dict(zip(names, torch.stack([metrics[name] for name in names]).tolist())) if names else {}
-
-
-class SAC(Algorithm):
+class SAC(TwinCriticLearner):
     """Owns the critics, their targets, the temperature, the three optimizers and the replay shard; updates the
     policy (a SquashedGaussianActor, or any policy with `sample(obs)` and `features(obs)`).
 
@@ -75,44 +44,18 @@ class SAC(Algorithm):
     """
 
     Config = SACConfig
-    reshard_refusal = (
-        "each trainer's replay shard is its own, and a resharded resume would give every trainer trainer 0's"
-    )
+    name = "SAC"
     policy_methods = (
         PolicyMethod("sample", ("obs",), ("action", "log_prob"), "a reparameterized sample, with gradients"),
         PolicyMethod("features", ("obs",), "features", "observations as the critics see them"),
     )
 
-    @classmethod
-    def schedule(cls, config: SACConfig) -> Schedule:
-        # Off-policy: any lag (the async engine's backpressure keeps it to a few versions).
-        return Schedule(
-            weight_sync_every=config.weight_sync_every, random_steps=config.learning_starts, max_policy_lag=ANY_LAG
-        )
-
-    @classmethod
-    def check_plan(cls, config: SACConfig, plan: PlanFacts) -> None:
-        if config.batch_size % plan.trainer_ranks:
-            raise UserError(
-                f"algo.batch_size={config.batch_size} must be a multiple of the {plan.trainer_ranks} "
-                f"trainer ranks (each samples an equal share of every batch)"
-            )
-
-    @classmethod
-    def summary(cls, config: SACConfig, plan: PlanFacts) -> str:
-        return (
-            f"replay batch {config.batch_size} (all trainers), {config.updates_per_step:g} updates per env step "
-            f"after {config.learning_starts} random steps"
-        )
-
     def __init__(self, actor: SquashedGaussianActor, cfg: SACConfig, context: Context):
         super().__init__(actor, cfg, context)
         self.cfg = cfg
         self.actor = actor
-        obs_space, action_space = context.observation_space, context.action_space
-        device = context.device
-        self.critic = TwinQ(obs_space, action_space, list(cfg.critic_hidden_sizes), cfg.critic_activation).to(device)
-        self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
+        action_space, device = context.action_space, context.device
+        self.build_critics(context)
         # alpha = exp(log_alpha) stays positive while Adam moves log_alpha freely.
         initial_log_alpha = math.log(cfg.alpha) if cfg.alpha > 0 else -math.inf
         self.log_alpha = torch.tensor(initial_log_alpha, device=device, requires_grad=cfg.autotune)
@@ -123,51 +66,17 @@ class SAC(Algorithm):
         self.sync_from_first_trainer()
         methods = tuple(getattr(method, "name", method) for method in self.policy_methods)
         self.actor = context.shard(actor, ("act", *methods))
-        self.critic = context.shard(self.critic)
-        self.critic_target = context.shard(self.critic_target)
+        self.shard_critics(context)
 
         # The actor's trainable parameters: a frozen one (requires_grad False) gets no gradient and no Adam state.
         self.actor_params = [param for param in actor.parameters() if param.requires_grad]
-        self.critic_params = list(self.critic.parameters())
-        self.target_params = list(self.critic_target.parameters())
         # fused: one kernel over all parameters instead of a dozen small ops per tensor.
         self.actor_optimizer = torch.optim.Adam(self.actor_params, lr=cfg.policy_lr, fused=True)
-        self.critic_optimizer = torch.optim.Adam(self.critic_params, lr=cfg.q_lr, fused=True)
         self.alpha_optimizer = (
             torch.optim.Adam([self.log_alpha], lr=cfg.policy_lr, fused=True) if cfg.autotune else None
         )
-        self.num_updates = 0  # update() calls so far: schedules the delayed actor and target updates
 
-        example = TensorDict(
-            {
-                "obs": zeros_of(obs_space, 1),
-                "action": zeros_of(action_space, 1).float(),
-                "reward": torch.zeros(1),
-                "next_obs": zeros_of(obs_space, 1),
-                "terminated": torch.zeros(1, dtype=torch.bool),
-            },
-            batch_size=[1],
-        )
-        self.replay = context.replay_buffer(example)
-        self.updates_per_iteration = cfg.updates_per_step * context.steps_per_iteration
-        self.updates_owed = 0.0  # fractional updates carry over, so the long-run ratio is exact
-
-    def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
-        transitions = transitions_of(segment)
-        self.replay.add(transitions)
-        # Observation statistics (actor buffers, broadcast with its weights) follow the data as it arrives.
-        self.actor.update_normalizer(transitions["obs"].to(self.context.device), self.context)
-        if (iteration + 1) * self.context.steps_per_iteration < self.cfg.learning_starts:
-            return {}
-        self.updates_owed += self.updates_per_iteration
-        metrics: dict[str, Tensor] = {}
-        while self.updates_owed >= 1.0:
-            metrics = self.update_tensors(self.replay.sample(self.cfg.batch_size).to(self.context.device))
-            self.updates_owed -= 1.0
-        return as_floats(metrics)
-
-    def close(self) -> None:
-        self.replay.close()
+        self.build_replay(context)
 
     @property
     def alpha(self) -> Tensor:
@@ -204,18 +113,13 @@ class SAC(Algorithm):
     # -----------------------------------------------------------------------------------------------------------
     # Update
 
-    def update(self, batch: TensorDict) -> dict[str, float]:
+    def update_tensors(self, batch: TensorDict) -> dict[str, Tensor]:
         """One critic step; every policy_frequency-th call also policy_frequency actor (and temperature) steps;
         every target_network_frequency-th call a Polyak update of the target critics.
 
-        Returns what this call computed: qf1_loss, qf2_loss, qf_loss, q1_mean and alpha always; actor_loss and
-        alpha_loss (autotune) of the last actor step when there was one.
-        """
-        return as_floats(self.update_tensors(batch))
-
-    def update_tensors(self, batch: TensorDict) -> dict[str, Tensor]:
-        """update() with its metrics left as 0-d tensors: learn() reads only its last update's, so the others
-        cost no copy to Python floats (and, on a GPU, no wait for the device)."""
+        Returns what this call computed, as 0-d tensors (learn() reads only its last update's, so the others cost
+        no copy to Python floats and, on a GPU, no wait for the device): qf1_loss, qf2_loss, qf_loss, q1_mean and
+        alpha always; actor_loss and alpha_loss (autotune) of the last actor step when there was one."""
         cfg = self.cfg
         self.num_updates += 1
         obs = batch["obs"]
@@ -223,12 +127,9 @@ class SAC(Algorithm):
         target = self.td_target(batch["reward"], batch["next_obs"], batch["terminated"])
         if 0 < cfg.micro_batch_size < obs.shape[0]:  # algo.micro_batch_size: the same steps, in parts
             return self.update_in_parts(batch, target)
-        q1, q2 = self.critic(self.actor.features(obs), batch["action"])
-        qf1_loss = F.mse_loss(q1, target)
-        qf2_loss = F.mse_loss(q2, target)
-        qf_loss = qf1_loss + qf2_loss
-        self._step([self.critic_optimizer], self.critic_params, qf_loss, "critic")
-        metrics = {"qf1_loss": qf1_loss, "qf2_loss": qf2_loss, "qf_loss": qf_loss, "q1_mean": q1.mean()}
+        losses = self.critic_losses(obs, batch["action"], target)
+        self._step([self.critic_optimizer], self.critic_params, losses["qf_loss"], "critic")
+        metrics = {name: losses[name] for name in ("qf1_loss", "qf2_loss", "qf_loss", "q1_mean")}
 
         # TD3-style delay: the actor waits policy_frequency critic steps, then catches up with as many steps.
         if self.num_updates % cfg.policy_frequency == 0:
@@ -265,15 +166,7 @@ class SAC(Algorithm):
         parts = [slice(start, start + self.cfg.micro_batch_size) for start in range(0, size, self.cfg.micro_batch_size)]
 
         def critic_part(rows: slice) -> dict[str, Tensor]:
-            q1, q2 = self.critic(self.actor.features(obs[rows]), action[rows])
-            weight = q1.shape[0] / size
-            qf1_loss, qf2_loss = F.mse_loss(q1, target[rows]) * weight, F.mse_loss(q2, target[rows]) * weight
-            return {
-                "qf_loss": qf1_loss + qf2_loss,
-                "qf1_loss": qf1_loss,
-                "qf2_loss": qf2_loss,
-                "q1_mean": q1.sum() / size,
-            }
+            return self.critic_losses(obs[rows], action[rows], target[rows], size)
 
         metrics = self._step_in_parts([self.critic_optimizer], self.critic_params, critic_part, parts, "critic")
         if self.num_updates % self.cfg.policy_frequency == 0:
@@ -299,37 +192,6 @@ class SAC(Algorithm):
         metrics["alpha"] = self.alpha
         return {name: value.detach() for name, value in metrics.items()}
 
-    def _step_in_parts(
-        self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], losses, parts: list[slice], what: str
-    ) -> dict[str, Tensor]:
-        """_step on the sum of the parts' gradients: losses(rows) gives each part's weighted losses, the first
-        of them the one to differentiate; returns each loss summed over the parts (the whole batch's)."""
-        totals = {}
-        for index, rows in enumerate(parts):
-            part = losses(rows)
-            self.context.backward(next(iter(part.values())), params, accumulate=index > 0)
-            for name, value in part.items():
-                totals[name] = totals[name] + value.detach() if name in totals else value.detach()
-        self._apply_gradients(optimizers, params, what)
-        return totals
-
-    def _step(self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], loss: Tensor, what: str) -> None:
-        """Gradients of loss for these parameters (their own: the critics' are not applied in an actor step),
-        averaged over the trainer group, then one step of each optimizer."""
-        self.context.backward(loss, params)
-        self._apply_gradients(optimizers, params, what)
-
-    def _apply_gradients(self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], what: str) -> None:
-        """The parameters' gradients averaged over the trainer group, then one step of each optimizer."""
-        self.context.reduce_gradients(params, f"SAC {what} gradients (update {self.num_updates})")
-        for optimizer in optimizers:
-            optimizer.step()
-
-    @torch.no_grad()
-    def update_targets(self) -> None:
-        """Polyak averaging: target <- tau * critic + (1 - tau) * target."""
-        torch._foreach_lerp_(self.target_params, self.critic_params, self.cfg.tau)
-
     # -----------------------------------------------------------------------------------------------------------
     # Start-up and checkpoints
 
@@ -346,36 +208,22 @@ class SAC(Algorithm):
             *self.critic_target.parameters(),
             self.log_alpha,
         ]
-        for dtype in sorted({t.dtype for t in tensors}, key=str):  # one broadcast per dtype (the normalizer's f64)
-            same_dtype = [t for t in tensors if t.dtype == dtype]
-            flat = _flatten_dense_tensors([t.detach() for t in same_dtype])
-            self.context.broadcast(flat, f"SAC initial state ({dtype})")
-            for tensor, value in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
-                tensor.copy_(value)
+        self.context.broadcast_tensors(tensors, "SAC initial state")
 
     def state_dict(self) -> dict:
-        """Critics, targets, temperature, optimizers and the update count (the actor is saved with the policy)."""
+        """Critics, targets, temperature, optimizers, counters and the replay shard (the actor is saved with the
+        policy)."""
         return {
-            "critic": self.critic.state_dict(),
-            "critic_target": self.critic_target.state_dict(),
+            **self.critic_state(),
             "log_alpha": self.log_alpha.detach().clone(),
             "actor_optimizer": self.actor_optimizer.state_dict(),
-            "critic_optimizer": self.critic_optimizer.state_dict(),
             "alpha_optimizer": None if self.alpha_optimizer is None else self.alpha_optimizer.state_dict(),
-            "num_updates": self.num_updates,
-            "updates_owed": self.updates_owed,
-            "replay": self.replay.state_dict(),  # this trainer's rows (or its file's cursor) and the sampler
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.critic.load_state_dict(state["critic"])
-        self.critic_target.load_state_dict(state["critic_target"])
+        self.load_critic_state(state)
         with torch.no_grad():
             self.log_alpha.copy_(state["log_alpha"])
         self.actor_optimizer.load_state_dict(state["actor_optimizer"])
-        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
         if self.alpha_optimizer is not None:
             self.alpha_optimizer.load_state_dict(state["alpha_optimizer"])
-        self.num_updates = state["num_updates"]
-        self.updates_owed = state["updates_owed"]
-        self.replay.load_state_dict(state["replay"])

@@ -41,6 +41,7 @@ ALGORITHM = Kind(
         "ppo": ("spmd_rl.algorithms.ppo:PPO", "spmd_rl.algorithms.configs:PPOConfig"),
         "sac": ("spmd_rl.algorithms.sac:SAC", "spmd_rl.algorithms.configs:SACConfig"),
         "dqn": ("spmd_rl.algorithms.dqn:DQN", "spmd_rl.algorithms.configs:DQNConfig"),
+        "td3": ("spmd_rl.algorithms.td3:TD3", "spmd_rl.algorithms.configs:TD3Config"),
     },
 )
 POLICY = Kind(
@@ -55,6 +56,10 @@ POLICY = Kind(
         ),
         "transformer": ("spmd_rl.modules.transformer:TransformerPolicy", "spmd_rl.modules.configs:TransformerConfig"),
         "q_network": ("spmd_rl.modules.q_network:QNetwork", "spmd_rl.modules.configs:QNetworkConfig"),
+        "deterministic_actor": (
+            "spmd_rl.modules.deterministic_actor:DeterministicActor",
+            "spmd_rl.modules.configs:DeterministicActorConfig",
+        ),
     },
 )
 ENGINE = Kind(

@@ -204,6 +204,21 @@ class Context:
         )
         return tensor
 
+    @torch.no_grad()
+    def broadcast_tensors(self, tensors: list[Tensor], what: str, src_index: int = 0) -> None:
+        """Trainer src_index's values of these tensors (parameters, buffers, any dtypes) into every trainer's, in
+        place: one flat broadcast per dtype (a normalizer's float64 statistics beside float32 weights). An
+        algorithm that builds modules of its own calls it once at start-up so that every trainer starts from the
+        same ones; a no-op for a single trainer."""
+        if self.group is None:
+            return
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            same_dtype = [t for t in tensors if t.dtype == dtype]
+            flat = _flatten_dense_tensors([t.detach() for t in same_dtype])
+            self.broadcast(flat, f"{what} ({dtype})", src_index)
+            for tensor, value in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
+                tensor.copy_(value)
+
     def merge_normalizer(self, normalizer: nn.Module, obs: Tensor) -> None:
         """Fold obs into a RunningNormalizer with every trainer's batch (all trainers end with equal statistics)."""
         normalizer.update(obs, group=self.group, timeout=self.timeout)

@@ -8,22 +8,12 @@ from spmd_rl.config.sections import knob
 
 
 @dataclass
-class ActorCriticConfig:
-    """The built-in actor-critic: an encoder per observation (MLP for vectors, CNN for images), then actor and
-    critic heads."""
+class EncoderConfig:
+    """The observation encoder's keys (modules/encoders.py), shared by the policies built on it (the actor-critic
+    and the Q-network): an MLP for vector observations, a CNN for images. A subclass sets its own defaults by
+    declaring a key again."""
 
-    hidden_sizes: list[int] = knob(
-        None, "hidden layer widths of the actor and the critic MLPs", factory=lambda: [64, 64], item_min=1
-    )
-    activation: str = knob("tanh", "hidden activation", choices=["tanh", "relu", "elu"])
     normalize_obs: bool = knob(False, "running normalization of vector observations (merged across trainers)")
-    log_std_init: float = knob(0.0, "initial log std of the Gaussian policy (continuous actions)")
-    ortho_init: bool = knob(
-        True,
-        "orthogonal initialization of the actor and critic MLPs (gain sqrt(2), heads 0.01 and 1, zero biases); "
-        "false: torch's default nn.Linear initialization (SB3's ortho_init=False)",
-        omit_default=True,
-    )
     encoder: str = knob(
         "auto",
         "auto: an MLP for vector observations, a CNN for images (uint8 HxWxC or CxHxW); or force mlp (flattens) or cnn",
@@ -50,12 +40,45 @@ class ActorCriticConfig:
 
 
 @dataclass
+class ActorCriticConfig(EncoderConfig):
+    """The built-in actor-critic: an encoder per observation (MLP for vectors, CNN for images), then actor and
+    critic heads."""
+
+    hidden_sizes: list[int] = knob(
+        None, "hidden layer widths of the actor and the critic MLPs", factory=lambda: [64, 64], item_min=1
+    )
+    activation: str = knob("tanh", "hidden activation", choices=["tanh", "relu", "elu"])
+    log_std_init: float = knob(0.0, "initial log std of the Gaussian policy (continuous actions)")
+    ortho_init: bool = knob(
+        True,
+        "orthogonal initialization of the actor and critic MLPs (gain sqrt(2), heads 0.01 and 1, zero biases); "
+        "false: torch's default nn.Linear initialization (SB3's ortho_init=False)",
+        omit_default=True,
+    )
+
+
+@dataclass
 class SquashedGaussianConfig:
     """SAC's actor: an MLP giving a tanh-squashed Gaussian over actions."""
 
     hidden_sizes: list[int] = knob(None, "hidden layer widths of the actor MLP", factory=lambda: [256, 256], item_min=1)
     activation: str = knob("relu", "hidden activation", choices=["tanh", "relu", "elu"])
     normalize_obs: bool = knob(False, "running observation normalization (merged across trainers)")
+
+
+@dataclass
+class DeterministicActorConfig:
+    """TD3's actor: an MLP giving a deterministic tanh-bounded action; acting adds Gaussian exploration noise."""
+
+    hidden_sizes: list[int] = knob(None, "hidden layer widths of the actor MLP", factory=lambda: [256, 256], item_min=1)
+    activation: str = knob("relu", "hidden activation", choices=["tanh", "relu", "elu"])
+    normalize_obs: bool = knob(False, "running observation normalization (merged across trainers)")
+    exploration_noise: float = knob(
+        0.1,
+        "std of the Gaussian noise acting adds to the action, in units of the action's half-range (the action "
+        "then clipped to the bounds; none when deterministic, as in evaluation)",
+        min=0.0,
+    )
 
 
 @dataclass
@@ -82,7 +105,7 @@ class TransformerConfig:
 
 
 @dataclass
-class QNetworkConfig:
+class QNetworkConfig(EncoderConfig):
     """DQN's Q-network (`policy.class: q_network`): the actor-critic's observation encoder (an MLP for vectors, a
     CNN for images), then an MLP giving Q(s, a) for every discrete action; act is epsilon-greedy."""
 
@@ -90,26 +113,8 @@ class QNetworkConfig:
         None, "hidden layer widths of the Q MLP (SB3's DQN default)", factory=lambda: [64, 64], item_min=1
     )
     activation: str = knob("relu", "hidden activation", choices=["tanh", "relu", "elu"])
-    normalize_obs: bool = knob(False, "running normalization of vector observations (merged across trainers)")
-    encoder: str = knob(
-        "auto",
-        "auto: an MLP for vector observations, a CNN for images (uint8 HxWxC or CxHxW); or force mlp or cnn",
-        choices=["auto", "mlp", "cnn"],
-    )
     cnn: str = knob(
         "nature",
         "CNN encoder preset (see policy.cnn of the actor-critic): small or nature",
         choices=["small", "nature"],
-    )
-    cnn_channels: list[int] = knob(
-        None, "CNN encoder: output channels of each conv layer ([] = the preset's)", factory=list, item_min=1
-    )
-    cnn_kernels: list[int] = knob(
-        None, "CNN encoder: kernel size of each conv layer ([] = the preset's)", factory=list, item_min=1
-    )
-    cnn_strides: list[int] = knob(
-        None, "CNN encoder: stride of each conv layer ([] = the preset's)", factory=list, item_min=1
-    )
-    cnn_features: int = knob(
-        0, "CNN encoder: width of the linear layer after the convolutions (0 = the preset's)", min=0
     )

@@ -43,24 +43,24 @@ def sac_mlp(in_features: int, hidden_sizes: list[int], out_features: int, activa
     return nn.Sequential(*layers)
 
 
-def check_sac_spaces(obs_space: gym.Space, action_space: gym.Space) -> None:
-    """SAC's MLPs need a 1-D Box of observations and a 1-D Box of actions with finite bounds."""
+def check_sac_spaces(obs_space: gym.Space, action_space: gym.Space, who: str = "SAC") -> None:
+    """SAC's (and TD3's) MLPs need a 1-D Box of observations and a 1-D Box of actions with finite bounds."""
     if not isinstance(action_space, gym.spaces.Box):
         raise UserError(
-            f"SAC needs continuous (Box) actions; got {action_space}: use algo.class=ppo for discrete actions"
+            f"{who} needs continuous (Box) actions; got {action_space}: use algo.class=ppo for discrete actions"
         )
     if len(action_space.shape) != 1:
         raise UserError(
-            f"SAC needs a 1-D Box of actions; got {action_space}: flatten it with a gymnasium action wrapper"
+            f"{who} needs a 1-D Box of actions; got {action_space}: flatten it with a gymnasium action wrapper"
         )
     if not (np.isfinite(action_space.low).all() and np.isfinite(action_space.high).all()):
         raise UserError(
-            f"SAC squashes actions into the action space's bounds, but {action_space} has infinite "
+            f"{who} squashes actions into the action space's bounds, but {action_space} has infinite "
             "bounds; wrap the env so its Box has finite low and high"
         )
     if not (isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1):
         raise UserError(
-            f"observation space {obs_space} is not supported by SAC's MLPs (a 1-D Box is); flatten "
+            f"observation space {obs_space} is not supported by {who}'s MLPs (a 1-D Box is); flatten "
             "it with a gymnasium wrapper such as FlattenObservation"
         )
 

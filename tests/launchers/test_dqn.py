@@ -167,6 +167,7 @@ CASES = {
     "one-process": ([], 0, 10),
     "colocated-2": ([], 2, 5),  # 2 envs per rank: 32 steps an iteration, 10 iterations
     "split-4-hdf5": ([*SPLIT4, "buffer.backend=hdf5"], 4, 5),  # 2 env ranks of 2 envs: 10 iterations
+    "colocated-2-fsdp": (["train.parallel=fsdp"], 2, 5),  # sharded online and target networks, sharded checkpoints
 }
 
 

@@ -22,6 +22,7 @@ from spmd_rl.modules.encoders import ImageEncoder, cnn_layers
 from spmd_rl.runtime.errors import UserError
 
 ATARI = str(ROOT / "configs" / "ppo_atari.yaml")
+DQN_ATARI = str(ROOT / "configs" / "dqn_atari.yaml")
 FRAMES = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
 needs_envpool = pytest.mark.skipif(importlib.util.find_spec("envpool") is None, reason='pip install -e ".[envpool]"')
 
@@ -175,6 +176,15 @@ def test_ppo_atari_runs_in_one_process(tmp_path):
     records = assert_run_complete(result, tmp_path, iterations=2)
     assert records[-1]["env_steps"] == 256
     assert "EnvPool's envs run in C++" in result.stdout  # the resume note
+
+
+@needs_envpool
+def test_dqn_atari_runs_and_learns_in_one_process(tmp_path):
+    """configs/dqn_atari.yaml (the Nature CNN Q-network on EnvPool Breakout), shrunk: random steps, then updates."""
+    overrides = ["train.total_steps=96", "algo.learning_starts=32", "algo.batch_size=8", "buffer.capacity=200"]
+    result = run_main("--config", DQN_ATARI, f"run.dir={tmp_path}", *overrides, "log.progress=false")
+    records = assert_run_complete(result, tmp_path, iterations=24, algo_metrics={"loss", "q_mean", "epsilon"})
+    assert records[-1]["env_steps"] == 96 and records[-1]["epsilon"] < 1.0
 
 
 @needs_envpool
