@@ -5,13 +5,11 @@ the reward wrappers."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import gymnasium as gym
 import numpy as np
 import pytest
-from harness.launch import ROOT
 import torch
+from harness.launch import ROOT
 
 import spmd_rl
 from spmd_rl.config.loading import load_config
