@@ -12,16 +12,14 @@ trainers.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
-from torch import Tensor, nn
+from torch import Tensor
 
 from spmd_rl.algorithms.configs import DQNConfig
+from spmd_rl.algorithms.targets import local_view, target_copy
 from spmd_rl.algorithms.twin_critic import as_floats
-from spmd_rl.comm.sharding import is_dtensor
 from spmd_rl.envs.spaces import zeros_of
 from spmd_rl.interfaces.algorithm import ANY_LAG, Algorithm, PlanFacts, PolicyMethod, Schedule
 from spmd_rl.interfaces.context import Context
@@ -79,26 +77,6 @@ def n_step_transitions(segment: TensorDict, gamma: float, n: int) -> TensorDict:
     )
 
 
-@torch.no_grad()
-def own_storage(module: nn.Module) -> nn.Module:
-    """module with every parameter and buffer in a storage of its own. A deep copy keeps the sharing of the
-    original, whose tensors may be views into one flat weight-sync bucket of mixed dtypes (split layouts), which
-    torch.save refuses for a state dict of its own."""
-    for sub in module.modules():
-        for name, param in sub._parameters.items():
-            if param is not None:
-                sub._parameters[name] = nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
-        for name, buffer in sub._buffers.items():
-            if buffer is not None:
-                sub._buffers[name] = buffer.clone()
-    return module
-
-
-def local_view(tensor: Tensor) -> Tensor:
-    """This process's part of a tensor: its shard of a DTensor (the same storage), the tensor itself otherwise."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor
-
-
 class DQN(Algorithm):
     """Owns the target network, the optimizer and the replay shard; updates the policy (a QNetwork, or any policy
     with `q_values(obs)` and an `epsilon` buffer).
@@ -138,7 +116,7 @@ class DQN(Algorithm):
     def __init__(self, policy, cfg: DQNConfig, context: Context):
         super().__init__(policy, cfg, context)
         self.cfg = cfg
-        target = own_storage(copy.deepcopy(policy)).requires_grad_(False)
+        target = target_copy(policy)
         # Every trainer starts from the first trainer's networks (whole tensors: with train.parallel=fsdp each
         # trainer then keeps its shards of them).
         context.broadcast_tensors(

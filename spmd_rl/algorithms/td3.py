@@ -10,14 +10,12 @@ explores by the noise its own `act` adds (modules/deterministic_actor.py), so in
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from tensordict import TensorDict
 from torch import Tensor
 
 from spmd_rl.algorithms.configs import TD3Config
-from spmd_rl.algorithms.dqn import local_view, own_storage
+from spmd_rl.algorithms.targets import local_view, target_copy
 from spmd_rl.algorithms.twin_critic import TwinCriticLearner
 from spmd_rl.interfaces.algorithm import PolicyMethod
 from spmd_rl.interfaces.context import Context
@@ -44,7 +42,7 @@ class TD3(TwinCriticLearner):
         super().__init__(actor, cfg, context)
         self.cfg = cfg
         self.build_critics(context)
-        actor_target = own_storage(copy.deepcopy(actor)).requires_grad_(False)
+        actor_target = target_copy(actor)
         # Every trainer starts from the first trainer's actor, critics and targets (whole tensors: with
         # train.parallel=fsdp each trainer then keeps its shards of them).
         context.broadcast_tensors(

@@ -9,13 +9,12 @@ A subclass brings its actor's losses, its TD target and its update (`update_tens
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 
+from spmd_rl.algorithms.targets import target_copy
 from spmd_rl.envs.spaces import zeros_of
 from spmd_rl.interfaces.algorithm import ANY_LAG, Algorithm, PlanFacts, Schedule
 from spmd_rl.interfaces.context import Context
@@ -92,7 +91,7 @@ class TwinCriticLearner(Algorithm):
         self.critic = TwinQ(
             context.observation_space, context.action_space, list(cfg.critic_hidden_sizes), cfg.critic_activation
         ).to(context.device)
-        self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
+        self.critic_target = target_copy(self.critic)
 
     def shard_critics(self, context: Context) -> None:
         """The critics and their targets laid out as train.parallel says (after every trainer has the first
