@@ -12,13 +12,11 @@ import gymnasium as gym
 import torch
 from torch import Tensor
 
-from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.modules.configs import DeterministicActorConfig
-from spmd_rl.modules.normalizer import RunningNormalizer
-from spmd_rl.modules.sac_networks import check_sac_spaces, sac_mlp
+from spmd_rl.modules.sac_networks import BoundedActor, sac_mlp
 
 
-class DeterministicActor(Policy):
+class DeterministicActor(BoundedActor):
     """mu(s) = action_scale * tanh(net(s)) + action_bias over normalized observations.
 
     `forward(obs)` is mu(s) in env units, with gradients (TD3's actor loss and, on the target copy, its TD
@@ -28,20 +26,10 @@ class DeterministicActor(Policy):
     Config = DeterministicActorConfig
 
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, config: DeterministicActorConfig):
-        super().__init__(obs_space, action_space, config)
-        check_sac_spaces(obs_space, action_space, who="TD3")
-        obs_size, act_dim = int(obs_space.shape[0]), int(action_space.shape[0])
-        self.obs_normalizer = RunningNormalizer((obs_size,), enabled=config.normalize_obs)
-        self.net = sac_mlp(obs_size, list(config.hidden_sizes), act_dim, config.activation)
-        low = torch.as_tensor(action_space.low, dtype=torch.float32)
-        high = torch.as_tensor(action_space.high, dtype=torch.float32)
-        self.register_buffer("action_scale", (high - low) / 2)
-        self.register_buffer("action_bias", (high + low) / 2)
+        super().__init__(obs_space, action_space, config, who="TD3")
+        act_dim = int(action_space.shape[0])
+        self.net = sac_mlp(int(obs_space.shape[0]), list(config.hidden_sizes), act_dim, config.activation)
         self.exploration_noise = config.exploration_noise
-
-    def features(self, obs: Tensor) -> Tensor:
-        """Observations as the networks see them: float32, normalized when policy.normalize_obs."""
-        return self.obs_normalizer(obs.to(torch.float32))
 
     def scaled(self, obs: Tensor) -> Tensor:
         """mu(s) in [-1, 1] (before the rescaling to the bounds), [B, act_dim]."""
@@ -50,12 +38,6 @@ class DeterministicActor(Policy):
     def forward(self, obs: Tensor) -> Tensor:
         """mu(s) in env units, [B, act_dim], with gradients."""
         return self.scaled(obs) * self.action_scale + self.action_bias
-
-    def outputs(self) -> dict[str, StepField]:
-        return {"action": StepField(tuple(self.action_scale.shape), torch.float32)}
-
-    def update_normalizer(self, obs: Tensor, context) -> None:
-        context.merge_normalizer(self.obs_normalizer, obs)
 
     @torch.no_grad()
     def act(self, obs: Tensor, deterministic: bool = False) -> dict[str, Tensor]:

@@ -65,7 +65,34 @@ def check_sac_spaces(obs_space: gym.Space, action_space: gym.Space, who: str = "
         )
 
 
-class SquashedGaussianActor(Policy):
+class BoundedActor(Policy):
+    """What SAC's and TD3's actors share: a 1-D Box observation normalized as the critics see it, and a Box
+    action reached as action_scale * tanh(.) + action_bias. The subclass builds `net` (after this __init__, so the
+    layout of parameters, buffers and checkpoints is the same for both) and acts."""
+
+    def __init__(self, obs_space: gym.Space, action_space: gym.Space, config, who: str):
+        super().__init__(obs_space, action_space, config)
+        check_sac_spaces(obs_space, action_space, who=who)
+        # Always present (fixed state layout for weight buckets and checkpoints); the critics see the same
+        # normalized observations through `features`.
+        self.obs_normalizer = RunningNormalizer((int(obs_space.shape[0]),), enabled=config.normalize_obs)
+        low = torch.as_tensor(action_space.low, dtype=torch.float32)
+        high = torch.as_tensor(action_space.high, dtype=torch.float32)
+        self.register_buffer("action_scale", (high - low) / 2)
+        self.register_buffer("action_bias", (high + low) / 2)
+
+    def features(self, obs: Tensor) -> Tensor:
+        """Observations as the networks see them: float32, normalized when policy.normalize_obs."""
+        return self.obs_normalizer(obs.to(torch.float32))
+
+    def outputs(self) -> dict[str, StepField]:
+        return {"action": StepField(tuple(self.action_scale.shape), torch.float32)}
+
+    def update_normalizer(self, obs: Tensor, context) -> None:
+        context.merge_normalizer(self.obs_normalizer, obs)
+
+
+class SquashedGaussianActor(BoundedActor):
     """pi(a|s): a Gaussian over u, squashed to a = action_scale * tanh(u) + action_bias, over normalized obs.
 
     `forward(obs)` gives the Gaussian's (mean, log_std); `sample(obs)` draws reparameterized actions with their
@@ -76,23 +103,10 @@ class SquashedGaussianActor(Policy):
     Config = SquashedGaussianConfig
 
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, config: SquashedGaussianConfig):
-        super().__init__(obs_space, action_space, config)
-        check_sac_spaces(obs_space, action_space)
-        obs_size = int(obs_space.shape[0])
-        act_dim = int(action_space.shape[0])
-        # Always present (fixed state layout for weight buckets and checkpoints); the critics see the same
-        # normalized observations through `features`.
-        self.obs_normalizer = RunningNormalizer((obs_size,), enabled=config.normalize_obs)
+        super().__init__(obs_space, action_space, config, who="SAC")
         # One head for mean and log std: a single matmul instead of two.
-        self.net = sac_mlp(obs_size, list(config.hidden_sizes), 2 * act_dim, config.activation)
-        low = torch.as_tensor(action_space.low, dtype=torch.float32)
-        high = torch.as_tensor(action_space.high, dtype=torch.float32)
-        self.register_buffer("action_scale", (high - low) / 2)
-        self.register_buffer("action_bias", (high + low) / 2)
-
-    def features(self, obs: Tensor) -> Tensor:
-        """Observations as the networks see them: float32, normalized when policy.normalize_obs."""
-        return self.obs_normalizer(obs.to(torch.float32))
+        act_dim = int(action_space.shape[0])
+        self.net = sac_mlp(int(obs_space.shape[0]), list(config.hidden_sizes), 2 * act_dim, config.activation)
 
     def forward(self, obs: Tensor) -> tuple[Tensor, Tensor]:
         """The pre-squash Gaussian's (mean, log_std), each [B, act_dim]."""
@@ -112,12 +126,6 @@ class SquashedGaussianActor(Policy):
         log_det = self.action_scale.log() + 2 * (LOG_2 - u - F.softplus(-2 * u))
         action = torch.tanh(u) * self.action_scale + self.action_bias
         return action, (gaussian_log_prob - log_det).sum(-1)
-
-    def outputs(self) -> dict[str, StepField]:
-        return {"action": StepField(tuple(self.action_scale.shape), torch.float32)}
-
-    def update_normalizer(self, obs: Tensor, context) -> None:
-        context.merge_normalizer(self.obs_normalizer, obs)
 
     @torch.no_grad()
     def act(self, obs: Tensor, deterministic: bool = False) -> dict[str, Tensor]:
