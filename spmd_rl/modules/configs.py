@@ -58,8 +58,8 @@ class ActorCriticConfig(EncoderConfig):
 
 
 @dataclass
-class SquashedGaussianConfig:
-    """SAC's actor: an MLP giving a tanh-squashed Gaussian over actions."""
+class BoundedActorConfig:
+    """The MLP knobs SAC's and TD3's actors share (modules/sac_networks.py BoundedActor)."""
 
     hidden_sizes: list[int] = knob(None, "hidden layer widths of the actor MLP", factory=lambda: [256, 256], item_min=1)
     activation: str = knob("relu", "hidden activation", choices=["tanh", "relu", "elu"])
@@ -67,12 +67,14 @@ class SquashedGaussianConfig:
 
 
 @dataclass
-class DeterministicActorConfig:
+class SquashedGaussianConfig(BoundedActorConfig):
+    """SAC's actor: an MLP giving a tanh-squashed Gaussian over actions."""
+
+
+@dataclass
+class DeterministicActorConfig(BoundedActorConfig):
     """TD3's actor: an MLP giving a deterministic tanh-bounded action; acting adds Gaussian exploration noise."""
 
-    hidden_sizes: list[int] = knob(None, "hidden layer widths of the actor MLP", factory=lambda: [256, 256], item_min=1)
-    activation: str = knob("relu", "hidden activation", choices=["tanh", "relu", "elu"])
-    normalize_obs: bool = knob(False, "running observation normalization (merged across trainers)")
     exploration_noise: float = knob(
         0.1,
         "std of the Gaussian noise acting adds to the action, in units of the action's half-range (the action "
