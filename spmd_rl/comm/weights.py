@@ -535,6 +535,12 @@ class GatheredWeightSource(_WeightGroupMember):
             self.checksums()  # the gathers the source's checksums need
 
 
+def _needs_cast(piece: Piece, rows: torch.Tensor) -> bool:
+    """Whether a trainer's rows of a piece go on the wire through the cast ring (another dtype, or not contiguous)
+    rather than from the shard itself."""
+    return rows.dtype != piece.entry.dtype or not rows.is_contiguous()
+
+
 class ShardedWeightSource(GatheredWeightSource):
     """A sharded trainer's side of a weight sync in which every trainer sends its own shards: bucket by bucket,
     each of `senders` (the trainers holding one copy of the shards, in shard order) sends its rows of the bucket's
@@ -606,13 +612,9 @@ class ShardedWeightSource(GatheredWeightSource):
             aligned(piece.end - piece.start)
             for index in indices
             for piece in self.pieces[index]
-            if piece.sender == self.me and piece.entry is not None and self._needs_cast(piece)
+            if piece.sender == self.me and piece.entry is not None and _needs_cast(piece, self._local_rows(piece))
         ]
         return min(sum(sizes), max(max(sizes), max(self.bucket_sizes) // 2)) if sizes else 0
-
-    def _needs_cast(self, piece: Piece) -> bool:
-        rows = self._local_rows(piece)
-        return rows.dtype != piece.entry.dtype or not rows.is_contiguous()
 
     def broadcast(self, version: int) -> int:
         if self.me in self.senders:
@@ -663,7 +665,7 @@ class ShardedWeightSource(GatheredWeightSource):
                     tensor = header
                 else:
                     tensor = rows = self._local_rows(piece)
-                    if self._needs_cast(piece):
+                    if _needs_cast(piece, rows):
                         nbytes = piece.end - piece.start
                         start = head if head + nbytes <= ring_bytes else 0
                         end = start + nbytes
