@@ -122,9 +122,17 @@ def test_sigterm_to_the_group_at_any_moment_is_one_line_and_143_or_75(tmp_path, 
     code, output = _finish(job, tmp_path)
     said = [line for line in _lines(output) if not line.startswith(("spmd_rl: launcher ", "iter "))]
     assert len(said) == 1 and "stopped by SIGTERM" in said[0], output
-    assert code == (75 if moment == "training" else 128 + signal.SIGTERM), output
+    # "ranks starting" is when the signal is sent, not when it lands: mpirun passes it on to the ranks about a second
+    # later, which on a quiet machine is after their first iterations. Whenever it lands, the exit code says what
+    # the line says: 75 with a checkpoint to resume from, 128 + SIGTERM before the first iteration.
+    checkpointed = "checkpoint" in said[0]
     if moment == "training":
-        assert "checkpoint" in said[0] and "rerun the same command to resume" in said[0], output
+        assert checkpointed, output
+    elif moment == "agent starting":
+        assert not checkpointed, output
+    assert code == (75 if checkpointed else 128 + signal.SIGTERM), output
+    if checkpointed:
+        assert "rerun the same command to resume" in said[0], output
 
 
 # launch/torchrun.sh runs the agent in a group of its own, with setpriv's parent-death SIGTERM: the agent stops
