@@ -25,7 +25,7 @@ last 20 training episodes, env steps, wall time, versions, date and load average
 --report-only read these files first, so a later session on a fresh machine (only git persists) reruns only the
 seeds that have none. No checkpoints go there.
 
---sb3 (DQN and TD3 configs; needs the bench extra) runs Stable-Baselines3's DQN or TD3 beside each seed, in the
+--sb3 (DQN, SAC and TD3 configs; needs the bench extra) runs Stable-Baselines3's DQN, SAC or TD3 beside each seed, in the
 same benchmark run, with the config's hyperparameters translated key by key (sb3_kwargs) and the same seed and
 budget: its final deterministic evaluation (10 episodes) and last 20 training episodes, in
 RESULTS/<...>/sb3_seed<N>.json, as one more row of the table.
@@ -245,14 +245,27 @@ def sb3_kwargs(cfg) -> tuple[str, dict]:
             target_noise_clip=algo.target_noise_clip,
             policy_kwargs=dict(net_arch=list(policy.hidden_sizes), activation_fn=activation),
         )
-    raise SystemExit(f"learning.py --sb3: algo.class {name!r} has no SB3 translation here (dqn and td3 do)")
+    if name == "sac":
+        assert algo.policy_lr == algo.q_lr, "SB3's SAC has one learning rate for the actor, critics and entropy"
+        assert algo.policy_frequency == 1, "SB3's SAC updates the actor at every gradient step"
+        nets = dict(pi=list(policy.hidden_sizes), qf=list(algo.critic_hidden_sizes))
+        assert policy.activation == algo.critic_activation, "SB3's activation_fn: actor and critics alike"
+        return "SAC", dict(
+            common,
+            learning_rate=algo.policy_lr,
+            # ent_coef "auto_<start>": learned from that start value toward target entropy -dim(A), as autotune.
+            ent_coef=f"auto_{algo.alpha}" if algo.autotune else algo.alpha,
+            target_update_interval=algo.target_network_frequency,
+            policy_kwargs=dict(net_arch=nets, activation_fn=activation),
+        )
+    raise SystemExit(f"learning.py --sb3: algo.class {name!r} has no SB3 translation here (dqn, sac and td3 do)")
 
 
 def sb3_seed(config: Path, overrides: list[str], seed: int) -> dict:
     """SB3 on this config's env, hyperparameters, seed and budget, in this process: its final deterministic
     evaluation (10 episodes) and the mean of its last 20 training episodes."""
     import gymnasium as gym
-    from stable_baselines3 import DQN, TD3
+    from stable_baselines3 import DQN, SAC, TD3
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.evaluation import evaluate_policy
     from stable_baselines3.common.noise import NormalActionNoise
@@ -265,7 +278,7 @@ def sb3_seed(config: Path, overrides: list[str], seed: int) -> dict:
         # policy.exploration_noise: the std of Gaussian noise on actions scaled to [-1, 1], as SB3's action noise.
         dims = env.action_space.shape[0]
         kwargs["action_noise"] = NormalActionNoise(np.zeros(dims), np.full(dims, cfg.policy.exploration_noise))
-    model = {"DQN": DQN, "TD3": TD3}[name]("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
+    model = {"DQN": DQN, "SAC": SAC, "TD3": TD3}[name]("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
     start = time.perf_counter()
     model.learn(total_timesteps=cfg.train.total_steps)
     wall = time.perf_counter() - start
@@ -394,11 +407,13 @@ def run_seeds(args, overrides: list[str]) -> int:
     if not args.report_only:
         timeout_s = args.timeout_h * 3600
         with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-            futures = {s: pool.submit(run_seed, config, s, where, overrides, timeout_s, results) for s in seeds}
-            if args.sb3:
-                futures |= {
-                    -s: pool.submit(run_sb3_seed, config, s, where, overrides, timeout_s, results) for s in seeds
-                }
+            # Seed by seed, SB3's run right after ours: two workers run both of one seed side by side (the same
+            # load), and a benchmark stopped half way leaves pairs, not only our seeds.
+            futures = {}
+            for s in seeds:
+                futures[s] = pool.submit(run_seed, config, s, where, overrides, timeout_s, results)
+                if args.sb3:
+                    futures[-s] = pool.submit(run_sb3_seed, config, s, where, overrides, timeout_s, results)
             codes = {s: future.result() for s, future in futures.items()}
     result = seeds_table(config, where, seeds, results, args.sb3)
     print(result)
@@ -442,7 +457,7 @@ def main() -> None:
         default=str(ROOT / "benchmarks" / "results"),
         help="the seed runner's folder of per-seed results files (kept in git)",
     )
-    parser.add_argument("--sb3", action="store_true", help="the seed runner: SB3 DQN or TD3 beside each seed")
+    parser.add_argument("--sb3", action="store_true", help="the seed runner: SB3 DQN, SAC or TD3 beside each seed")
     parser.add_argument("--sb3-seed", type=int, help=argparse.SUPPRESS)  # one SB3 seed, into the file --results
     args, overrides = parser.parse_known_args()
     seed_list(args)  # a bad --seed-list is refused before anything runs
