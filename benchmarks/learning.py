@@ -25,9 +25,9 @@ last 20 training episodes, env steps, wall time, versions, date and load average
 --report-only read these files first, so a later session on a fresh machine (only git persists) reruns only the
 seeds that have none. No checkpoints go there.
 
---sb3 (DQN, SAC and TD3 configs; needs the bench extra) runs Stable-Baselines3's DQN, SAC or TD3 beside each seed, in the
-same benchmark run, with the config's hyperparameters translated key by key (sb3_kwargs) and the same seed and
-budget: its final deterministic evaluation (10 episodes) and last 20 training episodes, in
+--sb3 (DQN, SAC and TD3 configs; needs the bench extra) runs Stable-Baselines3's DQN, SAC or TD3 beside each seed,
+in the same benchmark run, with the config's hyperparameters translated key by key (sb3_kwargs) and the same seed
+and budget: its final deterministic evaluation (10 episodes) and last 20 training episodes, in
 RESULTS/<...>/sb3_seed<N>.json, as one more row of the table.
 """
 
