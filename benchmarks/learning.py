@@ -25,15 +25,18 @@ last 20 training episodes, env steps, wall time, versions, date and load average
 --report-only read these files first, so a later session on a fresh machine (only git persists) reruns only the
 seeds that have none. No checkpoints go there.
 
---sb3 (DQN, SAC and TD3 configs; needs the bench extra) runs Stable-Baselines3's DQN, SAC or TD3 beside each seed,
-in the same benchmark run, with the config's hyperparameters translated key by key (sb3_kwargs) and the same seed
-and budget: its final deterministic evaluation (10 episodes) and last 20 training episodes, in
-RESULTS/<...>/sb3_seed<N>.json, as one more row of the table.
+--sb3 (DQN, PPO, SAC and TD3 configs; needs the bench extra) runs Stable-Baselines3's DQN, PPO, SAC or TD3 beside
+each seed, in the same benchmark run, with the config's hyperparameters translated key by key (sb3_kwargs; what has
+no translation is refused) and the same seed and budget: its final deterministic evaluation (10 episodes) and last
+20 training episodes, in RESULTS/<...>/sb3_seed<N>.json, as one more row of the table. PPO's observation and reward
+normalization is SB3's VecNormalize as RL Zoo's `normalize: true` wraps the env; its evaluation uses the training
+statistics, frozen, and raw rewards, as the zoo's does.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -150,6 +153,7 @@ PUBLISHED = {
     "sac_walker2d": [("RL Zoo SAC, Walker2d-v3, 1M", 3863.2, 254.3)],
     "dqn_cartpole": [("RL Zoo DQN, CartPole-v1, 50k", 500.0, 0.0)],
     "td3_pendulum": [("RL Zoo TD3, Pendulum-v1, 20k", -151.9, 90.2)],
+    "td3_halfcheetah": [("RL Zoo TD3, HalfCheetah-v3, 1M", 9655.7, 969.9)],
 }
 
 
@@ -204,13 +208,16 @@ def run_seed(config: Path, seed: int, where: Path, overrides: list[str], timeout
 
 
 def sb3_kwargs(cfg) -> tuple[str, dict]:
-    """SB3's algorithm name and keyword arguments for this config's DQN or TD3 hyperparameters, key by key.
+    """SB3's algorithm name and keyword arguments for this config's DQN, PPO, SAC or TD3 hyperparameters, key by key.
 
     SB3's train_freq counts env steps per env (as algo.num_steps does), gradient_steps the updates after each
     train_freq (algo.updates_per_step of every env step of all envs). SB3's DQN has no Double DQN (it takes the max
     over its target network): a config with algo.double=true is compared with SB3's plain target."""
     algo, policy = cfg.algo, cfg.policy
     activation = {"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh, "elu": torch.nn.ELU}[policy.activation]
+    name = cfg.classes["algo"]
+    if name == "ppo":
+        return "PPO", ppo_kwargs(cfg, activation)
     gradient_steps = round(algo.updates_per_step * algo.num_steps * cfg.env.num_envs)
     common = dict(
         buffer_size=cfg.buffer.capacity,
@@ -221,7 +228,6 @@ def sb3_kwargs(cfg) -> tuple[str, dict]:
         train_freq=algo.num_steps,
         gradient_steps=gradient_steps,
     )
-    name = cfg.classes["algo"]
     if name == "dqn":
         return "DQN", dict(
             common,
@@ -258,33 +264,97 @@ def sb3_kwargs(cfg) -> tuple[str, dict]:
             target_update_interval=algo.target_network_frequency,
             policy_kwargs=dict(net_arch=nets, activation_fn=activation),
         )
-    raise SystemExit(f"learning.py --sb3: algo.class {name!r} has no SB3 translation here (dqn, sac and td3 do)")
+    raise SystemExit(f"learning.py --sb3: algo.class {name!r} has no SB3 translation here (dqn, ppo, sac, td3 do)")
+
+
+def ppo_kwargs(cfg, activation) -> dict:
+    """SB3 PPO's keyword arguments, and under "normalize" VecNormalize's (None: no VecNormalize), as RL Zoo's
+    `normalize: true` wraps the env: norm_obs from policy.normalize_obs, norm_reward from env.normalize_reward
+    (its running return discounted by env.normalize_reward_gamma; it restarts after every episode end, as ours with
+    env.normalize_reward_reset=done), clip_reward env.clip_reward, clip_obs 10."""
+    algo, policy, env = cfg.algo, cfg.policy, cfg.env
+    untranslated = {
+        "policy.class": cfg.classes["policy"] != "actor_critic",
+        "policy.encoder": policy.encoder == "cnn",
+        "algo.vtrace": algo.vtrace,
+        "env.clip_reward without env.normalize_reward": env.clip_reward > 0 and not env.normalize_reward,
+        "env.groups": bool(env.groups),
+    }
+    refused = [key for key, bad in untranslated.items() if bad]
+    if refused:
+        raise SystemExit(f"learning.py --sb3: PPO with {', '.join(refused)} has no SB3 translation here")
+    batch = algo.num_steps * env.num_envs
+    if batch % algo.num_minibatches:
+        raise SystemExit(f"learning.py --sb3: algo.num_minibatches must divide num_steps x num_envs = {batch}")
+
+    def linear(start):  # ours anneals linearly to 0 over the run, as SB3's progress_remaining does
+        return lambda progress_remaining: progress_remaining * start
+
+    clip_range = linear(algo.clip_coef) if algo.anneal_clip else algo.clip_coef
+    normalize = None
+    if policy.normalize_obs or env.normalize_reward:
+        normalize = dict(
+            norm_obs=policy.normalize_obs,
+            norm_reward=env.normalize_reward,
+            gamma=env.normalize_reward_gamma,
+            clip_obs=10.0,
+            clip_reward=env.clip_reward if env.clip_reward > 0 else np.inf,
+        )
+    return dict(
+        normalize=normalize,
+        n_steps=algo.num_steps,
+        batch_size=batch // algo.num_minibatches,
+        n_epochs=algo.update_epochs,
+        learning_rate=linear(algo.learning_rate) if algo.anneal_lr else algo.learning_rate,
+        gamma=algo.gamma,
+        gae_lambda=algo.gae_lambda,
+        clip_range=clip_range,
+        clip_range_vf=clip_range if algo.clip_value_loss else None,  # ours: the same clip_coef, annealed alike
+        ent_coef=algo.ent_coef,
+        vf_coef=algo.vf_coef,
+        max_grad_norm=algo.max_grad_norm,
+        normalize_advantage=algo.normalize_advantages,
+        target_kl=algo.target_kl,
+        policy_kwargs=dict(
+            net_arch=dict(pi=list(policy.hidden_sizes), vf=list(policy.hidden_sizes)),
+            activation_fn=activation,
+            log_std_init=policy.log_std_init,
+            ortho_init=policy.ortho_init,
+        ),
+    )
 
 
 def sb3_seed(config: Path, overrides: list[str], seed: int) -> dict:
     """SB3 on this config's env, hyperparameters, seed and budget, in this process: its final deterministic
     evaluation (10 episodes) and the mean of its last 20 training episodes."""
     import gymnasium as gym
-    from stable_baselines3 import DQN, SAC, TD3
+    from stable_baselines3 import DQN, PPO, SAC, TD3
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.evaluation import evaluate_policy
     from stable_baselines3.common.noise import NormalActionNoise
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
     cfg = load_config(str(config), overrides)
     name, kwargs = sb3_kwargs(cfg)
+    normalize = kwargs.pop("normalize", None)
     torch.set_num_threads(1)
     env = make_vec_env(cfg.env.id, n_envs=cfg.env.num_envs, seed=seed)
+    if normalize is not None:
+        env = VecNormalize(env, **normalize)
     if name == "TD3":
         # policy.exploration_noise: the std of Gaussian noise on actions scaled to [-1, 1], as SB3's action noise.
         dims = env.action_space.shape[0]
         kwargs["action_noise"] = NormalActionNoise(np.zeros(dims), np.full(dims, cfg.policy.exploration_noise))
-    model = {"DQN": DQN, "SAC": SAC, "TD3": TD3}[name]("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
+    model = {"DQN": DQN, "PPO": PPO, "SAC": SAC, "TD3": TD3}[name]("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
     start = time.perf_counter()
     model.learn(total_timesteps=cfg.train.total_steps)
     wall = time.perf_counter() - start
     returns = [e["r"] for e in list(model.ep_info_buffer)[-WINDOW:]]
     eval_env = gym.make(cfg.env.id)
     eval_env.reset(seed=10_000 + seed)
+    if normalize is not None:  # as RL Zoo evaluates: the training statistics, frozen, and raw rewards
+        eval_env = VecNormalize(DummyVecEnv([lambda: eval_env]), training=False, **dict(normalize, norm_reward=False))
+        eval_env.obs_rms = copy.deepcopy(env.obs_rms)
     mean, _ = evaluate_policy(model, eval_env, n_eval_episodes=cfg.eval.episodes or 10, deterministic=True)
     return {
         "eval": float(mean),
@@ -457,7 +527,7 @@ def main() -> None:
         default=str(ROOT / "benchmarks" / "results"),
         help="the seed runner's folder of per-seed results files (kept in git)",
     )
-    parser.add_argument("--sb3", action="store_true", help="the seed runner: SB3 DQN, SAC or TD3 beside each seed")
+    parser.add_argument("--sb3", action="store_true", help="the seed runner: SB3 DQN, PPO, SAC or TD3 beside each seed")
     parser.add_argument("--sb3-seed", type=int, help=argparse.SUPPRESS)  # one SB3 seed, into the file --results
     args, overrides = parser.parse_known_args()
     seed_list(args)  # a bad --seed-list is refused before anything runs

@@ -130,6 +130,13 @@ class EnvSection:
         max=1.0,
         omit_default=True,
     )
+    normalize_reward_reset: str = knob(
+        "terminated",
+        "env.normalize_reward: when the running discounted return restarts. terminated: at a termination only "
+        "(gymnasium's NormalizeReward); done: after every episode end, truncations too (SB3's VecNormalize)",
+        choices=["terminated", "done"],
+        omit_default=True,
+    )
     clip_reward: float = knob(
         0.0,
         "clip the (normalized, with env.normalize_reward) rewards to +-this (RL Zoo's VecNormalize: 10; 0 = no clip)",

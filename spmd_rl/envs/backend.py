@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import gymnasium as gym
+import numpy as np
 from gymnasium.wrappers import vector as vector_wrappers
 
 from spmd_rl.config import plugins
@@ -97,7 +98,8 @@ def finish_vector_env(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
     if isinstance(envs.single_action_space, gym.spaces.Box):
         envs = vector_wrappers.ClipAction(envs)  # the policy's Gaussian samples are unbounded
     if cfg.normalize_reward:
-        envs = vector_wrappers.NormalizeReward(envs, gamma=cfg.normalize_reward_gamma)
+        normalize = EpisodicNormalizeReward if cfg.normalize_reward_reset == "done" else vector_wrappers.NormalizeReward
+        envs = normalize(envs, gamma=cfg.normalize_reward_gamma)
     if cfg.clip_reward > 0:
         envs = vector_wrappers.ClipReward(envs, -cfg.clip_reward, cfg.clip_reward)
     try:
@@ -108,6 +110,27 @@ def finish_vector_env(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
         ) from None
     envs.action_space.seed(seed)
     return envs, obs
+
+
+class EpisodicNormalizeReward(vector_wrappers.NormalizeReward):
+    """env.normalize_reward_reset=done: Stable-Baselines3 VecNormalize's running return, which adds each reward and
+    then restarts after every episode end, truncations too. gymnasium's NormalizeReward (the default) restarts it
+    only at a termination, and at that step before adding its reward. The state (return_rms, accumulated_reward,
+    _prev_dones) is the parent's, so it saves and resumes as that does (envs/state.py)."""
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, info = self.env.step(actions)
+        # NEXT_STEP autoreset: the step after an episode end only resets that env, no transition to count.
+        active = ~self._prev_dones.astype(bool)
+        if self._autoreset_mode == gym.vector.AutoresetMode.SAME_STEP:
+            active[:] = True
+        self.accumulated_reward[active] = self.accumulated_reward[active] * self.gamma + reward[active]
+        if self._update_running_mean and active.any():
+            self.return_rms.update(self.accumulated_reward[active])
+        done = terminated | truncated
+        self.accumulated_reward[done] = 0
+        self._prev_dones = done.astype(np.float32)
+        return obs, reward / np.sqrt(self.return_rms.var + self.epsilon), terminated, truncated, info
 
 
 def old_gym_api_hint(exc: Exception) -> str:

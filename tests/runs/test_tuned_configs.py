@@ -1,5 +1,5 @@
 """The RL-Zoo-tuned MuJoCo configs (configs/mujoco/) each train one iteration and evaluate once, in this process,
-with their own keys (totals and the SAC warm-up shortened so the test stays fast); and the knobs they brought:
+with their own keys (totals and the SAC and TD3 warm-ups shortened so the test stays fast); and the knobs they brought:
 policy.ortho_init=false keeps torch's nn.Linear initialization, env.normalize_reward_gamma and env.clip_reward reach
 the reward wrappers."""
 
@@ -21,6 +21,7 @@ pytest.importorskip("mujoco", reason="the tuned MuJoCo configs need the mujoco e
 CONFIGS = ROOT / "configs" / "mujoco"
 PPO = sorted(CONFIGS.glob("ppo_*.yaml"))
 SAC = sorted(CONFIGS.glob("sac_*.yaml"))
+TD3 = sorted(CONFIGS.glob("td3_*.yaml"))
 
 
 def test_there_is_a_ppo_and_a_sac_config_per_task():
@@ -29,12 +30,12 @@ def test_there_is_a_ppo_and_a_sac_config_per_task():
     assert {p.stem.removeprefix("sac_") for p in SAC} == tasks
 
 
-@pytest.mark.parametrize("config", PPO + SAC, ids=lambda p: p.stem)
+@pytest.mark.parametrize("config", PPO + SAC + TD3, ids=lambda p: p.stem)
 def test_a_tuned_config_trains_an_iteration_and_evaluates(config, tmp_path):
     cfg = load_config(str(config), [])
     steps = cfg.algo.num_steps * cfg.env.num_envs
     overrides = {"run.dir": tmp_path / "run", "eval.every": 1, "eval.episodes": 1, "log.progress": False}
-    if cfg.classes["algo"] == "sac":
+    if cfg.classes["algo"] in ("sac", "td3"):
         # a few iterations past a short warm-up, so that gradient steps run too
         overrides.update({"train.total_steps": 40 * steps, "algo.learning_starts": 20, "buffer.capacity": 1000})
         overrides["eval.every"] = 40
