@@ -54,9 +54,8 @@ from spmd_rl.persist.run_files import FINISHED, METRICS_FILE
 SOLVED = 475.0
 BUDGET = 100_000
 WINDOW = 20
-SB3_SAVE_EVERY = int(
-    os.environ.get("SB3_SAVE_EVERY", 25_000)
-)  # env steps between the saves of an SB3 run of the seed runner (sb3_learn)
+# Env steps between the saves of an SB3 run of the seed runner (sb3_learn); the environment may set it (a test).
+SB3_SAVE_EVERY = int(os.environ.get("SB3_SAVE_EVERY", 25_000))
 
 LAYOUTS = {
     # name: (torchrun processes (0 = plain python), config, overrides) — all with 8 envs in all, 256 steps/iteration
