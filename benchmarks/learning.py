@@ -261,16 +261,13 @@ def sb3_kwargs(cfg) -> tuple[str, dict]:
     raise SystemExit(f"learning.py --sb3: algo.class {name!r} has no SB3 translation here (dqn, sac and td3 do)")
 
 
-def sb3_seed(config: Path, overrides: list[str], seed: int) -> dict:
-    """SB3 on this config's env, hyperparameters, seed and budget, in this process: its final deterministic
-    evaluation (10 episodes) and the mean of its last 20 training episodes."""
-    import gymnasium as gym
+def sb3_model(cfg, seed: int):
+    """SB3's DQN, SAC or TD3 on this config's env (cfg.env.num_envs of them) with its hyperparameters
+    (sb3_kwargs), this seed, on the CPU with one torch thread; not yet learning."""
     from stable_baselines3 import DQN, SAC, TD3
     from stable_baselines3.common.env_util import make_vec_env
-    from stable_baselines3.common.evaluation import evaluate_policy
     from stable_baselines3.common.noise import NormalActionNoise
 
-    cfg = load_config(str(config), overrides)
     name, kwargs = sb3_kwargs(cfg)
     torch.set_num_threads(1)
     env = make_vec_env(cfg.env.id, n_envs=cfg.env.num_envs, seed=seed)
@@ -278,7 +275,17 @@ def sb3_seed(config: Path, overrides: list[str], seed: int) -> dict:
         # policy.exploration_noise: the std of Gaussian noise on actions scaled to [-1, 1], as SB3's action noise.
         dims = env.action_space.shape[0]
         kwargs["action_noise"] = NormalActionNoise(np.zeros(dims), np.full(dims, cfg.policy.exploration_noise))
-    model = {"DQN": DQN, "SAC": SAC, "TD3": TD3}[name]("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
+    return {"DQN": DQN, "SAC": SAC, "TD3": TD3}[name]("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
+
+
+def sb3_seed(config: Path, overrides: list[str], seed: int) -> dict:
+    """SB3 on this config's env, hyperparameters, seed and budget, in this process: its final deterministic
+    evaluation (10 episodes) and the mean of its last 20 training episodes."""
+    import gymnasium as gym
+    from stable_baselines3.common.evaluation import evaluate_policy
+
+    cfg = load_config(str(config), overrides)
+    model = sb3_model(cfg, seed)
     start = time.perf_counter()
     model.learn(total_timesteps=cfg.train.total_steps)
     wall = time.perf_counter() - start
