@@ -54,6 +54,8 @@ from spmd_rl.persist.run_files import FINISHED, METRICS_FILE
 SOLVED = 475.0
 BUDGET = 100_000
 WINDOW = 20
+# Env steps between the saves of an SB3 run of the seed runner (sb3_learn); the environment may set it (a test).
+SB3_SAVE_EVERY = int(os.environ.get("SB3_SAVE_EVERY", 25_000))
 
 LAYOUTS = {
     # name: (torchrun processes (0 = plain python), config, overrides) — all with 8 envs in all, 256 steps/iteration
@@ -262,8 +264,8 @@ def sb3_kwargs(cfg) -> tuple[str, dict]:
 
 
 def sb3_model(cfg, seed: int):
-    """SB3's DQN, SAC or TD3 on this config's env (cfg.env.num_envs of them) with its hyperparameters
-    (sb3_kwargs), this seed, on the CPU with one torch thread; not yet learning."""
+    """(model, its VecEnv): SB3's DQN, SAC or TD3 on this config's env (cfg.env.num_envs of them) with its
+    hyperparameters (sb3_kwargs), this seed, on the CPU with one torch thread; not yet learning."""
     from stable_baselines3 import DQN, SAC, TD3
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.noise import NormalActionNoise
@@ -275,20 +277,20 @@ def sb3_model(cfg, seed: int):
         # policy.exploration_noise: the std of Gaussian noise on actions scaled to [-1, 1], as SB3's action noise.
         dims = env.action_space.shape[0]
         kwargs["action_noise"] = NormalActionNoise(np.zeros(dims), np.full(dims, cfg.policy.exploration_noise))
-    return {"DQN": DQN, "SAC": SAC, "TD3": TD3}[name]("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
+    model = {"DQN": DQN, "SAC": SAC, "TD3": TD3}[name]("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
+    return model, env
 
 
-def sb3_seed(config: Path, overrides: list[str], seed: int) -> dict:
+def sb3_seed(config: Path, overrides: list[str], seed: int, checkpoint: Path | None = None) -> dict:
     """SB3 on this config's env, hyperparameters, seed and budget, in this process: its final deterministic
-    evaluation (10 episodes) and the mean of its last 20 training episodes."""
+    evaluation (10 episodes) and the mean of its last 20 training episodes. With a checkpoint folder the run saves
+    itself there and resumes from it (sb3_learn)."""
     import gymnasium as gym
     from stable_baselines3.common.evaluation import evaluate_policy
 
     cfg = load_config(str(config), overrides)
-    model = sb3_model(cfg, seed)
-    start = time.perf_counter()
-    model.learn(total_timesteps=cfg.train.total_steps)
-    wall = time.perf_counter() - start
+    model, env = sb3_model(cfg, seed)
+    model, wall, resumed = sb3_learn(model, env, cfg.train.total_steps, checkpoint)
     returns = [e["r"] for e in list(model.ep_info_buffer)[-WINDOW:]]
     eval_env = gym.make(cfg.env.id)
     eval_env.reset(seed=10_000 + seed)
@@ -298,7 +300,48 @@ def sb3_seed(config: Path, overrides: list[str], seed: int) -> dict:
         "train": sum(returns) / len(returns) if returns else None,
         "env_steps": model.num_timesteps,
         "wall_s": wall,
+        **({"resumed": resumed} if resumed else {}),
     }
+
+
+def sb3_learn(model, env, total_steps: int, checkpoint: Path | None):
+    """model.learn() to total_steps, saved every SB3_SAVE_EVERY env steps into checkpoint/ (the model with its
+    optimizers, the replay buffer, the wall clock so far) and resumed from there if it holds a save. SB3 restores
+    networks, optimizers, replay and step count but not its random streams, so a resumed baseline is an equal run
+    in distribution, not the same run (its results file says how often it resumed). Returns (model, wall seconds
+    over every session, times resumed)."""
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    clock = {"wall_s": 0.0, "resumed": 0}
+    if checkpoint is not None and (checkpoint / "clock.json").exists():
+        clock = json.loads((checkpoint / "clock.json").read_text())
+        clock["resumed"] += 1
+        model = type(model).load(checkpoint / "model.zip", env=env, device="cpu")
+        model.load_replay_buffer(checkpoint / "replay.pkl")
+        print(f"sb3: resumed at {model.num_timesteps} env steps ({checkpoint})", flush=True)
+    start = time.perf_counter()
+
+    class Saver(BaseCallback):
+        def __init__(self):
+            super().__init__()
+            self.saved_at = model.num_timesteps
+
+        def _on_step(self) -> bool:
+            if checkpoint is not None and self.num_timesteps - self.saved_at >= SB3_SAVE_EVERY:
+                self.saved_at = self.num_timesteps
+                checkpoint.mkdir(parents=True, exist_ok=True)
+                # The clock last: a save is whole once clock.json names it (each file replaced in one rename).
+                self.model.save(checkpoint / "model.tmp.zip")
+                self.model.save_replay_buffer(checkpoint / "replay.tmp.pkl")
+                os.replace(checkpoint / "model.tmp.zip", checkpoint / "model.zip")
+                os.replace(checkpoint / "replay.tmp.pkl", checkpoint / "replay.pkl")
+                now = {**clock, "wall_s": clock["wall_s"] + time.perf_counter() - start}
+                (checkpoint / "clock.tmp.json").write_text(json.dumps(now))
+                os.replace(checkpoint / "clock.tmp.json", checkpoint / "clock.json")
+            return True
+
+    model.learn(total_timesteps=total_steps - model.num_timesteps, reset_num_timesteps=False, callback=Saver())
+    return model, clock["wall_s"] + time.perf_counter() - start, clock["resumed"]
 
 
 def run_sb3_seed(config: Path, seed: int, where: Path, overrides: list[str], timeout_s: float, results: Path) -> int:
@@ -308,6 +351,7 @@ def run_sb3_seed(config: Path, seed: int, where: Path, overrides: list[str], tim
         print(f"sb3 seed {seed}: finished before, skipped ({saved})", flush=True)
         return 0
     cmd = [sys.executable, __file__, "--config", str(config), "--sb3-seed", str(seed), "--results", str(saved)]
+    cmd += ["--sb3-checkpoint", str(where / f"sb3_seed{seed}")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     print(f"sb3 seed {seed}: starting", flush=True)
     with open(where / f"sb3_seed{seed}.log", "a") as log:
@@ -466,10 +510,12 @@ def main() -> None:
     )
     parser.add_argument("--sb3", action="store_true", help="the seed runner: SB3 DQN, SAC or TD3 beside each seed")
     parser.add_argument("--sb3-seed", type=int, help=argparse.SUPPRESS)  # one SB3 seed, into the file --results
+    parser.add_argument("--sb3-checkpoint", help=argparse.SUPPRESS)  # the folder it saves itself in and resumes from
     args, overrides = parser.parse_known_args()
     seed_list(args)  # a bad --seed-list is refused before anything runs
     if args.sb3_seed is not None:
-        result = sb3_seed(Path(args.config), overrides, args.sb3_seed)
+        checkpoint = Path(args.sb3_checkpoint) if args.sb3_checkpoint else None
+        result = sb3_seed(Path(args.config), overrides, args.sb3_seed, checkpoint)
         print(json.dumps(result), flush=True)
         write_result(Path(args.results), {"seed": args.sb3_seed, **result})
         sys.exit(0)

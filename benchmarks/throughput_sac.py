@@ -105,7 +105,7 @@ def sb3_sps(name: str, steps: int, seed: int) -> tuple[float, float]:
     if name == "sac":
         model = sb3_sac(seed)
     else:
-        model = sb3_model(load_config(str(ROOT / algo.config), algo.overrides), seed)
+        model, _ = sb3_model(load_config(str(ROOT / algo.config), algo.overrides), seed)
     clock = LearningClock()
     model.learn(total_timesteps=steps, callback=clock)
     wall, cpu = time.perf_counter(), time.process_time()

@@ -10,12 +10,10 @@ faster tier. Modules import only from harness/ (never from another test module);
 tiers (pytest imports them by base name). Every test is marked with its tier, so `-m "not launchers"` works too.
 
 Under pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs it) the tests of a module with a module-scoped fixture
-(a trained run, a Slurm cluster) are marked to stay on one worker, so the fixture is made once, and the modules that
-start real Slurm daemons share one group, so no two throw-away clusters run at once. Every other test goes to
-whichever worker is free. Caveat, measured 2026-12-02: pytest-xdist 3.8 under pytest 9.2 ignores every xdist_group
-(it renames `item._nodeid`, which pytest 9 no longer reads: the ids keep no `@group`), so today every test goes to
-whichever worker is free, a module fixture is made once per worker that runs its tests, and two Slurm clusters
-can run at once (they use free ports and temporary folders of their own, so they can).
+(a trained run, a Slurm cluster) stay on one worker, so the fixture is made once, and the modules that start real
+Slurm daemons share one group, so no two throw-away clusters run at once. Every other test goes to whichever
+worker is free. The groups are handed to xdist's scheduler here (pytest_xdist_make_scheduler), not as xdist_group
+marks: pytest-xdist 3.8 under pytest 9.2 drops those (it renames `item._nodeid`, which pytest 9 no longer reads).
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ TESTS = Path(__file__).resolve().parent
 def pytest_configure(config):
     for tier in TIERS:
         config.addinivalue_line("markers", f"{tier}: a test of the tests/{tier} tier (set by tests/conftest.py)")
-    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs a group's tests on one worker")
 
 
 @functools.cache
@@ -50,17 +47,42 @@ def _has_module_fixture(module: Path) -> bool:
     return any(f'scope="{scope}"' in module.read_text() for scope in ("module", "package", "session"))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = Path(item.fspath).resolve()
-        relative = module.relative_to(TESTS)
+        relative = Path(item.fspath).resolve().relative_to(TESTS)
         if relative.parts[0] in TIERS:
             item.add_marker(relative.parts[0])
-        if _starts_slurm(module):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
-        elif _has_module_fixture(module):
-            item.add_marker(pytest.mark.xdist_group(relative.as_posix()))
+
+
+def worker_group(nodeid: str, root: Path) -> str | None:
+    """The group a test shares a worker with: "slurm" for the modules that start a Slurm cluster, the module's path
+    for a module with a module fixture; None for a test that may go anywhere."""
+    module = (root / nodeid.split("::")[0]).resolve()
+    if not module.is_file():
+        return None
+    if _starts_slurm(module):
+        return "slurm"
+    if _has_module_fixture(module):
+        return module.relative_to(TESTS).as_posix()
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which would build its mark-based scheduler
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = Path(config.rootpath)
+
+    class ModuleFixtureGroups(LoadScopeScheduling):
+        """xdist's scope scheduling with worker_group as the scope: a group's tests go to one worker as one unit
+        (the largest units first), every other test is a unit of its own."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid, root) or nodeid
+
+    return ModuleFixtureGroups(config, log)
 
 
 @pytest.fixture

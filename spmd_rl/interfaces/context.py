@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.nn.parallel import DistributedDataParallel
 
 from spmd_rl.comm import sharding
 from spmd_rl.config.sections import BufferSection
 from spmd_rl.runtime.distributed import bounded
+from spmd_rl.runtime.fast_imports import data_parallel_without_dynamo
 from spmd_rl.runtime.limits import check_memory
 
 if TYPE_CHECKING:  # annotations only: importing tensordict costs seconds (torch._dynamo)
@@ -116,7 +116,7 @@ class Context:
         if self.group is None:
             return module
         # Buffers (normalizer statistics) are merged by their own all-reduce, not synced on every forward.
-        return DistributedDataParallel(module, process_group=self.group, forward_sync_buffers=False)
+        return data_parallel_without_dynamo(module, process_group=self.group, forward_sync_buffers=False)
 
     def shard(self, module: nn.Module, methods: tuple[str, ...] = ()) -> nn.Module:
         """For an algorithm that steps its optimizers itself over several modules (SAC's actor, critics and target

@@ -13,11 +13,19 @@ every trainer builds an optimizer). The wrapper keeps dynamo from tracing them i
 what it would call on the function as `__dynamo_disable`; setting that cache to the function itself makes the
 wrapper call it directly, without the import. Only code that calls these four methods inside torch.compile sees a
 difference (it traces them instead of breaking the graph); the optimizer's numbers are the same.
+
+DistributedDataParallel's constructor reads `torch._dynamo.utils.get_optimize_ddp_mode()` (whether dynamo's
+python_reducer is configured, which only a user's torch.compile code can have set), and its forward enters a
+torch._disable_dynamo-wrapped context manager: every DDP trainer rank imported torch._dynamo for these, 1.3 CPU
+seconds of its start. Until something imports torch._dynamo, its config holds its defaults, so the constructor is
+shown dynamo's default answer for the length of the call, and the context manager gets the optimizer's treatment.
+A process that has imported torch._dynamo before builds DDP as torch does.
 """
 
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 
 def import_tensordict_without_dynamo() -> None:
@@ -36,17 +44,46 @@ def import_tensordict_without_dynamo() -> None:
 
 def optimizers_without_dynamo() -> None:
     """Make torch.optim.Optimizer's torch._disable_dynamo-wrapped methods call their function without importing
-    torch._dynamo (see the module's docstring). A method torch does not wrap that way (other versions) is left as
-    it is."""
+    torch._dynamo (see the module's docstring)."""
     from torch.optim import Optimizer
 
-    for method in vars(Optimizer).values():
-        code = getattr(method, "__code__", None)
-        wrapped = getattr(method, "__wrapped__", None)
-        if code is None or wrapped is None or not code.co_filename.endswith("_compile.py") or code.co_name != "inner":
-            continue
-        if getattr(wrapped, "__dynamo_disable", None) is None:  # not yet called (nor cached) with dynamo
-            setattr(wrapped, "__dynamo_disable", wrapped)
+    _call_wrapped_directly(Optimizer)
+
+
+def data_parallel_without_dynamo(module, **options):
+    """DistributedDataParallel(module, **options), built and run without importing torch._dynamo (see the module's
+    docstring)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "torch._dynamo" in sys.modules:  # a user's code imported it: its config may say otherwise, so ask it
+        return DistributedDataParallel(module, **options)
+    _call_wrapped_directly(DistributedDataParallel)
+    torch._dynamo = _DYNAMO_DEFAULTS
+    try:
+        return DistributedDataParallel(module, **options)
+    finally:
+        if getattr(torch, "_dynamo", None) is _DYNAMO_DEFAULTS:  # a real import in between replaces it: keep that
+            del torch._dynamo
+
+
+def _call_wrapped_directly(cls) -> None:
+    """Cache each torch._disable_dynamo-wrapped method of cls (also under a decorator such as contextmanager) as its
+    own function, so the wrapper calls it without importing torch._dynamo. A method torch does not wrap that way
+    (other versions) is left as it is."""
+    for method in vars(cls).values():
+        layer = method
+        while (wrapped := getattr(layer, "__wrapped__", None)) is not None:
+            code = getattr(layer, "__code__", None)
+            is_wrapper = code is not None and code.co_filename.endswith("_compile.py") and code.co_name == "inner"
+            if is_wrapper and getattr(wrapped, "__dynamo_disable", None) is None:  # not yet cached with dynamo
+                setattr(wrapped, "__dynamo_disable", wrapped)
+            layer = wrapped
+
+
+# What DDP's constructor asks of torch._dynamo, answered from dynamo's default config: optimize_ddp = True, which
+# get_optimize_ddp_mode() names "ddp_optimizer" (not the python_reducer the constructor checks for).
+_DYNAMO_DEFAULTS = SimpleNamespace(utils=SimpleNamespace(get_optimize_ddp_mode=lambda: "ddp_optimizer"))
 
 
 def _unchanged(fn):
