@@ -326,18 +326,15 @@ def ppo_kwargs(cfg, activation) -> dict:
     )
 
 
-def sb3_seed(config: Path, overrides: list[str], seed: int, checkpoint: Path | None = None) -> dict:
-    """SB3 on this config's env, hyperparameters, seed and budget, in this process: its final deterministic
-    evaluation (10 episodes) and the mean of its last 20 training episodes. With a checkpoint folder the run saves
-    itself there and resumes from it (sb3_learn)."""
-    import gymnasium as gym
+def sb3_model(cfg, seed: int):
+    """(model, its VecEnv): SB3's DQN, PPO, SAC or TD3 on this config's env (cfg.env.num_envs of them, under
+    VecNormalize where the config normalizes) with its hyperparameters (sb3_kwargs), this seed, on the CPU with one
+    torch thread; not yet learning."""
     from stable_baselines3 import DQN, PPO, SAC, TD3
     from stable_baselines3.common.env_util import make_vec_env
-    from stable_baselines3.common.evaluation import evaluate_policy
     from stable_baselines3.common.noise import NormalActionNoise
-    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+    from stable_baselines3.common.vec_env import VecNormalize
 
-    cfg = load_config(str(config), overrides)
     name, kwargs = sb3_kwargs(cfg)
     normalize = kwargs.pop("normalize", None)
     torch.set_num_threads(1)
@@ -349,6 +346,20 @@ def sb3_seed(config: Path, overrides: list[str], seed: int, checkpoint: Path | N
         dims = env.action_space.shape[0]
         kwargs["action_noise"] = NormalActionNoise(np.zeros(dims), np.full(dims, cfg.policy.exploration_noise))
     model = {"DQN": DQN, "PPO": PPO, "SAC": SAC, "TD3": TD3}[name]("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
+    return model, env
+
+
+def sb3_seed(config: Path, overrides: list[str], seed: int, checkpoint: Path | None = None) -> dict:
+    """SB3 on this config's env, hyperparameters, seed and budget, in this process: its final deterministic
+    evaluation (10 episodes) and the mean of its last 20 training episodes. With a checkpoint folder the run saves
+    itself there and resumes from it (sb3_learn)."""
+    import gymnasium as gym
+    from stable_baselines3.common.evaluation import evaluate_policy
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+
+    cfg = load_config(str(config), overrides)
+    normalize = sb3_kwargs(cfg)[1].get("normalize")
+    model, env = sb3_model(cfg, seed)
     model, wall, resumed = sb3_learn(model, env, cfg.train.total_steps, checkpoint)
     returns = [e["r"] for e in list(model.ep_info_buffer)[-WINDOW:]]
     eval_env = gym.make(cfg.env.id)

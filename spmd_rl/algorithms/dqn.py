@@ -18,6 +18,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from spmd_rl.algorithms.configs import DQNConfig
+from spmd_rl.algorithms.fused_adam import FusedAdamStep
 from spmd_rl.algorithms.targets import local_view, target_copy
 from spmd_rl.algorithms.twin_critic import as_floats
 from spmd_rl.envs.spaces import zeros_of
@@ -77,6 +78,22 @@ def n_step_transitions(segment: TensorDict, gamma: float, n: int) -> TensorDict:
     )
 
 
+@torch.no_grad()
+def clip_grad_norm(params: list[Tensor], max_norm: float) -> None:
+    """torch.nn.utils.clip_grad_norm_(params, max_norm): its kernels in its order, so the same gradients bit for
+    bit, without its grouping of the gradients by device and dtype, which costs more than the kernels on a small
+    network stepped per batch. Gradients of several devices or dtypes, or DTensors (fsdp), go through torch's."""
+    grads = [param.grad for param in params if param.grad is not None]
+    first = grads[0] if grads else None
+    if first is None or any(
+        type(grad) is not Tensor or grad.device != first.device or grad.dtype != first.dtype for grad in grads
+    ):
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    total_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
+
+
 class DQN(Algorithm):
     """Owns the target network, the optimizer and the replay shard; updates the policy (a QNetwork, or any policy
     with `q_values(obs)` and an `epsilon` buffer).
@@ -133,6 +150,7 @@ class DQN(Algorithm):
         self.target_params = [local_view(param) for param in self.target.parameters()]
         self.online_buffers, self.target_buffers = list(self.q_network.buffers()), list(self.target.buffers())
         self.optimizer = torch.optim.Adam(self.params, lr=cfg.learning_rate, fused=True)
+        self.adam_step = FusedAdamStep(self.optimizer)  # optimizer.step() without its wrapper, once per update
         self.num_updates = 0
         self.total_steps = context.num_iterations * context.steps_per_iteration
         with torch.no_grad():
@@ -172,6 +190,7 @@ class DQN(Algorithm):
         self.replay.add(transitions)
         self.q_network.update_normalizer(transitions["obs"].to(self.context.device), self.context)
         metrics: dict[str, Tensor] = {}
+        self.adam_step.refresh()  # the optimizer's state may have been loaded since the last iteration
         if after >= self.cfg.learning_starts:
             self.updates_owed += self.updates_per_iteration
             while self.updates_owed >= 1.0:
@@ -201,6 +220,7 @@ class DQN(Algorithm):
 
     def update(self, batch: TensorDict) -> dict[str, float]:
         """One gradient step of the Huber TD loss; returns loss and q_mean."""
+        self.adam_step.refresh()
         return as_floats(self.update_tensors(batch))
 
     def update_tensors(self, batch: TensorDict) -> dict[str, Tensor]:
@@ -211,8 +231,8 @@ class DQN(Algorithm):
         self.context.backward(loss, self.params)
         self.context.reduce_gradients(self.params, f"DQN gradients (update {self.num_updates})")
         if self.cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
-        self.optimizer.step()
+            clip_grad_norm(self.params, self.cfg.max_grad_norm)
+        self.adam_step()
         return {"loss": loss.detach(), "q_mean": q.detach().mean()}
 
     @torch.no_grad()

@@ -5,7 +5,8 @@ more than the fused kernel itself.
 The kernel, its arguments and the optimizer's state are torch's own: the state is created by Adam's _init_group
 on the first step and read back from optimizer.state, so state_dict(), load_state_dict() and checkpoints are
 unchanged, and every step's numbers are those of optimizer.step(). Anything but one plain param group of fused
-Adam over same-device float32 parameters that all have gradients goes through optimizer.step() as before.
+Adam over same-device float32 parameters (or plain tensors, as SAC's temperature) that all have gradients goes
+through optimizer.step() as before.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class FusedAdamStep:
             and not getattr(optimizer_module, "_global_optimizer_pre_hooks", None)
             and not getattr(optimizer_module, "_global_optimizer_post_hooks", None)
             and all(grad is not None for grad in grads)
-            and all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in params)
+            and all(type(p) in (nn.Parameter, torch.Tensor) and p.dtype == torch.float32 for p in params)
             and len({p.device for p in params}) == 1
         )
         if not supported:

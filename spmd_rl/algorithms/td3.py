@@ -88,9 +88,8 @@ class TD3(TwinCriticLearner):
         return reward + torch.where(terminated, 0.0, cfg.gamma * torch.min(q1, q2))
 
     def actor_loss(self, obs: Tensor) -> Tensor:
-        """-E[Q_1(s, mu(s))]: the actor climbs the first critic (the second is not used for the actor)."""
-        q1, _ = self.critic(self.actor.features(obs), self.actor(obs))
-        return -q1.mean()
+        """-E[Q_1(s, mu(s))]: the actor climbs the first critic (the second is not computed)."""
+        return -self.critic.q1_value(self.actor.features(obs), self.actor(obs)).mean()
 
     # -----------------------------------------------------------------------------------------------------------
     # Update

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 
+from spmd_rl.algorithms.fused_adam import FusedAdamStep
 from spmd_rl.algorithms.targets import target_copy
 from spmd_rl.envs.spaces import zeros_of
 from spmd_rl.interfaces.algorithm import ANY_LAG, Algorithm, PlanFacts, Schedule
@@ -96,13 +97,16 @@ class TwinCriticLearner(Algorithm):
     def shard_critics(self, context: Context) -> None:
         """The critics and their targets laid out as train.parallel says (after every trainer has the first
         trainer's), their parameter lists and the critics' optimizer (algo.q_lr); the update count from 0."""
-        self.critic = context.shard(self.critic)
+        self.critic = context.shard(self.critic, ("q1_value",))  # TD3's actor loss calls q1_value
         self.critic_target = context.shard(self.critic_target)
         self.critic_params = list(self.critic.parameters())
         self.target_params = list(self.critic_target.parameters())
         # fused: one kernel over all parameters instead of a dozen small ops per tensor.
         self.critic_optimizer = torch.optim.Adam(self.critic_params, lr=self.cfg.q_lr, fused=True)
         self.num_updates = 0  # update() calls so far: schedules the delayed actor and target updates
+        # Each optimizer's step() without its Python wrapper (fused_adam.py), made on its first step; cleared
+        # where a checkpoint's optimizer state may have replaced the tensors it holds.
+        self.adam_steps: dict[torch.optim.Optimizer, FusedAdamStep] = {}
 
     def build_replay(self, context: Context) -> None:
         """This trainer's replay shard of (obs, action, reward, next_obs, terminated) rows."""
@@ -122,6 +126,7 @@ class TwinCriticLearner(Algorithm):
         self.updates_owed = 0.0  # fractional updates carry over, so the long-run ratio is exact
 
     def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
+        self.adam_steps.clear()  # the optimizers' state may have been loaded since the last iteration
         transitions = transitions_of(segment)
         self.replay.add(transitions)
         # Observation statistics (actor buffers, broadcast with its weights) follow the data as it arrives.
@@ -137,6 +142,7 @@ class TwinCriticLearner(Algorithm):
 
     def update(self, batch: TensorDict) -> dict[str, float]:
         """One update (update_tensors) on a batch of transitions, its metrics as floats."""
+        self.adam_steps.clear()
         return as_floats(self.update_tensors(batch))
 
     def update_tensors(self, batch: TensorDict) -> dict[str, Tensor]:
@@ -182,7 +188,10 @@ class TwinCriticLearner(Algorithm):
         """The parameters' gradients averaged over the trainer group, then one step of each optimizer."""
         self.context.reduce_gradients(params, f"{self.name} {what} gradients (update {self.num_updates})")
         for optimizer in optimizers:
-            optimizer.step()
+            step = self.adam_steps.get(optimizer)
+            if step is None:
+                step = self.adam_steps[optimizer] = FusedAdamStep(optimizer)
+            step()
 
     @torch.no_grad()
     def update_targets(self) -> None:

@@ -155,3 +155,7 @@ class TwinQ(nn.Module):
         """(q1, q2), each [B]."""
         x = torch.cat([obs, action], dim=-1)
         return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)
+
+    def q1_value(self, obs: Tensor, action: Tensor) -> Tensor:
+        """q1 of forward, [B], without computing q2 (TD3's actor climbs q1 alone)."""
+        return self.q1(torch.cat([obs, action], dim=-1)).squeeze(-1)

@@ -68,7 +68,11 @@ class MemoryStorage:
 
     def read(self, indices: torch.Tensor) -> TensorDict:
         oldest = max(0, self._total - self.capacity)
-        return self.rows[(oldest + indices) % self.capacity]
+        if oldest:  # the ring has wrapped: index 0 is the oldest row held, wherever it is
+            indices = (oldest + indices) % self.capacity
+        # Each tensor (or nested TensorDict) indexed by itself: the rows of self.rows[indices], without the
+        # TensorDict's general indexing, which costs more than the copies for a batch of a few hundred rows.
+        return TensorDict({key: value[indices] for key, value in self.rows.items()}, batch_size=[len(indices)])
 
     @property
     def total_rows(self) -> int:

@@ -1,6 +1,7 @@
-"""The PPO update's overhead cuts (issue 31) compute the same numbers, bit for bit, as the forms they replace: all
-epochs' shuffles at once against one epoch at a time, the fused Adam kernel called directly against
-optimizer.step(), and an optimizer built without importing torch._dynamo."""
+"""The update overhead cuts (PPO's, issue 31; DQN's, SAC's and TD3's, issue 28) compute the same numbers, bit for
+bit, as the forms they replace: all epochs' shuffles at once against one epoch at a time, the fused Adam kernel
+called directly against optimizer.step() (also on a plain tensor, as SAC's temperature), DQN's gradient clipping
+against torch's, and an optimizer built without importing torch._dynamo."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from spmd_rl.algorithms.dqn import clip_grad_norm
 from spmd_rl.algorithms.fused_adam import FusedAdamStep
 from spmd_rl.algorithms.ppo import epoch_minibatches, shuffled_minibatches
 
@@ -69,6 +71,37 @@ def test_fused_adam_step_equals_optimizer_step_bit_for_bit_and_skips_it():
     for index, values in expected["state"].items():
         assert values.keys() == state["state"][index].keys()
         assert all(torch.equal(state["state"][index][key], value) for key, value in values.items())
+
+
+def test_fused_adam_step_on_a_plain_tensor_calls_the_kernel_and_equals_optimizer_step():
+    torch.manual_seed(0)
+    mine = torch.randn((), requires_grad=True)  # a log temperature: a leaf tensor, not an nn.Parameter
+    reference = mine.detach().clone().requires_grad_(True)
+    optimizer, reference_optimizer = (torch.optim.Adam([t], lr=3e-4, fused=True) for t in (mine, reference))
+    step = FusedAdamStep(optimizer)
+    for _ in range(4):
+        grad = torch.randn(())
+        mine.grad, reference.grad = grad.clone(), grad.clone()
+        step()
+        reference_optimizer.step()
+        assert step.state_lists is not None
+        assert torch.equal(mine, reference)
+
+
+@pytest.mark.parametrize("max_norm", [10.0, 0.01])  # not clipping, and clipping
+def test_dqn_gradient_clipping_equals_torch_clip_grad_norm_bit_for_bit(max_norm):
+    torch.manual_seed(1)
+    mine = [nn.Parameter(torch.randn(shape)) for shape in ((256, 4), (256,), (2, 256))]
+    reference = [nn.Parameter(p.detach().clone()) for p in mine]
+    for param, other in zip(mine, reference):
+        param.grad = torch.randn_like(param) * 0.3
+        other.grad = param.grad.clone()
+    before = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in mine]))
+    clip_grad_norm(mine, max_norm)
+    torch.nn.utils.clip_grad_norm_(reference, max_norm)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(mine, reference))
+    after = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in mine]))
+    assert torch.isclose(after, min(before, torch.tensor(max_norm)), rtol=1e-4)  # clipped only above max_norm
 
 
 def test_fused_adam_step_leaves_what_it_does_not_cover_to_optimizer_step():

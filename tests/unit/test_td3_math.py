@@ -116,3 +116,13 @@ def test_acting_adds_clipped_noise_and_deterministic_acting_adds_none():
     unclipped = noise[(explored > low) & (explored < high)]
     assert abs(unclipped.std().item() - 0.5) < 0.1  # in units of the half-range, as SB3's noise on [-1, 1]
     assert torch.equal(make_td3(noise=0.0).actor.act(obs)["action"], mu)
+
+
+def test_the_actor_loss_climbs_the_first_critic_alone_and_the_first_critic_alone_is_forward_s():
+    td3 = make_td3()
+    obs = batch_of(32, seed=4)["obs"]
+    with torch.no_grad():
+        action = td3.actor(obs)
+        q1, q2 = td3.critic(obs, action)
+        assert torch.equal(td3.critic.q1_value(obs, action), q1) and not torch.equal(q1, q2)
+        assert torch.equal(td3.actor_loss(obs), -q1.mean())
