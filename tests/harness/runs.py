@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from harness.forked import run_forked_job
 from harness.launch import PYTHON, ROOT, command, job_env
 
 TINY = str(ROOT / "configs" / "ci_tiny.yaml")
@@ -55,12 +56,22 @@ SAC_RESUME_TINY = [
 TIMINGS = ("sps", "wall_s", "cpu_s")
 
 
-def run_main(*args, nproc: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
-    """`python -m spmd_rl.main ARGS` from the repository, under torchrun when nproc > 0."""
-    launcher = command("torchrun", nproc) if nproc else command("none")
-    return subprocess.run(
-        launcher + list(args), cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=timeout
-    )
+def run_main(
+    *args,
+    nproc: int = 0,
+    timeout: float = 240,
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
+    launcher: str = "forked",
+) -> subprocess.CompletedProcess:
+    """`python -m spmd_rl.main ARGS` in cwd (env: job_env() by default): one process when nproc is 0, else nproc
+    ranks started by hand and forked from a warm interpreter (harness/forked.py: the job's code is its first
+    failing rank's), or with launcher="torchrun" under torchrun (whose code is 1 for any failure)."""
+    env = job_env() if env is None else env
+    if nproc and launcher == "forked":
+        return run_forked_job([str(arg) for arg in args], nproc, timeout, cwd, env)
+    line = command(launcher, nproc) if nproc else command("none")
+    return subprocess.run(line + list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_main_measured(*args, cwd: Path = ROOT, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float, int]:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness.launch import command, job_env, rank_env, with_pythonpath
+from harness import runs
 from harness.launch import free_port as _free_port
+from harness.launch import job_env, rank_env, with_pythonpath
 from harness.runs import SAC_TINY
 
 from spmd_rl.algorithms.ppo import compute_gae
@@ -39,10 +40,7 @@ def _env(**extra):
 
 
 def run_main(*args, nproc: int = 0, timeout: float = 240, cwd: Path = ROOT, **env) -> subprocess.CompletedProcess:
-    launcher = command("torchrun", nproc) if nproc else command("none")
-    return subprocess.run(
-        launcher + list(args), cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=timeout
-    )
+    return runs.run_main(*args, nproc=nproc, timeout=timeout, cwd=cwd, env=_env(**env))
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -11,7 +11,8 @@ from pathlib import Path
 import gymnasium as gym
 import pytest
 import torch
-from harness.launch import ROOT, command, job_env, with_pythonpath
+from harness import runs
+from harness.launch import ROOT, job_env, with_pythonpath
 from tensordict import TensorDict
 
 from spmd_rl.algorithms.configs import DQNConfig
@@ -151,9 +152,7 @@ SPLIT4 = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout
 
 
 def run_main(*args, nproc: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
-    line = command("torchrun", nproc) if nproc else command("none")
-    env = with_pythonpath(job_env(), ROOT)
-    return subprocess.run(line + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return runs.run_main(*args, nproc=nproc, timeout=timeout, env=with_pythonpath(job_env(), ROOT))
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -179,7 +178,7 @@ def test_n_iterations_equal_half_then_resume(tmp_path, case):
     full = run_main(*args, f"run.dir={tmp_path / 'full'}", nproc=nproc)
     assert full.returncode == 0, full.stderr[-2000:]
     stopped = run_main(*args, f"run.dir={tmp_path / 'split'}", f"run.stop_after_iterations={half}", nproc=nproc)
-    assert stopped.returncode == (75 if nproc == 0 else 1), stopped.stderr[-2000:]  # torchrun reports 1
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
     resumed = run_main(*args, f"run.dir={tmp_path / 'split'}", nproc=nproc)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from" in resumed.stdout

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness.launch import ROOT, command
+from harness.launch import ROOT
 from harness.launch import job_env as _env
-from harness.runs import PPO_METRICS, assert_run_complete
+from harness.runs import PPO_METRICS, assert_run_complete, run_main
 
 EXAMPLES = ROOT / "examples"
 
@@ -75,8 +75,7 @@ def copy_example(name: str, tmp_path: Path) -> Path:
 
 
 def run_in(folder: Path, args: list[str], nproc: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
-    launcher = command("torchrun", nproc) if nproc else command("none")
-    return subprocess.run(launcher + args, cwd=folder, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return run_main(*args, nproc=nproc, timeout=timeout, cwd=folder, env=_env())
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness.launch import ROOT, command, job_env
+from harness.launch import job_env
 from harness.multiproc import run_ranks
 from harness.parts import FrozenEncoderNet
+from harness.runs import run_main
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.weights import GatheredWeightSource, WeightSync
@@ -26,8 +27,7 @@ def _env() -> dict:
 
 
 def main(*args, nproc: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
-    launcher = command("torchrun", nproc) if nproc else command("none")
-    return subprocess.run(launcher + list(args), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return run_main(*args, nproc=nproc, timeout=timeout, env=_env())
 
 
 def metrics_without_timings(run_dir: Path) -> list[dict]:

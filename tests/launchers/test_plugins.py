@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness.launch import ROOT, command
+from harness import runs
+from harness.launch import ROOT
 from harness.launch import job_env as _env
 from harness.multiproc import assert_all_ok, run_ranks
 from harness.runs import REQUIRED_METRICS, SAC_TINY, TINY, read_metrics
@@ -260,13 +261,17 @@ def plugins(tmp_path_factory) -> Path:
 
 
 def run_main(
-    *args, nproc: int = 0, cwd: Path = ROOT, pythonpath: Path | None = None, timeout: float = 240
+    *args,
+    nproc: int = 0,
+    cwd: Path = ROOT,
+    pythonpath: Path | None = None,
+    timeout: float = 240,
+    launcher: str = "forked",
 ) -> subprocess.CompletedProcess:
     env = _env()
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH", "")]))
-    launcher = command("torchrun", nproc) if nproc else command("none")
-    return subprocess.run(launcher + list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return runs.run_main(*args, nproc=nproc, timeout=timeout, cwd=cwd, env=env, launcher=launcher)
 
 
 def _ok(result: subprocess.CompletedProcess) -> None:
@@ -443,7 +448,7 @@ def test_a_bad_plugin_exits_2_with_one_line_naming_it(plugins, tmp_path, case, n
     overrides, expected = BAD_PLUGINS[case]
     run_dir = tmp_path / "run"
     config = [] if "--config" in overrides else ["--config", "plug.yaml"]
-    result = run_main(*config, *overrides, f"run.dir={run_dir}", nproc=nproc, cwd=plugins)
+    result = run_main(*config, *overrides, f"run.dir={run_dir}", nproc=nproc, cwd=plugins, launcher="torchrun")
     ours = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("spmd_rl:")]
     assert len(ours) == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "error:" in ours[0] and all(text in ours[0] for text in expected), ours[0]
@@ -467,6 +472,7 @@ def test_under_torchrun_the_error_line_is_printed_when_rank_0_finds_it_last(plug
         f"run.dir={tmp_path / 'run'}",
         nproc=2,
         cwd=plugins,
+        launcher="torchrun",
     )
     assert result.returncode == 1
     ours = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("spmd_rl:")]

@@ -42,7 +42,7 @@ def test_one_process_learns_cartpole_clearly_above_random(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_colocated_two_ranks_data_parallel(tmp_path):
-    result = run_main("--config", TINY, f"run.dir={tmp_path}", nproc=2)
+    result = run_main("--config", TINY, f"run.dir={tmp_path}", nproc=2, launcher="torchrun")
     records = assert_run_complete(result, tmp_path, iterations=4)  # 2 ranks x 2 envs x 16 steps = 64 per iteration
     assert records[-1]["env_steps"] == 256
 
@@ -61,6 +61,7 @@ def test_torchrun_split_layout_two_trainers_weights_verified_every_sync(tmp_path
         "layout.env=2",
         "weights.verify_every=1",
         nproc=5,
+        launcher="torchrun",
     )
     records = assert_run_complete(result, tmp_path, iterations=4)
     assert records[-1]["episodes"] > 0
@@ -93,5 +94,6 @@ def test_sac_torchrun_split_two_trainer_shards(tmp_path):
         "layout.env=2",
         "weights.verify_every=1",
         nproc=5,
+        launcher="torchrun",
     )
     assert_run_complete(result, tmp_path, iterations=12, algo_metrics={"qf_loss", "actor_loss", "alpha"})
