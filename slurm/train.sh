@@ -11,7 +11,7 @@
 #   RUN_DIR         run directory (default runs/<job name>-<job id>; a run.dir=... override wins). A requeued job
 #                   keeps its job id, so it finds the same directory.
 #   MASTER_ADDR     rendezvous address (default: the address Slurm knows for the first node)
-#   MASTER_PORT     rendezvous port (default 20000 + job id % 20000)
+#   MASTER_PORT     rendezvous port (default 20000 + job id % 12000, below the ephemeral ports)
 #   PYTHON          interpreter with spmd_rl installed (default python on PATH)
 #   SPMD_RL_HOME    the repository root, where slurm/common.sh is (default: the directory sbatch ran in)
 # Logs: this script's output goes to --output (Slurm opens it before the script runs, so it cannot be in the run
@@ -37,7 +37,7 @@ source "${SPMD_RL_HOME:-$SLURM_SUBMIT_DIR}/slurm/common.sh" || {
 parse_run_args "sbatch slurm/train.sh" "$@"
 RANKS_PER_NODE=${RANKS_PER_NODE:-${SLURM_GPUS_ON_NODE:-2}}
 head_addr=${MASTER_ADDR:-$(head_node_address)}
-rdzv_port=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+rdzv_port=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 12000))}
 prepare_run_dir
 
 echo "[$(date -Is)] job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) x $RANKS_PER_NODE ranks, rendezvous" \

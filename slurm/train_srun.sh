@@ -9,7 +9,7 @@
 #   RUN_DIR      run directory (default runs/<job name>-<job id>; a run.dir=... override wins). A requeued job
 #                keeps its job id, so it finds the same directory.
 #   MASTER_ADDR  address of the first node (default: the address Slurm knows for it)
-#   MASTER_PORT  port (default 20000 + job id % 20000, derived by every task on its own)
+#   MASTER_PORT  port (default 20000 + job id % 12000, derived by every task on its own)
 #   PYTHON       interpreter with spmd_rl installed (default python on PATH)
 #   SPMD_RL_HOME the repository root, where slurm/common.sh is (default: the directory sbatch ran in)
 # Logs: this script's output, every line of the ranks prefixed with its rank, goes to --output; a link to it is

@@ -8,7 +8,7 @@ Sources are tried in precedence order; the first one whose variables are present
                 the address and a free port and broadcasts them (as plain bytes: nothing is unpickled).
   3. slurm      SLURM_PROCID + SLURM_NTASKS + SLURM_LOCALID + a node list inside an srun step (SLURM_STEP_ID):
                 `srun` with one task per rank. The master is the first host of the step's node list, the port
-                20000 + SLURM_JOB_ID % 20000; MASTER_ADDR / MASTER_PORT override both. A batch script has
+                20000 + SLURM_JOB_ID % 12000; MASTER_ADDR / MASTER_PORT override both. A batch script has
                 SLURM_PROCID but no step: a program started there without srun is a single process.
   4. none       no launcher: one process, world size 1, no process group needed
 A source that finds some of its variables but not all raises a UserError naming the missing ones.
@@ -246,8 +246,9 @@ SLURM_TASKS_PER_NODE_VARIABLES = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_
 
 
 def slurm_default_port(job_id: int) -> int:
-    """The port every task of a job derives on its own; launch scripts use the same rule."""
-    return 20000 + job_id % 20000
+    """The port every task of a job derives on its own; launch scripts use the same rule. 20000-31999: below
+    Linux's ephemeral ports (32768 and up), which any outgoing connection on the node may hold at that moment."""
+    return 20000 + job_id % 12000
 
 
 def from_slurm(env: Mapping[str, str]) -> LaunchInfo | None:
