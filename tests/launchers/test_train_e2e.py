@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 from harness.launch import ROOT
-from harness.runs import SAC_TINY, TINY, assert_run_complete, run_main
+from harness.runs import SAC_TINY, TINY, assert_run_complete, assert_same_run, run_main
 
 
 def test_one_process_writes_metrics_config_policy_and_tensorboard(tmp_path):
@@ -45,6 +45,17 @@ def test_torchrun_colocated_two_ranks_data_parallel(tmp_path):
     result = run_main("--config", TINY, f"run.dir={tmp_path}", nproc=2, launcher="torchrun")
     records = assert_run_complete(result, tmp_path, iterations=4)  # 2 ranks x 2 envs x 16 steps = 64 per iteration
     assert records[-1]["env_steps"] == 256
+
+
+@pytest.mark.slow
+def test_ranks_forked_by_the_test_harness_train_exactly_as_torchruns_do(tmp_path):
+    # The tests about runs start their ranks forked from a warm interpreter (harness/forked.py): the same split job
+    # under torchrun must give the same records (timings aside) and the same final weights, bit for bit.
+    split = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]
+    for launcher in ("torchrun", "forked"):
+        result = run_main("--config", TINY, *split, f"run.dir={tmp_path / launcher}", nproc=4, launcher=launcher)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(tmp_path / "torchrun", tmp_path / "forked")
 
 
 @pytest.mark.slow
