@@ -17,7 +17,9 @@ make_exit_file() {   # not in $(...): the trap that removes the files must belon
 # exited, and exits with the job's code: when the launcher failed, rank 0's own (the launcher's is 1 whatever the
 # ranks did) where it is 2 (a config or layout error, the same on every rank) or 75 (a checkpointed stop), and,
 # after a signal to this script, 128+N (rank 0's, or N's itself with a line of its own when rank 0 left no code:
-# the signal came before it could); else the launcher's status.
+# the signal came before it could); else the launcher's status. A script started with SIGINT ignored (a background
+# job, `cmd &`, of a non-interactive shell) cannot trap it, as bash says, so it ignores a SIGINT; SIGTERM and SIGUSR1
+# still stop the job with a checkpoint.
 wait_for_launcher() {
     local job=$1 filter=${2:-} sig status ranks_code
     signalled=""

@@ -14,11 +14,17 @@ Under pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs it) the tests of a 
 Slurm daemons share one group, so no two throw-away clusters run at once. Every other test goes to whichever
 worker is free. The groups are handed to xdist's scheduler here (pytest_xdist_make_scheduler), not as xdist_group
 marks: pytest-xdist 3.8 under pytest 9.2 drops those (it renames `item._nodeid`, which pytest 9 no longer reads).
+
+SIGINT is made catchable here if the suite was started with it ignored (a background job of a non-interactive
+shell, as `cmd &` in a script or a CI runner may start it): every process the tests start would inherit the
+ignored SIGINT, and bash cannot trap a signal ignored on entry, so launch/torchrun.sh would drop a Ctrl-C a test
+sends it (test_rerun's torchrun-sigint case timed out that way). The tests model a job started from a terminal.
 """
 
 from __future__ import annotations
 
 import functools
+import signal
 from pathlib import Path
 
 import pytest
@@ -26,6 +32,9 @@ from harness.launch import free_port as _free_port
 from harness.launch import job_env as _job_env
 
 TIERS = ("unit", "ranks", "runs", "launchers")
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # children get SIG_DFL: exec resets a handled signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 TESTS = Path(__file__).resolve().parent
 
 
