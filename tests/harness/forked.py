@@ -58,7 +58,8 @@ class RankServer:
             with self.changed:
                 if "code" in reply:
                     self.ends[reply["pid"]] = reply["code"]
-                else:
+                else:  # a reused pid: its earlier process's end was reported before this fork
+                    self.ends.pop(reply["pid"], None)
                     self.started.append(reply["pid"])
                 self.changed.notify_all()
 
