@@ -190,7 +190,6 @@ class DQN(Algorithm):
         self.replay.add(transitions)
         self.q_network.update_normalizer(transitions["obs"].to(self.context.device), self.context)
         metrics: dict[str, Tensor] = {}
-        self.adam_step.refresh()  # the optimizer's state may have been loaded since the last iteration
         if after >= self.cfg.learning_starts:
             self.updates_owed += self.updates_per_iteration
             while self.updates_owed >= 1.0:
@@ -220,7 +219,6 @@ class DQN(Algorithm):
 
     def update(self, batch: TensorDict) -> dict[str, float]:
         """One gradient step of the Huber TD loss; returns loss and q_mean."""
-        self.adam_step.refresh()
         return as_floats(self.update_tensors(batch))
 
     def update_tensors(self, batch: TensorDict) -> dict[str, Tensor]:

@@ -17,21 +17,21 @@ from torch import nn
 
 
 class FusedAdamStep:
-    """Calls `optimizer.step()` of a fused torch.optim.Adam as the kernel call it ends in. Call refresh() whenever
-    the optimizer's state may have been replaced (load_state_dict): the state's tensors are looked up again."""
+    """Calls `optimizer.step()` of a fused torch.optim.Adam as the kernel call it ends in. The state's tensors are
+    looked up again after load_state_dict, which replaces the optimizer's state dict (a checkpoint's resume)."""
 
     def __init__(self, optimizer: torch.optim.Adam):
         self.optimizer = optimizer
         self.state_lists: tuple[list, list, list] | None = None  # (exp_avgs, exp_avg_sqs, steps)
-
-    def refresh(self) -> None:
-        self.state_lists = None
+        self.gathered_from: dict | None = None  # the optimizer.state the lists were read from
 
     def __call__(self) -> None:
         optimizer = self.optimizer
         group = optimizer.param_groups[0]
         params = group["params"]
         grads = [p.grad for p in params]
+        if optimizer.state is not self.gathered_from:
+            self.state_lists = None
         if self.state_lists is None and not self._gather_state(group, grads):
             optimizer.step()
             return
@@ -90,5 +90,5 @@ class FusedAdamStep:
         optimizer._init_group(group, with_grad, gathered_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
         if len(with_grad) != len(params):
             return False
-        self.state_lists = (exp_avgs, exp_avg_sqs, steps)
+        self.state_lists, self.gathered_from = (exp_avgs, exp_avg_sqs, steps), optimizer.state
         return True

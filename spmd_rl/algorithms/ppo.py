@@ -430,7 +430,6 @@ class PPO(PPOUpdateTail, Algorithm):
         coefficients = loss_coefficients(cfg).to(self.context.device)
 
         epochs = self.epoch_schedule(data)
-        self.adam_step.refresh()  # the optimizer's state may have been loaded since the last update
 
         steps: list[Tensor] = []  # each step's LOSS_NAMES values, read once after the update (no per-step sync)
         stopped = False

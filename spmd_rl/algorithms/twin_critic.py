@@ -104,8 +104,7 @@ class TwinCriticLearner(Algorithm):
         # fused: one kernel over all parameters instead of a dozen small ops per tensor.
         self.critic_optimizer = torch.optim.Adam(self.critic_params, lr=self.cfg.q_lr, fused=True)
         self.num_updates = 0  # update() calls so far: schedules the delayed actor and target updates
-        # Each optimizer's step() without its Python wrapper (fused_adam.py), made on its first step; cleared
-        # where a checkpoint's optimizer state may have replaced the tensors it holds.
+        # Each optimizer's step() without its Python wrapper (fused_adam.py), made on its first step.
         self.adam_steps: dict[torch.optim.Optimizer, FusedAdamStep] = {}
 
     def build_replay(self, context: Context) -> None:
@@ -126,7 +125,6 @@ class TwinCriticLearner(Algorithm):
         self.updates_owed = 0.0  # fractional updates carry over, so the long-run ratio is exact
 
     def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
-        self.adam_steps.clear()  # the optimizers' state may have been loaded since the last iteration
         transitions = transitions_of(segment)
         self.replay.add(transitions)
         # Observation statistics (actor buffers, broadcast with its weights) follow the data as it arrives.
@@ -142,7 +140,6 @@ class TwinCriticLearner(Algorithm):
 
     def update(self, batch: TensorDict) -> dict[str, float]:
         """One update (update_tensors) on a batch of transitions, its metrics as floats."""
-        self.adam_steps.clear()
         return as_floats(self.update_tensors(batch))
 
     def update_tensors(self, batch: TensorDict) -> dict[str, Tensor]:

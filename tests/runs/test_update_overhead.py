@@ -5,6 +5,7 @@ against torch's, and an optimizer built without importing torch._dynamo."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -71,6 +72,39 @@ def test_fused_adam_step_equals_optimizer_step_bit_for_bit_and_skips_it():
     for index, values in expected["state"].items():
         assert values.keys() == state["state"][index].keys()
         assert all(torch.equal(state["state"][index][key], value) for key, value in values.items())
+
+
+def test_fused_adam_step_steps_the_state_a_checkpoint_loaded():
+    # A resume loads the optimizer's state after the stepper has read the old one's tensors: it must step the new.
+    mine, reference, optimizer, reference_optimizer = adam_pair()
+    step = FusedAdamStep(optimizer)
+
+    def one_step():
+        grads = [torch.randn_like(p) for p in mine]
+        for params in (mine, reference):
+            for param, grad in zip(params, grads):
+                param.grad = grad.clone()
+        step()
+        reference_optimizer.step()
+
+    for _ in range(3):
+        one_step()
+    saved = copy.deepcopy(reference_optimizer.state_dict())  # a state_dict's tensors are the live ones
+    one_step()
+    optimizer.load_state_dict(copy.deepcopy(saved))  # back one step, as a resume from the 3-step checkpoint
+    reference_optimizer.load_state_dict(copy.deepcopy(saved))
+    with torch.no_grad():
+        for param, other in zip(mine, reference):
+            param.copy_(other)
+    for _ in range(2):
+        one_step()
+        assert step.state_lists is not None
+        assert all(torch.equal(p, q) for p, q in zip(mine, reference))
+    assert all(
+        torch.equal(optimizer.state[p][key], reference_optimizer.state[q][key])
+        for p, q in zip(mine, reference)
+        for key in ("step", "exp_avg", "exp_avg_sq")
+    )
 
 
 def test_fused_adam_step_on_a_plain_tensor_calls_the_kernel_and_equals_optimizer_step():
