@@ -358,14 +358,14 @@ def sb3_seed(config: Path, overrides: list[str], seed: int, checkpoint: Path | N
     from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
     cfg = load_config(str(config), overrides)
-    normalize = sb3_kwargs(cfg)[1].get("normalize")
     model, env = sb3_model(cfg, seed)
     model, wall, resumed = sb3_learn(model, env, cfg.train.total_steps, checkpoint)
     returns = [e["r"] for e in list(model.ep_info_buffer)[-WINDOW:]]
     eval_env = gym.make(cfg.env.id)
     eval_env.reset(seed=10_000 + seed)
-    if normalize is not None:  # as RL Zoo evaluates: the training statistics, frozen, and raw rewards
-        eval_env = VecNormalize(DummyVecEnv([lambda: eval_env]), training=False, **dict(normalize, norm_reward=False))
+    if isinstance(env, VecNormalize):  # as RL Zoo evaluates: the training statistics and settings, frozen; raw rewards
+        frozen = dict(norm_obs=env.norm_obs, clip_obs=env.clip_obs, gamma=env.gamma, epsilon=env.epsilon)
+        eval_env = VecNormalize(DummyVecEnv([lambda: eval_env]), training=False, norm_reward=False, **frozen)
         eval_env.obs_rms = copy.deepcopy(env.obs_rms)
     mean, _ = evaluate_policy(model, eval_env, n_eval_episodes=cfg.eval.episodes or 10, deterministic=True)
     return {
