@@ -31,10 +31,10 @@ import pytest
 from harness.launch import free_port as _free_port
 from harness.launch import job_env as _job_env
 
-TIERS = ("unit", "ranks", "runs", "launchers")
-
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # children get SIG_DFL: exec resets a handled signal
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+TIERS = ("unit", "ranks", "runs", "launchers")
 TESTS = Path(__file__).resolve().parent
 
 

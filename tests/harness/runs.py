@@ -69,7 +69,7 @@ def run_main(
     failing rank's), or with launcher="torchrun" under torchrun (whose code is 1 for any failure)."""
     env = job_env() if env is None else env
     if nproc and launcher == "forked":
-        return run_forked_job([str(arg) for arg in args], nproc, timeout, cwd, env)
+        return run_forked_job(list(args), nproc, timeout, cwd, env)
     line = command(launcher, nproc) if nproc else command("none")
     return subprocess.run(line + list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
