@@ -34,7 +34,7 @@ def versions() -> dict[str, str]:
     from importlib import metadata
 
     found = {"python": platform.python_version()}
-    for package in ("torch", "gymnasium", "mujoco", "envpool", "numpy"):
+    for package in ("torch", "gymnasium", "mujoco", "envpool", "numpy", "ale-py", "stable-baselines3"):
         try:
             found[package] = metadata.version(package)
         except metadata.PackageNotFoundError:

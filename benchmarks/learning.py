@@ -30,7 +30,10 @@ each seed, in the same benchmark run, with the config's hyperparameters translat
 no translation is refused) and the same seed and budget: its final deterministic evaluation (10 episodes) and last
 20 training episodes, in RESULTS/<...>/sb3_seed<N>.json, as one more row of the table. PPO's observation and reward
 normalization is SB3's VecNormalize as RL Zoo's `normalize: true` wraps the env; its evaluation uses the training
-statistics, frozen, and raw rewards, as the zoo's does.
+statistics, frozen, and raw rewards, as the zoo's does. A DQN config on an Atari game through EnvPool
+(configs/dqn_atari.yaml) is played on SB3's side by ALE's <Game>NoFrameskip-v4 under SB3's AtariWrapper and a
+4-frame VecFrameStack, with CnnPolicy: EnvPool's settings (its defaults, then env.kwargs) translated key by key
+(sb3_atari; ale-py and OpenCV come with the bench extra). Both sides report whole-game scores.
 """
 
 from __future__ import annotations
@@ -338,15 +341,76 @@ def sb3_model(cfg, seed: int):
     name, kwargs = sb3_kwargs(cfg)
     normalize = kwargs.pop("normalize", None)
     torch.set_num_threads(1)
-    env = make_vec_env(cfg.env.id, n_envs=cfg.env.num_envs, seed=seed)
+    atari = sb3_atari(cfg)
+    env = atari(cfg.env.num_envs, seed) if atari else make_vec_env(cfg.env.id, n_envs=cfg.env.num_envs, seed=seed)
     if normalize is not None:
         env = VecNormalize(env, **normalize)
     if name == "TD3":
         # policy.exploration_noise: the std of Gaussian noise on actions scaled to [-1, 1], as SB3's action noise.
         dims = env.action_space.shape[0]
         kwargs["action_noise"] = NormalActionNoise(np.zeros(dims), np.full(dims, cfg.policy.exploration_noise))
-    model = {"DQN": DQN, "PPO": PPO, "SAC": SAC, "TD3": TD3}[name]("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
+    policy = "CnnPolicy" if atari else "MlpPolicy"
+    model = {"DQN": DQN, "PPO": PPO, "SAC": SAC, "TD3": TD3}[name](policy, env, seed=seed, device="cpu", **kwargs)
     return model, env
+
+
+# EnvPool's Atari kwargs and what SB3's AtariWrapper (or the ALE env under it) calls them.
+ATARI_WRAPPER_KEYS = {
+    "noop_max": "noop_max",
+    "frame_skip": "frame_skip",
+    "img_height": "screen_size",
+    "episodic_life": "terminal_on_life_loss",
+    "reward_clip": "clip_reward",
+}
+# EnvPool's Atari kwargs that SB3's pipeline has fixed: the value it has there, which the config must keep.
+ATARI_FIXED = {
+    "img_width": 84,
+    "stack_num": 4,  # VecFrameStack(4) below: other stacks are refused rather than silently differing
+    "gray_scale": True,
+    "use_fire_reset": True,  # AtariWrapper fires after every reset of a game with FIRE (Breakout has it)
+    "full_action_space": False,
+    "zero_discount_on_life_loss": False,
+    "num_threads": None,  # EnvPool's own threading: no meaning for SB3, any value accepted
+    "use_inter_area_resize": True,  # AtariWrapper's WarpFrame resizes with cv2.INTER_AREA
+}
+
+
+def sb3_atari(cfg):
+    """None unless the config plays an Atari game through EnvPool (env.backend: envpool, an ALE id such as
+    Breakout-v5). Then a function (n_envs, seed) -> SB3's VecEnv of the same game with the same preprocessing:
+    ALE's <Game>NoFrameskip-v4 under SB3's AtariWrapper (make_atari_env) and VecFrameStack, each EnvPool setting
+    (its defaults, then env.kwargs) translated key by key; a setting SB3 cannot express is refused."""
+    if cfg.env.backend != "envpool" or cfg.classes["policy"] != "q_network" or cfg.policy.cnn != "nature":
+        return None
+    import ale_py
+    import envpool
+    import gymnasium as gym
+    from stable_baselines3.common.env_util import make_atari_env
+    from stable_baselines3.common.vec_env import VecFrameStack
+
+    gym.register_envs(ale_py)
+    game = cfg.env.id.removesuffix("-v5")
+    ale_id = f"{game}NoFrameskip-v4"
+    if ale_id not in gym.registry:
+        raise SystemExit(f"learning.py --sb3: env.id {cfg.env.id!r} is not an ALE game ({ale_id} is not registered)")
+    settings = {**envpool.make_spec(cfg.env.id).config._asdict(), **cfg.env.kwargs}
+    refused = [
+        f"{key}={settings[key]}" for key, value in ATARI_FIXED.items() if value is not None and settings[key] != value
+    ]
+    if refused:
+        raise SystemExit(f"learning.py --sb3: env.kwargs {', '.join(refused)} have no SB3 AtariWrapper translation")
+    wrapper = {theirs: settings[ours] for ours, theirs in ATARI_WRAPPER_KEYS.items()}
+    ale = dict(
+        repeat_action_probability=settings["repeat_action_probability"],
+        # EnvPool's max_episode_steps counts agent steps, ALE's limit frames
+        max_num_frames_per_episode=settings["max_episode_steps"] * settings["frame_skip"],
+    )
+
+    def make(n_envs: int, seed: int):
+        envs = make_atari_env(ale_id, n_envs=n_envs, seed=seed, wrapper_kwargs=wrapper, env_kwargs=ale)
+        return VecFrameStack(envs, n_stack=settings["stack_num"])
+
+    return make
 
 
 def sb3_seed(config: Path, overrides: list[str], seed: int, checkpoint: Path | None = None) -> dict:
@@ -361,8 +425,11 @@ def sb3_seed(config: Path, overrides: list[str], seed: int, checkpoint: Path | N
     model, env = sb3_model(cfg, seed)
     model, wall, resumed = sb3_learn(model, env, cfg.train.total_steps, checkpoint)
     returns = [e["r"] for e in list(model.ep_info_buffer)[-WINDOW:]]
-    eval_env = gym.make(cfg.env.id)
-    eval_env.reset(seed=10_000 + seed)
+    atari = sb3_atari(cfg)
+    # Atari: the training preprocessing; its Monitor (under AtariWrapper) counts whole games, as ours does
+    eval_env = atari(1, 10_000 + seed) if atari else gym.make(cfg.env.id)
+    if not atari:
+        eval_env.reset(seed=10_000 + seed)
     if isinstance(env, VecNormalize):  # as RL Zoo evaluates: the training statistics and settings, frozen; raw rewards
         frozen = dict(norm_obs=env.norm_obs, clip_obs=env.clip_obs, gamma=env.gamma, epsilon=env.epsilon)
         eval_env = VecNormalize(DummyVecEnv([lambda: eval_env]), training=False, norm_reward=False, **frozen)
