@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from spmd_rl.algorithms.configs import DQNConfig
-from spmd_rl.algorithms.fused_adam import FusedAdamStep
+from spmd_rl.algorithms.fused_adam import FusedAdamStep, clip_grad_norm
 from spmd_rl.algorithms.targets import local_view, target_copy
 from spmd_rl.algorithms.twin_critic import as_floats
 from spmd_rl.envs.spaces import zeros_of
@@ -76,22 +76,6 @@ def n_step_transitions(segment: TensorDict, gamma: float, n: int) -> TensorDict:
         },
         batch_size=[int(valid.sum())],
     )
-
-
-@torch.no_grad()
-def clip_grad_norm(params: list[Tensor], max_norm: float) -> None:
-    """torch.nn.utils.clip_grad_norm_(params, max_norm): its kernels in its order, so the same gradients bit for
-    bit, without its grouping of the gradients by device and dtype, which costs more than the kernels on a small
-    network stepped per batch. Gradients of several devices or dtypes, or DTensors (fsdp), go through torch's."""
-    grads = [param.grad for param in params if param.grad is not None]
-    first = grads[0] if grads else None
-    if first is None or any(
-        type(grad) is not Tensor or grad.device != first.device or grad.dtype != first.dtype for grad in grads
-    ):
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return
-    total_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-    torch._foreach_mul_(grads, torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
 
 
 class DQN(Algorithm):

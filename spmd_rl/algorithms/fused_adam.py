@@ -1,6 +1,6 @@
-"""A fused torch.optim.Adam's step without its Python wrapper: on small networks, stepped once per minibatch, the
-wrapper (profiler record, hooks, grad mode, grouping the tensors by device and dtype, gathering the state) costs
-more than the fused kernel itself.
+"""A fused torch.optim.Adam's step, and the gradient clip before it, without their Python wrappers: on small
+networks, stepped once per minibatch, the wrapper (profiler record, hooks, grad mode, grouping the tensors by device
+and dtype, gathering the state) costs more than the fused kernel itself.
 
 The kernel, its arguments and the optimizer's state are torch's own: the state is created by Adam's _init_group
 on the first step and read back from optimizer.state, so state_dict(), load_state_dict() and checkpoints are
@@ -92,3 +92,21 @@ class FusedAdamStep:
             return False
         self.state_lists, self.gathered_from = (exp_avgs, exp_avg_sqs, steps), optimizer.state
         return True
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> None:
+    """torch.nn.utils.clip_grad_norm_(params, max_norm): its kernels in its order, so the same gradients bit for
+    bit, without its grouping of the gradients by device and dtype, which costs more than the kernels on a small
+    network stepped per batch. Gradients of several devices or dtypes, or DTensors (fsdp), go through torch's."""
+    grads = [param.grad for param in params if param.grad is not None]
+    first = grads[0] if grads else None
+    if first is None or any(
+        type(grad) is not torch.Tensor or grad.device != first.device or grad.dtype != first.dtype for grad in grads
+    ):
+        nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    # max_norm / (norm + 1e-6), clamped at 1, in place and in the ops `float / Tensor` dispatches to (reciprocal,
+    # then mul: the same numbers) without Tensor.__rtruediv__'s Python wrapper.
+    torch._foreach_mul_(grads, norm.add_(1e-6).reciprocal_().mul_(max_norm).clamp_(max=1.0))

@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from spmd_rl.algorithms.configs import PPOConfig
-from spmd_rl.algorithms.fused_adam import FusedAdamStep
+from spmd_rl.algorithms.fused_adam import FusedAdamStep, clip_grad_norm
 from spmd_rl.algorithms.vtrace import vtrace
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, PolicyMethod, Schedule
 from spmd_rl.interfaces.context import Context
@@ -450,7 +450,7 @@ class PPO(PPOUpdateTail, Algorithm):
                 for param in self.parameters:  # zero_grad(set_to_none=True), without its per-call bookkeeping
                     param.grad = None
                 (losses @ coefficients).backward()
-                self._clip_gradients()
+                clip_grad_norm(self.parameters, self.cfg.max_grad_norm)
                 self.adam_step()
                 steps.append(losses.detach())
             if stopped:
@@ -470,7 +470,7 @@ class PPO(PPOUpdateTail, Algorithm):
             for param in self.parameters:
                 param.grad = None
             return None
-        self._clip_gradients()
+        clip_grad_norm(self.parameters, self.cfg.max_grad_norm)
         self.adam_step()
         return losses
 
@@ -512,12 +512,3 @@ class PPO(PPOUpdateTail, Algorithm):
             shuffled_minibatches(data, cfg.num_minibatches, cfg.normalize_advantages)[0]
             for _ in range(cfg.update_epochs)
         )
-
-    def _clip_gradients(self) -> None:
-        """Scale the gradients to a total norm of at most max_grad_norm (as nn.utils.clip_grad_norm_, in its
-        foreach form, without its argument handling: it runs once per minibatch)."""
-        grads = [p.grad for p in self.parameters if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        # max_grad_norm / (norm + 1e-6), clamped at 1, in place and in the ops `float / Tensor` dispatches to
-        # (reciprocal, then mul: the same numbers) without Tensor.__rtruediv__'s Python wrapper.
-        torch._foreach_mul_(grads, norm.add_(1e-6).reciprocal_().mul_(self.cfg.max_grad_norm).clamp_(max=1.0))

@@ -19,9 +19,10 @@ from typing import ClassVar
 
 import torch
 from tensordict import TensorDict
-from torch import Tensor, nn
+from torch import Tensor
 
 from spmd_rl.algorithms.configs import PPOConfig
+from spmd_rl.algorithms.fused_adam import clip_grad_norm
 from spmd_rl.algorithms.ppo import (
     APPROX_KL,
     LOSS_NAMES,
@@ -174,7 +175,7 @@ class RecurrentPPO(PPOUpdateTail, Algorithm):
                     break
                 self.optimizer.zero_grad(set_to_none=True)
                 total_loss(losses, cfg).backward()
-                nn.utils.clip_grad_norm_(self.parameters, cfg.max_grad_norm)
+                clip_grad_norm(self.parameters, cfg.max_grad_norm)
                 self.optimizer.step()
                 with torch.no_grad():
                     steps.append(torch.stack([losses[name] for name in LOSS_NAMES]))
@@ -191,7 +192,7 @@ class RecurrentPPO(PPOUpdateTail, Algorithm):
         if self.stops_early(losses[APPROX_KL]):
             self.optimizer.zero_grad(set_to_none=True)
             return None
-        nn.utils.clip_grad_norm_(self.parameters, cfg.max_grad_norm)
+        clip_grad_norm(self.parameters, cfg.max_grad_norm)
         self.optimizer.step()
         return losses
 
