@@ -1,7 +1,7 @@
 """The update overhead cuts (PPO's, issue 31; DQN's, SAC's and TD3's, issue 28) compute the same numbers, bit for
 bit, as the forms they replace: all epochs' shuffles at once against one epoch at a time, the fused Adam kernel
-called directly against optimizer.step() (also on a plain tensor, as SAC's temperature), DQN's gradient clipping
-against torch's, and an optimizer built without importing torch._dynamo."""
+called directly against optimizer.step() (also on a plain tensor, as SAC's temperature), the shared gradient clipping
+(fused_adam.clip_grad_norm: PPO's and DQN's) against torch's, and an optimizer built without importing torch._dynamo."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from spmd_rl.algorithms.dqn import clip_grad_norm
-from spmd_rl.algorithms.fused_adam import FusedAdamStep
+from spmd_rl.algorithms.fused_adam import FusedAdamStep, clip_grad_norm
 from spmd_rl.algorithms.ppo import epoch_minibatches, shuffled_minibatches
 
 
@@ -123,7 +122,7 @@ def test_fused_adam_step_on_a_plain_tensor_calls_the_kernel_and_equals_optimizer
 
 
 @pytest.mark.parametrize("max_norm", [10.0, 0.01])  # not clipping, and clipping
-def test_dqn_gradient_clipping_equals_torch_clip_grad_norm_bit_for_bit(max_norm):
+def test_gradient_clipping_equals_torch_clip_grad_norm_bit_for_bit(max_norm):
     torch.manual_seed(1)
     mine = [nn.Parameter(torch.randn(shape)) for shape in ((256, 4), (256,), (2, 256))]
     reference = [nn.Parameter(p.detach().clone()) for p in mine]
