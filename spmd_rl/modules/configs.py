@@ -37,6 +37,14 @@ class EncoderConfig:
     cnn_features: int = knob(
         0, "CNN encoder: width of the linear layer after the convolutions (0 = the preset's)", min=0
     )
+    cnn_init: str = knob(
+        "auto",
+        "CNN encoder initialization: auto (orthogonal for the nature preset, torch's default for small), orthogonal "
+        "(gain sqrt(2), zero biases: the PPO recipe) or default (torch's Conv2d/Linear init, as SB3's and CleanRL's "
+        "DQN keep it)",
+        choices=["auto", "orthogonal", "default"],
+        omit_default=True,
+    )
 
 
 @dataclass

@@ -181,7 +181,8 @@ def is_image(space: gym.Space) -> bool:
 
 
 def make_encoder(space: gym.Space, config) -> nn.Module:
-    """config: ActorCriticConfig (encoder, normalize_obs, cnn, cnn_channels, cnn_kernels, cnn_strides, cnn_features)."""
+    """config: EncoderConfig (encoder, normalize_obs, cnn, cnn_channels, cnn_kernels, cnn_strides, cnn_features,
+    cnn_init)."""
     if isinstance(space, gym.spaces.Dict):
         return DictEncoder(space, config)
     if not isinstance(space, gym.spaces.Box):
@@ -196,5 +197,6 @@ def make_encoder(space: gym.Space, config) -> nn.Module:
         if len(space.shape) not in (2, 3):
             raise UserError(f"policy.encoder=cnn needs image observations (H x W x C or C x H x W); got {space}")
         layers, features = cnn_layers(config)
-        return ImageEncoder(space, layers, features, orthogonal_init=config.cnn == "nature")
+        init = config.cnn_init if config.cnn_init != "auto" else ("orthogonal" if config.cnn == "nature" else "default")
+        return ImageEncoder(space, layers, features, orthogonal_init=init == "orthogonal")
     return VectorEncoder(space, config.normalize_obs)

@@ -19,6 +19,7 @@ from spmd_rl.envs.vector import make_vector_env, probe_env
 from spmd_rl.modules.actor_critic import ActorCritic
 from spmd_rl.modules.configs import ActorCriticConfig
 from spmd_rl.modules.encoders import ImageEncoder, cnn_layers
+from spmd_rl.modules.q_network import QNetwork
 from spmd_rl.runtime.errors import UserError
 
 ATARI = str(ROOT / "configs" / "ppo_atari.yaml")
@@ -44,6 +45,28 @@ def test_the_nature_preset_has_the_dqn_layers_and_512_features():
     assert policy.actor[0].in_features == 512 and len(policy.actor) == 1  # hidden_sizes [] : linear heads
     out = policy.act(torch.randint(0, 256, (5, 4, 84, 84), dtype=torch.uint8))
     assert out["action"].shape == (5,) and out["value"].shape == (5,)
+
+
+def test_cnn_init_default_is_torchs_own_init_and_auto_keeps_the_nature_presets_orthogonal_init():
+    """policy.cnn_init: the DQN Atari config takes torch's Conv2d/Linear init, as SB3's DQN does (its NatureCNN is
+    not orthogonally initialized): the same draws as the layers made by hand under the same seed. auto (the
+    default) keeps the nature preset's orthogonal init with zero biases."""
+    cfg = load_config(DQN_ATARI)
+    assert cfg.policy.cnn_init == "default"
+    torch.manual_seed(3)
+    encoder = QNetwork(FRAMES, gym.spaces.Discrete(4), cfg.policy).encoder
+    torch.manual_seed(3)
+    by_hand = [torch.nn.Conv2d(4, 32, 8, 4), torch.nn.Conv2d(32, 64, 4, 2), torch.nn.Conv2d(64, 64, 3, 1)]
+    by_hand.append(torch.nn.Linear(64 * 7 * 7, 512))
+    for ours, theirs in zip([*convs(encoder), encoder.linear[0]], by_hand, strict=True):
+        assert torch.equal(ours.weight, theirs.weight) and torch.equal(ours.bias, theirs.bias)
+    assert 0.03 < convs(encoder)[0].weight.std() < 0.04  # kaiming-uniform(a=sqrt 5): 1/sqrt(3 * 256) = 0.036
+
+    auto = QNetwork(FRAMES, gym.spaces.Discrete(4), type(cfg.policy)(**{**vars(cfg.policy), "cnn_init": "auto"}))
+    first = convs(auto.encoder)[0]
+    assert 0.08 < first.weight.std() < 0.095 and not first.bias.any()  # orthogonal, gain sqrt(2): ~0.088
+    small = ActorCritic(FRAMES, gym.spaces.Discrete(4), ActorCriticConfig(cnn_init="orthogonal")).encoder
+    assert not convs(small)[0].bias.any()
 
 
 def test_the_small_preset_stays_the_default_encoder():
