@@ -3,8 +3,9 @@ MLP giving Q(s, a) for every discrete action. It is a Policy like any other, so 
 is epsilon-greedy, epsilon a buffer that the DQN trainer sets from its schedule and that travels with the weights.
 
 The Q MLP keeps PyTorch's default initialization, as SB3's and CleanRL's DQN do; so does a CNN encoder under
-`policy.cnn_init: default` (configs/dqn_atari.yaml), while `auto` keeps the nature preset's orthogonal init. With an `action_mask` in the
-observation (modules/masks.py) the argmax and the random actions range over the allowed actions only.
+`policy.cnn_init: default` (configs/dqn_atari.yaml), while `auto` keeps the nature preset's orthogonal init.
+With an `action_mask` in the observation (modules/masks.py) the argmax and the random actions range over the
+allowed actions only.
 """
 
 from __future__ import annotations
