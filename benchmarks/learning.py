@@ -399,6 +399,11 @@ def sb3_atari(cfg):
     ]
     if refused:
         raise SystemExit(f"learning.py --sb3: env.kwargs {', '.join(refused)} have no SB3 AtariWrapper translation")
+    if cfg.policy.cnn_init != "default":  # auto means orthogonal for the nature preset
+        raise SystemExit(
+            f"learning.py --sb3: policy.cnn_init={cfg.policy.cnn_init} has no SB3 translation: SB3's DQN CnnPolicy "
+            "keeps torch's default init (policy.cnn_init=default)"
+        )
     wrapper = {theirs: settings[ours] for ours, theirs in ATARI_WRAPPER_KEYS.items()}
     ale = dict(
         repeat_action_probability=settings["repeat_action_probability"],
