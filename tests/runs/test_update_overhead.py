@@ -1,7 +1,8 @@
 """The update overhead cuts (PPO's, issue 31; DQN's, SAC's and TD3's, issue 28) compute the same numbers, bit for
 bit, as the forms they replace: all epochs' shuffles at once against one epoch at a time, the fused Adam kernel
 called directly against optimizer.step() (also on a plain tensor, as SAC's temperature), the shared gradient clipping
-(fused_adam.clip_grad_norm: PPO's and DQN's) against torch's, and an optimizer built without importing torch._dynamo."""
+(fused_adam.clip_grad_norm: PPO's and DQN's) against torch's, an optimizer built without importing torch._dynamo, and
+the trainer's learn flushing denormal floats (its Adam steps on decayed moments) and nothing else."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import sys
 
 import pytest
 import torch
+from harness.runs import TINY, assert_run_complete, run_main
 from torch import nn
 
 from spmd_rl.algorithms.fused_adam import FusedAdamStep, clip_grad_norm
 from spmd_rl.algorithms.ppo import epoch_minibatches, shuffled_minibatches
+from spmd_rl.roles.trainer import FlushDenormals, flushing_denormals
 
 
 def batch(size: int) -> dict[str, torch.Tensor]:
@@ -166,3 +169,28 @@ def test_an_optimizer_is_built_saved_and_loaded_without_importing_torch_dynamo()
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_flush_denormals_flushes_inside_restores_after_and_leaves_a_flushing_thread_alone():
+    assert not flushing_denormals()
+    moment = torch.full((4,), 2e-38)
+    with FlushDenormals():
+        assert flushing_denormals()
+        assert not (moment * 0.5).any()  # 1e-38 is a denormal: flushed to 0
+    assert not flushing_denormals() and (moment * 0.5).all()
+    torch.set_flush_denormal(True)
+    try:
+        with FlushDenormals():
+            assert flushing_denormals()
+        assert flushing_denormals()  # it was on before: left on
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def test_the_algorithms_learn_runs_flushed_and_acting_does_not(tmp_path):
+    """A plug-in PPO reports, from its learn and from its policy's act, whether denormals flush there."""
+    plugins = "tests.harness.probe_plugins"
+    probe = [f"algo.class={plugins}:FlushProbePPO", f"policy.class={plugins}:FlushProbePolicy"]
+    result = run_main("--config", TINY, f"run.dir={tmp_path}", *probe)
+    records = assert_run_complete(result, tmp_path, iterations=8)
+    assert [(r["learn_flushed"], r["act_flushed"]) for r in records] == [(1.0, 0.0)] * 8
