@@ -199,7 +199,9 @@ def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.devic
             f"delete {directory} to resume from the previous checkpoint"
         )
     try:
-        state = torch.load(file, map_location=map_location, weights_only=True)
+        # mmap: the file's tensors are read from the page cache as they are copied into place, not first into a
+        # second copy in memory (a resume with a large in-memory replay would otherwise need it twice).
+        state = torch.load(file, map_location=map_location, weights_only=True, mmap=True)
     except Exception as exc:  # torch raises several types for damaged files; each means the same to the user
         first_line = load_failure(exc)
         raise UserError(
