@@ -199,13 +199,13 @@ class ReplayBuffer:
         state = {"total_rows": self.total_rows}
         if isinstance(self.storage, MemoryStorage):
             held = min(self.total_rows, self.capacity)
-            rows = self.storage.rows
             # torch.save writes a view's whole storage, so the rows held alone need a copy. From half full on the
             # whole preallocated buffer is saved as it is instead: a copy would be another buffer in memory at
             # every checkpoint (a 100k-row Atari replay: 5.6 GB more; two such runs here were killed for it).
             # The file then holds at most twice the rows held; below half full the copy is at most half a buffer.
-            state["rows"] = (rows if 2 * held >= self.capacity else rows[:held].clone()).to_dict()
-            state["rows_saved"] = self.capacity if 2 * held >= self.capacity else held
+            whole = 2 * held >= self.capacity
+            state["rows"] = (self.storage.rows if whole else self.storage.rows[:held].clone()).to_dict()
+            state["rows_saved"] = self.capacity if whole else held
         return state
 
     def load_state_dict(self, state: dict) -> None:
