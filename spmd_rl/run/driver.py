@@ -121,7 +121,7 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
         first = first_error(raised)
         if not isinstance(first, (Exception, KeyboardInterrupt, StopSignal, SystemExit)):
             raise
-        exit_code, waited, spoke = _report_failure(first, launch, who)
+        exit_code, waited, spoke = _report_failure(first, launch, who, started=runtime is not None)
         if first is not raised and spoke:
             print(f"spmd_rl: {who}: then, while cleaning up: {describe_exception(raised)}", file=sys.stderr, flush=True)
     finally:
@@ -146,8 +146,14 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
     return exit_code
 
 
-def _report_failure(exc: BaseException, launch: LaunchInfo, who: str) -> tuple[int, CommError | None, bool]:
-    """One line for how this rank failed: (exit code, the wait it failed in or None, whether this rank spoke)."""
+def _report_failure(
+    exc: BaseException, launch: LaunchInfo, who: str, started: bool
+) -> tuple[int, CommError | None, bool]:
+    """One line for how this rank failed: (exit code, the wait it failed in or None, whether this rank spoke).
+    A signal before the process group exists (started: False) is the job's stop, not a failure of this rank: rank 0
+    speaks for the job, as main.py's early handlers do, and the launcher scripts when rank 0 could not."""
+    if isinstance(exc, (KeyboardInterrupt, StopSignal)) and not started and launch.rank != 0:
+        return (130 if isinstance(exc, KeyboardInterrupt) else 128 + exc.signal_number), None, False
     if isinstance(exc, UserError):  # found while running (a rank's files, a config that differs): say which rank
         speaker = launch.rank == 0 or not isinstance(exc, SharedUserError)
         return user_error(exc, speaker=speaker, rank=launch.rank), None, speaker

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from spmd_rl.runtime.errors import CommError, UserError
 from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.postmortem import set_job_key
+from spmd_rl.runtime.signals import signals_held_off
 
 NCCL_WATCHDOG_MARGIN = datetime.timedelta(seconds=60)
 
@@ -165,13 +166,14 @@ def start_runtime(
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: keep gloo off other interfaces
         try:
             # No device_id: it would create the world's NCCL communicator eagerly, on env ranks too.
-            dist.init_process_group(
-                runtime.backend,
-                rank=launch.rank,
-                world_size=launch.world_size,
-                timeout=runtime.group_timeout,
-                **_rendezvous(launch, runtime.timeout),
-            )
+            with signals_held_off():
+                dist.init_process_group(
+                    runtime.backend,
+                    rank=launch.rank,
+                    world_size=launch.world_size,
+                    timeout=runtime.group_timeout,
+                    **_rendezvous(launch, runtime.timeout),
+                )
         except Exception as exc:  # the store could not be reached or a peer never arrived
             raise CommError(
                 f"rank {launch.rank}: init_process_group ({launch.launcher}, {launch.init_method}) "

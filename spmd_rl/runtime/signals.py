@@ -152,6 +152,20 @@ def _announce_stop(name: str, signum: int) -> None:
     )
 
 
+class signals_held_off:
+    """`with signals_held_off():` the stop signals are blocked in this thread (the main one) while a C++ call runs
+    that sleeps between retries: torch's store client (init_process_group's rendezvous) logs a warning and a C++
+    stack trace to stderr when a signal interrupts that sleep, around the rank's one line. Python runs the handler
+    only when the call returns in any case; a signal that came meanwhile stays pending and is handled as the
+    section ends (another thread may take it first: that changes nothing, the handler still runs here)."""
+
+    def __enter__(self) -> None:
+        self._before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._before)
+
+
 class signals_deferred:
     """`with signals_deferred():` a section that a signal must not cut in half (a file write and its commit).
 
