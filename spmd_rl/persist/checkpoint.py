@@ -17,6 +17,12 @@ file either has its final name and all its bytes, or does not exist; a full disk
 
 States hold only what weights_only loading accepts: tensors, numbers, strings, None, lists, tuples and dicts.
 capture_rng_state / restore_rng_state encode every random generator a rank draws from in those terms.
+
+A rank file is read through mmap, and only the tensors under a MAPPED_ROWS key stay backed by it: rows their
+reader copies into buffers of its own at once (a memory replay's), which would otherwise be in memory twice while
+a resume copies them. Every other tensor is copied into memory as it loads: a tensor kept as loaded (an
+optimizer's moments: Optimizer.load_state_dict keeps same-dtype CPU tensors) would keep the whole file mapped,
+and its disk space in use after the checkpoint is pruned, for the rest of the process.
 """
 
 from __future__ import annotations
@@ -165,6 +171,20 @@ def find_checkpoint(path: Path | str) -> Path:
     raise UserError(f"{path} is not a checkpoint: give a run directory or <run dir>/{CHECKPOINTS_DIR}/{_PREFIX}<N>")
 
 
+MAPPED_ROWS = "mapped_rows"  # a state's tensors under this key are read from the checkpoint file as they are used
+
+
+def _copied_off_the_file(value, mapped: bool = False):
+    """The loaded state with every tensor outside a MAPPED_ROWS entry copied into memory."""
+    if isinstance(value, torch.Tensor):
+        return value if mapped else value.clone()
+    if isinstance(value, dict):
+        return {k: _copied_off_the_file(v, mapped or k == MAPPED_ROWS) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied_off_the_file(v, mapped) for v in value)
+    return value
+
+
 def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.device = "cpu", whole: bool = False) -> dict:
     """Read rank `rank`'s state from a checkpoint directory (see CheckpointStore.load). whole: a sharded
     checkpoint's placeholders are read as whole tensors here (for evaluation and run.init_from)."""
@@ -199,9 +219,7 @@ def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.devic
             f"delete {directory} to resume from the previous checkpoint"
         )
     try:
-        # mmap: the file's tensors are read from the page cache as they are copied into place, not first into a
-        # second copy in memory (a resume with a large in-memory replay would otherwise need it twice).
-        state = torch.load(file, map_location=map_location, weights_only=True, mmap=True)
+        state = _copied_off_the_file(torch.load(file, map_location=map_location, weights_only=True, mmap=True))
     except Exception as exc:  # torch raises several types for damaged files; each means the same to the user
         first_line = load_failure(exc)
         raise UserError(

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from spmd_rl.persist.checkpoint import MAPPED_ROWS
 from spmd_rl.runtime.distributed import wait
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.storage.schema import layout_of
@@ -204,14 +205,16 @@ class ReplayBuffer:
             # every checkpoint (a 100k-row Atari replay: 5.6 GB more; two such runs here were killed for it).
             # The file then holds at most twice the rows held; below half full the copy is at most half a buffer.
             whole = 2 * held >= self.capacity
-            state["rows"] = (self.storage.rows if whole else self.storage.rows[:held].clone()).to_dict()
+            state[MAPPED_ROWS] = (self.storage.rows if whole else self.storage.rows[:held].clone()).to_dict()
             state["rows_saved"] = self.capacity if whole else held
         return state
 
     def load_state_dict(self, state: dict) -> None:
         if isinstance(self.storage, MemoryStorage):
             held = min(state["total_rows"], self.capacity)
-            saved = TensorDict(state["rows"], batch_size=[state.get("rows_saved", held)])
+            # "rows": a checkpoint written before its rows were read through mmap (they load copied, as then)
+            rows = state[MAPPED_ROWS] if MAPPED_ROWS in state else state["rows"]
+            saved = TensorDict(rows, batch_size=[state.get("rows_saved", held)])
             self.storage.rows[:held] = saved[:held]
             self.storage._total = state["total_rows"]
         else:

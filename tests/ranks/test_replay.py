@@ -1,6 +1,8 @@
 """Replay buffer: both backends, ring eviction, uniform sampling, reopening, sharded sampling on real gloo ranks."""
 
 import datetime
+import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torch.distributed as dist
 from harness.multiproc import assert_all_ok, run_ranks
 from tensordict import TensorDict
 
+from spmd_rl.persist.checkpoint import MAPPED_ROWS, CheckpointStore, load_checkpoint
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.storage.replay import ReplayBuffer, ShardedReplay
 
@@ -218,7 +221,7 @@ def test_a_memory_checkpoint_from_half_full_on_saves_the_buffer_itself_without_a
     buffer = make_buffer("memory", 100, tmp_path)
     buffer.add(transitions(range(added)))
     state = buffer.state_dict()
-    assert state["rows"]["obs"].data_ptr() == buffer.storage.rows["obs"].data_ptr()
+    assert state[MAPPED_ROWS]["obs"].data_ptr() == buffer.storage.rows["obs"].data_ptr()
     path = tmp_path / "state.pt"
     torch.save(state, path)
     restored = make_buffer("memory", 100, tmp_path)
@@ -226,3 +229,37 @@ def test_a_memory_checkpoint_from_half_full_on_saves_the_buffer_itself_without_a
     assert len(restored) == len(buffer) == min(added, 100) and restored.total_rows == added
     assert torch.equal(restored.read(torch.arange(len(buffer)))["id"], buffer.read(torch.arange(len(buffer)))["id"])
     assert (restored.storage.rows == buffer.storage.rows)[: len(buffer)].all()
+
+
+def _mapped(file: Path) -> bool:
+    return any(str(file) in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def test_a_resume_keeps_no_mapping_of_the_checkpoint_file_once_the_rows_are_copied_in(tmp_path):
+    """Checkpoints load through mmap, and only a replay's rows stay backed by the file while the replay copies them
+    into its own buffer. A tensor kept as loaded (Adam keeps its moments' tensors) would keep the whole file mapped,
+    and its disk space in use after the checkpoint is pruned, until the process ends."""
+    net = torch.nn.Linear(64, 64)
+    adam = torch.optim.Adam(net.parameters())
+    net(torch.randn(8, 64)).sum().backward()
+    adam.step()
+    buffer = make_buffer("memory", 100, tmp_path)
+    buffer.add(transitions(range(80)))  # from half full the rows go to the file as they are
+    store = CheckpointStore(tmp_path, keep=1)
+    store.save({"optimizer": adam.state_dict(), "replay": buffer.state_dict()}, 1, 0)
+    file = store.commit(1, world_size=1) / "rank0.pt"
+
+    state = load_checkpoint(file.parent, rank=0)
+    assert _mapped(file)  # the rows, read as the replay copies them
+    resumed = torch.optim.Adam(net.parameters())
+    resumed.load_state_dict(state["optimizer"])
+    restored = make_buffer("memory", 100, tmp_path)
+    restored.load_state_dict(state["replay"])
+    del state
+    gc.collect()
+    assert not _mapped(file)
+    store.save({"optimizer": resumed.state_dict()}, 2, 0)
+    store.commit(2, world_size=1)  # keep=1: the first checkpoint is pruned, and its space is free
+    assert not file.exists() and not _mapped(file)
+    assert torch.equal(resumed.state_dict()["state"][0]["exp_avg"], adam.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(restored.read(torch.arange(80))["id"], torch.arange(80))
