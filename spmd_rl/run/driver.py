@@ -149,11 +149,19 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
 def _report_failure(
     exc: BaseException, launch: LaunchInfo, who: str, started: bool
 ) -> tuple[int, CommError | None, bool]:
-    """One line for how this rank failed: (exit code, the wait it failed in or None, whether this rank spoke).
-    A signal before the process group exists (started: False) is the job's stop, not a failure of this rank: rank 0
-    speaks for the job, as main.py's early handlers do, and the launcher scripts when rank 0 could not."""
-    if isinstance(exc, (KeyboardInterrupt, StopSignal)) and not started and launch.rank != 0:
-        return (130 if isinstance(exc, KeyboardInterrupt) else 128 + exc.signal_number), None, False
+    """One line for how this rank failed: (exit code, the wait it failed in or None, whether this rank spoke)."""
+    if isinstance(exc, (KeyboardInterrupt, StopSignal)):
+        code, what = (
+            (130, "interrupted (SIGINT)")
+            if isinstance(exc, KeyboardInterrupt)
+            else (128 + exc.signal_number, f"stopped by {exc.signal_name}")
+        )
+        # A signal before the process group exists (started: False) is the job's stop, not a failure of this rank:
+        # rank 0 speaks for the job, as main.py's early handlers do, and the launcher scripts when rank 0 could not.
+        speaker = started or launch.rank == 0
+        if speaker:
+            print(f"spmd_rl: {who}: {what}", file=sys.stderr, flush=True)
+        return code, None, speaker
     if isinstance(exc, UserError):  # found while running (a rank's files, a config that differs): say which rank
         speaker = launch.rank == 0 or not isinstance(exc, SharedUserError)
         return user_error(exc, speaker=speaker, rank=launch.rank), None, speaker
@@ -163,12 +171,6 @@ def _report_failure(
     if isinstance(exc, UserCodeError):
         say(who, "error in user code", exc)
         return USER_CODE_EXIT_CODE, None, True
-    if isinstance(exc, KeyboardInterrupt):
-        print(f"spmd_rl: {who}: interrupted (SIGINT)", file=sys.stderr, flush=True)
-        return 130, None, True
-    if isinstance(exc, StopSignal):
-        print(f"spmd_rl: {who}: stopped by {exc.signal_name}", file=sys.stderr, flush=True)
-        return 128 + exc.signal_number, None, True
     if isinstance(exc, SystemExit):  # the framework never exits by raising: this came from user code
         return _say_user_exit(exc, who), None, True
     return unexpected_error(exc, who), None, True
