@@ -2,26 +2,41 @@
 sends and receives follow from the plan alone.
 
 The loops below are the whole engine, one method per role, side by side: in the colocated layout one rank runs all
-three roles in turns; in the split layout each rank runs its role's loop. Every loop ends each iteration with the
-run's agreement (checkpoints, stops) after the same iterations, so no rank waits there for one that must first pass
-it. A user's engine extends it by subclassing: `after_learn` (extra metrics, a held-out evaluation),
-`before_sync`, and `checkpoint_state` (what a checkpoint holds), rather than by copying the loops.
+three roles in turns; in the split layout each rank runs its role's loop. The colocated and trainer loops share one
+learn step. Every loop restores its components from the checkpoint the run resumes from (`Run.restore`) and ends
+each iteration with the run's agreement (checkpoints of the same components, stops) after the same iterations, so
+no rank waits there for one that must first pass it.
+
+A user's engine extends it by subclassing, rather than by copying the loops: `after_learn` (extra metrics, a
+held-out evaluation), `before_sync`, and `components` (state of its own that checkpoints hold). The async engine
+(engines/asynchronous/) is such a subclass too: it overrides where the loops' points differ (`agrees_after`, how
+a trainer receives its segments, the inference rank's server), and so every hook works there alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from tensordict import TensorDict
+
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.interfaces.policy import Policy
-from spmd_rl.roles.env_runner import EnvRunner
-from spmd_rl.roles.inference_server import InferenceServer
+from spmd_rl.persist import rank_state
+from spmd_rl.persist.rank_state import Component
+from spmd_rl.roles.messages import observation_message
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.run import COLOCATED, ENV, INFERENCE, TRAINER, Run
 
+# A trainer's next segment, by iteration: (the segment, metrics of its receipt for the iteration's line).
+SegmentSource = Callable[[int], tuple[TensorDict, dict]]
+
 
 class SyncEngine(Engine):
     """Every rank runs the story of its role; weights move at fixed points between rollouts."""
+
+    observation_layout = staticmethod(observation_message)  # how an env rank lays out its observation message
 
     def run(self, run: Run) -> Policy | None:
         loops = {
@@ -43,25 +58,51 @@ class SyncEngine(Engine):
         """Called on trainer and colocated ranks after an iteration the plan syncs after, before the weights of
         version plan.version_at(iteration + 1) ship (colocated: before the next rollout acts with them)."""
 
-    def checkpoint_state(
-        self,
-        trainer: Trainer | None = None,
-        report: Reporter | None = None,
-        runner: EnvRunner | None = None,
-        server: InferenceServer | None = None,
-    ) -> dict:
-        """What this rank's checkpoint holds, from the components it runs (the others are None). Extend it with
-        `{**super().checkpoint_state(...), "mine": ...}`; restore what you add from run's checkpoint yourself."""
-        state = {}
-        if trainer is not None:
-            state.update(trainer.state_dict())
-        if report is not None:
-            state["metrics"] = report.state_dict()
-        if runner is not None:
-            state.update(runner.checkpoint())
-        if server is not None:
-            state.update(server.checkpoint())  # a recurrent policy's per-env state
-        return state
+    def components(self, run: Run) -> dict[str, Component]:
+        """Components of your own on this rank ({name: object with state_dict() and load_state_dict(state)}):
+        checkpoints save each one's state under its name, and a resumed run loads it back before the first
+        iteration. Called once per rank, after the role's components are built; run.role says which role."""
+        return {}
+
+    def agrees_after(self, run: Run, iteration: int) -> bool:
+        """Whether every rank ends this iteration with the run's agreement (checkpoints, stops): the sync engine
+        after each one."""
+        return True
+
+    # -- the parts every loop shares -------------------------------------------------------------------------------
+
+    def restored(self, run: Run, role_components: dict[str, Component]) -> dict[str, Component]:
+        """This rank's components, the role's and the engine's own, loaded from the checkpoint the run resumes
+        from: what every agreement of the loop then saves."""
+        own = self.components(run)
+        rank_state.check_names(own, f"engine.class {type(self).__module__}:{type(self).__qualname__}")
+        components = {**role_components, **own}
+        run.restore(components)
+        return components
+
+    def end_iteration(self, run: Run, iteration: int, components: dict[str, Component]) -> None:
+        if self.agrees_after(run, iteration):
+            run.end_iteration(iteration, components)
+
+    def learn_step(
+        self, run: Run, trainer: Trainer, report: Reporter, iteration: int, segment, received: dict, logger
+    ) -> None:
+        """Learn from the iteration's segment, then the hooks, trainer 0's weight sync when the plan says, and the
+        iteration's report (received: metrics of the segments' receipt, beside the algorithm's)."""
+        plan = run.plan
+        metrics = self.after_learn(run, trainer, iteration, {**trainer.learn(segment, iteration), **received}, logger)
+        if plan.syncs_after(iteration):
+            self.before_sync(run, trainer, iteration)
+            version = plan.version_at(iteration + 1)
+            trainer.publish_weights(version, verify=run.verifies(version))  # colocated: nothing to publish
+        report(iteration, metrics, trainer.gather_statistics(segment), trainer)
+
+    def segment_source(self, run: Run, trainer: Trainer) -> SegmentSource:
+        """How a trainer receives an iteration's segments: one from each env rank, every step acted with the
+        iteration's version."""
+        return lambda iteration: (trainer.receive_segments(iteration, run.plan.version_at(iteration)), {})
+
+    segment_buffers = 1  # segment receives a trainer keeps posted per env rank
 
     # -- the loops -------------------------------------------------------------------------------------------------
 
@@ -70,6 +111,14 @@ class SyncEngine(Engine):
         step acts with the latest weights."""
         plan = run.plan
         runner, server, trainer, report = run.build_colocated(logger)
+        roles = {
+            rank_state.TRAINER: trainer,
+            rank_state.REPORT: report,
+            rank_state.ENV_RUNNER: runner,
+            rank_state.INFERENCE_SERVER: server,
+        }
+        components = self.restored(run, roles)
+        receive = self.segment_source(run, trainer)
         try:
             for iteration in run.iterations:
                 server.policy_version = plan.version_at(iteration)
@@ -79,23 +128,21 @@ class SyncEngine(Engine):
                     server.serve_step()
                     runner.receive_actions_and_step(step)
                 runner.send_segment()
-                segment = trainer.receive_segments(iteration, plan.version_at(iteration))
-                metrics = self.after_learn(run, trainer, iteration, trainer.learn(segment, iteration), logger)
-                if plan.syncs_after(iteration):
-                    self.before_sync(run, trainer, iteration)
-                report(iteration, metrics, trainer.gather_statistics(segment), trainer)
-                run.end_iteration(iteration, lambda: self.checkpoint_state(trainer, report, runner, server))
+                segment, received = receive(iteration)
+                self.learn_step(run, trainer, report, iteration, segment, received, logger)
+                self.end_iteration(run, iteration, components)
         finally:  # files are flushed and closed on every way out
             runner.close()
             trainer.close()
 
     def env_loop(self, run: Run, logger: None = None) -> None:
         """Step the envs with the inference rank's actions; one segment per iteration to the trainer."""
-        runner = run.build_env_runner()
+        runner = run.build_env_runner(self.observation_layout)
+        components = self.restored(run, {rank_state.ENV_RUNNER: runner})
         try:
             for iteration in run.iterations:
                 runner.collect_segment(iteration)
-                run.end_iteration(iteration, lambda: self.checkpoint_state(runner=runner))
+                self.end_iteration(run, iteration, components)
         finally:
             runner.close()
 
@@ -103,6 +150,7 @@ class SyncEngine(Engine):
         """Serve every env rank in a fixed order, one forward pass a step; take new weights between rollouts."""
         plan = run.plan
         server = run.build_inference_server()
+        components = self.restored(run, {rank_state.INFERENCE_SERVER: server})  # the weights come from trainer 0
         server.receive_weights()  # the initial weights come from trainer rank 0, never from matching seeds
         for iteration in run.iterations:
             server.explore_uniformly = plan.explores_at(iteration)
@@ -110,24 +158,19 @@ class SyncEngine(Engine):
                 server.serve_step()
             if plan.syncs_after(iteration):
                 server.take_weights(run.cfg.weights.verify_every)
-            # the weights come from trainer 0; a recurrent state is the server's
-            run.end_iteration(iteration, lambda: self.checkpoint_state(server=server))
+            self.end_iteration(run, iteration, components)
 
     def trainer_loop(self, run: Run, logger: MetricsLogger | None) -> None:
         """Learn from one segment per env rank per iteration; trainer 0 publishes the weights when the plan says."""
-        plan = run.plan
-        trainer, report = run.build_trainer(logger)
+        trainer, report = run.build_trainer(logger, recv_buffers=self.segment_buffers)
+        components = self.restored(run, {rank_state.TRAINER: trainer, rank_state.REPORT: report})
         try:
             # Inference ranks start from trainer rank 0's weights (initial or resumed).
-            trainer.publish_weights(plan.version_at(run.iterations.start), verify=False)
+            trainer.publish_weights(run.plan.version_at(run.iterations.start), verify=False)
+            receive = self.segment_source(run, trainer)
             for iteration in run.iterations:
-                segment = trainer.receive_segments(iteration, plan.version_at(iteration))
-                metrics = self.after_learn(run, trainer, iteration, trainer.learn(segment, iteration), logger)
-                if plan.syncs_after(iteration):
-                    self.before_sync(run, trainer, iteration)
-                    version = plan.version_at(iteration + 1)
-                    trainer.publish_weights(version, verify=run.verifies(version))
-                report(iteration, metrics, trainer.gather_statistics(segment), trainer)
-                run.end_iteration(iteration, lambda: self.checkpoint_state(trainer, report))
+                segment, received = receive(iteration)
+                self.learn_step(run, trainer, report, iteration, segment, received, logger)
+                self.end_iteration(run, iteration, components)
         finally:  # files are flushed and closed on every way out
             trainer.close()

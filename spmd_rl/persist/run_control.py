@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state
+from spmd_rl.persist.rank_state import ITERATION, RNG
 from spmd_rl.runtime.distributed import bounded
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.runtime.signals import requested_stop
@@ -136,7 +137,7 @@ class RunControl:
         error = None
         try:
             state = capture()
-            state.update(iteration=iteration, rng=capture_rng_state())
+            state.update({ITERATION: iteration, RNG: capture_rng_state()})
             self.store.save(state, iteration, self.rank)
         except UserError as exc:  # a full disk, a read-only directory: still take part in the vote below
             error = exc

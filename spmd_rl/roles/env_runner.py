@@ -182,6 +182,18 @@ class EnvRunner:
         self.send_segment()
 
     def state_dict(self) -> dict:
+        """What a checkpoint holds of this runner: its envs' own state (None where it cannot be saved) and its
+        place between rollouts."""
+        env_state = self.env_backend.capture_state(self.envs) if self.env_backend is not None else None
+        return {"env": env_state, "worker": self._place()}
+
+    def load_state_dict(self, state: dict) -> None:
+        # Envs whose state cannot be saved begin fresh episodes (said at start); the rest continue exactly.
+        if state["env"] is not None:
+            self.env_backend.restore_state(self.envs, state["env"])
+            self._load_place(state["worker"])
+
+    def _place(self) -> dict:
         """Where the envs stand between rollouts (with their own state, see envs/state.py): the observation the next
         step acts on, which envs' next step is a reset, the step counter."""
         state = {
@@ -193,24 +205,12 @@ class EnvRunner:
             state["next_step_starts"] = torch.from_numpy(self.next_step_starts.copy())
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_place(self, state: dict) -> None:
         self.obs = as_arrays(state["obs"])
         self.next_step_valid = state["next_step_valid"].numpy().copy()
         self.steps_taken = state["steps_taken"]
         if self.recurrent:
             self.next_step_starts = state["next_step_starts"].numpy().copy()
-
-    def checkpoint(self) -> dict:
-        """What a checkpoint holds of this runner: its envs' own state (None where it cannot be saved) and its
-        place between rollouts."""
-        env_state = self.env_backend.capture_state(self.envs) if self.env_backend is not None else None
-        return {"env": env_state, "worker": self.state_dict()}
-
-    def restore(self, state: dict) -> None:
-        # Envs whose state cannot be saved begin fresh episodes (said at start); the rest continue exactly.
-        if state["env"] is not None:
-            self.env_backend.restore_state(self.envs, state["env"])
-            self.load_state_dict(state["worker"])
 
     def close(self) -> None:
         self.envs.close()

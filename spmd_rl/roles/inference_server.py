@@ -97,6 +97,20 @@ class RecurrentStates:
         self.state = {name: state[name].to(device) for name in self.fields}
 
 
+class ServerState:
+    """What a checkpoint holds of an inference server (the sync one or an engine's own): a recurrent policy's state
+    per env (nothing when stateless). The weights come from trainer 0."""
+
+    states: RecurrentStates | None
+
+    def state_dict(self) -> dict:
+        return {} if self.states is None else {RECURRENT_STATE: self.states.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.states is not None:
+            self.states.load_state_dict(state[RECURRENT_STATE])
+
+
 def act_recurrent(policy, obs, states: RecurrentStates, served: list[int], starts: list[torch.Tensor], replies):
     """One forward pass of a recurrent policy for the served env ranks: reset at episode starts, act, keep the next
     state, and write into each reply the state its envs entered the step with. Returns the policy's outputs."""
@@ -156,7 +170,7 @@ class InferenceParts:
     states: RecurrentStates | None = None  # a recurrent policy's state per env (None: stateless)
 
 
-class InferenceServer:
+class InferenceServer(ServerState):
     def __init__(
         self,
         policy,
@@ -221,14 +235,6 @@ class InferenceServer:
             offset += count
         for send in sends:
             send.wait()
-
-    def checkpoint(self) -> dict:
-        """What a checkpoint holds of this server: a recurrent policy's state per env (nothing when stateless)."""
-        return {} if self.states is None else {"recurrent_state": self.states.state_dict()}
-
-    def restore(self, state: dict) -> None:
-        if self.states is not None:
-            self.states.load_state_dict(state["recurrent_state"])
 
     def receive_weights(self) -> None:
         """Split layout, at the fixed point between rollouts: the trainer's weights and their version."""

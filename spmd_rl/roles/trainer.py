@@ -15,6 +15,7 @@ from tensordict import TensorDict
 from spmd_rl.comm.sharding import full_state_dict, is_dtensor
 from spmd_rl.interfaces.policy import GROUP, RECURRENT_STATE
 from spmd_rl.persist.checkpoint import SHARDS_FROM, load_shards
+from spmd_rl.persist.rank_state import ALGORITHM, POLICY
 from spmd_rl.roles.update_guard import UpdateGuard
 from spmd_rl.runtime.distributed import bounded, comm_error, group_peer, is_comm_failure
 from spmd_rl.runtime.errors import CommError
@@ -199,8 +200,8 @@ class Trainer:
         else:
             policy = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
         return {
-            "policy": policy,
-            "algorithm": self.algorithm.state_dict(),
+            POLICY: policy,
+            ALGORITHM: self.algorithm.state_dict(),
             "experience_rows": log.total_rows if log is not None else -1,
         }
 
@@ -208,8 +209,8 @@ class Trainer:
         if SHARDS_FROM in state:  # shard files, read into DTensors laid out over this run's trainers
             like = next(p for p in self.policy.parameters() if is_dtensor(p))
             state = load_shards(state, Path(state[SHARDS_FROM]), like)
-        self.policy.load_state_dict(state["policy"])
-        self.algorithm.load_state_dict(state["algorithm"])
+        self.policy.load_state_dict(state[POLICY])
+        self.algorithm.load_state_dict(state[ALGORITHM])
         if self.experience_log is not None:
             self.experience_log.rewind(state["experience_rows"])
 

@@ -20,14 +20,14 @@ from spmd_rl.config.sections import Config
 from spmd_rl.envs import spaces
 from spmd_rl.envs.vector import EnvSpec, probe_env
 from spmd_rl.interfaces.policy import Policy
-from spmd_rl.persist.checkpoint import COMPLETE, LATEST, find_checkpoint, load_checkpoint
+from spmd_rl.persist.checkpoint import COMPLETE, LATEST, find_checkpoint
 from spmd_rl.persist.fileio import checksum_matches, load_failure, torch_save_atomic
+from spmd_rl.persist.rank_state import ALGORITHM, POLICY, TRAINER, in_component_layout, load_state
 from spmd_rl.persist.run_files import CHECKPOINTS_DIR, CONFIG_FILE, POLICY_FILE
 from spmd_rl.run.evaluation import cuda_indices
 from spmd_rl.run.state_fit import SAFETENSORS_SUFFIX, load_fitted, read_safetensors
 from spmd_rl.runtime.errors import UserError
 
-CHECKPOINT_POLICY_KEY = "policy"  # rank 0's checkpoint file holds the Policy's state_dict under this key
 _RANK_FILE = re.compile(r"rank(\d+)\.pt")
 
 
@@ -157,7 +157,7 @@ def read_trained_state(path: str | Path, with_algorithm: bool = False) -> tuple[
             f"run.init_algorithm=true needs a checkpoint, and {path} gives {weights} (a policy file "
             f"holds no algorithm state); point run.init_from at a checkpoint or its run directory"
         )
-    return policy_state, load_checkpoint(checkpoint, rank=0, whole=True)["algorithm"]
+    return policy_state, load_state(checkpoint, rank=0, whole=True)[TRAINER][ALGORITHM]
 
 
 # -- locating and reading the weights ----------------------------------------------------------------------------
@@ -193,23 +193,24 @@ def _config_next_to(weights: Path) -> Path:
 
 def _read_policy_state(weights: Path) -> dict:
     if weights.is_dir():
-        state = load_checkpoint(weights, rank=0, whole=True)
+        state = load_state(weights, rank=0, whole=True)
         source = weights / "rank0.pt"
     else:
         source = weights
         match = _RANK_FILE.fullmatch(weights.name)
         if match and (weights.parent / COMPLETE).exists():  # through the checkpoint's own size check
-            state = load_checkpoint(weights.parent, rank=int(match.group(1)), whole=True)
+            state = load_state(weights.parent, rank=int(match.group(1)), whole=True)
         elif weights.suffix == SAFETENSORS_SUFFIX:
             state = read_safetensors(weights)  # its header holds the sizes: a cut file fails to load
         else:
             state = _torch_load(weights)
-    if isinstance(state, dict) and isinstance(state.get(CHECKPOINT_POLICY_KEY), dict):
-        state = state[CHECKPOINT_POLICY_KEY]
+    trainer = in_component_layout(state).get(TRAINER) if isinstance(state, dict) else None
+    if isinstance(trainer, dict) and isinstance(trainer.get(POLICY), dict):  # a rank file: the trainer's policy
+        state = trainer[POLICY]
     elif weights.is_dir() or _RANK_FILE.fullmatch(weights.name):
         raise UserError(
-            f"{source} holds no '{CHECKPOINT_POLICY_KEY}' entry: give the checkpoint directory (the "
-            f"policy is in its rank0.pt)"
+            f"{source} holds no '{TRAINER}.{POLICY}' entry: give the checkpoint directory (the policy is in its "
+            f"rank0.pt)"
         )
     if not (isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values())):
         raise UserError(f"{source} holds no policy weights (expected a Policy's state_dict, as policy.pt holds)")

@@ -1,14 +1,15 @@
 """The run as an engine sees it on one rank (`Run`): the plan, this rank's role, builders that hand out role
-components ready to use (channels open, state restored from the checkpoint the run resumes from), and the run's
-control points (the end-of-iteration agreement, the metrics report). Engines are loops over what it builds.
+components ready to use (channels open), and the run's control points: `restore` (the checkpoint the run resumes
+from, into the components an engine runs), the end-of-iteration agreement (which saves what restore loads) and the
+metrics report. Engines are loops over what it builds.
 
-Every builder keeps one order of the steps that draw random numbers (policy, algorithm, the rank's seed, envs,
-then the checkpoint's generators last), which is what makes a resumed run continue exactly.
+Every builder keeps one order of the steps that draw random numbers (policy, algorithm, the rank's seed, envs),
+and restore sets the checkpoint's generators last, which is what makes a resumed run continue exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -25,7 +26,8 @@ from spmd_rl.envs.vector import EnvSpec, group_of_envs
 from spmd_rl.interfaces.algorithm import Algorithm
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import GROUP, Policy, StepField
-from spmd_rl.persist.checkpoint import SHARD_FILES, SHARDS_FROM, restore_rng_state
+from spmd_rl.persist import rank_state
+from spmd_rl.persist.rank_state import Component
 from spmd_rl.persist.run_control import RunControl, StoppedWithCheckpoint
 from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.roles.inference_server import InferenceParts, InferenceServer, RecurrentStates, UniformActions
@@ -45,8 +47,6 @@ from spmd_rl.runtime.errors import UserError
 from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
 from spmd_rl.storage.experience_log import ExperienceLog
 
-# What a resharded resume takes from trainer 0's file (run.resume onto another number of ranks, fsdp only).
-RESHARDED_KEYS = ("policy", "algorithm", "metrics", "experience_rows", SHARD_FILES, SHARDS_FROM)
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # inference.dtype: None = the parameters' own
 
 
@@ -105,11 +105,26 @@ class Run:
 
     # -- control points --------------------------------------------------------------------------------------------
 
-    def end_iteration(self, iteration: int, capture: Callable[[], dict]) -> None:
-        """The end-of-iteration agreement of all ranks: a checkpoint (capture() is this rank's part of it) and a
-        stop on a signal happen here, at iterations every rank computes alike. Every rank must call it after the
-        same iterations."""
-        self.control.after_iteration(iteration, capture)
+    def end_iteration(self, iteration: int, components: Mapping[str, Component]) -> None:
+        """The end-of-iteration agreement of all ranks: a checkpoint (this rank's part: its components' states,
+        rank_state.capture) and a stop on a signal happen here, at iterations every rank computes alike. Every
+        rank must call it after the same iterations, with the components it gave restore()."""
+        self.control.after_iteration(iteration, lambda: rank_state.capture(components))
+
+    def restore(self, components: Mapping[str, Component]) -> None:
+        """Load the checkpoint the run resumes from into this rank's components (rank_state.restore; nothing on a
+        fresh start), the generators last. Resharded (saved by another number of ranks, train.parallel=fsdp):
+        trainers take the model and optimizer from the shard files and the rest of the learner's state from
+        trainer 0's file, which all trainers shared; env and inference ranks start fresh, and so do every rank's
+        random streams."""
+        if self.resume.checkpoint is None:
+            return
+        if not self.resume.resharded:
+            rank_state.restore(components, rank_state.load_state(self.resume.checkpoint, self.rank))
+        elif rank_state.TRAINER in components:
+            state = rank_state.load_state(self.resume.checkpoint, 0)
+            resharded = {key: state[key] for key in rank_state.RESHARDED if key in state}
+            rank_state.restore(components, resharded, generators=False)
 
     def verifies(self, version: int) -> bool:
         """Whether weights of this version are checked against trainer 0's checksums (weights.verify_every)."""
@@ -200,16 +215,8 @@ class Run:
         )
         report = Reporter(cfg, plan, logger, callbacks, policy)
         self._say_if_env_state_unsaved(runner)
-        state = self._load_checkpoint(trainer_part=True)
-        if state is None:
+        if self.resume.checkpoint is None:
             self._init_algorithm_from(algorithm, initial_algorithm_state)
-        else:
-            trainer.load_state_dict(state)
-            report.load_state_dict(state["metrics"])
-            if not self.resume.resharded:  # resharded: fresh episodes and this rank's own fresh streams
-                runner.restore(state)
-                server.restore(state)
-                restore_rng_state(state["rng"])  # last: building the envs above drew from the generators
         if rank == 0:
             self.final_policy = self._final_policy(trainer, policy)
         return runner, server, trainer, report
@@ -246,10 +253,6 @@ class Run:
             env_backend=backend_for(cfg.env),
         )
         self._say_if_env_state_unsaved(runner)
-        state = self._load_checkpoint()
-        if state is not None:
-            runner.restore(state)
-            restore_rng_state(state["rng"])
         return runner
 
     def build_inference_server(self) -> InferenceServer:
@@ -288,11 +291,6 @@ class Run:
             num_recv_buffers=recv_buffers,
         )
         states = self._recurrent_states([n] * len(served))
-        state = self._load_checkpoint()
-        if state is not None:
-            if states is not None:
-                states.load_state_dict(state["recurrent_state"])
-            restore_rng_state(state["rng"])  # the weights come from trainer 0
         return InferenceParts(policy, weight_sync, obs_channels, action_channels, self._uniform_actions(), states)
 
     def build_trainer(self, logger: MetricsLogger | None, recv_buffers: int = 1) -> tuple[Trainer, Reporter]:
@@ -338,14 +336,8 @@ class Run:
             column_groups=self._column_groups(len(sources)),
         )
         report = Reporter(cfg, plan, logger, callbacks, policy)
-        state = self._load_checkpoint(trainer_part=True)
-        if state is None:
+        if self.resume.checkpoint is None:
             self._init_algorithm_from(algorithm, initial_algorithm_state)
-        else:
-            trainer.load_state_dict(state)
-            report.load_state_dict(state["metrics"])
-            if not self.resume.resharded:
-                restore_rng_state(state["rng"])
         if rank == 0:
             self.final_policy = self._final_policy(trainer, policy)
         return trainer, report
@@ -357,22 +349,6 @@ class Run:
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed * 1_000_003 + self.rank)
         return cfg.train.seed * 1_000_003 + self.rank * cfg.env.num_envs
-
-    def _load_checkpoint(self, trainer_part: bool = False) -> dict | None:
-        """This rank's state in the checkpoint the run resumes from, or None for a fresh start. Always on the CPU:
-        generators, env state and samplers are restored from CPU tensors; weights and optimizer state move to their
-        device as they are loaded into their modules."""
-        if self.resume.checkpoint is None:
-            return None
-        if self.resume.resharded:
-            # Saved by another number of ranks (train.parallel=fsdp): trainers take the model and optimizer from
-            # the shard files (resharded) and the rest of the learner's state from trainer 0's file, which all
-            # trainers shared; env and inference ranks start fresh.
-            if not trainer_part:
-                return None
-            state = self.control.store.load(self.resume.checkpoint, 0, map_location="cpu")
-            return {key: state[key] for key in RESHARDED_KEYS if key in state}
-        return self.control.store.load(self.resume.checkpoint, self.rank, map_location="cpu")
 
     def _context(self, group) -> Context:
         topology = self.topology

@@ -22,18 +22,33 @@ ENGINES = Path(__file__).resolve().parents[2] / "spmd_rl" / "engines"
 CALLS: list = []
 
 
+class Count:
+    """A component of the engine's own: its number is saved in every checkpoint and loaded back on resume."""
+
+    def __init__(self):
+        self.value = 0
+
+    def state_dict(self):
+        return {"value": torch.tensor(self.value)}
+
+    def load_state_dict(self, state):
+        self.value = int(state["value"])
+
+
 class HookedEngine(SyncEngine):
     """Records its hooks and keeps a number of its own in every checkpoint."""
 
+    def components(self, run):
+        self.count = Count()
+        return {"hooked": self.count}
+
     def after_learn(self, run, trainer, iteration, metrics, logger):
         CALLS.append(("after_learn", iteration))
-        return {**metrics, "hooked": float(iteration)}
+        self.count.value += 1
+        return {**metrics, "hooked": float(iteration), "count": float(self.count.value)}
 
     def before_sync(self, run, trainer, iteration):
         CALLS.append(("before_sync", iteration))
-
-    def checkpoint_state(self, trainer=None, report=None, runner=None, server=None):
-        return {**super().checkpoint_state(trainer, report, runner, server), "hooked": torch.tensor(len(CALLS))}
 
 
 def test_a_subclass_hooks_into_the_sync_loops_and_extends_the_checkpoint(tmp_path):
@@ -50,10 +65,11 @@ def test_a_subclass_hooks_into_the_sync_loops_and_extends_the_checkpoint(tmp_pat
     # PPO syncs after every iteration: both hooks once per iteration, after_learn first.
     assert CALLS == [("after_learn", 0), ("before_sync", 0), ("after_learn", 1), ("before_sync", 1)]
     state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000000001" / "rank0.pt", weights_only=True)
-    assert int(state["hooked"]) == 4 and "metrics" in state and "env" in state
+    assert int(state["hooked"]["value"]) == 2 and {"trainer", "report", "env_runner"} <= set(state)
     assert spmd_rl.train(config, {"run.dir": str(tmp_path / "run")}).finished
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["hooked"] for r in records] == [0.0, 1.0, 2.0]
+    assert [r["count"] for r in records] == [1.0, 2.0, 3.0], "the resumed run counts on from the checkpoint"
 
 
 def _facts(asked):

@@ -53,12 +53,12 @@ from collections import deque
 
 from spmd_rl.engines.asynchronous.config import AsyncEngineConfig
 from spmd_rl.engines.asynchronous.inference_server import AsyncInferenceServer
-from spmd_rl.interfaces.engine import Engine
+from spmd_rl.engines.sync import SegmentSource, SyncEngine
 from spmd_rl.interfaces.policy import Policy
+from spmd_rl.persist import rank_state
 from spmd_rl.roles.messages import async_observation_message
-from spmd_rl.roles.trainer import combine_segments
-from spmd_rl.run.metrics import MetricsLogger
-from spmd_rl.run.run import ENV, INFERENCE, TRAINER, Run
+from spmd_rl.roles.trainer import Trainer, combine_segments
+from spmd_rl.run.run import Run
 from spmd_rl.runtime.errors import UserError
 
 
@@ -88,10 +88,15 @@ def lag_bound(cfg, schedule) -> int:
     return schedule.max_policy_lag if asked is None else asked
 
 
-class AsyncEngine(Engine):
-    """Env, inference and trainer ranks each run at their own pace, within engine.max_policy_lag (split layout)."""
+class AsyncEngine(SyncEngine):
+    """Env, inference and trainer ranks each run at their own pace, within engine.max_policy_lag (split layout).
+
+    The sync engine's loops and hooks, with its own points where they differ: agreements at the agreed
+    iterations, observations that carry their segment index, segments received as they arrive (the lag of every
+    step checked), and an inference rank that serves whoever is ready (AsyncInferenceServer)."""
 
     Config = AsyncEngineConfig
+    observation_layout = staticmethod(async_observation_message)
 
     @classmethod
     def check_plan(cls, cfg, topology, plan, schedule) -> None:
@@ -114,88 +119,65 @@ class AsyncEngine(Engine):
         return config.max_policy_lag
 
     def run(self, run: Run) -> Policy | None:
-        async_plan = AsyncPlan(run)
+        self.async_plan = AsyncPlan(run)
+        self.segment_buffers = self.async_plan.depth
         if run.rank == 0:
             print(
-                f"spmd_rl: async engine, max policy lag {async_plan.lag_bound}; all ranks agree (stops, "
-                f"checkpoints) every {async_plan.every} iteration(s)",
+                f"spmd_rl: async engine, max policy lag {self.async_plan.lag_bound}; all ranks agree (stops, "
+                f"checkpoints) every {self.async_plan.every} iteration(s)",
                 flush=True,
             )
-        loop = {ENV: env_loop, INFERENCE: inference_loop, TRAINER: trainer_loop}[run.role]
-        return run.with_metrics(lambda logger: loop(run, async_plan, logger))
+        return super().run(run)
 
+    def agrees_after(self, run: Run, iteration: int) -> bool:
+        return self.async_plan.agrees_after(iteration)
 
-def env_loop(run: Run, async_plan: AsyncPlan, logger: None = None) -> None:
-    """The sync story, with the segment index on every observation and agreements at the agreed iterations."""
-    runner = run.build_env_runner(async_observation_message)
-    try:
+    def inference_loop(self, run: Run, logger: None = None) -> None:
+        """Threads serve whoever is ready within the lag bound (AsyncInferenceServer); this thread only joins the
+        agreements, once everything before them is served and taken (rule 4)."""
+        parts = run.inference_parts(async_observation_message, recv_buffers=2)
+        server = AsyncInferenceServer(
+            parts,
+            run.plan,
+            self.async_plan.lag_bound,
+            run.iterations,
+            run.runtime.device,
+            run.runtime.timeout,
+            run.cfg.weights.verify_every,
+            run.describe,
+            run.rank,
+            run.topology.envs_served_by(run.rank),
+        )
+        components = self.restored(run, {rank_state.INFERENCE_SERVER: server})  # the weights come from trainer 0
+        server.start()
+        # The last iteration ends with an agreement, so after the last one everything is served and taken.
         for iteration in run.iterations:
-            runner.collect_segment(iteration)
-            if async_plan.agrees_after(iteration):
-                run.end_iteration(iteration, runner.checkpoint)
-    finally:
-        runner.close()
+            if self.agrees_after(run, iteration):
+                server.wait_served_through(iteration)
+                run.end_iteration(iteration, components)
+        server.finish()
 
+    def segment_source(self, run: Run, trainer: Trainer) -> SegmentSource:
+        """One segment per env rank per iteration, as they arrive, the lag of every step checked; the next
+        segments' receives stay posted while learning (rule 5)."""
+        plan, iterations, depth = run.plan, run.iterations, self.async_plan.depth
+        posted = [deque() for _ in trainer.segment_channels]
 
-def inference_loop(run: Run, async_plan: AsyncPlan, logger: None = None) -> None:
-    """Threads serve whoever is ready within the lag bound (AsyncInferenceServer); this thread only joins the
-    agreements, once everything before them is served and taken (rule 4)."""
-    parts = run.inference_parts(async_observation_message, recv_buffers=2)
-    server = AsyncInferenceServer(
-        parts,
-        run.plan,
-        async_plan.lag_bound,
-        run.iterations,
-        run.runtime.device,
-        run.runtime.timeout,
-        run.cfg.weights.verify_every,
-        run.describe,
-        run.rank,
-        run.topology.envs_served_by(run.rank),
-    )
-    server.start()
-    # The last iteration ends with an agreement, so after the last one everything is served and taken.
-    for iteration in run.iterations:
-        if async_plan.agrees_after(iteration):
-            server.wait_served_through(iteration)
-            run.end_iteration(iteration, server.checkpoint)  # the weights come from trainer 0
-    server.finish()
+        def post(iteration: int) -> None:
+            if iteration < iterations.stop:
+                for channel, handles in zip(trainer.segment_channels, posted):
+                    handles.append(channel.irecv())
 
-
-def trainer_loop(run: Run, async_plan: AsyncPlan, logger: MetricsLogger | None) -> None:
-    """One segment per env rank per iteration, as they arrive, the lag of every step checked; the next segments'
-    receives stay posted while learning (rule 5); trainer 0 publishes after every synced update."""
-    plan, iterations = run.plan, run.iterations
-    trainer, report = run.build_trainer(logger, recv_buffers=async_plan.depth)
-    posted = [deque() for _ in trainer.segment_channels]
-
-    def post(iteration: int) -> None:
-        if iteration < iterations.stop:
-            for channel, handles in zip(trainer.segment_channels, posted):
-                handles.append(channel.irecv())
-
-    try:
-        trainer.publish_weights(plan.version_at(iterations.start), verify=False)
-        for iteration in range(iterations.start, min(iterations.start + async_plan.depth, iterations.stop)):
+        for iteration in range(iterations.start, min(iterations.start + depth, iterations.stop)):
             post(iteration)
-        for iteration in iterations:
+
+        def receive(iteration: int):
             clock = time.perf_counter()
             segments = [handles.popleft().wait() for handles in posted]
             wait_s = time.perf_counter() - clock
-            lag = trainer.check_policy_lag(segments, plan.version_at(iteration), async_plan.lag_bound, iteration)
+            lag = trainer.check_policy_lag(segments, plan.version_at(iteration), self.async_plan.lag_bound, iteration)
             segment = combine_segments(segments, copy=True)  # a copy: the buffers take the next receives
-            post(iteration + async_plan.depth)
-            metrics = trainer.learn(segment, iteration)
-            if plan.syncs_after(iteration):
-                version = plan.version_at(iteration + 1)
-                trainer.publish_weights(version, verify=run.verifies(version))
-            report(
-                iteration,
-                {**metrics, **lag, "time_segment_wait_s": wait_s},
-                trainer.gather_statistics(segment),
-                trainer,
-            )
-            if async_plan.agrees_after(iteration):
-                run.end_iteration(iteration, lambda: {**trainer.state_dict(), "metrics": report.state_dict()})
-    finally:
-        trainer.close()
+            post(iteration + depth)
+            return segment, {**lag, "time_segment_wait_s": wait_s}
+
+        return receive

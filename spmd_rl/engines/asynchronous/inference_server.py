@@ -14,17 +14,18 @@ from tensordict import TensorDict
 from spmd_rl.comm.staged_weights import StagedWeights
 from spmd_rl.envs import spaces
 from spmd_rl.interfaces.policy import EPISODE_START
-from spmd_rl.roles.inference_server import InferenceParts, act_recurrent, check_act_outputs
+from spmd_rl.roles.inference_server import InferenceParts, ServerState, act_recurrent, check_act_outputs
 from spmd_rl.runtime.errors import CommError
 
 
-class AsyncInferenceServer:
+class AsyncInferenceServer(ServerState):
     """Serves its env ranks from the threads that receive their observations. One thread per env rank waits for
     that rank's next observation (gloo reports a receive's completion only through wait()) and, once it has one,
     serves every env rank ready then, in one forward pass, unless another thread is serving already, which then
     serves it too before it lets go (`serving`: one server at a time, so forward passes, weight swaps and replies
     never overlap). A thread per staged broadcast does the same once the broadcast is complete. An observation so
-    costs one thread wake-up, as in the sync engine; the main thread only takes part in the agreements."""
+    costs one thread wake-up, as in the sync engine; the main thread only takes part in the agreements (where
+    its state, ServerState's, is taken: every env rank is served exactly through the agreed iteration then)."""
 
     def __init__(
         self,
@@ -241,11 +242,6 @@ class AsyncInferenceServer:
                 offset += count
 
     # -- the main thread: agreements, the end ---------------------------------------------------------------------
-
-    def checkpoint(self) -> dict:
-        """What a checkpoint holds of this server: a recurrent policy's state per env (nothing when stateless).
-        Taken at an agreement, when every env rank is served exactly through the agreed iteration."""
-        return {} if self.states is None else {"recurrent_state": self.states.state_dict()}
 
     def start(self) -> None:
         """Take the initial weights (trainer 0's), then serve from threads until every step is served."""
