@@ -209,8 +209,8 @@ def _read_policy_state(weights: Path) -> dict:
         state = trainer[POLICY]
     elif weights.is_dir() or _RANK_FILE.fullmatch(weights.name):
         raise UserError(
-            f"{source} holds no '{TRAINER}.{POLICY}' entry: give the checkpoint directory (the policy is in its "
-            f"rank0.pt)"
+            f"{source} holds no '{POLICY}' entry (a trainer's): give the checkpoint directory (the policy is in "
+            f"its rank0.pt)"
         )
     if not (isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values())):
         raise UserError(f"{source} holds no policy weights (expected a Policy's state_dict, as policy.pt holds)")

@@ -202,7 +202,7 @@ def test_a_recurrent_policy_stops_and_resumes_under_the_heldout_engine(example_m
     overrides = {"run.dir": str(tmp_path / "run"), "run.stop_after_iterations": 1}
     assert not spmd_rl.train(config, overrides).finished
     state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000000000" / "rank0.pt", weights_only=True)
-    assert state["recurrent_state"]["h"].shape == (3, 8), "the checkpoint holds every env's state"
+    assert state["inference_server"]["recurrent_state"]["h"].shape == (3, 8), "the checkpoint holds every env's state"
     assert spmd_rl.train(config, overrides).finished
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1, 2]
@@ -263,7 +263,7 @@ def test_a_torch_cartpole_run_resumes_exactly_with_its_envs_state(example_module
     assert train(tmp_path / "full").finished
     assert not train(tmp_path / "split", "run.stop_after_iterations=1").finished
     state = torch.load(tmp_path / "split" / "checkpoints" / "iter_000000000" / "rank0.pt", weights_only=True)
-    assert state["env"]["envs"]["state"].shape == (4, 4), "the checkpoint holds the envs' physics"
+    assert state["env_runner"]["env"]["envs"]["state"].shape == (4, 4), "the checkpoint holds the envs' physics"
     assert train(tmp_path / "split").finished
     assert lines(tmp_path / "split") == lines(tmp_path / "full")
 

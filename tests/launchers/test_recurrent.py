@@ -99,7 +99,7 @@ def test_n_iterations_equal_half_then_resume_for_a_recurrent_policy(tmp_path):
     assert spmd_rl.train(RECURRENT_TINY, overrides).finished
     assert_same_run(tmp_path / "full", tmp_path / "split")
     state = torch.load(tmp_path / "split" / "checkpoints" / "iter_000000001" / "rank0.pt", weights_only=True)
-    assert state["recurrent_state"]["h"].shape == (3, 8), "the checkpoint holds every env's state"
+    assert state["inference_server"]["recurrent_state"]["h"].shape == (3, 8), "the checkpoint holds every env's state"
 
 
 # -- bad input: exit 2 before any process group ---------------------------------------------------------------------
