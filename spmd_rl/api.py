@@ -105,11 +105,12 @@ _ENGINE_TYPES = {
     "action_message": "spmd_rl.roles.messages",
     "segment_message": "spmd_rl.roles.messages",
     "evaluate": "spmd_rl.run.evaluation",
-    # An env backend (env.backend: module:Class) and the engine a user's engine usually extends.
+    # An env backend (env.backend: module:Class) and the engines a user's engine usually extends.
     "EnvBackend": "spmd_rl.envs.backend",
     "EnvSpec": "spmd_rl.envs.backend",
     "finish_vector_env": "spmd_rl.envs.backend",
     "SyncEngine": "spmd_rl.engines.sync",
+    "AsyncEngine": "spmd_rl.engines.asynchronous",
     # Training and loading from Python (the names spmd_rl itself exports).
     "train": "spmd_rl.main",
     "TrainedRun": "spmd_rl.main",

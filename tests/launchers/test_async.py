@@ -406,3 +406,25 @@ def test_a_plugin_algorithm_that_declares_its_lag_runs_async(tmp_path):
     assert "max policy lag 2" in result.stdout
     lags = [r["policy_lag_max"] for r in records(run_dir)]
     assert len(lags) == 15 and max(lags) <= 2
+
+
+@pytest.mark.slow
+def test_a_user_engine_adds_a_metric_and_its_state_under_either_engine(tmp_path):
+    """examples/engine_metric: one mix-in over the hooks every engine has; under the sync engine (one process)
+    and the async one (split), every line gains its metrics, and a stopped run resumes its engine's own state."""
+    example = ROOT / "examples" / "engine_metric"
+    for engine, layout, nproc in (("SyncWeightNorm", (), 0), ("AsyncWeightNorm", SPLIT4, 4)):
+        common = ("--config", TINY, *layout, f"engine.class=weight_norm:{engine}")
+        full = run_main(*common, f"run.dir={tmp_path / engine / 'full'}", nproc=nproc, cwd=example)
+        assert full.returncode == 0, full.stderr[-3000:]
+        parts = (*common, f"run.dir={tmp_path / engine / 'parts'}")
+        stopped = run_main(*parts, "run.stop_after_iterations=2", nproc=nproc, cwd=example)
+        assert stopped.returncode == 75, stopped.stderr[-3000:]
+        state = torch.load(tmp_path / engine / "parts" / "checkpoints" / "iter_000000001" / "rank0.pt")
+        assert state["largest_norm"]["value"] > 0, "the engine's own component is in the checkpoint"
+        resumed = run_main(*parts, nproc=nproc, cwd=example)
+        assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
+        lines = records(tmp_path / engine / "full")
+        norms = [r["weight_norm"] for r in lines]
+        assert [r["weight_norm_max"] for r in lines] == [max(norms[: i + 1]) for i in range(len(norms))]
+        assert learning_records(tmp_path / engine / "parts") == learning_records(tmp_path / engine / "full")
