@@ -25,9 +25,10 @@ EnvBackend A kind of vector env (`env.backend: gymnasium`, `envpool`, or module:
            what evaluation may wrap (spmd_rl/envs/backend.py).
 Engine     The loops one rank runs for the whole run (`engine.class: sync`, `async`, or module:Class). Its
            `run(run)` gets a `Run`: the plan, this rank's role, builders of the role components (EnvRunner,
-           InferenceServer, Trainer, each with its channels open and its state restored) and the run's control
-           points (`end_iteration` for checkpoints and stops, the report for metrics and callbacks). The built-in
-           engines (spmd_rl/engines/) are written with exactly these names; see docs/architecture.md.
+           InferenceServer, Trainer, each with its channels open) and the run's control points (`restore` to load
+           the components' state, `end_iteration` for checkpoints and stops, the report for metrics and
+           callbacks). The built-in engines (spmd_rl/engines/) are written with exactly these names; see
+           docs/architecture.md. `SyncEngine` and `AsyncEngine` (its subclass) are extended through hooks.
 
 Each class has a `Config` dataclass of its own keys (see spmd_rl.config.sections.knob), typed bool, int, float, str,
 dict, list[T] (T one of the first four) or any of these | None: they are validated like every other key (unknown

@@ -13,19 +13,22 @@ if TYPE_CHECKING:  # annotations only: the run and its components are built abov
 class Engine:
     """The loops of one run on this rank, chosen by `engine.class` (built-ins: `sync`, spmd_rl.engines.sync;
     `async`, spmd_rl/engines/asynchronous/). Subclass it and set `Config` to a dataclass of your keys; to keep the
-    sync engine's loops and add to them, subclass spmd_rl.api.SyncEngine and override its hooks (after_learn,
-    before_sync, checkpoint_state) instead.
+    sync engine's loops and add to them, subclass spmd_rl.api.SyncEngine (or AsyncEngine, its subclass) and
+    override its hooks (after_learn, before_sync, components) instead.
 
     `run(run)` receives a spmd_rl.api.Run and typically reads `run.role` (COLOCATED, or ENV / INFERENCE / TRAINER
     in the split layout) and runs one loop per role over `run.iterations`:
       - build the role's component: `run.build_colocated(logger)` -> (EnvRunner, InferenceServer, Trainer,
         Reporter); `run.build_env_runner()`; `run.build_inference_server()` (or `run.inference_parts()` for a
         server of your own); `run.build_trainer(logger)` -> (Trainer, Reporter);
+      - restore them, `run.restore(components)` with `{name: component}` (each has state_dict() and
+        load_state_dict(state); the role components' names are in spmd_rl/persist/rank_state.py), before the
+        first iteration: the checkpoint the run resumes from, if any, is loaded into them;
       - call their step-level methods (EnvRunner.collect_segment, InferenceServer.serve_step / take_weights,
         Trainer.receive_segments / learn / publish_weights / gather_statistics), following `run.plan`
         (version_at, syncs_after, explores_at);
-      - end every iteration with `run.end_iteration(iteration, capture)` on every rank after the same
-        iterations (checkpoints and stops are agreed there; capture() returns this rank's checkpoint state).
+      - end every iteration with `run.end_iteration(iteration, components)` on every rank after the same
+        iterations (checkpoints and stops are agreed there; a checkpoint saves the same components' states).
     Wrap the loop in `run.with_metrics(lambda logger: ...)`: rank 0 gets the MetricsLogger, others None. Every
     rank's sends and receives must follow from the plan alone, as in the built-in engines.
 

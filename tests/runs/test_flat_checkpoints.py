@@ -32,7 +32,7 @@ def test_a_checkpoint_in_the_flat_layout_resumes_exactly_and_its_policy_loads(tm
     store.save(as_flat_layout(state), iteration=1, rank=0)  # rewritten as an earlier version wrote it
     store.commit(1, world_size=1)
     assert "policy" in torch.load(checkpoint / "rank0.pt", weights_only=True)
-    policy = spmd_rl.load_policy(checkpoint)
+    policy, _ = spmd_rl.load_policy(checkpoint)
     assert all(torch.equal(value, state[TRAINER]["policy"][key]) for key, value in policy.state_dict().items())
     assert spmd_rl.train(config, parts).finished
     assert_same_run(tmp_path / "full", tmp_path / "parts")
