@@ -1,0 +1,420 @@
+"""The builders of a run's role components (`Run.build_colocated`, `build_env_runner`, `build_inference_server`,
+`inference_parts`, `build_trainer` call them): each hands out a component ready to use, its channels open; its
+state comes from `Run.restore`, which the engine calls with every component it runs.
+
+Every builder keeps one order of the steps that draw random numbers (policy, algorithm, the rank's seed, envs),
+and Run.restore sets the checkpoint's generators after them, which is what makes a resumed run continue exactly.
+The builders share their helpers (seeding, the algorithm's context, weight sync, run.init_from), hence one file.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from spmd_rl.comm import sharding
+from spmd_rl.comm.channel import local_channel, open_channels
+from spmd_rl.comm.weights import GatheredWeightSource, ShardedWeightSource, WeightSync
+from spmd_rl.envs.backend import backend_for
+from spmd_rl.envs.vector import group_of_envs
+from spmd_rl.interfaces.algorithm import Algorithm
+from spmd_rl.interfaces.context import Context
+from spmd_rl.interfaces.policy import GROUP, Policy
+from spmd_rl.roles.env_runner import EnvRunner
+from spmd_rl.roles.inference_server import InferenceParts, InferenceServer, RecurrentStates, UniformActions
+from spmd_rl.roles.messages import action_message, observation_message, segment_message, with_episode_starts
+from spmd_rl.roles.trainer import Trainer
+from spmd_rl.run.evaluation import cuda_indices
+from spmd_rl.run.metrics import MetricsLogger
+from spmd_rl.run.policies import build_policy, read_trained_state
+from spmd_rl.run.report import Reporter
+from spmd_rl.run.state_fit import load_fitted
+from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
+from spmd_rl.storage.experience_log import ExperienceLog
+
+if TYPE_CHECKING:  # annotations only: the run hands itself to its builders
+    from spmd_rl.run.run import Run
+
+WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # inference.dtype: None = the parameters' own
+
+
+def policy_device(policy: Policy) -> str:
+    return next(iter(policy.state_dict().values()), torch.empty(0)).device.type
+
+
+def build_colocated(run: Run, logger: MetricsLogger | None) -> tuple[EnvRunner, InferenceServer, Trainer, Reporter]:
+    """Run.build_colocated (its docstring says what it builds)."""
+    cfg, plan, rank = run.cfg, run.plan, run.rank
+    group = run.groups.trainer if run.runtime.world_size > 1 else None
+    with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
+        policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
+    initial_algorithm_state = _init_policy_from(run, policy)
+    algorithm, callbacks = _build_algorithm(run, policy, group)
+    with watchdog.watch(f"making and resetting env.id {cfg.env.id}"):
+        envs, first_obs = backend_for(cfg.env).make(cfg.env, run.spec, _seed_rank(run))
+    n, t = cfg.env.num_envs, plan.num_steps
+    state = run.recurrent_state
+    obs_out, obs_in = local_channel("observations", with_episode_starts(observation_message(run.spec, n), state, n))
+    actions_out, actions_in = local_channel("actions", action_message(run.outputs, n, state))
+    segments_out, segments_in = local_channel("segments", segment_message(run.spec, run.outputs, t, n, state))
+    runner = EnvRunner(
+        envs,
+        first_obs,
+        obs_out,
+        actions_in,
+        segments_out,
+        t,
+        list(run.outputs),
+        describe=f"rank {rank}",
+        env_id=cfg.env.id,
+        env_backend=backend_for(cfg.env),
+    )
+    server = InferenceServer(
+        policy,
+        [obs_in],
+        [actions_out],
+        run.runtime.device,
+        uniform_actions=_uniform_actions(run),
+        states=_recurrent_states(run, [n]),
+    )
+    trainer = Trainer(
+        algorithm,
+        [segments_in],
+        [f"rank {rank}"],
+        plan.max_env_columns_per_trainer * t,
+        group,
+        experience_log=_experience_log(run),
+        describe=f"rank {rank}",
+        timeout=run.runtime.timeout,
+        skip_nonfinite_updates=cfg.train.skip_nonfinite_updates,
+        policy=policy,
+        column_groups=_column_groups(run, 1),
+    )
+    report = Reporter(cfg, plan, logger, callbacks, policy)
+    _say_if_env_state_unsaved(run, runner)
+    if run.resume.checkpoint is None:
+        _init_algorithm_from(run, algorithm, initial_algorithm_state)
+    if rank == 0:
+        run.final_policy = _final_policy(run, trainer, policy)
+    return runner, server, trainer, report
+
+
+def build_env_runner(run: Run, observation_layout=observation_message) -> EnvRunner:
+    """Run.build_env_runner (its docstring says what it builds)."""
+    cfg, topology, spec, rank = run.cfg, run.topology, run.spec, run.rank
+    inference, trainer = topology.env_to_inference[rank], topology.env_to_trainer[rank]
+    n, t = cfg.env.num_envs, run.plan.num_steps
+    state = run.recurrent_state
+    with watchdog.watch(f"making and resetting env.id {cfg.env.id}"):
+        envs, first_obs = backend_for(cfg.env).make(cfg.env, spec, _seed_rank(run))
+    (to_inference, to_trainer), (from_inference,) = open_channels(
+        me=rank,
+        sends=[
+            (inference, "observations", with_episode_starts(observation_layout(spec, n), state, n)),
+            (trainer, "segments", segment_message(spec, run.outputs, t, n, state)),
+        ],
+        recvs=[(inference, "actions", action_message(run.outputs, n, state))],
+        describe_rank=topology.describe,
+        timeout=run.runtime.timeout,
+    )
+    runner = EnvRunner(
+        envs,
+        first_obs,
+        to_inference,
+        from_inference,
+        to_trainer,
+        t,
+        list(run.outputs),
+        describe=run.describe(),
+        env_id=cfg.env.id,
+        env_backend=backend_for(cfg.env),
+    )
+    _say_if_env_state_unsaved(run, runner)
+    return runner
+
+
+def build_inference_server(run: Run) -> InferenceServer:
+    """Run.build_inference_server (its docstring says what it builds)."""
+    parts = inference_parts(run)
+    return InferenceServer(
+        parts.policy,
+        parts.obs_channels,
+        parts.action_channels,
+        run.runtime.device,
+        parts.weight_sync,
+        uniform_actions=parts.uniform_actions,
+        states=parts.states,
+    )
+
+
+def inference_parts(run: Run, observation_layout=observation_message, recv_buffers: int = 1) -> InferenceParts:
+    """Run.inference_parts (its docstring says what it builds)."""
+    cfg, topology, rank = run.cfg, run.topology, run.rank
+    served = topology.envs_served_by(rank)
+    n = cfg.env.num_envs
+    state_fields = run.recurrent_state
+    with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
+        policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
+    if cfg.inference.dtype == "bf16":  # this rank's copy (and the wire) in bf16; it acts under autocast
+        sharding.compute_in_bf16(sharding.cast_parameters(policy, torch.bfloat16), ["act"], policy_device(policy))
+    weight_sync = _weight_sync(run, policy, **_sender_options(run))
+    _seed_rank(run)
+    observations = [with_episode_starts(observation_layout(run.spec, n), state_fields, n) for _ in served]
+    action_channels, obs_channels = open_channels(
+        me=rank,
+        sends=[(env, "actions", action_message(run.outputs, n, state_fields)) for env in served],
+        recvs=[(env, "observations", layout) for env, layout in zip(served, observations)],
+        describe_rank=topology.describe,
+        timeout=run.runtime.timeout,
+        num_recv_buffers=recv_buffers,
+    )
+    states = _recurrent_states(run, [n] * len(served))
+    return InferenceParts(policy, weight_sync, obs_channels, action_channels, _uniform_actions(run), states)
+
+
+def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1) -> tuple[Trainer, Reporter]:
+    """Run.build_trainer (its docstring says what it builds)."""
+    cfg, plan, topology, rank = run.cfg, run.plan, run.topology, run.rank
+    sources = topology.envs_trained_by(rank)
+    n, t = cfg.env.num_envs, plan.num_steps
+    group = run.groups.trainer if len(topology.trainer_ranks) > 1 else None
+    with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
+        policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
+    initial_algorithm_state = _init_policy_from(run, policy)
+    if _gathers_weights(run):  # after sharding: every trainer gathers its shards for trainer 0's broadcast
+        algorithm, callbacks = _build_algorithm(run, policy, group)
+        weight_sync = _gathered_weight_source(run, policy)
+    else:  # before the optimizer and DDP: it points the parameters into its flat buckets
+        weight_sync = _weight_sync(run, policy) if rank == topology.trainer_ranks[0] else None
+        algorithm, callbacks = _build_algorithm(run, policy, group)
+    _seed_rank(run)
+    _, segment_channels = open_channels(
+        me=rank,
+        sends=[],
+        recvs=[(env, "segments", segment_message(run.spec, run.outputs, t, n, run.recurrent_state)) for env in sources],
+        describe_rank=topology.describe,
+        timeout=run.runtime.timeout,
+        num_recv_buffers=recv_buffers,
+    )
+    trainer = Trainer(
+        algorithm,
+        segment_channels,
+        [topology.describe(e) for e in sources],
+        plan.max_env_columns_per_trainer * t,
+        group,
+        weight_sync,
+        _experience_log(run),
+        describe=run.describe(),
+        timeout=run.runtime.timeout,
+        skip_nonfinite_updates=cfg.train.skip_nonfinite_updates,
+        policy=policy,
+        column_groups=_column_groups(run, len(sources)),
+    )
+    report = Reporter(cfg, plan, logger, callbacks, policy)
+    if run.resume.checkpoint is None:
+        _init_algorithm_from(run, algorithm, initial_algorithm_state)
+    if rank == 0:
+        run.final_policy = _final_policy(run, trainer, policy)
+    return trainer, report
+
+
+# -- the parts the builders share ------------------------------------------------------------------------------
+
+
+def _seed_rank(run: Run) -> int:
+    # Distinct, reproducible streams per rank: each rank's envs get seeds seed*1000003 + rank*num_envs + i.
+    cfg = run.cfg
+    torch.manual_seed(cfg.train.seed * 1_000_003 + run.rank)
+    return cfg.train.seed * 1_000_003 + run.rank * cfg.env.num_envs
+
+
+def _context(run: Run, group) -> Context:
+    topology = run.topology
+    trainers = topology.trainer_ranks if not topology.colocated else list(range(run.runtime.world_size))
+    return Context(
+        rank=run.rank,
+        trainer_index=trainers.index(run.rank),
+        num_trainers=len(trainers),
+        group=group,
+        device=run.runtime.device,
+        timeout=run.runtime.timeout,
+        run_dir=run.run_dir,
+        seed=run.cfg.train.seed,
+        num_iterations=run.plan.num_iterations,
+        steps_per_iteration=run.plan.steps_per_iteration,
+        observation_space=run.spec.observation_space,
+        action_space=run.spec.action_space,
+        buffer=run.cfg.buffer,
+        parallel=run.cfg.train.parallel,
+        precision=run.cfg.train.precision,
+        activation_checkpointing=run.cfg.train.activation_checkpointing,
+        policy_methods=("act", *(getattr(m, "name", m) for m in run.algorithm_cls.policy_methods)),
+        hybrid_shards=(
+            (run.groups.replicate, run.groups.shard, run.groups.shard_mesh) if run.groups.shard_mesh else None
+        ),
+    )
+
+
+def _build_algorithm(run: Run, policy: Policy, group) -> tuple[Algorithm, list]:
+    context = _context(run, group)
+    with watchdog.watch(f"building algo.class {run.cfg.classes['algo']} and the callbacks", COLLECTIVE_MARGIN_S):
+        algorithm = run.algorithm_cls(policy, run.cfg.algo, context)
+        callbacks = [cls(config, context) for cls, config in run.callback_classes]
+    return algorithm, callbacks
+
+
+def _final_policy(run: Run, trainer: Trainer, policy: Policy) -> Policy:
+    """What rank 0 saves as policy.pt: the policy itself, or with sharded trainers a plain copy on the CPU that
+    every checkpoint fills with the gathered full weights."""
+    if not trainer.sharded:
+        return policy
+    with torch.random.fork_rng(devices=cuda_indices(run.runtime.device)):  # build_policy seeds torch
+        trainer.final_copy = build_policy(run.cfg, run.spec, run.policy_cls, "cpu")
+    return trainer.final_copy
+
+
+def _gathers_weights(run: Run) -> bool:
+    """Whether trainers publish through a GatheredWeightSource: their parameters are shards, or the wire
+    carries another dtype than theirs (otherwise trainer 0's own tensors are the buckets)."""
+    return run.cfg.train.parallel == "fsdp" or run.cfg.inference.dtype != "fp32"
+
+
+def _gathered_weight_source(run: Run, policy: Policy) -> GatheredWeightSource:
+    """Sharded trainers each send their own shards (ShardedWeightSource); replicated ones with another wire
+    dtype fill one bucket at a time for trainer 0's broadcast (GatheredWeightSource)."""
+    wire_dtype = WIRE_DTYPES[run.cfg.inference.dtype]
+    if run.groups.sender_ranks:
+        return _weight_sync(
+            run,
+            policy,
+            ShardedWeightSource,
+            wire_dtype=wire_dtype,
+            receivers=list(run.topology.inference_ranks),
+            **_sender_options(run),
+        )
+    return _weight_sync(run, policy, GatheredWeightSource, wire_dtype=wire_dtype)
+
+
+def _sender_options(run: Run) -> dict:
+    """With sharded trainers: who sends the pieces of every bucket (for both ends of a sync)."""
+    if not run.groups.sender_ranks:
+        return {}
+    return {"senders": list(run.groups.sender_ranks), "sender_group": run.groups.weight_senders}
+
+
+def _weight_sync(run: Run, policy: Policy, kind=WeightSync, **options) -> WeightSync:
+    """This rank's member of the weight group (kind: WeightSync, or a trainer's GatheredWeightSource)."""
+    topology, runtime = run.topology, run.runtime
+    return kind(
+        policy,
+        run.groups.weights,
+        src=topology.trainer_ranks[0],
+        me=runtime.rank,
+        bucket_bytes=int(run.cfg.weights.bucket_mb * 2**20),
+        timeout=runtime.timeout,
+        describe_rank=topology.describe,
+        **options,
+    )
+
+
+def _recurrent_states(run: Run, counts: list[int]) -> RecurrentStates | None:
+    """Where an inference server keeps a recurrent policy's state: one row per env it acts for."""
+    fields = run.recurrent_state
+    return None if fields is None else RecurrentStates(fields, counts, run.runtime.device)
+
+
+def _column_groups(run: Run, env_ranks: int) -> torch.Tensor | None:
+    """With env groups, the group of every env column a trainer receives from `env_ranks` env ranks (each
+    rank's envs are the groups' envs in order); None without groups."""
+    if not run.cfg.env.groups:
+        return None
+    return torch.from_numpy(np.tile(group_of_envs(run.cfg.env), env_ranks))
+
+
+def _uniform_actions(run: Run) -> UniformActions | None:
+    return UniformActions(run.spec.action_space, run.outputs) if run.plan.explore_iterations else None
+
+
+def _experience_log(run: Run) -> ExperienceLog | None:
+    buffer = run.cfg.buffer
+    if not buffer.log_experience:
+        return None
+    example = segment_message(run.spec, run.outputs, run.plan.num_steps, run.cfg.env.num_envs, run.recurrent_state)[
+        "rollout"
+    ]
+    groups = run.cfg.env.group_names()
+    if groups:  # the column Trainer.learn adds to what it logs
+        example[GROUP] = torch.zeros(example.batch_size, dtype=torch.int16)
+    return ExperienceLog(
+        run.run_dir,
+        run.rank,
+        example,
+        chunk_rows=buffer.chunk_rows,
+        compression=buffer.h5_compression,
+        flush_every_s=buffer.flush_every_s,
+        group_names=groups,
+        must_exist=run.resume.checkpoint is not None,
+    )
+
+
+def _init_policy_from(run: Run, policy: Policy) -> dict | None:
+    """run.init_from: a new run starts from trained or pretrained weights, loaded into the policy as it is built
+    (before DDP or sharding wraps it); returns the algorithm's state for _init_algorithm_from when
+    run.init_algorithm asks for it. Nothing when the run resumes: the checkpoint has the weights."""
+    section = run.cfg.run
+    if not section.init_from:
+        if section.init_prefix:
+            raise UserError(f"run.init_prefix={section.init_prefix} needs run.init_from (the file to load)")
+        return None
+    if section.init_prefix and section.init_algorithm:
+        raise UserError(
+            "run.init_prefix loads a part of the policy, and run.init_algorithm=true the algorithm's state "
+            "for the whole of it: use one of them"
+        )
+    if section.init_algorithm and run.cfg.train.parallel == "fsdp":
+        raise UserError(
+            "run.init_algorithm=true with train.parallel=fsdp is not supported (the optimizer state would have "
+            "to be resharded from a whole copy); start from the weights only, or resume the run instead"
+        )
+    if run.resume.checkpoint is not None:
+        return None
+    policy_state, algorithm_state = read_trained_state(section.init_from, with_algorithm=section.init_algorithm)
+    try:
+        load_fitted(policy, policy_state, section.init_prefix)
+    except UserError as exc:
+        raise UserError(
+            f"run.init_from={section.init_from}: its weights do not fit policy.class "
+            f"'{run.cfg.classes['policy']}': {exc}"
+        ) from None
+    return algorithm_state
+
+
+def _init_algorithm_from(run: Run, algorithm: Algorithm, state: dict | None) -> None:
+    """run.init_algorithm: the algorithm's state from run.init_from's checkpoint (a fresh run only)."""
+    if state is None:
+        return
+    if any(sharding.is_dtensor(p) for p in algorithm.policy.parameters()):
+        raise UserError(
+            "run.init_algorithm=true with train.parallel=fsdp is not supported (the optimizer state would have "
+            "to be resharded from a whole copy); start from the weights only, or resume the run instead"
+        )
+    try:
+        algorithm.load_state_dict(state)
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise UserError(
+            f"run.init_from={run.cfg.run.init_from}: its state does not fit policy.class "
+            f"'{run.cfg.classes['policy']}' / algo.class '{run.cfg.classes['algo']}' with this "
+            f"config: {' '.join(str(exc).split())[:300]}"
+        ) from None
+
+
+def _say_if_env_state_unsaved(run: Run, runner: EnvRunner) -> None:
+    """Once per run (the first rank with envs): a checkpoint cannot hold these envs' state, so a resume begins
+    fresh episodes."""
+    first = 0 if run.topology.colocated else run.topology.env_ranks[0]
+    reason = runner.env_backend.unsaved_reason(runner.envs) if run.rank == first else None
+    if reason:
+        print(f"spmd_rl: note: {reason}", flush=True)
