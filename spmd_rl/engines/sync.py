@@ -28,6 +28,7 @@ from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.run import COLOCATED, ENV, INFERENCE, TRAINER, Run
+from spmd_rl.runtime.errors import UserError
 
 # A trainer's next segment, by iteration: (the segment, metrics of its receipt for the iteration's line).
 SegmentSource = Callable[[int], tuple[TensorDict, dict]]
@@ -37,6 +38,14 @@ class SyncEngine(Engine):
     """Every rank runs the story of its role; weights move at fixed points between rollouts."""
 
     observation_layout = staticmethod(observation_message)  # how an env rank lays out its observation message
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if hasattr(cls, "checkpoint_state"):  # the earlier hook, which nothing calls now: refused, not ignored
+            raise UserError(
+                f"engine {cls.__module__}:{cls.__qualname__} defines checkpoint_state, which engines no longer "
+                f"call: return your state's holders from components(run) instead (docs/plugins.md)"
+            )
 
     def run(self, run: Run) -> Policy | None:
         loops = {

@@ -72,6 +72,14 @@ def test_a_subclass_hooks_into_the_sync_loops_and_extends_the_checkpoint(tmp_pat
     assert [r["count"] for r in records] == [1.0, 2.0, 3.0], "the resumed run counts on from the checkpoint"
 
 
+def test_an_engine_with_the_earlier_checkpoint_state_hook_is_refused_not_ignored():
+    with pytest.raises(UserError, match="defines checkpoint_state.*components"):
+
+        class Earlier(SyncEngine):
+            def checkpoint_state(self, trainer=None, report=None, runner=None, server=None):
+                return {}
+
+
 def _facts(asked):
     return PlanFacts(1, 1, 64, 64, 3, asked_policy_lag=asked)
 
