@@ -16,14 +16,18 @@ runs/<run>, runs/<sweep>/<run>), read from the files every run already writes:
     the run apart from the others listed (as spmd_rl.plot's labels: the env, algorithm and policy where they differ,
     then the keys where a run leaves its experiment's usual value).
 
-Damaged files are read as far as they are sound and named in a note below the table, never a traceback. --json
-prints one JSON object per run instead, for scripts. This module imports no torch: it answers at once.
+Damaged files are read as far as they are sound, the run's state is marked damaged, and what is damaged is named
+in a note below the table, never a traceback. Nothing a damaged or planted directory holds can hang or exhaust the
+listing: only regular files are read (not a FIFO, not a link to /dev/zero), config.yaml through the config's own
+bounded loader (no alias bomb), metrics.jsonl's last METRICS_TAIL_BYTES only, and lines up to METRICS_LINE_BYTES.
+--json prints one JSON object per run instead, for scripts. This module imports no torch: it answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import sys
@@ -33,11 +37,15 @@ from pathlib import Path
 
 import yaml
 
-from spmd_rl.persist.run_files import CONFIG_FILE, FINISHED, LOCK_FILE, METRICS_FILE
+from spmd_rl.config.loading import MAX_CONFIG_BYTES, ConfigLoader
+from spmd_rl.persist.fileio import NotRegularFile, bounded_lines, open_regular
+from spmd_rl.persist.run_files import CONFIG_FILE, FINISHED, LOCK_FILE, METRICS_FILE, METRICS_LINE_BYTES
 from spmd_rl.persist.run_lock import read_lock
 from spmd_rl.plot import SEARCH_DEPTH, describe_keys, distinguishing_keys, flatten_config, is_run_dir, run_dirs_inside
 from spmd_rl.runtime.errors import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
 
+METRICS_TAIL_BYTES = 16 << 20  # what the index reads of a metrics.jsonl: its last records are what it shows
+FINISHED_BYTES = 4096  # finished.json holds a flag and a digest
 _DIGEST_IN_NAME = re.compile(r"-([0-9a-f]{8})(?:-\d+)?$")  # runs/<name>-<digest>[-2]
 
 
@@ -97,12 +105,22 @@ def run_status(run_dir: Path) -> tuple[RunStatus, dict]:
 
 def _read_config(run_dir: Path, notes: list[str]) -> dict:
     path = run_dir / CONFIG_FILE
-    if not path.exists():
-        return {}
     try:
-        config = yaml.safe_load(path.read_text(errors="replace"))
-    except (OSError, yaml.YAMLError):
-        notes.append(f"{path} does not load: its keys are not compared")
+        with open_regular(path) as file:
+            text = file.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(f"larger than {MAX_CONFIG_BYTES >> 20} MiB")
+        config = yaml.load(text.decode(errors="replace"), Loader=ConfigLoader)  # bounded: no alias bomb
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        if isinstance(exc, NotRegularFile):
+            notes.append(f"{exc}: its keys are not compared")
+        elif isinstance(exc, OSError):
+            notes.append(f"{path} cannot be read ({exc.strerror}): its keys are not compared")
+        else:  # a _TooLarge's problem names the bound it passed
+            why = getattr(exc, "problem", None) or str(exc)
+            notes.append(f"{path} does not load ({why.splitlines()[0]}): its keys are not compared")
         return {}
     return config if isinstance(config, dict) else {}
 
@@ -111,19 +129,28 @@ def _read_metrics(run_dir: Path, status: RunStatus) -> None:
     """The last record's counters and the last returns; lines that are no JSON object are skipped and counted."""
     path = run_dir / METRICS_FILE
     try:
-        text = path.read_bytes().decode(errors="replace")
-        status.updated = path.stat().st_mtime
-    except OSError:
+        with open_regular(path) as file:
+            info = os.fstat(file.fileno())
+            status.updated = info.st_mtime
+            file.seek(max(0, info.st_size - METRICS_TAIL_BYTES))
+            lines = list(bounded_lines(file, METRICS_LINE_BYTES))
+    except FileNotFoundError:
         return
-    lines = text.splitlines()
+    except OSError as exc:
+        status.notes.append(str(exc) if isinstance(exc, NotRegularFile) else f"{path} cannot be read ({exc.strerror})")
+        return
+    if info.st_size > METRICS_TAIL_BYTES and lines and lines[0] is not None:
+        lines.pop(0)  # the tail's first line is the end of a sound one, most likely: not damage
     damaged = 0
     for number, line in enumerate(lines, start=1):
         try:
+            if line is None:
+                raise ValueError("longer than METRICS_LINE_BYTES")
             record = json.loads(line)
             if not isinstance(record, dict):
                 raise ValueError(line)
-        except ValueError:
-            damaged += number < len(lines) or bool(line.strip())  # a torn last line counts too: it is data lost
+        except (ValueError, RecursionError):  # deeply nested brackets are a RecursionError
+            damaged += number < len(lines) or bool(line is None or line.strip())  # a torn last line is data lost
             continue
         if isinstance(record.get("iteration"), int):
             status.iterations = record["iteration"] + 1
@@ -139,13 +166,14 @@ def _read_metrics(run_dir: Path, status: RunStatus) -> None:
 
 def _digest(run_dir: Path, notes: list[str]) -> str:
     try:
-        given = json.loads((run_dir / FINISHED).read_text()).get("config_digest")
+        with open_regular(run_dir / FINISHED) as file:
+            given = json.loads(file.read(FINISHED_BYTES + 1)).get("config_digest")
         if isinstance(given, str):
             return given[:8]
     except FileNotFoundError:
         pass
-    except (OSError, ValueError, AttributeError):
-        notes.append(f"{run_dir / FINISHED} is damaged")
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
+        notes.append(f"{run_dir / FINISHED} is damaged" + (f" ({exc})" if isinstance(exc, NotRegularFile) else ""))
     match = _DIGEST_IN_NAME.search(run_dir.name)
     return match.group(1) if match else ""
 
@@ -174,9 +202,8 @@ def format_table(rows: list[RunStatus], root: Path | None, now: float) -> str:
         return str(path)
 
     def state(row: RunStatus) -> str:
-        if row.state in ("stopped", "failed"):
-            return f"{row.state} ({row.exit_code})"
-        return row.state
+        shown = f"{row.state} ({row.exit_code})" if row.state in ("stopped", "failed") else row.state
+        return f"{shown}, damaged" if row.notes else shown  # the notes below the table say what is damaged
 
     def steps(row: RunStatus) -> str:
         if row.env_steps is None:

@@ -210,7 +210,7 @@ class _TooLarge(yaml.YAMLError):
         self.problem, self.problem_mark = problem, mark
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class ConfigLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key given twice in one mapping is an error instead of last-one-wins, and
     that nothing grows without bound: nesting deeper than MAX_DEPTH, more than MAX_VALUES values once aliases are
     expanded (the "billion laughs" of YAML) and integers of more digits than any key needs are refused while the
@@ -325,17 +325,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 self._reject_duplicate_keys(value_node, f"{key}.", seen)
 
 
-_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
-_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:bool", _UniqueKeyLoader.construct_yaml_bool)
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", ConfigLoader.construct_yaml_int)
+ConfigLoader.add_constructor("tag:yaml.org,2002:bool", ConfigLoader.construct_yaml_bool)
 
 YAML_11_BOOLS = ("yes", "no", "on", "off")
 _bool_notes: list[tuple[str, bool, int]] = []  # (the text, the value, its line) of the document being read
 
 
 def _load_yaml(text: str, where: str):
-    """yaml.load with _UniqueKeyLoader; a note (rank 0's) for every yes/no/on/off it read as a boolean."""
+    """yaml.load with ConfigLoader; a note (rank 0's) for every yes/no/on/off it read as a boolean."""
     _bool_notes.clear()
-    data = yaml.load(text, Loader=_UniqueKeyLoader)
+    data = yaml.load(text, Loader=ConfigLoader)
     if rank_from_env() in (None, 0):
         for word, value, line in _bool_notes:
             at = f"{where} line {line}" if where.startswith("config file") else where

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 CONFIG_FILE = "config.yaml"  # the resolved config
 METRICS_FILE = "metrics.jsonl"  # one JSON record per iteration
+METRICS_LINE_BYTES = 1 << 20  # a metrics line longer than this is damage (a record is a few hundred bytes)
 TENSORBOARD_DIR = "tensorboard"
 POLICY_FILE = "policy.pt"  # the Policy's state_dict, at the end or on a stop
 CHECKPOINTS_DIR = "checkpoints"  # iter_<N>/rank<R>.pt per rank, and `latest`
