@@ -134,7 +134,8 @@ class MetricsLogger:
         if self.trackers is not None:
             self.trackers.log(scalars, env_steps)
         self.bar.update(env_steps - self.bar.n)
-        self.bar.set_postfix(ret=f"{record['episode_return_mean']:.1f}", sps=f"{record['sps']:.0f}", refresh=False)
+        shown = f"{record['episode_return_mean']:.1f}" if record["episodes"] else "-"  # no episode has ended yet
+        self.bar.set_postfix(ret=shown, sps=f"{record['sps']:.0f}", refresh=False)
         if elapsed - self.last_line >= self.interval_s:
             self.last_line = elapsed
             self._print(self.line(record))
@@ -182,11 +183,11 @@ class MetricsLogger:
 
     @classmethod
     def line(cls, record: dict) -> str:
-        text = (
-            f"iter {record['iteration']:>5}  steps {record['env_steps']:>9}  "
-            f"return {record['episode_return_mean']:8.2f}  len {record['episode_length_mean']:7.1f}  "
-            f"sps {record['sps']:8.0f}"
-        )
+        if record["episodes"]:
+            episodes = f"return {record['episode_return_mean']:8.2f}  len {record['episode_length_mean']:7.1f}"
+        else:  # the mean of no returns is NaN: say why there is none
+            episodes = "no episode has ended yet"
+        text = f"iter {record['iteration']:>5}  steps {record['env_steps']:>9}  {episodes}  sps {record['sps']:8.0f}"
         for key, label, spec in cls.GLANCE:
             if key in record:
                 text += f"  {label} {record[key]:{spec}}"
@@ -215,11 +216,12 @@ class MetricsLogger:
                 )
             else:
                 steps = f"{env_steps} env steps in {wall_s:.1f}s ({sps:.0f} steps/s)"
-            print(
-                f"done: {steps}, {self.episodes} episodes, mean return of the last {RETURN_WINDOW} episodes "
-                f"{record.get('episode_return_mean', float('nan')):.2f}; run directory {self.run_dir}",
-                flush=True,
+            returns = (
+                f"mean return of the last {RETURN_WINDOW} episodes {record['episode_return_mean']:.2f}"
+                if self.episodes
+                else "no episode ended, so no return"
             )
+            print(f"done: {steps}, {self.episodes} episodes, {returns}; run directory {self.run_dir}", flush=True)
         if self.writer is not None:
             self.writer.close()
         if self.trackers is not None:
