@@ -413,6 +413,13 @@ def _apply_override(raw: dict, item: str) -> None:
         raise UserError(f"config key '{shown}' (on the command line): {exc.problem}") from None
     except yaml.YAMLError:
         value = text  # not YAML: keep the literal text, the type check below judges it
+    glued = _glued_key(value)
+    if glued is not None:
+        name, _, given = glued.partition(":")
+        raise UserError(
+            f"override {excerpt(item)}: YAML reads '{clip(glued)}' as one key with no value (a colon needs a space "
+            f"after it); write {clip(name)}: {clip(given)}, e.g. {shown}={{{clip(name)}: {clip(given)}}}"
+        )
     node = raw
     for part in parts[:-1]:
         child = node.get(part)
@@ -422,6 +429,21 @@ def _apply_override(raw: dict, item: str) -> None:
             raise UserError(f"override {excerpt(item)}: {excerpt(part)} is not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _glued_key(value: Any) -> str | None:
+    """The first mapping key like 'chunk:4' with no value in value: `{chunk:4}` on a command line, which YAML reads
+    as the key 'chunk:4' (a colon without a space after it is part of the text)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if item is None and isinstance(key, str) and ":" in key.strip(":"):
+                return key
+            found = _glued_key(item)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        return next((found for item in value if (found := _glued_key(item)) is not None), None)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
