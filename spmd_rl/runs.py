@@ -12,9 +12,8 @@ runs/<run>, runs/<sweep>/<run>), read from the files every run already writes:
               unknown   no run.lock but metrics: a run from before run.lock, or a directory copied without it
               new       neither: a directory no run has logged in yet
     iters, env steps (of train.total_steps), the last mean episode return and evaluation return, when metrics.jsonl
-    was last written, the config digest (finished.json's, else the directory name's), and the config keys that set
-    the run apart from the others listed (as spmd_rl.plot's labels: the env, algorithm and policy where they differ,
-    then the keys where a run leaves its experiment's usual value).
+    was last written, and the config keys that set the run apart from the others listed (as spmd_rl.plot's labels:
+    the env, algorithm and policy where they differ, then the keys where a run leaves its experiment's usual value).
 
 Damaged files are read as far as they are sound, the run's state is marked damaged, and what is damaged is named
 in a note below the table, never a traceback. Nothing a damaged or planted directory holds can hang or exhaust the
@@ -28,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -45,8 +43,6 @@ from spmd_rl.plot import SEARCH_DEPTH, describe_keys, distinguishing_keys, flatt
 from spmd_rl.runtime.errors import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
 
 METRICS_TAIL_BYTES = 16 << 20  # what the index reads of a metrics.jsonl: its last records are what it shows
-FINISHED_BYTES = 4096  # finished.json holds a flag and a digest
-_DIGEST_IN_NAME = re.compile(r"-([0-9a-f]{8})(?:-\d+)?$")  # runs/<name>-<digest>[-2]
 
 
 @dataclass
@@ -61,7 +57,6 @@ class RunStatus:
     updated: float | None = None  # metrics.jsonl's modification time
     exit_code: int | None = None
     holder: str = ""  # 'host vm, pid 123' while running
-    digest: str = ""
     sets_apart: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -99,7 +94,6 @@ def run_status(run_dir: Path) -> tuple[RunStatus, dict]:
     _read_metrics(run_dir, status)
     total = config.get("train", {}).get("total_steps") if isinstance(config.get("train"), dict) else None
     status.total_steps = total if isinstance(total, int) else None
-    status.digest = _digest(run_dir, status.notes)
     return status, config
 
 
@@ -164,20 +158,6 @@ def _read_metrics(run_dir: Path, status: RunStatus) -> None:
         status.notes.append(f"{path}: {damaged} line(s) that are no JSON record skipped")
 
 
-def _digest(run_dir: Path, notes: list[str]) -> str:
-    try:
-        with open_regular(run_dir / FINISHED) as file:
-            given = json.loads(file.read(FINISHED_BYTES + 1)).get("config_digest")
-        if isinstance(given, str):
-            return given[:8]
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError, AttributeError, RecursionError) as exc:
-        notes.append(f"{run_dir / FINISHED} is damaged" + (f" ({exc})" if isinstance(exc, NotRegularFile) else ""))
-    match = _DIGEST_IN_NAME.search(run_dir.name)
-    return match.group(1) if match else ""
-
-
 def statuses(run_dirs: list[Path]) -> list[RunStatus]:
     found = [run_status(run_dir) for run_dir in run_dirs]
     # train.seed stays: unlike plot, which draws seeds as one curve, every run is a line here
@@ -213,7 +193,7 @@ def format_table(rows: list[RunStatus], root: Path | None, now: float) -> str:
     def number(value) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    header = ("RUN", "STATE", "ITERS", "ENV STEPS", "RETURN", "EVAL", "UPDATED", "DIGEST", "SETS IT APART")
+    header = ("RUN", "STATE", "ITERS", "ENV STEPS", "RETURN", "EVAL", "UPDATED", "SETS IT APART")
     table = [
         (
             name(row),
@@ -223,7 +203,6 @@ def format_table(rows: list[RunStatus], root: Path | None, now: float) -> str:
             number(row.last_return),
             number(row.last_eval_return),
             "-" if row.updated is None else _ago(now - row.updated),
-            row.digest or "-",
             row.sets_apart + (f" [{row.holder}]" if row.holder else ""),
         )
         for row in rows
