@@ -3,7 +3,7 @@
 One line per run directory (a directory holding config.yaml or metrics.jsonl, searched as spmd_rl.plot searches:
 runs/<run>, runs/<sweep>/<run>), read from the files every run already writes:
 
-    state     running   rank 0 holds the run directory's flock now (free once the process is gone, however it ended)
+    state     running   rank 0 holds the run directory's flocks now (free once the process is gone, however it ended)
               finished  finished.json: done, or run.stop_at_return reached; never resumed
               stopped   exit 75: a checkpointed stop (a signal, run.stop_after_iterations); rerun to resume
               failed    any other exit code run.lock recorded (2 bad input, 3 communication, 4 user code, 1 a bug)

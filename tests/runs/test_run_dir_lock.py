@@ -97,15 +97,16 @@ def test_removing_run_lock_does_not_let_a_second_copy_in(tmp_path):
     assert _try_lock_in_another_process(run_dir).returncode == 0, "free again once its holder let go"
 
 
-@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
-def test_a_run_lock_that_is_not_a_regular_file_is_refused_and_left_alone(tmp_path, kind):
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory", "hard link"])
+def test_a_run_lock_that_is_not_a_regular_file_of_one_link_is_refused_and_left_alone(tmp_path, kind):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     lock = run_dir / "run.lock"
     precious = tmp_path / "precious.txt"
     precious.write_text("the user's data\n")
-    {"symlink": lambda: lock.symlink_to(precious), "fifo": lambda: os.mkfifo(lock), "directory": lock.mkdir}[kind]()
-    with pytest.raises(UserError, match=r"run\.lock is not a regular file .*remove it"):
+    make = {"symlink": lock.symlink_to, "fifo": lambda _: os.mkfifo(lock), "directory": lambda _: lock.mkdir()}
+    make.get(kind, lock.hardlink_to)(precious)
+    with pytest.raises(UserError, match=r"run\.lock (is not a regular file|has 2 hard links).*remove it"):
         lock_run_dir(run_dir)
     assert not run_lock._held, "a refused lock is let go"
     assert precious.read_text() == "the user's data\n"
