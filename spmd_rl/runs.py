@@ -3,7 +3,7 @@
 One line per run directory (a directory holding config.yaml or metrics.jsonl, searched as spmd_rl.plot searches:
 runs/<run>, runs/<sweep>/<run>), read from the files every run already writes:
 
-    state     running   rank 0 holds run.lock now (an flock: it is free once the process is gone, however it ended)
+    state     running   rank 0 holds the run directory's flocks now (free once the process is gone, however it ended)
               finished  finished.json: done, or run.stop_at_return reached; never resumed
               stopped   exit 75: a checkpointed stop (a signal, run.stop_after_iterations); rerun to resume
               failed    any other exit code run.lock recorded (2 bad input, 3 communication, 4 user code, 1 a bug)
@@ -12,19 +12,21 @@ runs/<run>, runs/<sweep>/<run>), read from the files every run already writes:
               unknown   no run.lock but metrics: a run from before run.lock, or a directory copied without it
               new       neither: a directory no run has logged in yet
     iters, env steps (of train.total_steps), the last mean episode return and evaluation return, when metrics.jsonl
-    was last written, the config digest (finished.json's, else the directory name's), and the config keys that set
-    the run apart from the others listed (as spmd_rl.plot's labels: the env, algorithm and policy where they differ,
-    then the keys where a run leaves its experiment's usual value).
+    was last written, and the config keys that set the run apart from the others listed (as spmd_rl.plot's labels:
+    the env, algorithm and policy where they differ, then the keys where a run leaves its experiment's usual value).
 
-Damaged files are read as far as they are sound and named in a note below the table, never a traceback. --json
-prints one JSON object per run instead, for scripts. This module imports no torch: it answers at once.
+Damaged files are read as far as they are sound, the run's state is marked damaged, and what is damaged is named
+in a note below the table, never a traceback. Nothing a damaged or planted directory holds can hang or exhaust the
+listing: only regular files are read (not a FIFO, not a link to /dev/zero), config.yaml through the config's own
+bounded loader (no alias bomb), metrics.jsonl's last METRICS_TAIL_BYTES only, and lines up to METRICS_LINE_BYTES.
+--json prints one JSON object per run instead, for scripts. This module imports no torch: it answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
+import os
 import signal
 import sys
 import time
@@ -33,12 +35,14 @@ from pathlib import Path
 
 import yaml
 
-from spmd_rl.persist.run_files import CONFIG_FILE, FINISHED, LOCK_FILE, METRICS_FILE
+from spmd_rl.config.loading import MAX_CONFIG_BYTES, ConfigLoader
+from spmd_rl.persist.fileio import NotRegularFile, bounded_lines, open_regular
+from spmd_rl.persist.run_files import CONFIG_FILE, FINISHED, LOCK_FILE, METRICS_FILE, METRICS_LINE_BYTES
 from spmd_rl.persist.run_lock import read_lock
 from spmd_rl.plot import SEARCH_DEPTH, describe_keys, distinguishing_keys, flatten_config, is_run_dir, run_dirs_inside
 from spmd_rl.runtime.errors import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
 
-_DIGEST_IN_NAME = re.compile(r"-([0-9a-f]{8})(?:-\d+)?$")  # runs/<name>-<digest>[-2]
+METRICS_TAIL_BYTES = 16 << 20  # what the index reads of a metrics.jsonl: its last records are what it shows
 
 
 @dataclass
@@ -53,7 +57,6 @@ class RunStatus:
     updated: float | None = None  # metrics.jsonl's modification time
     exit_code: int | None = None
     holder: str = ""  # 'host vm, pid 123' while running
-    digest: str = ""
     sets_apart: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -91,18 +94,27 @@ def run_status(run_dir: Path) -> tuple[RunStatus, dict]:
     _read_metrics(run_dir, status)
     total = config.get("train", {}).get("total_steps") if isinstance(config.get("train"), dict) else None
     status.total_steps = total if isinstance(total, int) else None
-    status.digest = _digest(run_dir, status.notes)
     return status, config
 
 
 def _read_config(run_dir: Path, notes: list[str]) -> dict:
     path = run_dir / CONFIG_FILE
-    if not path.exists():
-        return {}
     try:
-        config = yaml.safe_load(path.read_text(errors="replace"))
-    except (OSError, yaml.YAMLError):
-        notes.append(f"{path} does not load: its keys are not compared")
+        with open_regular(path) as file:
+            text = file.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(f"larger than {MAX_CONFIG_BYTES >> 20} MiB")
+        config = yaml.load(text.decode(errors="replace"), Loader=ConfigLoader)  # bounded: no alias bomb
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        if isinstance(exc, NotRegularFile):
+            notes.append(f"{exc}: its keys are not compared")
+        elif isinstance(exc, OSError):
+            notes.append(f"{path} cannot be read ({exc.strerror}): its keys are not compared")
+        else:  # a _TooLarge's problem names the bound it passed
+            why = getattr(exc, "problem", None) or str(exc)
+            notes.append(f"{path} does not load ({why.splitlines()[0]}): its keys are not compared")
         return {}
     return config if isinstance(config, dict) else {}
 
@@ -111,19 +123,28 @@ def _read_metrics(run_dir: Path, status: RunStatus) -> None:
     """The last record's counters and the last returns; lines that are no JSON object are skipped and counted."""
     path = run_dir / METRICS_FILE
     try:
-        text = path.read_bytes().decode(errors="replace")
-        status.updated = path.stat().st_mtime
-    except OSError:
+        with open_regular(path) as file:
+            info = os.fstat(file.fileno())
+            status.updated = info.st_mtime
+            file.seek(max(0, info.st_size - METRICS_TAIL_BYTES))
+            lines = list(bounded_lines(file, METRICS_LINE_BYTES))
+    except FileNotFoundError:
         return
-    lines = text.splitlines()
+    except OSError as exc:
+        status.notes.append(str(exc) if isinstance(exc, NotRegularFile) else f"{path} cannot be read ({exc.strerror})")
+        return
+    if info.st_size > METRICS_TAIL_BYTES and lines and lines[0] is not None:
+        lines.pop(0)  # the tail's first line is the end of a sound one, most likely: not damage
     damaged = 0
     for number, line in enumerate(lines, start=1):
         try:
+            if line is None:
+                raise ValueError("longer than METRICS_LINE_BYTES")
             record = json.loads(line)
             if not isinstance(record, dict):
                 raise ValueError(line)
-        except ValueError:
-            damaged += number < len(lines) or bool(line.strip())  # a torn last line counts too: it is data lost
+        except (ValueError, RecursionError):  # deeply nested brackets are a RecursionError
+            damaged += number < len(lines) or bool(line is None or line.strip())  # a torn last line is data lost
             continue
         if isinstance(record.get("iteration"), int):
             status.iterations = record["iteration"] + 1
@@ -135,19 +156,6 @@ def _read_metrics(run_dir: Path, status: RunStatus) -> None:
             status.last_eval_return = record["eval_return_mean"]
     if damaged:
         status.notes.append(f"{path}: {damaged} line(s) that are no JSON record skipped")
-
-
-def _digest(run_dir: Path, notes: list[str]) -> str:
-    try:
-        given = json.loads((run_dir / FINISHED).read_text()).get("config_digest")
-        if isinstance(given, str):
-            return given[:8]
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError, AttributeError):
-        notes.append(f"{run_dir / FINISHED} is damaged")
-    match = _DIGEST_IN_NAME.search(run_dir.name)
-    return match.group(1) if match else ""
 
 
 def statuses(run_dirs: list[Path]) -> list[RunStatus]:
@@ -174,9 +182,8 @@ def format_table(rows: list[RunStatus], root: Path | None, now: float) -> str:
         return str(path)
 
     def state(row: RunStatus) -> str:
-        if row.state in ("stopped", "failed"):
-            return f"{row.state} ({row.exit_code})"
-        return row.state
+        shown = f"{row.state} ({row.exit_code})" if row.state in ("stopped", "failed") else row.state
+        return f"{shown}, damaged" if row.notes else shown  # the notes below the table say what is damaged
 
     def steps(row: RunStatus) -> str:
         if row.env_steps is None:
@@ -186,7 +193,7 @@ def format_table(rows: list[RunStatus], root: Path | None, now: float) -> str:
     def number(value) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    header = ("RUN", "STATE", "ITERS", "ENV STEPS", "RETURN", "EVAL", "UPDATED", "DIGEST", "SETS IT APART")
+    header = ("RUN", "STATE", "ITERS", "ENV STEPS", "RETURN", "EVAL", "UPDATED", "SETS IT APART")
     table = [
         (
             name(row),
@@ -196,7 +203,6 @@ def format_table(rows: list[RunStatus], root: Path | None, now: float) -> str:
             number(row.last_return),
             number(row.last_eval_return),
             "-" if row.updated is None else _ago(now - row.updated),
-            row.digest or "-",
             row.sets_apart + (f" [{row.holder}]" if row.holder else ""),
         )
         for row in rows

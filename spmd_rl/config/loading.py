@@ -210,7 +210,7 @@ class _TooLarge(yaml.YAMLError):
         self.problem, self.problem_mark = problem, mark
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class ConfigLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key given twice in one mapping is an error instead of last-one-wins, and
     that nothing grows without bound: nesting deeper than MAX_DEPTH, more than MAX_VALUES values once aliases are
     expanded (the "billion laughs" of YAML) and integers of more digits than any key needs are refused while the
@@ -325,17 +325,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 self._reject_duplicate_keys(value_node, f"{key}.", seen)
 
 
-_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
-_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:bool", _UniqueKeyLoader.construct_yaml_bool)
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", ConfigLoader.construct_yaml_int)
+ConfigLoader.add_constructor("tag:yaml.org,2002:bool", ConfigLoader.construct_yaml_bool)
 
 YAML_11_BOOLS = ("yes", "no", "on", "off")
 _bool_notes: list[tuple[str, bool, int]] = []  # (the text, the value, its line) of the document being read
 
 
 def _load_yaml(text: str, where: str):
-    """yaml.load with _UniqueKeyLoader; a note (rank 0's) for every yes/no/on/off it read as a boolean."""
+    """yaml.load with ConfigLoader; a note (rank 0's) for every yes/no/on/off it read as a boolean."""
     _bool_notes.clear()
-    data = yaml.load(text, Loader=_UniqueKeyLoader)
+    data = yaml.load(text, Loader=ConfigLoader)
     if rank_from_env() in (None, 0):
         for word, value, line in _bool_notes:
             at = f"{where} line {line}" if where.startswith("config file") else where
@@ -413,6 +413,13 @@ def _apply_override(raw: dict, item: str) -> None:
         raise UserError(f"config key '{shown}' (on the command line): {exc.problem}") from None
     except yaml.YAMLError:
         value = text  # not YAML: keep the literal text, the type check below judges it
+    glued = _glued_key(value)
+    if glued is not None:
+        name, _, given = glued.partition(":")
+        raise UserError(
+            f"override {excerpt(item)}: YAML reads '{clip(glued)}' as one key with no value (a colon needs a space "
+            f"after it); write {clip(name)}: {clip(given)}, e.g. {shown}={{{clip(name)}: {clip(given)}}}"
+        )
     node = raw
     for part in parts[:-1]:
         child = node.get(part)
@@ -422,6 +429,21 @@ def _apply_override(raw: dict, item: str) -> None:
             raise UserError(f"override {excerpt(item)}: {excerpt(part)} is not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _glued_key(value: Any) -> str | None:
+    """The first mapping key like 'chunk:4' with no value in value: `{chunk:4}` on a command line, which YAML reads
+    as the key 'chunk:4' (a colon without a space after it is part of the text)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if item is None and isinstance(key, str) and ":" in key.strip(":"):
+                return key
+            found = _glued_key(item)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        return next((found for item in value if (found := _glued_key(item)) is not None), None)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,8 @@
   then renamed over the old one (and the directory fsynced): the path holds the old file or the new one, whole.
 - make_dirs, file_error: every OSError on a path (disk full, read-only, a file where a directory should be) becomes
   a UserError naming the path and what to do.
+- open_regular / bounded_lines: reading what a damaged or planted run directory may hold: a FIFO (whose open waits
+  for a writer), a device such as /dev/zero (which never ends), a line without end; refused or cut off, never a hang.
 - register_open_file / flush_open_files: writers that stage data in memory (the HDF5 writers) register here, and
   every exit path flushes them all.
 """
@@ -16,6 +18,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,6 +123,41 @@ def _fsync_directory(directory: Path) -> None:
 def _remove_quietly(path: Path) -> None:
     with contextlib.suppress(OSError):
         path.unlink()
+
+
+class NotRegularFile(OSError):
+    """What open_regular raises for a path that is no regular file: its message names the path and what it is."""
+
+
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """path opened for reading when it is a regular file (symlinks followed), else a NotRegularFile. Opened without
+    waiting (a FIFO's open waits for a writer) and checked on the descriptor, so nothing reads a FIFO or a device."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device")]
+            kind = next((name for test, name in kinds if test(mode)), "a block device or socket")
+            raise NotRegularFile(f"{path} is not a regular file ({kind})")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def bounded_lines(file: BinaryIO, max_line: int) -> Iterator[bytes | None]:
+    """The lines of file from where it stands, without their newline; None for a line longer than max_line bytes,
+    which is skipped a chunk at a time rather than held whole."""
+    while line := file.readline(max_line + 1):
+        if line.endswith(b"\n"):
+            yield line[:-1]
+        elif len(line) <= max_line:
+            yield line  # the last line, torn or without its newline
+        else:
+            while (rest := file.readline(max_line)) and not rest.endswith(b"\n"):
+                pass
+            yield None
 
 
 def write_atomic(path: str | os.PathLike, content: bytes | str) -> None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 CONFIG_FILE = "config.yaml"  # the resolved config
 METRICS_FILE = "metrics.jsonl"  # one JSON record per iteration
+METRICS_LINE_BYTES = 1 << 20  # a metrics line longer than this is damage (a record is a few hundred bytes)
 TENSORBOARD_DIR = "tensorboard"
 POLICY_FILE = "policy.pt"  # the Policy's state_dict, at the end or on a stop
 CHECKPOINTS_DIR = "checkpoints"  # iter_<N>/rank<R>.pt per rank, and `latest`
 BUFFER_DIR = "buffer"  # HDF5 experience logs and replay shards
-LOCK_FILE = "run.lock"  # the flock rank 0 holds while the run lives
+LOCK_FILE = "run.lock"  # flocked by rank 0 beside the run directory while the run lives; the holder's note
 FINISHED = "finished.json"  # written by rank 0 when a run completed: such a directory is never resumed
 BEST_DIR = "best"  # checkpoint.keep_best: <run dir>/best/policy.pt and its score.json
 SCORE_FILE = "score.json"

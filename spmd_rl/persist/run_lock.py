@@ -1,10 +1,18 @@
-"""One writer per run directory: rank 0 holds an flock on `<run dir>/run.lock` from the moment it chose the
-directory until its process ends the run. The kernel drops an flock when its holder dies (kill -9, a node's crash
-as the file system sees it), so nothing stale is ever left to clean up; the file itself stays, holding the last
-holder's host and pid, which is what a refused second copy names. When the run ends in an orderly way (done, a
-checkpointed stop, an error it could report), its holder adds the time and the exit code before letting go, so
-`python -m spmd_rl.runs` can tell a run that is running (the lock is held), stopped, failed or killed (the lock
-is free and holds no exit code: kill -9, a lost node, a run from before exit codes were recorded).
+"""One writer per run directory: rank 0 holds two flocks from the moment it chose the directory until its process
+ends the run, one on the run directory itself and one on `<run dir>/run.lock`, and a second copy is refused while
+either is held. The directory's cannot be removed by a stray `rm run.lock` (what people do with a lock they think
+stale); the file's is the one a network file system shares between hosts (NFS makes a file's flock a lock on the
+server, a directory's stays on its own host). The kernel drops an flock when its holder dies (kill -9, a node's
+crash as the file system sees it), so nothing stale is ever left to clean up.
+
+run.lock also holds the note of who holds or held the lock: the holder's host and pid, which is what a refused
+second copy names. When the run ends in an orderly way (done, a checkpointed stop, an error it could report), its
+holder adds the time and the exit code, so `python -m spmd_rl.runs` can tell a run that is running (a lock is
+held), stopped, failed or killed (the locks are free and the note holds no exit code: kill -9, a lost node, a run
+from before exit codes were recorded). The note is written into the file the holder opened itself, never through
+a symlink (O_NOFOLLOW), and a run.lock that is not a regular file of one link (a symlink, a FIFO, a directory, a
+hard link to another file) is refused: writing through it would destroy what it points at, and opening a FIFO
+would wait for a writer. Readers open it without following a symlink or waiting on a FIFO.
 
 A second copy of the same command (another terminal, a job submitted twice) is refused with one line rather than
 given the next directory: the rerun-resumes rule (run/resume.py command_run_dir) needs one run per command at a
@@ -17,6 +25,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -24,44 +33,49 @@ from spmd_rl.persist.fileio import file_error
 from spmd_rl.persist.run_files import LOCK_FILE
 from spmd_rl.runtime.errors import UserError
 
-_held: dict[Path, int] = {}  # run directory -> the descriptor whose flock this process holds
+NOTE_BYTES = 4096  # more than a note ever holds: what a reader takes of run.lock
+
+# run directory -> (the directory's descriptor, or None where its file system refused the flock, and run.lock's:
+# the descriptors whose flocks this process holds)
+_held: dict[Path, tuple[int | None, int]] = {}
 
 
 def lock_run_dir(run_dir: Path) -> None:
-    """Take run_dir's lock for this process (until release_run_dirs), or raise a UserError naming its holder."""
-    path = Path(run_dir) / LOCK_FILE
-    key = Path(run_dir).resolve()
+    """Take run_dir's locks for this process (until release_run_dirs), or raise a UserError naming its holder."""
+    run_dir = Path(run_dir)
+    key = run_dir.resolve()
     if key in _held:
         return
+    dir_fd = note_fd = None
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise file_error(path, exc, "cannot create the run directory's lock") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        raise UserError(
-            f"run directory {run_dir} is in use by another run ({holder}); wait for it to end or stop it, or give "
-            f"this one another run.dir (run.resume=never starts a new directory for the same command)"
-        ) from None
-    except OSError as exc:  # a file system without locks: say so rather than run unguarded without a word
-        os.close(fd)
-        raise file_error(path, exc, "cannot lock the run directory") from None
-    holder = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}) + "\n"
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, holder.encode(), 0)
-    _held[key] = fd
+        dir_fd = _open_dir(run_dir)
+        if not _lock(dir_fd, run_dir):
+            os.close(dir_fd)  # a file system that locks no directory: run.lock's flock alone guards the run
+            dir_fd = None
+        _refuse_odd_note(run_dir / LOCK_FILE)
+        note_fd = _open_note(run_dir / LOCK_FILE)
+        if not _lock(note_fd, run_dir) and dir_fd is None:  # say so rather than run unguarded without a word
+            raise UserError(f"{run_dir}: cannot lock the run directory: its file system takes no flock")
+        note = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}) + "\n"
+        os.ftruncate(note_fd, 0)
+        os.pwrite(note_fd, note.encode(), 0)
+    except BaseException as exc:
+        for fd in (dir_fd, note_fd):  # drops the flocks: a refused or failed start holds nothing
+            if fd is not None:
+                os.close(fd)
+        if isinstance(exc, OSError):
+            raise file_error(run_dir / LOCK_FILE, exc, "cannot write the run directory's lock") from None
+        raise
+    _held[key] = dir_fd, note_fd
 
 
 def record_exit(exit_code: int) -> None:
     """Write how this run ends (exit_code) beside the holder in every run.lock this process holds, keeping the
     lock: called before the slow part of the exit (the process groups' teardown), so that a launcher's SIGKILL
     there (plain mpirun kills ranks a second after their SIGTERM) leaves the code written."""
-    for fd in _held.values():
+    for _, fd in _held.values():
         with contextlib.suppress(OSError, ValueError):  # a record to read back, never a reason to fail an exit
-            holder = json.loads(os.pread(fd, 4096, 0).decode())
+            holder = json.loads(os.pread(fd, NOTE_BYTES, 0).decode())
             record = json.dumps({**holder, "ended": time.time(), "exit_code": exit_code}) + "\n"
             os.ftruncate(fd, 0)
             os.pwrite(fd, record.encode(), 0)
@@ -73,39 +87,116 @@ def release_run_dirs(exit_code: int | None = None) -> None:
     if exit_code is not None:
         record_exit(exit_code)
     while _held:
-        _, fd = _held.popitem()
-        os.close(fd)  # closing the last descriptor of the open file drops its flock
+        _, fds = _held.popitem()
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)  # closing the last descriptor of an open file drops its flock
 
 
 def read_lock(run_dir: Path) -> tuple[bool, dict]:
-    """(held, record): whether a process holds run_dir's lock now, and what the lock file says (host, pid, since,
-    and once it ended: ended, exit_code); ({} when absent or unreadable). A shared lock taken for a moment tells
-    whether an exclusive one is held, without writing anything."""
+    """(held, record): whether a process holds run_dir's lock now, and what run.lock says (host, pid, since, and
+    once it ended: ended, exit_code); ({} when absent, unreadable or not a regular file)."""
+    run_dir = Path(run_dir)
+    held = _held_elsewhere(run_dir, os.O_RDONLY | os.O_DIRECTORY) or _held_elsewhere(
+        run_dir / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+    )
+    return held, _read_note(run_dir / LOCK_FILE)
+
+
+def _held_elsewhere(path: Path, flags: int) -> bool:
+    """Whether a process holds an exclusive flock on path: a shared one, taken for a moment, says so without
+    writing anything."""
     try:
-        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, flags | os.O_CLOEXEC)
     except OSError:
-        return False, {}
+        return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            held = False
-        except BlockingIOError:
-            held = True
-        except OSError:  # a file system without locks: nothing to tell
-            held = False
-        try:
-            record = json.loads(os.pread(fd, 4096, 0).decode())
-        except (OSError, ValueError):
-            record = {}
-        return held, record if isinstance(record, dict) else {}
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:  # a file system without locks: nothing to tell
+        return False
     finally:
         os.close(fd)  # drops the shared lock too
 
 
-def _holder(fd: int) -> str:
-    """'host H, pid P' from the lock file's content, as its holder wrote it."""
+def _open_dir(run_dir: Path) -> int:
     try:
-        holder = json.loads(os.pread(fd, 4096, 0).decode())
-        return f"host {holder['host']}, pid {holder['pid']}"
-    except (OSError, ValueError, KeyError, TypeError):  # the holder has not written it yet
-        return "host and pid not yet written"
+        return os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise file_error(run_dir, exc, "cannot open the run directory to lock it") from None
+
+
+def _open_note(path: Path) -> int:
+    """run.lock opened for writing without following a symlink or waiting on a FIFO; a UserError unless it is a
+    regular file of one link (a hard link's other name would be truncated with it)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+        return fd
+    os.close(fd)
+    _refuse_odd_note(path)  # it changed under us: say what it is now
+    raise UserError(
+        f"{path} has {info.st_nlink} hard links; the run writes the note of who runs here into it: remove it "
+        f"(rm {path}), or give this run another run.dir"
+    )
+
+
+def _lock(fd: int, run_dir: Path) -> bool:
+    """An exclusive flock on fd: True when taken, False when the file system takes none; a UserError naming the
+    holder when another process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        raise UserError(
+            f"run directory {run_dir} is in use by another run ({_holder(run_dir)}); wait for it to end or stop it, "
+            f"or give this one another run.dir (run.resume=never starts a new directory for the same command)"
+        ) from None
+    except OSError:
+        return False
+
+
+def _refuse_odd_note(path: Path) -> None:
+    """A UserError when something other than a regular file stands at run.lock's name."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise file_error(path, exc, "cannot read the run directory's lock note") from None
+    if not stat.S_ISREG(mode):
+        what = (
+            "a symlink" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
+        )
+        raise UserError(
+            f"{path} is not a regular file ({what}); the run writes the note of who runs here under that name: "
+            f"remove it (rm {path}), or give this run another run.dir"
+        )
+
+
+def _read_note(path: Path) -> dict:
+    """run.lock's note, or {} when absent, damaged or not a regular file; read without following a symlink or
+    waiting on a FIFO, and at most NOTE_BYTES of it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}
+        note = json.loads(os.pread(fd, NOTE_BYTES, 0).decode())
+    except (OSError, ValueError):
+        return {}
+    finally:
+        os.close(fd)
+    return note if isinstance(note, dict) else {}
+
+
+def _holder(run_dir: Path) -> str:
+    """'host H, pid P' from run.lock's note, as its holder wrote it."""
+    note = _read_note(run_dir / LOCK_FILE)
+    if "host" in note and "pid" in note:
+        return f"host {note['host']}, pid {note['pid']}"
+    return "host and pid unknown: its run.lock note is not written yet or was removed"

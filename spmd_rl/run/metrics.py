@@ -16,12 +16,14 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
 
-from spmd_rl.persist.fileio import LineAppender, file_error, write_atomic
-from spmd_rl.persist.run_files import METRICS_FILE, TENSORBOARD_DIR
+from spmd_rl.persist.fileio import LineAppender, NotRegularFile, bounded_lines, file_error, open_regular, write_atomic
+from spmd_rl.persist.run_files import METRICS_FILE, METRICS_LINE_BYTES, TENSORBOARD_DIR
+from spmd_rl.runtime.errors import UserError
 
 # The mean over the last RETURN_WINDOW finished episodes (all env ranks) is the headline return.
 RETURN_WINDOW = 20
@@ -132,7 +134,8 @@ class MetricsLogger:
         if self.trackers is not None:
             self.trackers.log(scalars, env_steps)
         self.bar.update(env_steps - self.bar.n)
-        self.bar.set_postfix(ret=f"{record['episode_return_mean']:.1f}", sps=f"{record['sps']:.0f}", refresh=False)
+        shown = f"{record['episode_return_mean']:.1f}" if record["episodes"] else "-"  # no episode has ended yet
+        self.bar.set_postfix(ret=shown, sps=f"{record['sps']:.0f}", refresh=False)
         if elapsed - self.last_line >= self.interval_s:
             self.last_line = elapsed
             self._print(self.line(record))
@@ -180,11 +183,11 @@ class MetricsLogger:
 
     @classmethod
     def line(cls, record: dict) -> str:
-        text = (
-            f"iter {record['iteration']:>5}  steps {record['env_steps']:>9}  "
-            f"return {record['episode_return_mean']:8.2f}  len {record['episode_length_mean']:7.1f}  "
-            f"sps {record['sps']:8.0f}"
-        )
+        if record["episodes"]:
+            episodes = f"return {record['episode_return_mean']:8.2f}  len {record['episode_length_mean']:7.1f}"
+        else:  # the mean of no returns is NaN: say why there is none
+            episodes = "no episode has ended yet"
+        text = f"iter {record['iteration']:>5}  steps {record['env_steps']:>9}  {episodes}  sps {record['sps']:8.0f}"
         for key, label, spec in cls.GLANCE:
             if key in record:
                 text += f"  {label} {record[key]:{spec}}"
@@ -213,11 +216,12 @@ class MetricsLogger:
                 )
             else:
                 steps = f"{env_steps} env steps in {wall_s:.1f}s ({sps:.0f} steps/s)"
-            print(
-                f"done: {steps}, {self.episodes} episodes, mean return of the last {RETURN_WINDOW} episodes "
-                f"{record.get('episode_return_mean', float('nan')):.2f}; run directory {self.run_dir}",
-                flush=True,
+            returns = (
+                f"mean return of the last {RETURN_WINDOW} episodes {record['episode_return_mean']:.2f}"
+                if self.episodes
+                else "no episode ended, so no return"
             )
+            print(f"done: {steps}, {self.episodes} episodes, {returns}; run directory {self.run_dir}", flush=True)
         if self.writer is not None:
             self.writer.close()
         if self.trackers is not None:
@@ -235,14 +239,8 @@ def _mean(values) -> float:
 
 def last_record(path: Path) -> dict:
     """The last whole record of a metrics.jsonl ({} when it has none)."""
-    if not path.exists():
-        return {}
-    for line in reversed(path.read_text(errors="replace").splitlines()):  # a damaged line is skipped, not fatal
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    return {}
+    records = [record for _, _, record in _records(path) if record is not None]  # a damaged line is skipped
+    return records[-1] if records else {}
 
 
 def drop_records_after(path: Path, iteration: int) -> str:
@@ -253,19 +251,36 @@ def drop_records_after(path: Path, iteration: int) -> str:
     if not path.exists():
         return ""
     kept, damaged = [], []
-    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
-        try:
-            line = raw.decode()
-            record = json.loads(line)
-            if not isinstance(record.get("iteration"), int):
-                raise ValueError("no iteration")
-        except (ValueError, AttributeError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    for number, line, record in _records(path):
+        if record is None or not isinstance(record.get("iteration"), int):
             damaged.append(number)
-            continue
-        if record["iteration"] <= iteration:
+        elif record["iteration"] <= iteration:
             kept.append(line)
     write_atomic(path, "".join(f"{line}\n" for line in kept))
     if not damaged:
         return ""
     shown = ", ".join(map(str, damaged[:5])) + (f" and {len(damaged) - 5} more" if len(damaged) > 5 else "")
     return f"{path}: dropped {len(damaged)} damaged line(s) (line {shown}: not a whole JSON record); kept the rest"
+
+
+def _records(path: Path) -> Iterator[tuple[int, str, dict | None]]:
+    """(number, text, record) of each line of a metrics.jsonl (none when it is missing); record is None for a damaged
+    line: not UTF-8, no JSON object, longer than METRICS_LINE_BYTES, or brackets nested past the parser's recursion.
+    A metrics.jsonl that is no regular file (a FIFO, a link to /dev/zero) is a UserError, never a hang."""
+    try:
+        file = open_regular(path)
+    except FileNotFoundError:
+        return
+    except NotRegularFile as exc:
+        raise UserError(f"{exc}: a run's metrics.jsonl is a file it appends to; move it away and rerun") from None
+    except OSError as exc:
+        raise file_error(path, exc, "cannot read") from None
+    with file:
+        for number, raw in enumerate(bounded_lines(file, METRICS_LINE_BYTES), start=1):
+            try:
+                line = raw.decode()
+                record = json.loads(line)
+            except (ValueError, AttributeError, RecursionError):  # not UTF-8, no JSON, None (too long), nested
+                yield number, "", None
+                continue
+            yield number, line, record if isinstance(record, dict) else None

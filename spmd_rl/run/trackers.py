@@ -195,6 +195,7 @@ class MlflowSink:
         from mlflow.tracking import MlflowClient
 
         log = cfg.log
+        bound_mlflow_requests(cfg.dist.timeout_s)
         self.metric = Metric
         self.logged_through = -1  # the last step the MLflow run holds (a resumed run skips to after it)
         try:
@@ -234,6 +235,21 @@ class MlflowSink:
 
     def close(self, status: str) -> None:
         self.client.set_terminated(self.run_id, {"finished": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED"))
+
+
+def bound_mlflow_requests(timeout_s: float) -> None:
+    """Fit one MLflow request with all its retries (starting the run, each iteration's log_batch, the end) in half of
+    dist.timeout_s, the longest rank 0 may keep the other ranks waiting: MLflow's client retries a failed request 7
+    times with a doubling backoff (about 4 minutes for a refused address) and waits 120 s for each answer. Retries
+    with a backoff of 1 s, 2 s, 4 s, ... take about 2^retries + retries s (a second of jitter each); what is left
+    goes to the requests' own waits. The MLFLOW_HTTP_REQUEST_* variables a user set stay as set."""
+    budget = timeout_s / 2
+    retries = 0
+    while 2 ** (retries + 1) + retries + 1 <= budget / 2:
+        retries += 1
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(retries))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, int(budget / (2 * (retries + 1))))))
 
 
 SERVER_HINT = "point log.mlflow_tracking_uri (or MLFLOW_TRACKING_URI) at a tracking server (http://host:5000)"

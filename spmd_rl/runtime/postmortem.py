@@ -19,8 +19,10 @@ rank has reported or the bound has passed, so a record that comes late still cou
 
 Any local process can reach the job's store (its port is in torchrun's agent store, which listens on every
 interface), so a record in it carries an HMAC-SHA256 under a per-job key that no listener serves: rank 0 draws it at
-start-up and broadcasts it over the process group (spmd_rl.runtime.distributed.start_runtime); a stale record (an
-earlier attempt's) or a planted one fails the check, is ignored, and is named in a line of its own.
+start-up and broadcasts it over the process group (spmd_rl.runtime.distributed.start_runtime). The MAC covers the
+rank whose key the record is stored under, so a genuine record copied under another rank's key fails the check,
+and the job and its attempt are bound by the key itself, drawn afresh at every start-up: a stale record (an
+earlier attempt's), a copied or a planted one is ignored and named in a line of its own.
 
 A launcher may stop rank 0 before it prints the summary (mpirun kills every rank as soon as one dies). So when
 $SPMD_RL_FAILURE_DIR names a directory (launch/mpirun.sh and launch/torchrun.sh on one host), every failing rank
@@ -71,16 +73,20 @@ def set_job_key(key: bytes) -> None:
     _JobKey.key = bytes(key)
 
 
-def sign(payload: bytes, key: bytes) -> bytes:
-    """payload + b"|" + its HMAC-SHA256 under key, in hex."""
-    return payload + b"|" + hmac.new(key, payload, hashlib.sha256).hexdigest().encode()
+def sign(payload: bytes, key: bytes, rank: int) -> bytes:
+    """payload + b"|" + the HMAC-SHA256 under key of rank's store key name and payload, in hex."""
+    return payload + b"|" + _mac(payload, key, rank)
 
 
-def verified(data: bytes, key: bytes) -> bytes | None:
-    """The payload of a signed record, or None when its HMAC is not key's (planted, stale, damaged)."""
+def verified(data: bytes, key: bytes, rank: int) -> bytes | None:
+    """The payload of a record signed for rank, or None when its HMAC is not key's for rank (planted, stale, copied
+    from another rank's key, damaged)."""
     payload, _, mac = data.rpartition(b"|")
-    expected = hmac.new(key, payload, hashlib.sha256).hexdigest().encode()
-    return payload if payload and hmac.compare_digest(mac, expected) else None
+    return payload if payload and hmac.compare_digest(mac, _mac(payload, key, rank)) else None
+
+
+def _mac(payload: bytes, key: bytes, rank: int) -> bytes:
+    return hmac.new(key, KEY.format(rank).encode() + b"|" + payload, hashlib.sha256).hexdigest().encode()
 
 
 @dataclass(frozen=True)
@@ -201,7 +207,9 @@ def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[in
         if key is None:  # the key is set right after the group exists: a failure before it has no store record
             return
         if failure.rank != 0:
-            _bounded(lambda: store.set(KEY.format(failure.rank), sign(failure.encode(), key)), PUBLISH_BOUND_S)
+            _bounded(
+                lambda: store.set(KEY.format(failure.rank), sign(failure.encode(), key, failure.rank)), PUBLISH_BOUND_S
+            )
         elif failure.exit_code == COMM_ERROR_EXIT_CODE:
             others: dict[int, Failure] = {}
             forged: list[int] = []
@@ -217,8 +225,8 @@ def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[in
                     print(
                         f"spmd_rl: rank 0: ignored the record{'s' if len(forged) > 1 else ''} for rank"
                         f"{'s' if len(forged) > 1 else ''} {', '.join(map(str, sorted(set(forged))))} in the job's "
-                        f"store: not signed with this job's key (written by another process, or left by an earlier "
-                        f"attempt)",
+                        f"store: not signed for that rank by this job (written by another process, copied from another "
+                        f"rank's key, or left by an earlier attempt)",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -260,7 +268,7 @@ def _collect(store, world_size: int, into: dict[int, Failure], own: Failure, key
         for rank in sorted(missing):
             name = KEY.format(rank)
             if store.check([name]):
-                payload = verified(store.get(name), key)
+                payload = verified(store.get(name), key, rank)
                 if payload is None:
                     if rank not in forged:
                         forged.append(rank)

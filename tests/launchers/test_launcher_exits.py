@@ -9,7 +9,6 @@ the whole process group as a terminal's Ctrl-C, `timeout` or Slurm send them, ki
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import signal
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import pytest
 from harness.launch import ROOT, command, job_env, with_pythonpath
+
+from spmd_rl.persist.run_lock import read_lock
 
 TINY = str(ROOT / "configs" / "ci_tiny.yaml")
 ENDLESS = ["--config", TINY, "train.total_steps=100000000"]
@@ -153,9 +154,7 @@ def test_kill_9_of_the_launchers_group_stops_the_ranks_with_a_checkpoint_and_a_r
     job.communicate()
     assert not left, f"ranks {left} still running {BOUND_S} s after their agent was killed"
     (run_dir,) = tmp_path.glob("runs/*")
-    with open(run_dir / "run.lock") as lock:  # released: a rerun may take it
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(lock, fcntl.LOCK_UN)
+    assert not read_lock(run_dir)[0], "the run directory's lock is still held: a rerun could not take it"
     assert list((run_dir / "checkpoints").glob("iter_*")), "the stop left no checkpoint"
     records = run_dir.joinpath("metrics.jsonl").read_text().count("\n")
     rerun = _start(script, ENDLESS, tmp_path)

@@ -2,10 +2,12 @@
 (host, pid), on every rank by rank 0's decision; a holder killed with -9 leaves no stale lock."""
 
 import json
+import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -16,9 +18,9 @@ from harness.runs import TINY
 
 from spmd_rl.config.loading import load_config
 from spmd_rl.persist import run_lock
-from spmd_rl.persist.run_lock import lock_run_dir, release_run_dirs
+from spmd_rl.persist.run_lock import lock_run_dir, read_lock, release_run_dirs
 from spmd_rl.run.resume import agree_on_run
-from spmd_rl.runtime.errors import SharedUserError
+from spmd_rl.runtime.errors import SharedUserError, UserError
 
 
 def _start(cwd, *overrides) -> subprocess.Popen:
@@ -71,3 +73,45 @@ def test_every_rank_follows_rank_0s_refusal(tmp_path):
     finally:
         release_run_dirs()
     assert not (run_dir / "config.yaml").exists(), "the refused run wrote nothing"
+
+
+def _try_lock_in_another_process(run_dir) -> subprocess.CompletedProcess:
+    script = (
+        "import sys\nfrom spmd_rl.persist.run_lock import lock_run_dir\nfrom spmd_rl.runtime.errors import UserError\n"
+        "try:\n    lock_run_dir(sys.argv[1])\nexcept UserError as exc:\n    print(exc)\n    sys.exit(2)\n"
+    )
+    return subprocess.run([sys.executable, "-c", script, str(run_dir)], capture_output=True, text=True, timeout=60)
+
+
+def test_removing_run_lock_does_not_let_a_second_copy_in(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock_run_dir(run_dir)
+    try:
+        (run_dir / "run.lock").unlink()  # what people do with a lock they think stale
+        second = _try_lock_in_another_process(run_dir)
+        assert second.returncode == 2, second
+        assert "is in use by another run" in second.stdout, second
+    finally:
+        release_run_dirs()
+    assert _try_lock_in_another_process(run_dir).returncode == 0, "free again once its holder let go"
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory", "hard link"])
+def test_a_run_lock_that_is_not_a_regular_file_of_one_link_is_refused_and_left_alone(tmp_path, kind):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock = run_dir / "run.lock"
+    precious = tmp_path / "precious.txt"
+    precious.write_text("the user's data\n")
+    make = {"symlink": lock.symlink_to, "fifo": lambda _: os.mkfifo(lock), "directory": lambda _: lock.mkdir()}
+    make.get(kind, lock.hardlink_to)(precious)
+    with pytest.raises(UserError, match=r"run\.lock (is not a regular file|has 2 hard links).*remove it"):
+        lock_run_dir(run_dir)
+    assert not run_lock._held, "a refused lock is let go"
+    assert precious.read_text() == "the user's data\n"
+    reading = threading.Thread(target=read_lock, args=(run_dir,), daemon=True)  # the runs index: no hang either
+    reading.start()
+    reading.join(10)
+    assert not reading.is_alive(), "read_lock hangs on it"
+    assert read_lock(run_dir) == (False, {})

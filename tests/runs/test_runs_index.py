@@ -1,4 +1,4 @@
-"""python -m spmd_rl.runs: every run directory under runs/ with its state, counters, last return, digest and the
+"""python -m spmd_rl.runs: every run directory under runs/ with its state, counters, last return and the
 keys that set it apart, read from the files runs write (run.lock's holder and exit code, finished.json,
 metrics.jsonl, config.yaml), damaged ones included. The states come from real runs (the slow test) and from the
 lock functions a run uses (the fast ones)."""
@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -63,8 +64,8 @@ def test_each_state_from_the_files_a_run_leaves(tmp_path):
     }
     done = rows["ppo-aaaaaaaa"]
     assert (done.iterations, done.env_steps, done.total_steps, done.last_return) == (3, 300, 1000, 30.0)
-    assert done.digest == "abababab"  # finished.json's; the others: their directory name's
-    assert rows["ppo-bbbbbbbb"].digest == "bbbbbbbb" and rows["ppo-cccccccc"].exit_code == 4
+    assert rows["ppo-cccccccc"].exit_code == 4
+    assert "digest" not in asdict(done), "the directory name holds the digest; finished.json's may differ from it"
     assert rows["sweep/ppo-eeeeeeee"].holder == f"host {os.uname().nodename}, pid {os.getpid()}"
     assert rows["ppo-cccccccc"].sets_apart == "algo.learning_rate=0.01"  # the one key it changed
     assert rows["ppo-bbbbbbbb"].sets_apart == ""
@@ -85,10 +86,10 @@ def test_damaged_files_are_notes_not_tracebacks(tmp_path, capsys):
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["RUN", "STATE", "ITERS"]
     first = lines[1].split()
-    assert first[:5] == ["ppo-aaaaaaaa", "killed", "3", "300/1000", "3.00"]  # the sound records, the last one's
+    assert first[:6] == ["ppo-aaaaaaaa", "killed,", "damaged", "3", "300/1000", "3.00"]  # the sound records' last
     assert "metrics.jsonl: 2 line(s) that are no JSON record skipped" in out
-    assert "config.yaml does not load" in out and "finished.json is damaged" in out
-    assert lines[2].split()[:2] == ["ppo-bbbbbbbb", "finished"]
+    assert "config.yaml does not load" in out
+    assert lines[2].split()[:3] == ["ppo-bbbbbbbb", "finished,", "damaged"]
 
 
 def test_json_lines_and_a_missing_directory(tmp_path, capsys):
@@ -152,3 +153,56 @@ def test_real_runs_finished_stopped_and_failed(tmp_path):
         text=True,
         timeout=60,
     ).stdout.split("'")  # answers at once
+
+
+NESTED = b"[" * 100_000 + b"]" * 100_000  # json.loads recurses once per bracket: a RecursionError, not a ValueError
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(9)
+)  # 10^10 values once the aliases are expanded
+
+
+def _list(runs: Path) -> subprocess.CompletedProcess:
+    """python -m spmd_rl.runs in a process of its own: a hang fails the test (timeout) instead of stopping it."""
+    command = [sys.executable, "-m", "spmd_rl.runs", str(runs)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "damage, note",
+    [
+        ("nested metrics line", "metrics.jsonl: 1 line(s) that are no JSON record skipped"),
+        ("metrics FIFO", "metrics.jsonl is not a regular file (a FIFO)"),
+        ("metrics linked to /dev/zero", "metrics.jsonl is not a regular file (a character device)"),
+        ("metrics of 2 GiB without a newline", "metrics.jsonl: 1 line(s) that are no JSON record skipped"),
+        ("config alias bomb", "config.yaml does not load"),
+        ("config FIFO", "config.yaml is not a regular file (a FIFO): its keys are not compared"),
+    ],
+)
+def test_a_damaged_run_is_listed_as_damaged_without_hanging_or_a_traceback(tmp_path, damage, note):
+    runs = tmp_path / "runs"
+    run_dir = fake_run(runs, "ppo-aaaaaaaa", 75)
+    fake_run(runs, "ppo-bbbbbbbb", 75)
+    metrics, config = run_dir / "metrics.jsonl", run_dir / "config.yaml"
+    if damage == "nested metrics line":
+        metrics.write_bytes(metrics.read_bytes() + NESTED + b"\n" + b'{"iteration": 2, "env_steps": 300}\n')
+    elif damage == "metrics FIFO":
+        metrics.unlink()
+        os.mkfifo(metrics)
+    elif damage == "metrics linked to /dev/zero":
+        metrics.unlink()
+        metrics.symlink_to("/dev/zero")
+    elif damage == "metrics of 2 GiB without a newline":
+        with open(metrics, "ab") as file:
+            file.truncate(2 << 30)  # sparse: zeros that take no disk
+    elif damage == "config alias bomb":
+        config.write_text(ALIAS_BOMB)
+    else:
+        config.unlink()
+        os.mkfifo(config)
+    listing = _list(runs)
+    assert listing.returncode == 0 and "Traceback" not in listing.stderr, listing.stderr[-2000:]
+    lines = listing.stdout.splitlines()
+    assert lines[1].startswith("ppo-aaaaaaaa") and ", damaged" in lines[1], listing.stdout
+    assert lines[2].split()[:3] == ["ppo-bbbbbbbb", "stopped", "(75)"], listing.stdout  # the other run, as it is
+    assert any(line.startswith("note: ") and note in line for line in lines), listing.stdout

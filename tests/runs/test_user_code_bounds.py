@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -64,12 +65,32 @@ def test_eval_episodes_has_an_upper_bound():
         load_config(None, ["eval.episodes=1000000000"])
 
 
-def test_an_mlflow_server_that_never_answers_is_a_line_within_dist_timeout_s(tmp_path):
+def test_an_mlflow_server_that_never_answers_is_a_line_within_dist_timeout_s(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     from spmd_rl.run.trackers import open_trackers
 
-    cfg = load_config(None, ["log.mlflow=true", "log.mlflow_tracking_uri=http://127.0.0.1:9", "dist.timeout_s=2"])
-    started = time.monotonic()
-    with pytest.raises(UserError, match="'log.mlflow': the tracker did not start within dist.timeout_s=2 s"):
-        open_trackers(cfg, tmp_path, resumed=False)
-    assert time.monotonic() - started < 60  # MLflow's own retries of a refused address took minutes
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")  # the user's own wait per request: kept
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        cfg = load_config(None, ["log.mlflow=true", f"log.mlflow_tracking_uri={uri}", "dist.timeout_s=2"])
+        started = time.monotonic()
+        with pytest.raises(UserError, match="'log.mlflow': the tracker did not start within dist.timeout_s=2 s"):
+            open_trackers(cfg, tmp_path, resumed=False)
+    assert time.monotonic() - started < 60
+
+
+def test_mlflow_retries_of_a_refused_address_fit_in_dist_timeout_s(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from spmd_rl.run.trackers import open_trackers
+
+    for name in (
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT",
+    ):
+        monkeypatch.delenv(name, raising=False)  # MLflow's defaults: 7 retries, ~4 min for a refused address
+    cfg = load_config(None, ["log.mlflow=true", "log.mlflow_tracking_uri=http://127.0.0.1:9", "dist.timeout_s=20"])
+    with pytest.raises(UserError, match=r"'log.mlflow': cannot start an MLflow run at http://127.0.0.1:9 \("):
+        open_trackers(cfg, tmp_path, resumed=False)  # MLflow's own error, not the bound's

@@ -313,3 +313,13 @@ def test_default_policy_declared_as_a_config_key_is_a_user_error(tmp_path, monke
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(UserError, match=r"declares default_policy as a config key .* ClassVar\[str\]"):
         load_config(None, ["algo.class=keyed_default:KeyedDefault"])
+
+
+@pytest.mark.parametrize("override", ["env.kwargs={chunk:4}", "env.kwargs={render_mode: rgb_array, chunk:4}"])
+def test_a_colon_without_a_space_in_an_override_gets_a_hint(override):
+    with pytest.raises(UserError) as caught:
+        load_config(None, [override])
+    assert str(caught.value) == (
+        f"override '{override}': YAML reads 'chunk:4' as one key with no value (a colon needs a space after it); "
+        "write chunk: 4, e.g. env.kwargs={chunk: 4}"
+    )

@@ -1,0 +1,26 @@
+"""The console's periodic line says what it knows: before the first episode ends there is no return to show (the
+mean of no returns is NaN), and it says so instead of printing "return nan"."""
+
+from spmd_rl.run.metrics import MetricsLogger
+
+
+def _record(episodes: int, mean_return: float, mean_length: float) -> dict:
+    return {
+        "iteration": 3,
+        "env_steps": 512,
+        "episodes": episodes,
+        "episode_return_mean": mean_return,
+        "episode_length_mean": mean_length,
+        "sps": 1234.0,
+    }
+
+
+def test_before_the_first_episode_ends_the_line_says_so():
+    line = MetricsLogger.line(_record(0, float("nan"), float("nan")))
+    assert "nan" not in line
+    assert line == "iter     3  steps       512  no episode has ended yet  sps     1234"
+
+
+def test_after_episodes_the_line_shows_their_mean_return_and_length():
+    line = MetricsLogger.line(_record(4, 21.5, 21.5))
+    assert line == "iter     3  steps       512  return    21.50  len    21.5  sps     1234"
