@@ -18,6 +18,7 @@ from gymnasium.wrappers import vector as vector_wrappers
 from spmd_rl.config import plugins
 from spmd_rl.config.excerpts import clip
 from spmd_rl.config.sections import EnvSection
+from spmd_rl.envs.text import TokenizeText, has_text
 from spmd_rl.runtime.errors import UserCodeError, UserError, describe_exception
 
 
@@ -93,8 +94,8 @@ def differing_space(spec: EnvSpec, other: EnvSpec) -> tuple[str, str, str] | Non
 
 
 def finish_vector_env(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
-    """The wrappers every backend's envs share (action clipping, env.normalize_reward), then the first reset:
-    (envs, first observations)."""
+    """The wrappers every backend's envs share (action clipping, env.normalize_reward, text observations as token
+    ids), then the first reset: (envs, first observations)."""
     if isinstance(envs.single_action_space, gym.spaces.Box):
         envs = vector_wrappers.ClipAction(envs)  # the policy's Gaussian samples are unbounded
     if cfg.normalize_reward:
@@ -102,8 +103,12 @@ def finish_vector_env(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
         envs = normalize(envs, gamma=cfg.normalize_reward_gamma)
     if cfg.clip_reward > 0:
         envs = vector_wrappers.ClipReward(envs, -cfg.clip_reward, cfg.clip_reward)
+    if has_text(envs.single_observation_space):
+        envs = TokenizeText(envs, cfg)  # strings become token ids here, on the env rank
     try:
         obs, _ = envs.reset(seed=reset_seed)
+    except UserError:  # a first instruction longer than env.max_text_tokens
+        raise
     except Exception as exc:  # the env's own reset: its error and file:line, not the vector env's stack
         raise UserCodeError(
             f"env.id '{clip(cfg.id)}': reset failed: {describe_exception(exc)}{old_gym_api_hint(exc)}"

@@ -17,7 +17,7 @@ from spmd_rl.envs import spaces
 from spmd_rl.envs.backend import EnvBackend, old_gym_api_hint
 from spmd_rl.envs.state import as_arrays, as_tensors
 from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE
-from spmd_rl.runtime.errors import UserCodeError, describe_exception
+from spmd_rl.runtime.errors import UserCodeError, UserError, describe_exception
 from spmd_rl.runtime.watchdog import watchdog
 
 
@@ -109,6 +109,8 @@ class EnvRunner:
         try:
             with self.watched_step:
                 obs, reward, terminated, truncated, info = self.envs.step(action)
+        except UserError:  # the framework's own verdict on what the env gave (a text longer than its tokens)
+            raise
         except Exception as exc:  # the env's own error: its type, message and file:line, not the vector env's stack
             raise UserCodeError(
                 f"{self.describe}: env '{self.env_id}' raised at step {self.steps_taken + 1}: {describe_exception(exc)}"

@@ -57,7 +57,7 @@ def evaluate(
     if max_steps is not None and max_steps < 1:
         raise UserError(f"evaluation max_steps={max_steps}: allow at least 1 step per episode")
     backend = backend_for(env_cfg)
-    spec = backend.probe(env_cfg)
+    spec = probe_env(env_cfg)
     # Returns are the env's own rewards: reward scaling only matters for learning.
     env_cfg = dataclasses.replace(env_cfg, num_envs=min(episodes, env_cfg.num_envs), normalize_reward=False)
     env_limit = backend.step_limit(env_cfg)
