@@ -30,6 +30,10 @@ class EnvSpec:
     observation_space: gym.Space
     action_space: gym.Space
     vectorization: str = "sync"  # the resolved env.vectorization (a backend's own name where it vectorizes itself)
+    # The keys of one step's info, where the backend's probe stepped an env (envs/success.py reads env.success_key
+    # there); empty where it did not.
+    step_info_keys: frozenset = frozenset()
+    success_key: str | None = None  # the info key of the success flag, where the env reports one (probe_env sets it)
 
 
 class EnvBackend:
@@ -44,8 +48,9 @@ class EnvBackend:
     groups_refusal: str = "its vector envs run one id with one set of kwargs"
 
     def probe(self, cfg: EnvSection) -> EnvSpec:
-        """The spaces of one env (of every group with env.groups; they must agree), without a process group.
-        Bad ids or kwargs are a UserError naming the env."""
+        """The spaces of one env (of every group with env.groups; they must agree), without a process group, and
+        where it can, the keys of one step's info (EnvSpec.step_info_keys: how success metrics learn that the env
+        reports env.success_key). Bad ids or kwargs are a UserError naming the env."""
         raise NotImplementedError
 
     def make(self, cfg: EnvSection, spec: EnvSpec, seed: int, wrappers: list | None = None):

@@ -16,6 +16,7 @@ import torch
 from spmd_rl.envs import spaces
 from spmd_rl.envs.backend import EnvBackend, old_gym_api_hint
 from spmd_rl.envs.state import as_arrays, as_tensors
+from spmd_rl.envs.success import EpisodeSuccess
 from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE
 from spmd_rl.runtime.errors import UserCodeError, UserError, describe_exception
 from spmd_rl.runtime.watchdog import watchdog
@@ -34,6 +35,7 @@ class EnvRunner:
         describe: str = "env runner",
         env_id: str = "env",
         env_backend: EnvBackend | None = None,
+        success_key: str | None = None,
     ):
         self.envs = envs
         self.env_backend = env_backend  # what saves and restores the envs' state (None: checkpoints hold none)
@@ -66,6 +68,8 @@ class EnvRunner:
             self.episode_start_out = message[EPISODE_START].numpy()
             self.first_state = spaces.numpy_views(self.segment[RECURRENT_STATE])
             self.next_step_starts = np.ones(envs.num_envs, dtype=bool)  # the first observations start episodes
+        # Each episode's success (env.success_key in the step info), where the env reports it (EnvSpec.success_key).
+        self.success = EpisodeSuccess(success_key, envs.num_envs) if success_key is not None else None
         self.obs = first_obs
         self.steps_taken = 0
         self._check_finite(first_obs, None, "reset")
@@ -127,6 +131,10 @@ class EnvRunner:
         self.rollout["terminated"][t] = terminated
         self.rollout["truncated"][t] = truncated
         self._record_episodes(t, info)
+        if self.success is not None:
+            at_any, at_end = self.success.step(info, self.rollout["valid"][t], terminated | truncated)
+            self.rollout["episode_success"][t] = at_any
+            self.rollout["episode_success_at_end"][t] = at_end
         self.obs = obs
         self.next_step_valid = ~(terminated | truncated)
 
@@ -193,6 +201,8 @@ class EnvRunner:
         }
         if self.recurrent:
             state["next_step_starts"] = torch.from_numpy(self.next_step_starts.copy())
+        if self.success is not None:
+            state["success_seen"] = torch.from_numpy(self.success.seen.copy())
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -201,6 +211,8 @@ class EnvRunner:
         self.steps_taken = state["steps_taken"]
         if self.recurrent:
             self.next_step_starts = state["next_step_starts"].numpy().copy()
+        if self.success is not None:
+            self.success.seen = state["success_seen"].numpy().copy()
 
     def checkpoint(self) -> dict:
         """What a checkpoint holds of this runner: its envs' own state (None where it cannot be saved) and its

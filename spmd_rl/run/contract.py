@@ -20,6 +20,7 @@ from spmd_rl.interfaces.policy import (
     ENV_FIELDS,
     EPISODE_START,
     RECURRENT_STATE,
+    SUCCESS_FIELDS,
     Policy,
     StepField,
     describe_outputs,
@@ -125,7 +126,7 @@ def _check_declared(name: str, outputs: dict) -> None:
     for key, field in outputs.items():
         if not isinstance(field, StepField):
             raise UserError(f"{name}: outputs()['{key}'] must be a spmd_rl.api.StepField(shape, dtype), got {field!r}")
-        if key == "obs" or key in ENV_FIELDS:
+        if key == "obs" or key in ENV_FIELDS or key in SUCCESS_FIELDS:
             raise UserError(f"{name}: outputs() declares '{key}', which the env side records; rename that output")
     if list(outputs)[0] != "action":
         raise UserError(f"{name}: outputs() must list 'action' first (got {list(outputs)})")
