@@ -1,7 +1,7 @@
 """A small instructed task: a Dict observation of a camera image, the agent's state and a Text instruction, and a
 success flag in the step info, as robot-manipulation envs give them.
 
-    env.id=tests.harness.instructed_env:Instructed-v0     (the repository root on PYTHONPATH or as the working directory)
+    env.id=tests.harness.instructed_env:Instructed-v0   (the repository root on PYTHONPATH or as the working directory)
 
 Each episode names one of two targets in its instruction ("reach the red target" / "reach the blue target"); the
 image and the state are the same for both, so only the instruction tells which action is right. An episode is
