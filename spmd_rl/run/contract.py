@@ -69,7 +69,7 @@ def check_policy(
     _check_action_shape(name, outputs["action"], spec.action_space, chunk=1)
     state = _check_declared_state(name, policy)
     obs, acted = _check_act(name, policy, outputs, spec, state)
-    _check_algorithm_needs(cfg, policy, outputs, algorithm_cls, state)
+    _check_algorithm_needs(cfg, policy, outputs, algorithm_cls, state, spec.success_key is not None)
     _check_policy_methods(cfg, policy, algorithm_cls, obs, acted, outputs)
     return outputs
 
@@ -253,10 +253,15 @@ def _check_next_state(name: str, call: str, returned, state: dict[str, StepField
 
 
 def _check_algorithm_needs(
-    cfg: Config, policy: Policy, outputs: dict, algorithm_cls: type[Algorithm], state: dict | None = None
+    cfg: Config,
+    policy: Policy,
+    outputs: dict,
+    algorithm_cls: type[Algorithm],
+    state: dict | None = None,
+    reports_success: bool = False,
 ) -> None:
     algo = f"algo.class '{cfg.classes['algo']}'"
-    available = {"obs", *outputs, *ENV_FIELDS}
+    available = {"obs", *outputs, *ENV_FIELDS, *(SUCCESS_FIELDS if reports_success else ())}
     if state is not None:
         available |= {EPISODE_START, RECURRENT_STATE}
         if RECURRENT_STATE not in algorithm_cls.requires:
@@ -266,6 +271,12 @@ def _check_algorithm_needs(
                 f"sequences (e.g. spmd_rl.algorithms.recurrent_ppo:RecurrentPPO) or a stateless policy"
             )
     missing = [key for key in algorithm_cls.requires if key not in available]
+    unreported = [key for key in missing if key in SUCCESS_FIELDS]
+    if unreported:
+        raise UserError(
+            f"{algo} needs the step field(s) {unreported}, which the env side records only for an env whose step "
+            f"info has a success flag; env '{cfg.env.id}' reports none under env.success_key (unset: 'success')"
+        )
     if missing:
         raise UserError(
             f"{algo} needs the step field(s) {missing}, which policy.class '{cfg.classes['policy']}' "

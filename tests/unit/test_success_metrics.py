@@ -79,3 +79,18 @@ def test_the_wilson_interval():
     assert (round(low, 3), round(high, 3)) == (0.490, 0.943)
     assert wilson_interval(0, 10)[0] == 0.0 and 0.27 < wilson_interval(0, 10)[1] < 0.28
     assert wilson_interval(20, 20)[1] == 1.0 and round(wilson_interval(20, 20)[0], 3) == 0.839
+
+
+def test_an_algorithm_may_require_the_success_fields_of_an_env_that_reports_them():
+    from spmd_rl.algorithms.ppo import PPO
+    from spmd_rl.run import contract
+
+    class LearnsFromSuccess(PPO):
+        requires = (*PPO.requires, "episode_success", "episode_success_at_end")
+
+    cfg = load_config(None, [ENV])
+    policy_cls, _, _, _ = contract.load_classes(cfg)
+    contract.check_policy(cfg, probe_env(cfg.env), policy_cls, LearnsFromSuccess)
+    cartpole = load_config(None, [])
+    with pytest.raises(UserError, match=r"only for an env whose step info has a success flag; env 'CartPole-v1'"):
+        contract.check_policy(cartpole, probe_env(cartpole.env), policy_cls, LearnsFromSuccess)
