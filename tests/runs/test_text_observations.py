@@ -60,6 +60,22 @@ def test_token_ids_travel_from_an_env_rank_in_the_split_layout(tmp_path):
     assert texts == {"reach the red target", "reach the blue target"}
 
 
+def test_success_per_env_group_over_two_colocated_trainers(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_main(
+        "--config", TINY, ENV, f"run.dir={run_dir}", "train.total_steps=256",
+        "env.groups=[{name: plain, num_envs: 1}, {name: polite, num_envs: 1, kwargs: {instruction_suffix: ' now'}}]",
+        nproc=2,
+    )  # fmt: skip
+    records = assert_run_complete(result, run_dir, 4)
+    # Every env (2 per rank, 2 ranks) ends an episode at its steps 4, 9, 14, ... (4 steps, then the reset step):
+    # the episode counts of both trainers' envs were gathered.
+    assert [record["episodes"] for record in records] == [12, 24, 36, 52]
+    for record in records:
+        for suffix in ("", "/plain", "/polite"):
+            assert 0.0 <= record[f"success_at_end_rate{suffix}"] <= record[f"success_rate{suffix}"] <= 1.0
+
+
 def test_text_longer_than_max_text_tokens_stops_before_any_rollout(tmp_path):
     result = run_main("--config", TINY, ENV, f"run.dir={tmp_path / 'run'}", "env.max_text_tokens=16")
     assert_one_line_exit_2(result, "longer than env.max_text_tokens=16", "set env.max_text_tokens=2")
