@@ -64,9 +64,9 @@ def segment_message(
     state: dict[str, StepField] | None = None,
 ) -> TensorDict:
     """env runner -> trainer, once per rollout: the rollout [T, N] (obs, the policy's outputs, the env fields, and
-    the success fields where the env reports a success flag), the
-    observation after it, and the env side's timings. For a recurrent policy (state not None), what the learner
-    replays a sequence from: the rollout's episode_start flags and the state at the segment's first step."""
+    the success fields where the env reports a success flag), the observation after it, and the env side's
+    timings. For a recurrent policy (state not None), what the learner replays a sequence from: the rollout's
+    episode_start flags and the state at the segment's first step."""
     t, n = num_steps, num_envs
     rollout = TensorDict(
         {
