@@ -12,6 +12,9 @@ RUN_DIR/checkpoints/latest names the newest checkpoint too. The policy is built 
 class, keys and seed as in training), then its weights are loaded. Its `act` takes one observation or a batch,
 numpy or torch; given numpy it returns numpy, given one observation, outputs without the batch dimension.
 
+For an env that reports a success flag (env.success_key), the line also gives the success rate with its 95% Wilson
+interval, and the rate of success at the episodes' last step.
+
 Every episode ends after at most --max-steps steps (default: the env's own max_episode_steps, else 100000), so a
 policy that never ends an episode cannot evaluate forever; the episodes that limit cut short are counted.
 
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.path} on {env_cfg.id}: return {result['return_mean']:.2f} ± {result['return_std']:.2f}, "
             f"length {result['length_mean']:.1f} ± {result['length_std']:.1f} over {result['episodes']} episodes "
             f"({actions} actions, seed {args.seed})"
+            + (f"; {success_text(result)}" if "success_rate" in result else "")
             + (f"; {result['cut']} cut at {result['max_steps']} steps" if result["cut"] else "")
             + (f"; videos in {args.video}" if args.video else "")
         )
@@ -114,8 +118,17 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  group {name}: return {group['return_mean']:.2f} ± {group['return_std']:.2f}, length "
                 f"{group['length_mean']:.1f} over {group['episodes']} episodes"
+                + (f"; {success_text(group)}" if "success_rate" in group else "")
             )
     return 0
+
+
+def success_text(result: dict) -> str:
+    low, high = result["success_interval"]
+    return (
+        f"success {result['success_rate']:.2f} (95% interval {low:.2f}-{high:.2f}), at the end "
+        f"{result['success_at_end_rate']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -143,6 +143,28 @@ class EnvSection:
         min=0.0,
         omit_default=True,
     )
+    tokenizer: str = knob(
+        "bytes",
+        "text observations (gymnasium Text, alone or in a Dict): how a string becomes token ids on the env rank. "
+        "bytes: its UTF-8 bytes (256 ids, no files); or a local tokenizer.json, or a folder holding one (a folder "
+        "without one loads with transformers' AutoTokenizer); never fetched from a hub",
+        omit_default=True,
+    )
+    max_text_tokens: int = knob(
+        64,
+        "text observations: the fixed length of the token ids and mask that travel (a longer text stops the run, "
+        "naming the length it needs)",
+        min=1,
+        max=1_000_000,
+        omit_default=True,
+    )
+    success_key: str = knob(
+        "",
+        "the key of the step info's success flag: success_rate (success at any step of an episode) and "
+        "success_at_end_rate in the metrics, eval_success_rate in evaluations. '' = 'success' where the env's info "
+        "has it (no success metrics otherwise); a key given here must be in the info",
+        omit_default=True,
+    )
     groups: list[EnvGroup] = knob(
         None,
         "env groups (multi-task): a list of {name, id, kwargs, num_envs, total_envs}; every env rank hosts every "

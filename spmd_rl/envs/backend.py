@@ -18,6 +18,7 @@ from gymnasium.wrappers import vector as vector_wrappers
 from spmd_rl.config import plugins
 from spmd_rl.config.excerpts import clip
 from spmd_rl.config.sections import EnvSection
+from spmd_rl.envs.text import TokenizeText, has_text
 from spmd_rl.runtime.errors import UserCodeError, UserError, describe_exception
 
 
@@ -29,6 +30,10 @@ class EnvSpec:
     observation_space: gym.Space
     action_space: gym.Space
     vectorization: str = "sync"  # the resolved env.vectorization (a backend's own name where it vectorizes itself)
+    # The keys of one step's info, where the backend's probe stepped an env (envs/success.py reads env.success_key
+    # there); empty where it did not.
+    step_info_keys: frozenset = frozenset()
+    success_key: str | None = None  # the info key of the success flag, where the env reports one (probe_env sets it)
 
 
 class EnvBackend:
@@ -43,8 +48,9 @@ class EnvBackend:
     groups_refusal: str = "its vector envs run one id with one set of kwargs"
 
     def probe(self, cfg: EnvSection) -> EnvSpec:
-        """The spaces of one env (of every group with env.groups; they must agree), without a process group.
-        Bad ids or kwargs are a UserError naming the env."""
+        """The spaces of one env (of every group with env.groups; they must agree), without a process group, and
+        where it can, the keys of one step's info (EnvSpec.step_info_keys: how success metrics learn that the env
+        reports env.success_key). Bad ids or kwargs are a UserError naming the env."""
         raise NotImplementedError
 
     def make(self, cfg: EnvSection, spec: EnvSpec, seed: int, wrappers: list | None = None):
@@ -93,8 +99,8 @@ def differing_space(spec: EnvSpec, other: EnvSpec) -> tuple[str, str, str] | Non
 
 
 def finish_vector_env(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
-    """The wrappers every backend's envs share (action clipping, env.normalize_reward), then the first reset:
-    (envs, first observations)."""
+    """The wrappers every backend's envs share (action clipping, env.normalize_reward, text observations as token
+    ids), then the first reset: (envs, first observations)."""
     if isinstance(envs.single_action_space, gym.spaces.Box):
         envs = vector_wrappers.ClipAction(envs)  # the policy's Gaussian samples are unbounded
     if cfg.normalize_reward:
@@ -102,8 +108,12 @@ def finish_vector_env(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
         envs = normalize(envs, gamma=cfg.normalize_reward_gamma)
     if cfg.clip_reward > 0:
         envs = vector_wrappers.ClipReward(envs, -cfg.clip_reward, cfg.clip_reward)
+    if has_text(envs.single_observation_space):
+        envs = TokenizeText(envs, cfg)  # strings become token ids here, on the env rank
     try:
         obs, _ = envs.reset(seed=reset_seed)
+    except UserError:  # a first instruction longer than env.max_text_tokens
+        raise
     except Exception as exc:  # the env's own reset: its error and file:line, not the vector env's stack
         raise UserCodeError(
             f"env.id '{clip(cfg.id)}': reset failed: {describe_exception(exc)}{old_gym_api_hint(exc)}"

@@ -1,5 +1,6 @@
 """Gymnasium spaces as fixed tensor layouts: what one env's observation looks like on the wire, in a segment and
-in an HDF5 file, kept in the env's own dtype and shape (uint8 frames stay uint8; Dict spaces become nested keys)."""
+in an HDF5 file, kept in the env's own dtype and shape (uint8 frames stay uint8; Dict spaces become nested keys; a
+Text space arrives as envs/text.py's TokenizedText, a Dict of token ids and their mask)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def zeros_of(space: gym.Space, *batch: int) -> torch.Tensor | TensorDict:
         return torch.zeros(*batch, *space.shape, dtype=dtype)
     raise UserError(
         f"observation space {space} ({type(space).__name__}) cannot be laid out as tensors; spaces "
-        f"supported: Box, Discrete, MultiDiscrete, MultiBinary and Dict of those"
+        f"supported: Box, Discrete, MultiDiscrete, MultiBinary, Text (as token ids, envs/text.py) and Dict of those"
     )
 
 

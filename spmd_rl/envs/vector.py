@@ -12,6 +12,8 @@ import numpy as np
 
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.backend import EnvSpec, backend_for, differing_space
+from spmd_rl.envs.success import resolve_success_key
+from spmd_rl.envs.text import tokenized_spec
 from spmd_rl.runtime.errors import UserError
 
 __all__ = ["EnvSpec", "check_same_spaces", "group_of_envs", "make_vector_env", "probe_env"]
@@ -19,8 +21,10 @@ __all__ = ["EnvSpec", "check_same_spaces", "group_of_envs", "make_vector_env", "
 
 def probe_env(cfg: EnvSection) -> EnvSpec:
     """Make one env to learn its spaces; a missing id or a failing import is a UserError naming the env.
-    With env.groups, one env of every group: their spaces must agree (the policy acts on all of them)."""
-    return backend_for(cfg).probe(cfg)
+    With env.groups, one env of every group: their spaces must agree (the policy acts on all of them).
+    Text observations are laid out as the token ids the env rank sends (envs/text.py); the success flag's key is
+    resolved (envs/success.py)."""
+    return resolve_success_key(tokenized_spec(backend_for(cfg).probe(cfg), cfg), cfg)
 
 
 def check_same_spaces(spec: EnvSpec, other: EnvSpec, what: str) -> None:

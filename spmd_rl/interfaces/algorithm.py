@@ -84,7 +84,8 @@ class Algorithm:
     """
 
     Config: ClassVar[type] = AlgorithmConfig
-    requires: ClassVar[tuple[str, ...]] = ()  # step fields beyond obs/action/ENV_FIELDS (e.g. log_prob)
+    # step fields beyond obs/action/ENV_FIELDS (e.g. log_prob; SUCCESS_FIELDS where the env reports success)
+    requires: ClassVar[tuple[str, ...]] = ()
     policy_methods: ClassVar[tuple[PolicyMethod | str, ...]] = ()  # what learn calls on the policy (see above)
     # Whether train.parallel=fsdp can shard it: true for algorithms whose gradients come from modules they got from
     # Context.data_parallel (PPO's) or Context.shard with Context.backward (SAC's); false for one that computes and

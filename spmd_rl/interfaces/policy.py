@@ -39,6 +39,13 @@ ENV_FIELDS = {
     "episode_done": StepField((), torch.bool),
 }
 
+# What the env side records besides ENV_FIELDS for an env that reports a success flag (env.success_key,
+# envs/success.py), at the step that ends an episode: whether it succeeded at any of its steps, and at its last.
+SUCCESS_FIELDS = {
+    "episode_success": StepField((), torch.bool),
+    "episode_success_at_end": StepField((), torch.bool),
+}
+
 # What the env side records besides ENV_FIELDS for a recurrent policy: True where the step's observation is the
 # first of an episode (the first step of the run, or the step after an episode's reset step), where the policy's
 # state restarts from its initial value.

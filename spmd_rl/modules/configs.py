@@ -37,6 +37,12 @@ class EncoderConfig:
     cnn_features: int = knob(
         0, "CNN encoder: width of the linear layer after the convolutions (0 = the preset's)", min=0
     )
+    text_embedding: int = knob(
+        32,
+        "text observations: width of the token embedding whose mean over the text's tokens is its feature",
+        min=1,
+        omit_default=True,
+    )
     cnn_init: str = knob(
         "auto",
         "CNN encoder initialization: auto (orthogonal for the nature preset, torch's default for small), orthogonal "

@@ -2,8 +2,8 @@
 
 Chosen from the observation space (policy.encoder: auto): a 1-D (or flattened) Box goes through a running
 normalizer, an image Box (H x W x C or C x H x W, C in 1..4, uint8 scaled to [0, 1]) through a CNN (preset
-small or nature, see CNN_PRESETS), and a Dict space through one encoder per key, concatenated. Each encoder
-reports its output width.
+small or nature, see CNN_PRESETS), a text (token ids, envs/text.py) through an embedding and a mean over its
+tokens, and a Dict space through one encoder per key, concatenated. Each encoder reports its output width.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
+from spmd_rl.envs.text import TokenizedText
 from spmd_rl.modules.masks import MASK_KEY
 from spmd_rl.modules.normalizer import RunningNormalizer
 from spmd_rl.runtime.errors import UserError
@@ -152,6 +153,24 @@ class ImageEncoder(nn.Module):
         pass
 
 
+class TextEncoder(nn.Module):
+    """Token ids (envs/text.py: ids and a mask, from a Text observation) through a learned embedding, then the mean
+    over the tokens the mask marks: one feature vector per text, whatever its length."""
+
+    def __init__(self, space: TokenizedText, width: int):
+        super().__init__()
+        self.embedding = nn.Embedding(space.vocab_size, width)
+        self.out_features = width
+
+    def forward(self, obs: TensorDict) -> Tensor:
+        mask = obs["mask"].to(torch.float32).unsqueeze(-1)  # [B, L, 1]
+        summed = (self.embedding(obs["ids"].long()) * mask).sum(1)
+        return summed / mask.sum(1).clamp(min=1.0)  # an empty text gives zeros, not NaN
+
+    def update_normalizer(self, obs: TensorDict, context) -> None:
+        pass
+
+
 class DictEncoder(nn.Module):
     """One encoder per key of a Dict space (but `action_mask`); their features concatenated in the space's key
     order."""
@@ -182,13 +201,15 @@ def is_image(space: gym.Space) -> bool:
 
 def make_encoder(space: gym.Space, config) -> nn.Module:
     """config: EncoderConfig (encoder, normalize_obs, cnn, cnn_channels, cnn_kernels, cnn_strides, cnn_features,
-    cnn_init)."""
+    cnn_init, text_embedding)."""
+    if isinstance(space, TokenizedText):
+        return TextEncoder(space, config.text_embedding)
     if isinstance(space, gym.spaces.Dict):
         return DictEncoder(space, config)
     if not isinstance(space, gym.spaces.Box):
         raise UserError(
-            f"observation space {space} is not supported by the built-in actor-critic (Box, Dict of "
-            f"Box); wrap the env (e.g. gymnasium's FlattenObservation) or bring your own policy.class"
+            f"observation space {space} is not supported by the built-in actor-critic (Box, Text, Dict of "
+            f"those); wrap the env (e.g. gymnasium's FlattenObservation) or bring your own policy.class"
         )
     choice = config.encoder
     if choice == "auto":

@@ -5,7 +5,9 @@ Tokens: a vector observation (a Box that is not an image, flattened) is one toke
 contiguous groups of its features, each group with its own linear embedding; it goes through the same running
 normalizer as the actor-critic's vectors (policy.normalize_obs). An image (the actor-critic's test: uint8 or 1-4
 channels, H x W x C or C x H x W; and any 3-D uint8 Box, however small) is cut into `patch_size` square patches
-by a strided convolution (zero-padded to a multiple of the patch), one token each. A Dict observation is the
+by a strided convolution (zero-padded to a multiple of the patch), one token each. A text (token ids and their
+mask, envs/text.py) is its tokens, each id through a learned embedding; its padding is masked out of attention.
+A Dict observation is the
 tokens of each key in the space's key order, each key with its own embedding. A learned readout token goes first,
 and a learned position embedding is added to every position, so a token's position also says which key (and
 which patch or group) it came from.
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from spmd_rl.envs.text import TokenizedText
 from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.modules.actor_critic import LOG_SQRT_2PI, actor_critic_outputs, add_action_head, check_vector_action_space
 from spmd_rl.modules.configs import TransformerConfig
@@ -92,6 +95,26 @@ class PatchTokens(nn.Module):
         pass
 
 
+class TextTokens(nn.Module):
+    """A text (token ids and their mask, envs/text.py) as its tokens: a learned embedding of each id. The padding
+    after the text is masked out of attention (`attention_mask`)."""
+
+    def __init__(self, space: TokenizedText, width: int):
+        super().__init__()
+        self.tokens = space["ids"].shape[0]
+        self.embed = nn.Embedding(space.vocab_size, width)
+        nn.init.trunc_normal_(self.embed.weight, std=INIT_STD)
+
+    def forward(self, obs) -> Tensor:
+        return self.embed(obs["ids"].long())
+
+    def attention_mask(self, obs) -> Tensor:
+        return obs["mask"].bool()
+
+    def update_normalizer(self, obs, context) -> None:
+        pass
+
+
 class DictTokens(nn.Module):
     """Each key's tokens (its own embedding), concatenated in the space's key order."""
 
@@ -101,9 +124,22 @@ class DictTokens(nn.Module):
             {key: make_tokens(sub, config, f"{where}['{key}']") for key, sub in space.spaces.items()}
         )
         self.tokens = sum(part.tokens for part in self.parts.values())
+        self.masked = any(hasattr(part, "attention_mask") for part in self.parts.values())
 
     def forward(self, obs) -> Tensor:
         return torch.cat([part(obs[key]) for key, part in self.parts.items()], dim=1)
+
+    def attention_mask(self, obs) -> Tensor | None:
+        """[B, tokens] True where a token takes part in attention (None: all of them, no text inside)."""
+        if not self.masked:
+            return None
+        masks = []
+        for key, part in self.parts.items():
+            if hasattr(part, "attention_mask"):
+                masks.append(part.attention_mask(obs[key]))
+            else:
+                masks.append(torch.ones(obs.batch_size[0], part.tokens, dtype=torch.bool, device=obs.device))
+        return torch.cat(masks, dim=1)
 
     def update_normalizer(self, obs, context) -> None:
         for key, part in self.parts.items():
@@ -112,11 +148,14 @@ class DictTokens(nn.Module):
 
 def make_tokens(space: gym.Space, config: TransformerConfig, where: str = "") -> nn.Module:
     """The tokenizer of an observation space; `.tokens` is how many tokens it makes."""
+    if isinstance(space, TokenizedText):
+        return TextTokens(space, config.width)
     if isinstance(space, gym.spaces.Dict):
         return DictTokens(space, config, where)
     if not isinstance(space, gym.spaces.Box):
         raise UserError(
-            f"observation space {space}{where} is not supported by the transformer policy (Box, Dict of Box); "
+            f"observation space {space}{where} is not supported by the transformer policy (Box, Text, Dict of "
+            f"those); "
             f"wrap the env (e.g. gymnasium's FlattenObservation) or bring your own policy.class"
         )
     if is_image(space) or (len(space.shape) == 3 and space.dtype == np.uint8):  # small frames too (Catch: 10x5x1)
@@ -143,11 +182,12 @@ class Block(nn.Module):
             nn.init.trunc_normal_(linear.weight, std=INIT_STD)
             nn.init.zeros_(linear.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """mask: None, or [B, 1, 1, T] True for the tokens every token may attend to (a text's padding is not)."""
         batch, tokens, width = x.shape
         qkv = self.qkv(self.attention_norm(x)).reshape(batch, tokens, 3, self.heads, width // self.heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, heads, T, head width]
-        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, tokens, width)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(batch, tokens, width)
         x = x + self.projection(attended)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -200,9 +240,18 @@ class TransformerPolicy(Policy):
         """The readout token's final state [B, width]."""
         tokens = self.tokens(obs)
         x = torch.cat([self.readout.expand(tokens.shape[0], -1, -1), tokens], dim=1) + self.position
+        mask = self._attention_mask(obs)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         return self.norm(x[:, 0])
+
+    def _attention_mask(self, obs) -> Tensor | None:
+        """[B, 1, 1, 1 + tokens]: the readout and every token but a text's padding (None without text)."""
+        observed = self.tokens.attention_mask(obs) if hasattr(self.tokens, "attention_mask") else None
+        if observed is None:
+            return None
+        readout = torch.ones(observed.shape[0], 1, dtype=torch.bool, device=observed.device)
+        return torch.cat([readout, observed], dim=1)[:, None, None, :]
 
     def heads(self, obs) -> tuple[Tensor, Tensor]:
         """(the actor's output [B, actions], V(obs) [B])."""

@@ -16,8 +16,9 @@ import torch
 from spmd_rl.envs import spaces
 from spmd_rl.envs.backend import EnvBackend, old_gym_api_hint
 from spmd_rl.envs.state import as_arrays, as_tensors
+from spmd_rl.envs.success import EpisodeSuccess
 from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE
-from spmd_rl.runtime.errors import UserCodeError, describe_exception
+from spmd_rl.runtime.errors import UserCodeError, UserError, describe_exception
 from spmd_rl.runtime.watchdog import watchdog
 
 
@@ -34,6 +35,7 @@ class EnvRunner:
         describe: str = "env runner",
         env_id: str = "env",
         env_backend: EnvBackend | None = None,
+        success_key: str | None = None,
     ):
         self.envs = envs
         self.env_backend = env_backend  # what saves and restores the envs' state (None: checkpoints hold none)
@@ -66,6 +68,8 @@ class EnvRunner:
             self.episode_start_out = message[EPISODE_START].numpy()
             self.first_state = spaces.numpy_views(self.segment[RECURRENT_STATE])
             self.next_step_starts = np.ones(envs.num_envs, dtype=bool)  # the first observations start episodes
+        # Each episode's success (env.success_key in the step info), where the env reports it (EnvSpec.success_key).
+        self.success = EpisodeSuccess(success_key, envs.num_envs) if success_key is not None else None
         self.obs = first_obs
         self.steps_taken = 0
         self._check_finite(first_obs, None, "reset")
@@ -109,6 +113,8 @@ class EnvRunner:
         try:
             with self.watched_step:
                 obs, reward, terminated, truncated, info = self.envs.step(action)
+        except UserError:  # the framework's own verdict on what the env gave (a text longer than its tokens)
+            raise
         except Exception as exc:  # the env's own error: its type, message and file:line, not the vector env's stack
             raise UserCodeError(
                 f"{self.describe}: env '{self.env_id}' raised at step {self.steps_taken + 1}: {describe_exception(exc)}"
@@ -125,6 +131,10 @@ class EnvRunner:
         self.rollout["terminated"][t] = terminated
         self.rollout["truncated"][t] = truncated
         self._record_episodes(t, info)
+        if self.success is not None:
+            at_any, at_end = self.success.step(info, self.rollout["valid"][t], terminated | truncated)
+            self.rollout["episode_success"][t] = at_any
+            self.rollout["episode_success_at_end"][t] = at_end
         self.obs = obs
         self.next_step_valid = ~(terminated | truncated)
 
@@ -203,6 +213,8 @@ class EnvRunner:
         }
         if self.recurrent:
             state["next_step_starts"] = torch.from_numpy(self.next_step_starts.copy())
+        if self.success is not None:
+            state["success_seen"] = torch.from_numpy(self.success.seen.copy())
         return state
 
     def _load_place(self, state: dict) -> None:
@@ -211,6 +223,8 @@ class EnvRunner:
         self.steps_taken = state["steps_taken"]
         if self.recurrent:
             self.next_step_starts = state["next_step_starts"].numpy().copy()
+        if self.success is not None:
+            self.success.seen = state["success_seen"].numpy().copy()
 
     def close(self) -> None:
         self.envs.close()

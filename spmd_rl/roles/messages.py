@@ -12,7 +12,7 @@ from tensordict import TensorDict
 
 from spmd_rl.envs.spaces import zeros_of
 from spmd_rl.envs.vector import EnvSpec
-from spmd_rl.interfaces.policy import ENV_FIELDS, EPISODE_START, RECURRENT_STATE, StepField
+from spmd_rl.interfaces.policy import ENV_FIELDS, EPISODE_START, RECURRENT_STATE, SUCCESS_FIELDS, StepField
 
 
 def _fields(fields: dict[str, StepField], *batch: int) -> dict[str, torch.Tensor]:
@@ -63,9 +63,10 @@ def segment_message(
     num_envs: int,
     state: dict[str, StepField] | None = None,
 ) -> TensorDict:
-    """env runner -> trainer, once per rollout: the rollout [T, N] (obs, the policy's outputs, the env fields), the
-    observation after it, and the env side's timings. For a recurrent policy (state not None), what the learner
-    replays a sequence from: the rollout's episode_start flags and the state at the segment's first step."""
+    """env runner -> trainer, once per rollout: the rollout [T, N] (obs, the policy's outputs, the env fields, and
+    the success fields where the env reports a success flag), the observation after it, and the env side's
+    timings. For a recurrent policy (state not None), what the learner replays a sequence from: the rollout's
+    episode_start flags and the state at the segment's first step."""
     t, n = num_steps, num_envs
     rollout = TensorDict(
         {
@@ -83,6 +84,8 @@ def segment_message(
         "action_wait_s": torch.zeros(1, dtype=torch.float64),  # seconds from sending obs to having actions
         "inference_s": torch.zeros(1, dtype=torch.float64),  # of which the inference server computed
     }
+    if spec.success_key is not None:  # only envs that report a success flag: classic envs keep their layout
+        rollout.update(_fields(SUCCESS_FIELDS, t, n))
     if state is not None:
         rollout[EPISODE_START] = torch.zeros(t, n, dtype=torch.bool)
         fields[RECURRENT_STATE] = TensorDict(_fields(state, n), batch_size=[])

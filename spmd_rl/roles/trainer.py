@@ -232,27 +232,33 @@ class Trainer:
         """Episode results and env-side timings of ALL env ranks, gathered onto the group's first rank."""
         rollout = segment["rollout"]
         done = rollout["episode_done"]
-        local = {
+        # One value per finished episode: its return and length; its group (env groups) and its success flags
+        # (envs that report one) where they exist.
+        episodes = {
             "returns": rollout["episode_return"][done].double(),
             "lengths": rollout["episode_length"][done].double(),
+        }
+        if self.column_groups is not None:
+            episodes["groups"] = self.column_groups.expand(done.shape)[done].double()
+        if "episode_success" in rollout.keys():
+            episodes["successes"] = rollout["episode_success"][done].double()
+            episodes["successes_at_end"] = rollout["episode_success_at_end"][done].double()
+        local = {
+            **episodes,
             "env_s": segment["env_s"].sum().item(),
             "action_wait_s": segment["action_wait_s"].sum().item(),
             "inference_s": segment["inference_s"].sum().item(),
             "env_ranks": float(segment["env_s"].numel()),
         }
-        if self.column_groups is not None:  # each finished episode's group
-            local["groups"] = self.column_groups.expand(done.shape)[done].double()
         if self.group is None or dist.get_world_size(self.group) == 1:
             return local
         # Fixed-size tensors (padded with NaN) so the gather needs no negotiation of sizes.
         slots = self.episode_slots
-        blocks = 3 if "groups" in local else 2  # returns, lengths (and groups)
+        blocks = len(episodes)
         packed = torch.full((blocks * slots + 4,), float("nan"), dtype=torch.float64)
         count = local["returns"].numel()
-        packed[:count] = local["returns"]
-        packed[slots : slots + count] = local["lengths"]
-        if "groups" in local:
-            packed[2 * slots : 2 * slots + count] = local["groups"]
+        for block, values in enumerate(episodes.values()):
+            packed[block * slots : block * slots + count] = values
         packed[blocks * slots :] = torch.tensor(
             [local["env_s"], local["action_wait_s"], local["inference_s"], local["env_ranks"]], dtype=torch.float64
         )
@@ -268,17 +274,12 @@ class Trainer:
         if dist.get_rank(self.group) != 0:
             return None
         merged = torch.stack(gathered)
-        returns, lengths = merged[:, :slots], merged[:, slots : 2 * slots]
+        finished = ~merged[:, :slots].isnan()
         sums = merged[:, blocks * slots :].sum(0)
-        finished = ~returns.isnan()
         statistics = {
-            "returns": returns[finished],
-            "lengths": lengths[finished],
-            "env_s": sums[0].item(),
-            "action_wait_s": sums[1].item(),
-            "inference_s": sums[2].item(),
-            "env_ranks": sums[3].item(),
+            name: merged[:, block * slots : (block + 1) * slots][finished] for block, name in enumerate(episodes)
         }
-        if blocks == 3:
-            statistics["groups"] = merged[:, 2 * slots : 3 * slots][finished]
+        statistics.update(
+            env_s=sums[0].item(), action_wait_s=sums[1].item(), inference_s=sums[2].item(), env_ranks=sums[3].item()
+        )
         return statistics

@@ -71,6 +71,7 @@ def build_colocated(run: Run, logger: MetricsLogger | None) -> tuple[EnvRunner, 
         describe=f"rank {rank}",
         env_id=cfg.env.id,
         env_backend=backend_for(cfg.env),
+        success_key=run.spec.success_key,
     )
     server = InferenceServer(
         policy,
@@ -131,6 +132,7 @@ def build_env_runner(run: Run, observation_layout=observation_message) -> EnvRun
         describe=run.describe(),
         env_id=cfg.env.id,
         env_backend=backend_for(cfg.env),
+        success_key=run.spec.success_key,
     )
     _say_if_env_state_unsaved(run, runner)
     return runner

@@ -20,6 +20,7 @@ from spmd_rl.interfaces.policy import (
     ENV_FIELDS,
     EPISODE_START,
     RECURRENT_STATE,
+    SUCCESS_FIELDS,
     Policy,
     StepField,
     describe_outputs,
@@ -63,10 +64,12 @@ def check_policy(
         outputs = dict(policy.outputs())
     except Exception as exc:
         raise UserError(f"{name}: outputs() failed: {describe_exception(exc)}") from None
-    _check_declared(name, outputs, spec.action_space)
+    _check_declared(name, outputs)
+    # env.action_chunk (K) enters here: until the config has that key, every decision is one action (K = 1).
+    _check_action_shape(name, outputs["action"], spec.action_space, chunk=1)
     state = _check_declared_state(name, policy)
     obs, acted = _check_act(name, policy, outputs, spec, state)
-    _check_algorithm_needs(cfg, policy, outputs, algorithm_cls, state)
+    _check_algorithm_needs(cfg, policy, outputs, algorithm_cls, state, spec.success_key is not None)
     _check_policy_methods(cfg, policy, algorithm_cls, obs, acted, outputs)
     return outputs
 
@@ -114,7 +117,7 @@ def check_planned_memory(cfg: Config, spec: EnvSpec, outputs: dict, plan) -> Non
         )
 
 
-def _check_declared(name: str, outputs: dict, action_space: gym.Space) -> None:
+def _check_declared(name: str, outputs: dict) -> None:
     if "action" not in outputs:
         raise UserError(
             f"{name}: outputs() must declare 'action' (got {list(outputs)}); return "
@@ -123,10 +126,28 @@ def _check_declared(name: str, outputs: dict, action_space: gym.Space) -> None:
     for key, field in outputs.items():
         if not isinstance(field, StepField):
             raise UserError(f"{name}: outputs()['{key}'] must be a spmd_rl.api.StepField(shape, dtype), got {field!r}")
-        if key == "obs" or key in ENV_FIELDS:
+        if key == "obs" or key in ENV_FIELDS or key in SUCCESS_FIELDS:
             raise UserError(f"{name}: outputs() declares '{key}', which the env side records; rename that output")
     if list(outputs)[0] != "action":
         raise UserError(f"{name}: outputs() must list 'action' first (got {list(outputs)})")
+
+
+def expected_action_shape(action_space: gym.Space, chunk: int) -> tuple[int, ...]:
+    """The shape of one env's action: the space's, or [K, *space.shape] for a chunk of K > 1 actions."""
+    shape = tuple(action_space.shape or ())
+    return (chunk, *shape) if chunk > 1 else shape
+
+
+def _check_action_shape(name: str, field: StepField, action_space: gym.Space, chunk: int) -> None:
+    """A declared action the env cannot take would pass every check here and fail at the first env step, blamed on
+    the env (exit 4): compare it with the action space now."""
+    expected = expected_action_shape(action_space, chunk)
+    if tuple(field.shape) != expected:
+        chunked = f" (a chunk of env.action_chunk={chunk} actions)" if chunk > 1 else ""
+        raise UserError(
+            f"{name}: outputs() declares 'action' of shape {tuple(field.shape)}, but the action space {action_space} "
+            f"takes actions of shape {expected}{chunked}; declare StepField({expected}, ...) for 'action'"
+        )
 
 
 def _check_declared_state(name: str, policy: Policy) -> dict[str, StepField] | None:
@@ -232,10 +253,15 @@ def _check_next_state(name: str, call: str, returned, state: dict[str, StepField
 
 
 def _check_algorithm_needs(
-    cfg: Config, policy: Policy, outputs: dict, algorithm_cls: type[Algorithm], state: dict | None = None
+    cfg: Config,
+    policy: Policy,
+    outputs: dict,
+    algorithm_cls: type[Algorithm],
+    state: dict | None = None,
+    reports_success: bool = False,
 ) -> None:
     algo = f"algo.class '{cfg.classes['algo']}'"
-    available = {"obs", *outputs, *ENV_FIELDS}
+    available = {"obs", *outputs, *ENV_FIELDS, *(SUCCESS_FIELDS if reports_success else ())}
     if state is not None:
         available |= {EPISODE_START, RECURRENT_STATE}
         if RECURRENT_STATE not in algorithm_cls.requires:
@@ -245,6 +271,12 @@ def _check_algorithm_needs(
                 f"sequences (e.g. spmd_rl.algorithms.recurrent_ppo:RecurrentPPO) or a stateless policy"
             )
     missing = [key for key in algorithm_cls.requires if key not in available]
+    unreported = [key for key in missing if key in SUCCESS_FIELDS]
+    if unreported:
+        raise UserError(
+            f"{algo} needs the step field(s) {unreported}, which the env side records only for an env whose step "
+            f"info has a success flag; env '{cfg.env.id}' reports none under env.success_key (unset: 'success')"
+        )
     if missing:
         raise UserError(
             f"{algo} needs the step field(s) {missing}, which policy.class '{cfg.classes['policy']}' "

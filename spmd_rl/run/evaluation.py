@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from spmd_rl.config.sections import Config, EnvSection
 from spmd_rl.envs import spaces
 from spmd_rl.envs.backend import EnvBackend, backend_for
 from spmd_rl.envs.backends.gymnasium import require_moviepy  # noqa: F401  (spmd_rl.evaluate asks before any work)
+from spmd_rl.envs.success import EpisodeSuccess
 from spmd_rl.envs.vector import EnvSpec, probe_env
 from spmd_rl.interfaces.policy import initial_state
 from spmd_rl.roles.messages import observation_message
@@ -38,7 +40,9 @@ def evaluate(
     """Play `episodes` episodes on envs of its own and return their statistics:
     {episodes, deterministic, seed, max_steps, return_mean, return_std, length_mean, length_std, returns, lengths,
     cut} (std over episodes, ddof=0; the lists in the order episodes finished; cut: how many episodes the step
-    limit ended, counted when that limit is below the env's own).
+    limit ended, counted when that limit is below the env's own). For an env that reports success
+    (EnvSpec.success_key) also success_rate, its 95% Wilson success_interval, success_at_end_rate and successes
+    (each episode's (at any step, at the last step)).
 
     An episode ends after at most `max_steps` steps (truncated, as gymnasium's TimeLimit does); None means the
     env's own limit (env.kwargs' max_episode_steps, else its registration's), else DEFAULT_MAX_STEPS.
@@ -57,7 +61,7 @@ def evaluate(
     if max_steps is not None and max_steps < 1:
         raise UserError(f"evaluation max_steps={max_steps}: allow at least 1 step per episode")
     backend = backend_for(env_cfg)
-    spec = backend.probe(env_cfg)
+    spec = probe_env(env_cfg)
     # Returns are the env's own rewards: reward scaling only matters for learning.
     env_cfg = dataclasses.replace(env_cfg, num_envs=min(episodes, env_cfg.num_envs), normalize_reward=False)
     env_limit = backend.step_limit(env_cfg)
@@ -79,14 +83,14 @@ def evaluate(
             torch.default_generator.manual_seed(seed)
             if device.type == "cuda":
                 torch.cuda.default_generators[cuda_indices(device)[0]].manual_seed(seed)
-            returns, lengths = _play(
+            returns, lengths, successes = _play(
                 policy.eval(), spec, envs, obs, _quotas(episodes, envs.num_envs), deterministic, device
             )
     finally:
         policy.train(was_training)
         envs.close()  # also writes the last episode's video
     cut = sum(length >= max_steps for length in lengths) if cuts else 0
-    return _summary(returns, lengths, deterministic, seed, max_steps, cut)
+    return _summary(returns, lengths, deterministic, seed, max_steps, cut, successes)
 
 
 def probe_eval_env(cfg: Config) -> EnvSpec:
@@ -129,9 +133,12 @@ def check_video(env_cfg: EnvSection) -> None:
             )
 
 
-def _summary(returns: list, lengths: list, deterministic: bool, seed: int, max_steps: int, cut: int) -> dict:
-    """What an evaluation returns: its settings, the statistics of its episodes, and the episodes themselves."""
-    return {
+def _summary(
+    returns: list, lengths: list, deterministic: bool, seed: int, max_steps: int, cut: int, successes: list | None
+) -> dict:
+    """What an evaluation returns: its settings, the statistics of its episodes, and the episodes themselves; for
+    an env that reports success, each episode's (success at any step, at the last step) and their rates."""
+    summary = {
         "episodes": len(returns),
         "deterministic": deterministic,
         "seed": seed,
@@ -144,6 +151,24 @@ def _summary(returns: list, lengths: list, deterministic: bool, seed: int, max_s
         "lengths": lengths,
         "cut": cut,
     }
+    if successes is not None:
+        succeeded = sum(at_any for at_any, _ in successes)
+        summary.update(
+            success_rate=succeeded / len(successes),
+            success_interval=wilson_interval(succeeded, len(successes)),
+            success_at_end_rate=sum(at_end for _, at_end in successes) / len(successes),
+            successes=successes,
+        )
+    return summary
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval of a success rate (95% by default): unlike the normal approximation it stays
+    inside [0, 1] and is not empty at 0 or `trials` successes."""
+    rate = successes / trials
+    center = (rate + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z / (1 + z * z / trials) * math.sqrt(rate * (1 - rate) / trials + z * z / (4 * trials * trials))
+    return max(0.0, center - half), min(1.0, center + half)
 
 
 def _evaluate_groups(policy, env_cfg: EnvSection, episodes: int, seed: int, deterministic: bool, video_dir, max_steps):
@@ -163,7 +188,9 @@ def _evaluate_groups(policy, env_cfg: EnvSection, episodes: int, seed: int, dete
     lengths = [value for result in groups.values() for value in result["lengths"]]
     max_steps = max(result["max_steps"] for result in groups.values())
     cut = sum(result["cut"] for result in groups.values())
-    return {**_summary(returns, lengths, deterministic, seed, max_steps, cut), "groups": groups}
+    reported = all("successes" in result for result in groups.values())
+    successes = [value for result in groups.values() for value in result["successes"]] if reported else None
+    return {**_summary(returns, lengths, deterministic, seed, max_steps, cut, successes), "groups": groups}
 
 
 def episode_step_limit(env_cfg: EnvSection) -> int | None:
@@ -182,6 +209,8 @@ def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, devi
     # step that follows an episode's end (NEXT_STEP autoreset), as the inference server does in training.
     starts = np.ones(envs.num_envs, dtype=bool)
     ended = np.zeros(envs.num_envs, dtype=bool)
+    success = EpisodeSuccess(spec.success_key, envs.num_envs) if spec.success_key is not None else None
+    successes = [] if success is not None else None
     while quotas.any():
         spaces.write(views, obs)
         with torch.no_grad():  # act() is always called without grad (the API's promise)
@@ -195,13 +224,17 @@ def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, devi
                 action = out["action"]
         obs, _, terminated, truncated, info = envs.step(action.cpu().numpy())
         starts, ended = ended, terminated | truncated  # this step reset the envs that had ended before it
+        if success is not None:
+            at_any, at_end = success.step(info, ~starts, ended)
         if "episode" not in info:
             continue
         for i in np.flatnonzero(info["_episode"] & (quotas > 0)):
             quotas[i] -= 1
             returns.append(float(info["episode"]["r"][i]))
             lengths.append(int(info["episode"]["l"][i]))
-    return returns, lengths
+            if success is not None:
+                successes.append((bool(at_any[i]), bool(at_end[i])))
+    return returns, lengths, successes
 
 
 def _quotas(episodes: int, num_envs: int) -> np.ndarray:

@@ -7,6 +7,9 @@ it ends with the last whole record, never half of one.
 Iterations count from 0 everywhere: metrics.jsonl's `iteration`, the console's `iter`, the checkpoints' iter_N and
 the stop and resume lines. Timings are this process's: after a resume, `wall_s` and `cpu_s` count from the resume
 and `sps` is the env steps taken since the resume over that time (env_steps itself is the run's total).
+
+For envs that report a success flag (envs/success.py), success_rate and success_at_end_rate are over the episodes
+that ended in the iteration (null when none did), per env group too; other envs' records have neither key.
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ class MetricsLogger:
                 self.group_lengths[index].extend(statistics["lengths"][mine].tolist())
                 per_group[f"episode_return_mean/{name}"] = _mean(self.group_returns[index])
                 per_group[f"episode_length_mean/{name}"] = _mean(self.group_lengths[index])
+        success = success_rates(statistics, self.group_names)
         elapsed = time.perf_counter() - self.start
         env_ranks = max(statistics["env_ranks"], 1.0)
         inference_s = statistics["inference_s"] / env_ranks
@@ -107,6 +111,7 @@ class MetricsLogger:
             "episode_return_mean": _mean(self.recent_returns),
             "episode_length_mean": _mean(self.recent_lengths),
             **per_group,
+            **success,
             "sps": (env_steps - self.resumed_env_steps) / elapsed if elapsed > 0 else 0.0,  # this process's
             **losses,
             # seconds per phase in this iteration; env-side phases are means over env ranks
@@ -191,6 +196,8 @@ class MetricsLogger:
         for key, label, spec in cls.GLANCE:
             if key in record:
                 text += f"  {label} {record[key]:{spec}}"
+        if record.get("success_rate") is not None:  # envs that report success (null: no episode ended)
+            text += f"  success {record['success_rate']:.2f}"
         groups = [key.split("/", 1)[1] for key in record if key.startswith("episode_return_mean/")]
         if groups:  # env groups: each one's return, briefly
             text += "  (" + " ".join(f"{name} {record[f'episode_return_mean/{name}']:.1f}" for name in groups) + ")"
@@ -227,6 +234,23 @@ class MetricsLogger:
         if self.trackers is not None:
             self.trackers.close("finished" if summary else "stopped" if stopped else "failed")
         self.jsonl.close()
+
+
+def success_rates(statistics: dict, group_names: list[str]) -> dict[str, float]:
+    """success_rate and success_at_end_rate over the episodes that ended this iteration (NaN when none did), per
+    env group too; {} for envs that report no success flag."""
+    if "successes" not in statistics:
+        return {}
+    rates = {}
+    subsets = [("", slice(None))]
+    if group_names:
+        groups = statistics["groups"].long()
+        subsets += [(f"/{name}", groups == index) for index, name in enumerate(group_names)]
+    for suffix, mine in subsets:
+        for name, key in (("success_rate", "successes"), ("success_at_end_rate", "successes_at_end")):
+            values = statistics[key][mine]
+            rates[name + suffix] = values.mean().item() if values.numel() else float("nan")
+    return rates
 
 
 def _finite_or_none(value):

@@ -73,9 +73,13 @@ class Reporter:
             "eval_return_std": result["return_std"],
             "eval_length_mean": result["length_mean"],
         }
+        if "success_rate" in result:  # an env that reports success
+            metrics["eval_success_rate"] = result["success_rate"]
         for name, group in result.get("groups", {}).items():
             metrics[f"eval_return_mean/{name}"] = group["return_mean"]
             metrics[f"eval_length_mean/{name}"] = group["length_mean"]
+            if "success_rate" in group:
+                metrics[f"eval_success_rate/{name}"] = group["success_rate"]
         return metrics
 
     def record_video(self, iteration: int) -> None:

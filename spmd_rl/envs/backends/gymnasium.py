@@ -74,7 +74,7 @@ class GymnasiumBackend(EnvBackend):
                     f"env.vectorization=vector_entry_point: env.id '{cfg.id}' has no vectorized "
                     f"implementation; use env.vectorization=auto, sync or async"
                 )
-            return EnvSpec(cfg.id, env.observation_space, env.action_space, mode)
+            return EnvSpec(cfg.id, env.observation_space, env.action_space, mode, _step_info_keys(env))
         finally:
             env.close()
 
@@ -98,7 +98,8 @@ class GymnasiumBackend(EnvBackend):
         # Several settings in one vector env: plain single envs side by side (an env's own vectorized implementation
         # runs one setting).
         mode = "async" if cfg.vectorization == "async" else "sync"
-        return EnvSpec(cfg.id, spec.observation_space, spec.action_space, mode)
+        info_keys = frozenset.intersection(*(spec.step_info_keys for _, spec in specs))  # what every group reports
+        return EnvSpec(cfg.id, spec.observation_space, spec.action_space, mode, info_keys)
 
     def make(self, cfg: EnvSection, spec: EnvSpec, seed: int, wrappers: list | None = None):
         mode = spec.vectorization
@@ -159,6 +160,20 @@ class GymnasiumBackend(EnvBackend):
         from spmd_rl.envs.state import unsaved_env_reason
 
         return unsaved_env_reason(envs)
+
+
+def _step_info_keys(env: gym.Env) -> frozenset:
+    """The keys of the info of one step (a reset, then a sampled action, both seeded) of the probe's env. An env
+    that fails there reports none: training meets the same failure and says it in its own words."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the env checker's, said again when the envs are built
+            env.reset(seed=0)
+            env.action_space.seed(0)
+            info = env.step(env.action_space.sample())[-1]
+    except Exception:
+        return frozenset()
+    return frozenset(key for key in info if isinstance(key, str)) if isinstance(info, dict) else frozenset()
 
 
 def _make_group_vector_env(cfg: EnvSection, mode: str, wrappers: list | None) -> gym.vector.VectorEnv:
