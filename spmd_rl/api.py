@@ -73,6 +73,7 @@ from spmd_rl.interfaces.algorithm import ANY_LAG, Algorithm, Callback, PlanFacts
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.interfaces.policy import (
+    CHUNK_VALID,
     ENV_FIELDS,
     EPISODE_START,
     RECURRENT_STATE,
@@ -123,6 +124,7 @@ __all__ = [
     "Callback",
     "Context",
     "Engine",
+    "CHUNK_VALID",
     "ENV_FIELDS",
     "EPISODE_START",
     "RECURRENT_STATE",

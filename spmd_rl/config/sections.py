@@ -143,6 +143,14 @@ class EnvSection:
         min=0.0,
         omit_default=True,
     )
+    action_chunk: int = knob(
+        1,
+        "primitive env steps per policy decision: the policy's action is a chunk [K, *action shape] that the env "
+        "rank executes step by step, stopping early where the episode ends (Box action spaces; env.backend "
+        "gymnasium); env steps, train.total_steps and throughput count primitive steps",
+        min=1,
+        omit_default=True,
+    )
     groups: list[EnvGroup] = knob(
         None,
         "env groups (multi-task): a list of {name, id, kwargs, num_envs, total_envs}; every env rank hosts every "

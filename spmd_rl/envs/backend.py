@@ -29,6 +29,9 @@ class EnvSpec:
     observation_space: gym.Space
     action_space: gym.Space
     vectorization: str = "sync"  # the resolved env.vectorization (a backend's own name where it vectorizes itself)
+    # env.action_chunk: primitive steps per decision (K). With K > 1, action_space is the chunk's, Box [K, *shape]
+    # (envs/chunks.py), which is what the policy acts in and the vector env takes.
+    action_chunk: int = 1
 
 
 class EnvBackend:
@@ -41,6 +44,8 @@ class EnvBackend:
     # env.groups when the config is loaded, with `groups_refusal` as the reason.
     takes_groups: bool = True
     groups_refusal: str = "its vector envs run one id with one set of kwargs"
+    # Whether its make runs env.action_chunk > 1 (envs/chunks.py); False refuses it when the backend is looked up.
+    takes_action_chunks: bool = False
 
     def probe(self, cfg: EnvSection) -> EnvSpec:
         """The spaces of one env (of every group with env.groups; they must agree), without a process group.
@@ -81,7 +86,13 @@ class EnvBackend:
 
 def backend_for(cfg: EnvSection) -> EnvBackend:
     """The backend env.backend names, ready to use."""
-    return plugins.load_class(plugins.ENV_BACKEND, cfg.backend, EnvBackend)()
+    backend = plugins.load_class(plugins.ENV_BACKEND, cfg.backend, EnvBackend)()
+    if cfg.action_chunk > 1 and not backend.takes_action_chunks:
+        raise UserError(
+            f"env.action_chunk={cfg.action_chunk} needs env.backend=gymnasium (env.backend={clip(cfg.backend)} does "
+            f"not run action chunks); set env.action_chunk=1 or env.backend=gymnasium"
+        )
+    return backend
 
 
 def differing_space(spec: EnvSpec, other: EnvSpec) -> tuple[str, str, str] | None:

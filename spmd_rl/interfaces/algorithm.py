@@ -69,6 +69,7 @@ class PlanFacts:
     # The policy lag the engine's config asks to act with (Engine.asked_policy_lag: the async engine's
     # engine.max_policy_lag); None where it asks for none beyond the algorithm's schedule.
     asked_policy_lag: int | None = None
+    action_chunk: int = 1  # env.action_chunk: primitive env steps per decision (samples count decisions)
 
 
 class Algorithm:
@@ -94,6 +95,9 @@ class Algorithm:
     # resume takes the model and optimizer from the shard files and the rest of the learner's state from trainer 0's
     # file, which is wrong for state each trainer holds its own part of (a replay shard).
     reshard_refusal: ClassVar[str] = ""
+    # Whether it learns from action chunks (env.action_chunk > 1: reward [T, N, K] and chunk_valid in the rollout,
+    # actions [K, *shape]); false refuses such a config before any process group exists.
+    supports_action_chunks: ClassVar[bool] = False
 
     @classmethod
     def schedule(cls, config: AlgorithmConfig) -> Schedule:

@@ -186,12 +186,12 @@ def _load_separate(module: nn.Module, state_dict: dict, prefix: str, *args, attr
 
 
 def _check_action_space(action_space: gym.Space) -> None:
-    supported = "Discrete (start 0) or a 1-D Box"
+    supported = "Discrete (start 0) or a Box (of any shape: an action chunk is a Box [K, *shape])"
     if isinstance(action_space, gym.spaces.Discrete):
         if int(action_space.start) != 0:
             raise UserError(f"action space {action_space} is not supported by the actor-critic ({supported})")
         return
-    if not (isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1):
+    if not (isinstance(action_space, gym.spaces.Box) and len(action_space.shape) >= 1):
         raise UserError(
             f"action space {action_space} is not supported by the actor-critic ({supported}); "
             f"wrap the env or bring your own policy.class"
@@ -210,13 +210,14 @@ def check_vector_action_space(action_space: gym.Space, policy_name: str) -> None
 
 def add_action_head(policy: Policy, action_space: gym.Space, log_std_init: float) -> int:
     """Set policy.discrete and policy.action_field and, for a Box, register its log_std parameter; returns the
-    actor's output width (logits, or the Gaussian's mean). Shared by the built-in actor-critic policies."""
+    actor's output width (logits, or the Gaussian's mean: one per element of the Box, flattened). Shared by the
+    built-in actor-critic policies."""
     policy.discrete = isinstance(action_space, gym.spaces.Discrete)
     if policy.discrete:
         policy.action_field = StepField((), torch.int64)
         return int(action_space.n)
-    policy.action_field = StepField((int(action_space.shape[0]),), torch.float32)
-    actor_out = policy.action_field.shape[0]
+    policy.action_field = StepField(tuple(int(n) for n in action_space.shape), torch.float32)
+    actor_out = math.prod(policy.action_field.shape)
     policy.log_std = nn.Parameter(torch.full((actor_out,), float(log_std_init)))
     return actor_out
 
@@ -284,6 +285,7 @@ class ActorCritic(Policy):
         else:
             action = out if deterministic else out + self.log_std.exp() * torch.randn_like(out)
             log_prob = self._gaussian_log_prob(out, action)
+            action = action.reshape(-1, *self.action_field.shape)  # a Box of more than one axis (e.g. a chunk [K, A])
         return {"action": action, "log_prob": log_prob, "value": value.squeeze(-1)}
 
     def evaluate(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -295,7 +297,8 @@ class ActorCritic(Policy):
             log_prob = -F.nll_loss(log_probs, action.long(), reduction="none")
             entropy = -(log_probs.exp() * log_probs).sum(-1)
         else:
-            log_prob = self._gaussian_log_prob(out, action)
+            # A chunk's log-prob (and entropy) is its actions' summed, the probability of the whole decision.
+            log_prob = self._gaussian_log_prob(out, action.reshape(out.shape))
             entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(out.shape[0])
         return log_prob, entropy, value.squeeze(-1)
 

@@ -15,8 +15,9 @@ import torch
 
 from spmd_rl.envs import spaces
 from spmd_rl.envs.backend import EnvBackend, old_gym_api_hint
+from spmd_rl.envs.chunks import CHUNK_REWARDS, CHUNK_STEPS
 from spmd_rl.envs.state import as_arrays, as_tensors
-from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE
+from spmd_rl.interfaces.policy import CHUNK_VALID, EPISODE_START, RECURRENT_STATE
 from spmd_rl.runtime.errors import UserCodeError, describe_exception
 from spmd_rl.runtime.watchdog import watchdog
 
@@ -66,6 +67,12 @@ class EnvRunner:
             self.episode_start_out = message[EPISODE_START].numpy()
             self.first_state = spaces.numpy_views(self.segment[RECURRENT_STATE])
             self.next_step_starts = np.ones(envs.num_envs, dtype=bool)  # the first observations start episodes
+        # With action chunks (env.action_chunk > 1) every decision records its K rewards and which of them ran,
+        # and episode lengths count primitive steps (the vector env's statistics count decisions).
+        self.chunked = CHUNK_VALID in self.rollout
+        if self.chunked:
+            self.chunk_steps = np.arange(self.rollout[CHUNK_VALID].shape[-1])
+            self.episode_primitive_steps = np.zeros(envs.num_envs, dtype=np.int64)
         self.obs = first_obs
         self.steps_taken = 0
         self._check_finite(first_obs, None, "reset")
@@ -121,10 +128,13 @@ class EnvRunner:
         if not (self.obs_is_float_array and math.isfinite(obs.sum() + reward.sum())):
             self._check_finite(obs, reward, f"step {self.steps_taken}")
 
-        self.rollout["reward"][t] = reward
         self.rollout["terminated"][t] = terminated
         self.rollout["truncated"][t] = truncated
-        self._record_episodes(t, info)
+        if self.chunked:
+            self._record_chunks(t, info)
+        else:
+            self.rollout["reward"][t] = reward
+            self._record_episodes(t, info)
         self.obs = obs
         self.next_step_valid = ~(terminated | truncated)
 
@@ -163,6 +173,24 @@ class EnvRunner:
         self.rollout["episode_return"][t] = np.where(finished, episode["r"], 0.0)
         self.rollout["episode_length"][t] = np.where(finished, episode["l"], 0)
 
+    def _record_chunks(self, t: int, info: dict) -> None:
+        """A decision's K rewards and which of its steps ran; then the episode statistics, lengths in primitive
+        steps. An env on its reset step runs no step of its chunk (its info holds no chunk)."""
+        rewards = info.get(CHUNK_REWARDS)
+        if rewards is None:  # every env reset this step
+            self.rollout["reward"][t] = 0.0
+            self.rollout[CHUNK_VALID][t] = False
+            self._record_episodes(t, info)
+            return
+        executed = np.where(info["_" + CHUNK_STEPS], info[CHUNK_STEPS], 0)
+        self.rollout["reward"][t] = rewards  # zero where an env reset (gymnasium fills absent entries with 0)
+        self.rollout[CHUNK_VALID][t] = self.chunk_steps < executed[:, None]
+        self.episode_primitive_steps += executed
+        self._record_episodes(t, info)
+        finished = self.rollout["episode_done"][t]
+        self.rollout["episode_length"][t] = np.where(finished, self.episode_primitive_steps, 0)
+        self.episode_primitive_steps[finished] = 0
+
     def send_segment(self) -> None:
         spaces.write(self.next_obs_out, self.obs)
         self.segment["env_s"].fill_(self.env_s)
@@ -191,6 +219,8 @@ class EnvRunner:
         }
         if self.recurrent:
             state["next_step_starts"] = torch.from_numpy(self.next_step_starts.copy())
+        if self.chunked:
+            state["episode_primitive_steps"] = torch.from_numpy(self.episode_primitive_steps.copy())
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -199,6 +229,8 @@ class EnvRunner:
         self.steps_taken = state["steps_taken"]
         if self.recurrent:
             self.next_step_starts = state["next_step_starts"].numpy().copy()
+        if self.chunked:
+            self.episode_primitive_steps = state["episode_primitive_steps"].numpy().copy()
 
     def checkpoint(self) -> dict:
         """What a checkpoint holds of this runner: its envs' own state (None where it cannot be saved) and its

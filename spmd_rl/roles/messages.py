@@ -12,7 +12,7 @@ from tensordict import TensorDict
 
 from spmd_rl.envs.spaces import zeros_of
 from spmd_rl.envs.vector import EnvSpec
-from spmd_rl.interfaces.policy import ENV_FIELDS, EPISODE_START, RECURRENT_STATE, StepField
+from spmd_rl.interfaces.policy import CHUNK_VALID, ENV_FIELDS, EPISODE_START, RECURRENT_STATE, StepField
 
 
 def _fields(fields: dict[str, StepField], *batch: int) -> dict[str, torch.Tensor]:
@@ -65,7 +65,8 @@ def segment_message(
 ) -> TensorDict:
     """env runner -> trainer, once per rollout: the rollout [T, N] (obs, the policy's outputs, the env fields), the
     observation after it, and the env side's timings. For a recurrent policy (state not None), what the learner
-    replays a sequence from: the rollout's episode_start flags and the state at the segment's first step."""
+    replays a sequence from: the rollout's episode_start flags and the state at the segment's first step. With
+    action chunks (spec.action_chunk K > 1), a decision's K rewards [T, N, K] and which of them ran (chunk_valid)."""
     t, n = num_steps, num_envs
     rollout = TensorDict(
         {
@@ -83,6 +84,9 @@ def segment_message(
         "action_wait_s": torch.zeros(1, dtype=torch.float64),  # seconds from sending obs to having actions
         "inference_s": torch.zeros(1, dtype=torch.float64),  # of which the inference server computed
     }
+    if spec.action_chunk > 1:
+        rollout["reward"] = torch.zeros(t, n, spec.action_chunk)
+        rollout[CHUNK_VALID] = torch.zeros(t, n, spec.action_chunk, dtype=torch.bool)
     if state is not None:
         rollout[EPISODE_START] = torch.zeros(t, n, dtype=torch.bool)
         fields[RECURRENT_STATE] = TensorDict(_fields(state, n), batch_size=[])

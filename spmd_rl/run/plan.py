@@ -21,8 +21,8 @@ class Plan:
     env_ranks: int
     trainer_ranks: int
     envs_total: int
-    num_steps: int  # env steps per env per iteration (the rollout length)
-    steps_per_iteration: int  # env steps per iteration, all env ranks together
+    num_steps: int  # decisions per env per iteration (the rollout length; env steps without action chunks)
+    steps_per_iteration: int  # primitive env steps per iteration, all env ranks together (decisions x chunk)
     num_iterations: int
     max_env_columns_per_trainer: int  # env columns of the busiest trainer
     sync_every: int  # iterations between weight broadcasts
@@ -31,6 +31,13 @@ class Plan:
     # the env ranks into num_envs): what every env rank makes. The config itself stays as the command gave it.
     # (None only in a Plan built by hand, e.g. in a test of a component: plan_run always sets it.)
     env: EnvSection | None = None
+    action_chunk: int = 1  # env.action_chunk: primitive env steps per decision
+
+    @property
+    def decisions_per_iteration(self) -> int:
+        """The policy's decisions per iteration, all env ranks together: the samples an on-policy algorithm
+        learns from (env steps without action chunks)."""
+        return self.steps_per_iteration // self.action_chunk
 
     def run_config(self, cfg: Config) -> Config:
         """The config the run executes and config.yaml records: the given one with the env counts resolved."""
@@ -52,8 +59,9 @@ class Plan:
             trainer_ranks=self.trainer_ranks,
             env_ranks=self.env_ranks,
             steps_per_iteration=self.steps_per_iteration,
-            samples_per_trainer=self.steps_per_iteration // self.trainer_ranks,
+            samples_per_trainer=self.decisions_per_iteration // self.trainer_ranks,
             num_iterations=self.num_iterations,
+            action_chunk=self.action_chunk,
         )
 
     def describe(self, cfg: Config, world_size: int, layout: str, algorithm_cls: type[Algorithm]) -> str:
@@ -62,7 +70,8 @@ class Plan:
             f"layout {layout}; {self.env_ranks} env rank(s) x {self.env.num_envs} envs = {self.envs_total} envs"
             f"{' (env.total_envs)' if self.env.total_envs and not self.env.groups else ''}{_group_counts(self.env)}; "
             f"{self.steps_per_iteration} env steps per iteration ({self.num_steps} steps x {self.envs_total} "
-            f"envs); {self.trainer_ranks} trainer rank(s); {self.num_iterations} iterations = "
+            f"envs{_chunk_factor(self.action_chunk)}); {self.trainer_ranks} trainer rank(s); "
+            f"{self.num_iterations} iterations = "
             f"{self.num_iterations * self.steps_per_iteration} env steps"
         )
         whole, left = divmod(cfg.train.total_steps, self.steps_per_iteration)
@@ -74,6 +83,11 @@ class Plan:
             text += f"; weights broadcast every {self.sync_every} iterations"
         summary = algorithm_cls.summary(cfg.algo, self.facts())
         return text + (f"; {summary}" if summary else "")
+
+
+def _chunk_factor(action_chunk: int) -> str:
+    """' x 4 actions per chunk' with env.action_chunk 4, nothing without chunks."""
+    return f" x {action_chunk} actions per chunk" if action_chunk > 1 else ""
 
 
 def _group_counts(env: EnvSection) -> str:
@@ -159,13 +173,21 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
     env_ranks = len(topology.env_ranks)
     envs_total = env_ranks * env.num_envs
     num_steps = cfg.algo.num_steps
-    steps_per_iteration = envs_total * num_steps
+    chunk = env.action_chunk
+    if chunk > 1 and not algorithm_cls.supports_action_chunks:
+        raise UserError(
+            f"env.action_chunk={chunk}: algo.class '{cfg.classes['algo']}' learns from single actions, not action "
+            f"chunks; set env.action_chunk=1 or choose an algorithm that takes chunks (ppo, grpo)"
+        )
+    # A decision counts as its whole chunk, also where an episode's end stops it early (as a reset step counts as
+    # a step): the schedule follows from the config alone, never from where episodes end.
+    steps_per_iteration = envs_total * num_steps * chunk
     num_iterations = cfg.train.total_steps // steps_per_iteration
     if num_iterations < 1:
         raise UserError(
             f"train.total_steps={cfg.train.total_steps} is less than one iteration "
-            f"({steps_per_iteration} env steps = algo.num_steps x env.num_envs x {env_ranks} env ranks); "
-            f"raise train.total_steps to at least {steps_per_iteration}"
+            f"({steps_per_iteration} env steps = algo.num_steps x env.num_envs x {env_ranks} env ranks"
+            f"{' x env.action_chunk' if chunk > 1 else ''}); raise train.total_steps to at least {steps_per_iteration}"
         )
     env_ranks_per_trainer = [len(topology.envs_trained_by(t)) for t in topology.trainer_ranks]
     if len(set(env_ranks_per_trainer)) > 1:
@@ -189,6 +211,7 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
         sync_every=schedule.weight_sync_every,
         explore_iterations=math.ceil(schedule.random_steps / steps_per_iteration),
         env=env,
+        action_chunk=chunk,
     )
     engine_cls = plugins.load_class(plugins.ENGINE, cfg.classes.get("engine", "sync"), Engine)
     algorithm_cls.check_plan(cfg.algo, plan.facts(engine_cls.asked_policy_lag(cfg.engine)))

@@ -6,6 +6,7 @@ env.groups (several ids / kwargs side by side in one vector env).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 import warnings
@@ -17,14 +18,19 @@ from spmd_rl.config.excerpts import MESSAGE_CHARS, clip, excerpt
 from spmd_rl.config.plugins import MODULE_NAME, import_failure, import_path_for_user_code
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.backend import EnvBackend, EnvSpec, differing_space, finish_vector_env
+from spmd_rl.envs.chunks import ActionChunks, chunked_spec
 from spmd_rl.envs.factory import register_factory
 from spmd_rl.runtime.errors import UserError, describe_exception
 
 
 class GymnasiumBackend(EnvBackend):
+    takes_action_chunks = True
+
     def probe(self, cfg: EnvSection) -> EnvSpec:
-        if cfg.groups:
-            return self._probe_groups(cfg)
+        return chunked_spec(self._probe_groups(cfg) if cfg.groups else self._probe_spaces(cfg), cfg)
+
+    def _probe_spaces(self, cfg: EnvSection) -> EnvSpec:
+        """The spaces of one env of one id and kwargs (no groups, no chunks)."""
         import_path_for_user_code()  # 'package.module:EnvId' is imported by gymnasium
         env_id = clip(cfg.id)
         module, colon, name = cfg.id.partition(":")
@@ -82,7 +88,7 @@ class GymnasiumBackend(EnvBackend):
         specs = []
         for name, section in cfg.group_sections():
             try:
-                spec = self.probe(section)
+                spec = self._probe_spaces(section)
             except UserError as exc:
                 raise UserError(f"env group '{name}': {exc}") from None
             specs.append((name, spec))
@@ -102,6 +108,8 @@ class GymnasiumBackend(EnvBackend):
 
     def make(self, cfg: EnvSection, spec: EnvSpec, seed: int, wrappers: list | None = None):
         mode = spec.vectorization
+        if spec.action_chunk > 1:  # outermost: each primitive step goes through the other wrappers
+            wrappers = [*(wrappers or ()), functools.partial(ActionChunks, chunk=spec.action_chunk)]
         try:
             if cfg.groups:
                 envs = _make_group_vector_env(cfg, mode, wrappers)
