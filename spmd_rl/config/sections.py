@@ -151,6 +151,14 @@ class EnvSection:
         min=1,
         omit_default=True,
     )
+    group_size: int = knob(
+        1,
+        "envs that start together: an env rank's envs come in blocks of this many whose first reset takes the same "
+        "seed, so each block starts from the same initial state (GRPO's groups); every env rank's env.num_envs (and "
+        "every env.groups entry's) must be a multiple of it (env.backend gymnasium)",
+        min=1,
+        omit_default=True,
+    )
     groups: list[EnvGroup] = knob(
         None,
         "env groups (multi-task): a list of {name, id, kwargs, num_envs, total_envs}; every env rank hosts every "

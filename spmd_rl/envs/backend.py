@@ -44,8 +44,10 @@ class EnvBackend:
     # env.groups when the config is loaded, with `groups_refusal` as the reason.
     takes_groups: bool = True
     groups_refusal: str = "its vector envs run one id with one set of kwargs"
-    # Whether its make runs env.action_chunk > 1 (envs/chunks.py); False refuses it when the backend is looked up.
+    # Whether its make runs env.action_chunk > 1 (envs/chunks.py), and env.group_size > 1 (a list of seeds for the
+    # first reset, finish_vector_env); False refuses them when the backend is looked up.
     takes_action_chunks: bool = False
+    takes_group_size: bool = False
 
     def probe(self, cfg: EnvSection) -> EnvSpec:
         """The spaces of one env (of every group with env.groups; they must agree), without a process group.
@@ -92,7 +94,20 @@ def backend_for(cfg: EnvSection) -> EnvBackend:
             f"env.action_chunk={cfg.action_chunk} needs env.backend=gymnasium (env.backend={clip(cfg.backend)} does "
             f"not run action chunks); set env.action_chunk=1 or env.backend=gymnasium"
         )
+    if cfg.group_size > 1 and not backend.takes_group_size:
+        raise UserError(
+            f"env.group_size={cfg.group_size} needs env.backend=gymnasium (env.backend={clip(cfg.backend)} cannot "
+            f"seed its envs one by one); set env.group_size=1 or env.backend=gymnasium"
+        )
     return backend
+
+
+def group_seeds(seed: int, num_envs: int, group_size: int) -> int | list[int]:
+    """The first reset's seed: `seed` (env i then takes seed + i, gymnasium's rule), or with env.group_size G > 1 one
+    seed per env, seed + i // G, the same for every env of a block of G, so that the block starts together."""
+    if group_size == 1:
+        return seed
+    return [seed + i // group_size for i in range(num_envs)]
 
 
 def differing_space(spec: EnvSpec, other: EnvSpec) -> tuple[str, str, str] | None:
@@ -113,6 +128,8 @@ def finish_vector_env(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
         envs = normalize(envs, gamma=cfg.normalize_reward_gamma)
     if cfg.clip_reward > 0:
         envs = vector_wrappers.ClipReward(envs, -cfg.clip_reward, cfg.clip_reward)
+    if reset_seed is not None:
+        reset_seed = group_seeds(reset_seed, envs.num_envs, cfg.group_size)
     try:
         obs, _ = envs.reset(seed=reset_seed)
     except Exception as exc:  # the env's own reset: its error and file:line, not the vector env's stack

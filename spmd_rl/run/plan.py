@@ -121,6 +121,21 @@ def spread_total_envs(given: EnvSection, topology: Topology) -> EnvSection:
     return env
 
 
+def _check_group_size(env: EnvSection) -> None:
+    """env.group_size: a block of envs that start together lies within one env rank (and so one trainer) and within
+    one of env.groups' groups: every count per env rank is a multiple of it."""
+    size = env.group_size
+    counts = [(f"env.groups[{i}] ('{g.name}')", g.num_envs) for i, g in enumerate(env.groups)] or [
+        ("env", env.num_envs)
+    ]
+    for what, count in counts:
+        if count % size:
+            raise UserError(
+                f"env.group_size={size} does not divide the {count} envs of {what} on each env rank: a group "
+                f"never spans env ranks; make env.num_envs (or env.total_envs / env ranks) a multiple of {size}"
+            )
+
+
 def _per_env_rank(total: int, env_ranks: int, what: str) -> int:
     if total % env_ranks:
         raise UserError(
@@ -170,6 +185,7 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
     """Every rank's schedule, from the config and the topology alone; the algorithm checks its own constraints.
     The config is left as given; the plan carries the env counts per env rank (plan.env, plan.run_config)."""
     env = spread_total_envs(cfg.env, topology)
+    _check_group_size(env)
     env_ranks = len(topology.env_ranks)
     envs_total = env_ranks * env.num_envs
     num_steps = cfg.algo.num_steps

@@ -25,9 +25,19 @@ from spmd_rl.runtime.errors import UserError, describe_exception
 
 class GymnasiumBackend(EnvBackend):
     takes_action_chunks = True
+    takes_group_size = True
 
     def probe(self, cfg: EnvSection) -> EnvSpec:
-        return chunked_spec(self._probe_groups(cfg) if cfg.groups else self._probe_spaces(cfg), cfg)
+        spec = chunked_spec(self._probe_groups(cfg) if cfg.groups else self._probe_spaces(cfg), cfg)
+        if cfg.group_size > 1 and spec.vectorization not in ("sync", "async"):
+            # An env's own vectorized implementation draws every env's reset from one generator: no seed per env.
+            if cfg.vectorization == "vector_entry_point":
+                raise UserError(
+                    f"env.group_size={cfg.group_size} seeds each env's first reset: use env.vectorization=auto, sync "
+                    f"or async, not vector_entry_point"
+                )
+            spec = dataclasses.replace(spec, vectorization="sync")
+        return spec
 
     def _probe_spaces(self, cfg: EnvSection) -> EnvSpec:
         """The spaces of one env of one id and kwargs (no groups, no chunks)."""
