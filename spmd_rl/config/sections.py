@@ -151,6 +151,14 @@ class EnvSection:
         min=1,
         omit_default=True,
     )
+    max_episode_steps: int = knob(
+        0,
+        "rollouts of whole episodes (an algorithm that asks for them, e.g. grpo): the most primitive steps an "
+        "episode runs in one rollout, which is ceil(this / env.action_chunk) decisions; 0 = the env's own step "
+        "limit (env.kwargs' max_episode_steps, else its registration's)",
+        min=0,
+        omit_default=True,
+    )
     group_size: int = knob(
         1,
         "envs that start together: an env rank's envs come in blocks of this many whose first reset takes the same "

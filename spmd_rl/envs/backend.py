@@ -32,6 +32,9 @@ class EnvSpec:
     # env.action_chunk: primitive steps per decision (K). With K > 1, action_space is the chunk's, Box [K, *shape]
     # (envs/chunks.py), which is what the policy acts in and the vector env takes.
     action_chunk: int = 1
+    # Whether a rollout is whole episodes (the algorithm's Schedule.rollout_unit, set from the plan): each rollout
+    # starts every env from a reset, and segments carry rollout["active"].
+    episodes: bool = False
 
 
 class EnvBackend:

@@ -26,6 +26,10 @@ class Schedule:
     weight_sync_every: int = 1  # iterations between weight broadcasts to the inference ranks
     random_steps: int = 0  # env steps (all env ranks) acting uniformly at random before the policy acts
     max_policy_lag: int = 0  # policy versions a step may lag behind the learner (0: on-policy; ANY_LAG: any)
+    # What one rollout is: "window", algo.num_steps decisions that episodes span (autoreset within it); or "episode",
+    # every env from a reset until its episode ends, envs whose episode has ended masked inactive (rollout["active"])
+    # for the rollout's fixed ceil(max episode steps / env.action_chunk) decisions.
+    rollout_unit: str = "window"
 
 
 # What the contract check knows of a returned tensor by its name: [B] for these, [B, *action shape] for "action"

@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from spmd_rl.envs import spaces
-from spmd_rl.envs.backend import EnvBackend, old_gym_api_hint
+from spmd_rl.envs.backend import EnvBackend, group_seeds, old_gym_api_hint
 from spmd_rl.envs.chunks import CHUNK_REWARDS, CHUNK_STEPS
 from spmd_rl.envs.state import as_arrays, as_tensors
-from spmd_rl.interfaces.policy import CHUNK_VALID, EPISODE_START, RECURRENT_STATE
+from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, EPISODE_START, RECURRENT_STATE
 from spmd_rl.runtime.errors import UserCodeError, describe_exception
 from spmd_rl.runtime.watchdog import watchdog
 
@@ -35,6 +35,7 @@ class EnvRunner:
         describe: str = "env runner",
         env_id: str = "env",
         env_backend: EnvBackend | None = None,
+        group_size: int = 1,
     ):
         self.envs = envs
         self.env_backend = env_backend  # what saves and restores the envs' state (None: checkpoints hold none)
@@ -73,6 +74,12 @@ class EnvRunner:
         if self.chunked:
             self.chunk_steps = np.arange(self.rollout[CHUNK_VALID].shape[-1])
             self.episode_primitive_steps = np.zeros(envs.num_envs, dtype=np.int64)
+        # Rollouts of whole episodes (the segment has an active mask): every rollout starts each env from a reset,
+        # one seed per block of env.group_size envs (group_size), so that a group starts together every rollout.
+        self.episodes = ACTIVE in self.rollout
+        if self.episodes:
+            self.active = np.ones(envs.num_envs, dtype=bool)
+            self.group_size = group_size
         self.obs = first_obs
         self.steps_taken = 0
         self._check_finite(first_obs, None, "reset")
@@ -85,6 +92,10 @@ class EnvRunner:
         self.env_s = self.action_wait_s = self.inference_s = 0.0
 
     def send_observations(self, t: int) -> None:
+        if self.episodes:
+            if t == 0:
+                self._start_episodes()
+            self.rollout[ACTIVE][t] = self.active
         spaces.write(self.rollout["obs"], self.obs, t)
         self.rollout["valid"][t] = self.next_step_valid
         spaces.write(self.obs_out, self.obs)
@@ -135,6 +146,8 @@ class EnvRunner:
         else:
             self.rollout["reward"][t] = reward
             self._record_episodes(t, info)
+        if self.episodes:
+            self._mask_inactive(t, terminated | truncated)
         self.obs = obs
         self.next_step_valid = ~(terminated | truncated)
 
@@ -172,6 +185,36 @@ class EnvRunner:
         self.rollout["episode_done"][t] = finished
         self.rollout["episode_return"][t] = np.where(finished, episode["r"], 0.0)
         self.rollout["episode_length"][t] = np.where(finished, episode["l"], 0)
+
+    def _start_episodes(self) -> None:
+        """A rollout of whole episodes begins: every env resets, the envs of a group (env.group_size) with one seed,
+        drawn from this rank's torch generator (seeded per rank, saved in checkpoints: a resume draws the same)."""
+        base = int(torch.randint(2**31 - 1 - self.envs.num_envs, ()))
+        try:
+            self.obs, _ = self.envs.reset(seed=group_seeds(base, self.envs.num_envs, self.group_size))
+        except Exception as exc:  # the env's own reset: its error and file:line, not the vector env's stack
+            raise UserCodeError(
+                f"{self.describe}: env '{self.env_id}' raised in reset: {describe_exception(exc)}"
+                f"{old_gym_api_hint(exc)}"
+            ) from exc
+        self._check_finite(self.obs, None, "reset")
+        self.active[:] = True
+        self.next_step_valid[:] = True
+        if self.recurrent:
+            self.next_step_starts[:] = True
+        if self.chunked:
+            self.episode_primitive_steps[:] = 0
+
+    def _mask_inactive(self, t: int, done: np.ndarray) -> None:
+        """Steps of envs whose episode ended earlier in this rollout are no part of it: not valid, and no episode
+        statistics (the vector env has autoreset them into episodes the rollout does not follow)."""
+        active = self.rollout[ACTIVE][t]
+        self.rollout["valid"][t] &= active
+        if not active.all():
+            self.rollout["episode_done"][t] &= active
+            self.rollout["episode_return"][t] *= active
+            self.rollout["episode_length"][t] *= active
+        self.active &= ~done
 
     def _record_chunks(self, t: int, info: dict) -> None:
         """A decision's K rewards and which of its steps ran; then the episode statistics, lengths in primitive

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from spmd_rl.config import plugins
 from spmd_rl.config.sections import Config, EnvSection
+from spmd_rl.envs.backend import backend_for
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.run.topology import Topology
@@ -32,6 +33,7 @@ class Plan:
     # (None only in a Plan built by hand, e.g. in a test of a component: plan_run always sets it.)
     env: EnvSection | None = None
     action_chunk: int = 1  # env.action_chunk: primitive env steps per decision
+    episodes: bool = False  # a rollout is whole episodes (the algorithm's Schedule.rollout_unit), num_steps decisions
 
     @property
     def decisions_per_iteration(self) -> int:
@@ -77,6 +79,8 @@ class Plan:
         whole, left = divmod(cfg.train.total_steps, self.steps_per_iteration)
         if left and self.num_iterations == whole:  # a run is whole iterations (a dry run is one: not this)
             text += f" (train.total_steps={cfg.train.total_steps} rounded down to whole iterations)"
+        if self.episodes:
+            text += f"; rollouts of whole episodes from a reset ({self.num_steps} decisions, finished envs inactive)"
         if self.explore_iterations:
             text += f"; {self.explore_iterations} iteration(s) of uniform random actions first"
         if self.sync_every > 1 and layout.startswith("split"):
@@ -119,6 +123,30 @@ def spread_total_envs(given: EnvSection, topology: Topology) -> EnvSection:
             group.num_envs = _per_env_rank(group.total_envs, env_ranks, what)
     env.num_envs = sum(group.num_envs for group in env.groups)
     return env
+
+
+def _episode_rollouts(rollout_unit: str, cfg: Config) -> bool:
+    """Whether the algorithm's rollouts are whole episodes (Schedule.rollout_unit)."""
+    if rollout_unit not in ("window", "episode"):
+        raise UserError(
+            f"algo.class '{cfg.classes['algo']}' asks for rollout_unit '{rollout_unit}' in its schedule; it must be "
+            f"'window' or 'episode'"
+        )
+    return rollout_unit == "episode"
+
+
+def _episode_step_limit(env: EnvSection) -> int:
+    """The most primitive steps an episode runs in a rollout of whole episodes: env.max_episode_steps, else the env's
+    own limit. The rollout's length follows from it, never from where episodes end."""
+    if env.max_episode_steps:
+        return env.max_episode_steps
+    limit = backend_for(env).step_limit(env)
+    if not limit:
+        raise UserError(
+            f"the algorithm rolls out whole episodes, and env '{env.id}' states no step limit: set "
+            f"env.max_episode_steps (the most steps an episode runs in one rollout)"
+        )
+    return limit
 
 
 def _check_group_size(env: EnvSection) -> None:
@@ -188,8 +216,10 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
     _check_group_size(env)
     env_ranks = len(topology.env_ranks)
     envs_total = env_ranks * env.num_envs
-    num_steps = cfg.algo.num_steps
+    schedule = algorithm_cls.schedule(cfg.algo)
     chunk = env.action_chunk
+    episodes = _episode_rollouts(schedule.rollout_unit, cfg)
+    num_steps = math.ceil(_episode_step_limit(env) / chunk) if episodes else cfg.algo.num_steps
     if chunk > 1 and not algorithm_cls.supports_action_chunks:
         raise UserError(
             f"env.action_chunk={chunk}: algo.class '{cfg.classes['algo']}' learns from single actions, not action "
@@ -215,7 +245,6 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
             f"layout.trainer"
         )
     _check_parallel(cfg, topology, algorithm_cls)
-    schedule = algorithm_cls.schedule(cfg.algo)
     plan = Plan(
         env_ranks=env_ranks,
         trainer_ranks=len(topology.trainer_ranks),
@@ -228,6 +257,7 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
         explore_iterations=math.ceil(schedule.random_steps / steps_per_iteration),
         env=env,
         action_chunk=chunk,
+        episodes=episodes,
     )
     engine_cls = plugins.load_class(plugins.ENGINE, cfg.classes.get("engine", "sync"), Engine)
     algorithm_cls.check_plan(cfg.algo, plan.facts(engine_cls.asked_policy_lag(cfg.engine)))

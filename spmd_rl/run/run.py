@@ -176,6 +176,7 @@ class Run:
             describe=f"rank {rank}",
             env_id=cfg.env.id,
             env_backend=backend_for(cfg.env),
+            group_size=cfg.env.group_size,
         )
         server = InferenceServer(
             policy,
@@ -244,6 +245,7 @@ class Run:
             describe=self.describe(),
             env_id=cfg.env.id,
             env_backend=backend_for(cfg.env),
+            group_size=cfg.env.group_size,
         )
         self._say_if_env_state_unsaved(runner)
         state = self._load_checkpoint()
