@@ -74,6 +74,7 @@ class PlanFacts:
     # engine.max_policy_lag); None where it asks for none beyond the algorithm's schedule.
     asked_policy_lag: int | None = None
     action_chunk: int = 1  # env.action_chunk: primitive env steps per decision (samples count decisions)
+    group_size: int = 1  # env.group_size: consecutive env columns that start from one initial state
 
 
 class Algorithm:

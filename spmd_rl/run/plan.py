@@ -64,6 +64,7 @@ class Plan:
             samples_per_trainer=self.decisions_per_iteration // self.trainer_ranks,
             num_iterations=self.num_iterations,
             action_chunk=self.action_chunk,
+            group_size=self.env.group_size if self.env is not None else 1,
         )
 
     def describe(self, cfg: Config, world_size: int, layout: str, algorithm_cls: type[Algorithm]) -> str:

@@ -400,6 +400,7 @@ class Run:
             hybrid_shards=(
                 (self.groups.replicate, self.groups.shard, self.groups.shard_mesh) if self.groups.shard_mesh else None
             ),
+            group_size=self.cfg.env.group_size,
         )
 
     def _build_algorithm(self, policy: Policy, group) -> tuple[Algorithm, list]:
