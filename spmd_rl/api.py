@@ -73,6 +73,7 @@ from spmd_rl.interfaces.algorithm import ANY_LAG, Algorithm, Callback, PlanFacts
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.interfaces.policy import (
+    ACTIVE,
     CHUNK_VALID,
     ENV_FIELDS,
     EPISODE_START,
@@ -124,6 +125,7 @@ __all__ = [
     "Callback",
     "Context",
     "Engine",
+    "ACTIVE",
     "CHUNK_VALID",
     "ENV_FIELDS",
     "EPISODE_START",

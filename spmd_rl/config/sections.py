@@ -153,9 +153,9 @@ class EnvSection:
     )
     max_episode_steps: int = knob(
         0,
-        "rollouts of whole episodes (an algorithm that asks for them, e.g. grpo): the most primitive steps an "
-        "episode runs in one rollout, which is ceil(this / env.action_chunk) decisions; 0 = the env's own step "
-        "limit (env.kwargs' max_episode_steps, else its registration's)",
+        "truncate every episode after this many primitive steps (a TimeLimit on each env; env.backend gymnasium); "
+        "rollouts of whole episodes (an algorithm that asks for them, e.g. grpo) are ceil(this / env.action_chunk) "
+        "decisions; 0 = the env's own step limit (env.kwargs' max_episode_steps, else its registration's)",
         min=0,
         omit_default=True,
     )

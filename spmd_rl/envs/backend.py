@@ -47,10 +47,10 @@ class EnvBackend:
     # env.groups when the config is loaded, with `groups_refusal` as the reason.
     takes_groups: bool = True
     groups_refusal: str = "its vector envs run one id with one set of kwargs"
-    # Whether its make runs env.action_chunk > 1 (envs/chunks.py), and env.group_size > 1 (a list of seeds for the
-    # first reset, finish_vector_env); False refuses them when the backend is looked up.
-    takes_action_chunks: bool = False
-    takes_group_size: bool = False
+    # Whether its make builds every env itself and so takes the per-env settings: env.action_chunk > 1 (a wrapper
+    # on each env, envs/chunks.py), env.group_size > 1 (a seed per env at the first reset, finish_vector_env) and
+    # env.max_episode_steps (a TimeLimit on each env); False refuses them when the backend is looked up.
+    takes_per_env_settings: bool = False
 
     def probe(self, cfg: EnvSection) -> EnvSpec:
         """The spaces of one env (of every group with env.groups; they must agree), without a process group.
@@ -92,16 +92,14 @@ class EnvBackend:
 def backend_for(cfg: EnvSection) -> EnvBackend:
     """The backend env.backend names, ready to use."""
     backend = plugins.load_class(plugins.ENV_BACKEND, cfg.backend, EnvBackend)()
-    if cfg.action_chunk > 1 and not backend.takes_action_chunks:
-        raise UserError(
-            f"env.action_chunk={cfg.action_chunk} needs env.backend=gymnasium (env.backend={clip(cfg.backend)} does "
-            f"not run action chunks); set env.action_chunk=1 or env.backend=gymnasium"
-        )
-    if cfg.group_size > 1 and not backend.takes_group_size:
-        raise UserError(
-            f"env.group_size={cfg.group_size} needs env.backend=gymnasium (env.backend={clip(cfg.backend)} cannot "
-            f"seed its envs one by one); set env.group_size=1 or env.backend=gymnasium"
-        )
+    if not backend.takes_per_env_settings:
+        asked = [("action_chunk", 1), ("group_size", 1), ("max_episode_steps", 0)]
+        for key, default in asked:
+            if getattr(cfg, key) != default:
+                raise UserError(
+                    f"env.{key}={getattr(cfg, key)} needs env.backend=gymnasium (env.backend={clip(cfg.backend)} "
+                    f"does not build its envs one by one); set env.{key}={default} or env.backend=gymnasium"
+                )
     return backend
 
 

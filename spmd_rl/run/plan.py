@@ -137,10 +137,8 @@ def _episode_rollouts(rollout_unit: str, cfg: Config) -> bool:
 
 
 def _episode_step_limit(env: EnvSection) -> int:
-    """The most primitive steps an episode runs in a rollout of whole episodes: env.max_episode_steps, else the env's
-    own limit. The rollout's length follows from it, never from where episodes end."""
-    if env.max_episode_steps:
-        return env.max_episode_steps
+    """The most primitive steps an episode runs, so in a rollout of whole episodes: the env's own limit, or
+    env.max_episode_steps where lower. The rollout's length follows from it, never from where episodes end."""
     limit = backend_for(env).step_limit(env)
     if not limit:
         raise UserError(

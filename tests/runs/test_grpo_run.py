@@ -32,6 +32,8 @@ def test_grpo_runs_whole_episodes_in_groups_and_resumes_exactly(tmp_path):
     last = records[-1]
     assert {"policy_loss", "kl_ref", "outcome_mean", "dropped_group_fraction", "minibatch_steps"} <= set(last)
     assert last["dropped_group_fraction"] == 0.0  # Pendulum's returns are never equal within a group
+    # env.max_episode_steps truncates every episode at 20 primitive steps: 8 episodes per rollout, each reported.
+    assert all(r["episodes"] == 8 * (i + 1) and r["episode_length_mean"] == 20.0 for i, r in enumerate(records))
 
     stopped = run_main(*GRPO_TINY, f"run.dir={tmp_path / 'split'}", "run.stop_after_iterations=4")
     assert stopped.returncode == 75, stopped.stderr[-2000:]

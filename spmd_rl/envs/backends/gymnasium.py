@@ -24,17 +24,17 @@ from spmd_rl.runtime.errors import UserError, describe_exception
 
 
 class GymnasiumBackend(EnvBackend):
-    takes_action_chunks = True
-    takes_group_size = True
+    takes_per_env_settings = True
 
     def probe(self, cfg: EnvSection) -> EnvSpec:
         spec = chunked_spec(self._probe_groups(cfg) if cfg.groups else self._probe_spaces(cfg), cfg)
-        if cfg.group_size > 1 and spec.vectorization not in ("sync", "async"):
-            # An env's own vectorized implementation draws every env's reset from one generator: no seed per env.
+        if (cfg.group_size > 1 or cfg.max_episode_steps) and spec.vectorization not in ("sync", "async"):
+            # An env's own vectorized implementation takes no wrapper (TimeLimit) and draws every env's reset from
+            # one generator (no seed per env).
             if cfg.vectorization == "vector_entry_point":
                 raise UserError(
-                    f"env.group_size={cfg.group_size} seeds each env's first reset: use env.vectorization=auto, sync "
-                    f"or async, not vector_entry_point"
+                    "env.group_size and env.max_episode_steps apply to each env: use env.vectorization=auto, sync or "
+                    "async, not vector_entry_point"
                 )
             spec = dataclasses.replace(spec, vectorization="sync")
         return spec
@@ -118,6 +118,11 @@ class GymnasiumBackend(EnvBackend):
 
     def make(self, cfg: EnvSection, spec: EnvSpec, seed: int, wrappers: list | None = None):
         mode = spec.vectorization
+        if cfg.max_episode_steps:  # innermost: a limit on primitive steps, below evaluation's own
+            wrappers = [
+                functools.partial(gym.wrappers.TimeLimit, max_episode_steps=cfg.max_episode_steps),
+                *(wrappers or ()),
+            ]
         if spec.action_chunk > 1:  # outermost: each primitive step goes through the other wrappers
             wrappers = [*(wrappers or ()), functools.partial(ActionChunks, chunk=spec.action_chunk)]
         try:
@@ -135,14 +140,15 @@ class GymnasiumBackend(EnvBackend):
         return finish_vector_env(vector_wrappers.RecordEpisodeStatistics(envs), cfg, seed, reset_seed=seed)
 
     def step_limit(self, cfg: EnvSection) -> int | None:
-        """env.kwargs' max_episode_steps, else the id's registration's."""
+        """env.kwargs' max_episode_steps, else the id's registration's; env.max_episode_steps where it is lower."""
         limit = cfg.kwargs.get("max_episode_steps")
         if limit is None:
             try:
                 limit = gym.spec(_registered_id(cfg.id)).max_episode_steps
             except gym.error.Error:
-                return None
-        return int(limit) if limit else None
+                limit = None
+        limits = [int(value) for value in (limit, cfg.max_episode_steps) if value]
+        return min(limits) if limits else None
 
     def limit_steps(self, cfg: EnvSection, spec: EnvSpec, max_steps: int):
         """A TimeLimit of our own on each env (vectorized implementations take no wrappers: plain envs then)."""
