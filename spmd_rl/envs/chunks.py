@@ -58,6 +58,14 @@ def chunked_spec(spec: EnvSpec, cfg: EnvSection) -> EnvSpec:
     )
 
 
+def executed_steps(info: dict, num_envs: int) -> np.ndarray:
+    """The primitive steps each env of a vector env ran in its last step (its chunk's CHUNK_STEPS), int64 [num_envs]:
+    0 for an env that only reset (its info holds no chunk)."""
+    if CHUNK_STEPS not in info:
+        return np.zeros(num_envs, dtype=np.int64)
+    return np.where(info["_" + CHUNK_STEPS], info[CHUNK_STEPS], 0)
+
+
 class ActionChunks(gym.Wrapper):
     """Steps the wrapped env with each action of a chunk [K, *shape] in turn, up to the step that ends its episode.
 

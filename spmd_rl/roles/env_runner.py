@@ -15,7 +15,7 @@ import torch
 
 from spmd_rl.envs import spaces
 from spmd_rl.envs.backend import EnvBackend, group_seeds, old_gym_api_hint
-from spmd_rl.envs.chunks import CHUNK_REWARDS, CHUNK_STEPS
+from spmd_rl.envs.chunks import CHUNK_REWARDS, executed_steps
 from spmd_rl.envs.state import as_arrays, as_tensors
 from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, EPISODE_START, RECURRENT_STATE
 from spmd_rl.runtime.errors import UserCodeError, describe_exception
@@ -225,7 +225,7 @@ class EnvRunner:
             self.rollout[CHUNK_VALID][t] = False
             self._record_episodes(t, info)
             return
-        executed = np.where(info["_" + CHUNK_STEPS], info[CHUNK_STEPS], 0)
+        executed = executed_steps(info, self.envs.num_envs)
         self.rollout["reward"][t] = rewards  # zero where an env reset (gymnasium fills absent entries with 0)
         self.rollout[CHUNK_VALID][t] = self.chunk_steps < executed[:, None]
         self.episode_primitive_steps += executed

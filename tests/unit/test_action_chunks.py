@@ -17,6 +17,7 @@ from spmd_rl.modules.actor_critic import ActorCritic
 from spmd_rl.modules.configs import ActorCriticConfig
 from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.roles.messages import action_message, observation_message, segment_message
+from spmd_rl.run.evaluation import evaluate
 from spmd_rl.run.plan import plan_run
 from spmd_rl.run.topology import build_topology
 from spmd_rl.runtime.errors import UserError
@@ -150,3 +151,11 @@ def test_the_plan_counts_primitive_steps_and_refuses_chunks_where_they_cannot_ru
         probe_env(EnvSection(id="CartPole-v1", action_chunk=2))
     with pytest.raises(UserError, match="env.action_chunk=2 with env.normalize_reward"):
         probe_env(EnvSection(id="Pendulum-v1", action_chunk=2, normalize_reward=True))
+
+
+def test_evaluation_counts_an_episodes_primitive_steps():
+    cfg = EnvSection(id="ChunkCountdown-v0", num_envs=2, action_chunk=K)
+    spec = probe_env(cfg)
+    policy = ActorCritic(spec.observation_space, spec.action_space, ActorCriticConfig(hidden_sizes=[8]))
+    result = evaluate(policy, cfg, episodes=4, seed=0, deterministic=True, max_steps=100)
+    assert result["lengths"] == [6, 6, 6, 6]  # 2 decisions each: 4 steps, then 2 before the episode's end
