@@ -159,3 +159,22 @@ def test_evaluation_counts_an_episodes_primitive_steps():
     policy = ActorCritic(spec.observation_space, spec.action_space, ActorCriticConfig(hidden_sizes=[8]))
     result = evaluate(policy, cfg, episodes=4, seed=0, deterministic=True, max_steps=100)
     assert result["lengths"] == [6, 6, 6, 6]  # 2 decisions each: 4 steps, then 2 before the episode's end
+
+
+def test_binned_actions_are_on_the_grid_and_a_chunks_log_prob_sums_its_elements_categoricals():
+    space = gym.spaces.Box(np.array([-2.0, 0.0], np.float32), np.array([2.0, 1.0], np.float32))
+    chunk = gym.spaces.Box(np.broadcast_to(space.low, (K, 2)), np.broadcast_to(space.high, (K, 2)))
+    config = ActorCriticConfig(hidden_sizes=[8], action_bins=5)
+    policy = ActorCritic(gym.spaces.Box(-1, 1, (3,), np.float32), chunk, config)
+    obs = torch.randn(7, 3)
+    with torch.no_grad():
+        out = policy.act(obs)
+        log_prob, entropy, _ = policy.evaluate(obs, out["action"])
+    assert out["action"].shape == (7, K, 2)
+    grid = torch.tensor([[-2.0, -1.0, 0.0, 1.0, 2.0], [0.0, 0.25, 0.5, 0.75, 1.0]])
+    for d in range(2):
+        assert torch.isin(out["action"][..., d], grid[d]).all()
+    torch.testing.assert_close(log_prob, out["log_prob"])
+    assert (entropy <= K * 2 * np.log(5) + 1e-5).all()
+    with pytest.raises(UserError, match="policy.action_bins=5 needs finite action bounds"):
+        ActorCritic(gym.spaces.Box(-1, 1, (3,)), gym.spaces.Box(-np.inf, np.inf, (2,)), config)
