@@ -74,6 +74,8 @@ from spmd_rl.interfaces.algorithm import ANY_LAG, Algorithm, Callback, PlanFacts
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.interfaces.policy import (
+    ACTIVE,
+    CHUNK_VALID,
     ENV_FIELDS,
     EPISODE_START,
     RECURRENT_STATE,
@@ -125,6 +127,8 @@ __all__ = [
     "Callback",
     "Context",
     "Engine",
+    "ACTIVE",
+    "CHUNK_VALID",
     "ENV_FIELDS",
     "EPISODE_START",
     "RECURRENT_STATE",

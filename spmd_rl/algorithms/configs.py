@@ -50,6 +50,28 @@ class PPOConfig(AlgorithmConfig):
 
 
 @dataclass
+class GRPOConfig(AlgorithmConfig):
+    """GRPO's hyperparameters; the clip, KL and filtering defaults are SimpleVLA-RL's recipe (clip-higher 0.2 / 0.28,
+    no KL term). algo.num_steps is not used: a rollout is whole episodes (env.max_episode_steps)."""
+
+    default_policy: ClassVar[str] = "actor_critic"
+    learning_rate: float = knob(3e-4, "Adam learning rate", min=0.0)
+    update_epochs: int = knob(4, "passes over the rollout per iteration", min=1)
+    num_minibatches: int = knob(1, "minibatches per epoch (each trainer splits its share of the batch)", min=1)
+    clip_low: float = knob(0.2, "the ratio's lower clip: 1 - clip_low", min=0.0)
+    clip_high: float = knob(0.28, "the ratio's upper clip: 1 + clip_high (clip-higher: above clip_low)", min=0.0)
+    kl_coef: float = knob(
+        0.0, "weight of the KL to the frozen initial policy (k3 estimator); 0 = no reference policy is kept", min=0.0
+    )
+    ent_coef: float = knob(0.0, "entropy bonus coefficient", min=0.0)
+    max_grad_norm: float = knob(1.0, "gradient norm clipping", min=0.0)
+    std_eps: float = knob(1e-6, "added to a group's outcome std in the advantage's denominator", min=0.0)
+    filter_groups: bool = knob(
+        False, "dynamic sampling: drop the groups whose outcomes are all equal (they carry no signal)"
+    )
+
+
+@dataclass
 class SACConfig(AlgorithmConfig):
     """SAC's hyperparameters (CleanRL's sac_continuous_action defaults) and its critics' shape."""
 

@@ -22,7 +22,7 @@ from spmd_rl.algorithms.fused_adam import FusedAdamStep, clip_grad_norm
 from spmd_rl.algorithms.vtrace import vtrace
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, PolicyMethod, Schedule
 from spmd_rl.interfaces.context import Context
-from spmd_rl.interfaces.policy import Policy
+from spmd_rl.interfaces.policy import CHUNK_VALID, Policy
 from spmd_rl.runtime.errors import UserError
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -30,12 +30,20 @@ from spmd_rl.runtime.errors import UserError
 
 
 def compute_gae(
-    rewards: Tensor, values: Tensor, next_value: Tensor, terminated: Tensor, truncated: Tensor, gamma: float, lam: float
+    rewards: Tensor,
+    values: Tensor,
+    next_value: Tensor,
+    terminated: Tensor,
+    truncated: Tensor,
+    gamma: float | Tensor,
+    lam: float,
 ) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimation over a [T, N] rollout; next_value [N] is V of the obs after the last step.
 
     delta_t = r_t + gamma * V(s_{t+1}) * (1 - terminated_t) - V(s_t)
     A_t     = delta_t + gamma * lam * (1 - done_t) * A_{t+1},   done_t = terminated_t or truncated_t
+
+    gamma is a number, or a [T, N] tensor of each decision's own discount (action chunks: chunk_discounts).
 
     With NEXT_STEP autoreset, s_{t+1} after a truncated step is the episode's final observation, so a truncated
     step bootstraps from V(final obs) while a terminated step does not bootstrap at all. Either way the episode
@@ -46,13 +54,22 @@ def compute_gae(
     # Only termination means "no future": a truncated episode still bootstraps from V(final obs).
     deltas = rewards + gamma * next_values * (1.0 - terminated.float()) - values
     # Any episode end stops advantages flowing back from the reset step that follows it.
-    not_done = 1.0 - (terminated | truncated).float()
+    decay = gamma * lam * (1.0 - (terminated | truncated).float())
     advantages = torch.empty_like(rewards)
     running = torch.zeros_like(next_value)
     for t in reversed(range(rewards.shape[0])):
-        running = deltas[t] + gamma * lam * not_done[t] * running
+        running = deltas[t] + decay[t] * running
         advantages[t] = running
     return advantages, advantages + values
+
+
+def chunk_discounts(rewards: Tensor, chunk_valid: Tensor, gamma: float) -> tuple[Tensor, Tensor]:
+    """A rollout of action chunks as decisions: (reward [T, N], discount [T, N]) from its K rewards [T, N, K] and
+    which of them ran. A chunk's reward is sum_k gamma^k r_k over the steps that ran; the next decision, E steps
+    (those that ran) later, is discounted by gamma^E. GAE over decisions then discounts exactly as over steps."""
+    powers = gamma ** torch.arange(rewards.shape[-1], dtype=rewards.dtype, device=rewards.device)
+    valid = chunk_valid.to(rewards.dtype)
+    return (rewards * valid * powers).sum(-1), gamma ** valid.sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -129,14 +146,18 @@ def loss_coefficients(cfg: PPOConfig) -> Tensor:
 
 
 def gae_targets(rollout: TensorDict, next_value: Tensor, cfg: PPOConfig) -> tuple[Tensor, Tensor, Tensor]:
-    """(advantage, return_, value) by GAE over a rollout [T, N], the acting values as the baseline."""
+    """(advantage, return_, value) by GAE over a rollout [T, N], the acting values as the baseline; over decisions
+    with action chunks (chunk_discounts)."""
+    reward, gamma = rollout["reward"], cfg.gamma
+    if CHUNK_VALID in rollout.keys():
+        reward, gamma = chunk_discounts(reward, rollout[CHUNK_VALID], gamma)
     advantage, return_ = compute_gae(
-        rollout["reward"],
+        reward,
         rollout["value"],
         next_value,
         rollout["terminated"],
         rollout["truncated"],
-        cfg.gamma,
+        gamma,
         cfg.gae_lambda,
     )
     return advantage, return_, rollout["value"]
@@ -341,6 +362,7 @@ class PPO(PPOUpdateTail, Algorithm):
 
     Config = PPOConfig
     requires = ("log_prob", "value")
+    supports_action_chunks = True  # GAE over decisions (chunk_discounts); a chunk's log-prob is the policy's
     policy_methods = (
         PolicyMethod("evaluate", ("obs", "action"), ("log_prob", "entropy", "value"), "with gradients"),
         PolicyMethod("value", ("obs",), "value", "V(obs), for the bootstrap after the rollout's last step"),
@@ -361,6 +383,11 @@ class PPO(PPOUpdateTail, Algorithm):
     @classmethod
     def check_plan(cls, config: PPOConfig, plan: PlanFacts) -> None:
         check_lag_without_vtrace(config, plan)
+        if config.vtrace and plan.action_chunk > 1:
+            raise UserError(
+                f"algo.vtrace with env.action_chunk={plan.action_chunk} is not supported (V-trace discounts per "
+                f"step); set algo.vtrace=false or env.action_chunk=1"
+            )
         if plan.samples_per_trainer < config.num_minibatches:
             raise UserError(
                 f"algo.num_minibatches={config.num_minibatches} is more than the "
@@ -372,7 +399,7 @@ class PPO(PPOUpdateTail, Algorithm):
         per_trainer = plan.samples_per_trainer
         parts = f" in micro-batches of {config.micro_batch_size}" if config.micro_batch_size else ""
         return (
-            f"batch {plan.steps_per_iteration} ({per_trainer} per trainer), {config.num_minibatches} "
+            f"batch {per_trainer * plan.trainer_ranks} ({per_trainer} per trainer), {config.num_minibatches} "
             f"minibatch(es) of {per_trainer // config.num_minibatches} per trainer{parts}, "
             f"{config.update_epochs} epochs"
         )

@@ -165,6 +165,30 @@ class EnvSection:
         "has it (no success metrics otherwise); a key given here must be in the info",
         omit_default=True,
     )
+    action_chunk: int = knob(
+        1,
+        "primitive env steps per policy decision: the policy's action is a chunk [K, *action shape] that the env "
+        "rank executes step by step, stopping early where the episode ends (Box action spaces; env.backend "
+        "gymnasium); env steps, train.total_steps and throughput count primitive steps",
+        min=1,
+        omit_default=True,
+    )
+    max_episode_steps: int = knob(
+        0,
+        "truncate every episode after this many primitive steps (a TimeLimit on each env; env.backend gymnasium); "
+        "rollouts of whole episodes (an algorithm that asks for them, e.g. grpo) are ceil(this / env.action_chunk) "
+        "decisions; 0 = the env's own step limit (env.kwargs' max_episode_steps, else its registration's)",
+        min=0,
+        omit_default=True,
+    )
+    group_size: int = knob(
+        1,
+        "envs that start together: an env rank's envs come in blocks of this many whose first reset takes the same "
+        "seed, so each block starts from the same initial state (GRPO's groups); every env rank's env.num_envs (and "
+        "every env.groups entry's) must be a multiple of it (env.backend gymnasium)",
+        min=1,
+        omit_default=True,
+    )
     groups: list[EnvGroup] = knob(
         None,
         "env groups (multi-task): a list of {name, id, kwargs, num_envs, total_envs}; every env rank hosts every "

@@ -34,6 +34,12 @@ class EnvSpec:
     # there); empty where it did not.
     step_info_keys: frozenset = frozenset()
     success_key: str | None = None  # the info key of the success flag, where the env reports one (probe_env sets it)
+    # env.action_chunk: primitive steps per decision (K). With K > 1, action_space is the chunk's, Box [K, *shape]
+    # (envs/chunks.py), which is what the policy acts in and the vector env takes.
+    action_chunk: int = 1
+    # Whether a rollout is whole episodes (the algorithm's Schedule.rollout_unit, set from the plan): each rollout
+    # starts every env from a reset, and segments carry rollout["active"].
+    episodes: bool = False
 
 
 class EnvBackend:
@@ -46,6 +52,10 @@ class EnvBackend:
     # env.groups when the config is loaded, with `groups_refusal` as the reason.
     takes_groups: bool = True
     groups_refusal: str = "its vector envs run one id with one set of kwargs"
+    # Whether its make builds every env itself and so takes the per-env settings: env.action_chunk > 1 (a wrapper
+    # on each env, envs/chunks.py), env.group_size > 1 (a seed per env at the first reset, finish_vector_env) and
+    # env.max_episode_steps (a TimeLimit on each env); False refuses them when the backend is looked up.
+    takes_per_env_settings: bool = False
 
     def probe(self, cfg: EnvSection) -> EnvSpec:
         """The spaces of one env (of every group with env.groups; they must agree), without a process group, and
@@ -87,7 +97,24 @@ class EnvBackend:
 
 def backend_for(cfg: EnvSection) -> EnvBackend:
     """The backend env.backend names, ready to use."""
-    return plugins.load_class(plugins.ENV_BACKEND, cfg.backend, EnvBackend)()
+    backend = plugins.load_class(plugins.ENV_BACKEND, cfg.backend, EnvBackend)()
+    if not backend.takes_per_env_settings:
+        asked = [("action_chunk", 1), ("group_size", 1), ("max_episode_steps", 0)]
+        for key, default in asked:
+            if getattr(cfg, key) != default:
+                raise UserError(
+                    f"env.{key}={getattr(cfg, key)} needs env.backend=gymnasium (env.backend={clip(cfg.backend)} "
+                    f"does not build its envs one by one); set env.{key}={default} or env.backend=gymnasium"
+                )
+    return backend
+
+
+def group_seeds(seed: int, num_envs: int, group_size: int) -> int | list[int]:
+    """The first reset's seed: `seed` (env i then takes seed + i, gymnasium's rule), or with env.group_size G > 1 one
+    seed per env, seed + i // G, the same for every env of a block of G, so that the block starts together."""
+    if group_size == 1:
+        return seed
+    return [seed + i // group_size for i in range(num_envs)]
 
 
 def differing_space(spec: EnvSpec, other: EnvSpec) -> tuple[str, str, str] | None:
@@ -110,6 +137,8 @@ def finish_vector_env(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
         envs = vector_wrappers.ClipReward(envs, -cfg.clip_reward, cfg.clip_reward)
     if has_text(envs.single_observation_space):
         envs = TokenizeText(envs, cfg)  # strings become token ids here, on the env rank
+    if reset_seed is not None:
+        reset_seed = group_seeds(reset_seed, envs.num_envs, cfg.group_size)
     try:
         obs, _ = envs.reset(seed=reset_seed)
     except UserError:  # a first instruction longer than env.max_text_tokens

@@ -25,6 +25,7 @@ from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
 from gymnasium.wrappers import common as single_wrappers
 from gymnasium.wrappers import vector as vector_wrappers
 
+from spmd_rl.envs.chunks import ActionChunks
 from spmd_rl.runtime.errors import UserError
 
 # Attributes of classic-control envs beyond `state` that a step reads (CartPole's termination warning) or writes.
@@ -158,13 +159,13 @@ def _restore_layer(layer, state: dict) -> None:
 
 
 def _capture_single(env: gym.Env) -> dict:
-    """One env of a SyncVectorEnv: its wrappers (only the stateless checkers or TimeLimit) and a classic-control
-    env underneath."""
+    """One env of a SyncVectorEnv: its wrappers (only the stateless checkers, ActionChunks or TimeLimit) and a
+    classic-control env underneath."""
     state = {}
     while isinstance(env, gym.Wrapper):
         if isinstance(env, single_wrappers.TimeLimit):
             state["elapsed_steps"] = _encode(env._elapsed_steps)
-        elif not isinstance(env, (single_wrappers.OrderEnforcing, single_wrappers.PassiveEnvChecker)):
+        elif not isinstance(env, (single_wrappers.OrderEnforcing, single_wrappers.PassiveEnvChecker, ActionChunks)):
             raise _Unsaved(f"wrapper {type(env).__name__} is not one whose state is known")
         env = env.env
     if not type(env).__module__.startswith("gymnasium.envs.classic_control."):

@@ -26,6 +26,10 @@ class Schedule:
     weight_sync_every: int = 1  # iterations between weight broadcasts to the inference ranks
     random_steps: int = 0  # env steps (all env ranks) acting uniformly at random before the policy acts
     max_policy_lag: int = 0  # policy versions a step may lag behind the learner (0: on-policy; ANY_LAG: any)
+    # What one rollout is: "window", algo.num_steps decisions that episodes span (autoreset within it); or "episode",
+    # every env from a reset until its episode ends, envs whose episode has ended masked inactive (rollout["active"])
+    # for the rollout's fixed ceil(max episode steps / env.action_chunk) decisions.
+    rollout_unit: str = "window"
 
 
 # What the contract check knows of a returned tensor by its name: [B] for these, [B, *action shape] for "action"
@@ -69,6 +73,8 @@ class PlanFacts:
     # The policy lag the engine's config asks to act with (Engine.asked_policy_lag: the async engine's
     # engine.max_policy_lag); None where it asks for none beyond the algorithm's schedule.
     asked_policy_lag: int | None = None
+    action_chunk: int = 1  # env.action_chunk: primitive env steps per decision (samples count decisions)
+    group_size: int = 1  # env.group_size: consecutive env columns that start from one initial state
 
 
 class Algorithm:
@@ -95,6 +101,9 @@ class Algorithm:
     # resume takes the model and optimizer from the shard files and the rest of the learner's state from trainer 0's
     # file, which is wrong for state each trainer holds its own part of (a replay shard).
     reshard_refusal: ClassVar[str] = ""
+    # Whether it learns from action chunks (env.action_chunk > 1: reward [T, N, K] and chunk_valid in the rollout,
+    # actions [K, *shape]); false refuses such a config before any process group exists.
+    supports_action_chunks: ClassVar[bool] = False
 
     @classmethod
     def schedule(cls, config: AlgorithmConfig) -> Schedule:

@@ -50,6 +50,7 @@ class Context:
     policy_methods: tuple[str, ...] = ("act",)
     # train.shard_group_size: (replicate group, shard group, [[global ranks] per replica]) for hybrid sharding
     hybrid_shards: tuple | None = None
+    group_size: int = 1  # env.group_size: a segment's env columns come in blocks of this many that started together
 
     @classmethod
     def local(
@@ -69,6 +70,7 @@ class Context:
         precision: str = "fp32",
         activation_checkpointing: bool = False,
         policy_methods: tuple[str, ...] = ("act",),
+        group_size: int = 1,
     ) -> Context:
         """A context outside a launched run: for unit tests of an algorithm and for notebooks. With a group, this
         process is one of its trainers."""
@@ -91,6 +93,7 @@ class Context:
             precision=precision,
             activation_checkpointing=activation_checkpointing,
             policy_methods=policy_methods,
+            group_size=group_size,
         )
 
     # -- data parallelism ---------------------------------------------------------------------------------------

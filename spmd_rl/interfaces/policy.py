@@ -45,6 +45,13 @@ SUCCESS_FIELDS = {
     "episode_success": StepField((), torch.bool),
     "episode_success_at_end": StepField((), torch.bool),
 }
+# With env.action_chunk K > 1, the rollout's "reward" is [T, N, K] (each primitive step's reward, 0 past an early
+# stop) and CHUNK_VALID [T, N, K] says which of the chunk's K steps ran (an episode's end stops a chunk early; a
+# reset step runs none).
+CHUNK_VALID = "chunk_valid"
+# In rollouts of whole episodes, ACTIVE [T, N] is True while the env's episode, begun at the rollout's first step,
+# has not ended: an env whose episode ended waits inactive (its steps are no part of the rollout) until the end.
+ACTIVE = "active"
 
 # What the env side records besides ENV_FIELDS for a recurrent policy: True where the step's observation is the
 # first of an episode (the first step of the run, or the step after an episode's reset step), where the policy's

@@ -186,12 +186,12 @@ def _load_separate(module: nn.Module, state_dict: dict, prefix: str, *args, attr
 
 
 def _check_action_space(action_space: gym.Space) -> None:
-    supported = "Discrete (start 0) or a 1-D Box"
+    supported = "Discrete (start 0) or a Box (of any shape: an action chunk is a Box [K, *shape])"
     if isinstance(action_space, gym.spaces.Discrete):
         if int(action_space.start) != 0:
             raise UserError(f"action space {action_space} is not supported by the actor-critic ({supported})")
         return
-    if not (isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1):
+    if not (isinstance(action_space, gym.spaces.Box) and len(action_space.shape) >= 1):
         raise UserError(
             f"action space {action_space} is not supported by the actor-critic ({supported}); "
             f"wrap the env or bring your own policy.class"
@@ -210,13 +210,14 @@ def check_vector_action_space(action_space: gym.Space, policy_name: str) -> None
 
 def add_action_head(policy: Policy, action_space: gym.Space, log_std_init: float) -> int:
     """Set policy.discrete and policy.action_field and, for a Box, register its log_std parameter; returns the
-    actor's output width (logits, or the Gaussian's mean). Shared by the built-in actor-critic policies."""
+    actor's output width (logits, or the Gaussian's mean: one per element of the Box, flattened). Shared by the
+    built-in actor-critic policies."""
     policy.discrete = isinstance(action_space, gym.spaces.Discrete)
     if policy.discrete:
         policy.action_field = StepField((), torch.int64)
         return int(action_space.n)
-    policy.action_field = StepField((int(action_space.shape[0]),), torch.float32)
-    actor_out = policy.action_field.shape[0]
+    policy.action_field = StepField(tuple(int(n) for n in action_space.shape), torch.float32)
+    actor_out = math.prod(policy.action_field.shape)
     policy.log_std = nn.Parameter(torch.full((actor_out,), float(log_std_init)))
     return actor_out
 
@@ -236,7 +237,11 @@ class ActorCritic(Policy):
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: ActorCriticConfig):
         super().__init__(observation_space, action_space, config)
         _check_action_space(action_space)
-        actor_out = add_action_head(self, action_space, config.log_std_init)
+        self.action_bins = config.action_bins
+        if self.action_bins:
+            actor_out = self._add_binned_head(action_space)
+        else:
+            actor_out = add_action_head(self, action_space, config.log_std_init)
         self.encoder = make_encoder(observation_space, config)
         hidden, activation = list(config.hidden_sizes), config.activation
         # Built as two MLPs (their initialization, and the random numbers it draws, as before pairing), then packed.
@@ -281,9 +286,18 @@ class ActorCritic(Policy):
                 # p_i. Four small ops; torch.multinomial costs twice as much per call at these sizes.
                 action = (log_probs - torch.empty_like(log_probs).exponential_().log()).argmax(-1)
             log_prob = log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1)
+        elif self.action_bins:
+            log_probs = self._bin_log_probs(out)  # [B, elements, bins]
+            if deterministic:
+                index = log_probs.argmax(-1)
+            else:  # Gumbel-max, as for Discrete above
+                index = (log_probs - torch.empty_like(log_probs).exponential_().log()).argmax(-1)
+            log_prob = log_probs.gather(-1, index.unsqueeze(-1)).squeeze(-1).sum(-1)
+            action = (self.bin_low + index * self.bin_width).reshape(-1, *self.action_field.shape)
         else:
             action = out if deterministic else out + self.log_std.exp() * torch.randn_like(out)
             log_prob = self._gaussian_log_prob(out, action)
+            action = action.reshape(-1, *self.action_field.shape)  # a Box of more than one axis (e.g. a chunk [K, A])
         return {"action": action, "log_prob": log_prob, "value": value.squeeze(-1)}
 
     def evaluate(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -294,14 +308,50 @@ class ActorCritic(Policy):
             # nll_loss picks each row's log-prob in one op (and one cheap backward) instead of gather + reshapes
             log_prob = -F.nll_loss(log_probs, action.long(), reduction="none")
             entropy = -(log_probs.exp() * log_probs).sum(-1)
+        elif self.action_bins:
+            log_probs = self._bin_log_probs(out)
+            element = action.reshape(out.shape[0], -1)
+            index = ((element - self.bin_low) / self.bin_width).round().long().clamp(0, self.action_bins - 1)
+            log_prob = log_probs.gather(-1, index.unsqueeze(-1)).squeeze(-1).sum(-1)
+            entropy = -(log_probs.exp() * log_probs).sum((-2, -1))
         else:
-            log_prob = self._gaussian_log_prob(out, action)
+            # A chunk's log-prob (and entropy) is its actions' summed, the probability of the whole decision.
+            log_prob = self._gaussian_log_prob(out, action.reshape(out.shape))
             entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(out.shape[0])
         return log_prob, entropy, value.squeeze(-1)
 
     def forward(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # DDP only hooks forward(): the trainer calls ddp_policy(obs, action) to get evaluate() with synced grads.
         return self.evaluate(obs, action)
+
+    def _add_binned_head(self, action_space: gym.Space) -> int:
+        """policy.action_bins: every element of a Box action (of each step of a chunk) is one of action_bins evenly
+        spaced values from its low to its high bound, chosen by a categorical of its own; a decision's log-prob is
+        its elements' summed. Returns the actor's output width (the logits of every element's bins)."""
+        bins = self.action_bins
+        if not isinstance(action_space, gym.spaces.Box) or bins < 2:
+            raise UserError(
+                f"policy.action_bins={bins} bins a Box action space into 2 or more values per element; "
+                f"{action_space} cannot be binned that way: set policy.action_bins=0 (or at least 2 for a Box)"
+            )
+        low, high = (
+            torch.as_tensor(bound, dtype=torch.float32).reshape(-1) for bound in (action_space.low, action_space.high)
+        )
+        if not (torch.isfinite(low).all() and torch.isfinite(high).all()):
+            raise UserError(
+                f"policy.action_bins={bins} needs finite action bounds; {action_space} has infinite ones: wrap the "
+                f"env to bound its actions, or set policy.action_bins=0 (a Gaussian)"
+            )
+        self.discrete = False
+        self.action_field = StepField(tuple(int(n) for n in action_space.shape), torch.float32)
+        # Not persistent: the bins follow from the action space, which every rank has; the weights stay as they are.
+        self.register_buffer("bin_low", low, persistent=False)
+        self.register_buffer("bin_width", (high - low) / (bins - 1), persistent=False)
+        return low.numel() * bins
+
+    def _bin_log_probs(self, out: Tensor) -> Tensor:
+        """Each action element's log-probabilities over its bins, [B, elements, bins]."""
+        return torch.log_softmax(out.reshape(out.shape[0], -1, self.action_bins), dim=-1)
 
     def _gaussian_log_prob(self, mean: Tensor, action: Tensor) -> Tensor:
         z = (action - mean) * torch.exp(-self.log_std)

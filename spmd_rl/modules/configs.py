@@ -69,6 +69,13 @@ class ActorCriticConfig(EncoderConfig):
         "false: torch's default nn.Linear initialization (SB3's ortho_init=False)",
         omit_default=True,
     )
+    action_bins: int = knob(
+        0,
+        "Box actions as bins (as OpenVLA's action tokens): one categorical over this many evenly spaced values "
+        "from low to high per action element (and chunk step); 0 = a Gaussian (bounds must be finite to bin)",
+        min=0,
+        omit_default=True,
+    )
 
 
 @dataclass

@@ -14,10 +14,11 @@ import numpy as np
 import torch
 
 from spmd_rl.envs import spaces
-from spmd_rl.envs.backend import EnvBackend, old_gym_api_hint
+from spmd_rl.envs.backend import EnvBackend, group_seeds, old_gym_api_hint
+from spmd_rl.envs.chunks import CHUNK_REWARDS, executed_steps
 from spmd_rl.envs.state import as_arrays, as_tensors
 from spmd_rl.envs.success import EpisodeSuccess
-from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE
+from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, EPISODE_START, RECURRENT_STATE, SUCCESS_FIELDS
 from spmd_rl.runtime.errors import UserCodeError, UserError, describe_exception
 from spmd_rl.runtime.watchdog import watchdog
 
@@ -36,6 +37,7 @@ class EnvRunner:
         env_id: str = "env",
         env_backend: EnvBackend | None = None,
         success_key: str | None = None,
+        group_size: int = 1,
     ):
         self.envs = envs
         self.env_backend = env_backend  # what saves and restores the envs' state (None: checkpoints hold none)
@@ -70,6 +72,18 @@ class EnvRunner:
             self.next_step_starts = np.ones(envs.num_envs, dtype=bool)  # the first observations start episodes
         # Each episode's success (env.success_key in the step info), where the env reports it (EnvSpec.success_key).
         self.success = EpisodeSuccess(success_key, envs.num_envs) if success_key is not None else None
+        # With action chunks (env.action_chunk > 1) every decision records its K rewards and which of them ran,
+        # and episode lengths count primitive steps (the vector env's statistics count decisions).
+        self.chunked = CHUNK_VALID in self.rollout
+        if self.chunked:
+            self.chunk_steps = np.arange(self.rollout[CHUNK_VALID].shape[-1])
+            self.episode_primitive_steps = np.zeros(envs.num_envs, dtype=np.int64)
+        # Rollouts of whole episodes (the segment has an active mask): every rollout starts each env from a reset,
+        # one seed per block of env.group_size envs (group_size), so that a group starts together every rollout.
+        self.episodes = ACTIVE in self.rollout
+        if self.episodes:
+            self.active = np.ones(envs.num_envs, dtype=bool)
+            self.group_size = group_size
         self.obs = first_obs
         self.steps_taken = 0
         self._check_finite(first_obs, None, "reset")
@@ -82,6 +96,10 @@ class EnvRunner:
         self.env_s = self.action_wait_s = self.inference_s = 0.0
 
     def send_observations(self, t: int) -> None:
+        if self.episodes:
+            if t == 0:
+                self._start_episodes()
+            self.rollout[ACTIVE][t] = self.active
         spaces.write(self.rollout["obs"], self.obs, t)
         self.rollout["valid"][t] = self.next_step_valid
         spaces.write(self.obs_out, self.obs)
@@ -127,14 +145,19 @@ class EnvRunner:
         if not (self.obs_is_float_array and math.isfinite(obs.sum() + reward.sum())):
             self._check_finite(obs, reward, f"step {self.steps_taken}")
 
-        self.rollout["reward"][t] = reward
         self.rollout["terminated"][t] = terminated
         self.rollout["truncated"][t] = truncated
-        self._record_episodes(t, info)
+        if self.chunked:
+            self._record_chunks(t, info)
+        else:
+            self.rollout["reward"][t] = reward
+            self._record_episodes(t, info)
         if self.success is not None:
             at_any, at_end = self.success.step(info, self.rollout["valid"][t], terminated | truncated)
             self.rollout["episode_success"][t] = at_any
             self.rollout["episode_success_at_end"][t] = at_end
+        if self.episodes:
+            self._mask_inactive(t, terminated | truncated)
         self.obs = obs
         self.next_step_valid = ~(terminated | truncated)
 
@@ -172,6 +195,56 @@ class EnvRunner:
         self.rollout["episode_done"][t] = finished
         self.rollout["episode_return"][t] = np.where(finished, episode["r"], 0.0)
         self.rollout["episode_length"][t] = np.where(finished, episode["l"], 0)
+
+    def _start_episodes(self) -> None:
+        """A rollout of whole episodes begins: every env resets, the envs of a group (env.group_size) with one seed,
+        drawn from this rank's torch generator (seeded per rank, saved in checkpoints: a resume draws the same)."""
+        base = int(torch.randint(2**31 - 1 - self.envs.num_envs, ()))
+        try:
+            self.obs, _ = self.envs.reset(seed=group_seeds(base, self.envs.num_envs, self.group_size))
+        except Exception as exc:  # the env's own reset: its error and file:line, not the vector env's stack
+            raise UserCodeError(
+                f"{self.describe}: env '{self.env_id}' raised in reset: {describe_exception(exc)}"
+                f"{old_gym_api_hint(exc)}"
+            ) from exc
+        self._check_finite(self.obs, None, "reset")
+        self.active[:] = True
+        self.next_step_valid[:] = True
+        if self.recurrent:
+            self.next_step_starts[:] = True
+        if self.chunked:
+            self.episode_primitive_steps[:] = 0
+
+    def _mask_inactive(self, t: int, done: np.ndarray) -> None:
+        """Steps of envs whose episode ended earlier in this rollout are no part of it: not valid, and no episode
+        statistics (the vector env has autoreset them into episodes the rollout does not follow)."""
+        active = self.rollout[ACTIVE][t]
+        self.rollout["valid"][t] &= active
+        if not active.all():
+            self.rollout["episode_done"][t] &= active
+            self.rollout["episode_return"][t] *= active
+            self.rollout["episode_length"][t] *= active
+            for key in SUCCESS_FIELDS.keys() & self.rollout.keys():
+                self.rollout[key][t] &= active
+        self.active &= ~done
+
+    def _record_chunks(self, t: int, info: dict) -> None:
+        """A decision's K rewards and which of its steps ran; then the episode statistics, lengths in primitive
+        steps. An env on its reset step runs no step of its chunk (its info holds no chunk)."""
+        rewards = info.get(CHUNK_REWARDS)
+        if rewards is None:  # every env reset this step
+            self.rollout["reward"][t] = 0.0
+            self.rollout[CHUNK_VALID][t] = False
+            self._record_episodes(t, info)
+            return
+        executed = executed_steps(info, self.envs.num_envs)
+        self.rollout["reward"][t] = rewards  # zero where an env reset (gymnasium fills absent entries with 0)
+        self.rollout[CHUNK_VALID][t] = self.chunk_steps < executed[:, None]
+        self.episode_primitive_steps += executed
+        self._record_episodes(t, info)
+        finished = self.rollout["episode_done"][t]
+        self.rollout["episode_length"][t] = np.where(finished, self.episode_primitive_steps, 0)
+        self.episode_primitive_steps[finished] = 0
 
     def send_segment(self) -> None:
         spaces.write(self.next_obs_out, self.obs)
@@ -215,6 +288,8 @@ class EnvRunner:
             state["next_step_starts"] = torch.from_numpy(self.next_step_starts.copy())
         if self.success is not None:
             state["success_seen"] = torch.from_numpy(self.success.seen.copy())
+        if self.chunked:
+            state["episode_primitive_steps"] = torch.from_numpy(self.episode_primitive_steps.copy())
         return state
 
     def _load_place(self, state: dict) -> None:
@@ -225,6 +300,8 @@ class EnvRunner:
             self.next_step_starts = state["next_step_starts"].numpy().copy()
         if self.success is not None:
             self.success.seen = state["success_seen"].numpy().copy()
+        if self.chunked:
+            self.episode_primitive_steps = state["episode_primitive_steps"].numpy().copy()
 
     def close(self) -> None:
         self.envs.close()

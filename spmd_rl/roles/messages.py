@@ -12,7 +12,15 @@ from tensordict import TensorDict
 
 from spmd_rl.envs.spaces import zeros_of
 from spmd_rl.envs.vector import EnvSpec
-from spmd_rl.interfaces.policy import ENV_FIELDS, EPISODE_START, RECURRENT_STATE, SUCCESS_FIELDS, StepField
+from spmd_rl.interfaces.policy import (
+    ACTIVE,
+    CHUNK_VALID,
+    ENV_FIELDS,
+    EPISODE_START,
+    RECURRENT_STATE,
+    SUCCESS_FIELDS,
+    StepField,
+)
 
 
 def _fields(fields: dict[str, StepField], *batch: int) -> dict[str, torch.Tensor]:
@@ -66,7 +74,9 @@ def segment_message(
     """env runner -> trainer, once per rollout: the rollout [T, N] (obs, the policy's outputs, the env fields, and
     the success fields where the env reports a success flag), the observation after it, and the env side's
     timings. For a recurrent policy (state not None), what the learner replays a sequence from: the rollout's
-    episode_start flags and the state at the segment's first step."""
+    episode_start flags and the state at the segment's first step. With action chunks (spec.action_chunk K > 1),
+    a decision's K rewards [T, N, K] and which of them ran (chunk_valid). In rollouts of whole episodes
+    (spec.episodes), which envs' episodes are still running (active)."""
     t, n = num_steps, num_envs
     rollout = TensorDict(
         {
@@ -86,6 +96,11 @@ def segment_message(
     }
     if spec.success_key is not None:  # only envs that report a success flag: classic envs keep their layout
         rollout.update(_fields(SUCCESS_FIELDS, t, n))
+    if spec.action_chunk > 1:
+        rollout["reward"] = torch.zeros(t, n, spec.action_chunk)
+        rollout[CHUNK_VALID] = torch.zeros(t, n, spec.action_chunk, dtype=torch.bool)
+    if spec.episodes:
+        rollout[ACTIVE] = torch.zeros(t, n, dtype=torch.bool)
     if state is not None:
         rollout[EPISODE_START] = torch.zeros(t, n, dtype=torch.bool)
         fields[RECURRENT_STATE] = TensorDict(_fields(state, n), batch_size=[])

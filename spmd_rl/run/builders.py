@@ -72,6 +72,7 @@ def build_colocated(run: Run, logger: MetricsLogger | None) -> tuple[EnvRunner, 
         env_id=cfg.env.id,
         env_backend=backend_for(cfg.env),
         success_key=run.spec.success_key,
+        group_size=cfg.env.group_size,
     )
     server = InferenceServer(
         policy,
@@ -133,6 +134,7 @@ def build_env_runner(run: Run, observation_layout=observation_message) -> EnvRun
         env_id=cfg.env.id,
         env_backend=backend_for(cfg.env),
         success_key=run.spec.success_key,
+        group_size=cfg.env.group_size,
     )
     _say_if_env_state_unsaved(run, runner)
     return runner
@@ -257,6 +259,7 @@ def _context(run: Run, group) -> Context:
         hybrid_shards=(
             (run.groups.replicate, run.groups.shard, run.groups.shard_mesh) if run.groups.shard_mesh else None
         ),
+        group_size=run.cfg.env.group_size,
     )
 
 

@@ -65,8 +65,7 @@ def check_policy(
     except Exception as exc:
         raise UserError(f"{name}: outputs() failed: {describe_exception(exc)}") from None
     _check_declared(name, outputs)
-    # env.action_chunk (K) enters here: until the config has that key, every decision is one action (K = 1).
-    _check_action_shape(name, outputs["action"], spec.action_space, chunk=1)
+    _check_action_shape(name, outputs["action"], spec.action_space, spec.action_chunk)
     state = _check_declared_state(name, policy)
     obs, acted = _check_act(name, policy, outputs, spec, state)
     _check_algorithm_needs(cfg, policy, outputs, algorithm_cls, state, spec.success_key is not None)
@@ -132,16 +131,11 @@ def _check_declared(name: str, outputs: dict) -> None:
         raise UserError(f"{name}: outputs() must list 'action' first (got {list(outputs)})")
 
 
-def expected_action_shape(action_space: gym.Space, chunk: int) -> tuple[int, ...]:
-    """The shape of one env's action: the space's, or [K, *space.shape] for a chunk of K > 1 actions."""
-    shape = tuple(action_space.shape or ())
-    return (chunk, *shape) if chunk > 1 else shape
-
-
 def _check_action_shape(name: str, field: StepField, action_space: gym.Space, chunk: int) -> None:
     """A declared action the env cannot take would pass every check here and fail at the first env step, blamed on
-    the env (exit 4): compare it with the action space now."""
-    expected = expected_action_shape(action_space, chunk)
+    the env (exit 4): compare it with the action space now. With env.action_chunk K > 1 the space is already the
+    chunk's, Box [K, *shape] (envs/chunks.py)."""
+    expected = tuple(action_space.shape or ())
     if tuple(field.shape) != expected:
         chunked = f" (a chunk of env.action_chunk={chunk} actions)" if chunk > 1 else ""
         raise UserError(

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -296,7 +296,8 @@ def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
     try:
         check_installed(cfg)  # log.wandb, log.mlflow: their packages (rank 0 uses them; every rank checks alike)
         with watchdog.watch(f"making env.id {cfg.env.id} (to read its spaces)"):
-            spec = probe_env(cfg.env)
+            # The interaction the plan decided travels with the spaces: whole episodes per rollout or windows.
+            spec = replace(probe_env(cfg.env), episodes=plan.episodes)
         if cfg.eval.video_every:  # rank 0 records; every rank checks alike, so that all refuse together
             with watchdog.watch("rendering one frame of the evaluation env (eval.video_every)"):
                 check_video(evaluation_env(cfg))

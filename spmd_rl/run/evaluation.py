@@ -17,6 +17,7 @@ from spmd_rl.config.sections import Config, EnvSection
 from spmd_rl.envs import spaces
 from spmd_rl.envs.backend import EnvBackend, backend_for
 from spmd_rl.envs.backends.gymnasium import require_moviepy  # noqa: F401  (spmd_rl.evaluate asks before any work)
+from spmd_rl.envs.chunks import executed_steps
 from spmd_rl.envs.success import EpisodeSuccess
 from spmd_rl.envs.vector import EnvSpec, probe_env
 from spmd_rl.interfaces.policy import initial_state
@@ -211,6 +212,8 @@ def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, devi
     ended = np.zeros(envs.num_envs, dtype=bool)
     success = EpisodeSuccess(spec.success_key, envs.num_envs) if spec.success_key is not None else None
     successes = [] if success is not None else None
+    # With action chunks an episode's length is its primitive steps (the vector env's statistics count decisions).
+    primitive_steps = np.zeros(envs.num_envs, dtype=np.int64) if spec.action_chunk > 1 else None
     while quotas.any():
         spaces.write(views, obs)
         with torch.no_grad():  # act() is always called without grad (the API's promise)
@@ -226,14 +229,19 @@ def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, devi
         starts, ended = ended, terminated | truncated  # this step reset the envs that had ended before it
         if success is not None:
             at_any, at_end = success.step(info, ~starts, ended)
+        if primitive_steps is not None:
+            primitive_steps += executed_steps(info, envs.num_envs)
         if "episode" not in info:
             continue
+        episode_lengths = info["episode"]["l"] if primitive_steps is None else primitive_steps.copy()
         for i in np.flatnonzero(info["_episode"] & (quotas > 0)):
             quotas[i] -= 1
             returns.append(float(info["episode"]["r"][i]))
-            lengths.append(int(info["episode"]["l"][i]))
+            lengths.append(int(episode_lengths[i]))
             if success is not None:
                 successes.append((bool(at_any[i]), bool(at_end[i])))
+        if primitive_steps is not None:
+            primitive_steps[info["_episode"]] = 0
     return returns, lengths, successes
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from spmd_rl.config import plugins
 from spmd_rl.config.sections import Config, EnvSection
+from spmd_rl.envs.backend import backend_for
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.run.topology import Topology
@@ -21,8 +22,8 @@ class Plan:
     env_ranks: int
     trainer_ranks: int
     envs_total: int
-    num_steps: int  # env steps per env per iteration (the rollout length)
-    steps_per_iteration: int  # env steps per iteration, all env ranks together
+    num_steps: int  # decisions per env per iteration (the rollout length; env steps without action chunks)
+    steps_per_iteration: int  # primitive env steps per iteration, all env ranks together (decisions x chunk)
     num_iterations: int
     max_env_columns_per_trainer: int  # env columns of the busiest trainer
     sync_every: int  # iterations between weight broadcasts
@@ -31,6 +32,14 @@ class Plan:
     # the env ranks into num_envs): what every env rank makes. The config itself stays as the command gave it.
     # (None only in a Plan built by hand, e.g. in a test of a component: plan_run always sets it.)
     env: EnvSection | None = None
+    action_chunk: int = 1  # env.action_chunk: primitive env steps per decision
+    episodes: bool = False  # a rollout is whole episodes (the algorithm's Schedule.rollout_unit), num_steps decisions
+
+    @property
+    def decisions_per_iteration(self) -> int:
+        """The policy's decisions per iteration, all env ranks together: the samples an on-policy algorithm
+        learns from (env steps without action chunks)."""
+        return self.steps_per_iteration // self.action_chunk
 
     def run_config(self, cfg: Config) -> Config:
         """The config the run executes and config.yaml records: the given one with the env counts resolved."""
@@ -52,8 +61,10 @@ class Plan:
             trainer_ranks=self.trainer_ranks,
             env_ranks=self.env_ranks,
             steps_per_iteration=self.steps_per_iteration,
-            samples_per_trainer=self.steps_per_iteration // self.trainer_ranks,
+            samples_per_trainer=self.decisions_per_iteration // self.trainer_ranks,
             num_iterations=self.num_iterations,
+            action_chunk=self.action_chunk,
+            group_size=self.env.group_size if self.env is not None else 1,
         )
 
     def describe(self, cfg: Config, world_size: int, layout: str, algorithm_cls: type[Algorithm]) -> str:
@@ -62,18 +73,26 @@ class Plan:
             f"layout {layout}; {self.env_ranks} env rank(s) x {self.env.num_envs} envs = {self.envs_total} envs"
             f"{' (env.total_envs)' if self.env.total_envs and not self.env.groups else ''}{_group_counts(self.env)}; "
             f"{self.steps_per_iteration} env steps per iteration ({self.num_steps} steps x {self.envs_total} "
-            f"envs); {self.trainer_ranks} trainer rank(s); {self.num_iterations} iterations = "
+            f"envs{_chunk_factor(self.action_chunk)}); {self.trainer_ranks} trainer rank(s); "
+            f"{self.num_iterations} iterations = "
             f"{self.num_iterations * self.steps_per_iteration} env steps"
         )
         whole, left = divmod(cfg.train.total_steps, self.steps_per_iteration)
         if left and self.num_iterations == whole:  # a run is whole iterations (a dry run is one: not this)
             text += f" (train.total_steps={cfg.train.total_steps} rounded down to whole iterations)"
+        if self.episodes:
+            text += f"; rollouts of whole episodes from a reset ({self.num_steps} decisions, finished envs inactive)"
         if self.explore_iterations:
             text += f"; {self.explore_iterations} iteration(s) of uniform random actions first"
         if self.sync_every > 1 and layout.startswith("split"):
             text += f"; weights broadcast every {self.sync_every} iterations"
         summary = algorithm_cls.summary(cfg.algo, self.facts())
         return text + (f"; {summary}" if summary else "")
+
+
+def _chunk_factor(action_chunk: int) -> str:
+    """' x 4 actions per chunk' with env.action_chunk 4, nothing without chunks."""
+    return f" x {action_chunk} actions per chunk" if action_chunk > 1 else ""
 
 
 def _group_counts(env: EnvSection) -> str:
@@ -105,6 +124,43 @@ def spread_total_envs(given: EnvSection, topology: Topology) -> EnvSection:
             group.num_envs = _per_env_rank(group.total_envs, env_ranks, what)
     env.num_envs = sum(group.num_envs for group in env.groups)
     return env
+
+
+def _episode_rollouts(rollout_unit: str, cfg: Config) -> bool:
+    """Whether the algorithm's rollouts are whole episodes (Schedule.rollout_unit)."""
+    if rollout_unit not in ("window", "episode"):
+        raise UserError(
+            f"algo.class '{cfg.classes['algo']}' asks for rollout_unit '{rollout_unit}' in its schedule; it must be "
+            f"'window' or 'episode'"
+        )
+    return rollout_unit == "episode"
+
+
+def _episode_step_limit(env: EnvSection) -> int:
+    """The most primitive steps an episode runs, so in a rollout of whole episodes: the env's own limit, or
+    env.max_episode_steps where lower. The rollout's length follows from it, never from where episodes end."""
+    limit = backend_for(env).step_limit(env)
+    if not limit:
+        raise UserError(
+            f"the algorithm rolls out whole episodes, and env '{env.id}' states no step limit: set "
+            f"env.max_episode_steps (the most steps an episode runs in one rollout)"
+        )
+    return limit
+
+
+def _check_group_size(env: EnvSection) -> None:
+    """env.group_size: a block of envs that start together lies within one env rank (and so one trainer) and within
+    one of env.groups' groups: every count per env rank is a multiple of it."""
+    size = env.group_size
+    counts = [(f"env.groups[{i}] ('{g.name}')", g.num_envs) for i, g in enumerate(env.groups)] or [
+        ("env", env.num_envs)
+    ]
+    for what, count in counts:
+        if count % size:
+            raise UserError(
+                f"env.group_size={size} does not divide the {count} envs of {what} on each env rank: a group "
+                f"never spans env ranks; make env.num_envs (or env.total_envs / env ranks) a multiple of {size}"
+            )
 
 
 def _per_env_rank(total: int, env_ranks: int, what: str) -> int:
@@ -156,16 +212,27 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
     """Every rank's schedule, from the config and the topology alone; the algorithm checks its own constraints.
     The config is left as given; the plan carries the env counts per env rank (plan.env, plan.run_config)."""
     env = spread_total_envs(cfg.env, topology)
+    _check_group_size(env)
     env_ranks = len(topology.env_ranks)
     envs_total = env_ranks * env.num_envs
-    num_steps = cfg.algo.num_steps
-    steps_per_iteration = envs_total * num_steps
+    schedule = algorithm_cls.schedule(cfg.algo)
+    chunk = env.action_chunk
+    episodes = _episode_rollouts(schedule.rollout_unit, cfg)
+    num_steps = math.ceil(_episode_step_limit(env) / chunk) if episodes else cfg.algo.num_steps
+    if chunk > 1 and not algorithm_cls.supports_action_chunks:
+        raise UserError(
+            f"env.action_chunk={chunk}: algo.class '{cfg.classes['algo']}' learns from single actions, not action "
+            f"chunks; set env.action_chunk=1 or choose an algorithm that takes chunks (ppo, grpo)"
+        )
+    # A decision counts as its whole chunk, also where an episode's end stops it early (as a reset step counts as
+    # a step): the schedule follows from the config alone, never from where episodes end.
+    steps_per_iteration = envs_total * num_steps * chunk
     num_iterations = cfg.train.total_steps // steps_per_iteration
     if num_iterations < 1:
         raise UserError(
             f"train.total_steps={cfg.train.total_steps} is less than one iteration "
-            f"({steps_per_iteration} env steps = algo.num_steps x env.num_envs x {env_ranks} env ranks); "
-            f"raise train.total_steps to at least {steps_per_iteration}"
+            f"({steps_per_iteration} env steps = algo.num_steps x env.num_envs x {env_ranks} env ranks"
+            f"{' x env.action_chunk' if chunk > 1 else ''}); raise train.total_steps to at least {steps_per_iteration}"
         )
     env_ranks_per_trainer = [len(topology.envs_trained_by(t)) for t in topology.trainer_ranks]
     if len(set(env_ranks_per_trainer)) > 1:
@@ -177,7 +244,6 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
             f"layout.trainer"
         )
     _check_parallel(cfg, topology, algorithm_cls)
-    schedule = algorithm_cls.schedule(cfg.algo)
     plan = Plan(
         env_ranks=env_ranks,
         trainer_ranks=len(topology.trainer_ranks),
@@ -189,6 +255,8 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
         sync_every=schedule.weight_sync_every,
         explore_iterations=math.ceil(schedule.random_steps / steps_per_iteration),
         env=env,
+        action_chunk=chunk,
+        episodes=episodes,
     )
     engine_cls = plugins.load_class(plugins.ENGINE, cfg.classes.get("engine", "sync"), Engine)
     algorithm_cls.check_plan(cfg.algo, plan.facts(engine_cls.asked_policy_lag(cfg.engine)))

@@ -156,8 +156,6 @@ def test_a_policy_whose_action_shape_is_not_the_action_space_s():
     cfg = load_config(None, ["env.id=Pendulum-v1"])
     spec = probe_env(cfg.env)
     policy_cls, algorithm_cls, _, _ = contract.load_classes(cfg)
-    assert contract.expected_action_shape(spec.action_space, 1) == (1,)
-    assert contract.expected_action_shape(spec.action_space, 4) == (4, 1)
     outputs = policy_cls.outputs
 
     class ChunkDeclaring(policy_cls):
@@ -167,3 +165,9 @@ def test_a_policy_whose_action_shape_is_not_the_action_space_s():
 
     with pytest.raises(UserError, match=r"declares 'action' of shape \(4, 1\), but the action space .* shape \(1,\)"):
         contract.check_policy(cfg, spec, ChunkDeclaring, algorithm_cls)
+    # With env.action_chunk 4 the same declaration is the chunk's; one action per decision is then refused.
+    chunked_cfg = load_config(None, ["env.id=Pendulum-v1", "env.action_chunk=4"])
+    chunked_spec = probe_env(chunked_cfg.env)
+    contract.check_policy(chunked_cfg, chunked_spec, ChunkDeclaring, algorithm_cls)
+    with pytest.raises(UserError, match=r"shape \(1,\), but the action space .* shape \(4, 1\) \(a chunk of env"):
+        contract.check_policy(chunked_cfg, chunked_spec, policy_cls, algorithm_cls)

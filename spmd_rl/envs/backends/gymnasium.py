@@ -6,6 +6,7 @@ env.groups (several ids / kwargs side by side in one vector env).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 import warnings
@@ -17,14 +18,29 @@ from spmd_rl.config.excerpts import MESSAGE_CHARS, clip, excerpt
 from spmd_rl.config.plugins import MODULE_NAME, import_failure, import_path_for_user_code
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.backend import EnvBackend, EnvSpec, differing_space, finish_vector_env
+from spmd_rl.envs.chunks import ActionChunks, chunked_spec
 from spmd_rl.envs.factory import register_factory
 from spmd_rl.runtime.errors import UserError, describe_exception
 
 
 class GymnasiumBackend(EnvBackend):
+    takes_per_env_settings = True
+
     def probe(self, cfg: EnvSection) -> EnvSpec:
-        if cfg.groups:
-            return self._probe_groups(cfg)
+        spec = chunked_spec(self._probe_groups(cfg) if cfg.groups else self._probe_spaces(cfg), cfg)
+        if (cfg.group_size > 1 or cfg.max_episode_steps) and spec.vectorization not in ("sync", "async"):
+            # An env's own vectorized implementation takes no wrapper (TimeLimit) and draws every env's reset from
+            # one generator (no seed per env).
+            if cfg.vectorization == "vector_entry_point":
+                raise UserError(
+                    "env.group_size and env.max_episode_steps apply to each env: use env.vectorization=auto, sync or "
+                    "async, not vector_entry_point"
+                )
+            spec = dataclasses.replace(spec, vectorization="sync")
+        return spec
+
+    def _probe_spaces(self, cfg: EnvSection) -> EnvSpec:
+        """The spaces of one env of one id and kwargs (no groups, no chunks)."""
         import_path_for_user_code()  # 'package.module:EnvId' is imported by gymnasium
         env_id = clip(cfg.id)
         module, colon, name = cfg.id.partition(":")
@@ -82,7 +98,7 @@ class GymnasiumBackend(EnvBackend):
         specs = []
         for name, section in cfg.group_sections():
             try:
-                spec = self.probe(section)
+                spec = self._probe_spaces(section)
             except UserError as exc:
                 raise UserError(f"env group '{name}': {exc}") from None
             specs.append((name, spec))
@@ -103,6 +119,13 @@ class GymnasiumBackend(EnvBackend):
 
     def make(self, cfg: EnvSection, spec: EnvSpec, seed: int, wrappers: list | None = None):
         mode = spec.vectorization
+        if cfg.max_episode_steps:  # innermost: a limit on primitive steps, below evaluation's own
+            wrappers = [
+                functools.partial(gym.wrappers.TimeLimit, max_episode_steps=cfg.max_episode_steps),
+                *(wrappers or ()),
+            ]
+        if spec.action_chunk > 1:  # outermost: each primitive step goes through the other wrappers
+            wrappers = [*(wrappers or ()), functools.partial(ActionChunks, chunk=spec.action_chunk)]
         try:
             if cfg.groups:
                 envs = _make_group_vector_env(cfg, mode, wrappers)
@@ -118,14 +141,15 @@ class GymnasiumBackend(EnvBackend):
         return finish_vector_env(vector_wrappers.RecordEpisodeStatistics(envs), cfg, seed, reset_seed=seed)
 
     def step_limit(self, cfg: EnvSection) -> int | None:
-        """env.kwargs' max_episode_steps, else the id's registration's."""
+        """env.kwargs' max_episode_steps, else the id's registration's; env.max_episode_steps where it is lower."""
         limit = cfg.kwargs.get("max_episode_steps")
         if limit is None:
             try:
                 limit = gym.spec(_registered_id(cfg.id)).max_episode_steps
             except gym.error.Error:
-                return None
-        return int(limit) if limit else None
+                limit = None
+        limits = [int(value) for value in (limit, cfg.max_episode_steps) if value]
+        return min(limits) if limits else None
 
     def limit_steps(self, cfg: EnvSection, spec: EnvSpec, max_steps: int):
         """A TimeLimit of our own on each env (vectorized implementations take no wrappers: plain envs then)."""

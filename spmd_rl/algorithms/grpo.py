@@ -1,0 +1,222 @@
+"""GRPO (group relative policy optimization), as SimpleVLA-RL and RLinf fine-tune VLA policies (`algo.class: grpo`).
+
+Read top to bottom: outcomes of whole episodes, group-relative advantages (and dynamic sampling), then PPO's
+clipped objective with clip-higher and an optional KL to the frozen initial policy. No value function: a group of
+env.group_size envs starts from one initial state (docs/envs.md), and each episode is judged against its group's.
+
+A rollout is whole episodes (Schedule(rollout_unit="episode")): every env starts from a reset, and rollout["active"]
+marks the decisions of the episode each env column ran; the column's outcome is its episode's return.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from spmd_rl.algorithms.configs import GRPOConfig
+from spmd_rl.algorithms.fused_adam import FusedAdamStep, clip_grad_norm
+from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, PolicyMethod, Schedule
+from spmd_rl.interfaces.context import Context
+from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, Policy
+from spmd_rl.runtime.errors import UserError
+
+# ---------------------------------------------------------------------------------------------------------------
+# Outcomes and advantages
+
+
+def episode_outcomes(rollout: TensorDict) -> Tensor:
+    """Each env column's outcome [N]: the return of the episode it ran in this rollout (its active decisions'
+    rewards; with action chunks, the rewards of the steps that ran). An env whose reward is its success flag (1 at
+    the step it succeeds) has its success as its outcome."""
+    reward = rollout["reward"]
+    if CHUNK_VALID in rollout.keys():
+        reward = (reward * rollout[CHUNK_VALID]).sum(-1)
+    return (reward * rollout[ACTIVE]).sum(0)
+
+
+def group_advantages(outcome: Tensor, group_size: int, std_eps: float, filter_groups: bool) -> tuple[Tensor, Tensor]:
+    """(advantage [N], kept [N]): (R - mean_group) / (std_group + std_eps) for every env column of a group of
+    group_size consecutive columns (std unbiased); with filter_groups, a group whose outcomes are all equal is not
+    kept (its advantages are 0 anyway: it carries no signal, only dilutes the batch)."""
+    groups = outcome.reshape(-1, group_size)
+    mean = groups.mean(1, keepdim=True)
+    std = groups.std(1, keepdim=True)
+    informative = (groups != groups[:, :1]).any(1)
+    # A flat group's advantages are 0 (0 / std_eps), also with std_eps 0 (not 0 / 0).
+    advantage = torch.where(informative[:, None], (groups - mean) / (std + std_eps), 0.0).reshape(-1)
+    kept = informative if filter_groups else torch.ones_like(informative)
+    return advantage, kept.repeat_interleave(group_size)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Objective
+
+
+def grpo_losses(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    ref_log_prob: Tensor | None,
+    entropy: Tensor,
+    advantage: Tensor,
+    weight: Tensor,
+    cfg: GRPOConfig,
+) -> dict[str, Tensor]:
+    """The clipped surrogate with clip-higher, the k3 KL to the reference policy and the entropy, each a weighted
+    sum over decisions (weight: 1 / the decisions kept over all trainers, 0 for those not learned from)."""
+    log_ratio = log_prob - old_log_prob
+    ratio = log_ratio.exp()
+    clipped_ratio = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    surrogate = torch.min(advantage * ratio, advantage * clipped_ratio)
+    losses = {"policy_loss": -(surrogate * weight).sum(), "entropy": (entropy * weight).sum()}
+    if ref_log_prob is not None:  # k3: exp(ref - new) - (ref - new) - 1, unbiased and never negative
+        ref_log_ratio = ref_log_prob - log_prob
+        losses["kl_ref"] = ((ref_log_ratio.exp() - ref_log_ratio - 1) * weight).sum()
+    with torch.no_grad():
+        losses["approx_kl"] = ((ratio - 1 - log_ratio) * weight).sum()
+        losses["clip_fraction"] = ((ratio != clipped_ratio).float() * weight).sum()
+    return losses
+
+
+class GRPO(Algorithm):
+    """Group-relative advantages over whole episodes, PPO's clipped objective (clip_low / clip_high), an optional
+    KL to the frozen initial policy. Needs env.group_size >= 2; takes action chunks (a chunk's log-prob is the
+    policy's, summed over the chunk)."""
+
+    Config = GRPOConfig
+    requires = ("log_prob",)
+    supports_action_chunks = True
+    policy_methods = (
+        PolicyMethod(
+            "forward",
+            ("obs", "action"),
+            ("log_prob", "entropy", "value"),
+            "GRPO calls the policy as policy(obs, action), which DDP wraps: define forward(self, obs, action) to "
+            "return (log_prob, entropy, value) (the value is not learned: return any [B] tensor, e.g. zeros)",
+        ),
+    )
+
+    @classmethod
+    def schedule(cls, config: GRPOConfig) -> Schedule:
+        return Schedule(rollout_unit="episode")
+
+    @classmethod
+    def check_plan(cls, config: GRPOConfig, plan: PlanFacts) -> None:
+        if plan.group_size < 2:
+            raise UserError(
+                "algo.class grpo compares each episode with its group's: set env.group_size to 2 or more (e.g. 8)"
+            )
+        if plan.asked_policy_lag:
+            raise UserError(
+                f"algo.class grpo learns on-policy; the engine asks for a policy lag of {plan.asked_policy_lag}: "
+                f"lower it to 0"
+            )
+        if plan.samples_per_trainer < config.num_minibatches:
+            raise UserError(
+                f"algo.num_minibatches={config.num_minibatches} is more than the {plan.samples_per_trainer} decisions "
+                f"a trainer holds per iteration; lower it"
+            )
+
+    @classmethod
+    def summary(cls, config: GRPOConfig, plan: PlanFacts) -> str:
+        return (
+            f"GRPO over groups of {plan.group_size}, clip {config.clip_low}/{config.clip_high}, "
+            f"{config.update_epochs} epoch(s) of {config.num_minibatches} minibatch(es)"
+            f"{', groups with equal outcomes dropped' if config.filter_groups else ''}"
+        )
+
+    def __init__(self, policy: Policy, config: GRPOConfig, context: Context):
+        super().__init__(policy, config, context)
+        self.cfg = config
+        self.group_size = context.group_size
+        # The reference policy is the initial one, frozen (and kept whole beside a sharded model); saved in
+        # checkpoints, so a resumed run keeps comparing with the same weights.
+        self.reference = copy.deepcopy(policy).requires_grad_(False) if config.kl_coef > 0 else None
+        self.model = context.data_parallel(policy)
+        self.parameters = [param for param in policy.parameters() if param.requires_grad]
+        self.optimizer = torch.optim.Adam(self.parameters, lr=config.learning_rate, eps=1e-5, fused=True)
+        self.adam_step = FusedAdamStep(self.optimizer)
+
+    def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
+        cfg, device = self.cfg, self.context.device
+        rollout = segment["rollout"].to(device)
+
+        # 1. Each episode's outcome, and its advantage within its group; dynamic sampling drops flat groups.
+        outcome = episode_outcomes(rollout)
+        advantage, kept = group_advantages(outcome, self.group_size, cfg.std_eps, cfg.filter_groups)
+
+        # 2. Every decision of an episode gets the episode's advantage; only its active decisions are learned from.
+        learned = rollout["valid"] & rollout[ACTIVE] & kept
+        decisions = rollout.reshape(-1)  # [T * N], decision by decision
+        flat = {
+            "obs": decisions["obs"],
+            "action": decisions["action"],
+            "old_log_prob": decisions["log_prob"],
+            "advantage": advantage.expand_as(learned).reshape(-1),
+            "learned": learned.reshape(-1),
+        }
+        if self.reference is not None:
+            with torch.no_grad():
+                flat["ref_log_prob"] = self.reference(flat["obs"], flat["action"])[0]
+
+        # 3. The clipped objective over minibatches, each decision weighted 1 / (decisions learned from in the
+        #    minibatch over all trainers): DDP's average over trainers then weighs every decision alike, however
+        #    many each trainer kept.
+        steps = []
+        for _ in range(cfg.update_epochs):
+            order = torch.randperm(learned.numel(), device=device)
+            for rows in order.tensor_split(cfg.num_minibatches):
+                steps.append(self._step({key: value[rows] for key, value in flat.items()}))
+
+        # 4. Metrics: the losses' means over the steps taken, the outcomes, the share of groups dropped.
+        taken = [step for step in steps if step]
+        metrics = {key: float(torch.stack([step[key] for step in taken]).mean()) for key in (taken[:1] or [{}])[0]}
+        metrics["minibatch_steps"] = float(len(taken))
+        totals = torch.tensor([outcome.sum(), outcome.numel(), (~kept).sum(), kept.numel()], device=device)
+        outcome_sum, columns, dropped, all_columns = self.context.all_reduce(totals.double(), "GRPO outcomes").tolist()
+        metrics["outcome_mean"] = outcome_sum / columns
+        metrics["dropped_group_fraction"] = dropped / all_columns
+        metrics["learning_rate"] = cfg.learning_rate
+        return metrics
+
+    def _step(self, minibatch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """One optimizer step on a minibatch; {} when no trainer learns from any of its decisions (all agree)."""
+        cfg = self.cfg
+        count = minibatch["learned"].sum().double().reshape(1)
+        total = float(self.context.all_reduce(count, "GRPO decisions per minibatch"))
+        if total == 0:
+            return {}
+        weight = minibatch["learned"].float() * (self.context.num_trainers / total)
+        log_prob, entropy, value = self.model(minibatch["obs"], minibatch["action"])
+        losses = grpo_losses(
+            log_prob,
+            minibatch["old_log_prob"],
+            minibatch.get("ref_log_prob"),
+            entropy,
+            minibatch["advantage"],
+            weight,
+            cfg,
+        )
+        loss = losses["policy_loss"] - cfg.ent_coef * losses["entropy"] + cfg.kl_coef * losses.get("kl_ref", 0.0)
+        # The value output takes no part, but DDP expects a gradient for every parameter that took part in forward.
+        loss = loss + 0.0 * value.sum()
+        for param in self.parameters:
+            param.grad = None
+        loss.backward()
+        clip_grad_norm(self.parameters, cfg.max_grad_norm)
+        self.adam_step()
+        # This trainer's part of each mean, scaled as its gradient is: the trainers' average is the global mean.
+        return {key: value.detach() for key, value in losses.items()}
+
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.reference is not None:
+            state["reference"] = self.reference.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.reference is not None:
+            self.reference.load_state_dict(state["reference"])

@@ -1,0 +1,109 @@
+"""Rollouts of whole episodes: every rollout starts each env from a reset (a group of env.group_size envs from one
+state), envs whose episode ended wait inactive, and the rollout's length follows from the config alone."""
+
+import dataclasses
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from spmd_rl.algorithms.ppo import PPO
+from spmd_rl.api import StepField
+from spmd_rl.comm.channel import local_channel
+from spmd_rl.config.loading import load_config
+from spmd_rl.config.sections import EnvSection
+from spmd_rl.envs.vector import make_vector_env, probe_env
+from spmd_rl.interfaces.algorithm import Schedule
+from spmd_rl.roles.env_runner import EnvRunner
+from spmd_rl.roles.messages import action_message, observation_message, segment_message
+from spmd_rl.run.plan import plan_run
+from spmd_rl.run.topology import build_topology
+from spmd_rl.runtime.errors import UserError
+
+
+class RandomLength(gym.Env):
+    """Episodes of 1 to 5 steps, the length drawn at reset from the env's generator; the observation is (steps
+    taken, the episode's length), the reward 1 per step."""
+
+    observation_space = gym.spaces.Box(0, 100, (2,), np.float32)
+    action_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.steps, self.length = 0, int(self.np_random.integers(1, 6))
+        return np.array([0, self.length], np.float32), {}
+
+    def step(self, action):
+        self.steps += 1
+        return np.array([self.steps, self.length], np.float32), 1.0, self.steps == self.length, False, {}
+
+
+gym.register("RandomLength-v0", entry_point=RandomLength)
+
+OUTPUTS = {"action": StepField((1,), torch.float32)}
+
+
+def _rollouts(count: int, steps: int, num_envs: int = 6, group_size: int = 2):
+    cfg = EnvSection(id="RandomLength-v0", num_envs=num_envs, group_size=group_size)
+    spec = probe_env(cfg)
+    spec = dataclasses.replace(spec, episodes=True)  # as the driver sets it from the plan
+    envs, first_obs = make_vector_env(cfg, spec, seed=0)
+    obs_out, obs_in = local_channel("observations", observation_message(spec, num_envs))
+    actions_out, actions_in = local_channel("actions", action_message(OUTPUTS, num_envs))
+    segments_out, segments_in = local_channel("segments", segment_message(spec, OUTPUTS, steps, num_envs))
+    runner = EnvRunner(envs, first_obs, obs_out, actions_in, segments_out, steps, list(OUTPUTS), group_size=group_size)
+    torch.manual_seed(0)
+    segments = []
+    for _ in range(count):
+        for t in range(steps):
+            runner.send_observations(t)
+            obs_in.recv()
+            actions_out.send()
+            runner.receive_actions_and_step(t)
+        runner.send_segment()
+        segments.append(segments_in.recv().clone())
+    runner.close()
+    return segments
+
+
+def test_each_rollout_starts_every_env_from_a_reset_and_masks_the_envs_whose_episode_ended():
+    steps = 4  # shorter than some episodes: those are still running when the rollout ends
+    segments = _rollouts(3, steps)
+    lengths_seen = set()
+    for segment in segments:
+        rollout = segment["rollout"]
+        first = rollout["obs"][0]
+        assert (first[:, 0] == 0).all(), "every env starts the rollout at its episode's first observation"
+        lengths = first[:, 1].long()
+        lengths_seen.update(lengths.tolist())
+        # A group of 2 starts from one state (here: the episode's length); groups draw their own.
+        assert torch.equal(lengths[0::2], lengths[1::2])
+        for n, length in enumerate(lengths.tolist()):
+            active = [t < length for t in range(steps)]
+            assert rollout["active"][:, n].tolist() == active
+            assert rollout["valid"][:, n].tolist() == active  # an inactive step is no transition of the rollout
+            done = [t == length - 1 for t in range(steps)]
+            assert rollout["episode_done"][:, n].tolist() == done
+            assert rollout["episode_length"][:, n].tolist() == [length if d else 0 for d in done]
+            assert rollout["episode_return"][:, n].tolist() == [float(length) if d else 0.0 for d in done]
+    assert len(lengths_seen) > 1, "rollouts draw new initial states"
+
+
+class EpisodeAlgorithm(PPO):
+    @classmethod
+    def schedule(cls, config):
+        return Schedule(rollout_unit="episode")
+
+
+def test_an_episode_rollout_is_a_fixed_number_of_decisions_from_the_config():
+    cfg = load_config(None, ["env.id=Pendulum-v1", "env.action_chunk=8"])  # Pendulum's step limit: 200
+    plan = plan_run(cfg, build_topology(cfg.layout, 1), EpisodeAlgorithm)
+    assert plan.episodes and plan.num_steps == math.ceil(200 / 8)
+    cfg = load_config(None, ["env.id=Pendulum-v1", "env.max_episode_steps=50"])
+    assert plan_run(cfg, build_topology(cfg.layout, 1), EpisodeAlgorithm).num_steps == 50
+    assert not plan_run(cfg, build_topology(cfg.layout, 1), PPO).episodes  # PPO keeps windows
+    cfg = load_config(None, ["env.id=RandomLength-v0"])  # registered without a step limit
+    with pytest.raises(UserError, match="states no step limit: set env.max_episode_steps"):
+        plan_run(cfg, build_topology(cfg.layout, 1), EpisodeAlgorithm)

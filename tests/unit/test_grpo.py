@@ -1,0 +1,45 @@
+"""GRPO's pieces by hand: episode outcomes from an episode rollout, group-relative advantages, dynamic sampling, and
+the clip-higher objective."""
+
+import torch
+from tensordict import TensorDict
+
+from spmd_rl.algorithms.configs import GRPOConfig
+from spmd_rl.algorithms.grpo import episode_outcomes, group_advantages, grpo_losses
+
+
+def test_an_outcome_is_the_return_of_the_episode_the_column_ran_in_the_rollout():
+    # 3 decisions x 2 columns x chunks of 2: column 0's episode ends after decision 1 (its last decision's second
+    # step did not run), column 1 runs all three.
+    reward = torch.tensor([[[1.0, 2.0], [10.0, 20.0]], [[3.0, 99.0], [30.0, 40.0]], [[5.0, 6.0], [50.0, 60.0]]])
+    chunk_valid = torch.tensor([[[1, 1], [1, 1]], [[1, 0], [1, 1]], [[1, 1], [1, 1]]], dtype=torch.bool)
+    active = torch.tensor([[True, True], [True, True], [False, True]])
+    rollout = TensorDict({"reward": reward, "chunk_valid": chunk_valid, "active": active}, batch_size=[3, 2])
+    assert episode_outcomes(rollout).tolist() == [1 + 2 + 3, 10 + 20 + 30 + 40 + 50 + 60]
+
+
+def test_advantages_are_relative_to_the_group_and_flat_groups_are_dropped_when_asked():
+    outcome = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 3.0])
+    advantage, kept = group_advantages(outcome, 4, std_eps=0.0, filter_groups=True)
+    # group 0: mean 0.5, unbiased std sqrt(1/3); group 1 is flat; group 2: mean 0.75, std 1.5
+    s = (1 / 3) ** 0.5
+    expected = [0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s, 0, 0, 0, 0, -0.5, -0.5, -0.5, 1.5]
+    torch.testing.assert_close(advantage, torch.tensor(expected))
+    assert kept.tolist() == [True] * 4 + [False] * 4 + [True] * 4
+    _, kept = group_advantages(outcome, 4, std_eps=1e-6, filter_groups=False)
+    assert kept.all()
+
+
+def test_the_ratio_is_clipped_higher_above_than_below():
+    cfg = GRPOConfig(clip_low=0.2, clip_high=0.28)
+    old = torch.zeros(4)
+    new = torch.log(torch.tensor([1.5, 1.5, 0.5, 0.5]))  # ratios 1.5 and 0.5
+    advantage = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    weight = torch.full((4,), 0.25)
+    losses = grpo_losses(new, old, None, torch.zeros(4), advantage, weight, cfg)
+    # min(A r, A clip(r)): A=1, r=1.5 -> 1.28; A=-1, r=1.5 -> -1.5; A=1, r=0.5 -> 0.5; A=-1, r=0.5 -> -0.8
+    torch.testing.assert_close(losses["policy_loss"], -torch.tensor(1.28 - 1.5 + 0.5 - 0.8) / 4)
+    assert losses["clip_fraction"].item() == 1.0 and "kl_ref" not in losses
+    ref = torch.zeros(4)
+    k3 = grpo_losses(new, old, ref, torch.zeros(4), advantage, weight, cfg)["kl_ref"]
+    torch.testing.assert_close(k3, ((1 / torch.tensor([1.5, 1.5, 0.5, 0.5])) - 1 + new).mean())
