@@ -169,5 +169,11 @@ def test_a_policy_whose_action_shape_is_not_the_action_space_s():
     chunked_cfg = load_config(None, ["env.id=Pendulum-v1", "env.action_chunk=4"])
     chunked_spec = probe_env(chunked_cfg.env)
     contract.check_policy(chunked_cfg, chunked_spec, ChunkDeclaring, algorithm_cls)
+
+    class OneActionDeclaring(policy_cls):
+        def outputs(self):
+            declared = outputs(self)
+            return {**declared, "action": dataclasses.replace(declared["action"], shape=(1,))}
+
     with pytest.raises(UserError, match=r"shape \(1,\), but the action space .* shape \(4, 1\) \(a chunk of env"):
-        contract.check_policy(chunked_cfg, chunked_spec, policy_cls, algorithm_cls)
+        contract.check_policy(chunked_cfg, chunked_spec, OneActionDeclaring, algorithm_cls)
