@@ -37,7 +37,7 @@ from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.modules.actor_critic import LOG_SQRT_2PI, actor_critic_outputs
 from spmd_rl.modules.configs import VLAConfig
 from spmd_rl.modules.encoders import image_batch, image_layout
-from spmd_rl.modules.pretrained import load_weights, read_json, read_model_config
+from spmd_rl.modules.pretrained import load_weights, read_json, read_model_config, weight_files
 from spmd_rl.runtime.errors import UserError
 
 ACTION_BINS = 256  # per action dimension, on the vocabulary's last ids (OpenVLA)
@@ -137,15 +137,17 @@ def needs(package: str) -> None:
 
 
 def backbone_config(config: VLAConfig) -> tuple[object, torch.dtype, tuple[list[float], list[float]]]:
-    """(the PaliGemmaConfig, the dtype its weights files hold, the image (mean, std) per channel)."""
-    needs("transformers")
-    from transformers import PaliGemmaConfig
-
+    """(the PaliGemmaConfig, the dtype its weights files hold, the image (mean, std) per channel). A folder is
+    checked before transformers is imported (seconds), so a bad one is refused at once."""
+    mean = std = [SIGLIP_MEAN_STD] * 3
     if not config.pretrained:
+        needs("transformers")
+        from transformers import PaliGemmaConfig
+
         preset = PRESETS[config.preset]
         text = preset["text"]
         built = PaliGemmaConfig(vision_config=preset["vision"], text_config=text, projection_dim=text["hidden_size"])
-        return built, torch.float32, ([SIGLIP_MEAN_STD] * 3, [SIGLIP_MEAN_STD] * 3)
+        return built, torch.float32, (mean, std)
     folder = Path(config.pretrained).expanduser()
     raw = read_model_config(folder)
     if raw.get("model_type") != "paligemma":
@@ -153,28 +155,31 @@ def backbone_config(config: VLAConfig) -> tuple[object, torch.dtype, tuple[list[
             f"policy.pretrained={clip(config.pretrained)}: config.json's model_type is "
             f"{clip(repr(raw.get('model_type')))}; the vla policy reads PaliGemma folders (model_type 'paligemma')"
         )
-    try:
-        built = PaliGemmaConfig.from_dict(raw)
-    except Exception as exc:  # transformers' own validation of the values
-        raise UserError(f"policy.pretrained: {folder / 'config.json'} is not a valid PaliGemma config: {exc}") from None
+    weight_files(folder)  # present, or the index's files present
     dtype_name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
     file_dtype = getattr(torch, dtype_name, None)
     if not isinstance(file_dtype, torch.dtype):
         raise UserError(
             f"policy.pretrained: {folder / 'config.json'} declares dtype {clip(dtype_name)}, not a torch dtype"
         )
-    mean = std = [SIGLIP_MEAN_STD] * 3
     if (folder / PROCESSOR_FILE).is_file():
         processor = read_json(folder / PROCESSOR_FILE, "policy.pretrained:")
         mean, std = processor.get("image_mean", mean), processor.get("image_std", std)
+    needs("transformers")
+    from transformers import PaliGemmaConfig
+
+    try:
+        built = PaliGemmaConfig.from_dict(raw)
+    except Exception as exc:  # transformers' own validation of the values
+        raise UserError(f"policy.pretrained: {folder / 'config.json'} is not a valid PaliGemma config: {exc}") from None
     return built, file_dtype, (list(mean), list(std))
 
 
 def build_backbone(config: VLAConfig) -> tuple[nn.Module, tuple[list[float], list[float]]]:
     """The PaliGemma model (its pretrained weights in when policy.pretrained is set) and the image mean and std."""
+    built, file_dtype, mean_std = backbone_config(config)
     from transformers import PaliGemmaForConditionalGeneration
 
-    built, file_dtype, mean_std = backbone_config(config)
     built.vision_config.vision_use_head = False
     backbone = PaliGemmaForConditionalGeneration(built).to(torch.float32)
     if config.pretrained:
@@ -413,6 +418,55 @@ class VLAPolicy(Policy):
     def forward(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # DDP and FSDP hook forward(): the trainer calls model(obs, action) to get evaluate() with synced grads.
         return self.evaluate(obs, action)
+
+    # -- policy.pt with LoRA ---------------------------------------------------------------------------------
+
+    def _lora_layers(self) -> list[tuple[str, nn.Module]]:
+        """(name, layer) of every Linear peft wrapped with an adapter."""
+        return [(name, m) for name, m in self.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+
+    def _trainable(self) -> set[str]:
+        return {name for name, parameter in self.named_parameters() if parameter.requires_grad}
+
+    def file_state(self) -> dict[str, Tensor]:
+        """policy.pt: with LoRA and policy.lora.save=merged, each adapter folded into its layer's weight (the keys
+        of the same policy without LoRA); with save=adapters, only the trainable tensors."""
+        state = self.state_dict()
+        if not self.config.lora.rank:
+            return state
+        if self.config.lora.save == "adapters":
+            trainable = self._trainable()
+            return {key: value for key, value in state.items() if key in trainable}
+        merged = {key: value for key, value in state.items() if ".lora_" not in key}
+        with torch.no_grad():
+            for name, layer in self._lora_layers():
+                merged[f"{name}.weight"] = merged.pop(f"{name}.base_layer.weight") + layer.get_delta_weight("default")
+                if f"{name}.base_layer.bias" in merged:
+                    merged[f"{name}.bias"] = merged.pop(f"{name}.base_layer.bias")
+        return merged
+
+    def from_file_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A policy file in the state_dict layout: a checkpoint's as it is; a merged policy.pt with each merged
+        weight as its layer's base and a zero adapter (the same function); an adapters-only one with the frozen
+        rest as this policy was built (from policy.pretrained). What is missing stays missing (the loader names it)."""
+        if not self.config.lora.rank or any(".base_layer." in key for key in state):
+            return state
+        own = self.state_dict()
+        layers = self._lora_layers()
+        if not any(f"{name}.weight" in state for name, _ in layers):  # adapters only
+            trainable = self._trainable()
+            return {key: value for key, value in own.items() if key not in trainable} | state
+        full = dict(state)
+        for name, _ in layers:
+            for kind in ("weight", "bias"):
+                if f"{name}.{kind}" in full:
+                    full[f"{name}.base_layer.{kind}"] = full.pop(f"{name}.{kind}")
+            for key in own:
+                if key.startswith(f"{name}.lora_A."):
+                    full[key] = own[key]
+                elif key.startswith(f"{name}.lora_B."):
+                    full[key] = torch.zeros_like(own[key])
+        return full
 
     def _gaussian_log_prob(self, mean: Tensor, action: Tensor) -> Tensor:
         z = (action - mean) * torch.exp(-self.log_std)

@@ -1,0 +1,62 @@
+"""PPO with the vla policy through `python -m spmd_rl.main`: a tiny PaliGemma folder made here (sharded safetensors),
+an instructed reaching env with camera image, state and instruction ids; in one process with LoRA (policy.pt merged,
+loaded back by load_policy), and split over 4 ranks with the bins head and LoRA (the frozen base sent once);
+a bad folder is one line and exit 2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness.runs import TINY, assert_one_line_exit_2, assert_run_complete, run_main
+from harness.vla_fixtures import make_model_folder
+
+from spmd_rl.modules.vla import VLAPolicy
+from spmd_rl.run.policies import load_policy
+
+ENV = "env.id=tests.harness.vla_fixtures:InstructedReach-v0"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_model_folder(tmp_path_factory.mktemp("paligemma"))
+
+
+def test_ppo_fine_tunes_lora_adapters_in_one_process_and_policy_pt_is_merged(folder, tmp_path):
+    result = run_main(
+        "--config", TINY, f"run.dir={tmp_path}", ENV, "policy.class=vla", f"policy.pretrained={folder}",
+        "policy.lora.rank=4", "train.total_steps=96",
+    )  # fmt: skip
+    records = assert_run_complete(result, tmp_path, iterations=3)
+    assert records[-1]["episodes"] > 0 and records[-1]["approx_kl"] > 0
+    state = torch.load(tmp_path / "policy.pt")
+    assert not any(".lora_" in key for key in state) and "backbone.lm_head.weight" in state
+    policy, cfg = load_policy(tmp_path)  # the merged file reads back into the LoRA policy the config builds
+    assert isinstance(policy, VLAPolicy) and cfg.policy.lora.rank == 4
+    obs, _ = policy_env_reset()
+    assert policy.act(obs, deterministic=True)["action"].shape == (2,)
+
+
+def policy_env_reset():
+    from harness.vla_fixtures import InstructedReach
+
+    return InstructedReach().reset(seed=0)
+
+
+@pytest.mark.slow
+def test_ppo_trains_the_bins_head_with_lora_split_over_4_ranks(folder, tmp_path):
+    result = run_main(
+        "--config", TINY, f"run.dir={tmp_path}", ENV, "policy.class=vla", f"policy.pretrained={folder}",
+        "policy.action_head=bins", "policy.lora.rank=4", "policy.lora.save=adapters", "layout.mode=split",
+        "layout.trainer=1", "layout.inference=1", "layout.env=2", "weights.verify_every=1",
+        nproc=4,
+    )  # fmt: skip
+    records = assert_run_complete(result, tmp_path, iterations=4)
+    assert records[-1]["episodes"] > 0 and records[-1]["time_weight_sync_s"] > 0
+    state = torch.load(tmp_path / "policy.pt")
+    assert state and all(".lora_" in key or not key.startswith("backbone.") for key in state)
+
+
+def test_a_pretrained_folder_without_config_json_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "model").mkdir()
+    result = run_main("--config", TINY, ENV, "policy.class=vla", f"policy.pretrained={tmp_path / 'model'}")
+    assert_one_line_exit_2(result, "policy.pretrained=", "holds no config.json")
