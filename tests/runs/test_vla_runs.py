@@ -1,6 +1,7 @@
 """PPO with the vla policy through `python -m spmd_rl.main`: a tiny PaliGemma folder made here (sharded safetensors),
 an instructed reaching env with camera image, state and instruction ids; in one process with LoRA (policy.pt merged,
-loaded back by load_policy), and split over 4 ranks with the bins head and LoRA (the frozen base sent once);
+loaded back by load_policy), and split over 5 ranks with the bins head, LoRA (policy.pt as adapters), two fsdp
+trainers and bf16;
 a bad folder is one line and exit 2."""
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ def policy_env_reset():
 
 
 @pytest.mark.slow
-def test_ppo_trains_the_bins_head_with_lora_split_over_4_ranks(folder, tmp_path):
+def test_ppo_trains_the_bins_head_with_lora_on_two_fsdp_trainers_in_bf16_split_over_5_ranks(folder, tmp_path):
     result = run_main(
         "--config", TINY, f"run.dir={tmp_path}", ENV, "policy.class=vla", f"policy.pretrained={folder}",
-        "policy.action_head=bins", "policy.lora.rank=4", "policy.lora.save=adapters", "layout.mode=split",
-        "layout.trainer=1", "layout.inference=1", "layout.env=2", "weights.verify_every=1",
-        nproc=4,
+        "policy.action_head=bins", "policy.lora.rank=4", "policy.lora.save=adapters", "train.parallel=fsdp",
+        "train.precision=bf16", "inference.dtype=bf16", "layout.mode=split", "layout.trainer=2",
+        "layout.inference=1", "layout.env=2", "weights.verify_every=1",
+        nproc=5,
     )  # fmt: skip
     records = assert_run_complete(result, tmp_path, iterations=4)
     assert records[-1]["episodes"] > 0 and records[-1]["time_weight_sync_s"] > 0
