@@ -50,6 +50,7 @@ def test_ppo_trains_the_bins_head_with_lora_on_two_fsdp_trainers_in_bf16_split_o
         "policy.action_head=bins", "policy.lora.rank=4", "policy.lora.save=adapters", "train.parallel=fsdp",
         "train.precision=bf16", "inference.dtype=bf16", "layout.mode=split", "layout.trainer=2",
         "layout.inference=1", "layout.env=2", "weights.verify_every=1",
+        "dist.timeout_s=300",  # each rank imports transformers (seconds of CPU each) within the bound on user code
         nproc=5,
     )  # fmt: skip
     records = assert_run_complete(result, tmp_path, iterations=4)
