@@ -136,7 +136,12 @@ class LoraConfig:
 
     rank: int = knob(0, "LoRA rank r (0 = no adapters: every weight trains)", min=0)
     alpha: float = knob(16.0, "LoRA alpha: the adapters' output is scaled by alpha / rank", min=0.0)
-    dropout: float = knob(0.0, "dropout on the adapters' input", min=0.0, max=1.0)
+    dropout: float = knob(
+        0.0,
+        "dropout on the adapters' input (acting and learning draw different masks: PPO's first ratio is 1 only with 0)",
+        min=0.0,
+        max=1.0,
+    )
     target_modules: list[str] = knob(
         None,
         "names (or name suffixes) of the backbone's Linear layers that get adapters; each must match at least one",

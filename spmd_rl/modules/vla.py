@@ -221,7 +221,17 @@ class VLAPolicy(Policy):
         self.backbone, (mean, std) = build_backbone(config)
         text, vision = self.backbone.config.text_config, self.backbone.config.vision_config
         width = text.hidden_size
-        self._check_images(observation_space, config, vision.num_channels, len(mean))
+        if len(mean) != vision.num_channels or len(std) != vision.num_channels:
+            raise UserError(
+                f"policy.pretrained: {PROCESSOR_FILE} gives {len(mean)} image_mean and {len(std)} image_std values "
+                f"for a vision encoder of {vision.num_channels} channels"
+            )
+        if config.action_head == "bins" and text.vocab_size < ACTION_BINS:
+            raise UserError(
+                f"policy.action_head=bins takes the vocabulary's last {ACTION_BINS} ids, but the decoder has "
+                f"{text.vocab_size}; use action_head=gaussian"
+            )
+        self._check_images(observation_space, config, vision.num_channels)
         self._check_instruction(observation_space, config, text.vocab_size)
         self.image_size = vision.image_size
         self.register_buffer("image_mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
@@ -286,7 +296,7 @@ class VLAPolicy(Policy):
                 )
 
     @staticmethod
-    def _check_images(space: gym.spaces.Dict, config: VLAConfig, channels: int, normalized: int) -> None:
+    def _check_images(space: gym.spaces.Dict, config: VLAConfig, channels: int) -> None:
         for key in config.image_keys:
             image = space[key]
             if not (isinstance(image, gym.spaces.Box) and len(image.shape) in (2, 3)):
@@ -294,10 +304,10 @@ class VLAPolicy(Policy):
                     f"policy.image_keys: observation['{key}'] {image} is not an image (H x W x C or C x H x W)"
                 )
             c = image_layout(image)[1][0]
-            if c not in (1, channels) or normalized != channels:
+            if c not in (1, channels):
                 raise UserError(
-                    f"policy.image_keys: observation['{key}'] has {c} channel(s); the vision encoder takes {channels} "
-                    f"(with {normalized} image mean/std values); give {channels} or 1 (repeated)"
+                    f"policy.image_keys: observation['{key}'] has {c} channel(s); the vision encoder takes {channels}; "
+                    f"give {channels} or 1 (repeated)"
                 )
 
     @staticmethod
