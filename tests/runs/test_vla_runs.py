@@ -1,15 +1,14 @@
 """PPO with the vla policy through `python -m spmd_rl.main`: a tiny PaliGemma folder made here (sharded safetensors),
-an instructed reaching env with camera image, state and instruction ids; in one process with LoRA (policy.pt merged,
-loaded back by load_policy), and split over 5 ranks with the bins head, LoRA (policy.pt as adapters), two fsdp
-trainers and bf16;
-a bad folder is one line and exit 2."""
+an instructed reaching env with camera image, state and instruction ids. In one process with LoRA (stopped after an
+iteration and resumed; policy.pt merged, loaded back by load_policy); split over 5 ranks with the bins head, LoRA
+(policy.pt as adapters), two fsdp trainers and bf16; a bad folder is one line and exit 2."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from harness.runs import TINY, assert_one_line_exit_2, assert_run_complete, run_main
-from harness.vla_fixtures import make_model_folder
+from harness.vla_fixtures import InstructedReach, make_model_folder
 
 from spmd_rl.modules.vla import VLAPolicy
 from spmd_rl.run.policies import load_policy
@@ -22,25 +21,23 @@ def folder(tmp_path_factory):
     return make_model_folder(tmp_path_factory.mktemp("paligemma"))
 
 
-def test_ppo_fine_tunes_lora_adapters_in_one_process_and_policy_pt_is_merged(folder, tmp_path):
-    result = run_main(
+def test_ppo_fine_tunes_lora_adapters_in_one_process_resumes_and_writes_policy_pt_merged(folder, tmp_path):
+    args = [
         "--config", TINY, f"run.dir={tmp_path}", ENV, "policy.class=vla", f"policy.pretrained={folder}",
         "policy.lora.rank=4", "train.total_steps=96",
-    )  # fmt: skip
+    ]  # fmt: skip
+    stopped = run_main(*args, "run.stop_after_iterations=1")
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    result = run_main(*args)  # resumes from the checkpoint: base and adapters
+    assert "resuming from" in result.stdout, result.stdout[-3000:]
     records = assert_run_complete(result, tmp_path, iterations=3)
     assert records[-1]["episodes"] > 0 and records[-1]["approx_kl"] > 0
     state = torch.load(tmp_path / "policy.pt")
     assert not any(".lora_" in key for key in state) and "backbone.lm_head.weight" in state
     policy, cfg = load_policy(tmp_path)  # the merged file reads back into the LoRA policy the config builds
     assert isinstance(policy, VLAPolicy) and cfg.policy.lora.rank == 4
-    obs, _ = policy_env_reset()
+    obs, _ = InstructedReach().reset(seed=0)  # one observation as gymnasium gives it
     assert policy.act(obs, deterministic=True)["action"].shape == (2,)
-
-
-def policy_env_reset():
-    from harness.vla_fixtures import InstructedReach
-
-    return InstructedReach().reset(seed=0)
 
 
 @pytest.mark.slow
