@@ -239,8 +239,6 @@ class VLAPolicy(Policy):
         self.chunk, self.dims = config.action_chunk, int(action_space.shape[0])
         shape = (self.chunk, self.dims) if self.chunk > 1 else (self.dims,)
         self.action_field = StepField(shape, torch.float32)
-        self.register_buffer("action_low", torch.as_tensor(action_space.low, dtype=torch.float32), persistent=False)
-        self.register_buffer("action_high", torch.as_tensor(action_space.high, dtype=torch.float32), persistent=False)
         queries = self.chunk * self.dims
         if config.state_key:
             state_features = math.prod(observation_space[config.state_key].shape)
@@ -252,6 +250,13 @@ class VLAPolicy(Policy):
             nn.init.orthogonal_(self.mean_head.weight, 0.01)  # near-zero first actions, as the actor-critic's
             nn.init.zeros_(self.mean_head.bias)
             self.log_std = nn.Parameter(torch.full((queries,), float(config.log_std_init)))
+        else:  # the bins' bounds, per dimension of the chunk (finite: checked)
+            low, high = (
+                torch.as_tensor(b, dtype=torch.float32).repeat(self.chunk)
+                for b in (action_space.low, action_space.high)
+            )
+            self.register_buffer("action_low", low, persistent=False)
+            self.register_buffer("action_high", high, persistent=False)
         self.value_head = nn.Linear(width, 1)
         nn.init.orthogonal_(self.value_head.weight, 1.0)
         nn.init.zeros_(self.value_head.bias)
@@ -388,12 +393,12 @@ class VLAPolicy(Policy):
         return self.heads(obs)[1]
 
     def _bin_of(self, action: Tensor) -> Tensor:
-        low, high = self.action_low.repeat(self.chunk), self.action_high.repeat(self.chunk)
-        return ((action - low) / (high - low) * ACTION_BINS).floor().clamp(0, ACTION_BINS - 1).long()
+        scaled = (action - self.action_low) / (self.action_high - self.action_low) * ACTION_BINS
+        return scaled.floor().clamp(0, ACTION_BINS - 1).long()
 
     def _action_of(self, bins: Tensor) -> Tensor:
-        low, high = self.action_low.repeat(self.chunk), self.action_high.repeat(self.chunk)
-        return low + (bins.to(torch.float32) + 0.5) * (high - low) / ACTION_BINS  # each bin's centre
+        width = (self.action_high - self.action_low) / ACTION_BINS
+        return self.action_low + (bins.to(torch.float32) + 0.5) * width  # each bin's centre
 
     def act(self, obs, deterministic: bool = False) -> dict[str, Tensor]:
         """Sample an action chunk (the mode when deterministic) with its log-prob and the value; Gaussian actions
