@@ -676,16 +676,24 @@ def describe_schema(cfg: Config | None = None) -> str:
 
 
 def _describe_section(name: str, cls: type, note: str = "") -> list[str]:
-    lines = [f"  {name}:" + (f"  ({note})" if note else "")]
+    return [f"  {name}:" + (f"  ({note})" if note else ""), *_describe_keys(name, cls)]
+
+
+def _describe_keys(prefix: str, cls: type) -> list[str]:
+    """One line per key; a key that is a section of its own (policy.lora) as one line per key inside it."""
+    lines = []
     hints = typing.get_type_hints(cls)
     defaults = cls()
     for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines += _describe_keys(f"{prefix}.{f.name}", hints[f.name])
+            continue
         default = getattr(defaults, f.name)
         extra = ""
         if f.metadata.get("choices"):
             extra = f" [{'|'.join(f.metadata['choices'])}]"
         lines.append(
-            f"    {name}.{f.name} ({_type_name(hints[f.name])}, default {default!r}){extra}: "
+            f"    {prefix}.{f.name} ({_type_name(hints[f.name])}, default {default!r}){extra}: "
             f"{f.metadata.get('help', '')}"
         )
     return lines

@@ -56,6 +56,7 @@ POLICY = Kind(
             "spmd_rl.modules.configs:SquashedGaussianConfig",
         ),
         "transformer": ("spmd_rl.modules.transformer:TransformerPolicy", "spmd_rl.modules.configs:TransformerConfig"),
+        "vla": ("spmd_rl.modules.vla:VLAPolicy", "spmd_rl.modules.configs:VLAConfig"),
         "q_network": ("spmd_rl.modules.q_network:QNetwork", "spmd_rl.modules.configs:QNetworkConfig"),
         "deterministic_actor": (
             "spmd_rl.modules.deterministic_actor:DeterministicActor",

@@ -98,6 +98,17 @@ class Policy(nn.Module):
         (rollout["episode_start"])."""
         return None
 
+    def file_state(self) -> dict[str, Tensor]:
+        """What policy.pt holds: the state_dict (the default). A policy may write another layout (the vla policy's
+        LoRA adapters merged into its weights, or the adapters alone) that `from_file_state` reads back;
+        checkpoints always hold the state_dict."""
+        return self.state_dict()
+
+    def from_file_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A policy file's tensors (policy.pt as `file_state` wrote it, or a checkpoint's state_dict) in this
+        policy's state_dict layout, which the loader then checks key by key (the default: as they are)."""
+        return state
+
     def update_normalizer(self, obs: Tensor | TensorDict, context: Context) -> None:
         """Fold a batch of observations into running statistics the policy holds (merged across trainers with
         `context.merge_normalizer`). Algorithms call it; the default holds no statistics."""

@@ -141,3 +141,67 @@ class QNetworkConfig(EncoderConfig):
         "CNN encoder preset (see policy.cnn of the actor-critic): small or nature",
         choices=["small", "nature"],
     )
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters through peft (`policy.lora`): rank 0 trains the whole policy."""
+
+    rank: int = knob(0, "LoRA rank r (0 = no adapters: every weight trains)", min=0)
+    alpha: float = knob(16.0, "LoRA alpha: the adapters' output is scaled by alpha / rank", min=0.0)
+    dropout: float = knob(
+        0.0,
+        "dropout on the adapters' input (acting and learning draw different masks: PPO's first ratio is 1 only with 0)",
+        min=0.0,
+        max=1.0,
+    )
+    target_modules: list[str] = knob(
+        None,
+        "names (or name suffixes) of the backbone's Linear layers that get adapters; each must match at least one",
+        factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+    )
+    save: str = knob(
+        "merged",
+        "what policy.pt holds: merged (the adapters folded into the base weights: a plain policy without LoRA) or "
+        "adapters (only what trains: adapters, heads, log std; the frozen base comes from policy.pretrained)",
+        choices=["merged", "adapters"],
+    )
+
+
+@dataclass
+class VLAConfig:
+    """The built-in vision-language-action policy (`policy.class: vla`, modules/vla.py): camera images through a
+    SigLIP vision encoder, the instruction's tokens and a state token into a Gemma decoder, an action chunk out (a
+    Gaussian, or 256 bins per dimension on the vocabulary's last ids), and a value head for PPO."""
+
+    pretrained: str = knob(
+        "",
+        "a local transformers PaliGemma folder (config.json, model.safetensors or sharded with "
+        "model.safetensors.index.json); '' = the preset, randomly initialized",
+        omit_default=True,
+    )
+    preset: str = knob(
+        "tiny",
+        "size when policy.pretrained is '': tiny (~5M parameters, tests), small (~100M, CPU benchmarks), base "
+        "(~3B, PaliGemma-3B's shapes; a GPU)",
+        choices=["tiny", "small", "base"],
+    )
+    image_keys: list[str] = knob(
+        None, "the Dict observation's camera images (uint8, HxWxC or CxHxW; any size)", factory=lambda: ["image"]
+    )
+    state_key: str = knob("state", "the Dict observation's proprioceptive state vector ('' = none)")
+    instruction_key: str = knob(
+        "instruction",
+        "the Dict observation's instruction: token ids and their mask under <key>/ids and <key>/mask, as text "
+        "observations arrive ('' = none)",
+    )
+    action_head: str = knob(
+        "gaussian",
+        "gaussian: a diagonal Gaussian over the chunk (state-independent log std); bins: 256 bins per action "
+        "dimension, their logits the language head's on the vocabulary's last 256 ids (OpenVLA)",
+        choices=["gaussian", "bins"],
+    )
+    log_std_init: float = knob(0.0, "initial log std of the Gaussian head")
+    lora: LoraConfig = knob(
+        None, "LoRA adapters through peft: {rank, alpha, dropout, target_modules, save}", factory=LoraConfig
+    )

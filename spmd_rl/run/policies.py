@@ -41,7 +41,7 @@ def build_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], device: t
 def save_policy(policy: Policy, run_dir: Path) -> None:
     # Clones: with a weight sync, tensors of several dtypes are views of one byte bucket, which torch.save
     # refuses; the file should hold plain tensors anyway.
-    torch_save_atomic({k: v.detach().clone() for k, v in policy.state_dict().items()}, run_dir / POLICY_FILE)
+    torch_save_atomic({k: v.detach().clone() for k, v in policy.file_state().items()}, run_dir / POLICY_FILE)
 
 
 def load_policy(path: str | Path, device: str | torch.device = "cpu", config_overrides=()):
@@ -69,7 +69,7 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", config_ove
     with torch.random.fork_rng(devices=cuda_indices(device)):  # build_policy seeds torch: keep the caller's RNG
         policy = build_policy(cfg, spec, policy_cls, device)
     try:
-        load_fitted(policy, state)
+        load_fitted(policy, policy.from_file_state(state))
     except UserError as exc:  # missing / unexpected keys, shape or dtype mismatches
         raise UserError(
             f"{weights}: its weights do not fit policy.class '{cfg.classes['policy']}' built from "
