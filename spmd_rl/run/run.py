@@ -420,7 +420,7 @@ class Run:
     def _gathers_weights(self) -> bool:
         """Whether trainers publish through a GatheredWeightSource: their parameters are shards, or the wire
         carries another dtype than theirs (otherwise trainer 0's own tensors are the buckets)."""
-        return self.cfg.train.parallel == "fsdp" or self.cfg.inference.dtype != "fp32"
+        return self.plan.parallel.sharded or self.cfg.inference.dtype != "fp32"
 
     def _gathered_weight_source(self, policy: Policy) -> GatheredWeightSource:
         """Sharded trainers each send their own shards (ShardedWeightSource); replicated ones with another wire
@@ -506,7 +506,7 @@ class Run:
                 "run.init_prefix loads a part of the policy, and run.init_algorithm=true the algorithm's state "
                 "for the whole of it: use one of them"
             )
-        if run.init_algorithm and self.cfg.train.parallel == "fsdp":
+        if run.init_algorithm and self.plan.parallel.sharded:
             raise UserError(
                 "run.init_algorithm=true with train.parallel=fsdp is not supported (the optimizer state would have "
                 "to be resharded from a whole copy); start from the weights only, or resume the run instead"
@@ -527,11 +527,6 @@ class Run:
         """run.init_algorithm: the algorithm's state from run.init_from's checkpoint (a fresh run only)."""
         if state is None:
             return
-        if any(sharding.is_dtensor(p) for p in algorithm.policy.parameters()):
-            raise UserError(
-                "run.init_algorithm=true with train.parallel=fsdp is not supported (the optimizer state would have "
-                "to be resharded from a whole copy); start from the weights only, or resume the run instead"
-            )
         try:
             algorithm.load_state_dict(state)
         except (RuntimeError, KeyError, ValueError) as exc:
