@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from spmd_rl.algorithms.configs import PPOConfig
-from spmd_rl.algorithms.fused_adam import FusedAdamStep, clip_grad_norm
+from spmd_rl.algorithms.optimizer_step import FusedAdamStep, clip_grad_norm
 from spmd_rl.algorithms.vtrace import vtrace
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, PolicyMethod, Schedule
 from spmd_rl.interfaces.context import Context

@@ -15,7 +15,7 @@ import torch
 
 from spmd_rl.envs import spaces
 from spmd_rl.envs.backend import EnvBackend, old_gym_api_hint
-from spmd_rl.envs.state import as_arrays, as_tensors
+from spmd_rl.envs.gymnasium_state import as_arrays, as_tensors
 from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE
 from spmd_rl.runtime.errors import UserCodeError, describe_exception
 from spmd_rl.runtime.watchdog import watchdog
@@ -182,8 +182,8 @@ class EnvRunner:
         self.send_segment()
 
     def state_dict(self) -> dict:
-        """Where the envs stand between rollouts (with their own state, see envs/state.py): the observation the next
-        step acts on, which envs' next step is a reset, the step counter."""
+        """Where the envs stand between rollouts (with their own state, see envs/gymnasium_state.py): the observation
+        the next step acts on, which envs' next step is a reset, the step counter."""
         state = {
             "obs": as_tensors(self.obs),
             "next_step_valid": torch.from_numpy(self.next_step_valid.copy()),

@@ -205,7 +205,11 @@ def test_a_file_written_before_checksums_is_still_read_and_continued(tmp_path, c
 
 def inspect_run(run_dir):
     return subprocess.run(
-        [PYTHON, "-m", "spmd_rl.data", "inspect", str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [PYTHON, "-m", "spmd_rl.experience", "inspect", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

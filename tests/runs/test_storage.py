@@ -300,7 +300,7 @@ def test_inspect_bad_input_exits_2_with_one_line(tmp_path, capsys):
     (tmp_path / "buffer").mkdir()
     (tmp_path / "buffer" / "rank0.h5").write_bytes(b"\x00garbage" * 64)
     result = subprocess.run(
-        [PYTHON, "-m", "spmd_rl.data", "inspect", str(tmp_path)], capture_output=True, text=True, timeout=120
+        [PYTHON, "-m", "spmd_rl.experience", "inspect", str(tmp_path)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -363,7 +363,7 @@ def test_inspect_answers_at_once_on_a_truncated_or_corrupt_file(tmp_path):
     corrupt.write_bytes(content[:48] + b"\xab" * 64 + content[112:])  # the root group's header, after the superblock
     for path, problem in ((truncated, "is truncated: "), (corrupt, "is damaged: ")):
         result = subprocess.run(
-            [PYTHON, "-m", "spmd_rl.data", "inspect", str(path)], capture_output=True, text=True, timeout=120
+            [PYTHON, "-m", "spmd_rl.experience", "inspect", str(path)], capture_output=True, text=True, timeout=120
         )
         assert result.returncode == 2, result.stderr
         lines = result.stderr.strip().splitlines()

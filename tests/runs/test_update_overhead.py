@@ -15,7 +15,7 @@ import torch
 from harness.runs import TINY, assert_run_complete, run_main
 from torch import nn
 
-from spmd_rl.algorithms.fused_adam import FusedAdamStep, clip_grad_norm
+from spmd_rl.algorithms.optimizer_step import FusedAdamStep, clip_grad_norm
 from spmd_rl.algorithms.ppo import epoch_minibatches, shuffled_minibatches
 from spmd_rl.roles.trainer import FlushDenormals, flushing_denormals
 
@@ -157,7 +157,7 @@ def test_an_optimizer_is_built_saved_and_loaded_without_importing_torch_dynamo()
         "import sys, torch\n"
         "from spmd_rl.runtime.fast_imports import optimizers_without_dynamo\n"
         "optimizers_without_dynamo()\n"
-        "from spmd_rl.algorithms.fused_adam import FusedAdamStep\n"
+        "from spmd_rl.algorithms.optimizer_step import FusedAdamStep\n"
         "p = torch.nn.Parameter(torch.ones(3))\n"
         "optimizer = torch.optim.Adam([p], fused=True)\n"
         "p.grad = torch.ones(3)\n"

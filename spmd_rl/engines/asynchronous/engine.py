@@ -52,7 +52,7 @@ import time
 from collections import deque
 
 from spmd_rl.engines.asynchronous.config import AsyncEngineConfig
-from spmd_rl.engines.asynchronous.inference_server import AsyncInferenceServer
+from spmd_rl.engines.asynchronous.serving_threads import AsyncInferenceServer
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.roles.messages import async_observation_message
