@@ -18,7 +18,8 @@ import torch
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.channel import local_channel, open_channels
-from spmd_rl.comm.weights import GatheredWeightSource, ShardedWeightSource, WeightSync
+from spmd_rl.comm.weight_sources import GatheredWeightSource, ShardedWeightSource
+from spmd_rl.comm.weights import WeightSync
 from spmd_rl.config.sections import Config
 from spmd_rl.envs.backend import backend_for
 from spmd_rl.envs.vector import EnvSpec, group_of_envs

@@ -1,6 +1,7 @@
-"""The async engine's inference server, run by threads (AsyncInferenceServer): it answers whichever of its env ranks have sent, within the policy-lag
-bound, and takes new weights through a staging copy swapped in between forward passes. The rules that keep this
-deadlock-free are in engine.py's docstring (this folder); this file holds the lag gate they rely on."""
+"""The async engine's inference server, run by threads (AsyncInferenceServer): it answers whichever of its env
+ranks have sent, within the policy-lag bound, and takes new weights through a staging copy swapped in between
+forward passes. The rules that keep this deadlock-free are in engine.py's docstring (this folder); this file holds
+the lag gate they rely on."""
 
 from __future__ import annotations
 
