@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from spmd_rl.comm import sharding
-from spmd_rl.comm.channel import local_channel, open_channels
+from spmd_rl.comm.channel_setup import open_channels
+from spmd_rl.comm.local_channel import local_channel
 from spmd_rl.comm.weight_sources import GatheredWeightSource, ShardedWeightSource
 from spmd_rl.comm.weights import WeightSync
 from spmd_rl.config.sections import Config

@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from spmd_rl.comm.channel import local_channel
+from spmd_rl.comm.local_channel import local_channel
 from spmd_rl.engines.asynchronous.serving_threads import AsyncInferenceServer
 from spmd_rl.interfaces.policy import StepField
 from spmd_rl.roles.inference_server import InferenceParts
