@@ -1,6 +1,8 @@
 """Proximal Policy Optimization (Schulman et al. 2017), with the semantics of Stable-Baselines3's PPO.
 
-Read top to bottom: advantages from a rollout (GAE), then the clipped-surrogate update over minibatches.
+Read top to bottom: advantages from a rollout (GAE), then the clipped-surrogate update over minibatches. Over 400
+lines for that reason: the algorithm in paper order in one file (as CleanRL writes it), recurrent PPO taking its
+update tail from here.
 
 Rollouts come from gymnasium vector envs in NEXT_STEP autoreset mode: when step t ends an episode, the observation
 recorded at t+1 is that episode's final observation and step t+1 is a reset step whose action the env ignored.

@@ -17,6 +17,9 @@ the module is pointed back at the bucket.
 
 Bucket 0 starts with a 16-byte header: the policy version and the layout digest (int64 each), so the version
 travels inside the first bucket instead of costing a collective of its own.
+
+Over 400 lines: the bucket layout, its digest, the checksums and the receiving WeightSync are one protocol that
+every member of the weight group computes alike; the trainers' other sources are in weight_sources.py.
 """
 
 from __future__ import annotations
