@@ -1,7 +1,7 @@
 """The update overhead cuts (PPO's, issue 31; DQN's, SAC's and TD3's, issue 28) compute the same numbers, bit for
 bit, as the forms they replace: all epochs' shuffles at once against one epoch at a time, the fused Adam kernel
 called directly against optimizer.step() (also on a plain tensor, as SAC's temperature), the shared gradient clipping
-(optimizer_step.clip_grad_norm: PPO's and DQN's) against torch's, an optimizer built without importing torch._dynamo, and
+(clip_grad_norm of optimizer_step.py: PPO's, DQN's) vs torch's, an optimizer built without importing torch._dynamo, and
 the trainer's learn flushing denormal floats (its Adam steps on decayed moments) and nothing else."""
 
 from __future__ import annotations
