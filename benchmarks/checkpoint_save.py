@@ -18,7 +18,7 @@ import torch
 from gymnasium.wrappers import vector as vector_wrappers
 
 from benchmarks.common import machine
-from spmd_rl.envs.state import capture_env_state
+from spmd_rl.envs.gymnasium_state import capture_env_state
 from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state
 
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import nn
 
-from spmd_rl.comm.channel import open_channels
+from spmd_rl.comm.channel_setup import open_channels
 from spmd_rl.comm.weights import WeightSync
 
 TIMEOUT = datetime.timedelta(seconds=120)

@@ -43,7 +43,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import machine, table  # noqa: E402
 from spmd_rl.comm import sharding  # noqa: E402
-from spmd_rl.comm.weights import GatheredWeightSource, ShardedWeightSource, WeightSync  # noqa: E402
+from spmd_rl.comm.weight_sources import GatheredWeightSource, ShardedWeightSource  # noqa: E402
+from spmd_rl.comm.weights import WeightSync  # noqa: E402
 
 WIDTH = 2048
 BUCKET_MB = 64

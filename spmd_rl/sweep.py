@@ -11,6 +11,9 @@ exit 2 and one line. Each run gets its own run directory, named by its values, u
 (default runs/sweep-<run.name>-<digest of the combinations' configs>/), which also holds sweep.json (the plan).
 Rerunning the same command finds the same sweep directory: finished runs are skipped, stopped ones resume.
 
+Over 400 lines: one command read top to bottom (the grid, running it in this process, running it as a Slurm job
+array, the command line), each part short and used by the next.
+
 Sequentially (the default), each run is a `python -m spmd_rl.main` subprocess (or `LAUNCHER -m spmd_rl.main`, e.g.
 `--launcher "torchrun --standalone --nproc_per_node=4"`), its stdout and stderr in <run dir>/sweep.log. A failed run
 does not stop the others. Exit codes: 0 all done, 1 some failed (one line names them and their logs), 2 bad input,

@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from spmd_rl.algorithms.configs import DQNConfig
-from spmd_rl.algorithms.fused_adam import FusedAdamStep, clip_grad_norm
+from spmd_rl.algorithms.optimizer_step import FusedAdamStep, clip_grad_norm
 from spmd_rl.algorithms.targets import local_view, target_copy
 from spmd_rl.algorithms.twin_critic import as_floats
 from spmd_rl.envs.spaces import zeros_of

@@ -1,6 +1,8 @@
 """Proximal Policy Optimization (Schulman et al. 2017), with the semantics of Stable-Baselines3's PPO.
 
-Read top to bottom: advantages from a rollout (GAE), then the clipped-surrogate update over minibatches.
+Read top to bottom: advantages from a rollout (GAE), then the clipped-surrogate update over minibatches. Over 400
+lines for that reason: the algorithm in paper order in one file (as CleanRL writes it), recurrent PPO taking its
+update tail from here.
 
 Rollouts come from gymnasium vector envs in NEXT_STEP autoreset mode: when step t ends an episode, the observation
 recorded at t+1 is that episode's final observation and step t+1 is a reset step whose action the env ignored.
@@ -18,7 +20,7 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from spmd_rl.algorithms.configs import PPOConfig
-from spmd_rl.algorithms.fused_adam import FusedAdamStep, clip_grad_norm
+from spmd_rl.algorithms.optimizer_step import FusedAdamStep, clip_grad_norm
 from spmd_rl.algorithms.vtrace import vtrace
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, PolicyMethod, Schedule
 from spmd_rl.interfaces.context import Context

@@ -22,7 +22,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from spmd_rl.algorithms.configs import PPOConfig
-from spmd_rl.algorithms.fused_adam import clip_grad_norm
+from spmd_rl.algorithms.optimizer_step import clip_grad_norm
 from spmd_rl.algorithms.ppo import (
     APPROX_KL,
     LOSS_NAMES,

@@ -26,7 +26,7 @@ from spmd_rl.algorithms.configs import SACConfig
 from spmd_rl.algorithms.twin_critic import TwinCriticLearner, as_floats, transitions_of
 from spmd_rl.interfaces.algorithm import PolicyMethod
 from spmd_rl.interfaces.context import Context
-from spmd_rl.modules.sac_networks import SquashedGaussianActor
+from spmd_rl.modules.sac_td3_networks import SquashedGaussianActor
 
 __all__ = ["SAC", "as_floats", "transitions_of"]  # the last two: their home is twin_critic.py
 

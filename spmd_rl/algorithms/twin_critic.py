@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 
-from spmd_rl.algorithms.fused_adam import FusedAdamStep
+from spmd_rl.algorithms.optimizer_step import FusedAdamStep
 from spmd_rl.algorithms.targets import target_copy
 from spmd_rl.envs.spaces import zeros_of
 from spmd_rl.interfaces.algorithm import ANY_LAG, Algorithm, PlanFacts, Schedule
 from spmd_rl.interfaces.context import Context
-from spmd_rl.modules.sac_networks import TwinQ
+from spmd_rl.modules.sac_td3_networks import TwinQ
 from spmd_rl.runtime.errors import UserError
 
 
@@ -104,7 +104,7 @@ class TwinCriticLearner(Algorithm):
         # fused: one kernel over all parameters instead of a dozen small ops per tensor.
         self.critic_optimizer = torch.optim.Adam(self.critic_params, lr=self.cfg.q_lr, fused=True)
         self.num_updates = 0  # update() calls so far: schedules the delayed actor and target updates
-        # Each optimizer's step() without its Python wrapper (fused_adam.py), made on its first step.
+        # Each optimizer's step() without its Python wrapper (optimizer_step.py), made on its first step.
         self.adam_steps: dict[torch.optim.Optimizer, FusedAdamStep] = {}
 
     def build_replay(self, context: Context) -> None:

@@ -52,7 +52,7 @@ POLICY = Kind(
     {
         "actor_critic": ("spmd_rl.modules.actor_critic:ActorCritic", "spmd_rl.modules.configs:ActorCriticConfig"),
         "squashed_gaussian": (
-            "spmd_rl.modules.sac_networks:SquashedGaussianActor",
+            "spmd_rl.modules.sac_td3_networks:SquashedGaussianActor",
             "spmd_rl.modules.configs:SquashedGaussianConfig",
         ),
         "transformer": ("spmd_rl.modules.transformer:TransformerPolicy", "spmd_rl.modules.configs:TransformerConfig"),

@@ -155,7 +155,7 @@ class EpisodicNormalizeReward(vector_wrappers.NormalizeReward):
     """env.normalize_reward_reset=done: Stable-Baselines3 VecNormalize's running return, which adds each reward and
     then restarts after every episode end, truncations too. gymnasium's NormalizeReward (the default) restarts it
     only at a termination, and at that step before adding its reward. The state (return_rms, accumulated_reward,
-    _prev_dones) is the parent's, so it saves and resumes as that does (envs/state.py)."""
+    _prev_dones) is the parent's, so it saves and resumes as that does (envs/gymnasium_state.py)."""
 
     def step(self, actions):
         obs, reward, terminated, truncated, info = self.env.step(actions)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from spmd_rl.comm import sharding
+from spmd_rl.comm.parallel_plan import shards
 from spmd_rl.config.sections import BufferSection
 from spmd_rl.runtime.distributed import bounded
 from spmd_rl.runtime.fast_imports import data_parallel_without_dynamo
@@ -96,6 +97,11 @@ class Context:
             group_size=group_size,
         )
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the policy is sharded over the trainers (train.parallel=fsdp) rather than replicated."""
+        return shards(self.parallel)
+
     # -- data parallelism ---------------------------------------------------------------------------------------
 
     def data_parallel(self, module: nn.Module) -> nn.Module:
@@ -113,7 +119,7 @@ class Context:
         bf16 = self.precision == "bf16"
         if bf16:
             sharding.compute_in_bf16(module, self.policy_methods, self.device.type)
-        if self.parallel == "fsdp":
+        if self.sharded:
             group = self.group if self.group is not None else sharding.single_process_group(self.device)
             return sharding.shard_policy(module, group, self.device, self.policy_methods, bf16, self.hybrid_shards)
         if self.group is None:
@@ -136,7 +142,7 @@ class Context:
         bf16 = self.precision == "bf16"
         if bf16:
             sharding.compute_in_bf16(module, methods, self.device.type)
-        if self.parallel != "fsdp":
+        if not self.sharded:
             return module
         group = self.group if self.group is not None else sharding.single_process_group(self.device)
         return sharding.shard_policy(module, group, self.device, methods, bf16, self.hybrid_shards)
@@ -150,7 +156,7 @@ class Context:
         modules, which reduce-scatter their parameters' gradients over the trainers as it runs (FSDP reduces only
         in backward); gradients that land on other parameters are left there, so a step clears its own parameters'
         gradients first (accumulate False) and never reads another step's."""
-        if self.parallel == "fsdp":
+        if self.sharded:
             if not accumulate:
                 for param in params:
                     param.grad = None
@@ -164,7 +170,7 @@ class Context:
         """params' .grad (from `backward`) replaced by their mean over the trainers: in one flat all-reduce (ddp), or
         with fsdp only those of parameters outside the sharded modules (a temperature), the sharded ones having
         been reduced in backward already."""
-        if self.parallel == "fsdp":
+        if self.sharded:
             params = [param for param in params if not sharding.is_dtensor(param)]
         if self.group is None or not params:
             return

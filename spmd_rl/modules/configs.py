@@ -80,7 +80,7 @@ class ActorCriticConfig(EncoderConfig):
 
 @dataclass
 class BoundedActorConfig:
-    """The MLP knobs SAC's and TD3's actors share (modules/sac_networks.py BoundedActor)."""
+    """The MLP knobs SAC's and TD3's actors share (modules/sac_td3_networks.py BoundedActor)."""
 
     hidden_sizes: list[int] = knob(None, "hidden layer widths of the actor MLP", factory=lambda: [256, 256], item_min=1)
     activation: str = knob("relu", "hidden activation", choices=["tanh", "relu", "elu"])

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from spmd_rl.modules.configs import DeterministicActorConfig
-from spmd_rl.modules.sac_networks import BoundedActor, sac_mlp
+from spmd_rl.modules.mlp import mlp
+from spmd_rl.modules.sac_td3_networks import BoundedActor
 
 
 class DeterministicActor(BoundedActor):
@@ -28,7 +29,7 @@ class DeterministicActor(BoundedActor):
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, config: DeterministicActorConfig):
         super().__init__(obs_space, action_space, config, who="TD3")
         act_dim = int(action_space.shape[0])
-        self.net = sac_mlp(int(obs_space.shape[0]), list(config.hidden_sizes), act_dim, config.activation)
+        self.net = mlp(int(obs_space.shape[0]), list(config.hidden_sizes), act_dim, config.activation, ortho_init=False)
         self.exploration_noise = config.exploration_noise
 
     def scaled(self, obs: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.modules.configs import QNetworkConfig
 from spmd_rl.modules.encoders import make_encoder
 from spmd_rl.modules.masks import action_mask_of, masked
-from spmd_rl.modules.sac_networks import sac_mlp
+from spmd_rl.modules.mlp import mlp
 from spmd_rl.runtime.errors import UserError
 
 
@@ -37,7 +37,9 @@ class QNetwork(Policy):
             )
         self.num_actions = int(action_space.n)
         self.encoder = make_encoder(observation_space, config)
-        self.q = sac_mlp(self.encoder.out_features, list(config.hidden_sizes), self.num_actions, config.activation)
+        self.q = mlp(
+            self.encoder.out_features, list(config.hidden_sizes), self.num_actions, config.activation, ortho_init=False
+        )
         # Set by the trainer each iteration (DQN's schedule); a buffer, so weight syncs and checkpoints carry it.
         self.register_buffer("epsilon", torch.tensor(1.0))
 

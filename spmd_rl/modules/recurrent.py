@@ -21,9 +21,10 @@ from torch import Tensor, nn
 
 from spmd_rl.config.sections import knob
 from spmd_rl.interfaces.policy import Policy, StepField
-from spmd_rl.modules.actor_critic import actor_critic_outputs, add_action_head, check_vector_action_space, mlp
+from spmd_rl.modules.actor_critic import actor_critic_outputs, add_action_head, check_vector_action_space
 from spmd_rl.modules.configs import ActorCriticConfig
 from spmd_rl.modules.encoders import make_encoder
+from spmd_rl.modules.mlp import mlp
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 

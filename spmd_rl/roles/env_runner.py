@@ -16,7 +16,7 @@ import torch
 from spmd_rl.envs import spaces
 from spmd_rl.envs.backend import EnvBackend, group_seeds, old_gym_api_hint
 from spmd_rl.envs.chunks import CHUNK_REWARDS, executed_steps
-from spmd_rl.envs.state import as_arrays, as_tensors
+from spmd_rl.envs.gymnasium_state import as_arrays, as_tensors
 from spmd_rl.envs.success import EpisodeSuccess
 from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, EPISODE_START, RECURRENT_STATE, SUCCESS_FIELDS
 from spmd_rl.runtime.errors import UserCodeError, UserError, describe_exception
@@ -277,8 +277,8 @@ class EnvRunner:
             self._load_place(state["worker"])
 
     def _place(self) -> dict:
-        """Where the envs stand between rollouts (with their own state, see envs/state.py): the observation the next
-        step acts on, which envs' next step is a reset, the step counter."""
+        """Where the envs stand between rollouts (with their own state, see envs/gymnasium_state.py): the observation
+        the next step acts on, which envs' next step is a reset, the step counter."""
         state = {
             "obs": as_tensors(self.obs),
             "next_step_valid": torch.from_numpy(self.next_step_valid.copy()),

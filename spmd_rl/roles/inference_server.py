@@ -7,7 +7,6 @@ schedule never depends on data.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import gymnasium as gym
@@ -16,7 +15,7 @@ import torch
 
 from spmd_rl.envs import spaces
 from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE, StepField, initial_state
-from spmd_rl.runtime.errors import UserCodeError
+from spmd_rl.roles.acting import act_for_replies, write_reply
 from spmd_rl.runtime.watchdog import watchdog
 
 
@@ -111,53 +110,6 @@ class ServerState:
             self.states.load_state_dict(state[RECURRENT_STATE])
 
 
-def act_recurrent(policy, obs, states: RecurrentStates, served: list[int], starts: list[torch.Tensor], replies):
-    """One forward pass of a recurrent policy for the served env ranks: reset at episode starts, act, keep the next
-    state, and write into each reply the state its envs entered the step with. Returns the policy's outputs."""
-    entering = states.entering(served)
-    offset = 0
-    for reply in replies:
-        views = reply[RECURRENT_STATE]
-        count = next(iter(views.values())).shape[0]
-        for name, view in views.items():
-            view[:] = entering[name][offset : offset + count].cpu().numpy()
-        offset += count
-    start = starts[0] if len(starts) == 1 else torch.cat(starts)
-    out, next_state = policy.act(obs, state=states.reset(entering, start))
-    states.store(served, next_state)
-    return out
-
-
-def check_act_outputs(policy, out, fields: dict[str, StepField], batch: int) -> None:
-    """act's outputs on every step, against the contract checked before start: each declared key a tensor of
-    [batch, *shape] and the declared dtype (not the values: a few attribute reads per key). Without it a batch of
-    the wrong size was broadcast into the replies and a wrong dtype cast, silently. UserCodeError (exit 4) naming
-    the key."""
-    for key, field in fields.items():
-        try:
-            value = out[key]
-        except (KeyError, TypeError, IndexError):
-            value = None
-        if (
-            isinstance(value, torch.Tensor)
-            and value.dtype == field.dtype
-            and value.shape[0:1] == (batch,)
-            and value.shape[1:] == field.shape
-        ):
-            continue
-        got = (
-            f"{tuple(value.shape)} {value.dtype}"
-            if isinstance(value, torch.Tensor)
-            else ("nothing" if value is None else type(value).__name__)
-        )
-        name = f"{type(policy).__module__}:{type(policy).__qualname__}"
-        raise UserCodeError(
-            f"policy.class '{name}': act() returned '{key}' as {got} for a batch of {batch} observations, but "
-            f"outputs() declares {field.shape} {field.dtype} per env, i.e. {(batch, *field.shape)} {field.dtype}; "
-            f"act must keep the declared shape and dtype on every step"
-        )
-
-
 @dataclass
 class InferenceParts:
     """What an inference rank serves with (built by the run), for the sync server or an engine's own server."""
@@ -189,14 +141,12 @@ class InferenceServer(ServerState):
         self.policy_version = 0
         self.explore_uniformly = False  # act with uniform_actions instead of the policy (warm-up steps)
         self.uniform_actions = uniform_actions
-        self.output_keys = list(policy.outputs())
-        self.no_grad = torch.no_grad()  # one reusable context: this runs once per env step
         # numpy views of the reply buffers: cheaper per-step writes than torch ops (see EnvRunner)
         self.replies = [spaces.numpy_views(ch.buffer) for ch in action_channels]
-        self.splits = [reply["action"].shape[0] for reply in self.replies]
         self.states = states  # None for a stateless policy: no per-step work for states
         self.all_served = list(range(len(action_channels)))
-        self.fields = dict(policy.outputs())
+        self.fields = dict(policy.outputs())  # what act returns, checked on every step
+        self.output_keys = list(self.fields)
         self.watched_act = watchdog.watch("policy.act")  # made once: entered every step (one process has no peer)
 
     def serve_step(self) -> None:
@@ -205,34 +155,23 @@ class InferenceServer(ServerState):
         observations = [message["obs"] for message in messages]
         obs = observations[0] if len(observations) == 1 else torch.cat(observations)
 
-        clock = time.perf_counter()
-        if self.explore_uniformly:
-            out = self.uniform_actions(obs.shape[0])
-        elif self.states is not None:
-            with self.no_grad, self.watched_act:
-                starts = [message[EPISODE_START] for message in messages]
-                obs = obs.to(self.device, non_blocking=True)
-                out = act_recurrent(self.policy, obs, self.states, self.all_served, starts, self.replies)
-            check_act_outputs(self.policy, out, self.fields, obs.shape[0])
-        else:
-            with self.no_grad, self.watched_act:  # the API promises act() runs without grad; a user's act need not
-                out = self.policy.act(obs.to(self.device, non_blocking=True))
-            check_act_outputs(self.policy, out, self.fields, obs.shape[0])
-        if self.device.type == "cpu":
-            outputs = [out[key].numpy() for key in self.output_keys]
-        else:
-            outputs = [out[key].cpu().numpy() for key in self.output_keys]
-        inference_s = time.perf_counter() - clock
-
+        outputs, inference_s = act_for_replies(
+            self.policy,
+            obs,
+            self.device,
+            self.fields,
+            self.uniform_actions if self.explore_uniformly else None,
+            self.states,
+            self.all_served,
+            [message[EPISODE_START] for message in messages] if self.states is not None else (),
+            self.replies,
+            self.watched_act,
+        )
         sends = []
         offset = 0
-        for channel, reply, count in zip(self.action_channels, self.replies, self.splits):
-            for key, value in zip(self.output_keys, outputs):
-                reply[key][:] = value[offset : offset + count]
-            reply["policy_version"][0] = self.policy_version
-            reply["inference_s"][0] = inference_s
+        for channel, reply in zip(self.action_channels, self.replies):
+            offset = write_reply(reply, self.output_keys, outputs, offset, self.policy_version, inference_s)
             sends.append(channel.isend())
-            offset += count
         for send in sends:
             send.wait()
 

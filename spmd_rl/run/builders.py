@@ -15,8 +15,10 @@ import numpy as np
 import torch
 
 from spmd_rl.comm import sharding
-from spmd_rl.comm.channel import local_channel, open_channels
-from spmd_rl.comm.weights import GatheredWeightSource, ShardedWeightSource, WeightSync
+from spmd_rl.comm.channel_setup import open_channels
+from spmd_rl.comm.local_channel import local_channel
+from spmd_rl.comm.weight_sources import GatheredWeightSource, ShardedWeightSource
+from spmd_rl.comm.weights import WeightSync
 from spmd_rl.envs.backend import backend_for
 from spmd_rl.envs.vector import group_of_envs
 from spmd_rl.interfaces.algorithm import Algorithm
@@ -284,7 +286,7 @@ def _final_policy(run: Run, trainer: Trainer, policy: Policy) -> Policy:
 def _gathers_weights(run: Run) -> bool:
     """Whether trainers publish through a GatheredWeightSource: their parameters are shards, or the wire
     carries another dtype than theirs (otherwise trainer 0's own tensors are the buckets)."""
-    return run.cfg.train.parallel == "fsdp" or run.cfg.inference.dtype != "fp32"
+    return run.plan.parallel.sharded or run.cfg.inference.dtype != "fp32"
 
 
 def _gathered_weight_source(run: Run, policy: Policy) -> GatheredWeightSource:
@@ -379,7 +381,7 @@ def _init_policy_from(run: Run, policy: Policy) -> dict | None:
             "run.init_prefix loads a part of the policy, and run.init_algorithm=true the algorithm's state "
             "for the whole of it: use one of them"
         )
-    if section.init_algorithm and run.cfg.train.parallel == "fsdp":
+    if section.init_algorithm and run.plan.parallel.sharded:
         raise UserError(
             "run.init_algorithm=true with train.parallel=fsdp is not supported (the optimizer state would have "
             "to be resharded from a whole copy); start from the weights only, or resume the run instead"
@@ -401,11 +403,6 @@ def _init_algorithm_from(run: Run, algorithm: Algorithm, state: dict | None) -> 
     """run.init_algorithm: the algorithm's state from run.init_from's checkpoint (a fresh run only)."""
     if state is None:
         return
-    if any(sharding.is_dtensor(p) for p in algorithm.policy.parameters()):
-        raise UserError(
-            "run.init_algorithm=true with train.parallel=fsdp is not supported (the optimizer state would have "
-            "to be resharded from a whole copy); start from the weights only, or resume the run instead"
-        )
     try:
         algorithm.load_state_dict(state)
     except (RuntimeError, KeyError, ValueError) as exc:

@@ -304,7 +304,7 @@ def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
         if cfg.eval.env:  # held-out settings: the policy built for env's spaces must act there too
             with watchdog.watch("making eval.env's envs (to read their spaces)"):
                 check_same_spaces(spec, probe_eval_env(cfg), "eval.env")
-        shards = plan.trainer_ranks if cfg.train.parallel == "fsdp" else 1  # FSDP divides the training state
+        shards = plan.trainer_ranks if plan.parallel.sharded else 1  # FSDP divides the training state
         with watchdog.watch(f"building policy.class {cfg.classes['policy']} and calling its act"):
             outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls, shards)
         contract.check_planned_memory(cfg, spec, outputs, plan)
@@ -341,9 +341,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
             f"run directory {run_dir}{f' ({resume.note})' if resume.note else ''}{start}",
             flush=True,
         )
-    groups = create_process_groups(
-        topology, runtime.group_timeout, cfg.train.shard_group_size, sharded=cfg.train.parallel == "fsdp"
-    )
+    groups = create_process_groups(topology, runtime.group_timeout, plan.parallel)
     control = RunControl(
         cfg, plan.num_iterations, runtime.rank, runtime.world_size, runtime.distributed, run_dir, runtime.timeout
     )

@@ -21,6 +21,7 @@ from spmd_rl.envs.chunks import executed_steps
 from spmd_rl.envs.success import EpisodeSuccess
 from spmd_rl.envs.vector import EnvSpec, probe_env
 from spmd_rl.interfaces.policy import initial_state
+from spmd_rl.roles.acting import act
 from spmd_rl.roles.messages import observation_message
 from spmd_rl.runtime.errors import UserError, describe_exception
 
@@ -216,16 +217,12 @@ def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, devi
     primitive_steps = np.zeros(envs.num_envs, dtype=np.int64) if spec.action_chunk > 1 else None
     while quotas.any():
         spaces.write(views, obs)
-        with torch.no_grad():  # act() is always called without grad (the API's promise)
-            if state is None:
-                action = policy.act(buffer.to(device), deterministic=deterministic)["action"]
-            else:
-                fresh = torch.as_tensor(starts, device=device)
-                for name, field in fields.items():
-                    state[name][fresh] = field.initial
-                out, state = policy.act(buffer.to(device), deterministic=deterministic, state=state)
-                action = out["action"]
-        obs, _, terminated, truncated, info = envs.step(action.cpu().numpy())
+        if state is not None:
+            fresh = torch.as_tensor(starts, device=device)
+            for name, field in fields.items():
+                state[name][fresh] = field.initial
+        out, state = act(policy, buffer, device, deterministic, state)
+        obs, _, terminated, truncated, info = envs.step(out["action"].cpu().numpy())
         starts, ended = ended, terminated | truncated  # this step reset the envs that had ended before it
         if success is not None:
             at_any, at_end = success.step(info, ~starts, ended)

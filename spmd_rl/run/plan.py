@@ -8,6 +8,7 @@ import copy
 import math
 from dataclasses import dataclass, replace
 
+from spmd_rl.comm.parallel_plan import ParallelPlan
 from spmd_rl.config import plugins
 from spmd_rl.config.sections import Config, EnvSection
 from spmd_rl.envs.backend import backend_for
@@ -32,6 +33,7 @@ class Plan:
     # the env ranks into num_envs): what every env rank makes. The config itself stays as the command gave it.
     # (None only in a Plan built by hand, e.g. in a test of a component: plan_run always sets it.)
     env: EnvSection | None = None
+    parallel: ParallelPlan = ParallelPlan()  # how the trainers hold the policy (sharded or not, shard groups)
     action_chunk: int = 1  # env.action_chunk: primitive env steps per decision
     episodes: bool = False  # a rollout is whole episodes (the algorithm's Schedule.rollout_unit), num_steps decisions
 
@@ -172,9 +174,12 @@ def _per_env_rank(total: int, env_ranks: int, what: str) -> int:
     return total // env_ranks
 
 
-def _check_parallel(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) -> None:
-    """train.parallel / train.precision / inference.dtype against what the rest of the config asks for."""
-    if cfg.train.parallel == "fsdp":
+def _parallel_plan(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) -> ParallelPlan:
+    """The parallel plan, checked: train.parallel / train.shard_group_size / train.precision / inference.dtype
+    against what the rest of the config asks for."""
+    trainers = tuple(range(topology.world_size)) if topology.colocated else tuple(topology.trainer_ranks)
+    parallel = ParallelPlan.from_config(cfg.train, trainers, split=not topology.colocated)
+    if parallel.sharded:
         if not algorithm_cls.supports_fsdp:
             raise UserError(
                 f"train.parallel=fsdp: algo.class '{cfg.classes['algo']}' does not train through "
@@ -191,21 +196,13 @@ def _check_parallel(cfg: Config, topology: Topology, algorithm_cls: type[Algorit
                 "train.parallel=fsdp with train.skip_nonfinite_updates is not supported (each trainer sees only "
                 "its shards of the weights); set train.skip_nonfinite_updates=false"
             )
-    size = cfg.train.shard_group_size
-    if size:
-        trainers = topology.world_size if topology.colocated else len(topology.trainer_ranks)
-        if cfg.train.parallel != "fsdp":
-            raise UserError(f"train.shard_group_size={size} is hybrid sharding: it needs train.parallel=fsdp")
-        if trainers % size:
-            raise UserError(
-                f"train.shard_group_size={size} does not divide the {trainers} trainers; choose a divisor of "
-                f"{trainers} (or 0 to shard over all of them)"
-            )
+    parallel.check()
     if cfg.inference.dtype != "fp32" and topology.colocated:
         raise UserError(
             f"inference.dtype={cfg.inference.dtype} is for the inference ranks of a split layout; in the colocated "
             f"layout the trainer's own module acts: use train.precision=bf16 instead"
         )
+    return parallel
 
 
 def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) -> Plan:
@@ -243,7 +240,7 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
             f"layout.trainer={len(topology.trainer_ranks)} trainers; make layout.env a multiple of "
             f"layout.trainer"
         )
-    _check_parallel(cfg, topology, algorithm_cls)
+    parallel = _parallel_plan(cfg, topology, algorithm_cls)
     plan = Plan(
         env_ranks=env_ranks,
         trainer_ranks=len(topology.trainer_ranks),
@@ -257,6 +254,7 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
         env=env,
         action_chunk=chunk,
         episodes=episodes,
+        parallel=parallel,
     )
     engine_cls = plugins.load_class(plugins.ENGINE, cfg.classes.get("engine", "sync"), Engine)
     algorithm_cls.check_plan(cfg.algo, plan.facts(engine_cls.asked_policy_lag(cfg.engine)))

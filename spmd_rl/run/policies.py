@@ -24,6 +24,7 @@ from spmd_rl.persist.checkpoint import COMPLETE, LATEST, find_checkpoint
 from spmd_rl.persist.fileio import checksum_matches, load_failure, torch_save_atomic
 from spmd_rl.persist.rank_state import ALGORITHM, POLICY, TRAINER, in_component_layout, load_state
 from spmd_rl.persist.run_files import CHECKPOINTS_DIR, CONFIG_FILE, POLICY_FILE
+from spmd_rl.roles.acting import act
 from spmd_rl.run.evaluation import cuda_indices
 from spmd_rl.run.state_fit import SAFETENSORS_SUFFIX, load_fitted, read_safetensors
 from spmd_rl.runtime.errors import UserError
@@ -95,12 +96,12 @@ def _load_run_config(config_file: Path, overrides: list[str]):
 def accepts_gymnasium_observations(policy: Policy) -> Policy:
     """Let this policy's `act` take one observation or a batch, numpy or torch (see load_policy); its class's act,
     which takes a batch, is what runs. Only this object changes: the class and its other instances do not."""
+    policy._spmd_rl_batch_act = policy.act  # bound methods, so a deepcopy acts with its own module
     policy.act = types.MethodType(_act_on_any_observation, policy)
     return policy
 
 
-def _act_on_any_observation(self: Policy, obs, deterministic: bool = False, **kwargs) -> dict:
-    act = type(self).act
+def _act_on_any_observation(self: Policy, obs, deterministic: bool = False, state=None):
     space = self.observation_space
     single = _is_one_observation(obs, space)
     device = next(iter(self.state_dict().values()), torch.empty(0)).device
@@ -110,11 +111,10 @@ def _act_on_any_observation(self: Policy, obs, deterministic: bool = False, **kw
     else:  # laid out as the framework does (the env's dtype; Dict spaces as TensorDicts)
         batch = spaces.zeros_of(space, 1 if single else _batch_size(obs, space))
         spaces.write(spaces.numpy_views(batch), obs, 0 if single else None)
-    out = act(self, batch.to(device), deterministic=deterministic, **kwargs)
-    if isinstance(out, tuple):  # a recurrent policy: (outputs, next state); the state stays as torch gives it
-        outputs, state = out
-        return {key: _as_given(value, single, as_numpy) for key, value in outputs.items()}, state
-    return {key: _as_given(value, single, as_numpy) for key, value in out.items()}
+    out, next_state = act(self, batch, device, deterministic, state, method=self._spmd_rl_batch_act)
+    outputs = {key: _as_given(value, single, as_numpy) for key, value in out.items()}
+    # a recurrent policy: (outputs, next state); the state stays as torch gives it
+    return outputs if state is None else (outputs, next_state)
 
 
 def _first_leaf(obs, space: gym.Space):

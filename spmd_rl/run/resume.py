@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from spmd_rl.comm.parallel_plan import shards
 from spmd_rl.config.excerpts import excerpt
 from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import Config
@@ -176,7 +177,7 @@ def decide_resume(cfg, run_dir: Path, world_size: int, algorithm_refusal: str = 
     ranks = saved_ranks(checkpoint)
     resharded = ranks != world_size or previous.resume_digest() != cfg.resume_digest()
     if resharded:
-        why = reshard_refusal(cfg, previous.train.parallel == cfg.train.parallel == "fsdp", algorithm_refusal)
+        why = reshard_refusal(cfg, shards(previous.train.parallel) and shards(cfg.train.parallel), algorithm_refusal)
         if why:
             raise UserError(
                 f"checkpoint {checkpoint} holds {ranks} rank(s) of layout {_layout_text(previous)} but this run has "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
+from spmd_rl.comm.parallel_plan import ParallelPlan
 from spmd_rl.config.sections import LayoutSection
 from spmd_rl.runtime.errors import UserError
 
@@ -151,11 +152,9 @@ class ProcessGroups:
     weight_senders: object | None = None
 
 
-def create_process_groups(
-    topology: Topology, timeout: datetime.timedelta, shard_group_size: int = 0, sharded: bool = False
-) -> ProcessGroups:
-    """Every rank creates every group, once, in this order (new_group is collective over the world). sharded:
-    train.parallel=fsdp (a split layout then also gets the group its trainers send their shards over)."""
+def create_process_groups(topology: Topology, timeout: datetime.timedelta, parallel: ParallelPlan) -> ProcessGroups:
+    """Every rank creates every group, once, in this order (new_group is collective over the world): the parallel
+    plan's shard and replicate groups, and the group the sharded trainers of a split layout send over."""
     import torch.distributed as dist  # here: main.py checks the layout before torch is imported
 
     if not dist.is_initialized():
@@ -166,9 +165,8 @@ def create_process_groups(
         trainer = dist.new_group(list(topology.trainer_ranks), timeout=timeout)
         weights = dist.new_group(list(topology.weight_ranks), timeout=timeout)
         groups = ProcessGroups(trainer=trainer, weights=weights)
-    if shard_group_size:
-        trainers = list(range(topology.world_size)) if topology.colocated else list(topology.trainer_ranks)
-        mesh = [trainers[i : i + shard_group_size] for i in range(0, len(trainers), shard_group_size)]
+    mesh = parallel.shard_mesh
+    if mesh:
         me = dist.get_rank()
         for ranks in mesh:  # shard groups, then replicate groups: the same order on every rank
             group = dist.new_group(ranks, timeout=timeout)
@@ -179,8 +177,7 @@ def create_process_groups(
             if me in column:
                 groups.replicate = group
         groups.shard_mesh = mesh
-    if sharded and not topology.colocated:
-        trainers = list(topology.trainer_ranks)
-        groups.sender_ranks = tuple(trainers[:shard_group_size] if shard_group_size else trainers)
+    if parallel.sender_ranks:
+        groups.sender_ranks = parallel.sender_ranks
         groups.weight_senders = dist.new_group(sorted(groups.sender_ranks + topology.inference_ranks), timeout=timeout)
     return groups

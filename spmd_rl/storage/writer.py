@@ -5,6 +5,10 @@ per byte), or sooner: when the oldest staged row has waited `flush_every_s` seco
 writes what is staged (checked on every append). After kill -9 the file opens and holds every row up to the last
 write: what is missing was appended in the last flush_every_s seconds (plus the time since the last append). Every
 orderly exit path calls fileio.flush_open_files(), which writes what every open writer has staged.
+
+Over 400 lines: one class, whose opening checks, staged appends, time-bound flushes, rewind and shrink all keep
+one invariant about the same state (the cursor, the staged rows, the file's size); split, each part would reach
+into the others' attributes.
 """
 
 from __future__ import annotations

@@ -306,7 +306,7 @@ def test_trainers_agree_to_skip_a_nonfinite_update(jobs):
 def _send_to_a_dead_peer(rank, world_size):
     from tensordict import TensorDict
 
-    from spmd_rl.comm.channel import open_channels
+    from spmd_rl.comm.channel_setup import open_channels
 
     message = TensorDict({"x": torch.zeros(4)}, batch_size=[])
     if rank == 1:

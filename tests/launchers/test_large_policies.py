@@ -16,7 +16,8 @@ from harness.parts import FrozenEncoderNet
 from harness.runs import run_main
 
 from spmd_rl.comm import sharding
-from spmd_rl.comm.weights import GatheredWeightSource, WeightSync
+from spmd_rl.comm.weight_sources import GatheredWeightSource
+from spmd_rl.comm.weights import WeightSync
 
 TINY = ["--config", "configs/ci_tiny.yaml", "train.seed=3"]
 SPLIT5 = ["layout.mode=split", "layout.trainer=2", "layout.inference=1", "layout.env=2", "train.total_steps=512"]

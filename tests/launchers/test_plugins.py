@@ -119,7 +119,7 @@ from pathlib import Path
 
 from spmd_rl.config.sections import knob
 from spmd_rl.modules.configs import SquashedGaussianConfig
-from spmd_rl.modules.sac_networks import SquashedGaussianActor
+from spmd_rl.modules.sac_td3_networks import SquashedGaussianActor
 
 
 @dataclass
@@ -325,7 +325,7 @@ def test_user_policy_algorithm_and_callback_train_in_every_layout(plugins, tmp_p
 
     # The extra field is a column of every trainer's experience file.
     inspect = subprocess.run(
-        [sys.executable, "-m", "spmd_rl.data", "inspect", str(run_dir)],
+        [sys.executable, "-m", "spmd_rl.experience", "inspect", str(run_dir)],
         cwd=ROOT,
         env=_env(),
         capture_output=True,
@@ -364,7 +364,7 @@ def test_sac_split_ships_exactly_the_policy_state_and_no_critic(plugins, tmp_pat
     from gymnasium.spaces import Box
 
     from spmd_rl.modules.configs import SquashedGaussianConfig
-    from spmd_rl.modules.sac_networks import SquashedGaussianActor
+    from spmd_rl.modules.sac_td3_networks import SquashedGaussianActor
 
     pendulum_obs, pendulum_action = Box(-8.0, 8.0, (3,)), Box(-2.0, 2.0, (1,))
     actor_keys = sorted(

@@ -83,7 +83,7 @@ def test_sac_one_process_with_hdf5_replay_and_experience_log(tmp_path):
     result = run_main(*SAC_TINY, f"run.dir={tmp_path}", "buffer.backend=hdf5", "buffer.log_experience=true")
     assert_run_complete(result, tmp_path, iterations=24, algo_metrics={"qf_loss", "actor_loss", "alpha"})
     inspect = subprocess.run(
-        [sys.executable, "-m", "spmd_rl.data", "inspect", str(tmp_path)],
+        [sys.executable, "-m", "spmd_rl.experience", "inspect", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,

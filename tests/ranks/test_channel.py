@@ -8,16 +8,10 @@ import torch.distributed as dist
 from harness.multiproc import assert_all_ok, run_ranks
 from tensordict import TensorDict
 
-from spmd_rl.comm.channel import (
-    HEADER_BYTES,
-    RecvChannel,
-    SendChannel,
-    TensorLayout,
-    channel_tags,
-    local_channel,
-    open_channels,
-)
+from spmd_rl.comm.channel import HEADER_BYTES, RecvChannel, SendChannel, TensorLayout
+from spmd_rl.comm.channel_setup import channel_tags, open_channels
 from spmd_rl.comm.flat import ALIGNMENT
+from spmd_rl.comm.local_channel import local_channel
 from spmd_rl.runtime.errors import CommError
 
 TIMEOUT = datetime.timedelta(seconds=20)

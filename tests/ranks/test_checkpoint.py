@@ -16,7 +16,7 @@ import pytest
 import torch
 from gymnasium.wrappers import vector as vector_wrappers
 
-from spmd_rl.envs.state import capture_env_state, restore_env_state, unsaved_env_reason
+from spmd_rl.envs.gymnasium_state import capture_env_state, restore_env_state, unsaved_env_reason
 from spmd_rl.persist.checkpoint import (
     CheckpointStore,
     capture_rng_state,

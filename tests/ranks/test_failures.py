@@ -13,7 +13,7 @@ from harness.multiproc import run_ranks
 from tensordict import TensorDict
 from torch import nn
 
-from spmd_rl.comm.channel import open_channels
+from spmd_rl.comm.channel_setup import open_channels
 from spmd_rl.comm.weights import WeightSync
 from spmd_rl.runtime.errors import COMM_ERROR_EXIT_CODE, CommError
 

@@ -41,7 +41,7 @@ from spmd_rl.api import Context
 from spmd_rl.interfaces.policy import initial_state
 from spmd_rl.modules.actor_critic import ActorCritic
 from spmd_rl.modules.recurrent import RecurrentActorCritic, RecurrentActorCriticConfig
-from spmd_rl.modules.sac_networks import SquashedGaussianActor
+from spmd_rl.modules.sac_td3_networks import SquashedGaussianActor
 
 # -- policies with a frozen submodule ----------------------------------------------------------------------------
 

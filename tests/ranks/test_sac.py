@@ -18,7 +18,7 @@ from harness.parts import squashed_gaussian_cfg as model_cfg
 from spmd_rl.algorithms.sac import SAC
 from spmd_rl.api import Context
 from spmd_rl.modules.configs import SquashedGaussianConfig
-from spmd_rl.modules.sac_networks import SquashedGaussianActor, TwinQ
+from spmd_rl.modules.sac_td3_networks import SquashedGaussianActor, TwinQ
 from spmd_rl.runtime.errors import UserError
 
 

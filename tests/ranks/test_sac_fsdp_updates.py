@@ -17,7 +17,7 @@ from spmd_rl.algorithms.sac import SAC
 from spmd_rl.api import Context
 from spmd_rl.comm import sharding
 from spmd_rl.modules.configs import SquashedGaussianConfig
-from spmd_rl.modules.sac_networks import SquashedGaussianActor
+from spmd_rl.modules.sac_td3_networks import SquashedGaussianActor
 
 OBS = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
 ACTIONS = gym.spaces.Box(np.array([-2.0, 0.0], np.float32), np.array([1.0, 10.0], np.float32))

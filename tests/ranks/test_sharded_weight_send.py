@@ -16,7 +16,8 @@ from torch import nn
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.staged_weights import StagedWeights
-from spmd_rl.comm.weights import HEADER_BYTES, ShardedWeightSource, WeightSync, lay_out, shard_pieces
+from spmd_rl.comm.weight_sources import ShardedWeightSource
+from spmd_rl.comm.weights import HEADER_BYTES, WeightSync, lay_out, shard_pieces
 
 TRAINERS, RECEIVERS = [0, 1, 2], [3, 4]
 

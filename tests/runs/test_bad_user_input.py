@@ -16,7 +16,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from spmd_rl import data
+from spmd_rl import experience
 from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
 from spmd_rl.storage.writer import HDF5Writer
 
@@ -102,7 +102,7 @@ def _experience_file(path: Path, dtype: str) -> None:
 def test_a_schema_with_an_unknown_dtype_is_exit_2_naming_file_and_dataset_in_inspect_and_on_resume(tmp_path, capsys):
     path = tmp_path / "experience_rank0.h5"
     _experience_file(path, "<q9")
-    assert data.main(["inspect", str(path)]) == USER_ERROR_EXIT_CODE
+    assert experience.main(["inspect", str(path)]) == USER_ERROR_EXIT_CODE
     said = capsys.readouterr().err.strip()
     assert said.startswith(f"error: {path}: dataset 'action' has dtype '<q9' in the schema attribute"), said
     with pytest.raises(UserError, match=f"{path}: dataset 'action' has dtype '<q9'"):  # the writer, on resume

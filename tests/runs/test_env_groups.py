@@ -20,8 +20,8 @@ from tensordict import TensorDict
 
 from spmd_rl.algorithms.ppo import PPO
 from spmd_rl.config.loading import evaluation_env, load_config
-from spmd_rl.data import summarize
 from spmd_rl.envs.vector import check_same_spaces, probe_env
+from spmd_rl.experience import summarize
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.plan import plan_run
 from spmd_rl.run.topology import build_topology

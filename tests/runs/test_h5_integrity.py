@@ -25,7 +25,7 @@ from harness.runs import TINY, assert_one_line_exit_2
 from harness.runs import run_main_measured as run_main
 from tensordict import TensorDict
 
-from spmd_rl import data
+from spmd_rl import experience
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.storage.reader import HDF5Reader
 from spmd_rl.storage.replay import ReplayBuffer
@@ -92,7 +92,7 @@ def test_overwritten_rows_are_named_by_the_reader_inspect_and_the_replay_buffer(
             reader.read(0, 200)
         with pytest.raises(UserError, match=damaged_rows):
             reader.check_rows()
-    assert data.main(["inspect", str(path)]) == 2
+    assert experience.main(["inspect", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {path} is damaged: rows 64..127 of /data/obs"), err
     assert err[0].endswith("restore the file or remove it"), err
@@ -177,7 +177,7 @@ def test_an_undamaged_file_reads_as_before_and_says_it_was_verified(tmp_path, ca
     with HDF5Reader(path) as reader:
         np.testing.assert_array_equal(reader.read(0, 105)["id"], np.arange(105))
         assert reader.check_rows()
-    assert data.main(["inspect", str(path)]) == 0
+    assert experience.main(["inspect", str(path)]) == 0
     assert "checksums: every row verified (fletcher32)" in capsys.readouterr().out
 
 
@@ -197,7 +197,7 @@ def test_a_file_written_before_checksums_is_still_read_and_continued(tmp_path, c
     with HDF5Reader(old) as reader:
         np.testing.assert_array_equal(reader.read()["id"], np.arange(50))
         assert not reader.check_rows()
-    assert data.main(["inspect", str(old)]) == 0
+    assert experience.main(["inspect", str(old)]) == 0
     assert "checksums: none (a file written before spmd_rl checksummed its rows): not verified" in (
         capsys.readouterr().out
     )
@@ -205,7 +205,11 @@ def test_a_file_written_before_checksums_is_still_read_and_continued(tmp_path, c
 
 def inspect_run(run_dir):
     return subprocess.run(
-        [PYTHON, "-m", "spmd_rl.data", "inspect", str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [PYTHON, "-m", "spmd_rl.experience", "inspect", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

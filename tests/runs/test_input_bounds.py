@@ -20,7 +20,7 @@ from harness.runs import TINY, assert_one_line_exit_2
 from harness.runs import run_main_measured as run_main
 from tensordict import TensorDict
 
-from spmd_rl import data
+from spmd_rl import experience
 from spmd_rl.config.loading import load_config
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.storage.reader import HDF5Reader
@@ -222,7 +222,7 @@ def test_a_crafted_cursor_of_1e12_makes_inspect_refuse_quickly(tmp_path, capsys,
         writer.append(rows(100), env_step=np.arange(100))
     craft(path, cursor=[10**12, 10**12], **({"rows": 10**12} if sparse else {}))
     started = time.monotonic()
-    assert data.main(["inspect", str(path)]) == 2
+    assert experience.main(["inspect", str(path)]) == 2
     assert time.monotonic() - started < 5  # past a minute before
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {path} is damaged") and "1000000000000" in err and len(err.splitlines()) == 1

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from spmd_rl import data
+from spmd_rl import experience
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.storage.experience_log import ExperienceLog
 from spmd_rl.storage.reader import HDF5Reader
@@ -287,7 +287,7 @@ def test_inspect_summarizes_a_run(tmp_path, capsys):
     log.append(rollout[:10], policy_version=3, env_step=0)
     log.append(rollout[10:], policy_version=5, env_step=30)
     log.close()
-    assert data.main(["inspect", str(tmp_path)]) == 0
+    assert experience.main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     terminated = int(rollout["next", "terminated"].sum())
     assert "experience_rank0.h5  (60 rows, 60 appended" in out
@@ -300,7 +300,7 @@ def test_inspect_bad_input_exits_2_with_one_line(tmp_path, capsys):
     (tmp_path / "buffer").mkdir()
     (tmp_path / "buffer" / "rank0.h5").write_bytes(b"\x00garbage" * 64)
     result = subprocess.run(
-        [PYTHON, "-m", "spmd_rl.data", "inspect", str(tmp_path)], capture_output=True, text=True, timeout=120
+        [PYTHON, "-m", "spmd_rl.experience", "inspect", str(tmp_path)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -308,8 +308,24 @@ def test_inspect_bad_input_exits_2_with_one_line(tmp_path, capsys):
         f"error: {tmp_path / 'buffer' / 'rank0.h5'} is not a readable HDF5 file: "
     ), lines
     for target in (tmp_path / "missing", tmp_path / "buffer" / "rank0.h5"):
-        assert data.main(["inspect", str(target)]) == 2
+        assert experience.main(["inspect", str(target)]) == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_the_deprecated_data_module_still_inspects_and_says_what_replaces_it(tmp_path):
+    rollout = every_dtype_rows(6).reshape(2, 3)
+    log = ExperienceLog(tmp_path, 0, rollout, chunk_rows=16)
+    log.append(rollout, policy_version=0, env_step=0)
+    log.close()
+    runs = {
+        module: subprocess.run(
+            [PYTHON, "-m", module, "inspect", str(tmp_path)], capture_output=True, text=True, timeout=120
+        )
+        for module in ("spmd_rl.data", "spmd_rl.experience")
+    }
+    assert runs["spmd_rl.data"].returncode == runs["spmd_rl.experience"].returncode == 0
+    assert runs["spmd_rl.data"].stdout == runs["spmd_rl.experience"].stdout
+    assert "use python -m spmd_rl.experience" in runs["spmd_rl.data"].stderr
 
 
 def test_staged_rows_are_written_once_the_oldest_has_waited_flush_every_s(tmp_path):
@@ -363,7 +379,7 @@ def test_inspect_answers_at_once_on_a_truncated_or_corrupt_file(tmp_path):
     corrupt.write_bytes(content[:48] + b"\xab" * 64 + content[112:])  # the root group's header, after the superblock
     for path, problem in ((truncated, "is truncated: "), (corrupt, "is damaged: ")):
         result = subprocess.run(
-            [PYTHON, "-m", "spmd_rl.data", "inspect", str(path)], capture_output=True, text=True, timeout=120
+            [PYTHON, "-m", "spmd_rl.experience", "inspect", str(path)], capture_output=True, text=True, timeout=120
         )
         assert result.returncode == 2, result.stderr
         lines = result.stderr.strip().splitlines()

@@ -1,7 +1,7 @@
 """The update overhead cuts (PPO's, issue 31; DQN's, SAC's and TD3's, issue 28) compute the same numbers, bit for
 bit, as the forms they replace: all epochs' shuffles at once against one epoch at a time, the fused Adam kernel
 called directly against optimizer.step() (also on a plain tensor, as SAC's temperature), the shared gradient clipping
-(fused_adam.clip_grad_norm: PPO's and DQN's) against torch's, an optimizer built without importing torch._dynamo, and
+(clip_grad_norm of optimizer_step.py: PPO's, DQN's) vs torch's, an optimizer built without importing torch._dynamo, and
 the trainer's learn flushing denormal floats (its Adam steps on decayed moments) and nothing else."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from harness.runs import TINY, assert_run_complete, run_main
 from torch import nn
 
-from spmd_rl.algorithms.fused_adam import FusedAdamStep, clip_grad_norm
+from spmd_rl.algorithms.optimizer_step import FusedAdamStep, clip_grad_norm
 from spmd_rl.algorithms.ppo import epoch_minibatches, shuffled_minibatches
 from spmd_rl.roles.trainer import FlushDenormals, flushing_denormals
 
@@ -157,7 +157,7 @@ def test_an_optimizer_is_built_saved_and_loaded_without_importing_torch_dynamo()
         "import sys, torch\n"
         "from spmd_rl.runtime.fast_imports import optimizers_without_dynamo\n"
         "optimizers_without_dynamo()\n"
-        "from spmd_rl.algorithms.fused_adam import FusedAdamStep\n"
+        "from spmd_rl.algorithms.optimizer_step import FusedAdamStep\n"
         "p = torch.nn.Parameter(torch.ones(3))\n"
         "optimizer = torch.optim.Adam([p], fused=True)\n"
         "p.grad = torch.ones(3)\n"

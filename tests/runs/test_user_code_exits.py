@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from spmd_rl.interfaces.policy import StepField
-from spmd_rl.roles.inference_server import check_act_outputs
+from spmd_rl.roles.acting import check_act_outputs
 from spmd_rl.run.report import callback_scalars
 from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, UserCodeError
 

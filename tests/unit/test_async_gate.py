@@ -13,8 +13,8 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from spmd_rl.comm.channel import local_channel
-from spmd_rl.engines.asynchronous.inference_server import AsyncInferenceServer
+from spmd_rl.comm.local_channel import local_channel
+from spmd_rl.engines.asynchronous.serving_threads import AsyncInferenceServer
 from spmd_rl.interfaces.policy import StepField
 from spmd_rl.roles.inference_server import InferenceParts
 from spmd_rl.roles.messages import action_message

@@ -134,3 +134,43 @@ def test_every_link_a_doc_makes_lands(doc):
             if anchor not in {_anchor(heading) for heading in headings}:
                 broken.append(target)
     assert broken == []
+
+
+def _layer_rows() -> dict[str, str]:
+    """docs/architecture.md's layers table: {folder (or "top"): the row's text}."""
+    rows = {}
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        match = re.match(r"\| \d+ \| (.*?) \| (.*) \|$", line)
+        if match:
+            for folder in re.findall(r"`(\w+)/`", match.group(1)) or [match.group(1)]:
+                rows[folder] = match.group(2)
+    return rows
+
+
+def test_the_architecture_page_names_every_module_on_its_layers_row():
+    rows = _layer_rows()
+    unnamed = []
+    for path in sorted((ROOT / "spmd_rl").rglob("*.py")):
+        parts = path.relative_to(ROOT / "spmd_rl").parts
+        if path.name != "__init__.py" and f"`{path.name}`" not in rows[parts[0] if len(parts) > 1 else "top"]:
+            unnamed.append("/".join(parts))
+    assert unnamed == [], "docs/architecture.md's layers table does not say where these modules live"
+
+
+def test_the_architecture_pages_layers_are_the_ones_test_layers_enforces():
+    from test_layers import LAYERS
+
+    rows = _layer_rows()
+    folders = {name for names in LAYERS[:-1] for name in names}
+    assert set(rows) == folders | {"top"}
+    top = {Path(name).stem for name in re.findall(r"`(\w+\.py)`", rows["top"])}
+    assert top == LAYERS[-1]
+
+
+def test_the_glossary_gives_each_word_one_row():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    section = page.split("\n## Words\n", 1)[1].split("\n## ", 1)[0]
+    words = re.findall(r"^\| (\w+) \| ", section, re.MULTILINE)
+    glossary = {"run", "iteration", "segment", "episode", "group", "checkpoint", "plan", "layout"}
+    assert glossary <= set(words)
+    assert len(words) == len(set(words))

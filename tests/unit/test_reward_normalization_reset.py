@@ -10,7 +10,7 @@ import pytest
 
 from spmd_rl.config.loading import load_config
 from spmd_rl.envs.backend import finish_vector_env
-from spmd_rl.envs.state import capture_env_state, restore_env_state
+from spmd_rl.envs.gymnasium_state import capture_env_state, restore_env_state
 
 LIMIT = 5  # CartPole's pole stays up this long whatever the actions: every episode ends by truncation
 

@@ -6,7 +6,7 @@ import torch
 
 from spmd_rl.algorithms.sac import transitions_of
 from spmd_rl.api import StepField
-from spmd_rl.comm.channel import local_channel
+from spmd_rl.comm.local_channel import local_channel
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.vector import EnvSpec, make_vector_env, probe_env
 from spmd_rl.roles.env_runner import EnvRunner

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from spmd_rl.algorithms.configs import PPOConfig
-from spmd_rl.algorithms.fused_adam import clip_grad_norm
+from spmd_rl.algorithms.optimizer_step import clip_grad_norm
 from spmd_rl.algorithms.ppo import (
     LOSS_NAMES,
     PPO,
@@ -21,8 +21,9 @@ from spmd_rl.algorithms.ppo import (
     total_loss,
 )
 from spmd_rl.interfaces.context import Context
-from spmd_rl.modules.actor_critic import ActorCritic, TwinMLP, mlp
+from spmd_rl.modules.actor_critic import ActorCritic, TwinMLP
 from spmd_rl.modules.configs import ActorCriticConfig
+from spmd_rl.modules.mlp import mlp
 
 OBS = gym.spaces.Box(-5, 5, (4,))
 

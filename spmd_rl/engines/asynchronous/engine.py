@@ -52,7 +52,7 @@ import time
 from collections import deque
 
 from spmd_rl.engines.asynchronous.config import AsyncEngineConfig
-from spmd_rl.engines.asynchronous.inference_server import AsyncInferenceServer
+from spmd_rl.engines.asynchronous.serving_threads import AsyncInferenceServer
 from spmd_rl.engines.sync import SegmentSource, SyncEngine
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist import rank_state

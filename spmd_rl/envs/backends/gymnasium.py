@@ -168,20 +168,21 @@ class GymnasiumBackend(EnvBackend):
         spec = dataclasses.replace(spec, vectorization="sync")  # RecordVideo wraps a single env
         return cfg, spec, [lambda env: RecordVideo(env, video_dir, episode_trigger=lambda _: True, name_prefix="eval")]
 
-    # The state of the vector envs and wrappers gymnasium provides (envs/state.py; imported here, as it needs torch).
+    # The state of the vector envs and wrappers gymnasium provides (envs/gymnasium_state.py; imported here, as it
+    # needs torch).
 
     def capture_state(self, envs) -> dict | None:
-        from spmd_rl.envs.state import capture_env_state
+        from spmd_rl.envs.gymnasium_state import capture_env_state
 
         return capture_env_state(envs)
 
     def restore_state(self, envs, state: dict) -> None:
-        from spmd_rl.envs.state import restore_env_state
+        from spmd_rl.envs.gymnasium_state import restore_env_state
 
         restore_env_state(envs, state)
 
     def unsaved_reason(self, envs) -> str | None:
-        from spmd_rl.envs.state import unsaved_env_reason
+        from spmd_rl.envs.gymnasium_state import unsaved_env_reason
 
         return unsaved_env_reason(envs)
 

@@ -1,6 +1,7 @@
-"""The async engine's inference server: it answers whichever of its env ranks have sent, within the policy-lag
-bound, and takes new weights through a staging copy swapped in between forward passes. The rules that keep this
-deadlock-free are in engine.py's docstring (this folder); this file holds the lag gate they rely on."""
+"""The async engine's inference server, run by threads (AsyncInferenceServer): it answers whichever of its env
+ranks have sent, within the policy-lag bound, and takes new weights through a staging copy swapped in between
+forward passes. The rules that keep this deadlock-free are in engine.py's docstring (this folder); this file holds
+the lag gate they rely on."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from tensordict import TensorDict
 from spmd_rl.comm.staged_weights import StagedWeights
 from spmd_rl.envs import spaces
 from spmd_rl.interfaces.policy import EPISODE_START
-from spmd_rl.roles.inference_server import InferenceParts, ServerState, act_recurrent, check_act_outputs
+from spmd_rl.roles.acting import act_for_replies, write_reply
+from spmd_rl.roles.inference_server import InferenceParts, ServerState
 from spmd_rl.runtime.errors import CommError
 
 
@@ -208,38 +210,34 @@ class AsyncInferenceServer(ServerState):
             group = [(index, message) for index, message, explore in zip(serve, messages, explores) if explore == flag]
             observations = [message["obs"] for _, message in group]
             obs = observations[0] if len(observations) == 1 else torch.cat(observations)
-            clock = time.perf_counter()
-            if flag:
-                out = self.uniform_actions(obs.shape[0])
-            elif self.states is not None:
-                served = [index for index, _ in group]
-                starts = [message[EPISODE_START] for _, message in group]
-                replies = [self.replies[index] for index in served]
-                for index in served:  # the replies are written before their sends below: previous sends are out
+            served = [index for index, _ in group]
+            recurrent = self.states is not None and not flag
+            if recurrent:  # the replies get their recurrent state before their sends below: previous sends are out
+                for index in served:
                     self.action_channels[index].wait()
-                obs = obs.to(self.device, non_blocking=True)
-                out = act_recurrent(self.policy, obs, self.states, served, starts, replies)
-            else:
-                out = self.policy.act(obs.to(self.device, non_blocking=True))
-            if not flag:
-                check_act_outputs(self.policy, out, self.fields, obs.shape[0])
-            outputs = [out[key].cpu().numpy() for key in self.output_keys]
-            inference_s = time.perf_counter() - clock
+            outputs, inference_s = act_for_replies(
+                self.policy,
+                obs,
+                self.device,
+                self.fields,
+                self.uniform_actions if flag else None,
+                self.states,
+                served,
+                [message[EPISODE_START] for _, message in group] if recurrent else (),
+                [self.replies[index] for index in served] if recurrent else (),
+            )
             offset = 0
-            for index, _ in group:
-                channel, reply = self.action_channels[index], self.replies[index]
+            for index in served:
+                channel = self.action_channels[index]
                 channel.wait()  # the previous reply to this env rank is out of the buffer
-                count = reply["action"].shape[0]
-                for key, value in zip(self.output_keys, outputs):
-                    reply[key][:] = value[offset : offset + count]
-                reply["policy_version"][0] = self.policy_version
-                reply["inference_s"][0] = inference_s
+                offset = write_reply(
+                    self.replies[index], self.output_keys, outputs, offset, self.policy_version, inference_s
+                )
                 # Counted before the send: the env rank's next observation can arrive (and be checked against
                 # next_step by its receiving thread) the moment the reply is out.
                 with self.lock:
                     self.next_step[index] += 1
                 channel.isend()
-                offset += count
 
     # -- the main thread: agreements, the end ---------------------------------------------------------------------
 

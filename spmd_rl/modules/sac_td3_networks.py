@@ -1,5 +1,6 @@
-"""SAC's networks (Haarnoja et al. 2018, as CleanRL's sac_continuous_action): a tanh-squashed Gaussian actor and
-twin Q critics.
+"""SAC's and TD3's networks: the bounded actor both actors build on (TD3's deterministic one is in
+deterministic_actor.py), SAC's tanh-squashed Gaussian actor (Haarnoja et al. 2018, as CleanRL's
+sac_continuous_action), and the twin Q critics both learn, all of the MLPs of mlp.py.
 
 The actor maps an observation to the mean and log std of a Gaussian over pre-squash actions u; the action is
 tanh(u) rescaled to the action space's bounds, so every sampled action is valid without clipping. Its log-prob is
@@ -22,8 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spmd_rl.interfaces.policy import Policy, StepField
-from spmd_rl.modules.actor_critic import ACTIVATIONS, LOG_SQRT_2PI
+from spmd_rl.modules.actor_critic import LOG_SQRT_2PI
 from spmd_rl.modules.configs import SquashedGaussianConfig
+from spmd_rl.modules.mlp import mlp
 from spmd_rl.modules.normalizer import RunningNormalizer
 from spmd_rl.runtime.errors import UserError
 
@@ -31,16 +33,6 @@ from spmd_rl.runtime.errors import UserError
 LOG_STD_MIN = -5.0
 LOG_STD_MAX = 2.0
 LOG_2 = math.log(2.0)
-
-
-def sac_mlp(in_features: int, hidden_sizes: list[int], out_features: int, activation: str) -> nn.Sequential:
-    """Hidden layers with the activation, then a linear head; PyTorch's default init throughout."""
-    layers: list[nn.Module] = []
-    for width in hidden_sizes:
-        layers += [nn.Linear(in_features, width), ACTIVATIONS[activation]()]
-        in_features = width
-    layers.append(nn.Linear(in_features, out_features))
-    return nn.Sequential(*layers)
 
 
 def check_sac_spaces(obs_space: gym.Space, action_space: gym.Space, who: str = "SAC") -> None:
@@ -106,7 +98,9 @@ class SquashedGaussianActor(BoundedActor):
         super().__init__(obs_space, action_space, config, who="SAC")
         # One head for mean and log std: a single matmul instead of two.
         act_dim = int(action_space.shape[0])
-        self.net = sac_mlp(int(obs_space.shape[0]), list(config.hidden_sizes), 2 * act_dim, config.activation)
+        self.net = mlp(
+            int(obs_space.shape[0]), list(config.hidden_sizes), 2 * act_dim, config.activation, ortho_init=False
+        )
 
     def forward(self, obs: Tensor) -> tuple[Tensor, Tensor]:
         """The pre-squash Gaussian's (mean, log_std), each [B, act_dim]."""
@@ -148,8 +142,8 @@ class TwinQ(nn.Module):
         super().__init__()
         check_sac_spaces(obs_space, action_space)
         in_features = int(obs_space.shape[0]) + int(action_space.shape[0])
-        self.q1 = sac_mlp(in_features, hidden, 1, activation)
-        self.q2 = sac_mlp(in_features, hidden, 1, activation)
+        self.q1 = mlp(in_features, hidden, 1, activation, ortho_init=False)
+        self.q2 = mlp(in_features, hidden, 1, activation, ortho_init=False)
 
     def forward(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor]:
         """(q1, q2), each [B]."""
