@@ -20,6 +20,9 @@ weights are in; then only the adapters and the heads (state token, queries, mean
 policy without LoRA) or adapters (only what trains).
 
 Shard units (FSDP): every vision encoder layer and every decoder layer.
+
+Over 400 lines: the policy is one module with its checks of the observation, its two action heads and its
+LoRA and file layouts, which read best beside the forward pass they serve.
 """
 
 from __future__ import annotations

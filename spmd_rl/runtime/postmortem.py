@@ -31,6 +31,9 @@ job; after the job, `python -m spmd_rl.runtime.postmortem DIR` prints the same s
 marker is there. The files need no signature: the directory is the launcher script's own (mktemp -d: mode 0700), and
 the summary ignores, with a line, a directory that another user owns or may write. No torch at module level: that
 runs in the launcher script, after every rank is gone.
+
+Over 400 lines: the records are written, signed, read and summarized here, so that what is signed and what is
+checked stay in one file.
 """
 
 from __future__ import annotations

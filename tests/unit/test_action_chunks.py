@@ -9,7 +9,7 @@ import torch
 from spmd_rl.algorithms.ppo import PPO, chunk_discounts, compute_gae
 from spmd_rl.algorithms.sac import SAC
 from spmd_rl.api import StepField
-from spmd_rl.comm.channel import local_channel
+from spmd_rl.comm.local_channel import local_channel
 from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.vector import make_vector_env, probe_env
