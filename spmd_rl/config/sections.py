@@ -1,5 +1,9 @@
 """The run's configuration sections. Every knob has one place: a field of a section dataclass below, with its
-default, its allowed range and a help line (spmd_rl.config.loading checks every value against it)."""
+default, its allowed range and a help line (spmd_rl.config.loading checks every value against it).
+
+Over 400 lines: every core knob lives here and nowhere else, so --help, the docs' key checks and a reader find
+them in one file.
+"""
 
 from __future__ import annotations
 

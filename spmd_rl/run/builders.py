@@ -4,7 +4,8 @@ state comes from `Run.restore`, which the engine calls with every component it r
 
 Every builder keeps one order of the steps that draw random numbers (policy, algorithm, the rank's seed, envs),
 and Run.restore sets the checkpoint's generators after them, which is what makes a resumed run continue exactly.
-The builders share their helpers (seeding, the algorithm's context, weight sync, run.init_from), hence one file.
+Over 400 lines: the builders share their helpers (seeding, the algorithm's context, weight sync, run.init_from),
+hence one file.
 """
 
 from __future__ import annotations

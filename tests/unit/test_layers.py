@@ -88,17 +88,12 @@ def test_module_level_imports_form_no_cycle():
     assert cycles == []
 
 
-# Over 400 lines and being reworked on other branches of issue 42 (Run's builders, the config's sections and
-# loading); each leaves this set when its branch is merged, split or with its reason stated.
-LONG_PENDING = {"config/loading.py", "config/sections.py", "run/run.py"}
-
-
 def test_a_module_over_400_lines_says_why_at_its_top():
     unexplained = []
     for path in _modules().values():
         text = path.read_text()
         relative = str(path.relative_to(PACKAGE))
-        if text.count("\n") > 400 and relative not in LONG_PENDING:
+        if text.count("\n") > 400:
             docstring = ast.get_docstring(ast.parse(text)) or ""
             if "Over 400 lines" not in docstring.replace("\n", " "):
                 unexplained.append(relative)
