@@ -43,8 +43,11 @@ def sac_mlp(in_features: int, hidden_sizes: list[int], out_features: int, activa
     return nn.Sequential(*layers)
 
 
-def check_sac_spaces(obs_space: gym.Space, action_space: gym.Space, who: str = "SAC") -> None:
-    """SAC's (and TD3's) MLPs need a 1-D Box of observations and a 1-D Box of actions with finite bounds."""
+def check_sac_spaces(
+    obs_space: gym.Space, action_space: gym.Space, who: str = "SAC"
+) -> tuple[gym.spaces.Box, gym.spaces.Box]:
+    """SAC's (and TD3's) MLPs need a 1-D Box of observations and a 1-D Box of actions with finite bounds: the two
+    spaces, as Boxes."""
     if not isinstance(action_space, gym.spaces.Box):
         raise UserError(
             f"{who} needs continuous (Box) actions; got {action_space}: use algo.class=ppo for discrete actions"
@@ -63,6 +66,7 @@ def check_sac_spaces(obs_space: gym.Space, action_space: gym.Space, who: str = "
             f"observation space {obs_space} is not supported by {who}'s MLPs (a 1-D Box is); flatten "
             "it with a gymnasium wrapper such as FlattenObservation"
         )
+    return obs_space, action_space
 
 
 class BoundedActor(Policy):
@@ -70,14 +74,17 @@ class BoundedActor(Policy):
     action reached as action_scale * tanh(.) + action_bias. The subclass builds `net` (after this __init__, so the
     layout of parameters, buffers and checkpoints is the same for both) and acts."""
 
+    action_scale: Tensor  # registered buffers
+    action_bias: Tensor
+
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, config, who: str):
         super().__init__(obs_space, action_space, config)
-        check_sac_spaces(obs_space, action_space, who=who)
+        obs_box, action_box = check_sac_spaces(obs_space, action_space, who=who)
         # Always present (fixed state layout for weight buckets and checkpoints); the critics see the same
         # normalized observations through `features`.
-        self.obs_normalizer = RunningNormalizer((int(obs_space.shape[0]),), enabled=config.normalize_obs)
-        low = torch.as_tensor(action_space.low, dtype=torch.float32)
-        high = torch.as_tensor(action_space.high, dtype=torch.float32)
+        self.obs_normalizer = RunningNormalizer((int(obs_box.shape[0]),), enabled=config.normalize_obs)
+        low = torch.as_tensor(action_box.low, dtype=torch.float32)
+        high = torch.as_tensor(action_box.high, dtype=torch.float32)
         self.register_buffer("action_scale", (high - low) / 2)
         self.register_buffer("action_bias", (high + low) / 2)
 
@@ -105,8 +112,8 @@ class SquashedGaussianActor(BoundedActor):
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, config: SquashedGaussianConfig):
         super().__init__(obs_space, action_space, config, who="SAC")
         # One head for mean and log std: a single matmul instead of two.
-        act_dim = int(action_space.shape[0])
-        self.net = sac_mlp(int(obs_space.shape[0]), list(config.hidden_sizes), 2 * act_dim, config.activation)
+        act_dim = self.action_scale.shape[0]  # the Box's widths, as BoundedActor checked them
+        self.net = sac_mlp(self.obs_normalizer.shape[0], list(config.hidden_sizes), 2 * act_dim, config.activation)
 
     def forward(self, obs: Tensor) -> tuple[Tensor, Tensor]:
         """The pre-squash Gaussian's (mean, log_std), each [B, act_dim]."""
@@ -146,8 +153,8 @@ class TwinQ(nn.Module):
 
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, hidden: list[int], activation: str):
         super().__init__()
-        check_sac_spaces(obs_space, action_space)
-        in_features = int(obs_space.shape[0]) + int(action_space.shape[0])
+        obs_box, action_box = check_sac_spaces(obs_space, action_space)
+        in_features = int(obs_box.shape[0]) + int(action_box.shape[0])
         self.q1 = sac_mlp(in_features, hidden, 1, activation)
         self.q2 = sac_mlp(in_features, hidden, 1, activation)
 
