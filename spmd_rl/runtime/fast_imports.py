@@ -26,6 +26,11 @@ from __future__ import annotations
 
 import sys
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: this module exists to import them late
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
 
 
 def import_tensordict_without_dynamo() -> None:
@@ -50,7 +55,7 @@ def optimizers_without_dynamo() -> None:
     _call_wrapped_directly(Optimizer)
 
 
-def data_parallel_without_dynamo(module, **options):
+def data_parallel_without_dynamo(module: nn.Module, **options: Any) -> DistributedDataParallel:
     """DistributedDataParallel(module, **options), built and run without importing torch._dynamo (see the module's
     docstring)."""
     import torch
