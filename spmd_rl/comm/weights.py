@@ -69,13 +69,20 @@ class _Entry:
         return math.prod(self.shape) * _element_size(self.dtype)
 
     def current(self) -> torch.Tensor:
-        return (self.owner._parameters if self.is_param else self.owner._buffers)[self.attr]
+        tensor = (self.owner._parameters if self.is_param else self.owner._buffers)[self.attr]
+        assert tensor is not None  # lay_out took the module's tensors, never an empty slot
+        return tensor
+
+    def bucket_view(self) -> torch.Tensor:
+        """view, which WeightSync sets when it lays out its buckets (before any other use)."""
+        assert self.view is not None
+        return self.view
 
     def point_at_view(self) -> None:
         if self.is_param:
-            self.owner._parameters[self.attr].data = self.view
+            self.current().data = self.bucket_view()
         else:
-            self.owner._buffers[self.attr] = self.view
+            self.owner._buffers[self.attr] = self.bucket_view()
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -90,7 +97,7 @@ def lay_out(module: nn.Module, bucket_bytes: int, wire_dtype: torch.dtype | None
     into byte buckets at aligned offsets. Dtypes share buckets (a broadcast moves bytes), so a float32 policy with
     float64 normalizer statistics and an int64 counter is one collective, not three. wire_dtype: the dtype
     floating-point parameters travel in (None: their own). Sharded parameters count with their global shape."""
-    named = [(name, True, p) for name, p in module.named_parameters()]
+    named: list[tuple[str, bool, torch.Tensor]] = [(name, True, p) for name, p in module.named_parameters()]
     named += [(name, False, b) for name, b in module.named_buffers() if b is not None]
     if not named:
         raise ValueError("WeightSync: the module has no parameters or buffers to broadcast")
@@ -101,7 +108,8 @@ def lay_out(module: nn.Module, bucket_bytes: int, wire_dtype: torch.dtype | None
             f"WeightSync: the module's tensors are on several devices {sorted(map(str, devices))}; "
             f"move it to one device first"
         )
-    entries, sizes = [], []
+    entries: list[_Entry] = []
+    sizes: list[int] = []
     used = start = 0  # bytes used in the open bucket, and where its data starts
     for name, is_param, tensor in named:
         owner_name, _, attr = name.rpartition(".")
@@ -176,6 +184,8 @@ class _WeightGroupMember:
     entries: list[_Entry]
     bucket_sizes: list[int]
     broadcasts: int
+    device: torch.device  # these two: set by the subclass once its layout is known
+    digest: int
 
     def _join(self, group, src: int, me: int, timeout, describe_rank) -> None:
         self.group, self.src, self.me, self.describe_rank = group, src, me, describe_rank
@@ -356,15 +366,15 @@ class WeightSync(_WeightGroupMember):
     def _adopt_module_tensors(self) -> None:
         """Copy any tensor the module replaced (instead of updating in place) into its bucket; re-point it."""
         for entry in self.entries:
-            current = entry.current()
-            if current.data_ptr() != entry.view.data_ptr():
-                entry.view.copy_(current.detach())
+            current, view = entry.current(), entry.bucket_view()
+            if current.data_ptr() != view.data_ptr():
+                view.copy_(current.detach())
                 entry.point_at_view()
 
     def point_module_at_buckets(self) -> None:
         """After new bytes arrived: a module that replaced a tensor is pointed back at its bucket."""
         for entry in self.entries:
-            if entry.current().data_ptr() != entry.view.data_ptr():
+            if entry.current().data_ptr() != entry.bucket_view().data_ptr():
                 entry.point_at_view()
 
     def broadcast(self, version: int) -> int:
@@ -535,10 +545,10 @@ class GatheredWeightSource(_WeightGroupMember):
             self.checksums()  # the gathers the source's checksums need
 
 
-def _needs_cast(piece: Piece, rows: torch.Tensor) -> bool:
-    """Whether a trainer's rows of a piece go on the wire through the cast ring (another dtype, or not contiguous)
-    rather than from the shard itself."""
-    return rows.dtype != piece.entry.dtype or not rows.is_contiguous()
+def _needs_cast(entry: _Entry, rows: torch.Tensor) -> bool:
+    """Whether a trainer's rows of a piece of entry go on the wire through the cast ring (another dtype, or not
+    contiguous) rather than from the shard itself."""
+    return rows.dtype != entry.dtype or not rows.is_contiguous()
 
 
 class ShardedWeightSource(GatheredWeightSource):
@@ -585,23 +595,21 @@ class ShardedWeightSource(GatheredWeightSource):
             for piece in pieces:
                 if piece.sender != self.me or piece.entry is None or not piece.entry.is_param:
                     continue
-                rows = self._local_rows(piece)
+                rows = self._local_rows(piece.entry)
                 if rows.numel() * _element_size(piece.entry.dtype) != piece.end - piece.start:
                     raise ValueError(
                         f"ShardedWeightSource: {self.describe_rank(self.me)} holds {tuple(rows.shape)} of "
                         f"{piece.entry.name} {piece.entry.shape}, not the dim-0 chunk the receivers expect"
                     )
 
-    def _local_rows(self, piece: Piece) -> torch.Tensor:
-        """This trainer's own tensor for a piece: its local rows of a parameter (in the training dtype), or a
-        whole buffer."""
-        tensor = piece.entry.current().detach()
+    def _local_rows(self, entry: _Entry) -> torch.Tensor:
+        """This trainer's own tensor for a piece of entry: its local rows of a parameter (in the training dtype),
+        or a whole buffer."""
+        tensor = entry.current().detach()
         if is_dtensor(tensor):
             return tensor.to_local()
-        if piece.entry.is_param and len(self.senders) > 1 and piece.entry.shape:
-            raise ValueError(
-                f"ShardedWeightSource: parameter {piece.entry.name} is not sharded; every parameter must be"
-            )
+        if entry.is_param and len(self.senders) > 1 and entry.shape:
+            raise ValueError(f"ShardedWeightSource: parameter {entry.name} is not sharded; every parameter must be")
         return tensor
 
     def _ring_bytes(self, indices: range) -> int:
@@ -612,7 +620,9 @@ class ShardedWeightSource(GatheredWeightSource):
             aligned(piece.end - piece.start)
             for index in indices
             for piece in self.pieces[index]
-            if piece.sender == self.me and piece.entry is not None and _needs_cast(piece, self._local_rows(piece))
+            if piece.sender == self.me
+            and piece.entry is not None
+            and _needs_cast(piece.entry, self._local_rows(piece.entry))
         ]
         return min(sum(sizes), max(max(sizes), max(self.bucket_sizes) // 2)) if sizes else 0
 
@@ -649,7 +659,8 @@ class ShardedWeightSource(GatheredWeightSource):
         # heap holding several of them).
         ring = self.buffer[:ring_bytes] if ring_bytes else None
         head = 0  # where the next cast goes in the ring
-        in_flight = collections.deque()  # (ring start, ring end, bucket index, works), oldest first
+        # (ring start, ring end, bucket index, works), oldest first
+        in_flight: collections.deque[tuple[int, int, int, list[dist.Work | None]]] = collections.deque()
 
         def complete_oldest() -> None:
             _, _, index, works = in_flight.popleft()
@@ -662,16 +673,18 @@ class ShardedWeightSource(GatheredWeightSource):
                     continue
                 start = end = 0  # the ring bytes this piece holds until its sends complete (none: sent in place)
                 if piece.entry is None:
+                    assert header is not None  # bucket 0's header piece is the source's
                     tensor = header
                 else:
-                    tensor = rows = self._local_rows(piece)
-                    if _needs_cast(piece, rows):
+                    tensor = rows = self._local_rows(piece.entry)
+                    if _needs_cast(piece.entry, rows):
                         nbytes = piece.end - piece.start
                         start = head if head + nbytes <= ring_bytes else 0
                         end = start + nbytes
                         # Pieces are placed in the order they are sent, so the ones in the way are the oldest.
                         while in_flight and any(s < end and start < e for s, e, *_ in in_flight):
                             complete_oldest()
+                        assert ring is not None  # sized for this sync's casts
                         tensor = ring[start:end].view(piece.entry.dtype).view(rows.shape)
                         tensor.copy_(rows)
                         head = aligned(end)

@@ -64,7 +64,7 @@ def data_parallel_without_dynamo(module: nn.Module, **options: Any) -> Distribut
     if "torch._dynamo" in sys.modules:  # a user's code imported it: its config may say otherwise, so ask it
         return DistributedDataParallel(module, **options)
     _call_wrapped_directly(DistributedDataParallel)
-    torch._dynamo = _DYNAMO_DEFAULTS
+    torch._dynamo = _DYNAMO_DEFAULTS  # type: ignore[assignment]  # a stand-in for the module, as said above
     try:
         return DistributedDataParallel(module, **options)
     finally:
