@@ -10,6 +10,8 @@ it. A user's engine extends it by subclassing: `after_learn` (extra metrics, a h
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.roles.env_runner import EnvRunner
@@ -24,7 +26,7 @@ class SyncEngine(Engine):
     """Every rank runs the story of its role; weights move at fixed points between rollouts."""
 
     def run(self, run: Run) -> Policy | None:
-        loops = {
+        loops: dict[str, Callable[..., None]] = {
             COLOCATED: self.colocated_loop,
             ENV: self.env_loop,
             INFERENCE: self.inference_loop,

@@ -209,6 +209,7 @@ class EnvRunner:
     def restore(self, state: dict) -> None:
         # Envs whose state cannot be saved begin fresh episodes (said at start); the rest continue exactly.
         if state["env"] is not None:
+            assert self.env_backend is not None  # it captured this state
             self.env_backend.restore_state(self.envs, state["env"])
             self.load_state_dict(state["worker"])
 

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import gymnasium as gym
 import numpy as np
 import torch
 
 from spmd_rl.envs import spaces
-from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE, StepField, initial_state
+from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE, Policy, StepField, initial_state
 from spmd_rl.runtime.errors import UserCodeError
 from spmd_rl.runtime.watchdog import watchdog
+
+if TYPE_CHECKING:  # annotations only
+    from spmd_rl.comm.weights import WeightSync
 
 
 class UniformActions:
@@ -27,7 +31,7 @@ class UniformActions:
     def __init__(self, action_space: gym.Space, outputs: dict):
         self.outputs = outputs
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
-        if self.discrete:
+        if isinstance(action_space, gym.spaces.Discrete):
             self.n = int(action_space.n)
             self.start = int(action_space.start)
         elif isinstance(action_space, gym.spaces.Box):
@@ -148,8 +152,8 @@ def check_act_outputs(policy, out, fields: dict[str, StepField], batch: int) -> 
 class InferenceParts:
     """What an inference rank serves with (built by the run), for the sync server or an engine's own server."""
 
-    policy: torch.nn.Module
-    weight_sync: object  # spmd_rl.comm.weights.WeightSync (weights come from trainer 0)
+    policy: Policy
+    weight_sync: WeightSync  # weights come from trainer 0
     obs_channels: list
     action_channels: list
     uniform_actions: UniformActions | None  # off-policy warm-up actions (None when the plan has none)
@@ -193,6 +197,7 @@ class InferenceServer:
 
         clock = time.perf_counter()
         if self.explore_uniformly:
+            assert self.uniform_actions is not None  # explore_uniformly is set only with them
             out = self.uniform_actions(obs.shape[0])
         elif self.states is not None:
             with self.no_grad, self.watched_act:

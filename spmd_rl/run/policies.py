@@ -95,7 +95,7 @@ def _load_run_config(config_file: Path, overrides: list[str]):
 def accepts_gymnasium_observations(policy: Policy) -> Policy:
     """Let this policy's `act` take one observation or a batch, numpy or torch (see load_policy); its class's act,
     which takes a batch, is what runs. Only this object changes: the class and its other instances do not."""
-    policy.act = types.MethodType(_act_on_any_observation, policy)
+    policy.act = types.MethodType(_act_on_any_observation, policy)  # type: ignore[method-assign]  # this object only
     return policy
 
 

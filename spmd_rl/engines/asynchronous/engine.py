@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from spmd_rl.engines.asynchronous.config import AsyncEngineConfig
 from spmd_rl.engines.asynchronous.inference_server import AsyncInferenceServer
@@ -121,7 +123,8 @@ class AsyncEngine(Engine):
                 f"checkpoints) every {async_plan.every} iteration(s)",
                 flush=True,
             )
-        loop = {ENV: env_loop, INFERENCE: inference_loop, TRAINER: trainer_loop}[run.role]
+        loops: dict[str, Callable[..., None]] = {ENV: env_loop, INFERENCE: inference_loop, TRAINER: trainer_loop}
+        loop = loops[run.role]
         return run.with_metrics(lambda logger: loop(run, async_plan, logger))
 
 
@@ -167,7 +170,7 @@ def trainer_loop(run: Run, async_plan: AsyncPlan, logger: MetricsLogger | None) 
     receives stay posted while learning (rule 5); trainer 0 publishes after every synced update."""
     plan, iterations = run.plan, run.iterations
     trainer, report = run.build_trainer(logger, recv_buffers=async_plan.depth)
-    posted = [deque() for _ in trainer.segment_channels]
+    posted: list[deque[Any]] = [deque() for _ in trainer.segment_channels]  # receive handles, oldest first
 
     def post(iteration: int) -> None:
         if iteration < iterations.stop:

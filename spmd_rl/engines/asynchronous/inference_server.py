@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 from tensordict import TensorDict
@@ -37,7 +38,7 @@ class AsyncInferenceServer:
         verify_every: int,
         describe_rank,
         rank: int,
-        served: list[int],
+        served: Sequence[int],
     ):
         self.plan, self.lag_bound = plan, lag_bound
         self.policy, self.weight_sync = parts.policy, parts.weight_sync
@@ -129,6 +130,7 @@ class AsyncInferenceServer:
         try:
             pending = channel.irecv() if count else None
             for number in range(count):
+                assert pending is not None  # posted above (count > 0) or at the end of the previous step
                 message = pending.wait()
                 if number + 1 < count:
                     pending = channel.irecv()
@@ -209,6 +211,7 @@ class AsyncInferenceServer:
             obs = observations[0] if len(observations) == 1 else torch.cat(observations)
             clock = time.perf_counter()
             if flag:
+                assert self.uniform_actions is not None  # the plan explores only with them
                 out = self.uniform_actions(obs.shape[0])
             elif self.states is not None:
                 served = [index for index, _ in group]
