@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from spmd_rl.comm.weights import GatheredWeightSource, ShardedWeightSource, Weig
 from spmd_rl.config.sections import Config
 from spmd_rl.envs.backend import backend_for
 from spmd_rl.envs.vector import EnvSpec, group_of_envs
-from spmd_rl.interfaces.algorithm import Algorithm
+from spmd_rl.interfaces.algorithm import Algorithm, PolicyMethod
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import GROUP, Policy, StepField
 from spmd_rl.persist.checkpoint import SHARD_FILES, SHARDS_FROM, restore_rng_state
@@ -48,6 +49,8 @@ from spmd_rl.storage.experience_log import ExperienceLog
 # What a resharded resume takes from trainer 0's file (run.resume onto another number of ranks, fsdp only).
 RESHARDED_KEYS = ("policy", "algorithm", "metrics", "experience_rows", SHARD_FILES, SHARDS_FROM)
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # inference.dtype: None = the parameters' own
+# What Run._weight_sync builds: a member of the weight group that holds buckets, or a trainer's gathering source.
+SyncT = TypeVar("SyncT", WeightSync, GatheredWeightSource)
 
 
 def policy_device(policy: Policy) -> str:
@@ -200,16 +203,16 @@ class Run:
         )
         report = Reporter(cfg, plan, logger, callbacks, policy)
         self._say_if_env_state_unsaved(runner)
-        state = self._load_checkpoint(trainer_part=True)
-        if state is None:
+        saved = self._load_checkpoint(trainer_part=True)
+        if saved is None:
             self._init_algorithm_from(algorithm, initial_algorithm_state)
         else:
-            trainer.load_state_dict(state)
-            report.load_state_dict(state["metrics"])
+            trainer.load_state_dict(saved)
+            report.load_state_dict(saved["metrics"])
             if not self.resume.resharded:  # resharded: fresh episodes and this rank's own fresh streams
-                runner.restore(state)
-                server.restore(state)
-                restore_rng_state(state["rng"])  # last: building the envs above drew from the generators
+                runner.restore(saved)
+                server.restore(saved)
+                restore_rng_state(saved["rng"])  # last: building the envs above drew from the generators
         if rank == 0:
             self.final_policy = self._final_policy(trainer, policy)
         return runner, server, trainer, report
@@ -246,10 +249,10 @@ class Run:
             env_backend=backend_for(cfg.env),
         )
         self._say_if_env_state_unsaved(runner)
-        state = self._load_checkpoint()
-        if state is not None:
-            runner.restore(state)
-            restore_rng_state(state["rng"])
+        saved = self._load_checkpoint()
+        if saved is not None:
+            runner.restore(saved)
+            restore_rng_state(saved["rng"])
         return runner
 
     def build_inference_server(self) -> InferenceServer:
@@ -276,7 +279,7 @@ class Run:
             policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
         if cfg.inference.dtype == "bf16":  # this rank's copy (and the wire) in bf16; it acts under autocast
             sharding.compute_in_bf16(sharding.cast_parameters(policy, torch.bfloat16), ["act"], policy_device(policy))
-        weight_sync = self._weight_sync(policy, **self._sender_options())
+        weight_sync = self._weight_sync(policy, WeightSync, **self._sender_options())
         self._seed_rank()
         observations = [with_episode_starts(observation_layout(self.spec, n), state_fields, n) for _ in served]
         action_channels, obs_channels = open_channels(
@@ -305,11 +308,12 @@ class Run:
         with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
             policy = build_policy(cfg, self.spec, self.policy_cls, self.runtime.device)
         initial_algorithm_state = self._init_policy_from(policy)
+        weight_sync: WeightSync | GatheredWeightSource | None
         if self._gathers_weights:  # after sharding: every trainer gathers its shards for trainer 0's broadcast
             algorithm, callbacks = self._build_algorithm(policy, group)
             weight_sync = self._gathered_weight_source(policy)
         else:  # before the optimizer and DDP: it points the parameters into its flat buckets
-            weight_sync = self._weight_sync(policy) if rank == topology.trainer_ranks[0] else None
+            weight_sync = self._weight_sync(policy, WeightSync) if rank == topology.trainer_ranks[0] else None
             algorithm, callbacks = self._build_algorithm(policy, group)
         self._seed_rank()
         _, segment_channels = open_channels(
@@ -394,7 +398,10 @@ class Run:
             parallel=self.cfg.train.parallel,
             precision=self.cfg.train.precision,
             activation_checkpointing=self.cfg.train.activation_checkpointing,
-            policy_methods=("act", *(getattr(m, "name", m) for m in self.algorithm_cls.policy_methods)),
+            policy_methods=(
+                "act",
+                *(m.name if isinstance(m, PolicyMethod) else m for m in self.algorithm_cls.policy_methods),
+            ),
             hybrid_shards=(
                 (self.groups.replicate, self.groups.shard, self.groups.shard_mesh) if self.groups.shard_mesh else None
             ),
@@ -442,7 +449,7 @@ class Run:
             return {}
         return {"senders": list(self.groups.sender_ranks), "sender_group": self.groups.weight_senders}
 
-    def _weight_sync(self, policy: Policy, kind=WeightSync, **options) -> WeightSync:
+    def _weight_sync(self, policy: Policy, kind: type[SyncT], **options) -> SyncT:
         """This rank's member of the weight group (kind: WeightSync, or a trainer's GatheredWeightSource)."""
         topology, runtime = self.topology, self.runtime
         return kind(
@@ -545,7 +552,9 @@ class Run:
         """Once per run (the first rank with envs): a checkpoint cannot hold these envs' state, so a resume begins
         fresh episodes."""
         first = 0 if self.topology.colocated else self.topology.env_ranks[0]
-        reason = runner.env_backend.unsaved_reason(runner.envs) if self.rank == first else None
+        backend = runner.env_backend
+        assert backend is not None  # the run gives every runner its env backend
+        reason = backend.unsaved_reason(runner.envs) if self.rank == first else None
         if reason:
             print(f"spmd_rl: note: {reason}", flush=True)
 
