@@ -237,9 +237,9 @@ def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.devic
     return state
 
 
-def split_sharded(state):
+def split_sharded(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(state with a placeholder for every DTensor, {key: DTensor}); keys are the DTensors' paths in state."""
-    shards: dict = {}
+    shards: dict[str, Any] = {}
 
     def walk(value, path: str):
         if is_dtensor(value):
