@@ -68,6 +68,7 @@ policy, cfg); `load_policy(path)` gives a policy whose `act` also takes numpy, o
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from spmd_rl.config.sections import AlgorithmConfig, NoConfig, knob
 from spmd_rl.interfaces.algorithm import ANY_LAG, Algorithm, Callback, PlanFacts, PolicyMethod, Schedule
@@ -147,7 +148,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     module = _ENGINE_TYPES.get(name)
     if module is None:
         raise AttributeError(f"module 'spmd_rl.api' has no attribute '{name}'")

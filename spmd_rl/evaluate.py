@@ -105,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"path": str(args.path), "env": cfg.env.id, **result}))
     else:
-        actions = "deterministic" if args.deterministic else "sampled"
+        acting = "deterministic" if args.deterministic else "sampled"
         print(
             f"{args.path} on {env_cfg.id}: return {result['return_mean']:.2f} ± {result['return_std']:.2f}, "
             f"length {result['length_mean']:.1f} ± {result['length_std']:.1f} over {result['episodes']} episodes "
-            f"({actions} actions, seed {args.seed})"
+            f"({acting} actions, seed {args.seed})"
             + (f"; {success_text(result)}" if "success_rate" in result else "")
             + (f"; {result['cut']} cut at {result['max_steps']} steps" if result["cut"] else "")
             + (f"; videos in {args.video}" if args.video else "")

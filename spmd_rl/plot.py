@@ -19,12 +19,16 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import yaml
 
 from spmd_rl.persist.run_files import CONFIG_FILE, METRICS_FILE
 from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
+
+if TYPE_CHECKING:  # annotations only: matplotlib is the plot extra's, imported when plotting
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 # What a curve's identity ignores when grouping seeds.
 _PER_RUN_KEYS = (("train", "seed"), ("run", "dir"), ("run", "name"))
@@ -130,7 +134,8 @@ def expand_run_dirs(paths: list[Path]) -> tuple[list[Path], list[str]]:
 
 def _runs_inside(path: Path, depth: int) -> tuple[list[Path], list[Path]]:
     """(runs with metrics, runs without) in path and, depth - 1 levels further, in the folders that are no runs."""
-    logged, waiting = [], []
+    logged: list[Path] = []
+    waiting: list[Path] = []
     for run_dir in run_dirs_inside(path, depth):
         (logged if _has_metrics(run_dir) else waiting).append(run_dir)
     return logged, waiting
@@ -245,15 +250,17 @@ def make_figure(curves_: list[Curve], x: str, y: str, title: str):
             color=colours[index % len(colours)],
             linestyle=LINE_STYLES[index % len(LINE_STYLES)],
         )
-        if curve.low is not None:
+        if curve.low is not None and curve.high is not None:  # set together
             axes.fill_between(curve.x, curve.low, curve.high, color=line.get_color(), alpha=0.2, linewidth=0)
     axes.set_xlabel(LABELS.get(x, x))
     axes.set_title(title)
     axes.grid(alpha=0.3)
-    renderer = figure.canvas.get_renderer()
+    renderer = cast("FigureCanvasAgg", figure.canvas).get_renderer()  # Agg: matplotlib.use above
     _set_whole_ylabel(axes, LABELS.get(y, y), renderer)
     # Below the x label (measured, in axes coordinates), never over the curves however many there are.
-    below = axes.transAxes.inverted().transform(axes.xaxis.get_tightbbox(renderer).p0)[1]
+    label_box = axes.xaxis.get_tightbbox(renderer)
+    assert label_box is not None  # the axis is drawn
+    below = axes.transAxes.inverted().transform(label_box.p0)[1]
     longest = max((len(curve.label) for curve in curves_), default=0)
     columns = 2 if len(curves_) > LEGEND_ONE_COLUMN_MAX and longest <= LEGEND_TWO_COLUMN_CHARS else 1
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, below - 0.02), ncols=columns, fontsize="small", frameon=False)

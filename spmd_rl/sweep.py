@@ -219,7 +219,7 @@ class _Signals:
 
     NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM", signal.SIGUSR1: "SIGUSR1"}
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.received: str = ""
         self.child: subprocess.Popen | None = None
         self.previous = {number: signal.signal(number, self._handle) for number in self.NAMES}

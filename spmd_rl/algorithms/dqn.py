@@ -78,7 +78,7 @@ def n_step_transitions(segment: TensorDict, gamma: float, n: int) -> TensorDict:
     )
 
 
-class DQN(Algorithm):
+class DQN(Algorithm[DQNConfig]):
     """Owns the target network, the optimizer and the replay shard; updates the policy (a QNetwork, or any policy
     with `q_values(obs)` and an `epsilon` buffer).
 
@@ -123,7 +123,7 @@ class DQN(Algorithm):
         context.broadcast_tensors(
             [*policy.parameters(), *policy.buffers(), *target.parameters(), *target.buffers()], "DQN initial state"
         )
-        methods = tuple(getattr(method, "name", method) for method in self.policy_methods)
+        methods = tuple(method.name if isinstance(method, PolicyMethod) else method for method in self.policy_methods)
         self.q_network = context.shard(policy, ("act", *methods))
         self.target = context.shard(target, methods)
         # The online network's trainable parameters: a frozen one (requires_grad False) gets no Adam state.

@@ -11,6 +11,8 @@ through optimizer.step() as before.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.optim.optimizer as optimizer_module
 from torch import nn
@@ -38,6 +40,7 @@ class FusedAdamStep:
         if any(grad is None for grad in grads):
             optimizer.step()  # torch's step skips parameters without a gradient
             return
+        assert self.state_lists is not None  # gathered above
         exp_avgs, exp_avg_sqs, steps = self.state_lists
         beta1, beta2 = group["betas"]
         with torch.no_grad():
@@ -86,7 +89,12 @@ class FusedAdamStep:
         )
         if not supported:
             return False
-        with_grad, gathered_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+        with_grad: list[torch.Tensor] = []
+        gathered_grads: list[torch.Tensor] = []
+        exp_avgs: list[torch.Tensor] = []
+        exp_avg_sqs: list[torch.Tensor] = []
+        max_exp_avg_sqs: list[torch.Tensor] = []
+        steps: list[torch.Tensor] = []
         optimizer._init_group(group, with_grad, gathered_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
         if len(with_grad) != len(params):
             return False
@@ -95,7 +103,7 @@ class FusedAdamStep:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> None:
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> None:
     """torch.nn.utils.clip_grad_norm_(params, max_norm): its kernels in its order, so the same gradients bit for
     bit, without its grouping of the gradients by device and dtype, which costs more than the kernels on a small
     network stepped per batch. Gradients of several devices or dtypes, or DTensors (fsdp), go through torch's."""

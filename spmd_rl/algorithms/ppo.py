@@ -14,10 +14,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from tensordict import TensorDict
-from torch import Tensor, nn
+from torch import Tensor
 
 from spmd_rl.algorithms.configs import PPOConfig
 from spmd_rl.algorithms.optimizer_step import FusedAdamStep, clip_grad_norm
@@ -227,7 +228,7 @@ def rollout_tensors(batch: TensorDict) -> dict[str, Tensor]:
     return data
 
 
-def gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+def gradient_sync(model: Any, sync: bool) -> contextlib.AbstractContextManager:
     """A context in which the model's backward averages gradients over the trainers (sync) or only accumulates
     them locally, for micro-batches: DDP's no_sync, FSDP2's set_requires_gradient_sync(False) (a module with
     neither is a single trainer's, whose gradients need no averaging)."""
@@ -241,7 +242,7 @@ def gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextMan
 
 
 @contextlib.contextmanager
-def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
+def _without_gradient_sync(model: Any) -> Iterator[None]:
     """FSDP2: gradients accumulate unreduced in this block; the next backward outside it reduces them all."""
     model.set_requires_gradient_sync(False)
     try:
@@ -306,6 +307,10 @@ class PPOUpdateTail:
     trainer group's approx_kl, the update's metrics, and the optimizer's state. Uses self.cfg (a PPOConfig),
     self.context, self.optimizer."""
 
+    cfg: PPOConfig  # these three: set by the algorithm that mixes this in
+    context: Context
+    optimizer: torch.optim.Optimizer
+
     def annealed(self, iteration: int) -> tuple[float, float]:
         """(learning rate, clip coefficient) for a 0-based iteration: linear decay towards 0 when annealing."""
         remaining = 1.0 - iteration / self.context.num_iterations
@@ -349,7 +354,7 @@ class PPOUpdateTail:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-class PPO(PPOUpdateTail, Algorithm):
+class PPO(PPOUpdateTail, Algorithm[PPOConfig]):
     """Owns the optimizer and runs the PPO update on this trainer's share of the batch.
 
     With several trainers, forward/backward go through the policy's DDP wrapper, so gradients are averaged over

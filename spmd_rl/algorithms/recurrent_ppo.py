@@ -68,7 +68,7 @@ def column_minibatches(columns: int, num_minibatches: int, device) -> Iterator[T
     yield from torch.randperm(columns, device=device).tensor_split(num_minibatches)
 
 
-class RecurrentPPO(PPOUpdateTail, Algorithm):
+class RecurrentPPO(PPOUpdateTail, Algorithm[RecurrentPPOConfig]):
     """The clipped-surrogate update over sequences of a recurrent policy.
 
     Needs from the policy: a recurrent state (`recurrent_state()`), per-step outputs log_prob and value,
@@ -155,11 +155,11 @@ class RecurrentPPO(PPOUpdateTail, Algorithm):
         for _ in range(cfg.update_epochs):
             for cols in column_minibatches(columns, cfg.num_minibatches, starts.device):
                 if 0 < cfg.micro_batch_size < len(cols):  # algo.micro_batch_size: the same step, in parts
-                    losses = self.step_in_parts(data, starts, state, cols, clip)
-                    if losses is None:
+                    part_losses = self.step_in_parts(data, starts, state, cols, clip)
+                    if part_losses is None:
                         stopped = True
                         break
-                    steps.append(losses)
+                    steps.append(part_losses)
                     continue
                 sequence = {key: value[:, cols] for key, value in data.items()}
                 first = {name: value[cols] for name, value in state.items()}

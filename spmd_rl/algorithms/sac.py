@@ -31,7 +31,7 @@ from spmd_rl.modules.sac_td3_networks import SquashedGaussianActor
 __all__ = ["SAC", "as_floats", "transitions_of"]  # the last two: their home is twin_critic.py
 
 
-class SAC(TwinCriticLearner):
+class SAC(TwinCriticLearner[SACConfig]):
     """Owns the critics, their targets, the temperature, the three optimizers and the replay shard; updates the
     policy (a SquashedGaussianActor, or any policy with `sample(obs)` and `features(obs)`).
 
@@ -50,21 +50,23 @@ class SAC(TwinCriticLearner):
         PolicyMethod("features", ("obs",), "features", "observations as the critics see them"),
     )
 
+    actor: SquashedGaussianActor
+
     def __init__(self, actor: SquashedGaussianActor, cfg: SACConfig, context: Context):
         super().__init__(actor, cfg, context)
         self.cfg = cfg
         self.actor = actor
-        action_space, device = context.action_space, context.device
+        device = context.device
         self.build_critics(context)
         # alpha = exp(log_alpha) stays positive while Adam moves log_alpha freely.
         initial_log_alpha = math.log(cfg.alpha) if cfg.alpha > 0 else -math.inf
         self.log_alpha = torch.tensor(initial_log_alpha, device=device, requires_grad=cfg.autotune)
-        self.target_entropy = -float(action_space.shape[0])
+        self.target_entropy = -float(self.actor.action_scale.shape[0])  # the action Box's width
 
         # Every trainer starts from the first trainer's actor, critics, targets and temperature (whole tensors:
         # with train.parallel=fsdp each trainer then keeps its shards of them).
         self.sync_from_first_trainer()
-        methods = tuple(getattr(method, "name", method) for method in self.policy_methods)
+        methods = tuple(method.name if isinstance(method, PolicyMethod) else method for method in self.policy_methods)
         self.actor = context.shard(actor, ("act", *methods))
         self.shard_critics(context)
 
@@ -138,6 +140,7 @@ class SAC(TwinCriticLearner):
                 if alpha_loss is None:
                     self._step([self.actor_optimizer], self.actor_params, actor_loss, "actor")
                 else:
+                    assert self.alpha_optimizer is not None  # a temperature loss comes with its optimizer
                     # Disjoint parameters: one backward of the sum gives both gradients, one all_reduce both.
                     self._step(
                         [self.actor_optimizer, self.alpha_optimizer],
@@ -171,7 +174,11 @@ class SAC(TwinCriticLearner):
         metrics = self._step_in_parts([self.critic_optimizer], self.critic_params, critic_part, parts, "critic")
         if self.num_updates % self.cfg.policy_frequency == 0:
             autotune = self.alpha_optimizer is not None
-            optimizers = [self.actor_optimizer, self.alpha_optimizer] if autotune else [self.actor_optimizer]
+            optimizers = (
+                [self.actor_optimizer, self.alpha_optimizer]
+                if self.alpha_optimizer is not None
+                else [self.actor_optimizer]
+            )
             params = [*self.actor_params, self.log_alpha] if autotune else self.actor_params
             what = "actor and temperature" if autotune else "actor"
 

@@ -8,11 +8,11 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from spmd_rl.comm.sharding import is_dtensor
+from spmd_rl.comm.sharding import ModuleT, is_dtensor
 
 
 @torch.no_grad()
-def own_storage(module: nn.Module) -> nn.Module:
+def own_storage(module: ModuleT) -> ModuleT:
     """module with every parameter and buffer in a storage of its own. A deep copy keeps the sharing of the
     original, whose tensors may be views into one flat weight-sync bucket of mixed dtypes (split layouts), which
     torch.save refuses for a state dict of its own."""
@@ -26,7 +26,7 @@ def own_storage(module: nn.Module) -> nn.Module:
     return module
 
 
-def target_copy(module: nn.Module) -> nn.Module:
+def target_copy(module: ModuleT) -> ModuleT:
     """A frozen copy of module, in storage of its own: the target network that learns only by updates."""
     return own_storage(copy.deepcopy(module)).requires_grad_(False)
 

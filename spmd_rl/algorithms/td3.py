@@ -22,7 +22,7 @@ from spmd_rl.interfaces.context import Context
 from spmd_rl.modules.deterministic_actor import DeterministicActor
 
 
-class TD3(TwinCriticLearner):
+class TD3(TwinCriticLearner[TD3Config]):
     """Owns the critics, their targets, the target actor, the two optimizers and the replay shard; updates the
     policy (a DeterministicActor, or any policy whose forward(obs) is its action with gradients, with
     `features(obs)` and `action_scale` and `action_bias` buffers).
@@ -37,6 +37,8 @@ class TD3(TwinCriticLearner):
         PolicyMethod("forward", ("obs",), "action", "the deterministic action in env units, with gradients"),
         PolicyMethod("features", ("obs",), "features", "observations as the critics see them"),
     )
+
+    actor: DeterministicActor
 
     def __init__(self, actor: DeterministicActor, cfg: TD3Config, context: Context):
         super().__init__(actor, cfg, context)

@@ -9,17 +9,21 @@ A subclass brings its actor's losses, its TD target and its update (`update_tens
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 
+from spmd_rl.algorithms.configs import SACConfig, TD3Config
 from spmd_rl.algorithms.optimizer_step import FusedAdamStep
 from spmd_rl.algorithms.targets import target_copy
 from spmd_rl.envs.spaces import zeros_of
 from spmd_rl.interfaces.algorithm import ANY_LAG, Algorithm, PlanFacts, Schedule
 from spmd_rl.interfaces.context import Context
-from spmd_rl.modules.sac_td3_networks import TwinQ
+from spmd_rl.modules.sac_td3_networks import BoundedActor, TwinQ
 from spmd_rl.runtime.errors import UserError
 
 
@@ -52,13 +56,19 @@ def as_floats(metrics: dict[str, Tensor]) -> dict[str, float]:
     return dict(zip(names, torch.stack([metrics[name] for name in names]).tolist())) if names else {}
 
 
-class TwinCriticLearner(Algorithm):
+# The config a TwinCriticLearner learns with: SAC's or TD3's (both have the keys the shared parts read).
+TwinConfigT = TypeVar("TwinConfigT", SACConfig, TD3Config)
+
+
+class TwinCriticLearner(Algorithm[TwinConfigT]):
     """The twin critics (`critic`, `critic_target`), their optimizer, the update count, the replay shard and the
     learn loop of an actor-critic that learns off-policy. The subclass's __init__ calls `build_critics` before it
     makes its own modules, `shard_critics` after every trainer has the first trainer's modules
     (Context.broadcast_tensors), and `build_replay`; it implements `update_tensors(batch) -> {metric: 0-d
     tensor}` (one critic gradient step and whatever else it does on that batch)."""
 
+    cfg: TwinConfigT  # these two: set by the subclass's __init__
+    actor: BoundedActor
     name = "off-policy"  # names the collectives in error lines
     reshard_refusal = (
         "each trainer's replay shard is its own, and a resharded resume would give every trainer trainer 0's"
@@ -99,8 +109,8 @@ class TwinCriticLearner(Algorithm):
         trainer's), their parameter lists and the critics' optimizer (algo.q_lr); the update count from 0."""
         self.critic = context.shard(self.critic, ("q1_value",))  # TD3's actor loss calls q1_value
         self.critic_target = context.shard(self.critic_target)
-        self.critic_params = list(self.critic.parameters())
-        self.target_params = list(self.critic_target.parameters())
+        self.critic_params: list[Tensor] = list(self.critic.parameters())
+        self.target_params: list[Tensor] = list(self.critic_target.parameters())
         # fused: one kernel over all parameters instead of a dozen small ops per tensor.
         self.critic_optimizer = torch.optim.Adam(self.critic_params, lr=self.cfg.q_lr, fused=True)
         self.num_updates = 0  # update() calls so far: schedules the delayed actor and target updates
@@ -162,11 +172,11 @@ class TwinCriticLearner(Algorithm):
         return {"qf_loss": qf1_loss + qf2_loss, "qf1_loss": qf1_loss, "qf2_loss": qf2_loss, "q1_mean": q1_mean}
 
     def _step_in_parts(
-        self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], losses, parts: list[slice], what: str
+        self, optimizers: Sequence[torch.optim.Adam], params: Sequence[Tensor], losses, parts: list[slice], what: str
     ) -> dict[str, Tensor]:
         """_step on the sum of the parts' gradients: losses(rows) gives each part's weighted losses, the first
         of them the one to differentiate; returns each loss summed over the parts (the whole batch's)."""
-        totals = {}
+        totals: dict[str, Tensor] = {}
         for index, rows in enumerate(parts):
             part = losses(rows)
             self.context.backward(next(iter(part.values())), params, accumulate=index > 0)
@@ -175,13 +185,13 @@ class TwinCriticLearner(Algorithm):
         self._apply_gradients(optimizers, params, what)
         return totals
 
-    def _step(self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], loss: Tensor, what: str) -> None:
+    def _step(self, optimizers: Sequence[torch.optim.Adam], params: Sequence[Tensor], loss: Tensor, what: str) -> None:
         """Gradients of loss for these parameters (their own: the critics' are not applied in an actor step),
         averaged over the trainer group, then one step of each optimizer."""
         self.context.backward(loss, params)
         self._apply_gradients(optimizers, params, what)
 
-    def _apply_gradients(self, optimizers: list[torch.optim.Optimizer], params: list[Tensor], what: str) -> None:
+    def _apply_gradients(self, optimizers: Sequence[torch.optim.Adam], params: Sequence[Tensor], what: str) -> None:
         """The parameters' gradients averaged over the trainer group, then one step of each optimizer."""
         self.context.reduce_gradients(params, f"{self.name} {what} gradients (update {self.num_updates})")
         for optimizer in optimizers:

@@ -19,16 +19,23 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+if TYPE_CHECKING:  # annotations only: torch.distributed.tensor is imported when a run shards
+    from torch.distributed.tensor import DTensor
+
+# shard_policy (and Context.shard) lay a module out in place: what they return is the module they were given.
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
 BF16 = torch.bfloat16
 
 
-def is_dtensor(value) -> bool:
+def is_dtensor(value: Any) -> TypeGuard[DTensor]:
     """A DTensor (a sharded parameter or optimizer state), without importing torch.distributed.tensor eagerly."""
     return type(value).__name__ == "DTensor" and hasattr(value, "full_tensor")
 
@@ -132,13 +139,13 @@ def mesh_trainers(mesh) -> dist.ProcessGroup:
 
 
 def shard_policy(
-    module: nn.Module,
+    module: ModuleT,
     group: dist.ProcessGroup,
     device: torch.device,
     methods: Iterable[str],
     bf16: bool,
     hybrid=None,
-) -> nn.Module:
+) -> ModuleT:
     """FSDP2 over group (or, with hybrid, sharded within and replicated across its groups: see trainer_mesh): one
     fully_shard per shard unit, then the root; methods registered as forward methods. Returns the module itself
     (fully_shard works in place and keeps parameter names)."""
@@ -170,10 +177,12 @@ def single_process_group(device: torch.device) -> dist.ProcessGroup:
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return dist.group.WORLD
+    world = dist.group.WORLD
+    assert world is not None  # initialized (above, or before)
+    return world
 
 
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(module: nn.Module) -> dict[str, Any]:
     """The sharded module's full state dict, gathered tensor by tensor to the CPU of the group's first rank
     (the others get an empty dict). Collective over the module's trainers."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

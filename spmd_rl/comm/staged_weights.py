@@ -97,6 +97,7 @@ class StagedWeights:
             if self._failure is not None:
                 raise comm_error(self._describe(), self._failure, self.sync.timeout, self.peer) from self._failure
             return
+        assert self._works is not None  # ready() above
         for work in self._works:
             wait(work, self.sync.timeout, self._describe, self.peer)
 

@@ -70,13 +70,20 @@ class _Entry:
         return math.prod(self.shape) * element_size(self.dtype)
 
     def current(self) -> torch.Tensor:
-        return (self.owner._parameters if self.is_param else self.owner._buffers)[self.attr]
+        tensor = (self.owner._parameters if self.is_param else self.owner._buffers)[self.attr]
+        assert tensor is not None  # lay_out took the module's tensors, never an empty slot
+        return tensor
+
+    def bucket_view(self) -> torch.Tensor:
+        """view, which WeightSync sets when it lays out its buckets (before any other use)."""
+        assert self.view is not None
+        return self.view
 
     def point_at_view(self) -> None:
         if self.is_param:
-            self.owner._parameters[self.attr].data = self.view
+            self.current().data = self.bucket_view()
         else:
-            self.owner._buffers[self.attr] = self.view
+            self.owner._buffers[self.attr] = self.bucket_view()
 
 
 def element_size(dtype: torch.dtype) -> int:
@@ -91,7 +98,7 @@ def lay_out(module: nn.Module, bucket_bytes: int, wire_dtype: torch.dtype | None
     into byte buckets at aligned offsets. Dtypes share buckets (a broadcast moves bytes), so a float32 policy with
     float64 normalizer statistics and an int64 counter is one collective, not three. wire_dtype: the dtype
     floating-point parameters travel in (None: their own). Sharded parameters count with their global shape."""
-    named = [(name, True, p) for name, p in module.named_parameters()]
+    named: list[tuple[str, bool, torch.Tensor]] = [(name, True, p) for name, p in module.named_parameters()]
     named += [(name, False, b) for name, b in module.named_buffers() if b is not None]
     if not named:
         raise ValueError("WeightSync: the module has no parameters or buffers to broadcast")
@@ -102,7 +109,8 @@ def lay_out(module: nn.Module, bucket_bytes: int, wire_dtype: torch.dtype | None
             f"WeightSync: the module's tensors are on several devices {sorted(map(str, devices))}; "
             f"move it to one device first"
         )
-    entries, sizes = [], []
+    entries: list[_Entry] = []
+    sizes: list[int] = []
     used = start = 0  # bytes used in the open bucket, and where its data starts
     for name, is_param, tensor in named:
         owner_name, _, attr = name.rpartition(".")
@@ -177,6 +185,8 @@ class WeightGroupMember:
     entries: list[_Entry]
     bucket_sizes: list[int]
     broadcasts: int
+    device: torch.device  # these two: set by the subclass once its layout is known
+    digest: int
 
     def _join(self, group, src: int, me: int, timeout, describe_rank) -> None:
         self.group, self.src, self.me, self.describe_rank = group, src, me, describe_rank
@@ -357,15 +367,15 @@ class WeightSync(WeightGroupMember):
     def _adopt_module_tensors(self) -> None:
         """Copy any tensor the module replaced (instead of updating in place) into its bucket; re-point it."""
         for entry in self.entries:
-            current = entry.current()
-            if current.data_ptr() != entry.view.data_ptr():
-                entry.view.copy_(current.detach())
+            current, view = entry.current(), entry.bucket_view()
+            if current.data_ptr() != view.data_ptr():
+                view.copy_(current.detach())
                 entry.point_at_view()
 
     def point_module_at_buckets(self) -> None:
         """After new bytes arrived: a module that replaced a tensor is pointed back at its bucket."""
         for entry in self.entries:
-            if entry.current().data_ptr() != entry.view.data_ptr():
+            if entry.current().data_ptr() != entry.bucket_view().data_ptr():
                 entry.point_at_view()
 
     def broadcast(self, version: int) -> int:

@@ -16,6 +16,7 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ MAX_INT_CHARS = 100  # a YAML integer written with more characters is out of ran
 _LONG_INTEGER = re.compile(r"[+-]?[0-9][0-9_]{19,}")  # more digits than int64 has: out of range, whatever they are
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), only_policy: bool = False) -> Config:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), only_policy: bool = False) -> Config:
     """Defaults <- YAML file <- `a.b=value` overrides, all validated.
 
     The defaults are the embedded default run (PPO on CartPole-v1, the same as configs/ppo_cartpole.yaml), so
@@ -100,7 +101,7 @@ def evaluation_env(cfg: Config) -> EnvSection:
                 f"unknown config key 'eval.env.{clip(str(key))}': eval.env may change {', '.join(EVAL_ENV_KEYS)} "
                 f"(held-out settings); the rest of env applies as it is"
             )
-    given = _build(EnvSection, changes, "eval.env.", "eval.env")
+    given = _build(EnvSection, changes, "eval.env.", Source("eval.env", {}))
     return dataclasses.replace(cfg.env, **{key: getattr(given, key) for key in changes})
 
 

@@ -12,6 +12,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from typing import Any, TypeVar, overload
 
 from spmd_rl.config.excerpts import clip, first_line
 from spmd_rl.config.sections import NoConfig
@@ -125,6 +126,14 @@ def config_class(kind: Kind, name: str) -> type:
     return config
 
 
+# The spmd_rl.api class a loaded plug-in class subclasses (load_class's base).
+PluginT = TypeVar("PluginT")
+
+
+@overload
+def load_class(kind: Kind, name: str) -> type[Any]: ...
+@overload
+def load_class(kind: Kind, name: str, base: type[PluginT]) -> type[PluginT]: ...
 def load_class(kind: Kind, name: str, base: type | None = None) -> type:
     """Import the named class; with `base` (the spmd_rl.api class named by kind.base), check it subclasses it."""
     cls = _import(kind, class_path(kind, name))

@@ -433,7 +433,7 @@ class Config:
 
     def to_dict(self) -> dict:
         """The resolved config as plain data: what config.yaml holds and what --config reads back."""
-        out = {}
+        out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "classes":
@@ -492,7 +492,8 @@ def _omitted_defaults(section) -> list[str]:
     for f in dataclasses.fields(section):
         if not f.metadata.get("omit_default"):
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        # f.default_factory is typed with MISSING's type too: it is a factory whenever there is no default
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
         if getattr(section, f.name) == default:
             omitted.append(f.name)
     return omitted

@@ -48,7 +48,7 @@ class SyncEngine(Engine):
             )
 
     def run(self, run: Run) -> Policy | None:
-        loops = {
+        loops: dict[str, Callable[..., None]] = {
             COLOCATED: self.colocated_loop,
             ENV: self.env_loop,
             INFERENCE: self.inference_loop,

@@ -17,6 +17,7 @@ The encoded state holds only tensors, numbers, strings, None, lists and dicts (l
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -80,7 +81,7 @@ def _vector_layers(envs: gym.vector.VectorEnv) -> list:
 
 
 def _capture_layer(layer) -> dict:
-    state = {"kind": type(layer).__name__}
+    state: dict[str, Any] = {"kind": type(layer).__name__}
     if isinstance(layer, vector_wrappers.RecordEpisodeStatistics):
         now = time.perf_counter()
         state.update(
@@ -170,7 +171,8 @@ def _capture_single(env: gym.Env) -> dict:
         env = env.env
     if not type(env).__module__.startswith("gymnasium.envs.classic_control."):
         raise _Unsaved(f"{type(env).__name__} is not a classic-control env")
-    state["state"] = _encode(env.state)
+    classic: Any = env  # a classic-control env: `state` is its physics (gym.Env declares no such attribute)
+    state["state"] = _encode(classic.state)
     state["extras"] = {name: _encode(getattr(env, name)) for name in _CLASSIC_CONTROL_EXTRAS if hasattr(env, name)}
     state["rng"] = _encode_rng(env.np_random)
     return state
@@ -181,7 +183,8 @@ def _restore_single(env: gym.Env, state: dict) -> None:
         if isinstance(env, single_wrappers.TimeLimit):
             env._elapsed_steps = _decode(state["elapsed_steps"])
         env = env.env
-    env.state = _decode(state["state"])
+    classic: Any = env  # a classic-control env (captured above): `state` is its physics
+    classic.state = _decode(state["state"])
     for name, value in state["extras"].items():
         setattr(env, name, _decode(value))
     _restore_rng(env.np_random, state["rng"])

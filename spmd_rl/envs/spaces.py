@@ -4,12 +4,17 @@ Text space arrives as envs/text.py's TokenizedText, a Dict of token ids and thei
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import gymnasium as gym
 import numpy as np
 import torch
 from tensordict import TensorDict
 
 from spmd_rl.runtime.errors import UserError
+
+if TYPE_CHECKING:  # annotations only: the type of a TensorDict's values (tensordict 0.10 on)
+    from tensordict import TensorCollection
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
@@ -22,14 +27,14 @@ def zeros_of(space: gym.Space, *batch: int) -> torch.Tensor | TensorDict:
         return TensorDict({key: zeros_of(sub, *batch) for key, sub in space.spaces.items()}, batch_size=list(batch))
     if isinstance(space, (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
         dtype = torch.int64 if isinstance(space, gym.spaces.Discrete) else torch_dtype(space.dtype)
-        return torch.zeros(*batch, *space.shape, dtype=dtype)
+        return torch.zeros(*batch, *(space.shape or ()), dtype=dtype)  # never None here (typed Optional on gym.Space)
     raise UserError(
         f"observation space {space} ({type(space).__name__}) cannot be laid out as tensors; spaces "
         f"supported: Box, Discrete, MultiDiscrete, MultiBinary, Text (as token ids, envs/text.py) and Dict of those"
     )
 
 
-def numpy_views(tensors: torch.Tensor | TensorDict):
+def numpy_views(tensors: torch.Tensor | TensorCollection):
     """numpy views of a (CPU) tensor or a TensorDict's leaves (nested dicts), for cheap per-step writes."""
     if isinstance(tensors, torch.Tensor):
         return tensors.numpy()

@@ -4,7 +4,7 @@ Callback contract."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from spmd_rl.config.sections import AlgorithmConfig, NoConfig
 from spmd_rl.interfaces.context import Context
@@ -77,7 +77,11 @@ class PlanFacts:
     group_size: int = 1  # env.group_size: consecutive env columns that start from one initial state
 
 
-class Algorithm:
+# The Config class an Algorithm subclass learns with (Algorithm[PPOConfig]): what its classmethods and self.config see.
+ConfigT = TypeVar("ConfigT", bound=AlgorithmConfig)
+
+
+class Algorithm(Generic[ConfigT]):
     """Learns from the segments its trainer receives. Subclass it; set `Config` (a dataclass subclassing
     AlgorithmConfig, which gives `num_steps`), `default_policy` on the Config (a `ClassVar[str]`: as a field it
     would be a config key, which is refused), `requires` and `policy_methods`.
@@ -106,20 +110,20 @@ class Algorithm:
     supports_action_chunks: ClassVar[bool] = False
 
     @classmethod
-    def schedule(cls, config: AlgorithmConfig) -> Schedule:
+    def schedule(cls, config: ConfigT) -> Schedule:
         return Schedule()
 
     @classmethod
-    def check_plan(cls, config: AlgorithmConfig, plan: PlanFacts) -> None:
+    def check_plan(cls, config: ConfigT, plan: PlanFacts) -> None:
         """Raise spmd_rl.runtime.errors.UserError for a config that cannot work with this layout (runs before any
         process group, on every rank)."""
 
     @classmethod
-    def summary(cls, config: AlgorithmConfig, plan: PlanFacts) -> str:
+    def summary(cls, config: ConfigT, plan: PlanFacts) -> str:
         """What rank 0 adds to the plan it prints at start (batch sizes and the like); '' for nothing."""
         return ""
 
-    def __init__(self, policy: Policy, config: AlgorithmConfig, context: Context):
+    def __init__(self, policy: Policy, config: ConfigT, context: Context):
         self.policy = policy
         self.config = config
         self.context = context
@@ -132,11 +136,11 @@ class Algorithm:
         its checkpoint's."""
         raise NotImplementedError
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Everything beyond the policy's weights needed to continue exactly (optimizers, critics, ...)."""
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
     def close(self) -> None:
@@ -152,9 +156,11 @@ class Callback:
 
     Config: ClassVar[type] = NoConfig
 
-    def __init__(self, config: Any, context: Context):
+    def __init__(self, config: Any, context: Context) -> None:
         self.config = config
         self.context = context
 
-    def on_iteration_end(self, iteration: int, metrics: dict, algorithm: Algorithm) -> dict[str, float] | None:
+    def on_iteration_end(
+        self, iteration: int, metrics: dict[str, Any], algorithm: Algorithm[Any]
+    ) -> dict[str, float] | None:
         return None

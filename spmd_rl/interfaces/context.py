@@ -5,9 +5,10 @@ averaging, bounded collectives, a sharded replay buffer, normalizer merging)."""
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import gymnasium as gym
 import torch
@@ -17,6 +18,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.parallel_plan import shards
+from spmd_rl.comm.sharding import ModuleT
 from spmd_rl.config.sections import BufferSection
 from spmd_rl.runtime.distributed import bounded
 from spmd_rl.runtime.fast_imports import data_parallel_without_dynamo
@@ -24,6 +26,14 @@ from spmd_rl.runtime.limits import check_memory
 
 if TYPE_CHECKING:  # annotations only: importing tensordict costs seconds (torch._dynamo)
     from tensordict import TensorDict
+
+    from spmd_rl.storage.replay import Replay
+
+
+class MergedNormalizer(Protocol):
+    """What merge_normalizer needs of a normalizer (spmd_rl.modules.normalizer.RunningNormalizer's update)."""
+
+    def update(self, x: Tensor, group: dist.ProcessGroup | None, timeout: datetime.timedelta) -> None: ...
 
 
 @dataclass
@@ -40,8 +50,8 @@ class Context:
     seed: int
     num_iterations: int
     steps_per_iteration: int  # env steps per iteration, all env ranks together
-    observation_space: gym.Space
-    action_space: gym.Space
+    observation_space: gym.Space[Any]
+    action_space: gym.Space[Any]
     buffer: Any = None  # the buffer config section (replay capacity, backend, files)
     parallel: str = "ddp"  # train.parallel: ddp (replicas) or fsdp (sharded over the trainer group)
     precision: str = "fp32"  # train.precision: fp32 or bf16 (compute; master weights stay float32)
@@ -56,8 +66,8 @@ class Context:
     @classmethod
     def local(
         cls,
-        observation_space: gym.Space,
-        action_space: gym.Space,
+        observation_space: gym.Space[Any],
+        action_space: gym.Space[Any],
         *,
         group: dist.ProcessGroup | None = None,
         num_iterations: int = 1,
@@ -127,7 +137,7 @@ class Context:
         # Buffers (normalizer statistics) are merged by their own all-reduce, not synced on every forward.
         return data_parallel_without_dynamo(module, process_group=self.group, forward_sync_buffers=False)
 
-    def shard(self, module: nn.Module, methods: tuple[str, ...] = ()) -> nn.Module:
+    def shard(self, module: ModuleT, methods: tuple[str, ...] = ()) -> ModuleT:
         """For an algorithm that steps its optimizers itself over several modules (SAC's actor, critics and target
         critics): the module laid out as train.parallel says, without a DDP wrapper. Compute its gradients with
         `backward` and average them with `reduce_gradients`, which work in either layout.
@@ -147,7 +157,7 @@ class Context:
         group = self.group if self.group is not None else sharding.single_process_group(self.device)
         return sharding.shard_policy(module, group, self.device, methods, bf16, self.hybrid_shards)
 
-    def backward(self, loss: Tensor, params: list[Tensor], accumulate: bool = False) -> None:
+    def backward(self, loss: Tensor, params: Sequence[Tensor], accumulate: bool = False) -> None:
         """The gradients of loss for params, into their .grad (added to it with accumulate, for a batch in parts);
         this trainer's own until `reduce_gradients`.
 
@@ -166,7 +176,7 @@ class Context:
         for param, grad in zip(params, grads):
             param.grad = grad if not accumulate or param.grad is None else param.grad + grad
 
-    def reduce_gradients(self, params: list[Tensor], what: str = "gradients") -> None:
+    def reduce_gradients(self, params: Sequence[Tensor], what: str = "gradients") -> None:
         """params' .grad (from `backward`) replaced by their mean over the trainers: in one flat all-reduce (ddp), or
         with fsdp only those of parameters outside the sharded modules (a temperature), the sharded ones having
         been reduced in backward already."""
@@ -174,18 +184,17 @@ class Context:
             params = [param for param in params if not sharding.is_dtensor(param)]
         if self.group is None or not params:
             return
-        for param, grad in zip(params, self.average_gradients([param.grad for param in params], what)):
+        # cast: `backward` left a gradient on each of them
+        for param, grad in zip(params, self.average_gradients([cast(Tensor, param.grad) for param in params], what)):
             param.grad = grad
 
-    def average_gradients(
-        self, grads: list[Tensor] | tuple[Tensor, ...], what: str = "gradients"
-    ) -> tuple[Tensor, ...]:
+    def average_gradients(self, grads: Sequence[Tensor], what: str = "gradients") -> tuple[Tensor, ...]:
         """The mean over trainers of these gradients, in one flat all-reduce (identity for one trainer)."""
         if self.group is None:
             return tuple(grads)
         flat = _flatten_dense_tensors(list(grads))
         self.all_reduce(flat, what, mean=True)
-        return _unflatten_dense_tensors(flat, list(grads))
+        return tuple(_unflatten_dense_tensors(flat, list(grads)))  # a tuple already: typed Any by torch
 
     # -- bounded collectives over the trainer group --------------------------------------------------------------
 
@@ -228,13 +237,13 @@ class Context:
             for tensor, value in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
                 tensor.copy_(value)
 
-    def merge_normalizer(self, normalizer: nn.Module, obs: Tensor) -> None:
+    def merge_normalizer(self, normalizer: MergedNormalizer, obs: Tensor) -> None:
         """Fold obs into a RunningNormalizer with every trainer's batch (all trainers end with equal statistics)."""
         normalizer.update(obs, group=self.group, timeout=self.timeout)
 
     # -- replay ---------------------------------------------------------------------------------------------------
 
-    def replay_buffer(self, example: TensorDict, name: str = "replay"):
+    def replay_buffer(self, example: TensorDict, name: str = "replay") -> Replay:
         """This trainer's shard of a replay buffer sampled uniformly over all trainers' shards (a
         spmd_rl.storage.replay.Replay): `add(rows)`, `len()` (this shard's rows), `sample(batch_size)` (batch_size
         over all trainers; each gets its share), `close()`, and one `state_dict`/`load_state_dict` for a checkpoint
@@ -246,7 +255,8 @@ class Context:
 
         cfg = self.buffer
         if cfg.backend == "memory":  # checked before allocating: an absurd capacity is a user error, not an OOM
-            row_bytes = sum(t.element_size() * t[0].numel() for t in example.values(True, True))
+            leaves = [cast(Tensor, t) for t in example.values(True, True)]  # leaves_only: tensors
+            row_bytes = sum(t.element_size() * t[0].numel() for t in leaves)
             check_memory(
                 cfg.capacity * row_bytes,
                 f"the replay shard of rank {self.rank} ({cfg.capacity} rows of {row_bytes} bytes)",

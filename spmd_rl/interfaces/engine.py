@@ -43,9 +43,9 @@ class Engine:
         check_plan can say what of its own would tolerate it); None: no more than the algorithm's schedule."""
         return None
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any) -> None:
         self.config = config
 
-    def run(self, run) -> Policy | None:
+    def run(self, run: Any) -> Policy | None:
         """Run this rank's role for the whole run; return the policy (trainer rank 0's is saved)."""
         raise NotImplementedError

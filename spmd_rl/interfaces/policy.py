@@ -71,7 +71,13 @@ class Policy(nn.Module):
 
     Config: ClassVar[type] = NoConfig
 
-    def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: Any):
+    if TYPE_CHECKING:
+        # For the type checker only: the methods an algorithm calls beyond this contract (PPO's evaluate, DQN's
+        # q_values) are the policy's own, declared in the algorithm's policy_methods and checked before start, so
+        # statically they are Any (nn.Module's own __getattr__, which finds parameters and submodules, is kept).
+        def __getattr__(self, name: str) -> Any: ...
+
+    def __init__(self, observation_space: gym.Space[Any], action_space: gym.Space[Any], config: Any):
         super().__init__()
         self.observation_space = observation_space
         self.action_space = action_space
@@ -118,6 +124,8 @@ def describe_outputs(outputs: dict[str, StepField]) -> str:
     return ", ".join(f"{k} {tuple(f.shape)} {str(f.dtype).replace('torch.', '')}" for k, f in outputs.items())
 
 
-def initial_state(fields: dict[str, StepField], batch: int, device: torch.device | str | None = None) -> dict:
+def initial_state(
+    fields: dict[str, StepField], batch: int, device: torch.device | str | None = None
+) -> dict[str, Tensor]:
     """A recurrent state's initial value for `batch` envs: {name: [batch, *shape]} filled with each `initial`."""
     return {name: torch.full((batch, *f.shape), f.initial, dtype=f.dtype, device=device) for name, f in fields.items()}

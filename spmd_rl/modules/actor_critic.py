@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Protocol
 
 import gymnasium as gym
 import torch
@@ -85,7 +86,8 @@ class TwinMLP(nn.Module):
         # and values are computed, are float32; a no-op (the same tensor) in float32.
         out = torch.baddbmm(head_bias, h, head_weight).float()  # [2, B, max(out_0, out_1)]
         width = out.shape[-1]
-        return tuple(out[i] if n == width else out[i, :, :n] for i, n in enumerate(self.out_features))
+        out_0, out_1 = self.out_features
+        return out[0] if out_0 == width else out[0, :, :out_0], out[1] if out_1 == width else out[1, :, :out_1]
 
     def separate_state(self) -> dict[str, Tensor]:
         """The pair as two nn.Sequential MLPs' state: keys `<i>.<layer index in the Sequential>.weight|bias`."""
@@ -182,7 +184,15 @@ def check_vector_action_space(action_space: gym.Space, policy_name: str) -> None
         )
 
 
-def add_action_head(policy: Policy, action_space: gym.Space, log_std_init: float) -> int:
+class ActionHeadPolicy(Protocol):
+    """The attributes add_action_head sets on a policy (each built-in actor-critic declares them)."""
+
+    discrete: bool
+    action_field: StepField
+    log_std: nn.Parameter  # for a Box action space only
+
+
+def add_action_head(policy: ActionHeadPolicy, action_space: gym.Space, log_std_init: float) -> int:
     """Set policy.discrete and policy.action_field and, for a Box, register its log_std parameter; returns the
     actor's output width (logits, or the Gaussian's mean: one per element of the Box, flattened). Shared by the
     built-in actor-critic policies."""
@@ -207,6 +217,9 @@ class ActorCritic(Policy):
     Its outputs per step: the action, its log-prob and the critic's value (what PPO needs from a rollout)."""
 
     Config = ActorCriticConfig
+    discrete: bool  # these three: add_action_head
+    action_field: StepField
+    log_std: nn.Parameter
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: ActorCriticConfig):
         super().__init__(observation_space, action_space, config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, cast
 
 import gymnasium as gym
 import numpy as np
@@ -23,7 +24,16 @@ from spmd_rl.modules.normalizer import RunningNormalizer
 from spmd_rl.runtime.errors import UserError
 
 
-class VectorEncoder(nn.Module):
+class Encoder(nn.Module):
+    """What the heads build on: an encoder's feature width, and the running statistics it may hold."""
+
+    out_features: int
+
+    def update_normalizer(self, obs, context) -> None:
+        raise NotImplementedError
+
+
+class VectorEncoder(Encoder):
     """Flattened observations, optionally normalized with running statistics (merged across trainers)."""
 
     def __init__(self, space: gym.spaces.Box, normalize: bool):
@@ -55,7 +65,7 @@ class ConvLayer:
 
 # Each preset's layers for a given channel list: small pads "same" and halves the size after its first layer, as the
 # encoder always did; nature is the DQN paper's fixed three-layer stack for 84x84 frames.
-CNN_PRESETS = {
+CNN_PRESETS: dict[str, dict[str, Any]] = {
     "small": {
         "channels": [16, 32],
         "kernels": lambda n: [3] * n,
@@ -114,7 +124,7 @@ def image_batch(obs: Tensor, channel_last: bool, image_shape: tuple[int, int, in
     return x
 
 
-class ImageEncoder(nn.Module):
+class ImageEncoder(Encoder):
     """A CNN over images: conv layers with ReLU, then a linear layer with ReLU (see CNN_PRESETS). Channel-last images
     (as envs usually give them) are moved to channel-first. Pixels travel as uint8 (a quarter of float32's bytes on
     every channel and in the rollout) and become floats in [0, 1] here, inside the network."""
@@ -143,6 +153,7 @@ class ImageEncoder(nn.Module):
             for module in self.modules():
                 if isinstance(module, (nn.Conv2d, nn.Linear)):
                     nn.init.orthogonal_(module.weight, math.sqrt(2))
+                    assert module.bias is not None  # built with their default bias
                     nn.init.zeros_(module.bias)
         self.out_features = features
 
@@ -179,15 +190,16 @@ class DictEncoder(nn.Module):
         super().__init__()
         # An action mask (modules/masks.py) tells the policy which actions it may take; it is no input feature.
         inputs = {key: sub for key, sub in space.spaces.items() if key != MASK_KEY}
-        self.encoders = nn.ModuleDict({key: make_encoder(sub, config) for key, sub in inputs.items()})
-        self.out_features = sum(e.out_features for e in self.encoders.values())
+        encoders = {key: make_encoder(sub, config) for key, sub in inputs.items()}
+        self.encoders = nn.ModuleDict(encoders)
+        self.out_features = sum(e.out_features for e in encoders.values())
 
     def forward(self, obs: TensorDict) -> Tensor:
         return torch.cat([encoder(obs[key]) for key, encoder in self.encoders.items()], dim=-1)
 
     def update_normalizer(self, obs: TensorDict, context) -> None:
         for key, encoder in self.encoders.items():
-            encoder.update_normalizer(obs[key], context)
+            cast(Encoder, encoder).update_normalizer(obs[key], context)  # a ModuleDict's values are typed Module
 
 
 def is_image(space: gym.Space) -> bool:
@@ -199,7 +211,7 @@ def is_image(space: gym.Space) -> bool:
     )
 
 
-def make_encoder(space: gym.Space, config) -> nn.Module:
+def make_encoder(space: gym.Space, config) -> Encoder:
     """config: EncoderConfig (encoder, normalize_obs, cnn, cnn_channels, cnn_kernels, cnn_strides, cnn_features,
     cnn_init, text_embedding)."""
     if isinstance(space, TokenizedText):

@@ -42,6 +42,11 @@ class RunningNormalizer(nn.Module):
     buckets have the same layout whether or not normalization is on.
     """
 
+    # Registered buffers (typed here: nn.Module's attribute lookup is typed Tensor | Module)
+    mean: Tensor
+    var: Tensor
+    count: Tensor
+
     def __init__(self, shape: tuple[int, ...], enabled: bool = True):
         super().__init__()
         self.shape = tuple(shape)

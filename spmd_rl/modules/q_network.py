@@ -27,6 +27,7 @@ class QNetwork(Policy):
     probability `epsilon`, the argmax otherwise. Its only per-step output is the action."""
 
     Config = QNetworkConfig
+    epsilon: Tensor  # a registered buffer
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: QNetworkConfig):
         super().__init__(observation_space, action_space, config)

@@ -63,6 +63,9 @@ class RecurrentActorCritic(Policy):
     for a batch of envs; `evaluate_sequence` / `forward` and `value_sequence` replay [T, B] sequences."""
 
     Config = RecurrentActorCriticConfig
+    discrete: bool  # these three: add_action_head
+    action_field: StepField
+    log_std: nn.Parameter
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: RecurrentActorCriticConfig):
         super().__init__(observation_space, action_space, config)
@@ -178,7 +181,7 @@ class RecurrentActorCritic(Policy):
             log_prob = self._gaussian_log_prob(out, flat_action)
             entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(out.shape[0])
         value = self.critic(critic_input).squeeze(-1)
-        return tuple(x.reshape(steps, batch) for x in (log_prob, entropy, value))
+        return log_prob.reshape(steps, batch), entropy.reshape(steps, batch), value.reshape(steps, batch)
 
     def forward(self, obs, action: Tensor, episode_start: Tensor, state: dict[str, Tensor]):
         # DDP only hooks forward(): RecurrentPPO calls ddp_policy(...) to get evaluate_sequence with synced grads.

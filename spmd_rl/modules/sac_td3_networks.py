@@ -55,6 +55,7 @@ def check_sac_spaces(obs_space: gym.Space, action_space: gym.Space, who: str = "
             f"observation space {obs_space} is not supported by {who}'s MLPs (a 1-D Box is); flatten "
             "it with a gymnasium wrapper such as FlattenObservation"
         )
+    return obs_space, action_space
 
 
 class BoundedActor(Policy):
@@ -62,14 +63,17 @@ class BoundedActor(Policy):
     action reached as action_scale * tanh(.) + action_bias. The subclass builds `net` (after this __init__, so the
     layout of parameters, buffers and checkpoints is the same for both) and acts."""
 
+    action_scale: Tensor  # registered buffers
+    action_bias: Tensor
+
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, config, who: str):
         super().__init__(obs_space, action_space, config)
-        check_sac_spaces(obs_space, action_space, who=who)
+        obs_box, action_box = check_sac_spaces(obs_space, action_space, who=who)
         # Always present (fixed state layout for weight buckets and checkpoints); the critics see the same
         # normalized observations through `features`.
-        self.obs_normalizer = RunningNormalizer((int(obs_space.shape[0]),), enabled=config.normalize_obs)
-        low = torch.as_tensor(action_space.low, dtype=torch.float32)
-        high = torch.as_tensor(action_space.high, dtype=torch.float32)
+        self.obs_normalizer = RunningNormalizer((int(obs_box.shape[0]),), enabled=config.normalize_obs)
+        low = torch.as_tensor(action_box.low, dtype=torch.float32)
+        high = torch.as_tensor(action_box.high, dtype=torch.float32)
         self.register_buffer("action_scale", (high - low) / 2)
         self.register_buffer("action_bias", (high + low) / 2)
 

@@ -24,6 +24,8 @@ evaluate), so PPO and V-trace use it unchanged: a categorical over Discrete acti
 
 from __future__ import annotations
 
+from typing import cast
+
 import gymnasium as gym
 import numpy as np
 import torch
@@ -44,7 +46,16 @@ INIT_STD = 0.02  # the usual transformer init (GPT-2, ViT) for embeddings and th
 # Tokens
 
 
-class VectorTokens(nn.Module):
+class Tokenizer(nn.Module):
+    """An observation as tokens of the policy's width: how many it makes, and the running statistics it may hold."""
+
+    tokens: int
+
+    def update_normalizer(self, obs, context) -> None:
+        raise NotImplementedError
+
+
+class VectorTokens(Tokenizer):
     """A vector observation (flattened, optionally normalized) as `tokens` tokens of `width`: equal contiguous
     groups of its features, each group through its own linear map."""
 
@@ -71,7 +82,7 @@ class VectorTokens(nn.Module):
         self.features.update_normalizer(obs, context)
 
 
-class PatchTokens(nn.Module):
+class PatchTokens(Tokenizer):
     """An image as one token per `patch` x `patch` square (a convolution with stride = kernel), the image
     zero-padded at its bottom and right to a multiple of the patch; uint8 pixels become floats in [0, 1]."""
 
@@ -83,6 +94,7 @@ class PatchTokens(nn.Module):
         self.tokens = -(-height // patch) * -(-columns // patch)
         self.embed = nn.Conv2d(channels, width, patch, stride=patch)
         nn.init.trunc_normal_(self.embed.weight, std=INIT_STD)
+        assert self.embed.bias is not None  # built with its default bias
         nn.init.zeros_(self.embed.bias)
 
     def forward(self, obs: Tensor) -> Tensor:
@@ -143,10 +155,10 @@ class DictTokens(nn.Module):
 
     def update_normalizer(self, obs, context) -> None:
         for key, part in self.parts.items():
-            part.update_normalizer(obs[key], context)
+            cast(Tokenizer, part).update_normalizer(obs[key], context)  # a ModuleDict's values are typed Module
 
 
-def make_tokens(space: gym.Space, config: TransformerConfig, where: str = "") -> nn.Module:
+def make_tokens(space: gym.Space, config: TransformerConfig, where: str = "") -> Tokenizer:
     """The tokenizer of an observation space; `.tokens` is how many tokens it makes."""
     if isinstance(space, TokenizedText):
         return TextTokens(space, config.width)
@@ -177,8 +189,9 @@ class Block(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.projection = nn.Linear(width, width)
         self.mlp_norm = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, mlp_width), nn.GELU(), nn.Linear(mlp_width, width))
-        for linear in (self.qkv, self.projection, self.mlp[0], self.mlp[2]):
+        mlp_in, mlp_out = nn.Linear(width, mlp_width), nn.Linear(mlp_width, width)
+        self.mlp = nn.Sequential(mlp_in, nn.GELU(), mlp_out)
+        for linear in (self.qkv, self.projection, mlp_in, mlp_out):
             nn.init.trunc_normal_(linear.weight, std=INIT_STD)
             nn.init.zeros_(linear.bias)
 
@@ -201,6 +214,9 @@ class TransformerPolicy(Policy):
     and critic heads on the readout token; `forward(obs, action)` is `evaluate` so DDP and FSDP can wrap it."""
 
     Config = TransformerConfig
+    discrete: bool  # these three: add_action_head
+    action_field: StepField
+    log_std: nn.Parameter
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: TransformerConfig):
         super().__init__(observation_space, action_space, config)

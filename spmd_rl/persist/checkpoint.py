@@ -31,6 +31,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -47,6 +48,9 @@ from spmd_rl.persist.fileio import (
 )
 from spmd_rl.persist.run_files import CHECKPOINTS_DIR
 from spmd_rl.runtime.errors import UserError
+
+if TYPE_CHECKING:  # annotations only: torch.distributed.checkpoint is imported when a run shards
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 SHARDS_DIR = "shards"  # torch.distributed.checkpoint's files of the sharded trainers
 SHARDED = "__sharded__"  # a placeholder's key: {SHARDED: "<its key in the shard files>"}
@@ -233,9 +237,9 @@ def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.devic
     return state
 
 
-def split_sharded(state):
+def split_sharded(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(state with a placeholder for every DTensor, {key: DTensor}); keys are the DTensors' paths in state."""
-    shards: dict = {}
+    shards: dict[str, Any] = {}
 
     def walk(value, path: str):
         if is_dtensor(value):
@@ -295,7 +299,8 @@ def load_shards(state: dict, directory: Path, like=None) -> dict:
         meta = stored.get(key)
         if meta is None:
             raise UserError(f"checkpoint {directory}: its shard files hold no '{key}'; resume with the same config")
-        targets[key] = _empty_like_stored(tuple(meta.size), meta.properties.dtype, like)
+        tensor_meta = cast("TensorStorageMetadata", meta)  # placeholder keys are tensors
+        targets[key] = _empty_like_stored(tuple(tensor_meta.size), tensor_meta.properties.dtype, like)
     if like is None:
         dcp.load(targets, storage_reader=reader, no_dist=True)
     else:
@@ -355,8 +360,9 @@ def _first_line(exc: BaseException) -> str:
 def capture_rng_state() -> dict:
     """Every process-global generator this rank draws from: python, numpy's global RNG, torch CPU and CUDA."""
     version, internal, gauss_next = random.getstate()
-    _, key, pos, has_gauss, cached_gaussian = np.random.get_state()
-    state = {
+    # The legacy form (get_state's default) is a tuple; numpy types it as a tuple or a dict.
+    _, key, pos, has_gauss, cached_gaussian = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    state: dict[str, Any] = {
         "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
         "numpy": {
             "key": torch.from_numpy(key.copy()),

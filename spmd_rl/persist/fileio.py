@@ -22,11 +22,11 @@ import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Protocol, cast
 
 from spmd_rl.runtime.errors import UserError
 
-_WHAT_TO_DO = {
+_WHAT_TO_DO: dict[int | None, str] = {  # by OSError.errno (None for an error without one)
     errno.ENOSPC: "disk full; free space on that file system or choose another run.dir",
     errno.EDQUOT: "disk quota exceeded; free space or choose another run.dir",
     errno.EFBIG: "file size limit reached (ulimit -f); raise the limit or choose another run.dir",
@@ -183,7 +183,7 @@ def torch_save_atomic(obj, path: str | os.PathLike) -> None:
     with _replacing(path) as file:
         recording = _RecordingWriter(file)
         try:
-            torch.save(obj, recording)
+            torch.save(obj, cast(BinaryIO, recording))  # a file object to torch.save: write() is all it calls
         except RuntimeError:  # torch's writer reports a failed write as a RuntimeError: raise the OSError behind it
             if recording.error is None:
                 raise

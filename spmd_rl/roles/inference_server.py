@@ -8,15 +8,19 @@ schedule never depends on data.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import gymnasium as gym
 import numpy as np
 import torch
 
 from spmd_rl.envs import spaces
-from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE, StepField, initial_state
+from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE, Policy, StepField, initial_state
 from spmd_rl.roles.acting import act_for_replies, write_reply
 from spmd_rl.runtime.watchdog import watchdog
+
+if TYPE_CHECKING:  # annotations only
+    from spmd_rl.comm.weights import WeightSync
 
 
 class UniformActions:
@@ -26,7 +30,7 @@ class UniformActions:
     def __init__(self, action_space: gym.Space, outputs: dict):
         self.outputs = outputs
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
-        if self.discrete:
+        if isinstance(action_space, gym.spaces.Discrete):
             self.n = int(action_space.n)
             self.start = int(action_space.start)
         elif isinstance(action_space, gym.spaces.Box):
@@ -114,8 +118,8 @@ class ServerState:
 class InferenceParts:
     """What an inference rank serves with (built by the run), for the sync server or an engine's own server."""
 
-    policy: torch.nn.Module
-    weight_sync: object  # spmd_rl.comm.weights.WeightSync (weights come from trainer 0)
+    policy: Policy
+    weight_sync: WeightSync  # weights come from trainer 0
     obs_channels: list
     action_channels: list
     uniform_actions: UniformActions | None  # off-policy warm-up actions (None when the plan has none)

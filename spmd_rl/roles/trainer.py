@@ -188,6 +188,7 @@ class Trainer:
 
         The log's staged rows are written and committed first, so the row count recorded is durable: a kill -9
         right after the checkpoint leaves a file that holds every row the checkpoint counts."""
+        assert self.policy is not None  # a trainer that checkpoints has a policy
         log = self.experience_log
         if log is not None:
             log.flush()
@@ -206,6 +207,7 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        assert self.policy is not None  # a trainer that checkpoints has a policy
         if SHARDS_FROM in state:  # shard files, read into DTensors laid out over this run's trainers
             like = next(p for p in self.policy.parameters() if is_dtensor(p))
             state = load_shards(state, Path(state[SHARDS_FROM]), like)

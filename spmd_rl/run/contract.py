@@ -6,6 +6,8 @@ and what to change (exit 2 on every rank, before any rank waits for another)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import gymnasium as gym
 import torch
 from tensordict import TensorDict
@@ -191,8 +193,9 @@ def _check_act(name: str, policy: Policy, outputs: dict, spec: EnvSpec, state: d
             with torch.no_grad():
                 if state is None:
                     out = policy.act(obs, deterministic=deterministic)
-                else:
-                    out = policy.act(obs, deterministic=deterministic, state=initial_state(state, batch))
+                else:  # a recurrent policy's act takes its state too (Policy.act's docstring)
+                    recurrent: Any = policy
+                    out = recurrent.act(obs, deterministic=deterministic, state=initial_state(state, batch))
         except Exception as exc:
             raise UserError(
                 f"{name}: {call} failed on a batch of {batch} sample observations: {describe_exception(exc)}"

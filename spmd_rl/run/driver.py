@@ -16,12 +16,14 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from spmd_rl.config.loading import evaluation_env
 from spmd_rl.config.sections import Config
 from spmd_rl.envs.vector import EnvSpec, check_same_spaces, probe_env
+from spmd_rl.interfaces.algorithm import Algorithm
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist.fileio import flush_open_files
 from spmd_rl.persist.run_control import RunControl, StoppedWithCheckpoint
@@ -66,7 +68,7 @@ class Checked:
     topology: Topology
     plan: Plan
     policy_cls: type
-    algorithm_cls: type
+    algorithm_cls: type[Algorithm[Any]]
     engine_cls: type
     callback_classes: list
     spec: EnvSpec
@@ -142,6 +144,7 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
         shutdown_runtime(runtime, exit_code)
         release_run_dirs()  # the exit is recorded above
     if dry_run and exit_code == 0 and launch.rank == 0:
+        assert outcome is not None  # the run finished
         _end_dry_run(outcome.run_dir)
     return exit_code
 
@@ -365,6 +368,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
         checked.engine_cls(cfg.engine).run(run)
     except StoppedWithCheckpoint as stopped:
         if runtime.rank == 0:
+            assert run.final_policy is not None  # rank 0 trains
             save_policy(run.final_policy, run_dir)
             if stopped.finished:  # run.stop_at_return: done, never resumed; said here, as it is no stop to rerun
                 mark_finished(run_dir, checked.given.resume_digest())
@@ -374,6 +378,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
     finally:
         stop_at_iteration_boundary(False)
     if runtime.rank == 0:
+        assert run.final_policy is not None  # rank 0 trains
         save_policy(run.final_policy, run_dir)
         mark_finished(run_dir, checked.given.resume_digest())
     return Outcome(run_dir, run.final_policy)

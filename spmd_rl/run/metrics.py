@@ -19,7 +19,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tqdm import tqdm
@@ -42,7 +42,7 @@ class MetricsLogger:
         tensorboard: bool,
         resumed_env_steps: int = 0,
         trackers=None,
-        group_names: list[str] = (),
+        group_names: Sequence[str] = (),
     ):
         self.run_dir = run_dir
         self.total_steps = total_steps
@@ -73,12 +73,16 @@ class MetricsLogger:
             dynamic_ncols=True,
             disable=not show_bar,
         )
-        self.recent_returns = collections.deque(maxlen=RETURN_WINDOW)
-        self.recent_lengths = collections.deque(maxlen=RETURN_WINDOW)
+        self.recent_returns: collections.deque[float] = collections.deque(maxlen=RETURN_WINDOW)
+        self.recent_lengths: collections.deque[float] = collections.deque(maxlen=RETURN_WINDOW)
         # With env groups, the same windows per group (episode_return_mean/<name>, episode_length_mean/<name>).
         self.group_names = list(group_names)
-        self.group_returns = [collections.deque(maxlen=RETURN_WINDOW) for _ in self.group_names]
-        self.group_lengths = [collections.deque(maxlen=RETURN_WINDOW) for _ in self.group_names]
+        self.group_returns: list[collections.deque[float]] = [
+            collections.deque(maxlen=RETURN_WINDOW) for _ in self.group_names
+        ]
+        self.group_lengths: list[collections.deque[float]] = [
+            collections.deque(maxlen=RETURN_WINDOW) for _ in self.group_names
+        ]
         self.episodes = 0
         self.start = time.perf_counter()
         self.start_cpu = time.process_time()
@@ -154,6 +158,7 @@ class MetricsLogger:
 
         values = [Summary.Value(tag=key, simple_value=value) for key, value in scalars.items()]
         # the file writer add_scalar writes through (created on first use: it applies purge_step)
+        assert self.writer is not None  # called with TensorBoard on
         self.writer._get_file_writer().add_summary(Summary(value=values), env_steps)
 
     def state_dict(self) -> dict:

@@ -45,6 +45,7 @@ class Plan:
 
     def run_config(self, cfg: Config) -> Config:
         """The config the run executes and config.yaml records: the given one with the env counts resolved."""
+        assert self.env is not None  # plan_run sets it
         return replace(cfg, env=self.env)
 
     def version_at(self, iteration: int) -> int:
@@ -70,6 +71,7 @@ class Plan:
         )
 
     def describe(self, cfg: Config, world_size: int, layout: str, algorithm_cls: type[Algorithm]) -> str:
+        assert self.env is not None  # plan_run sets it
         text = (
             f"{cfg.classes['algo']} (policy {cfg.classes['policy']}) on {cfg.env.id}; world size {world_size}, "
             f"layout {layout}; {self.env_ranks} env rank(s) x {self.env.num_envs} envs = {self.envs_total} envs"

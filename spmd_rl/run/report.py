@@ -37,14 +37,15 @@ class Reporter:
 
     def __call__(self, iteration: int, metrics: dict, statistics: dict | None, trainer: Trainer) -> None:
         env_steps = (iteration + 1) * self.plan.steps_per_iteration
-        logs = self.logger is not None and statistics is not None
-        if logs:  # the whole metrics.jsonl line, periodic evaluation included, is what the callbacks see here
+        logger = self.logger if statistics is not None else None  # the logging rank, with the gathered statistics
+        if logger is not None and statistics is not None:
+            # the whole metrics.jsonl line, periodic evaluation included, is what the callbacks see here
             if self.eval_cfg.every and (iteration + 1) % self.eval_cfg.every == 0:
                 metrics = {**metrics, **self.evaluate(iteration)}
                 if self.keep_best:
                     self.keep_if_best(iteration, env_steps, metrics["eval_return_mean"])
             times = {"time_learn_s": trainer.learn_s, "time_weight_sync_s": trainer.weight_sync_s}
-            record = self.logger.record(iteration, env_steps, metrics, statistics, times)
+            record = logger.record(iteration, env_steps, metrics, statistics, times)
         else:
             record = {"iteration": iteration, "env_steps": env_steps, **metrics}
         for callback in self.callbacks:
@@ -52,8 +53,8 @@ class Reporter:
             with watchdog.watch(f"callback {name}'s on_iteration_end (iteration {iteration})", COLLECTIVE_MARGIN_S):
                 extra = callback.on_iteration_end(iteration, dict(record), trainer.algorithm)
             record.update(callback_scalars(name, iteration, extra))
-        if logs:
-            self.logger.write(record)
+        if logger is not None:
+            logger.write(record)
 
     def evaluate(self, iteration: int) -> dict[str, float]:
         """Episodes on envs of their own, with a generator of their own: training's RNG streams are untouched."""
@@ -86,6 +87,7 @@ class Reporter:
         """One more episode, with the evaluation's seed and mode, recorded by gymnasium's RecordVideo into
         <run dir>/videos/iter_<I>/ (a group's in a folder of its own): a separate episode, so the evaluation's
         numbers stay what they are without video. Written to a scratch folder first: a folder there is whole."""
+        assert self.logger is not None  # the logging rank's
         final = self.logger.run_dir / VIDEO_DIR / f"iter_{iteration:09d}"
         scratch = final.with_name(final.name + ".partial")
         shutil.rmtree(scratch, ignore_errors=True)  # left by a run killed while recording
@@ -104,6 +106,7 @@ class Reporter:
     def keep_if_best(self, iteration: int, env_steps: int, score: float) -> None:
         """Save the policy to best/ when its evaluation beats the one saved there. The best score so far is the
         file's, so a resumed run goes on comparing against it."""
+        assert self.logger is not None  # the logging rank's
         best = self.logger.run_dir / BEST_DIR
         score_file = best / SCORE_FILE
         if score_file.exists() and json.loads(score_file.read_text())["eval_return_mean"] >= score:

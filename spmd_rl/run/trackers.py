@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Literal, cast
 
 from spmd_rl.config.excerpts import clip
 from spmd_rl.config.sections import Config
@@ -164,7 +165,8 @@ class WandbSink:
                 id=run_id,
                 name=run_dir.name,
                 resume="allow",
-                mode=None if os.environ.get("WANDB_MODE") else log.wandb_mode,  # WANDB_MODE wins
+                # WANDB_MODE wins; log.wandb_mode is one of its knob's choices
+                mode=None if os.environ.get("WANDB_MODE") else cast(Literal["online", "offline"], log.wandb_mode),
                 dir=None if os.environ.get("WANDB_DIR") else str(run_dir),  # so does WANDB_DIR
                 settings=wandb.Settings(console="off"),  # the console stays the launcher's
             )

@@ -97,6 +97,7 @@ def _own_store(launch: LaunchInfo, timeout: datetime.timedelta) -> dist.TCPStore
     if launch.init_method.startswith("tcp://"):
         address = urllib.parse.urlsplit(launch.init_method)
         host, port = address.hostname, address.port
+        assert host is not None and port is not None  # launch.py writes tcp://host:port
     else:  # env://: ranks started by hand with MASTER_ADDR / MASTER_PORT
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if launch.rank != 0:
@@ -233,7 +234,7 @@ def _first_line(exc: BaseException) -> str:
     return text.split(" This is typically caused")[0].rstrip(". ")
 
 
-def is_comm_failure(exc: BaseException) -> bool:
+def is_comm_failure(exc: BaseException | None) -> bool:
     """Whether exc (or an exception it was raised from) is torch.distributed failing to talk to a peer, e.g. DDP's
     gradient all-reduce inside backward(), which surfaces as a plain RuntimeError."""
     seen = set()

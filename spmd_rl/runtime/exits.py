@@ -44,7 +44,7 @@ def say(who: str, kind: str, exc: Exception) -> None:
         traceback.print_exception(exc)
 
 
-def unexpected_error(exc: Exception, who: str) -> int:
+def unexpected_error(exc: BaseException, who: str) -> int:
     """An exception raised in the user's code (env, plug-in) is one line naming the user's file:line (exit 4);
     anything else is a bug of ours, shown with its traceback (exit 1). SPMD_RL_DEBUG=1 shows every traceback."""
     debug = os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")

@@ -26,6 +26,11 @@ from __future__ import annotations
 
 import sys
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: this module exists to import them late
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
 
 
 def import_tensordict_without_dynamo() -> None:
@@ -50,7 +55,7 @@ def optimizers_without_dynamo() -> None:
     _call_wrapped_directly(Optimizer)
 
 
-def data_parallel_without_dynamo(module, **options):
+def data_parallel_without_dynamo(module: nn.Module, **options: Any) -> DistributedDataParallel:
     """DistributedDataParallel(module, **options), built and run without importing torch._dynamo (see the module's
     docstring)."""
     import torch
@@ -59,7 +64,7 @@ def data_parallel_without_dynamo(module, **options):
     if "torch._dynamo" in sys.modules:  # a user's code imported it: its config may say otherwise, so ask it
         return DistributedDataParallel(module, **options)
     _call_wrapped_directly(DistributedDataParallel)
-    torch._dynamo = _DYNAMO_DEFAULTS
+    torch._dynamo = _DYNAMO_DEFAULTS  # type: ignore[assignment]  # a stand-in for the module, as said above
     try:
         return DistributedDataParallel(module, **options)
     finally:

@@ -220,7 +220,7 @@ def _split_top_level(nodelist: str) -> list[str]:
 def _expand_ranges(bracket: str, item: str) -> list[str]:
     if not bracket:
         return [""]
-    values = []
+    values: list[str] = []
     for part in bracket.split(","):
         match = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
         if match is None:

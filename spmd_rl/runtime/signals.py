@@ -82,9 +82,9 @@ def install_signal_handlers() -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, _on_signal)
     if _Early.requested is not None:
-        name, signum = _Early.requested
+        name, early_signum = _Early.requested
         _Early.requested = None
-        raise KeyboardInterrupt() if signum == signal.SIGINT else StopSignal(name, signum)
+        raise KeyboardInterrupt() if early_signum == signal.SIGINT else StopSignal(name, early_signum)
 
 
 class _Graceful:

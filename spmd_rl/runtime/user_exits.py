@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from typing import NoReturn
 
 from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, innermost_user_frame, user_frame
 from spmd_rl.runtime.watchdog import watchdog
@@ -36,13 +37,13 @@ def guard_os_exit() -> None:
     os._exit = _guarded_os_exit
 
 
-def _guarded_os_exit(code: int = 0) -> None:
+def _guarded_os_exit(status: int = 0) -> NoReturn:
     caller = traceback.extract_stack(sys._getframe(1), limit=1)
     where = innermost_user_frame(caller)
     if not where:
-        _real_os_exit(code)
+        _real_os_exit(status)
     print(
-        f"spmd_rl: {watchdog.who}: error in user code: os._exit({code!r}) was called (at {where}); a run ends by "
+        f"spmd_rl: {watchdog.who}: error in user code: os._exit({status!r}) was called (at {where}); a run ends by "
         f"finishing its iterations or by a stop, not by exiting: raise an exception to fail",
         file=sys.stderr,
         flush=True,

@@ -99,7 +99,7 @@ class Watchdog:
                 self._expire(what)
 
     def _expire(self, what: str) -> None:
-        frame = sys._current_frames().get(self._main)
+        frame = sys._current_frames().get(self._main) if self._main is not None else None
         where = innermost_user_frame(traceback.extract_stack(frame)) if frame is not None else ""
         stuck = f"; stuck at {where}" if where else ""
         print(

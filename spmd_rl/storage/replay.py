@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -151,6 +152,7 @@ class ReplayBuffer:
         if capacity < 1:
             raise UserError(f"buffer.capacity must be at least 1, got {capacity}")
         layout = layout_of(example_td)
+        self.storage: MemoryStorage | HDF5Storage
         if backend == "memory":
             self.storage = MemoryStorage(capacity, layout)
         elif backend == "hdf5":
@@ -197,7 +199,7 @@ class ReplayBuffer:
         first, so the cursor recorded is durable: a kill -9 right after the checkpoint leaves a file that holds it."""
         if isinstance(self.storage, HDF5Storage):
             self.storage.writer.flush()
-        state = {"total_rows": self.total_rows}
+        state: dict[str, Any] = {"total_rows": self.total_rows}
         if isinstance(self.storage, MemoryStorage):
             held = min(self.total_rows, self.capacity)
             # torch.save writes a view's whole storage, so the rows held alone need a copy. From half full on the

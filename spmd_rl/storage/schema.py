@@ -32,8 +32,9 @@ refresh datasets to see new rows.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -158,7 +159,7 @@ def rows_of(td: TensorDict | Mapping, layout: dict[str, Field]) -> tuple[dict[st
     """
     if isinstance(td, TensorDict):
         td = td.reshape(-1) if td.batch_dims != 1 else td
-        items = td.items(include_nested=True, leaves_only=True)
+        items: Iterable[tuple[Any, Any]] = td.items(include_nested=True, leaves_only=True)
     else:
         items = td.items()
     arrays = {

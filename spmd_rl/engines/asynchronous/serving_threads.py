@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 from tensordict import TensorDict
@@ -40,7 +41,7 @@ class AsyncInferenceServer(ServerState):
         verify_every: int,
         describe_rank,
         rank: int,
-        served: list[int],
+        served: Sequence[int],
     ):
         self.plan, self.lag_bound = plan, lag_bound
         self.policy, self.weight_sync = parts.policy, parts.weight_sync
@@ -132,6 +133,7 @@ class AsyncInferenceServer(ServerState):
         try:
             pending = channel.irecv() if count else None
             for number in range(count):
+                assert pending is not None  # posted above (count > 0) or at the end of the previous step
                 message = pending.wait()
                 if number + 1 < count:
                     pending = channel.irecv()
