@@ -100,7 +100,7 @@ def test_policy_normalizes_observations_with_its_normalizer():
     [
         (gym.spaces.Tuple([CARTPOLE_OBS]), gym.spaces.Discrete(2), "Tuple"),
         (CARTPOLE_OBS, gym.spaces.MultiDiscrete([2, 3]), "MultiDiscrete"),
-        (CARTPOLE_OBS, gym.spaces.Box(-1, 1, (2, 2), np.float32), "Box(-1.0, 1.0, (2, 2)"),
+        (CARTPOLE_OBS, gym.spaces.Box(-1, 1, (), np.float32), "Box(-1.0, 1.0, ()"),  # N-D Boxes are (chunks)
         (CARTPOLE_OBS, gym.spaces.Discrete(3, start=1), "Discrete(3, start=1)"),
     ],
 )
