@@ -88,6 +88,7 @@ def _min_max(reader: HDF5Reader, name: str, rows: int) -> tuple[int, int] | None
         column = reader.column(name, start, start + SCAN_ROWS)
         low = column.min() if low is None else min(low, column.min())
         high = column.max() if high is None else max(high, column.max())
+    assert low is not None and high is not None  # the file has rows
     return int(low), int(high)
 
 
@@ -124,7 +125,7 @@ def _episode_ends(reader: HDF5Reader, rows: int) -> tuple[list[str], int]:
     return keys, count
 
 
-def _human_bytes(size: int) -> str:
+def _human_bytes(size: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"

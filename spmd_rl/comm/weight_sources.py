@@ -18,8 +18,8 @@ from spmd_rl.comm.flat import aligned
 from spmd_rl.comm.sharding import is_dtensor
 from spmd_rl.comm.weights import (
     HEADER_BYTES,
-    Piece,
     WeightGroupMember,
+    _Entry,
     bucket_checksum,
     element_size,
     lay_out,
@@ -148,10 +148,10 @@ class GatheredWeightSource(WeightGroupMember):
             self.checksums()  # the gathers the source's checksums need
 
 
-def _needs_cast(piece: Piece, rows: torch.Tensor) -> bool:
-    """Whether a trainer's rows of a piece go on the wire through the cast ring (another dtype, or not contiguous)
-    rather than from the shard itself."""
-    return rows.dtype != piece.entry.dtype or not rows.is_contiguous()
+def _needs_cast(entry: _Entry, rows: torch.Tensor) -> bool:
+    """Whether a trainer's rows of a piece of entry go on the wire through the cast ring (another dtype, or not
+    contiguous) rather than from the shard itself."""
+    return rows.dtype != entry.dtype or not rows.is_contiguous()
 
 
 class ShardedWeightSource(GatheredWeightSource):
@@ -198,23 +198,21 @@ class ShardedWeightSource(GatheredWeightSource):
             for piece in pieces:
                 if piece.sender != self.me or piece.entry is None or not piece.entry.is_param:
                     continue
-                rows = self._local_rows(piece)
+                rows = self._local_rows(piece.entry)
                 if rows.numel() * element_size(piece.entry.dtype) != piece.end - piece.start:
                     raise ValueError(
                         f"ShardedWeightSource: {self.describe_rank(self.me)} holds {tuple(rows.shape)} of "
                         f"{piece.entry.name} {piece.entry.shape}, not the dim-0 chunk the receivers expect"
                     )
 
-    def _local_rows(self, piece: Piece) -> torch.Tensor:
-        """This trainer's own tensor for a piece: its local rows of a parameter (in the training dtype), or a
-        whole buffer."""
-        tensor = piece.entry.current().detach()
+    def _local_rows(self, entry: _Entry) -> torch.Tensor:
+        """This trainer's own tensor for a piece of entry: its local rows of a parameter (in the training dtype),
+        or a whole buffer."""
+        tensor = entry.current().detach()
         if is_dtensor(tensor):
             return tensor.to_local()
-        if piece.entry.is_param and len(self.senders) > 1 and piece.entry.shape:
-            raise ValueError(
-                f"ShardedWeightSource: parameter {piece.entry.name} is not sharded; every parameter must be"
-            )
+        if entry.is_param and len(self.senders) > 1 and entry.shape:
+            raise ValueError(f"ShardedWeightSource: parameter {entry.name} is not sharded; every parameter must be")
         return tensor
 
     def _ring_bytes(self, indices: range) -> int:
@@ -225,7 +223,9 @@ class ShardedWeightSource(GatheredWeightSource):
             aligned(piece.end - piece.start)
             for index in indices
             for piece in self.pieces[index]
-            if piece.sender == self.me and piece.entry is not None and _needs_cast(piece, self._local_rows(piece))
+            if piece.sender == self.me
+            and piece.entry is not None
+            and _needs_cast(piece.entry, self._local_rows(piece.entry))
         ]
         return min(sum(sizes), max(max(sizes), max(self.bucket_sizes) // 2)) if sizes else 0
 
@@ -262,7 +262,8 @@ class ShardedWeightSource(GatheredWeightSource):
         # heap holding several of them).
         ring = self.buffer[:ring_bytes] if ring_bytes else None
         head = 0  # where the next cast goes in the ring
-        in_flight = collections.deque()  # (ring start, ring end, bucket index, works), oldest first
+        # (ring start, ring end, bucket index, works), oldest first
+        in_flight: collections.deque[tuple[int, int, int, list[dist.Work | None]]] = collections.deque()
 
         def complete_oldest() -> None:
             _, _, index, works = in_flight.popleft()
@@ -275,16 +276,18 @@ class ShardedWeightSource(GatheredWeightSource):
                     continue
                 start = end = 0  # the ring bytes this piece holds until its sends complete (none: sent in place)
                 if piece.entry is None:
+                    assert header is not None  # bucket 0's header piece is the source's
                     tensor = header
                 else:
-                    tensor = rows = self._local_rows(piece)
-                    if _needs_cast(piece, rows):
+                    tensor = rows = self._local_rows(piece.entry)
+                    if _needs_cast(piece.entry, rows):
                         nbytes = piece.end - piece.start
                         start = head if head + nbytes <= ring_bytes else 0
                         end = start + nbytes
                         # Pieces are placed in the order they are sent, so the ones in the way are the oldest.
                         while in_flight and any(s < end and start < e for s, e, *_ in in_flight):
                             complete_oldest()
+                        assert ring is not None  # sized for this sync's casts
                         tensor = ring[start:end].view(piece.entry.dtype).view(rows.shape)
                         tensor.copy_(rows)
                         head = aligned(end)

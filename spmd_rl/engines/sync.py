@@ -120,7 +120,7 @@ class SyncEngine(Engine):
         step acts with the latest weights."""
         plan = run.plan
         runner, server, trainer, report = run.build_colocated(logger)
-        roles = {
+        roles: dict[str, Component] = {
             rank_state.TRAINER: trainer,
             rank_state.REPORT: report,
             rank_state.ENV_RUNNER: runner,

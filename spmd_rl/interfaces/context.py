@@ -60,7 +60,7 @@ class Context:
     # parameters as forward does; with bf16 they compute in bfloat16 and return float32.
     policy_methods: tuple[str, ...] = ("act",)
     # train.shard_group_size: (replicate group, shard group, [[global ranks] per replica]) for hybrid sharding
-    hybrid_shards: tuple | None = None
+    hybrid_shards: tuple[Any, ...] | None = None
     group_size: int = 1  # env.group_size: a segment's env columns come in blocks of this many that started together
 
     @classmethod

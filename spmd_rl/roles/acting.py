@@ -8,6 +8,7 @@ per-env recurrent state, timed), and `write_reply` fills one env rank's reply (i
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import numpy as np
@@ -45,9 +46,9 @@ def act_for_replies(
     fields: dict[str, StepField],
     uniform_actions=None,
     states=None,
-    served: list[int] = (),
-    starts: list[torch.Tensor] = (),
-    replies: list = (),
+    served: Sequence[int] = (),
+    starts: list[torch.Tensor] | tuple[torch.Tensor, ...] = (),
+    replies: Sequence[dict] = (),
     watched=None,
 ) -> tuple[list[np.ndarray], float]:
     """An inference server's forward pass for the env ranks `served` (their observations concatenated in `obs`):
@@ -69,7 +70,9 @@ def act_for_replies(
     return outputs, time.perf_counter() - clock
 
 
-def _entering_state(states, served: list[int], starts: list[torch.Tensor], replies: list) -> dict:
+def _entering_state(
+    states, served: Sequence[int], starts: list[torch.Tensor] | tuple[torch.Tensor, ...], replies: Sequence[dict]
+) -> dict:
     """The state the served envs act from (reset at episode starts), after writing into each reply the state its
     envs entered the step with (what a segment records as its first step's)."""
     entering = states.entering(served)

@@ -273,6 +273,7 @@ class EnvRunner:
     def load_state_dict(self, state: dict) -> None:
         # Envs whose state cannot be saved begin fresh episodes (said at start); the rest continue exactly.
         if state["env"] is not None:
+            assert self.env_backend is not None  # only a backend captures env state (state_dict)
             self.env_backend.restore_state(self.envs, state["env"])
             self._load_place(state["worker"])
 

@@ -278,7 +278,7 @@ class Trainer:
         merged = torch.stack(gathered)
         finished = ~merged[:, :slots].isnan()
         sums = merged[:, blocks * slots :].sum(0)
-        statistics = {
+        statistics: dict[str, torch.Tensor | float] = {
             name: merged[:, block * slots : (block + 1) * slots][finished] for block, name in enumerate(episodes)
         }
         statistics.update(

@@ -10,7 +10,7 @@ hence one file.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from spmd_rl.comm.weight_sources import GatheredWeightSource, ShardedWeightSourc
 from spmd_rl.comm.weights import WeightSync
 from spmd_rl.envs.backend import backend_for
 from spmd_rl.envs.vector import group_of_envs
-from spmd_rl.interfaces.algorithm import Algorithm
+from spmd_rl.interfaces.algorithm import Algorithm, PolicyMethod
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import GROUP, Policy
 from spmd_rl.roles.env_runner import EnvRunner
@@ -42,6 +42,9 @@ if TYPE_CHECKING:  # annotations only: the run hands itself to its builders
     from spmd_rl.run.run import Run
 
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # inference.dtype: None = the parameters' own
+
+# What _weight_sync builds: a member of the weight group that holds buckets, or a trainer's gathering source.
+SyncT = TypeVar("SyncT", WeightSync, GatheredWeightSource)
 
 
 def policy_device(policy: Policy) -> str:
@@ -167,7 +170,7 @@ def inference_parts(run: Run, observation_layout=observation_message, recv_buffe
         policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
     if cfg.inference.dtype == "bf16":  # this rank's copy (and the wire) in bf16; it acts under autocast
         sharding.compute_in_bf16(sharding.cast_parameters(policy, torch.bfloat16), ["act"], policy_device(policy))
-    weight_sync = _weight_sync(run, policy, **_sender_options(run))
+    weight_sync = _weight_sync(run, policy, WeightSync, **_sender_options(run))
     _seed_rank(run)
     observations = [with_episode_starts(observation_layout(run.spec, n), state_fields, n) for _ in served]
     action_channels, obs_channels = open_channels(
@@ -191,11 +194,12 @@ def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1)
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
         policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
     initial_algorithm_state = _init_policy_from(run, policy)
+    weight_sync: WeightSync | GatheredWeightSource | None
     if _gathers_weights(run):  # after sharding: every trainer gathers its shards for trainer 0's broadcast
         algorithm, callbacks = _build_algorithm(run, policy, group)
         weight_sync = _gathered_weight_source(run, policy)
     else:  # before the optimizer and DDP: it points the parameters into its flat buckets
-        weight_sync = _weight_sync(run, policy) if rank == topology.trainer_ranks[0] else None
+        weight_sync = _weight_sync(run, policy, WeightSync) if rank == topology.trainer_ranks[0] else None
         algorithm, callbacks = _build_algorithm(run, policy, group)
     _seed_rank(run)
     _, segment_channels = open_channels(
@@ -258,7 +262,10 @@ def _context(run: Run, group) -> Context:
         parallel=run.cfg.train.parallel,
         precision=run.cfg.train.precision,
         activation_checkpointing=run.cfg.train.activation_checkpointing,
-        policy_methods=("act", *(getattr(m, "name", m) for m in run.algorithm_cls.policy_methods)),
+        policy_methods=(
+            "act",
+            *(m.name if isinstance(m, PolicyMethod) else m for m in run.algorithm_cls.policy_methods),
+        ),
         hybrid_shards=(
             (run.groups.replicate, run.groups.shard, run.groups.shard_mesh) if run.groups.shard_mesh else None
         ),
@@ -313,7 +320,7 @@ def _sender_options(run: Run) -> dict:
     return {"senders": list(run.groups.sender_ranks), "sender_group": run.groups.weight_senders}
 
 
-def _weight_sync(run: Run, policy: Policy, kind=WeightSync, **options) -> WeightSync:
+def _weight_sync(run: Run, policy: Policy, kind: type[SyncT], **options) -> SyncT:
     """This rank's member of the weight group (kind: WeightSync, or a trainer's GatheredWeightSource)."""
     topology, runtime = run.topology, run.runtime
     return kind(
@@ -418,6 +425,7 @@ def _say_if_env_state_unsaved(run: Run, runner: EnvRunner) -> None:
     """Once per run (the first rank with envs): a checkpoint cannot hold these envs' state, so a resume begins
     fresh episodes."""
     first = 0 if run.topology.colocated else run.topology.env_ranks[0]
+    assert runner.env_backend is not None  # both builders give their runner its backend
     reason = runner.env_backend.unsaved_reason(runner.envs) if run.rank == first else None
     if reason:
         print(f"spmd_rl: note: {reason}", flush=True)

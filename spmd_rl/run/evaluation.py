@@ -212,7 +212,7 @@ def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, devi
     starts = np.ones(envs.num_envs, dtype=bool)
     ended = np.zeros(envs.num_envs, dtype=bool)
     success = EpisodeSuccess(spec.success_key, envs.num_envs) if spec.success_key is not None else None
-    successes = [] if success is not None else None
+    successes: list[tuple[bool, bool]] | None = [] if success is not None else None
     # With action chunks an episode's length is its primitive steps (the vector env's statistics count decisions).
     primitive_steps = np.zeros(envs.num_envs, dtype=np.int64) if spec.action_chunk > 1 else None
     while quotas.any():
@@ -236,6 +236,7 @@ def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, devi
             returns.append(float(info["episode"]["r"][i]))
             lengths.append(int(episode_lengths[i]))
             if success is not None:
+                assert successes is not None  # made with success
                 successes.append((bool(at_any[i]), bool(at_end[i])))
         if primitive_steps is not None:
             primitive_steps[info["_episode"]] = 0

@@ -306,10 +306,13 @@ def _records(path: Path) -> Iterator[tuple[int, str, dict | None]]:
         raise file_error(path, exc, "cannot read") from None
     with file:
         for number, raw in enumerate(bounded_lines(file, METRICS_LINE_BYTES), start=1):
+            if raw is None:  # too long
+                yield number, "", None
+                continue
             try:
                 line = raw.decode()
                 record = json.loads(line)
-            except (ValueError, AttributeError, RecursionError):  # not UTF-8, no JSON, None (too long), nested
+            except (ValueError, RecursionError):  # not UTF-8, no JSON, nested
                 yield number, "", None
                 continue
             yield number, line, record if isinstance(record, dict) else None

@@ -96,8 +96,10 @@ def _load_run_config(config_file: Path, overrides: list[str]):
 def accepts_gymnasium_observations(policy: Policy) -> Policy:
     """Let this policy's `act` take one observation or a batch, numpy or torch (see load_policy); its class's act,
     which takes a batch, is what runs. Only this object changes: the class and its other instances do not."""
-    policy._spmd_rl_batch_act = policy.act  # bound methods, so a deepcopy acts with its own module
-    policy.act = types.MethodType(_act_on_any_observation, policy)
+    # Bound methods, so a deepcopy acts with its own module. nn.Module's __setattr__ is typed for tensors and
+    # modules only: a method is a plain attribute of this object.
+    policy._spmd_rl_batch_act = policy.act  # type: ignore[assignment]
+    policy.act = types.MethodType(_act_on_any_observation, policy)  # type: ignore[method-assign]  # this object only
     return policy
 
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from spmd_rl.comm.channel import RecvHandle
 from spmd_rl.engines.asynchronous.config import AsyncEngineConfig
 from spmd_rl.engines.asynchronous.serving_threads import AsyncInferenceServer
 from spmd_rl.engines.sync import SegmentSource, SyncEngine
@@ -161,7 +162,7 @@ class AsyncEngine(SyncEngine):
         """One segment per env rank per iteration, as they arrive, the lag of every step checked; the next
         segments' receives stay posted while learning (rule 5)."""
         plan, iterations, depth = run.plan, run.iterations, self.async_plan.depth
-        posted = [deque() for _ in trainer.segment_channels]
+        posted: list[deque[RecvHandle]] = [deque() for _ in trainer.segment_channels]
 
         def post(iteration: int) -> None:
             if iteration < iterations.stop:
