@@ -151,6 +151,7 @@ def loss_coefficients(cfg: PPOConfig) -> Tensor:
 def gae_targets(rollout: TensorDict, next_value: Tensor, cfg: PPOConfig) -> tuple[Tensor, Tensor, Tensor]:
     """(advantage, return_, value) by GAE over a rollout [T, N], the acting values as the baseline; over decisions
     with action chunks (chunk_discounts)."""
+    gamma: float | Tensor  # a tensor of discounts [T, N] over action chunks
     reward, gamma = rollout["reward"], cfg.gamma
     if CHUNK_VALID in rollout.keys():
         reward, gamma = chunk_discounts(reward, rollout[CHUNK_VALID], gamma)

@@ -137,10 +137,9 @@ def finish_vector_env(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
         envs = vector_wrappers.ClipReward(envs, -cfg.clip_reward, cfg.clip_reward)
     if has_text(envs.single_observation_space):
         envs = TokenizeText(envs, cfg)  # strings become token ids here, on the env rank
-    if reset_seed is not None:
-        reset_seed = group_seeds(reset_seed, envs.num_envs, cfg.group_size)
+    seeds = None if reset_seed is None else group_seeds(reset_seed, envs.num_envs, cfg.group_size)
     try:
-        obs, _ = envs.reset(seed=reset_seed)
+        obs, _ = envs.reset(seed=seeds)
     except UserError:  # a first instruction longer than env.max_text_tokens
         raise
     except Exception as exc:  # the env's own reset: its error and file:line, not the vector env's stack

@@ -11,6 +11,7 @@ steps ran travel in `info`, from which the env runner records them (discounting 
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import gymnasium as gym
 import numpy as np
@@ -24,7 +25,7 @@ CHUNK_REWARDS = "chunk_rewards"
 CHUNK_STEPS = "chunk_steps"
 
 
-def chunk_space(space: gym.Space, chunk: int) -> gym.spaces.Box:
+def chunk_space(space: gym.spaces.Box, chunk: int) -> gym.spaces.Box:
     """The action space of a chunk of `chunk` actions of `space` (a Box): Box [chunk, *shape], the bounds repeated."""
     low = np.broadcast_to(space.low, (chunk, *space.shape))
     high = np.broadcast_to(space.high, (chunk, *space.shape))
@@ -75,7 +76,7 @@ class ActionChunks(gym.Wrapper):
     def __init__(self, env: gym.Env, chunk: int):
         super().__init__(env)
         self.chunk = chunk
-        self.action_space = chunk_space(env.action_space, chunk)
+        self.action_space = chunk_space(cast(gym.spaces.Box, env.action_space), chunk)  # chunked_spec checked
 
     def step(self, action):
         rewards = np.zeros(self.chunk, dtype=np.float32)

@@ -14,7 +14,9 @@ UserError naming the length it needs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import gymnasium as gym
 import numpy as np
@@ -43,7 +45,8 @@ class TokenizedText(gym.spaces.Dict):
         )
 
     def __repr__(self) -> str:
-        return f"TokenizedText(vocab {self.vocab_size}, {self['ids'].shape[0]} tokens)"
+        tokens = cast(gym.spaces.Box, self["ids"]).shape[0]  # the Box made in __init__
+        return f"TokenizedText(vocab {self.vocab_size}, {tokens} tokens)"
 
     def __eq__(self, other) -> bool:
         return isinstance(other, TokenizedText) and self.vocab_size == other.vocab_size and super().__eq__(other)
@@ -74,6 +77,10 @@ class ByteTokenizer:
 
 class FileTokenizer:
     """A tokenizer saved locally: a tokenizer.json (the `tokenizers` library), or a transformers tokenizer folder."""
+
+    tokenizer: Any  # a tokenizers.Tokenizer or a transformers tokenizer: two libraries' classes, no common base
+    vocab_size: int
+    _encode: Callable[[str], list[int]]
 
     def __init__(self, path: Path):
         file = path / TOKENIZER_FILE if path.is_dir() else path

@@ -196,10 +196,12 @@ def add_action_head(policy: ActionHeadPolicy, action_space: gym.Space, log_std_i
     """Set policy.discrete and policy.action_field and, for a Box, register its log_std parameter; returns the
     actor's output width (logits, or the Gaussian's mean: one per element of the Box, flattened). Shared by the
     built-in actor-critic policies."""
-    policy.discrete = isinstance(action_space, gym.spaces.Discrete)
-    if policy.discrete:
+    if isinstance(action_space, gym.spaces.Discrete):
+        policy.discrete = True
         policy.action_field = StepField((), torch.int64)
         return int(action_space.n)
+    policy.discrete = False
+    assert action_space.shape is not None  # a Box (checked by the caller)
     policy.action_field = StepField(tuple(int(n) for n in action_space.shape), torch.float32)
     actor_out = math.prod(policy.action_field.shape)
     policy.log_std = nn.Parameter(torch.full((actor_out,), float(log_std_init)))

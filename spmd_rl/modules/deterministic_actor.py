@@ -28,8 +28,10 @@ class DeterministicActor(BoundedActor):
 
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, config: DeterministicActorConfig):
         super().__init__(obs_space, action_space, config, who="TD3")
-        act_dim = int(action_space.shape[0])
-        self.net = mlp(int(obs_space.shape[0]), list(config.hidden_sizes), act_dim, config.activation, ortho_init=False)
+        act_dim = self.action_scale.shape[0]  # the Box's widths, as BoundedActor checked them
+        self.net = mlp(
+            self.obs_normalizer.shape[0], list(config.hidden_sizes), act_dim, config.activation, ortho_init=False
+        )
         self.exploration_noise = config.exploration_noise
 
     def scaled(self, obs: Tensor) -> Tensor:

@@ -164,7 +164,7 @@ class ImageEncoder(Encoder):
         pass
 
 
-class TextEncoder(nn.Module):
+class TextEncoder(Encoder):
     """Token ids (envs/text.py: ids and a mask, from a Text observation) through a learned embedding, then the mean
     over the tokens the mask marks: one feature vector per text, whatever its length."""
 
@@ -182,7 +182,7 @@ class TextEncoder(nn.Module):
         pass
 
 
-class DictEncoder(nn.Module):
+class DictEncoder(Encoder):
     """One encoder per key of a Dict space (but `action_mask`); their features concatenated in the space's key
     order."""
 

@@ -35,8 +35,11 @@ LOG_STD_MAX = 2.0
 LOG_2 = math.log(2.0)
 
 
-def check_sac_spaces(obs_space: gym.Space, action_space: gym.Space, who: str = "SAC") -> None:
-    """SAC's (and TD3's) MLPs need a 1-D Box of observations and a 1-D Box of actions with finite bounds."""
+def check_sac_spaces(
+    obs_space: gym.Space, action_space: gym.Space, who: str = "SAC"
+) -> tuple[gym.spaces.Box, gym.spaces.Box]:
+    """SAC's (and TD3's) MLPs need a 1-D Box of observations and a 1-D Box of actions with finite bounds: the two
+    spaces, as Boxes."""
     if not isinstance(action_space, gym.spaces.Box):
         raise UserError(
             f"{who} needs continuous (Box) actions; got {action_space}: use algo.class=ppo for discrete actions"
@@ -101,9 +104,9 @@ class SquashedGaussianActor(BoundedActor):
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, config: SquashedGaussianConfig):
         super().__init__(obs_space, action_space, config, who="SAC")
         # One head for mean and log std: a single matmul instead of two.
-        act_dim = int(action_space.shape[0])
+        act_dim = self.action_scale.shape[0]  # the Box's widths, as BoundedActor checked them
         self.net = mlp(
-            int(obs_space.shape[0]), list(config.hidden_sizes), 2 * act_dim, config.activation, ortho_init=False
+            self.obs_normalizer.shape[0], list(config.hidden_sizes), 2 * act_dim, config.activation, ortho_init=False
         )
 
     def forward(self, obs: Tensor) -> tuple[Tensor, Tensor]:
@@ -144,8 +147,8 @@ class TwinQ(nn.Module):
 
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, hidden: list[int], activation: str):
         super().__init__()
-        check_sac_spaces(obs_space, action_space)
-        in_features = int(obs_space.shape[0]) + int(action_space.shape[0])
+        obs_box, action_box = check_sac_spaces(obs_space, action_space)
+        in_features = int(obs_box.shape[0]) + int(action_box.shape[0])
         self.q1 = mlp(in_features, hidden, 1, activation, ortho_init=False)
         self.q2 = mlp(in_features, hidden, 1, activation, ortho_init=False)
 

