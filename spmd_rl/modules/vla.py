@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any, Protocol, cast
 
 import gymnasium as gym
 import numpy as np
@@ -140,7 +141,7 @@ def needs(package: str) -> None:
         raise UserError(f"policy.class=vla needs the {package} package: pip install -e '.[vla]'") from None
 
 
-def backbone_config(config: VLAConfig) -> tuple[object, torch.dtype, tuple[list[float], list[float]]]:
+def backbone_config(config: VLAConfig) -> tuple[Any, torch.dtype, tuple[list[float], list[float]]]:
     """(the PaliGemmaConfig, the dtype its weights files hold, the image (mean, std) per channel). A folder is
     checked before transformers is imported (seconds), so a bad one is refused at once."""
     mean = std = [SIGLIP_MEAN_STD] * 3
@@ -185,7 +186,8 @@ def build_backbone(config: VLAConfig) -> tuple[nn.Module, tuple[list[float], lis
     from transformers import PaliGemmaForConditionalGeneration
 
     built.vision_config.vision_use_head = False
-    backbone = PaliGemmaForConditionalGeneration(built).to(torch.float32)
+    # transformers' own `to` is typed through functools.wraps, which mypy cannot bind to the instance.
+    backbone = cast(nn.Module, PaliGemmaForConditionalGeneration(built)).to(torch.float32)
     if config.pretrained:
         load_weights(backbone, Path(config.pretrained).expanduser(), paligemma_name, file_dtype)
     return backbone, mean_std
@@ -198,7 +200,10 @@ def add_lora(backbone: nn.Module, config: VLAConfig) -> None:
 
     lora = config.lora
     adapters = LoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
+        r=lora.rank,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates it int; it scales by alpha / rank, a float
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
     )
     try:
         inject_adapter_in_model(adapters, backbone)
@@ -213,15 +218,26 @@ def add_lora(backbone: nn.Module, config: VLAConfig) -> None:
         parameter.requires_grad_("lora_" in name)
 
 
+class LoraLayer(Protocol):
+    """What file_state reads of a layer peft wrapped with an adapter."""
+
+    def get_delta_weight(self, adapter: str) -> Tensor: ...
+
+
 class VLAPolicy(Policy):
     """Images, instruction tokens, a state token and action queries through a PaliGemma backbone; action and value
     heads on the queries. `forward(obs, action)` is `evaluate` so DDP and FSDP can wrap it."""
 
     Config = VLAConfig
+    # transformers' PaliGemmaForConditionalGeneration, read by its submodules' and configs' names (transformers
+    # types its sub-configs as dict | PretrainedConfig | None and its towers as AutoModel's: nothing to check).
+    backbone: Any
+    observation_space: gym.spaces.Dict  # checked by _check_spaces
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: VLAConfig):
         super().__init__(observation_space, action_space, config)
         self._check_spaces(observation_space, action_space, config)
+        assert isinstance(observation_space, gym.spaces.Dict) and isinstance(action_space, gym.spaces.Box)  # checked
         self.backbone, (mean, std) = build_backbone(config)
         text, vision = self.backbone.config.text_config, self.backbone.config.vision_config
         width = text.hidden_size
@@ -246,7 +262,8 @@ class VLAPolicy(Policy):
         self.action_field = StepField(shape, torch.float32)
         queries = self.chunk * self.dims
         if config.state_key:
-            state_features = math.prod(observation_space[config.state_key].shape)
+            state_space = cast(gym.spaces.Box, observation_space[config.state_key])  # a Box: assumed, not checked
+            state_features = math.prod(state_space.shape)
             self.state_token = nn.Linear(state_features, width)
         self.action_queries = nn.Parameter(torch.empty(queries, width))
         nn.init.trunc_normal_(self.action_queries, std=INIT_STD)
@@ -330,7 +347,8 @@ class VLAPolicy(Policy):
                 f"policy.instruction_key: observation['{config.instruction_key}'] {text} is not token ids: give a "
                 f"Dict with 'ids' and 'mask' (as text observations arrive tokenized)"
             )
-        highest = int(np.max(text["ids"].high))
+        ids = cast(gym.spaces.Box, text["ids"])  # a Box, as TokenizedText's: assumed, not checked
+        highest = int(np.max(ids.high))
         if highest >= vocab_size:
             raise UserError(
                 f"policy.instruction_key: observation['{config.instruction_key}']['ids'] goes up to {highest}, but "
@@ -361,7 +379,8 @@ class VLAPolicy(Policy):
         config, inner = self.config, self.backbone.model
         tokens: list[tuple[Tensor, Tensor | None]] = []  # (embeddings [B, n, width], mask [B, n] or None: all kept)
         for key in config.image_keys:
-            patches = inner.vision_tower(pixel_values=self._pixels(obs[key], self.observation_space[key]))
+            space = cast(gym.spaces.Box, self.observation_space[key])  # an image Box (_check_images)
+            patches = inner.vision_tower(pixel_values=self._pixels(obs[key], space))
             tokens.append((inner.multi_modal_projector(patches.last_hidden_state), None))
         batch = tokens[0][0].shape[0]
         if config.instruction_key:
@@ -460,7 +479,8 @@ class VLAPolicy(Policy):
         merged = {key: value for key, value in state.items() if ".lora_" not in key}
         with torch.no_grad():
             for name, layer in self._lora_layers():
-                merged[f"{name}.weight"] = merged.pop(f"{name}.base_layer.weight") + layer.get_delta_weight("default")
+                delta = cast(LoraLayer, layer).get_delta_weight("default")
+                merged[f"{name}.weight"] = merged.pop(f"{name}.base_layer.weight") + delta
                 if f"{name}.base_layer.bias" in merged:
                     merged[f"{name}.bias"] = merged.pop(f"{name}.base_layer.bias")
         return merged
