@@ -151,15 +151,14 @@ class DictTokens(Tokenizer):
         """[B, tokens] True where a token takes part in attention (None: all of them, no text inside)."""
         if not self.masked:
             return None
-        masks: list[Tensor | None] = []
+        masks: list[Tensor] = []
         for key, part in self.parts.items():  # a ModuleDict's values are typed Module
-            if hasattr(part, "attention_mask"):
-                masks.append(cast(MaskedTokens, part).attention_mask(obs[key]))
-            else:
+            mask = cast(MaskedTokens, part).attention_mask(obs[key]) if hasattr(part, "attention_mask") else None
+            if mask is None:  # every token of this part attends (no text in it, e.g. a nested Dict of Boxes)
                 tokens = cast(Tokenizer, part).tokens
-                masks.append(torch.ones(obs.batch_size[0], tokens, dtype=torch.bool, device=obs.device))
-        # A nested Dict without text gives None here, which torch.cat rejects (a known bug, left as merged).
-        return torch.cat(masks, dim=1)  # type: ignore[arg-type]
+                mask = torch.ones(obs.batch_size[0], tokens, dtype=torch.bool, device=obs.device)
+            masks.append(mask)
+        return torch.cat(masks, dim=1)
 
     def update_normalizer(self, obs, context) -> None:
         for key, part in self.parts.items():

@@ -177,3 +177,17 @@ def test_a_policy_whose_action_shape_is_not_the_action_space_s():
 
     with pytest.raises(UserError, match=r"shape \(1,\), but the action space .* shape \(4, 1\) \(a chunk of env"):
         contract.check_policy(chunked_cfg, chunked_spec, OneActionDeclaring, algorithm_cls)
+
+
+def test_the_transformer_attends_to_every_token_of_a_nested_dict_without_text():
+    import gymnasium as gym
+
+    from spmd_rl.modules.configs import TransformerConfig
+    from spmd_rl.modules.transformer import make_tokens
+
+    box = gym.spaces.Box(-1, 1, (4,), np.float32)
+    space = gym.spaces.Dict({"a": gym.spaces.Dict({"x": box}), "y": box})
+    tokens = make_tokens(space, TransformerConfig())
+    obs = zeros_of(space, 3)
+    mask = tokens.attention_mask(obs)
+    assert mask is None or (mask.shape == (3, tokens.tokens) and bool(mask.all()))
