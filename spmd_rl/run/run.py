@@ -10,7 +10,7 @@ and restore sets the checkpoint's generators last, which is what makes a resumed
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -36,6 +36,7 @@ from spmd_rl.run.resume import Resume
 from spmd_rl.run.topology import COLOCATED, ENV, INFERENCE, TRAINER, ProcessGroups, Topology
 from spmd_rl.run.trackers import open_trackers
 from spmd_rl.runtime.distributed import Runtime
+from spmd_rl.runtime.errors import UserError
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Run:
     control: RunControl  # the end-of-iteration agreement: checkpoints and stops
     resume: Resume  # where the run starts (a checkpoint every rank loads, or iteration 0)
     final_policy: Policy | None = None  # rank 0's policy, saved as policy.pt at the end or on a stop
+    _restored: bool = field(default=False, init=False, repr=False)  # restore() ran on this rank
 
     # -- where this rank stands ------------------------------------------------------------------------------------
 
@@ -93,6 +95,20 @@ class Run:
         """The end-of-iteration agreement of all ranks: a checkpoint (this rank's part: its components' states,
         rank_state.capture) and a stop on a signal happen here, at iterations every rank computes alike. Every
         rank must call it after the same iterations, with the components it gave restore()."""
+        if callable(components):
+            raise UserError(
+                f"engine.class '{self.cfg.classes.get('engine', 'sync')}' passes a capture function to "
+                f"run.end_iteration (the protocol before components owned their state): pass the components this "
+                f"rank runs, {{name: component}}, and give the same to run.restore before the first iteration "
+                f"(docs/plugins.md, Engine)"
+            )
+        if self.resume.checkpoint is not None and not self._restored:
+            # Builders no longer restore: an engine that skips restore() would go on from fresh state, silently.
+            raise UserError(
+                f"engine.class '{self.cfg.classes.get('engine', 'sync')}' resumes from {self.resume.checkpoint} "
+                f"but never called run.restore(components) on {self.describe()}; call it with this rank's "
+                f"components before the first iteration (docs/plugins.md, Engine)"
+            )
         self.control.after_iteration(iteration, lambda: rank_state.capture(components))
 
     def restore(self, components: Mapping[str, Component]) -> None:
@@ -101,6 +117,7 @@ class Run:
         trainers take the model and optimizer from the shard files and the rest of the learner's state from
         trainer 0's file, which all trainers shared; env and inference ranks start fresh, and so do every rank's
         random streams."""
+        self._restored = True
         if self.resume.checkpoint is None:
             return
         if not self.resume.resharded:

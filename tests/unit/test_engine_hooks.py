@@ -104,3 +104,21 @@ def test_no_engine_reads_an_algorithms_knob():
                 if any(isinstance(a, ast.Attribute) and a.attr == "algo" for a in node.args):
                     found.append(f"{path.name}:{node.lineno} hasattr(.algo)")
     assert found == []
+
+
+def test_an_engine_that_resumes_without_restoring_or_with_a_capture_function_stops_with_one_line():
+    """Builders no longer restore: an engine of its own loops that skips run.restore would go on from fresh state."""
+    from types import SimpleNamespace
+
+    from spmd_rl.run.run import Run
+
+    run = SimpleNamespace(
+        cfg=SimpleNamespace(classes={"engine": "my_loops:Mine"}),
+        resume=SimpleNamespace(checkpoint="runs/x/checkpoints/iter_000000003"),
+        _restored=False,
+        describe=lambda: "rank 0 (trainer 0)",
+    )
+    with pytest.raises(UserError, match=r"'my_loops:Mine' passes a capture function to run.end_iteration"):
+        Run.end_iteration(run, 3, lambda: {})  # type: ignore[arg-type]
+    with pytest.raises(UserError, match=r"never called run.restore\(components\) on rank 0 \(trainer 0\)"):
+        Run.end_iteration(run, 3, {})  # type: ignore[arg-type]
