@@ -55,6 +55,13 @@ CASES = {
         64,
         PPO_METRICS,
     ),
+    # GRPO with chunks of 4 and groups of 8: 8 envs (one group) x 2 decisions x 4 steps per env rank an iteration.
+    "instructed_reach": (
+        "grpo.yaml",
+        ["env.num_envs=8", "env.max_episode_steps=8", "train.total_steps=256"],
+        64,
+        {"outcome_mean", "dropped_group_fraction", "minibatch_steps", "success_rate"},
+    ),
 }
 # layout: (torchrun processes (0 = plain python), env ranks, overrides)
 LAYOUTS = {
