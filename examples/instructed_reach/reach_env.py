@@ -7,9 +7,10 @@ targets as coloured 2 x 2 squares, the arm's tip as a white one), the arm's stat
 gymnasium `Text` instruction, "reach the red target" (or green, or blue). Every episode starts the arm near the
 centre and names one target at random, so neither the image nor the state says which target is meant: only the
 instruction does. An action is a 2-D velocity in [-1, 1] (clipped); each step moves the tip by `speed` times it.
-The episode ends (terminated, reward 1, info["success"] True) when the tip comes within `radius` of the named
-target; otherwise it runs until the config's env.max_episode_steps truncates it. Reaching another target ends
-nothing, so a policy that ignores the instruction succeeds about a third of the time.
+The episode ends (terminated) when the tip comes within `radius` of any target: of the named one, with reward 1
+and info["success"] True; of another, as a failure (reward 0), so that no policy can succeed by visiting every
+target in turn, and one that ignores the instruction succeeds about a third of the time. An episode that reaches
+no target runs until the config's env.max_episode_steps truncates it.
 
 kwargs: `blank_instruction` (every instruction reads "reach the target": the control that shows the instruction
 matters), `speed`, `radius`.
@@ -42,7 +43,7 @@ def pixel(position: np.ndarray) -> tuple[int, int]:
 
 
 class InstructedReach(gym.Env):
-    def __init__(self, blank_instruction: bool = False, speed: float = 0.1, radius: float = 0.2):
+    def __init__(self, blank_instruction: bool = False, speed: float = 0.2, radius: float = 0.3):
         self.observation_space = gym.spaces.Dict(
             {
                 "image": gym.spaces.Box(0, 255, (IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8),
@@ -78,8 +79,9 @@ class InstructedReach(gym.Env):
     def step(self, action):
         velocity = np.clip(np.asarray(action, dtype=np.float32), -1.0, 1.0)
         self.arm = np.clip(self.arm + self.speed * velocity, -1.0, 1.0).astype(np.float32)
-        success = bool(np.linalg.norm(self.arm - np.array(TARGETS[self.target][0])) <= self.radius)
-        return self._observation(), float(success), success, False, {"success": success}
+        reached = [colour for colour, (place, _) in TARGETS.items() if np.linalg.norm(self.arm - place) <= self.radius]
+        success = self.target in reached
+        return self._observation(), float(success), bool(reached), False, {"success": success}
 
 
 gym.register(id="InstructedReach-v0", entry_point=InstructedReach)
