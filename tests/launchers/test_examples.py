@@ -55,6 +55,13 @@ CASES = {
         64,
         PPO_METRICS,
     ),
+    # GRPO with chunks of 4 and groups of 8: 8 envs (one group) x 2 decisions x 4 steps per env rank an iteration.
+    "instructed_reach": (
+        "grpo.yaml",
+        ["env.num_envs=8", "env.max_episode_steps=8", "train.total_steps=256"],
+        64,
+        {"outcome_mean", "dropped_group_fraction", "minibatch_steps", "success_rate"},
+    ),
 }
 # layout: (torchrun processes (0 = plain python), env ranks, overrides)
 LAYOUTS = {
@@ -141,6 +148,35 @@ def test_catch_pays_one_at_the_bottom_row_and_draws_ball_and_paddle(example_modu
         obs, reward, terminated, truncated, _ = env.step(action)
         assert terminated == (step == 8) and not truncated
     assert reward == 1.0 and obs[9, ball_column, 0] == 255
+
+
+def test_instructed_reach_succeeds_only_at_the_named_target_and_blanking_hides_it(example_modules):
+    import gymnasium as gym
+    import numpy as np
+    import reach_env
+
+    def steer_to(env, colour):
+        obs, reward, terminated, info = None, 0.0, False, {}
+        while not terminated:
+            place = np.array(reach_env.TARGETS[colour][0])
+            obs, reward, terminated, truncated, info = env.step((place - env.unwrapped.arm) / env.unwrapped.speed)
+            assert not truncated
+        return obs, reward, info
+
+    env = gym.make("reach_env:InstructedReach-v0")
+    obs, _ = env.reset(seed=0)
+    named = obs["instruction"].split()[2]
+    assert obs["instruction"] == f"reach the {named} target" and env.observation_space.contains(obs)
+    # The image draws each target in its colour, and the arm.
+    assert all((obs["image"] == colour).all(-1).sum() == 4 for _, colour in reach_env.TARGETS.values())
+    _, reward, info = steer_to(env, named)
+    assert reward == 1.0 and info["success"]
+    obs, _ = env.reset(seed=0)
+    other = next(colour for colour in reach_env.TARGETS if colour != named)
+    _, reward, info = steer_to(env, other)  # another target ends the episode, as a failure
+    assert reward == 0.0 and not info["success"]
+    blanked = gym.make("reach_env:InstructedReach-v0", blank_instruction=True)
+    assert {blanked.reset(seed=seed)[0]["instruction"] for seed in range(10)} == {"reach the target"}
 
 
 def test_a2c_returns_stop_at_terminations_and_bootstrap_truncations(example_modules):
