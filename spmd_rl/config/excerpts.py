@@ -42,3 +42,12 @@ def first_line(exc: BaseException) -> str:
     """'Type: the first line of its message', clipped: an exception from the user's code in one short line."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {clip(lines[0], MESSAGE_CHARS)}" if lines else type(exc).__name__
+
+
+LISTED_NAMES = 4  # names an error line lists before "and N more"
+
+
+def listed(names: list[str]) -> str:
+    """The first few names, then how many more: a long list of keys in one short error line."""
+    shown = ", ".join(names[:LISTED_NAMES])
+    return shown if len(names) <= LISTED_NAMES else f"{shown} and {len(names) - LISTED_NAMES} more"

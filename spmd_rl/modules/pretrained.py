@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spmd_rl.config.excerpts import clip
+from spmd_rl.config.excerpts import clip, listed
+from spmd_rl.persist.tensor_fit import fit_problems
 from spmd_rl.runtime.errors import UserError
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-SHOWN = 4  # names listed in an error line before "and N more"
 
 # safetensors' dtype names (a file header's), as torch dtypes
 SAFETENSORS_DTYPES = {
@@ -38,11 +38,6 @@ SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-
-
-def named(names: list[str]) -> str:
-    shown = ", ".join(names[:SHOWN])
-    return shown if len(names) <= SHOWN else f"{shown} and {len(names) - SHOWN} more"
 
 
 def read_json(file: Path, what: str) -> dict:
@@ -81,7 +76,7 @@ def weight_files(folder: Path) -> list[Path]:
         absent = [file.name for file in files if not file.is_file()]
         if absent:
             raise UserError(
-                f"policy.pretrained: {index} names {len(absent)} file(s) that are not in the folder: {named(absent)}; "
+                f"policy.pretrained: {index} names {len(absent)} file(s) that are not in the folder: {listed(absent)}; "
                 f"copy the whole folder"
             )
         return files
@@ -145,15 +140,7 @@ def load_weights(
         for target, (source, _, _, dtype) in mapped.items()
         if dtype != (file_dtype if targets[target].is_floating_point() else targets[target].dtype)
     ]
-    problems = []
-    if missing:
-        problems.append(f"missing {len(missing)} tensor(s) the policy has: {named(missing)}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensor(s) of the files: {named(unexpected)}")
-    if shapes:
-        problems.append(f"{len(shapes)} shape mismatch(es): {named(shapes)}")
-    if dtypes:
-        problems.append(f"{len(dtypes)} dtype mismatch(es): {named(dtypes)}")
+    problems = fit_problems(missing, unexpected, shapes, dtypes, "tensor", "the files")
     if problems:
         raise UserError(
             f"policy.pretrained={clip(str(folder))}: its weights do not fit the model: {'; '.join(problems)}"

@@ -9,10 +9,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from spmd_rl.config.excerpts import listed
+from spmd_rl.persist.tensor_fit import fit_problems
 from spmd_rl.runtime.errors import UserError
 
 SAFETENSORS_SUFFIX = ".safetensors"
-SHOWN_KEYS = 4  # keys named in an error line before "and N more"
 
 
 def read_safetensors(file: Path) -> dict[str, Tensor]:
@@ -39,12 +40,6 @@ def split_prefix(prefix: str) -> tuple[str, str]:
     return target, source
 
 
-def named(keys: list[str]) -> str:
-    """A few keys, then how many more."""
-    shown = ", ".join(keys[:SHOWN_KEYS])
-    return shown if len(keys) <= SHOWN_KEYS else f"{shown} and {len(keys) - SHOWN_KEYS} more"
-
-
 def fit_state_dict(policy: nn.Module, state: dict[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
     """state under the policy's names, checked to fit it exactly: every key the policy (or, with a prefix, its
     submodule) has, no other, each of the policy's shape and dtype. Raises a UserError listing what does not fit
@@ -58,7 +53,7 @@ def fit_state_dict(policy: nn.Module, state: dict[str, Tensor], prefix: str = ""
         selected = {key[len(source) :]: value for key, value in state.items() if key.startswith(source)}
         if not selected:
             raise UserError(
-                f"no key of the file starts with '{source}' (run.init_prefix); its keys: {named(list(state))}"
+                f"no key of the file starts with '{source}' (run.init_prefix); its keys: {listed(list(state))}"
             )
         state = selected
     everything = policy.state_dict()
@@ -67,7 +62,7 @@ def fit_state_dict(policy: nn.Module, state: dict[str, Tensor], prefix: str = ""
         tops = list(dict.fromkeys(key.split(".")[0] for key in everything))
         raise UserError(
             f"run.init_prefix={prefix}: the policy has no weights under '{target}' (its top-level names: "
-            f"{named(tops) or 'none'})"
+            f"{listed(tops) or 'none'})"
         )
     mapped = {target + key: value for key, value in state.items()}
     missing = [key for key in expected if key not in mapped]
@@ -82,15 +77,9 @@ def fit_state_dict(policy: nn.Module, state: dict[str, Tensor], prefix: str = ""
         for key, value in expected.items()
         if key in mapped and mapped[key].shape == value.shape and mapped[key].dtype != value.dtype
     ]
-    problems = []
-    if missing:
-        problems.append(f"missing {len(missing)} key(s) the policy has: {named(missing)}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected key(s) of the file: {named(unexpected)}")
-    if shapes:
-        problems.append(f"{len(shapes)} shape mismatch(es): {named(shapes)}")
-    if dtypes:
-        problems.append(f"{len(dtypes)} dtype mismatch(es) (convert the file's tensors): {named(dtypes)}")
+    problems = fit_problems(
+        missing, unexpected, shapes, dtypes, "key", "the file", dtype_advice=" (convert the file's tensors)"
+    )
     if problems:
         if target or source:  # say how the file's names were read
             problems.append(f"file key {source}K was read as policy key {target}K (run.init_prefix={prefix})")
