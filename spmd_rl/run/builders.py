@@ -4,13 +4,13 @@ state comes from `Run.restore`, which the engine calls with every component it r
 
 Every builder keeps one order of the steps that draw random numbers (policy, algorithm, the rank's seed, envs),
 and Run.restore sets the checkpoint's generators after them, which is what makes a resumed run continue exactly.
-Over 400 lines: the builders share their helpers (seeding, the algorithm's context, weight sync, run.init_from),
-hence one file.
+Over 400 lines: the builders share their helpers (seeding, the algorithm's context, run.init_from), hence one
+file; who sends the weights how is run/weight_sync_plan.py's.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ import torch
 from spmd_rl.comm import sharding
 from spmd_rl.comm.channel_setup import open_channels
 from spmd_rl.comm.local_channel import local_channel
-from spmd_rl.comm.weight_sources import GatheredWeightSource, ShardedWeightSource
+from spmd_rl.comm.weight_sources import GatheredWeightSource
 from spmd_rl.comm.weights import WeightSync
 from spmd_rl.envs.backend import backend_for
 from spmd_rl.envs.vector import group_of_envs
@@ -34,17 +34,13 @@ from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.policies import build_policy, read_trained_state
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.state_fit import load_fitted
+from spmd_rl.run.weight_sync_plan import WeightSyncPlan
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
 from spmd_rl.storage.experience_log import ExperienceLog
 
 if TYPE_CHECKING:  # annotations only: the run hands itself to its builders
     from spmd_rl.run.run import Run
-
-WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # inference.dtype: None = the parameters' own
-
-# What _weight_sync builds: a member of the weight group that holds buckets, or a trainer's gathering source.
-SyncT = TypeVar("SyncT", WeightSync, GatheredWeightSource)
 
 
 def policy_device(policy: Policy) -> str:
@@ -168,9 +164,10 @@ def inference_parts(run: Run, observation_layout=observation_message, recv_buffe
     state_fields = run.recurrent_state
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
         policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
-    if cfg.inference.dtype == "bf16":  # this rank's copy (and the wire) in bf16; it acts under autocast
+    weights = WeightSyncPlan.of(run)
+    if weights.wire_dtype == torch.bfloat16:  # this rank's copy in the wire's dtype; it acts under autocast
         sharding.compute_in_bf16(sharding.cast_parameters(policy, torch.bfloat16), ["act"], policy_device(policy))
-    weight_sync = _weight_sync(run, policy, WeightSync, **_sender_options(run))
+    weight_sync = weights.inference_member(run, policy)
     _seed_rank(run)
     observations = [with_episode_starts(observation_layout(run.spec, n), state_fields, n) for _ in served]
     action_channels, obs_channels = open_channels(
@@ -194,12 +191,13 @@ def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1)
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
         policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
     initial_algorithm_state = _init_policy_from(run, policy)
+    weights = WeightSyncPlan.of(run)
     weight_sync: WeightSync | GatheredWeightSource | None
-    if _gathers_weights(run):  # after sharding: every trainer gathers its shards for trainer 0's broadcast
+    if weights.gathered:  # after sharding: every trainer takes part
         algorithm, callbacks = _build_algorithm(run, policy, group)
-        weight_sync = _gathered_weight_source(run, policy)
+        weight_sync = weights.trainer_member(run, policy)
     else:  # before the optimizer and DDP: it points the parameters into its flat buckets
-        weight_sync = _weight_sync(run, policy, WeightSync) if rank == topology.trainer_ranks[0] else None
+        weight_sync = weights.trainer_member(run, policy)
         algorithm, callbacks = _build_algorithm(run, policy, group)
     _seed_rank(run)
     _, segment_channels = open_channels(
@@ -289,50 +287,6 @@ def _final_policy(run: Run, trainer: Trainer, policy: Policy) -> Policy:
     with torch.random.fork_rng(devices=cuda_indices(run.runtime.device)):  # build_policy seeds torch
         trainer.final_copy = build_policy(run.cfg, run.spec, run.policy_cls, "cpu")
     return trainer.final_copy
-
-
-def _gathers_weights(run: Run) -> bool:
-    """Whether trainers publish through a GatheredWeightSource: their parameters are shards, or the wire
-    carries another dtype than theirs (otherwise trainer 0's own tensors are the buckets)."""
-    return run.plan.parallel.sharded or run.cfg.inference.dtype != "fp32"
-
-
-def _gathered_weight_source(run: Run, policy: Policy) -> GatheredWeightSource:
-    """Sharded trainers each send their own shards (ShardedWeightSource); replicated ones with another wire
-    dtype fill one bucket at a time for trainer 0's broadcast (GatheredWeightSource)."""
-    wire_dtype = WIRE_DTYPES[run.cfg.inference.dtype]
-    if run.groups.sender_ranks:
-        return _weight_sync(
-            run,
-            policy,
-            ShardedWeightSource,
-            wire_dtype=wire_dtype,
-            receivers=list(run.topology.inference_ranks),
-            **_sender_options(run),
-        )
-    return _weight_sync(run, policy, GatheredWeightSource, wire_dtype=wire_dtype)
-
-
-def _sender_options(run: Run) -> dict:
-    """With sharded trainers: who sends the pieces of every bucket (for both ends of a sync)."""
-    if not run.groups.sender_ranks:
-        return {}
-    return {"senders": list(run.groups.sender_ranks), "sender_group": run.groups.weight_senders}
-
-
-def _weight_sync(run: Run, policy: Policy, kind: type[SyncT], **options) -> SyncT:
-    """This rank's member of the weight group (kind: WeightSync, or a trainer's GatheredWeightSource)."""
-    topology, runtime = run.topology, run.runtime
-    return kind(
-        policy,
-        run.groups.weights,
-        src=topology.trainer_ranks[0],
-        me=runtime.rank,
-        bucket_bytes=int(run.cfg.weights.bucket_mb * 2**20),
-        timeout=runtime.timeout,
-        describe_rank=topology.describe,
-        **options,
-    )
 
 
 def _recurrent_states(run: Run, counts: list[int]) -> RecurrentStates | None:

@@ -145,10 +145,8 @@ class ProcessGroups:
     shard: object | None = None  # the trainers this one shards the policy with
     replicate: object | None = None  # the trainers holding the same shards as this one (one per shard group)
     shard_mesh: list[list[int]] | None = None  # [replica][shard position] -> global rank
-    # train.parallel=fsdp in a split layout: the trainers that send their own shards to the inference ranks (one
-    # copy of the shards: all trainers, or the first replica's with hybrid sharding), in shard order, and the
-    # group of those senders and the inference ranks their sends go over.
-    sender_ranks: tuple[int, ...] = ()
+    # train.parallel=fsdp in a split layout: the group of the trainers that send their own shards
+    # (ParallelPlan.sender_ranks) and the inference ranks, which their sends go over.
     weight_senders: object | None = None
 
 
@@ -178,6 +176,7 @@ def create_process_groups(topology: Topology, timeout: datetime.timedelta, paral
                 groups.replicate = group
         groups.shard_mesh = mesh
     if parallel.sender_ranks:
-        groups.sender_ranks = parallel.sender_ranks
-        groups.weight_senders = dist.new_group(sorted(groups.sender_ranks + topology.inference_ranks), timeout=timeout)
+        groups.weight_senders = dist.new_group(
+            sorted(parallel.sender_ranks + topology.inference_ranks), timeout=timeout
+        )
     return groups
