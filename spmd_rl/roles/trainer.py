@@ -97,6 +97,7 @@ class Trainer:
         policy=None,
         column_groups: torch.Tensor | None = None,
         final_copy=None,
+        sharded: bool = False,
     ):
         self.algorithm = algorithm  # the user's (or a built-in) spmd_rl.api.Algorithm
         self.policy = policy if policy is not None else getattr(algorithm, "policy", None)
@@ -115,9 +116,10 @@ class Trainer:
         self.column_groups = column_groups
         self.learn_s = self.weight_sync_s = 0.0
         self.flush_denormals = FlushDenormals()
-        # train.parallel=fsdp: the policy's parameters are shards; checkpoints hold them as such, and the full
-        # weights are gathered into final_copy (a plain policy on trainer 0's CPU: what policy.pt is written from).
-        self.sharded = any(is_dtensor(p) for p in self.policy.parameters()) if self.policy is not None else False
+        # The parallel plan's sharded (train.parallel=fsdp): the policy's parameters are shards; checkpoints hold
+        # them as such, and the full weights are gathered into final_copy (a plain policy on trainer 0's CPU: what
+        # policy.pt is written from).
+        self.sharded = sharded
         self.final_copy = final_copy
 
     # -- one iteration -------------------------------------------------------------------------------------------

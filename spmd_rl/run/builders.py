@@ -96,6 +96,7 @@ def build_colocated(run: Run, logger: MetricsLogger | None) -> tuple[EnvRunner, 
         skip_nonfinite_updates=cfg.train.skip_nonfinite_updates,
         policy=policy,
         column_groups=_column_groups(run, 1),
+        sharded=plan.parallel.sharded,
     )
     report = Reporter(cfg, plan, logger, callbacks, policy)
     _say_if_env_state_unsaved(run, runner)
@@ -221,6 +222,7 @@ def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1)
         skip_nonfinite_updates=cfg.train.skip_nonfinite_updates,
         policy=policy,
         column_groups=_column_groups(run, len(sources)),
+        sharded=plan.parallel.sharded,
     )
     report = Reporter(cfg, plan, logger, callbacks, policy)
     if run.resume.checkpoint is None:
