@@ -15,7 +15,9 @@ a trainer receives its segments, the inference rank's server), and so every hook
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
+from typing import cast
 
 from tensordict import TensorDict
 
@@ -23,12 +25,13 @@ from spmd_rl.interfaces.engine import Engine
 from spmd_rl.interfaces.policy import Policy
 from spmd_rl.persist import rank_state
 from spmd_rl.persist.rank_state import Component
+from spmd_rl.roles.env_runner import EnvRunner
+from spmd_rl.roles.inference_server import InferenceServer
 from spmd_rl.roles.messages import observation_message
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.run import COLOCATED, ENV, INFERENCE, TRAINER, Run
-from spmd_rl.runtime.errors import UserError
 
 # A trainer's next segment, by iteration: (the segment, metrics of its receipt for the iteration's line).
 SegmentSource = Callable[[int], tuple[TensorDict, dict]]
@@ -41,10 +44,13 @@ class SyncEngine(Engine):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if hasattr(cls, "checkpoint_state"):  # the earlier hook, which nothing calls now: refused, not ignored
-            raise UserError(
-                f"engine {cls.__module__}:{cls.__qualname__} defines checkpoint_state, which engines no longer "
-                f"call: return your state's holders from components(run) instead (docs/plugins.md)"
+        if "checkpoint_state" in vars(cls):
+            warnings.warn(
+                f"engine {cls.__module__}:{cls.__qualname__} overrides SyncEngine.checkpoint_state, which is "
+                f"deprecated and goes in the next release: return your state's holders from components(run) instead "
+                f"(docs/plugins.md); until then what it returns is saved under '{rank_state.CHECKPOINT_STATE_HOOK}'",
+                DeprecationWarning,
+                stacklevel=2,
             )
 
     def run(self, run: Run) -> Policy | None:
@@ -78,6 +84,19 @@ class SyncEngine(Engine):
         after each one."""
         return True
 
+    def checkpoint_state(
+        self,
+        trainer: Trainer | None = None,
+        report: Reporter | None = None,
+        runner: EnvRunner | None = None,
+        server: InferenceServer | None = None,
+    ) -> dict:
+        """Deprecated (kept for one release; `components` replaces it): what an override adds to this rank's
+        checkpoints, `{**super().checkpoint_state(trainer, report, runner, server), "mine": ...}`, given the role
+        components this rank runs (the others None). Saved under 'checkpoint_state'; restore it yourself, as
+        before. The role components save their own state now, so this base adds nothing."""
+        return {}
+
     # -- the parts every loop shares -------------------------------------------------------------------------------
 
     def restored(self, run: Run, role_components: dict[str, Component]) -> dict[str, Component]:
@@ -85,6 +104,8 @@ class SyncEngine(Engine):
         from: what every agreement of the loop then saves."""
         own = self.components(run)
         rank_state.check_names(own, f"engine.class {type(self).__module__}:{type(self).__qualname__}")
+        if type(self).checkpoint_state is not SyncEngine.checkpoint_state:  # the deprecated hook, as a component
+            own[rank_state.CHECKPOINT_STATE_HOOK] = CheckpointStateHook(self, role_components)
         components = {**role_components, **own}
         run.restore(components)
         return components
@@ -183,3 +204,23 @@ class SyncEngine(Engine):
                 self.end_iteration(run, iteration, components)
         finally:  # files are flushed and closed on every way out
             trainer.close()
+
+
+class CheckpointStateHook:
+    """An engine's override of the deprecated SyncEngine.checkpoint_state as a component: each checkpoint saves what
+    it returns for this rank's role components; a resume loads nothing back (the hook's engine restored its own)."""
+
+    def __init__(self, engine: SyncEngine, role_components: dict[str, Component]):
+        self.engine, self.roles = engine, role_components
+
+    def state_dict(self) -> dict:
+        roles = self.roles
+        return self.engine.checkpoint_state(
+            trainer=cast("Trainer | None", roles.get(rank_state.TRAINER)),
+            report=cast("Reporter | None", roles.get(rank_state.REPORT)),
+            runner=cast("EnvRunner | None", roles.get(rank_state.ENV_RUNNER)),
+            server=cast("InferenceServer | None", roles.get(rank_state.INFERENCE_SERVER)),
+        )
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

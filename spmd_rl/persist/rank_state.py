@@ -22,6 +22,8 @@ from spmd_rl.runtime.errors import UserError
 TRAINER, REPORT, ENV_RUNNER, INFERENCE_SERVER = "trainer", "report", "env_runner", "inference_server"
 ITERATION, RNG = "iteration", "rng"  # the run's own entries, added by the end-of-iteration agreement
 POLICY, ALGORITHM = "policy", "algorithm"  # in a trainer's part: what run.init_from and evaluation read
+# What an engine's override of SyncEngine.checkpoint_state returns (that hook is deprecated, kept for one release).
+CHECKPOINT_STATE_HOOK = "checkpoint_state"
 # What a resharded resume takes from trainer 0's file (run.resume onto another number of ranks, fsdp only).
 RESHARDED = (TRAINER, REPORT, SHARD_FILES, SHARDS_FROM)
 
@@ -36,7 +38,18 @@ FLAT_LAYOUT = {
     "worker": (ENV_RUNNER, "worker"),
     "recurrent_state": (INFERENCE_SERVER, "recurrent_state"),
 }
-RESERVED = (TRAINER, REPORT, ENV_RUNNER, INFERENCE_SERVER, ITERATION, RNG, SHARD_FILES, SHARDS_FROM, *FLAT_LAYOUT)
+RESERVED = (
+    TRAINER,
+    REPORT,
+    ENV_RUNNER,
+    INFERENCE_SERVER,
+    ITERATION,
+    RNG,
+    SHARD_FILES,
+    SHARDS_FROM,
+    CHECKPOINT_STATE_HOOK,
+    *FLAT_LAYOUT,
+)
 
 
 class Component(Protocol):

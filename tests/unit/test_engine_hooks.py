@@ -72,12 +72,27 @@ def test_a_subclass_hooks_into_the_sync_loops_and_extends_the_checkpoint(tmp_pat
     assert [r["count"] for r in records] == [1.0, 2.0, 3.0], "the resumed run counts on from the checkpoint"
 
 
-def test_an_engine_with_the_earlier_checkpoint_state_hook_is_refused_not_ignored():
-    with pytest.raises(UserError, match="defines checkpoint_state.*components"):
+def test_the_earlier_checkpoint_state_hook_warns_and_its_state_is_still_saved(tmp_path):
+    """SyncEngine.checkpoint_state, replaced by components(run), is a deprecated alias for one release: an override
+    warns when its class is made, and what it adds is in every checkpoint, under 'checkpoint_state'."""
+    with pytest.warns(DeprecationWarning, match="overrides SyncEngine.checkpoint_state.*components"):
 
         class Earlier(SyncEngine):
             def checkpoint_state(self, trainer=None, report=None, runner=None, server=None):
-                return {}
+                assert trainer is not None and report is not None and runner is not None and server is not None
+                return {**super().checkpoint_state(trainer, report, runner, server), "mine": torch.tensor(7)}
+
+    globals()["Earlier"] = Earlier  # engine.class names it by module:Class
+    config = {
+        "env": {"num_envs": 2},
+        "engine": {"class": "test_engine_hooks:Earlier"},
+        "algo": {"num_steps": 8, "num_minibatches": 2, "update_epochs": 1},
+        "train": {"total_steps": 32},
+        "log": {"progress": False, "tensorboard": False},
+    }
+    assert spmd_rl.train(config, {"run.dir": str(tmp_path / "run")}).finished
+    state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000000001" / "rank0.pt", weights_only=True)
+    assert state["checkpoint_state"] == {"mine": torch.tensor(7)} and "trainer" in state
 
 
 def _facts(asked):
