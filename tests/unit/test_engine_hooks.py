@@ -51,14 +51,19 @@ class HookedEngine(SyncEngine):
         CALLS.append(("before_sync", iteration))
 
 
-def test_a_subclass_hooks_into_the_sync_loops_and_extends_the_checkpoint(tmp_path):
-    config = {
+def tiny_config(engine: str, iterations: int) -> dict:
+    """PPO on CartPole in one process, 16 env steps an iteration, with engine.class this module's `engine`."""
+    return {
         "env": {"num_envs": 2},
-        "engine": {"class": "test_engine_hooks:HookedEngine"},
+        "engine": {"class": f"test_engine_hooks:{engine}"},
         "algo": {"num_steps": 8, "num_minibatches": 2, "update_epochs": 1},
-        "train": {"total_steps": 48},
+        "train": {"total_steps": 16 * iterations},
         "log": {"progress": False, "tensorboard": False},
     }
+
+
+def test_a_subclass_hooks_into_the_sync_loops_and_extends_the_checkpoint(tmp_path):
+    config = tiny_config("HookedEngine", iterations=3)
     CALLS.clear()
     run = spmd_rl.train(config, {"run.dir": str(tmp_path / "run"), "run.stop_after_iterations": 2})
     assert not run.finished
@@ -83,14 +88,7 @@ def test_the_earlier_checkpoint_state_hook_warns_and_its_state_is_still_saved(tm
                 return {**super().checkpoint_state(trainer, report, runner, server), "mine": torch.tensor(7)}
 
     globals()["Earlier"] = Earlier  # engine.class names it by module:Class
-    config = {
-        "env": {"num_envs": 2},
-        "engine": {"class": "test_engine_hooks:Earlier"},
-        "algo": {"num_steps": 8, "num_minibatches": 2, "update_epochs": 1},
-        "train": {"total_steps": 32},
-        "log": {"progress": False, "tensorboard": False},
-    }
-    assert spmd_rl.train(config, {"run.dir": str(tmp_path / "run")}).finished
+    assert spmd_rl.train(tiny_config("Earlier", iterations=2), {"run.dir": str(tmp_path / "run")}).finished
     state = torch.load(tmp_path / "run" / "checkpoints" / "iter_000000001" / "rank0.pt", weights_only=True)
     assert state["checkpoint_state"] == {"mine": torch.tensor(7)} and "trainer" in state
 
