@@ -113,6 +113,20 @@ def replay_batch(size: int = 64, seed: int = 0, terminated_fraction: float = 0.2
     )
 
 
+def random_transitions(actions: gym.spaces.Box, size: int, seed: int, terminated_fraction: float) -> TensorDict:
+    """size transitions of 3-feature observations, uniform actions within `actions`' bounds, random rewards."""
+    generator = torch.Generator().manual_seed(seed)
+    low, high = torch.as_tensor(actions.low), torch.as_tensor(actions.high)
+    return TensorDict(
+        obs=torch.randn(size, 3, generator=generator),
+        action=low + (high - low) * torch.rand(size, actions.shape[0], generator=generator),
+        reward=torch.randn(size, generator=generator),
+        next_obs=torch.randn(size, 3, generator=generator),
+        terminated=torch.rand(size, generator=generator) < terminated_fraction,
+        batch_size=[size],
+    )
+
+
 # -------------------------------------------------------------------------------------------------------------------
 # Recurrent PPO on a small CartPole (tests/launchers/test_recurrent.py), as a config mapping
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness.multiproc import run_ranks
+from harness.parts import random_transitions
 from tensordict import TensorDict
 
 from spmd_rl.algorithms.configs import SACConfig
@@ -24,16 +25,7 @@ ACTIONS = gym.spaces.Box(np.array([-2.0, 0.0], np.float32), np.array([1.0, 10.0]
 
 
 def batch_of(size: int, seed: int) -> TensorDict:
-    generator = torch.Generator().manual_seed(seed)
-    low, high = torch.as_tensor(ACTIONS.low), torch.as_tensor(ACTIONS.high)
-    return TensorDict(
-        obs=torch.randn(size, 3, generator=generator),
-        action=low + (high - low) * torch.rand(size, 2, generator=generator),
-        reward=torch.randn(size, generator=generator),
-        next_obs=torch.randn(size, 3, generator=generator),
-        terminated=torch.rand(size, generator=generator) < 0.2,
-        batch_size=[size],
-    )
+    return random_transitions(ACTIONS, size, seed, terminated_fraction=0.2)
 
 
 def full_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

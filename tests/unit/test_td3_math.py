@@ -7,6 +7,7 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 import torch
+from harness.parts import random_transitions
 from tensordict import TensorDict
 
 from spmd_rl.algorithms.configs import TD3Config
@@ -27,16 +28,7 @@ def make_td3(noise: float = 0.1, **changes) -> TD3:
 
 
 def batch_of(size: int, seed: int) -> TensorDict:
-    generator = torch.Generator().manual_seed(seed)
-    low, high = torch.as_tensor(ACTIONS.low), torch.as_tensor(ACTIONS.high)
-    return TensorDict(
-        obs=torch.randn(size, 3, generator=generator),
-        action=low + (high - low) * torch.rand(size, 2, generator=generator),
-        reward=torch.randn(size, generator=generator),
-        next_obs=torch.randn(size, 3, generator=generator),
-        terminated=torch.rand(size, generator=generator) < 0.3,
-        batch_size=[size],
-    )
+    return random_transitions(ACTIONS, size, seed, terminated_fraction=0.3)
 
 
 def test_without_smoothing_the_target_is_the_smaller_target_critic_at_the_target_actors_action():
