@@ -13,6 +13,16 @@ from harness.launch import ROOT
 from harness.runs import SAC_TINY, TINY, assert_run_complete, assert_same_run, run_main
 
 
+# 5 ranks split: 2 trainers, 1 inference rank for 2 env ranks; every inference rank's weights checked after each sync
+SPLIT_5_VERIFIED = (
+    "layout.mode=split",
+    "layout.trainer=2",
+    "layout.inference=1",
+    "layout.env=2",
+    "weights.verify_every=1",
+)
+
+
 def test_one_process_writes_metrics_config_policy_and_tensorboard(tmp_path):
     result = run_main("--config", TINY, f"run.dir={tmp_path}", "log.tensorboard=true")
     records = assert_run_complete(result, tmp_path, iterations=8)
@@ -62,18 +72,7 @@ def test_ranks_forked_by_the_test_harness_train_exactly_as_torchruns_do(tmp_path
 def test_torchrun_split_layout_two_trainers_weights_verified_every_sync(tmp_path):
     # 5 ranks: 2 trainers (DDP), 1 inference server for 2 env ranks. weights.verify_every=1 compares checksums of
     # every inference rank's weights with trainer 0's after every sync, and fails the run on any difference.
-    result = run_main(
-        "--config",
-        TINY,
-        f"run.dir={tmp_path}",
-        "layout.mode=split",
-        "layout.trainer=2",
-        "layout.inference=1",
-        "layout.env=2",
-        "weights.verify_every=1",
-        nproc=5,
-        launcher="torchrun",
-    )
+    result = run_main("--config", TINY, f"run.dir={tmp_path}", *SPLIT_5_VERIFIED, nproc=5, launcher="torchrun")
     records = assert_run_complete(result, tmp_path, iterations=4)
     assert records[-1]["episodes"] > 0
     assert records[-1]["time_weight_sync_s"] > 0
@@ -96,15 +95,5 @@ def test_sac_one_process_with_hdf5_replay_and_experience_log(tmp_path):
 @pytest.mark.slow
 def test_sac_torchrun_split_two_trainer_shards(tmp_path):
     # 5 ranks: 2 trainers (each with its replay shard, gradients averaged), 1 inference server, 2 env ranks.
-    result = run_main(
-        *SAC_TINY,
-        f"run.dir={tmp_path}",
-        "layout.mode=split",
-        "layout.trainer=2",
-        "layout.inference=1",
-        "layout.env=2",
-        "weights.verify_every=1",
-        nproc=5,
-        launcher="torchrun",
-    )
+    result = run_main(*SAC_TINY, f"run.dir={tmp_path}", *SPLIT_5_VERIFIED, nproc=5, launcher="torchrun")
     assert_run_complete(result, tmp_path, iterations=12, algo_metrics={"qf_loss", "actor_loss", "alpha"})
