@@ -12,7 +12,6 @@ import pytest
 from harness.launch import ROOT
 from harness.runs import SAC_TINY, TINY, assert_run_complete, assert_same_run, run_main
 
-
 # 5 ranks split: 2 trainers, 1 inference rank for 2 env ranks; every inference rank's weights checked after each sync
 SPLIT_5_VERIFIED = (
     "layout.mode=split",
