@@ -61,6 +61,17 @@ def cpu_seconds(command: list[str], root: Path = ROOT) -> float:
     return after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
 
 
+def print_medians(times: dict[str, list[float]], unit: str) -> None:
+    """The table of each variant's median, and that minus the median of `import torch`; the load at the end."""
+    floor = statistics.median(times["import torch"])
+    print(f"| what | {unit} | minus `import torch` |")
+    print("|---|---|---|")
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median:.2f} | {median - floor:+.2f} |")
+    print(f"load average at end: {os.getloadavg()}")
+
+
 def cpu_main(repeats: int, other: Path | None) -> None:
     python = sys.executable
     trees = {"this checkout": ROOT, **({str(other): other} if other else {})}
@@ -72,13 +83,7 @@ def cpu_main(repeats: int, other: Path | None) -> None:
             run_dir = f"run.dir={tempfile.mkdtemp(prefix='spmd_startup_')}/run"
             command = [python, "-m", "spmd_rl.main", "train.total_steps=256", "log.progress=false", run_dir]
             times[f"one iteration, {name}"].append(cpu_seconds(command, root))
-    floor = statistics.median(times["import torch"])
-    print("| what | median CPU s | minus `import torch` |")
-    print("|---|---|---|")
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(f"| {name} | {median:.2f} | {median - floor:+.2f} |")
-    print(f"load average at end: {os.getloadavg()}")
+    print_medians(times, "median CPU s")
 
 
 def main() -> None:
@@ -119,13 +124,7 @@ def main() -> None:
             if "--config" in command:  # every run of spmd_rl in a fresh run directory
                 command = [*command, f"run.dir={tempfile.mkdtemp(prefix='spmd_startup_')}/run"]
             times[name].append(timed(command, until))
-    floor = statistics.median(times["import torch"])
-    print("| what | median s | minus `import torch` |")
-    print("|---|---|---|")
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(f"| {name} | {median:.2f} | {median - floor:+.2f} |")
-    print(f"load average at end: {os.getloadavg()}")
+    print_medians(times, "median s")
 
 
 if __name__ == "__main__":
