@@ -40,6 +40,13 @@ sys.exit(0 if ok else 1)
 EOF
 }
 
+halves_equal() {  # NAME HALF ARGS...: the run stopped after HALF iterations (exit 75) and resumed equals $WORK/NAME_full
+    local name=$1 half=$2; shift 2
+    run "$@" run.dir="$WORK/${name}_parts" run.stop_after_iterations="$half"
+    [[ $? == 75 ]] && run "$@" run.dir="$WORK/${name}_parts" && [[ -f $WORK/${name}_parts/finished.json ]] \
+        && same_run "$WORK/${name}_full" "$WORK/${name}_parts"
+}
+
 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || { echo "no CUDA device visible"; exit 2; }
 "$PYTHON" -c "import torch; print('device:', torch.cuda.get_device_name(0), '| torch', torch.__version__)"
 
@@ -50,9 +57,7 @@ else
     say FAIL "1. one-process PPO on cuda: $(tail -n 3 "$WORK/last.log")"
 fi
 
-run "${PPO[@]}" run.dir="$WORK/ppo_parts" run.stop_after_iterations=40
-run "${PPO[@]}" run.dir="$WORK/ppo_parts" run.stop_after_iterations=40
-if [[ -f $WORK/ppo_parts/finished.json ]] && same_run "$WORK/ppo_full" "$WORK/ppo_parts"; then
+if halves_equal ppo 40 "${PPO[@]}"; then  # 80 iterations of 256 env steps
     say PASS "2. PPO stop + resume on cuda equals the uninterrupted run (metrics and weights)"
 else
     say FAIL "2. PPO stop + resume on cuda differs or failed: $(tail -n 3 "$WORK/last.log")"
@@ -61,9 +66,7 @@ fi
 SAC=(--config configs/sac_pendulum.yaml train.total_steps=3000 algo.learning_starts=500 train.device=cuda
      train.deterministic=true)
 run "${SAC[@]}" run.dir="$WORK/sac_full"
-run "${SAC[@]}" run.dir="$WORK/sac_parts" run.stop_after_iterations=1500
-run "${SAC[@]}" run.dir="$WORK/sac_parts" run.stop_after_iterations=1500
-if [[ -f $WORK/sac_parts/finished.json ]] && same_run "$WORK/sac_full" "$WORK/sac_parts"; then
+if halves_equal sac 187 "${SAC[@]}"; then  # 375 iterations of 8 env steps
     say PASS "3. SAC stop + resume on cuda equals the uninterrupted run"
 else
     say FAIL "3. SAC on cuda: $(tail -n 3 "$WORK/last.log")"
@@ -88,9 +91,7 @@ fi
 LARGE=(--config configs/ppo_cartpole.yaml train.total_steps=8192 train.device=cuda train.deterministic=true
        train.parallel=fsdp train.precision=bf16)
 run "${LARGE[@]}" run.dir="$WORK/fsdp_full"
-run "${LARGE[@]}" run.dir="$WORK/fsdp_parts" run.stop_after_iterations=16
-run "${LARGE[@]}" run.dir="$WORK/fsdp_parts"
-if [[ -f $WORK/fsdp_parts/finished.json ]] && same_run "$WORK/fsdp_full" "$WORK/fsdp_parts" \
+if halves_equal fsdp 16 "${LARGE[@]}" \
     && CUDA_VISIBLE_DEVICES= "$PYTHON" -m spmd_rl.evaluate "$WORK/fsdp_full" --episodes 2 > "$WORK/eval.log" 2>&1; then
     say PASS "6. fsdp + bf16 on cuda: sharded stop + resume equals the uninterrupted run; evaluates without a GPU"
 else
