@@ -9,7 +9,9 @@ Importing this package is cheap: each name is imported on first use (torch, tens
 
 from __future__ import annotations
 
-import importlib
+from typing import Any
+
+from spmd_rl.runtime.lazy_names import import_lazily
 
 _LAZY = {
     "train": "spmd_rl.main",
@@ -20,10 +22,5 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'spmd_rl' has no attribute '{name}'")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+def __getattr__(name: str) -> Any:
+    return import_lazily(globals(), _LAZY, __name__, name)

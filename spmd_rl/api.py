@@ -67,7 +67,6 @@ policy, cfg); `load_policy(path)` gives a policy whose `act` also takes numpy, o
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from spmd_rl.config.sections import AlgorithmConfig, NoConfig, knob
@@ -86,6 +85,7 @@ from spmd_rl.interfaces.policy import (
     initial_state,
 )
 from spmd_rl.runtime.errors import UserCodeError, UserError
+from spmd_rl.runtime.lazy_names import import_lazily
 
 # What an engine is written with. Imported when first used: they pull in tensordict (seconds: torch._dynamo), and
 # a user's policy or algorithm module imports this one to answer --help and config errors at once.
@@ -149,9 +149,4 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    module = _ENGINE_TYPES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'spmd_rl.api' has no attribute '{name}'")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return import_lazily(globals(), _ENGINE_TYPES, __name__, name)

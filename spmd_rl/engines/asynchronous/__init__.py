@@ -1,5 +1,5 @@
 """The async engine (`engine.class: async`), one folder: the loops (engine.py), its inference server
-(inference_server.py: the threads that answer whichever env ranks have sent) and its config section (config.py,
+(serving_threads.py: the threads that answer whichever env ranks have sent) and its config section (config.py,
 free of torch so that `--help` and config errors answer without importing the engine). Its messages' layouts are
 in roles/messages.py with every other message's.
 
@@ -8,10 +8,12 @@ the config section alone stays cheap."""
 
 from __future__ import annotations
 
+from typing import Any
 
-def __getattr__(name: str):
-    if name == "AsyncEngine":
-        from spmd_rl.engines.asynchronous.engine import AsyncEngine
+from spmd_rl.runtime.lazy_names import import_lazily
 
-        return AsyncEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+_LAZY = {"AsyncEngine": "spmd_rl.engines.asynchronous.engine"}
+
+
+def __getattr__(name: str) -> Any:
+    return import_lazily(globals(), _LAZY, __name__, name)
