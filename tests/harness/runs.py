@@ -135,3 +135,14 @@ def assert_same_run(full, resumed):
     assert records_without_timings(resumed) == records_without_timings(full)
     a, b = torch.load(full / "policy.pt"), torch.load(resumed / "policy.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights differ"
+
+
+def assert_stop_and_resume_equal(args, full: Path, parts: Path, half: int, **launch) -> None:
+    """The run of args, stopped after `half` iterations (exit 75) in `parts` and resumed there, equals the
+    uninterrupted run in `full`: metrics (timings aside) and final weights. launch: run_main's keywords."""
+    stopped = run_main(*args, f"run.dir={parts}", f"run.stop_after_iterations={half}", **launch)
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    resumed = run_main(*args, f"run.dir={parts}", **launch)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stdout
+    assert_same_run(full, parts)

@@ -4,9 +4,7 @@ N iterations equal to N/2, a stop and a resume (line for line, weights byte for 
 
 from __future__ import annotations
 
-import json
 import subprocess
-from pathlib import Path
 
 import gymnasium as gym
 import pytest
@@ -132,7 +130,6 @@ def test_continuous_actions_are_a_user_error():
 # ---------------------------------------------------------------------------------------------------------------
 # End to end: N = N/2 + N/2 in every layout
 
-TIMINGS = ("sps", "wall_s", "cpu_s")
 DQN_TINY = [
     "--config",
     str(ROOT / "configs" / "dqn_cartpole.yaml"),
@@ -155,13 +152,6 @@ def run_main(*args, nproc: int = 0, timeout: float = 240) -> subprocess.Complete
     return runs.run_main(*args, nproc=nproc, timeout=timeout, env=with_pythonpath(job_env(), ROOT))
 
 
-def records(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [
-        {k: v for k, v in json.loads(line).items() if not k.startswith("time_") and k not in TIMINGS} for line in lines
-    ]
-
-
 CASES = {
     "one-process": ([], 0, 10),
     "colocated-2": ([], 2, 5),  # 2 envs per rank: 32 steps an iteration, 10 iterations
@@ -177,13 +167,7 @@ def test_n_iterations_equal_half_then_resume(tmp_path, case):
     args = [*DQN_TINY, *extra]
     full = run_main(*args, f"run.dir={tmp_path / 'full'}", nproc=nproc)
     assert full.returncode == 0, full.stderr[-2000:]
-    stopped = run_main(*args, f"run.dir={tmp_path / 'split'}", f"run.stop_after_iterations={half}", nproc=nproc)
-    assert stopped.returncode == 75, stopped.stderr[-2000:]
-    resumed = run_main(*args, f"run.dir={tmp_path / 'split'}", nproc=nproc)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resuming from" in resumed.stdout
-    full_records, resumed_records = records(tmp_path / "full"), records(tmp_path / "split")
-    assert resumed_records == full_records
-    assert full_records[-1]["loss"] > 0 and full_records[-1]["epsilon"] < 1.0  # it learned and its epsilon fell
-    a, b = torch.load(tmp_path / "full" / "policy.pt"), torch.load(tmp_path / "split" / "policy.pt")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights differ"
+    last = runs.read_metrics(tmp_path / "full")[-1]
+    assert last["loss"] > 0 and last["epsilon"] < 1.0  # it learned and its epsilon fell
+    launch = {"nproc": nproc, "env": with_pythonpath(job_env(), ROOT)}
+    runs.assert_stop_and_resume_equal(args, tmp_path / "full", tmp_path / "split", half, **launch)

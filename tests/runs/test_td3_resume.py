@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from harness.launch import ROOT
-from harness.runs import assert_same_run, read_metrics, run_main
+from harness.runs import assert_stop_and_resume_equal, read_metrics, run_main
 
 TD3_TINY = [
     "--config",
@@ -32,9 +32,4 @@ def test_td3_learns_and_resumes_exactly(tmp_path):
     assert learning and "actor_loss" in learning[-1]
     assert learning[-1]["qf_loss"] < learning[0]["qf_loss"]
 
-    stopped = run_main(*TD3_TINY, f"run.dir={tmp_path / 'split'}", "run.stop_after_iterations=40")
-    assert stopped.returncode == 75, stopped.stderr[-2000:]
-    resumed = run_main(*TD3_TINY, f"run.dir={tmp_path / 'split'}")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resuming from" in resumed.stdout
-    assert_same_run(tmp_path / "full", tmp_path / "split")
+    assert_stop_and_resume_equal(TD3_TINY, tmp_path / "full", tmp_path / "split", 40)
