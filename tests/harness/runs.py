@@ -137,12 +137,17 @@ def assert_same_run(full, resumed):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights differ"
 
 
-def assert_stop_and_resume_equal(args, full: Path, parts: Path, half: int, **launch) -> None:
-    """The run of args, stopped after `half` iterations (exit 75) in `parts` and resumed there, equals the
-    uninterrupted run in `full`: metrics (timings aside) and final weights. launch: run_main's keywords."""
+def assert_halves_equal_whole(args, tmp_path: Path, half: int, **launch) -> list[dict]:
+    """The run of args uninterrupted (in tmp_path/full), and stopped after `half` iterations (exit 75) then resumed
+    (in tmp_path/split), end alike: metrics (timings aside) and final weights. The whole run's metrics records;
+    launch: run_main's keywords."""
+    full, parts = tmp_path / "full", tmp_path / "split"
+    whole = run_main(*args, f"run.dir={full}", **launch)
+    assert whole.returncode == 0, whole.stderr[-2000:]
     stopped = run_main(*args, f"run.dir={parts}", f"run.stop_after_iterations={half}", **launch)
     assert stopped.returncode == 75, stopped.stderr[-2000:]
     resumed = run_main(*args, f"run.dir={parts}", **launch)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from" in resumed.stdout
     assert_same_run(full, parts)
+    return read_metrics(full)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from harness.launch import ROOT
-from harness.runs import assert_stop_and_resume_equal, read_metrics, run_main
+from harness.runs import assert_halves_equal_whole
 
 TD3_TINY = [
     "--config",
@@ -35,7 +35,4 @@ CASES = {
 def test_n_iterations_equal_half_then_resume(tmp_path, case):
     extra, nproc, half = CASES[case]
     args = [*TD3_TINY, *extra]
-    full = run_main(*args, f"run.dir={tmp_path / 'full'}", nproc=nproc)
-    assert full.returncode == 0, full.stderr[-2000:]
-    assert "actor_loss" in read_metrics(tmp_path / "full")[-1]
-    assert_stop_and_resume_equal(args, tmp_path / "full", tmp_path / "split", half, nproc=nproc)
+    assert "actor_loss" in assert_halves_equal_whole(args, tmp_path, half, nproc=nproc)[-1]

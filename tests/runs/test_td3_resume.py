@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from harness.launch import ROOT
-from harness.runs import assert_stop_and_resume_equal, read_metrics, run_main
+from harness.runs import assert_halves_equal_whole
 
 TD3_TINY = [
     "--config",
@@ -25,11 +25,7 @@ TD3_TINY = [
 
 @pytest.mark.slow
 def test_td3_learns_and_resumes_exactly(tmp_path):
-    full = run_main(*TD3_TINY, f"run.dir={tmp_path / 'full'}")
-    assert full.returncode == 0, full.stderr[-2000:]
-    records = read_metrics(tmp_path / "full")
+    records = assert_halves_equal_whole(TD3_TINY, tmp_path, 40)
     learning = [r for r in records if "qf_loss" in r]
     assert learning and "actor_loss" in learning[-1]
     assert learning[-1]["qf_loss"] < learning[0]["qf_loss"]
-
-    assert_stop_and_resume_equal(TD3_TINY, tmp_path / "full", tmp_path / "split", 40)
