@@ -24,7 +24,7 @@ from harness import runs
 from harness.launch import ROOT
 from harness.launch import job_env as _env
 from harness.multiproc import assert_all_ok, run_ranks
-from harness.runs import REQUIRED_METRICS, SAC_TINY, TINY, read_metrics
+from harness.runs import REQUIRED_METRICS, SAC_TINY, TINY, read_metrics, records_without_timings
 from tensordict import TensorDict
 
 from spmd_rl.roles.trainer import Trainer
@@ -570,23 +570,12 @@ def test_gather_statistics_merges_every_trainers_episodes_on_the_first():
 # ---------------------------------------------------------------------------------------------------------------
 # Determinism: what the PPO/SAC regression against the pre-refactor code rests on
 
-TIMINGS = {
-    "sps",
-    "time_env_s",
-    "time_inference_s",
-    "time_transfer_s",
-    "time_learn_s",
-    "time_weight_sync_s",
-    "wall_s",
-    "cpu_s",
-}
-
 
 def test_ci_tiny_twice_with_one_seed_gives_identical_metrics_and_weights(tmp_path):
     runs = [tmp_path / "a", tmp_path / "b"]
     for run_dir in runs:
         _ok(run_main("--config", TINY, f"run.dir={run_dir}", "train.seed=7"))
-    first, second = ([{k: v for k, v in r.items() if k not in TIMINGS} for r in read_metrics(d)] for d in runs)
+    first, second = (records_without_timings(d) for d in runs)
     assert len(first) == 8 and first == second
     weights = [torch.load(d / "policy.pt", weights_only=True) for d in runs]
     assert weights[0].keys() == weights[1].keys()
