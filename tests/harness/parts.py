@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from types import SimpleNamespace
 
 import gymnasium as gym
 import numpy as np
@@ -23,7 +24,7 @@ from spmd_rl.api import Context
 from spmd_rl.modules.actor_critic import ActorCritic
 from spmd_rl.modules.configs import ActorCriticConfig, SquashedGaussianConfig
 from spmd_rl.persist.run_control import RunControl
-from spmd_rl.runtime.distributed import Runtime
+from spmd_rl.runtime.distributed import Peer, Runtime
 from spmd_rl.runtime.launch import LaunchInfo
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -203,3 +204,16 @@ class FrozenEncoderNet(nn.Module):
 
     def forward(self, x):
         return self.head(self.encoder(x))
+
+
+def receiving_weight_sync(timeout_s: float) -> SimpleNamespace:
+    """The fields of an inference rank's WeightSync that staging reads (rank 1, one 64-byte bucket from rank 0),
+    without a process group: for the staged weights' and the async server's own logic."""
+    return SimpleNamespace(
+        src=0,
+        me=1,
+        buckets=[torch.zeros(64, dtype=torch.uint8)],
+        describe_rank=lambda rank: f"rank {rank}",
+        broadcast_peer=lambda: Peer("rank 0", (0,)),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )

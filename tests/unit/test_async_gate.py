@@ -6,10 +6,10 @@ weight sync; its state (`ready`, `next_step`, `policy_version`) is set directly.
 from __future__ import annotations
 
 import datetime
-from types import SimpleNamespace
 
 import pytest
 import torch
+from harness.parts import receiving_weight_sync
 from tensordict import TensorDict
 from torch import nn
 
@@ -19,7 +19,6 @@ from spmd_rl.interfaces.policy import StepField
 from spmd_rl.roles.inference_server import InferenceParts
 from spmd_rl.roles.messages import action_message
 from spmd_rl.run.plan import Plan
-from spmd_rl.runtime.distributed import Peer
 from spmd_rl.runtime.errors import CommError
 
 NUM_ENVS = 2  # envs per env rank
@@ -74,17 +73,9 @@ def make_server(plan: Plan, lag_bound: int, iterations: range, env_ranks: int = 
     policy = TinyPolicy()
     obs_ends = [local_channel("observations", observation(0)) for _ in range(env_ranks)]
     action_ends = [local_channel("actions", action_message(policy.outputs(), NUM_ENVS)) for _ in range(env_ranks)]
-    weight_sync = SimpleNamespace(
-        src=0,
-        me=1,
-        buckets=[torch.zeros(64, dtype=torch.uint8)],
-        describe_rank=lambda rank: f"rank {rank}",
-        broadcast_peer=lambda: Peer("rank 0", (0,)),
-        timeout=datetime.timedelta(seconds=5),
-    )
     parts = InferenceParts(
         policy=policy,
-        weight_sync=weight_sync,
+        weight_sync=receiving_weight_sync(timeout_s=5),
         obs_channels=[receive for _, receive in obs_ends],
         action_channels=[send for send, _ in action_ends],
         uniform_actions=None,

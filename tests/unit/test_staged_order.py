@@ -4,14 +4,10 @@ here with work objects that fail when waited on early."""
 
 from __future__ import annotations
 
-import datetime
-from types import SimpleNamespace
-
 import pytest
-import torch
+from harness.parts import receiving_weight_sync
 
 from spmd_rl.comm.staged_weights import StagedWeights
-from spmd_rl.runtime.distributed import Peer
 from spmd_rl.runtime.errors import CommError
 
 
@@ -33,15 +29,7 @@ class CompletesAfter:
 
 
 def _staged(timeout_s: float) -> StagedWeights:
-    sync = SimpleNamespace(
-        me=1,
-        src=0,
-        buckets=[torch.zeros(64, dtype=torch.uint8)],
-        describe_rank=lambda rank: f"rank {rank}",
-        broadcast_peer=lambda: Peer("rank 0", (0,)),
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    return StagedWeights(sync)
+    return StagedWeights(receiving_weight_sync(timeout_s))
 
 
 def test_wait_polls_until_complete_and_only_then_waits():
