@@ -29,31 +29,42 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_a_record_planted_in_the_job_store_is_ignored_and_named(capfd):
+def _lines_after_planting(capfd, plant) -> list[str]:
+    """Rank 0's error lines when rank 2 has reported that it waited on rank 3 (killed: it reports nothing), another
+    process has then written into the job's store with plant(store, the record keys' prefix), and rank 0 reports."""
     port = _free_port()
     launch = LaunchInfo(
         "mpi", rank=0, world_size=1, local_rank=0, local_world_size=1, init_method=f"tcp://127.0.0.1:{port}"
     )
     start_runtime(launch, "cpu", 30.0)  # the group, and the job's key from rank 0's broadcast
     try:
-        # rank 2 reports that it waited on rank 3 (killed: it reports nothing)
         after_failure(Failure(2, COMM_ERROR_EXIT_CODE, 100.0, peers=(3,)), 4, NAMES.__getitem__)
         attacker = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
         (genuine,) = [name for name in attacker.list_keys() if name.endswith(KEY.format(2))]
-        prefix = genuine.removesuffix(KEY.format(2))
-        planted = Failure(1, USER_CODE_EXIT_CODE, 1.0)  # earliest, and not a communication error: rule 1 would blame it
-        attacker.set(prefix + KEY.format(1), planted.encode())  # unsigned, as the pass planted it
-        attacker.set(prefix + KEY.format(1), sign(planted.encode(), os.urandom(32), 1))  # signed with another key
+        plant(attacker, genuine.removesuffix(KEY.format(2)))
         capfd.readouterr()
         after_failure(Failure(0, COMM_ERROR_EXIT_CODE, 100.5, peers=(3,)), 4, NAMES.__getitem__)
     finally:
         dist.destroy_process_group()
-    assert capfd.readouterr().err.splitlines() == [
-        "spmd_rl: rank 0: ignored the record for rank 1 in the job's store: not signed for that rank by this job "
-        "(written by another process, copied from another rank's key, or left by an earlier attempt)",
+    return capfd.readouterr().err.splitlines()
+
+
+def _ignored_and_rank_3_blamed(ignored: int) -> list[str]:
+    return [
+        f"spmd_rl: rank 0: ignored the record for rank {ignored} in the job's store: not signed for that rank by this "
+        "job (written by another process, copied from another rank's key, or left by an earlier attempt)",
         "spmd_rl: job summary: rank 3 (env 1) stopped responding first: ranks [0, 2] waited on it and it reported no "
         "error (killed, stopped or hung); the other ranks' errors follow from it",
     ]
+
+
+def test_a_record_planted_in_the_job_store_is_ignored_and_named(capfd):
+    def plant(store, prefix):
+        planted = Failure(1, USER_CODE_EXIT_CODE, 1.0)  # earliest, and not a communication error: rule 1 would blame it
+        store.set(prefix + KEY.format(1), planted.encode())  # unsigned, as the pass planted it
+        store.set(prefix + KEY.format(1), sign(planted.encode(), os.urandom(32), 1))  # signed with another key
+
+    assert _lines_after_planting(capfd, plant) == _ignored_and_rank_3_blamed(1)
 
 
 def test_record_files_in_a_directory_other_users_may_write_are_not_trusted(tmp_path, monkeypatch):
@@ -73,25 +84,7 @@ def test_record_files_in_a_directory_other_users_may_write_are_not_trusted(tmp_p
 
 
 def test_a_genuine_record_copied_under_another_ranks_key_is_ignored_and_named(capfd):
-    port = _free_port()
-    launch = LaunchInfo(
-        "mpi", rank=0, world_size=1, local_rank=0, local_world_size=1, init_method=f"tcp://127.0.0.1:{port}"
-    )
-    start_runtime(launch, "cpu", 30.0)
-    try:
-        # rank 2 reports that it waited on rank 3 (killed: it reports nothing)
-        after_failure(Failure(2, COMM_ERROR_EXIT_CODE, 100.0, peers=(3,)), 4, NAMES.__getitem__)
-        attacker = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
-        (genuine,) = [name for name in attacker.list_keys() if name.endswith(KEY.format(2))]
-        prefix = genuine.removesuffix(KEY.format(2))
-        attacker.set(prefix + KEY.format(3), attacker.get(genuine))  # rank 3 would seem to have reported
-        capfd.readouterr()
-        after_failure(Failure(0, COMM_ERROR_EXIT_CODE, 100.5, peers=(3,)), 4, NAMES.__getitem__)
-    finally:
-        dist.destroy_process_group()
-    assert capfd.readouterr().err.splitlines() == [
-        "spmd_rl: rank 0: ignored the record for rank 3 in the job's store: not signed for that rank by this job "
-        "(written by another process, copied from another rank's key, or left by an earlier attempt)",
-        "spmd_rl: job summary: rank 3 (env 1) stopped responding first: ranks [0, 2] waited on it and it reported no "
-        "error (killed, stopped or hung); the other ranks' errors follow from it",
-    ]
+    def plant(store, prefix):
+        store.set(prefix + KEY.format(3), store.get(prefix + KEY.format(2)))  # rank 3 would seem to have reported
+
+    assert _lines_after_planting(capfd, plant) == _ignored_and_rank_3_blamed(3)
