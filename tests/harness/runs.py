@@ -137,6 +137,15 @@ def assert_same_run(full, resumed):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights differ"
 
 
+def assert_weights_close(first: Path, second: Path) -> None:
+    """The two runs' policy.pt hold the same names and values within float error (1e-5): a sharded update of the
+    same data as a replicated one."""
+    a, b = (torch.load(run_dir / "policy.pt", weights_only=True) for run_dir in (first, second))
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert torch.allclose(a[key].double(), b[key].double(), atol=1e-5, rtol=0), key
+
+
 def assert_halves_equal_whole(args, tmp_path: Path, half: int, **launch) -> list[dict]:
     """The run of args uninterrupted (in tmp_path/full), and stopped after `half` iterations (exit 75) then resumed
     (in tmp_path/split), end alike: metrics (timings aside) and final weights. The whole run's metrics records;

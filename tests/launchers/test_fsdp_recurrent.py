@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 from harness.parts import RECURRENT_TINY
-from harness.runs import assert_same_run, run_main
+from harness.runs import assert_same_run, assert_weights_close, run_main
 
 RECURRENT = [
     "--config",
@@ -47,10 +47,7 @@ def test_recurrent_ppo_fsdp_equals_ddp_colocated_two_ranks(tmp_path):
             *RECURRENT, f"train.parallel={parallel}", f"run.dir={tmp_path / parallel}", nproc=2, timeout=600
         )
         assert result.returncode == 0, result.stdout + result.stderr
-    ddp, fsdp = (torch.load(tmp_path / p / "policy.pt", weights_only=True) for p in ("ddp", "fsdp"))
-    assert sorted(ddp) == sorted(fsdp)
-    for key in ddp:
-        assert torch.allclose(ddp[key].double(), fsdp[key].double(), atol=1e-5, rtol=0), key
+    assert_weights_close(tmp_path / "ddp", tmp_path / "fsdp")
     assert list((tmp_path / "fsdp" / "checkpoints").glob("iter_*/shards/.metadata"))
 
 

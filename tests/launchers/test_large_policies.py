@@ -13,7 +13,7 @@ import torch.distributed as dist
 from harness.launch import job_env
 from harness.multiproc import run_ranks
 from harness.parts import FrozenEncoderNet
-from harness.runs import run_main
+from harness.runs import assert_weights_close, run_main
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.weight_sources import GatheredWeightSource
@@ -129,10 +129,7 @@ def test_fsdp_equals_ddp_on_the_same_data_colocated_two_ranks(tmp_path):
             *TINY, "train.total_steps=512", f"train.parallel={parallel}", f"run.dir={tmp_path / parallel}", nproc=2
         )
         assert result.returncode == 0, result.stdout + result.stderr
-    ddp, fsdp = (torch.load(tmp_path / p / "policy.pt", weights_only=True) for p in ("ddp", "fsdp"))
-    assert sorted(ddp) == sorted(fsdp)
-    for key in ddp:
-        assert torch.allclose(ddp[key].double(), fsdp[key].double(), atol=1e-5, rtol=0), key
+    assert_weights_close(tmp_path / "ddp", tmp_path / "fsdp")
     # ... and the same learning curve (the losses are computed from the same numbers).
     a, b = metrics_without_timings(tmp_path / "ddp"), metrics_without_timings(tmp_path / "fsdp")
     assert [r["episodes"] for r in a] == [r["episodes"] for r in b]
@@ -235,9 +232,7 @@ def test_hybrid_sharding_equals_ddp_on_four_ranks(tmp_path):
     for name, extra in runs.items():
         result = main(*TINY, "train.total_steps=512", *extra, f"run.dir={tmp_path / name}", nproc=4)
         assert result.returncode == 0, result.stdout + result.stderr
-    ddp, hybrid = (torch.load(tmp_path / name / "policy.pt", weights_only=True) for name in runs)
-    for key in ddp:
-        assert torch.allclose(ddp[key].double(), hybrid[key].double(), atol=1e-5, rtol=0), key
+    assert_weights_close(tmp_path / "ddp", tmp_path / "hybrid")
     assert list((tmp_path / "hybrid" / "checkpoints").glob("iter_*/shards/.metadata"))
     refused = main(*TINY, "train.parallel=fsdp", "train.shard_group_size=3", f"run.dir={tmp_path / 'r'}", nproc=2)
     assert "train.shard_group_size=3 does not divide the 2 trainers" in refused.stderr, refused.stderr
