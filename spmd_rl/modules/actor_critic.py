@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Protocol
 
 import gymnasium as gym
 import torch
@@ -184,8 +183,8 @@ def check_vector_action_space(action_space: gym.Space, policy_name: str) -> None
         )
 
 
-class ActionHeadPolicy(Protocol):
-    """The attributes add_action_head sets on a policy (each built-in actor-critic declares them)."""
+class ActionHeadPolicy(Policy):
+    """A policy whose action head add_action_head makes (the built-in actor-critics): the attributes it sets."""
 
     discrete: bool
     action_field: StepField
@@ -213,15 +212,12 @@ def actor_critic_outputs(action_field: StepField) -> dict[str, StepField]:
     return {"action": action_field, "log_prob": StepField((), torch.float32), "value": StepField((), torch.float32)}
 
 
-class ActorCritic(Policy):
+class ActorCritic(ActionHeadPolicy):
     """Actor and critic MLPs over encoded observations; `forward(obs, action)` is `evaluate` so DDP can wrap it.
 
     Its outputs per step: the action, its log-prob and the critic's value (what PPO needs from a rollout)."""
 
     Config = ActorCriticConfig
-    discrete: bool  # these three: add_action_head
-    action_field: StepField
-    log_std: nn.Parameter
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: ActorCriticConfig):
         super().__init__(observation_space, action_space, config)

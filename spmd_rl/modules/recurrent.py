@@ -20,8 +20,13 @@ import torch
 from torch import Tensor, nn
 
 from spmd_rl.config.sections import knob
-from spmd_rl.interfaces.policy import Policy, StepField
-from spmd_rl.modules.actor_critic import actor_critic_outputs, add_action_head, check_vector_action_space
+from spmd_rl.interfaces.policy import StepField
+from spmd_rl.modules.actor_critic import (
+    ActionHeadPolicy,
+    actor_critic_outputs,
+    add_action_head,
+    check_vector_action_space,
+)
 from spmd_rl.modules.configs import ActorCriticConfig
 from spmd_rl.modules.encoders import make_encoder
 from spmd_rl.modules.mlp import mlp
@@ -58,14 +63,11 @@ def _state_name(memory: str, part: str) -> str:
     return part if memory == "actor" else f"{memory}_{part}"
 
 
-class RecurrentActorCritic(Policy):
+class RecurrentActorCritic(ActionHeadPolicy):
     """Encoder -> GRU/LSTM cell -> actor and critic MLPs. `act(obs, deterministic, state=state)` acts one step
     for a batch of envs; `evaluate_sequence` / `forward` and `value_sequence` replay [T, B] sequences."""
 
     Config = RecurrentActorCriticConfig
-    discrete: bool  # these three: add_action_head
-    action_field: StepField
-    log_std: nn.Parameter
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: RecurrentActorCriticConfig):
         super().__init__(observation_space, action_space, config)

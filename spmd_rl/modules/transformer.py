@@ -33,8 +33,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spmd_rl.envs.text import TokenizedText
-from spmd_rl.interfaces.policy import Policy, StepField
-from spmd_rl.modules.actor_critic import LOG_SQRT_2PI, actor_critic_outputs, add_action_head, check_vector_action_space
+from spmd_rl.interfaces.policy import StepField
+from spmd_rl.modules.actor_critic import (
+    LOG_SQRT_2PI,
+    ActionHeadPolicy,
+    actor_critic_outputs,
+    add_action_head,
+    check_vector_action_space,
+)
 from spmd_rl.modules.configs import TransformerConfig
 from spmd_rl.modules.encoders import VectorEncoder, image_batch, image_layout, is_image
 from spmd_rl.runtime.errors import UserError
@@ -216,14 +222,11 @@ class Block(nn.Module):
 # The policy
 
 
-class TransformerPolicy(Policy):
+class TransformerPolicy(ActionHeadPolicy):
     """Tokens, a readout token and a position embedding, `depth` pre-norm blocks, a final norm, then linear actor
     and critic heads on the readout token; `forward(obs, action)` is `evaluate` so DDP and FSDP can wrap it."""
 
     Config = TransformerConfig
-    discrete: bool  # these three: add_action_head
-    action_field: StepField
-    log_std: nn.Parameter
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: TransformerConfig):
         super().__init__(observation_space, action_space, config)
