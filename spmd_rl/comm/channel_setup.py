@@ -76,34 +76,13 @@ def open_channels(
     if problems:
         raise ValueError("; ".join(problems))
 
-    send_channels = [
-        SendChannel(
-            TensorLayout.of(example),
-            me,
-            peer,
-            name,
-            channel_tags(name, tag_base)[0],
-            timeout,
-            describe_rank,
-            group,
-            device,
-        )
-        for peer, name, example in sends
-    ]
+    def end(kind, peer: int, name: str, layout: TensorLayout, *options):
+        tag = channel_tags(name, tag_base)[0]
+        return kind(layout, me, peer, name, tag, timeout, describe_rank, group, device, *options)
+
+    send_channels = [end(SendChannel, peer, name, TensorLayout.of(example)) for peer, name, example in sends]
     recv_channels = [
-        RecvChannel(
-            layout,
-            me,
-            peer,
-            name,
-            channel_tags(name, tag_base)[0],
-            timeout,
-            describe_rank,
-            group,
-            device,
-            num_recv_buffers,
-        )
-        for (peer, name, _), layout in zip(recvs, recv_layouts)
+        end(RecvChannel, peer, name, layout, num_recv_buffers) for (peer, name, _), layout in zip(recvs, recv_layouts)
     ]
     return send_channels, recv_channels
 
