@@ -206,6 +206,26 @@ class FrozenEncoderNet(nn.Module):
         return self.head(self.encoder(x))
 
 
+def learn_and_publish(net: FrozenEncoderNet, optimizer, source, rank: int, version: int) -> None:
+    """One update of a sharded net on this trainer's own random inputs, then its weights as `version` through
+    source (a trainer's side of a weight sync)."""
+    torch.manual_seed(version + rank)
+    net(torch.randn(5, 6)).square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    net.count += 1
+    source.broadcast(version)
+
+
+def save_full_weights(net: nn.Module, rank: int, file: str) -> None:
+    """The sharded net's whole weights (gathered: every trainer calls it), saved by trainer rank 0 to file."""
+    from spmd_rl.comm import sharding
+
+    full = sharding.full_state_dict(net)
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in full.items()}, file)
+
+
 def receiving_weight_sync(timeout_s: float) -> SimpleNamespace:
     """The fields of an inference rank's WeightSync that staging reads (rank 1, one 64-byte bucket from rank 0),
     without a process group: for the staged weights' and the async server's own logic."""

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from harness.launch import job_env
 from harness.multiproc import run_ranks
-from harness.parts import FrozenEncoderNet
+from harness.parts import FrozenEncoderNet, learn_and_publish, save_full_weights
 from harness.runs import assert_weights_close, run_main
 
 from spmd_rl.comm import sharding
@@ -73,15 +73,8 @@ def _sharded_sync(rank: int, world_size: int, out: str, wire: str) -> None:
         wire_dtype=wire_dtype,
     )  # fmt: skip
     for version in (7, 8):
-        torch.manual_seed(version + rank)
-        net(torch.randn(5, 6)).square().sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        net.count += 1
-        source.broadcast(version)
-        full = sharding.full_state_dict(net)
-        if rank == 0:
-            torch.save({k: v.clone() for k, v in full.items()}, f"{out}/trainer{version}.pt")
+        learn_and_publish(net, optimizer, source, rank, version)
+        save_full_weights(net, rank, f"{out}/trainer{version}.pt")
     source.verify(8)
 
 

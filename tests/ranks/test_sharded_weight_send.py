@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness.multiproc import run_ranks
-from harness.parts import FrozenEncoderNet
+from harness.parts import FrozenEncoderNet, learn_and_publish, save_full_weights
 from torch import nn
 
 from spmd_rl.comm import sharding
@@ -59,16 +59,9 @@ def _send(rank: int, world_size: int, out: str, wire: str, staged: bool) -> None
         casts = sum(p.end - p.start for bucket in source.pieces for p in bucket if p.sender == rank and p.entry)
         assert source._ring_bytes(range(len(source.bucket_sizes))) < casts
     for version in (7, 8):
-        torch.manual_seed(version + rank)
-        net(torch.randn(5, 6)).square().sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        net.count += 1
-        source.broadcast(version)
+        learn_and_publish(net, optimizer, source, rank, version)
     source.verify(8)
-    full = sharding.full_state_dict(net)
-    if rank == 0:
-        torch.save({k: v.clone() for k, v in full.items()}, f"{out}/trainer.pt")
+    save_full_weights(net, rank, f"{out}/trainer.pt")
 
 
 @pytest.mark.parametrize("wire,staged", [("fp32", False), ("bf16", False), ("fp32", True)])
@@ -108,9 +101,7 @@ def _send_through_the_ring(rank: int, world_size: int, out: str) -> None:
     )  # fmt: skip
     assert source._ring_bytes(range(len(source.bucket_sizes))) < 2 * (8 << 20)  # one piece: each cast reuses it
     source.broadcast(1)
-    full = sharding.full_state_dict(net)
-    if rank == 0:
-        torch.save({k: v.clone() for k, v in full.items()}, f"{out}/trainer.pt")
+    save_full_weights(net, rank, f"{out}/trainer.pt")
 
 
 def test_a_bf16_sync_whose_casts_reuse_the_cast_ring_arrives_whole(tmp_path):
@@ -165,9 +156,7 @@ def _hybrid_send(rank: int, world_size: int, out: str) -> None:
     )  # fmt: skip
     source.broadcast(3)
     source.verify(3)
-    full = sharding.full_state_dict(net)
-    if rank == 0:
-        torch.save({k: v.clone() for k, v in full.items()}, f"{out}/trainer.pt")
+    save_full_weights(net, rank, f"{out}/trainer.pt")
 
 
 def test_with_hybrid_sharding_the_first_replica_sends(tmp_path):
