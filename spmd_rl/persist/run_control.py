@@ -96,13 +96,7 @@ class RunControl:
         that sees the first rank exit may kill the rest)."""
         if self.distributed:
             done = torch.ones(1, dtype=torch.int64)
-            bounded(
-                dist.all_reduce,
-                done,
-                group=None,
-                timeout=self.timeout,
-                what="stop: wait for rank 0's checkpoint and policy.pt",
-            )
+            self._all_reduce(done, dist.ReduceOp.SUM, "stop: wait for rank 0's checkpoint and policy.pt")
 
     def _agree(
         self, signal_number: int, timed_out: bool, reached: bool, mean_return: float
@@ -122,15 +116,12 @@ class RunControl:
             ],
             dtype=torch.float64,
         )
-        bounded(
-            dist.all_reduce,
-            flags,
-            op=dist.ReduceOp.MAX,
-            group=None,
-            timeout=self.timeout,
-            what="end-of-iteration agreement (checkpoint or stop) all_reduce",
-        )
+        self._all_reduce(flags, dist.ReduceOp.MAX, "end-of-iteration agreement (checkpoint or stop) all_reduce")
         return int(flags[0]), bool(flags[1]), bool(flags[2]), float(flags[3])
+
+    def _all_reduce(self, tensor: torch.Tensor, op, what: str) -> None:
+        """tensor reduced in place over every rank of the job, bounded by dist.timeout_s (what: named on a timeout)."""
+        bounded(dist.all_reduce, tensor, op=op, group=None, timeout=self.timeout, what=what)
 
     def _save(self, iteration: int, capture: Callable[[], dict]) -> Path:
         """Every rank writes its file; rank 0 commits once all succeeded (a failure anywhere fails everywhere)."""
@@ -143,14 +134,7 @@ class RunControl:
             error = exc
         ok = torch.tensor([0 if error else 1], dtype=torch.int64)
         if self.distributed:
-            bounded(
-                dist.all_reduce,
-                ok,
-                op=dist.ReduceOp.MIN,
-                group=None,
-                timeout=self.timeout,
-                what=f"checkpoint {iteration} completion all_reduce",
-            )
+            self._all_reduce(ok, dist.ReduceOp.MIN, f"checkpoint {iteration} completion all_reduce")
         if error is not None:
             raise error
         if not int(ok):
