@@ -22,18 +22,9 @@ from __future__ import annotations
 
 import argparse
 
-from common import machine, run_spmd, table
+from common import SPLIT_ONE_ENV_PER_RANK, machine, run_spmd, table
 from uneven_env import HIGH_S, LOW_S
 
-BASE = [
-    "env.num_envs=1",
-    "env.vectorization=sync",
-    "algo.num_steps=64",
-    "algo.update_epochs=4",
-    "layout.mode=split",
-    "layout.trainer=1",
-    "layout.inference=1",
-]
 ITERATIONS = 16
 VERSUS_HEADERS = [
     "env ranks' step time",
@@ -55,7 +46,12 @@ def engine(name: str, lag: int) -> list[str]:
 
 def steady_sps(overrides: list[str], env_ranks: int) -> tuple[float, dict]:
     records = run_spmd(
-        BASE + overrides + [f"layout.env={env_ranks}", f"train.total_steps={64 * env_ranks * ITERATIONS}"],
+        [
+            *SPLIT_ONE_ENV_PER_RANK,
+            *overrides,
+            f"layout.env={env_ranks}",
+            f"train.total_steps={64 * env_ranks * ITERATIONS}",
+        ],
         nproc=2 + env_ranks,
     )
     first, last = records[0], records[-1]

@@ -17,7 +17,29 @@ sys.path.insert(0, str(ROOT / "tests"))  # the tests' launcher helper: launch li
 
 from harness.launch import command, free_port  # noqa: E402 (after the path it is found on)
 
-__all__ = ["ROOT", "command", "free_port", "machine", "run_spmd", "table", "versions", "versions_line"]
+__all__ = [
+    "ROOT",
+    "SPLIT_ONE_ENV_PER_RANK",
+    "command",
+    "free_port",
+    "machine",
+    "run_spmd",
+    "table",
+    "versions",
+    "versions_line",
+]
+
+# The split layout the scaling benchmarks grow (add layout.env): one env per env rank stepped in-process, segments
+# of 64 steps learned in 4 epochs, one trainer and one inference rank.
+SPLIT_ONE_ENV_PER_RANK = [
+    "env.num_envs=1",
+    "env.vectorization=sync",
+    "algo.num_steps=64",
+    "algo.update_epochs=4",
+    "layout.mode=split",
+    "layout.trainer=1",
+    "layout.inference=1",
+]
 
 
 def machine() -> str:

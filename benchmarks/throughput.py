@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import machine, run_spmd, table
+from common import SPLIT_ONE_ENV_PER_RANK, machine, run_spmd, table
 
 SETTINGS = {
     # name: (SB3 PPO kwargs, spmd_rl overrides, budget)
@@ -159,13 +159,7 @@ def split_scaling() -> None:
     for env_ranks in (1, 2, 4):
         overrides = [
             "env.id=benchmarks.slow_env:SlowCartPole-v1",
-            "env.num_envs=1",
-            "env.vectorization=sync",
-            "algo.num_steps=64",
-            "algo.update_epochs=4",
-            "layout.mode=split",
-            "layout.trainer=1",
-            "layout.inference=1",
+            *SPLIT_ONE_ENV_PER_RANK,
             f"layout.env={env_ranks}",
         ]
         sps, _ = spmd_sps(overrides, budget=64 * env_ranks * 16, nproc=2 + env_ranks, steady=True)
