@@ -31,6 +31,8 @@ from spmd_rl.runtime.errors import UserError
 
 # Attributes of classic-control envs beyond `state` that a step reads (CartPole's termination warning) or writes.
 _CLASSIC_CONTROL_EXTRAS = ("steps_beyond_terminated", "last_u")
+# gymnasium's numpy-vectorized CartPole: every array it steps from (its generator is saved beside them)
+CARTPOLE_VECTOR_FIELDS = ("state", "steps", "prev_done", "steps_beyond_terminated", "low", "high")
 
 
 class _Unsaved(Exception):
@@ -108,15 +110,8 @@ def _capture_layer(layer) -> dict:
     elif isinstance(layer, (vector_wrappers.ClipAction, vector_wrappers.ClipReward)):
         pass  # clips each action or reward; holds nothing between steps
     elif type(layer) is CartPoleVectorEnv:
-        state.update(
-            state=_encode(layer.state),
-            steps=_encode(layer.steps),
-            prev_done=_encode(layer.prev_done),
-            steps_beyond_terminated=_encode(layer.steps_beyond_terminated),
-            low=_encode(layer.low),
-            high=_encode(layer.high),
-            rng=_encode_rng(layer.np_random),
-        )
+        state.update({name: _encode(getattr(layer, name)) for name in CARTPOLE_VECTOR_FIELDS})
+        state["rng"] = _encode_rng(layer.np_random)
     elif type(layer) is gym.vector.SyncVectorEnv:
         state.update(autoreset_envs=_encode(layer._autoreset_envs), envs=[_capture_single(env) for env in layer.envs])
     else:
@@ -145,7 +140,7 @@ def _restore_layer(layer, state: dict) -> None:
         layer._prev_dones = _decode(state["prev_dones"])
         layer.update_running_mean = _decode(state["update_running_mean"])
     elif type(layer) is CartPoleVectorEnv:
-        for name in ("state", "steps", "prev_done", "steps_beyond_terminated", "low", "high"):
+        for name in CARTPOLE_VECTOR_FIELDS:
             setattr(layer, name, _decode(state[name]))
         _restore_rng(layer.np_random, state["rng"])
     elif type(layer) is gym.vector.SyncVectorEnv:

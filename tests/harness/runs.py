@@ -146,6 +146,24 @@ def assert_weights_close(first: Path, second: Path) -> None:
         assert torch.allclose(a[key].double(), b[key].double(), atol=1e-5, rtol=0), key
 
 
+def assert_fsdp_equals_ddp(args, tmp_path: Path, **launch) -> None:
+    """args trained with train.parallel=ddp and with fsdp (in tmp_path/ddp and tmp_path/fsdp) end with the same
+    weights within float error. launch: run_main's keywords."""
+    for parallel in ("ddp", "fsdp"):
+        result = run_main(*args, f"train.parallel={parallel}", f"run.dir={tmp_path / parallel}", **launch)
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert_weights_close(tmp_path / "ddp", tmp_path / "fsdp")
+
+
+def assert_resumed_byte_for_byte(resumed, whole: Path, halves: Path, records=records_without_timings) -> None:
+    """A resume (its result) in halves that ends as the uninterrupted run in whole did: the same metrics records
+    (as `records` reads them) and policy.pt byte for byte."""
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    assert records(whole) == records(halves)
+    assert (whole / "policy.pt").read_bytes() == (halves / "policy.pt").read_bytes()
+
+
 def assert_halves_equal_whole(args, tmp_path: Path, half: int, **launch) -> list[dict]:
     """The run of args uninterrupted (in tmp_path/full), and stopped after `half` iterations (exit 75) then resumed
     (in tmp_path/split), end alike: metrics (timings aside) and final weights. The whole run's metrics records;

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 from harness.parts import RECURRENT_TINY
-from harness.runs import assert_same_run, assert_weights_close, run_main
+from harness.runs import assert_fsdp_equals_ddp, assert_same_run, run_main
 
 RECURRENT = [
     "--config",
@@ -42,12 +42,7 @@ def _tiny_config(tmp_path) -> list[str]:
 
 @pytest.mark.slow
 def test_recurrent_ppo_fsdp_equals_ddp_colocated_two_ranks(tmp_path):
-    for parallel in ("ddp", "fsdp"):
-        result = run_main(
-            *RECURRENT, f"train.parallel={parallel}", f"run.dir={tmp_path / parallel}", nproc=2, timeout=600
-        )
-        assert result.returncode == 0, result.stdout + result.stderr
-    assert_weights_close(tmp_path / "ddp", tmp_path / "fsdp")
+    assert_fsdp_equals_ddp(RECURRENT, tmp_path, nproc=2, timeout=600)
     assert list((tmp_path / "fsdp" / "checkpoints").glob("iter_*/shards/.metadata"))
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from harness.launch import job_env
 from harness.multiproc import run_ranks
 from harness.parts import FrozenEncoderNet, learn_and_publish, save_full_weights
-from harness.runs import assert_weights_close, run_main
+from harness.runs import assert_fsdp_equals_ddp, assert_resumed_byte_for_byte, assert_weights_close, run_main
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.weight_sources import GatheredWeightSource
@@ -117,12 +117,7 @@ def test_layout_refusals_are_one_line_exit_2(tmp_path):
 @pytest.mark.slow
 def test_fsdp_equals_ddp_on_the_same_data_colocated_two_ranks(tmp_path):
     """Same seeds, same envs, same batches: FSDP2's sharded update is DDP's replicated one within float error."""
-    for parallel in ("ddp", "fsdp"):
-        result = main(
-            *TINY, "train.total_steps=512", f"train.parallel={parallel}", f"run.dir={tmp_path / parallel}", nproc=2
-        )
-        assert result.returncode == 0, result.stdout + result.stderr
-    assert_weights_close(tmp_path / "ddp", tmp_path / "fsdp")
+    assert_fsdp_equals_ddp([*TINY, "train.total_steps=512"], tmp_path, nproc=2, timeout=300, env=_env())
     # ... and the same learning curve (the losses are computed from the same numbers).
     a, b = metrics_without_timings(tmp_path / "ddp"), metrics_without_timings(tmp_path / "fsdp")
     assert [r["episodes"] for r in a] == [r["episodes"] for r in b]
@@ -148,10 +143,7 @@ def test_fsdp_resume_is_exact(tmp_path, layout, nproc):
     shards = list((tmp_path / "halves" / "checkpoints").glob("iter_*/shards/*.distcp"))
     assert len(shards) == (2 if nproc else 1)
     resumed = main(*TINY, *extra, f"run.dir={tmp_path / 'halves'}", nproc=nproc)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resuming from" in resumed.stdout + resumed.stderr
-    assert metrics_without_timings(tmp_path / "whole") == metrics_without_timings(tmp_path / "halves")
-    assert (tmp_path / "whole" / "policy.pt").read_bytes() == (tmp_path / "halves" / "policy.pt").read_bytes()
+    assert_resumed_byte_for_byte(resumed, tmp_path / "whole", tmp_path / "halves", metrics_without_timings)
 
 
 @pytest.mark.slow
