@@ -27,6 +27,8 @@ REQUIRED_METRICS = {
     "time_learn_s",
     "time_weight_sync_s",
 }
+# The smallest split layout: 1 trainer, 1 inference rank, 2 env ranks (4 ranks)
+SPLIT4 = ("layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2")
 PPO_METRICS = {"policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "explained_variance"}
 # SAC on Pendulum in 96 steps (the end-to-end runs) ...
 SAC_TINY = [

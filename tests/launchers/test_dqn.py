@@ -145,7 +145,6 @@ DQN_TINY = [
     "log.progress=false",
     "log.tensorboard=false",
 ]
-SPLIT4 = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]
 
 
 def run_main(*args, nproc: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -155,7 +154,7 @@ def run_main(*args, nproc: int = 0, timeout: float = 240) -> subprocess.Complete
 CASES = {
     "one-process": ([], 0, 10),
     "colocated-2": ([], 2, 5),  # 2 envs per rank: 32 steps an iteration, 10 iterations
-    "split-4-hdf5": ([*SPLIT4, "buffer.backend=hdf5"], 4, 5),  # 2 env ranks of 2 envs: 10 iterations
+    "split-4-hdf5": ([*runs.SPLIT4, "buffer.backend=hdf5"], 4, 5),  # 2 env ranks of 2 envs: 10 iterations
     "colocated-2-fsdp": (["train.parallel=fsdp"], 2, 5),  # sharded online and target networks, sharded checkpoints
 }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from harness.launch import ROOT
-from harness.runs import assert_halves_equal_whole
+from harness.runs import SPLIT4, assert_halves_equal_whole
 
 TD3_TINY = [
     "--config",
@@ -22,7 +22,6 @@ TD3_TINY = [
     "log.progress=false",
     "log.tensorboard=false",
 ]
-SPLIT4 = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2"]
 CASES = {
     "colocated-2": ([], 2, 10),  # 2 envs per rank: 16 steps an iteration, 20 iterations
     "colocated-2-fsdp": (["train.parallel=fsdp"], 2, 10),

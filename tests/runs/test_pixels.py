@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from harness.launch import ROOT
-from harness.runs import assert_run_complete, run_main
+from harness.runs import SPLIT4, assert_run_complete, run_main
 
 from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import EnvSection
@@ -220,10 +220,7 @@ def test_ppo_atari_runs_split_over_4_ranks(tmp_path):
         "train.total_steps=256",
         "algo.num_steps=16",
         "env.num_envs=4",
-        "layout.mode=split",
-        "layout.trainer=1",
-        "layout.inference=1",
-        "layout.env=2",
+        *SPLIT4,
         "log.progress=false",
         nproc=4,
     )

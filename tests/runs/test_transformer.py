@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from harness.parts import algo_cfg, make_ppo, rollout_batch
-from harness.runs import TINY, assert_run_complete, run_main
+from harness.runs import SPLIT4, TINY, assert_run_complete, run_main
 
 from spmd_rl.algorithms.ppo import ppo_losses, rollout_tensors, total_loss
 from spmd_rl.config.loading import load_config
@@ -210,10 +210,7 @@ def test_ppo_trains_it_split_over_4_ranks_with_weights_verified_every_sync(tmp_p
         "policy.class=transformer",
         "policy.width=32",
         "policy.vector_tokens=2",
-        "layout.mode=split",
-        "layout.trainer=1",
-        "layout.inference=1",
-        "layout.env=2",
+        *SPLIT4,
         "weights.verify_every=1",
         nproc=4,
     )
