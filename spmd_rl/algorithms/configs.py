@@ -69,6 +69,14 @@ class GRPOConfig(AlgorithmConfig):
     filter_groups: bool = knob(
         False, "dynamic sampling: drop the groups whose outcomes are all equal (they carry no signal)"
     )
+    outcome: str = knob(
+        "auto",
+        "an episode's outcome, which its group compares: success (1 if the env's success flag was set at any of its "
+        "steps, else 0; the env must report env.success_key), return (its undiscounted return) or auto (success "
+        "where the env reports a success flag, else return)",
+        choices=["auto", "success", "return"],
+        omit_default=True,
+    )
 
 
 @dataclass

@@ -5,7 +5,8 @@ clipped objective with clip-higher and an optional KL to the frozen initial poli
 env.group_size envs starts from one initial state (docs/envs.md), and each episode is judged against its group's.
 
 A rollout is whole episodes (Schedule(rollout_unit="episode")): every env starts from a reset, and rollout["active"]
-marks the decisions of the episode each env column ran; the column's outcome is its episode's return.
+marks the decisions of the episode each env column ran; the column's outcome is its episode's success (an env that
+reports a success flag, or algo.outcome=success) or its return (algo.outcome=return, or an env without the flag).
 """
 
 from __future__ import annotations
@@ -20,21 +21,32 @@ from spmd_rl.algorithms.configs import GRPOConfig
 from spmd_rl.algorithms.optimizer_step import FusedAdamStep, clip_grad_norm
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, PolicyMethod, Schedule
 from spmd_rl.interfaces.context import Context
-from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, Policy
+from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, SUCCESS_FIELDS, Policy
 from spmd_rl.runtime.errors import UserError
 
 # ---------------------------------------------------------------------------------------------------------------
 # Outcomes and advantages
 
 
-def episode_outcomes(rollout: TensorDict) -> Tensor:
-    """Each env column's outcome [N]: the return of the episode it ran in this rollout (its active decisions'
-    rewards; with action chunks, the rewards of the steps that ran). An env whose reward is its success flag (1 at
-    the step it succeeds) has its success as its outcome."""
+def episode_returns(rollout: TensorDict) -> Tensor:
+    """Each env column's return [N] in the episode it ran in this rollout (its active decisions' rewards; with
+    action chunks, the rewards of the steps that ran)."""
     reward = rollout["reward"]
     if CHUNK_VALID in rollout.keys():
         reward = (reward * rollout[CHUNK_VALID]).sum(-1)
     return (reward * rollout[ACTIVE]).sum(0)
+
+
+def episode_successes(rollout: TensorDict) -> Tensor:
+    """Each env column's success [N] (1.0 or 0.0) in the episode it ran in this rollout: whether the env's success
+    flag was set at any of its steps, as the env side records it at the decision that ends the episode (a rollout
+    of whole episodes is long enough for every episode to end in it)."""
+    return (rollout["episode_success"] & rollout[ACTIVE]).any(0).float()
+
+
+def success_outcome(outcome: str, rollout_keys) -> bool:
+    """Whether algo.outcome judges episodes by success: asked for, or (auto) where the env reports a success flag."""
+    return outcome == "success" or (outcome == "auto" and "episode_success" in rollout_keys)
 
 
 def group_advantages(outcome: Tensor, group_size: int, std_eps: float, filter_groups: bool) -> tuple[Tensor, Tensor]:
@@ -103,6 +115,11 @@ class GRPO(Algorithm):
         return Schedule(rollout_unit="episode")
 
     @classmethod
+    def required_fields(cls, config: GRPOConfig) -> tuple[str, ...]:
+        # algo.outcome=success needs the env's success flag (exit 2 before start naming env.success_key without it)
+        return cls.requires + (tuple(SUCCESS_FIELDS) if config.outcome == "success" else ())
+
+    @classmethod
     def check_plan(cls, config: GRPOConfig, plan: PlanFacts) -> None:
         if plan.group_size < 2:
             raise UserError(
@@ -144,7 +161,9 @@ class GRPO(Algorithm):
         rollout = segment["rollout"].to(device)
 
         # 1. Each episode's outcome, and its advantage within its group; dynamic sampling drops flat groups.
-        outcome = episode_outcomes(rollout)
+        outcome = (
+            episode_successes(rollout) if success_outcome(cfg.outcome, rollout.keys()) else episode_returns(rollout)
+        )
         advantage, kept = group_advantages(outcome, self.group_size, cfg.std_eps, cfg.filter_groups)
 
         # 2. Every decision of an episode gets the episode's advantage; only its active decisions are learned from.

@@ -114,6 +114,12 @@ class Algorithm(Generic[ConfigT]):
         return Schedule()
 
     @classmethod
+    def required_fields(cls, config: ConfigT) -> tuple[str, ...]:
+        """The step fields this config learns from (checked before start): `requires`, unless a key adds some (GRPO's
+        algo.outcome=success adds the success fields)."""
+        return cls.requires
+
+    @classmethod
     def check_plan(cls, config: ConfigT, plan: PlanFacts) -> None:
         """Raise spmd_rl.runtime.errors.UserError for a config that cannot work with this layout (runs before any
         process group, on every rank)."""

@@ -4,6 +4,7 @@ config without groups refused in one line."""
 
 from __future__ import annotations
 
+import pytest
 from harness.runs import assert_one_line_exit_2, assert_same_run, read_metrics, run_main
 
 GRPO_TINY = [
@@ -46,3 +47,35 @@ def test_grpo_runs_whole_episodes_in_groups_and_resumes_exactly(tmp_path):
 def test_grpo_without_groups_is_refused_in_one_line(tmp_path):
     result = run_main("env.id=Pendulum-v1", "algo.class=grpo", f"run.dir={tmp_path / 'run'}")
     assert_one_line_exit_2(result, "set env.group_size to 2 or more")
+
+
+INSTRUCTED = [
+    "env.id=tests.harness.instructed_env:Instructed-v0",
+    "algo.class=grpo",
+    "env.num_envs=8",
+    "env.group_size=4",
+    "env.max_episode_steps=4",
+    "train.total_steps=96",  # 3 iterations of 4 decisions x 8 envs
+    "log.progress=false",
+    "log.tensorboard=false",
+]
+
+
+@pytest.mark.parametrize("outcome", ["auto", "return"])
+def test_an_env_that_reports_success_is_judged_by_it_unless_return_is_asked(tmp_path, outcome):
+    result = run_main(*INSTRUCTED, f"algo.outcome={outcome}", f"run.dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = read_metrics(tmp_path / "run")
+    # One episode per env column per rollout, every one reported: the outcomes' mean is the iteration's success
+    # rate, or (its first iteration: the return's mean runs over the last 100 episodes) the return's mean.
+    assert [r["episodes"] for r in records] == [8, 16, 24]
+    if outcome == "auto":
+        assert all(r["outcome_mean"] == pytest.approx(r["success_rate"]) for r in records)
+    else:
+        assert records[0]["outcome_mean"] == pytest.approx(records[0]["episode_return_mean"])
+    assert records[0]["episode_return_mean"] > 1.0  # a return counts the steps that picked the target
+
+
+def test_a_success_outcome_on_an_env_without_a_success_flag_is_refused_in_one_line(tmp_path):
+    result = run_main(*GRPO_TINY, "algo.outcome=success", f"run.dir={tmp_path / 'run'}")
+    assert_one_line_exit_2(result, "records only for an env whose step info has a success flag")
