@@ -171,7 +171,8 @@ def finish_vector_env(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
         raise UserCodeError(
             f"env.id '{clip(cfg.id)}': reset failed: {describe_exception(exc)}{old_gym_api_hint(exc)}"
         ) from None
-    check_group_starts(obs, cfg.group_size, cfg.id)
+    if seeds is not None:  # the groups were seeded: their members start together
+        check_group_starts(obs, cfg.group_size, cfg.id)
     envs.action_space.seed(seed)
     return envs, obs
 
