@@ -123,11 +123,12 @@ class Trainer:
     # -- one iteration -------------------------------------------------------------------------------------------
 
     def receive_segments(self, iteration: int, version: int) -> TensorDict:
-        """Sync engine: one segment from each env rank, every step of it acted with `version`."""
+        """Sync engine: one segment from each env rank, every step of it acted with `version`. A copy, never the
+        receive buffer, which the next iteration's segment overwrites: an algorithm may keep what it learns from."""
         pending = [ch.irecv() for ch in self.segment_channels]
         segments = [message.wait() for message in pending]
         self.check_policy_lag(segments, version, 0, iteration)
-        return combine_segments(segments)
+        return combine_segments(segments, copy=True)
 
     def check_policy_lag(
         self, segments: list[TensorDict], freshest: int, bound: int, iteration: int
