@@ -12,6 +12,7 @@ reports a success flag, or algo.outcome=success) or its return (algo.outcome=ret
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict
@@ -61,6 +62,39 @@ def group_advantages(outcome: Tensor, group_size: int, std_eps: float, filter_gr
     advantage = torch.where(informative[:, None], (groups - mean) / (std + std_eps), 0.0).reshape(-1)
     kept = informative if filter_groups else torch.ones_like(informative)
     return advantage, kept.repeat_interleave(group_size)
+
+
+@dataclass(frozen=True)
+class JudgedRollout:
+    """A rollout's env columns with each one's outcome and advantage, and whether its group is kept."""
+
+    rollout: TensorDict  # [T, N]
+    outcome: Tensor  # [N]
+    advantage: Tensor  # [N]
+    kept: Tensor  # [N], bool
+
+    def kept_columns(self) -> JudgedRollout:
+        """The columns of the kept groups alone (what an extra round adds to the batch)."""
+        kept = self.kept
+        return JudgedRollout(self.rollout[:, kept], self.outcome[kept], self.advantage[kept], kept[kept])
+
+    def totals(self) -> Tensor:
+        """(the outcomes' sum, the columns, the columns dropped), float64: what the metrics add up."""
+        columns = self.outcome.new_tensor(self.kept.numel())
+        return torch.stack([self.outcome.sum(), columns, (~self.kept).sum().to(columns.dtype)]).double()
+
+    def decisions(self) -> dict[str, Tensor]:
+        """Decision by decision ([T * N]): the observation, the action, its log-prob when acting, the advantage, and
+        whether it is learned from (an active decision of a kept group)."""
+        learned = self.rollout["valid"] & self.rollout[ACTIVE] & self.kept
+        decisions = self.rollout.reshape(-1)
+        return {
+            "obs": decisions["obs"],
+            "action": decisions["action"],
+            "old_log_prob": decisions["log_prob"],
+            "advantage": self.advantage.expand_as(learned).reshape(-1),
+            "learned": learned.reshape(-1),
+        }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,6 +159,17 @@ class GRPO(Algorithm):
             raise UserError(
                 "algo.class grpo compares each episode with its group's: set env.group_size to 2 or more (e.g. 8)"
             )
+        if config.max_resample_rounds and not config.filter_groups:
+            raise UserError(
+                f"algo.max_resample_rounds={config.max_resample_rounds} refills the groups algo.filter_groups drops: "
+                f"set algo.filter_groups=true, or algo.max_resample_rounds=0"
+            )
+        if config.max_resample_rounds and not plan.colocated:
+            raise UserError(
+                f"algo.max_resample_rounds={config.max_resample_rounds} rolls extra rollouts where the trainers "
+                f"decide, which the split layout's env ranks cannot follow (their schedule is the plan's alone): set "
+                f"layout.mode=colocated (or run in one process), or algo.max_resample_rounds=0"
+            )
         if plan.asked_policy_lag:
             raise UserError(
                 f"algo.class grpo learns on-policy; the engine asks for a policy lag of {plan.asked_policy_lag}: "
@@ -142,6 +187,7 @@ class GRPO(Algorithm):
             f"GRPO over groups of {plan.group_size}, clip {config.clip_low}/{config.clip_high}, "
             f"{config.update_epochs} epoch(s) of {config.num_minibatches} minibatch(es)"
             f"{', groups with equal outcomes dropped' if config.filter_groups else ''}"
+            f"{f' (up to {config.max_resample_rounds} extra rollouts refill)' if config.max_resample_rounds else ''}"
         )
 
     def __init__(self, policy: Policy, config: GRPOConfig, context: Context):
@@ -158,24 +204,18 @@ class GRPO(Algorithm):
 
     def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
         cfg, device = self.cfg, self.context.device
-        rollout = segment["rollout"].to(device)
 
-        # 1. Each episode's outcome, and its advantage within its group; dynamic sampling drops flat groups.
-        outcome = (
-            episode_successes(rollout) if success_outcome(cfg.outcome, rollout.keys()) else episode_returns(rollout)
-        )
-        advantage, kept = group_advantages(outcome, self.group_size, cfg.std_eps, cfg.filter_groups)
+        # 1. Each episode's outcome, and its advantage within its group; dynamic sampling drops flat groups, and with
+        #    algo.max_resample_rounds rolls more rollouts (their informative groups only) until the batch holds as
+        #    many groups as one rollout has, or the rounds run out.
+        rounds = [self._judged(segment["rollout"].to(device))]
+        while self._refill_needed(rounds):
+            rounds.append(self._judged(self.context.extra_rollout(iteration)["rollout"].to(device)))
+        batch = [rounds[0], *(judged.kept_columns() for judged in rounds[1:])]
 
         # 2. Every decision of an episode gets the episode's advantage; only its active decisions are learned from.
-        learned = rollout["valid"] & rollout[ACTIVE] & kept
-        decisions = rollout.reshape(-1)  # [T * N], decision by decision
-        flat = {
-            "obs": decisions["obs"],
-            "action": decisions["action"],
-            "old_log_prob": decisions["log_prob"],
-            "advantage": advantage.expand_as(learned).reshape(-1),
-            "learned": learned.reshape(-1),
-        }
+        parts = [judged.decisions() for judged in batch]
+        flat = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         if self.reference is not None:
             with torch.no_grad():
                 flat["ref_log_prob"] = self.reference(flat["obs"], flat["action"])[0]
@@ -185,20 +225,46 @@ class GRPO(Algorithm):
         #    many each trainer kept.
         steps = []
         for _ in range(cfg.update_epochs):
-            order = torch.randperm(learned.numel(), device=device)
+            order = torch.randperm(flat["learned"].numel(), device=device)
             for rows in order.tensor_split(cfg.num_minibatches):
                 steps.append(self._step({key: value[rows] for key, value in flat.items()}))
 
-        # 4. Metrics: the losses' means over the steps taken, the outcomes, the share of groups dropped.
+        # 4. Metrics: the losses' means over the steps taken, the outcomes and the share of groups dropped (over every
+        #    round), the extra rounds and their env steps.
         taken = [step for step in steps if step]
         metrics = {key: float(torch.stack([step[key] for step in taken]).mean()) for key in (taken[:1] or [{}])[0]}
         metrics["minibatch_steps"] = float(len(taken))
-        totals = torch.tensor([outcome.sum(), outcome.numel(), (~kept).sum(), kept.numel()], device=device)
-        outcome_sum, columns, dropped, all_columns = self.context.all_reduce(totals.double(), "GRPO outcomes").tolist()
+        totals = torch.stack([judged.totals() for judged in rounds]).sum(0)
+        outcome_sum, columns, dropped = self.context.all_reduce(totals, "GRPO outcomes").tolist()
         metrics["outcome_mean"] = outcome_sum / columns
-        metrics["dropped_group_fraction"] = dropped / all_columns
+        metrics["dropped_group_fraction"] = dropped / columns
+        metrics["resample_rounds"] = float(len(rounds) - 1)
+        metrics["resampled_env_steps"] = float((len(rounds) - 1) * self.context.steps_per_iteration)
         metrics["learning_rate"] = cfg.learning_rate
         return metrics
+
+    def _judged(self, rollout: TensorDict) -> JudgedRollout:
+        cfg = self.cfg
+        success = success_outcome(cfg.outcome, rollout.keys())
+        outcome = episode_successes(rollout) if success else episode_returns(rollout)
+        advantage, kept = group_advantages(outcome, self.group_size, cfg.std_eps, cfg.filter_groups)
+        return JudgedRollout(rollout, outcome, advantage, kept)
+
+    def _refill_needed(self, rounds: list[JudgedRollout]) -> bool:
+        """Whether to roll one more round: rounds are left and the groups kept so far, over all trainers, are fewer
+        than one rollout's. Every trainer computes the same answer (one all_reduce), so all roll alike."""
+        if len(rounds) > self.cfg.max_resample_rounds:
+            return False
+        if self.context.extra_rollout is None:
+            raise UserError(
+                f"algo.max_resample_rounds={self.cfg.max_resample_rounds}: this engine does not roll extra rollouts "
+                f"within an iteration (the built-in sync engine does, in one process and the colocated layout); set "
+                f"algo.max_resample_rounds=0"
+            )
+        kept = sum(float(judged.kept.sum()) for judged in rounds)
+        counts = torch.tensor([kept, rounds[0].kept.numel()], dtype=torch.float64, device=self.context.device)
+        kept_columns, rollout_columns = self.context.all_reduce(counts, "GRPO groups kept").tolist()
+        return kept_columns < rollout_columns
 
     def _step(self, minibatch: dict[str, Tensor]) -> dict[str, Tensor]:
         """One optimizer step on a minibatch; {} when no trainer learns from any of its decisions (all agree)."""

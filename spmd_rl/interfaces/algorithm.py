@@ -75,6 +75,7 @@ class PlanFacts:
     asked_policy_lag: int | None = None
     action_chunk: int = 1  # env.action_chunk: primitive env steps per decision (samples count decisions)
     group_size: int = 1  # env.group_size: consecutive env columns that start from one initial state
+    colocated: bool = True  # every rank plays every role (one process, or layout.mode colocated), not split
 
 
 # The Config class an Algorithm subclass learns with (Algorithm[PPOConfig]): what its classmethods and self.config see.

@@ -84,3 +84,27 @@ def test_the_ratio_is_clipped_higher_above_than_below():
     ref = torch.zeros(4)
     k3 = grpo_losses(new, old, ref, torch.zeros(4), advantage, weight, cfg)["kl_ref"]
     torch.testing.assert_close(k3, ((1 / torch.tensor([1.5, 1.5, 0.5, 0.5])) - 1 + new).mean())
+
+
+def test_a_refill_is_planned_in_one_process_and_colocated_and_refused_in_the_split_layout():
+    from spmd_rl.run.plan import plan_run
+    from spmd_rl.run.topology import build_topology
+
+    overrides = ["algo.class=grpo", "env.group_size=2", "algo.filter_groups=true", "algo.max_resample_rounds=2"]
+    one = load_config(None, [*overrides, "env.id=Pendulum-v1"])
+    assert plan_run(one, build_topology(one.layout, 1), GRPO).colocated
+    colocated = load_config(None, [*overrides, "env.id=Pendulum-v1", "layout.mode=colocated"])
+    assert plan_run(colocated, build_topology(colocated.layout, 2), GRPO).colocated
+    split = load_config(
+        None,
+        [
+            *overrides,
+            "env.id=Pendulum-v1",
+            "layout.mode=split",
+            "layout.trainer=1",
+            "layout.inference=1",
+            "layout.env=1",
+        ],
+    )
+    with pytest.raises(UserError, match=r"algo.max_resample_rounds=2 .* set layout.mode=colocated"):
+        plan_run(split, build_topology(split.layout, 3), GRPO)
