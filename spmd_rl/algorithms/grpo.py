@@ -210,7 +210,7 @@ class GRPO(Algorithm):
         #    many groups as one rollout has, or the rounds run out.
         rounds = [self._judged(segment["rollout"].to(device))]
         while self._refill_needed(rounds):
-            rounds.append(self._judged(self.context.extra_rollout(iteration)["rollout"].to(device)))
+            rounds.append(self._judged(self._extra_rollout(iteration).to(device)))
         batch = [rounds[0], *(judged.kept_columns() for judged in rounds[1:])]
 
         # 2. Every decision of an episode gets the episode's advantage; only its active decisions are learned from.
@@ -255,16 +255,21 @@ class GRPO(Algorithm):
         than one rollout's. Every trainer computes the same answer (one all_reduce), so all roll alike."""
         if len(rounds) > self.cfg.max_resample_rounds:
             return False
-        if self.context.extra_rollout is None:
+        kept = sum(float(judged.kept.sum()) for judged in rounds)
+        counts = torch.tensor([kept, rounds[0].kept.numel()], dtype=torch.float64, device=self.context.device)
+        kept_columns, rollout_columns = self.context.all_reduce(counts, "GRPO groups kept").tolist()
+        return kept_columns < rollout_columns
+
+    def _extra_rollout(self, iteration: int) -> TensorDict:
+        """One more rollout of this trainer's envs, from the engine (Context.extra_rollout)."""
+        extra_rollout = self.context.extra_rollout
+        if extra_rollout is None:
             raise UserError(
                 f"algo.max_resample_rounds={self.cfg.max_resample_rounds}: this engine does not roll extra rollouts "
                 f"within an iteration (the built-in sync engine does, in one process and the colocated layout); set "
                 f"algo.max_resample_rounds=0"
             )
-        kept = sum(float(judged.kept.sum()) for judged in rounds)
-        counts = torch.tensor([kept, rounds[0].kept.numel()], dtype=torch.float64, device=self.context.device)
-        kept_columns, rollout_columns = self.context.all_reduce(counts, "GRPO groups kept").tolist()
-        return kept_columns < rollout_columns
+        return extra_rollout(iteration)["rollout"]
 
     def _step(self, minibatch: dict[str, Tensor]) -> dict[str, Tensor]:
         """One optimizer step on a minibatch; {} when no trainer learns from any of its decisions (all agree)."""
