@@ -136,7 +136,8 @@ class Algorithm(Generic[ConfigT]):
         self.context = context
 
     def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
-        """One iteration's learning; returns scalars for metrics.jsonl (the first trainer's are logged).
+        """One iteration's learning; returns scalars for metrics.jsonl (the first trainer's are logged). The segment
+        (its layout: docs/plugins.md "Segments") is a copy the algorithm may keep across iterations.
 
         `iteration` counts from 0 (the first iteration is 0, the last context.num_iterations - 1), as metrics.jsonl's
         `iteration`, the checkpoints' iter_N and the console do; a resumed run continues with the iteration after
