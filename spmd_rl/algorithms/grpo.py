@@ -183,11 +183,12 @@ class GRPO(Algorithm):
 
     @classmethod
     def summary(cls, config: GRPOConfig, plan: PlanFacts) -> str:
+        rounds = config.max_resample_rounds
         return (
             f"GRPO over groups of {plan.group_size}, clip {config.clip_low}/{config.clip_high}, "
             f"{config.update_epochs} epoch(s) of {config.num_minibatches} minibatch(es)"
             f"{', groups with equal outcomes dropped' if config.filter_groups else ''}"
-            f"{f' (up to {config.max_resample_rounds} extra rollouts refill)' if config.max_resample_rounds else ''}"
+            f"{f' and refilled by up to {rounds} extra rollouts' if rounds else ''}"
         )
 
     def __init__(self, policy: Policy, config: GRPOConfig, context: Context):

@@ -92,7 +92,7 @@ REFILL = [*REFILL_ROUNDS, "algo.filter_groups=true"]
 def test_dynamic_sampling_refills_the_batch_with_extra_rollouts_and_resumes_exactly(tmp_path):
     full = run_main(*REFILL, f"run.dir={tmp_path / 'full'}")
     assert full.returncode == 0, full.stderr[-2000:]
-    assert "up to 3 extra rollouts refill" in full.stdout
+    assert "groups with equal outcomes dropped and refilled by up to 3 extra rollouts" in full.stdout
     records = read_metrics(tmp_path / "full")
     rounds = [r["resample_rounds"] for r in records]
     # Most groups of Instructed-v0 succeed whole at random (a target of 2 in 4 steps): extra rounds are rolled, as

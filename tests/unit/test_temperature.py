@@ -117,3 +117,21 @@ def test_the_vla_policy_samples_at_the_temperature():
 def test_temperature_one_is_left_out_of_config_yaml_and_the_run_directory_digest(config):
     field = next(f for f in dataclasses.fields(config) if f.name == "temperature")
     assert field.default == 1.0 and field.metadata["omit_default"]
+
+
+@pytest.mark.parametrize("action_space", [DISCRETE, gym.spaces.Box(-1.0, 1.0, (3,), dtype=np.float32)])
+def test_the_recurrent_actor_critic_learns_from_the_log_probs_it_sampled_at(action_space):
+    from spmd_rl.interfaces.policy import initial_state
+    from spmd_rl.modules.recurrent import RecurrentActorCritic, RecurrentActorCriticConfig
+
+    plain, hot = pair(RecurrentActorCritic, RecurrentActorCriticConfig(), action_space=action_space)
+    obs = observations()
+    state = initial_state(hot.recurrent_state(), 5)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        out, _ = hot.act(obs, state=state)
+        start = torch.ones(1, 5, dtype=torch.bool)
+        log_prob = hot.evaluate_sequence(obs[None], out["action"][None], start, state)[0][0]
+        plain_log_prob = plain.evaluate_sequence(obs[None], out["action"][None], start, state)[0][0]
+    torch.testing.assert_close(log_prob, out["log_prob"])
+    assert not torch.allclose(plain_log_prob, log_prob)
