@@ -69,6 +69,22 @@ class GRPOConfig(AlgorithmConfig):
     filter_groups: bool = knob(
         False, "dynamic sampling: drop the groups whose outcomes are all equal (they carry no signal)"
     )
+    max_resample_rounds: int = knob(
+        0,
+        "dynamic sampling's refill (with filter_groups; one process and the colocated layout): roll up to this many "
+        "extra rollouts in an iteration, adding their informative groups, until the batch holds as many groups as "
+        "one rollout has",
+        min=0,
+        omit_default=True,
+    )
+    outcome: str = knob(
+        "auto",
+        "an episode's outcome, which its group compares: success (1 if the env's success flag was set at any of its "
+        "steps, else 0; the env must report env.success_key), return (its undiscounted return) or auto (success "
+        "where the env reports a success flag, else return)",
+        choices=["auto", "success", "return"],
+        omit_default=True,
+    )
 
 
 @dataclass

@@ -5,12 +5,14 @@ clipped objective with clip-higher and an optional KL to the frozen initial poli
 env.group_size envs starts from one initial state (docs/envs.md), and each episode is judged against its group's.
 
 A rollout is whole episodes (Schedule(rollout_unit="episode")): every env starts from a reset, and rollout["active"]
-marks the decisions of the episode each env column ran; the column's outcome is its episode's return.
+marks the decisions of the episode each env column ran; the column's outcome is its episode's success (an env that
+reports a success flag, or algo.outcome=success) or its return (algo.outcome=return, or an env without the flag).
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict
@@ -20,21 +22,32 @@ from spmd_rl.algorithms.configs import GRPOConfig
 from spmd_rl.algorithms.optimizer_step import FusedAdamStep, clip_grad_norm
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, PolicyMethod, Schedule
 from spmd_rl.interfaces.context import Context
-from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, Policy
+from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, SUCCESS_FIELDS, Policy
 from spmd_rl.runtime.errors import UserError
 
 # ---------------------------------------------------------------------------------------------------------------
 # Outcomes and advantages
 
 
-def episode_outcomes(rollout: TensorDict) -> Tensor:
-    """Each env column's outcome [N]: the return of the episode it ran in this rollout (its active decisions'
-    rewards; with action chunks, the rewards of the steps that ran). An env whose reward is its success flag (1 at
-    the step it succeeds) has its success as its outcome."""
+def episode_returns(rollout: TensorDict) -> Tensor:
+    """Each env column's return [N] in the episode it ran in this rollout (its active decisions' rewards; with
+    action chunks, the rewards of the steps that ran)."""
     reward = rollout["reward"]
     if CHUNK_VALID in rollout.keys():
         reward = (reward * rollout[CHUNK_VALID]).sum(-1)
     return (reward * rollout[ACTIVE]).sum(0)
+
+
+def episode_successes(rollout: TensorDict) -> Tensor:
+    """Each env column's success [N] (1.0 or 0.0) in the episode it ran in this rollout: whether the env's success
+    flag was set at any of its steps, as the env side records it at the decision that ends the episode (a rollout
+    of whole episodes is long enough for every episode to end in it)."""
+    return (rollout["episode_success"] & rollout[ACTIVE]).any(0).float()
+
+
+def success_outcome(outcome: str, rollout_keys) -> bool:
+    """Whether algo.outcome judges episodes by success: asked for, or (auto) where the env reports a success flag."""
+    return outcome == "success" or (outcome == "auto" and "episode_success" in rollout_keys)
 
 
 def group_advantages(outcome: Tensor, group_size: int, std_eps: float, filter_groups: bool) -> tuple[Tensor, Tensor]:
@@ -49,6 +62,39 @@ def group_advantages(outcome: Tensor, group_size: int, std_eps: float, filter_gr
     advantage = torch.where(informative[:, None], (groups - mean) / (std + std_eps), 0.0).reshape(-1)
     kept = informative if filter_groups else torch.ones_like(informative)
     return advantage, kept.repeat_interleave(group_size)
+
+
+@dataclass(frozen=True)
+class JudgedRollout:
+    """A rollout's env columns with each one's outcome and advantage, and whether its group is kept."""
+
+    rollout: TensorDict  # [T, N]
+    outcome: Tensor  # [N]
+    advantage: Tensor  # [N]
+    kept: Tensor  # [N], bool
+
+    def kept_columns(self) -> JudgedRollout:
+        """The columns of the kept groups alone (what an extra round adds to the batch)."""
+        kept = self.kept
+        return JudgedRollout(self.rollout[:, kept], self.outcome[kept], self.advantage[kept], kept[kept])
+
+    def totals(self) -> Tensor:
+        """(the outcomes' sum, the columns, the columns dropped), float64: what the metrics add up."""
+        columns = self.outcome.new_tensor(self.kept.numel())
+        return torch.stack([self.outcome.sum(), columns, (~self.kept).sum().to(columns.dtype)]).double()
+
+    def decisions(self) -> dict[str, Tensor]:
+        """Decision by decision ([T * N]): the observation, the action, its log-prob when acting, the advantage, and
+        whether it is learned from (an active decision of a kept group)."""
+        learned = self.rollout["valid"] & self.rollout[ACTIVE] & self.kept
+        decisions = self.rollout.reshape(-1)
+        return {
+            "obs": decisions["obs"],
+            "action": decisions["action"],
+            "old_log_prob": decisions["log_prob"],
+            "advantage": self.advantage.expand_as(learned).reshape(-1),
+            "learned": learned.reshape(-1),
+        }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -103,10 +149,26 @@ class GRPO(Algorithm):
         return Schedule(rollout_unit="episode")
 
     @classmethod
+    def required_fields(cls, config: GRPOConfig) -> tuple[str, ...]:
+        # algo.outcome=success needs the env's success flag (exit 2 before start naming env.success_key without it)
+        return cls.requires + (tuple(SUCCESS_FIELDS) if config.outcome == "success" else ())
+
+    @classmethod
     def check_plan(cls, config: GRPOConfig, plan: PlanFacts) -> None:
         if plan.group_size < 2:
             raise UserError(
                 "algo.class grpo compares each episode with its group's: set env.group_size to 2 or more (e.g. 8)"
+            )
+        if config.max_resample_rounds and not config.filter_groups:
+            raise UserError(
+                f"algo.max_resample_rounds={config.max_resample_rounds} refills the groups algo.filter_groups drops: "
+                f"set algo.filter_groups=true, or algo.max_resample_rounds=0"
+            )
+        if config.max_resample_rounds and not plan.colocated:
+            raise UserError(
+                f"algo.max_resample_rounds={config.max_resample_rounds} rolls extra rollouts where the trainers "
+                f"decide, which the split layout's env ranks cannot follow (their schedule is the plan's alone): set "
+                f"layout.mode=colocated (or run in one process), or algo.max_resample_rounds=0"
             )
         if plan.asked_policy_lag:
             raise UserError(
@@ -121,10 +183,12 @@ class GRPO(Algorithm):
 
     @classmethod
     def summary(cls, config: GRPOConfig, plan: PlanFacts) -> str:
+        rounds = config.max_resample_rounds
         return (
             f"GRPO over groups of {plan.group_size}, clip {config.clip_low}/{config.clip_high}, "
             f"{config.update_epochs} epoch(s) of {config.num_minibatches} minibatch(es)"
             f"{', groups with equal outcomes dropped' if config.filter_groups else ''}"
+            f"{f' and refilled by up to {rounds} extra rollouts' if rounds else ''}"
         )
 
     def __init__(self, policy: Policy, config: GRPOConfig, context: Context):
@@ -141,22 +205,18 @@ class GRPO(Algorithm):
 
     def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
         cfg, device = self.cfg, self.context.device
-        rollout = segment["rollout"].to(device)
 
-        # 1. Each episode's outcome, and its advantage within its group; dynamic sampling drops flat groups.
-        outcome = episode_outcomes(rollout)
-        advantage, kept = group_advantages(outcome, self.group_size, cfg.std_eps, cfg.filter_groups)
+        # 1. Each episode's outcome, and its advantage within its group; dynamic sampling drops flat groups, and with
+        #    algo.max_resample_rounds rolls more rollouts (their informative groups only) until the batch holds as
+        #    many groups as one rollout has, or the rounds run out.
+        rounds = [self._judged(segment["rollout"].to(device))]
+        while self._refill_needed(rounds):
+            rounds.append(self._judged(self._extra_rollout(iteration).to(device)))
+        batch = [rounds[0], *(judged.kept_columns() for judged in rounds[1:])]
 
         # 2. Every decision of an episode gets the episode's advantage; only its active decisions are learned from.
-        learned = rollout["valid"] & rollout[ACTIVE] & kept
-        decisions = rollout.reshape(-1)  # [T * N], decision by decision
-        flat = {
-            "obs": decisions["obs"],
-            "action": decisions["action"],
-            "old_log_prob": decisions["log_prob"],
-            "advantage": advantage.expand_as(learned).reshape(-1),
-            "learned": learned.reshape(-1),
-        }
+        parts = [judged.decisions() for judged in batch]
+        flat = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         if self.reference is not None:
             with torch.no_grad():
                 flat["ref_log_prob"] = self.reference(flat["obs"], flat["action"])[0]
@@ -166,20 +226,51 @@ class GRPO(Algorithm):
         #    many each trainer kept.
         steps = []
         for _ in range(cfg.update_epochs):
-            order = torch.randperm(learned.numel(), device=device)
+            order = torch.randperm(flat["learned"].numel(), device=device)
             for rows in order.tensor_split(cfg.num_minibatches):
                 steps.append(self._step({key: value[rows] for key, value in flat.items()}))
 
-        # 4. Metrics: the losses' means over the steps taken, the outcomes, the share of groups dropped.
+        # 4. Metrics: the losses' means over the steps taken, the outcomes and the share of groups dropped (over every
+        #    round), the extra rounds and their env steps.
         taken = [step for step in steps if step]
         metrics = {key: float(torch.stack([step[key] for step in taken]).mean()) for key in (taken[:1] or [{}])[0]}
         metrics["minibatch_steps"] = float(len(taken))
-        totals = torch.tensor([outcome.sum(), outcome.numel(), (~kept).sum(), kept.numel()], device=device)
-        outcome_sum, columns, dropped, all_columns = self.context.all_reduce(totals.double(), "GRPO outcomes").tolist()
+        totals = torch.stack([judged.totals() for judged in rounds]).sum(0)
+        outcome_sum, columns, dropped = self.context.all_reduce(totals, "GRPO outcomes").tolist()
         metrics["outcome_mean"] = outcome_sum / columns
-        metrics["dropped_group_fraction"] = dropped / all_columns
+        metrics["dropped_group_fraction"] = dropped / columns
+        metrics["resample_rounds"] = float(len(rounds) - 1)
+        metrics["resampled_env_steps"] = float((len(rounds) - 1) * self.context.steps_per_iteration)
         metrics["learning_rate"] = cfg.learning_rate
         return metrics
+
+    def _judged(self, rollout: TensorDict) -> JudgedRollout:
+        cfg = self.cfg
+        success = success_outcome(cfg.outcome, rollout.keys())
+        outcome = episode_successes(rollout) if success else episode_returns(rollout)
+        advantage, kept = group_advantages(outcome, self.group_size, cfg.std_eps, cfg.filter_groups)
+        return JudgedRollout(rollout, outcome, advantage, kept)
+
+    def _refill_needed(self, rounds: list[JudgedRollout]) -> bool:
+        """Whether to roll one more round: rounds are left and the groups kept so far, over all trainers, are fewer
+        than one rollout's. Every trainer computes the same answer (one all_reduce), so all roll alike."""
+        if len(rounds) > self.cfg.max_resample_rounds:
+            return False
+        kept = sum(float(judged.kept.sum()) for judged in rounds)
+        counts = torch.tensor([kept, rounds[0].kept.numel()], dtype=torch.float64, device=self.context.device)
+        kept_columns, rollout_columns = self.context.all_reduce(counts, "GRPO groups kept").tolist()
+        return kept_columns < rollout_columns
+
+    def _extra_rollout(self, iteration: int) -> TensorDict:
+        """One more rollout of this trainer's envs, from the engine (Context.extra_rollout)."""
+        extra_rollout = self.context.extra_rollout
+        if extra_rollout is None:
+            raise UserError(
+                f"algo.max_resample_rounds={self.cfg.max_resample_rounds}: this engine does not roll extra rollouts "
+                f"within an iteration (the built-in sync engine does, in one process and the colocated layout); set "
+                f"algo.max_resample_rounds=0"
+            )
+        return extra_rollout(iteration)["rollout"]
 
     def _step(self, minibatch: dict[str, Tensor]) -> dict[str, Tensor]:
         """One optimizer step on a minibatch; {} when no trainer learns from any of its decisions (all agree)."""

@@ -149,16 +149,24 @@ class SyncEngine(Engine):
         }
         components = self.restored(run, roles)
         receive = self.segment_source(run, trainer)
+
+        def rollout(iteration: int):
+            """One rollout of this rank's envs, acting with the trainer's module, and its segment received."""
+            for step in range(plan.num_steps):
+                runner.send_observations(step)
+                server.serve_step()
+                runner.receive_actions_and_step(step)
+            runner.send_segment()
+            return receive(iteration)
+
+        # Only here, where every rank steps its own envs, can an algorithm roll more rollouts within an iteration
+        # (GRPO's algo.max_resample_rounds): its trainers agree on how many, and no other rank waits on them.
+        trainer.algorithm.context.extra_rollout = lambda iteration: rollout(iteration)[0]
         try:
             for iteration in run.iterations:
                 server.policy_version = plan.version_at(iteration)
                 server.explore_uniformly = plan.explores_at(iteration)
-                for step in range(plan.num_steps):
-                    runner.send_observations(step)
-                    server.serve_step()
-                    runner.receive_actions_and_step(step)
-                runner.send_segment()
-                segment, received = receive(iteration)
+                segment, received = rollout(iteration)
                 self.learn_step(run, trainer, report, iteration, segment, received, logger)
                 self.end_iteration(run, iteration, components)
         finally:  # files are flushed and closed on every way out

@@ -117,6 +117,31 @@ def group_seeds(seed: int, num_envs: int, group_size: int) -> int | list[int]:
     return [seed + i // group_size for i in range(num_envs)]
 
 
+def check_group_starts(obs, group_size: int, env_id: str) -> None:
+    """The contract of env.group_size: the envs of a group were reset with one seed, so their first observations
+    must be equal (a UserCodeError naming the groups otherwise: the env's seeded reset is not reproducible)."""
+    if group_size == 1:
+        return
+    differing = differing_blocks(obs, group_size)
+    if differing:
+        raise UserCodeError(
+            f"env '{clip(env_id)}': the envs of group(s) {differing[:8]} (env.group_size={group_size}) were reset "
+            f"with one seed but returned different first observations; an env must return the same initial state "
+            f"for the same seed (docs/envs.md, 'Groups that start together'): make its seeded reset reproducible in "
+            f"a wrapper of its own (e.g. the seed chooses a task configuration), or set env.group_size=1"
+        )
+
+
+def differing_blocks(values, block: int) -> list[int]:
+    """The indices of the blocks of `block` consecutive envs (first dimension) whose values are not all equal (an
+    array, or a dict of them for Dict observations)."""
+    if isinstance(values, dict):
+        return sorted({i for value in values.values() for i in differing_blocks(value, block)})
+    array = np.asarray(values)
+    blocks = array.reshape(array.shape[0] // block, block, -1)
+    return np.flatnonzero(~(blocks == blocks[:, :1]).all(axis=(1, 2))).tolist()
+
+
 def differing_space(spec: EnvSpec, other: EnvSpec) -> tuple[str, str, str] | None:
     """(which space, spec's, other's), each said briefly, for the first space that differs; None if both agree."""
     for name in ("observation_space", "action_space"):
@@ -146,6 +171,8 @@ def finish_vector_env(envs, cfg: EnvSection, seed: int, reset_seed: int | None):
         raise UserCodeError(
             f"env.id '{clip(cfg.id)}': reset failed: {describe_exception(exc)}{old_gym_api_hint(exc)}"
         ) from None
+    if seeds is not None:  # the groups were seeded: their members start together
+        check_group_starts(obs, cfg.group_size, cfg.id)
     envs.action_space.seed(seed)
     return envs, obs
 

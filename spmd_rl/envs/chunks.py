@@ -5,7 +5,9 @@ chunk's actions in order and stops early at the step that terminates or truncate
 NEXT_STEP autoreset therefore acts between decisions, as it does between steps without chunks: an episode that
 ends mid-chunk never runs the rest of the chunk into the next episode; that env's next decision is its reset step.
 The wrapper's reward is the chunk's undiscounted sum (what episode statistics add up); the K rewards and how many
-steps ran travel in `info`, from which the env runner records them (discounting is the algorithm's business).
+steps ran travel in `info`, from which the env runner records them (discounting is the algorithm's business). The
+info is the last step's, and for an env that reports a success flag (EnvSpec.success_key) also whether the flag was
+set at any step that ran (CHUNK_SUCCESS): an episode that succeeds mid-chunk succeeded (envs/success.py).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.backend import EnvSpec
 from spmd_rl.runtime.errors import UserError
 
-# The info keys of a chunk's K primitive rewards (float32 [K], 0 after an early stop) and its executed steps.
+# The info keys of a chunk's K primitive rewards (float32 [K], 0 after an early stop), its executed steps, and
+# whether the env's success flag was set at any of them (only for an env that reports one).
 CHUNK_REWARDS = "chunk_rewards"
 CHUNK_STEPS = "chunk_steps"
+CHUNK_SUCCESS = "chunk_success"
 
 
 def chunk_space(space: gym.spaces.Box, chunk: int) -> gym.spaces.Box:
@@ -71,19 +75,26 @@ class ActionChunks(gym.Wrapper):
     """Steps the wrapped env with each action of a chunk [K, *shape] in turn, up to the step that ends its episode.
 
     Returns the last step's observation, termination, truncation and info, the chunk's reward sum as the reward,
-    and in info the K rewards (CHUNK_REWARDS, zero past an early stop) and the steps executed (CHUNK_STEPS)."""
+    and in info the K rewards (CHUNK_REWARDS, zero past an early stop), the steps executed (CHUNK_STEPS) and, with
+    success_key, whether any executed step's info set that flag (CHUNK_SUCCESS)."""
 
-    def __init__(self, env: gym.Env, chunk: int):
+    def __init__(self, env: gym.Env, chunk: int, success_key: str | None = None):
         super().__init__(env)
         self.chunk = chunk
+        self.success_key = success_key
         self.action_space = chunk_space(cast(gym.spaces.Box, env.action_space), chunk)  # chunked_spec checked
 
     def step(self, action):
         rewards = np.zeros(self.chunk, dtype=np.float32)
+        succeeded = False
         for k in range(self.chunk):
             obs, reward, terminated, truncated, info = self.env.step(action[k])
             rewards[k] = reward
+            if self.success_key is not None:
+                succeeded = succeeded or bool(info.get(self.success_key, False))
             if terminated or truncated:
                 break
         info = {**info, CHUNK_REWARDS: rewards, CHUNK_STEPS: np.int64(k + 1)}
+        if self.success_key is not None:
+            info[CHUNK_SUCCESS] = succeeded
         return obs, float(rewards.sum(dtype=np.float64)), terminated, truncated, info

@@ -1,6 +1,8 @@
 """Success, measured per episode: the flag an env reports in its step info under env.success_key (`success` by
 default), as robot-manipulation envs do. An episode succeeded if the flag was set at any of its steps
-(`success_rate`), and succeeded at its end if it was set at its last step (`success_at_end_rate`).
+(`success_rate`), and succeeded at its end if it was set at its last step (`success_at_end_rate`). With action
+chunks a decision runs several steps: any of them sets "at any step" (the chunk wrapper's CHUNK_SUCCESS), the last
+one "at its end".
 
 Whether an env reports the key is learned before any process group forms, from the keys of one step's info that
 its backend's probe saw (EnvSpec.step_info_keys): segments carry the success fields only for such envs, so
@@ -15,6 +17,7 @@ import numpy as np
 
 from spmd_rl.config.excerpts import clip
 from spmd_rl.config.sections import EnvSection
+from spmd_rl.envs.chunks import CHUNK_SUCCESS
 from spmd_rl.runtime.errors import UserError
 
 DEFAULT_SUCCESS_KEY = "success"
@@ -55,7 +58,7 @@ class EpisodeSuccess:
         """(success at any step, success at the last step), each [num_envs], True only where an episode ended
         with this step. `valid`: the step was a real transition (not NEXT_STEP autoreset's reset step)."""
         flags = info_flags(info, self.key, len(self.seen)) & valid
-        self.seen |= flags
+        self.seen |= info_flags(info, CHUNK_SUCCESS, len(self.seen)) & valid if CHUNK_SUCCESS in info else flags
         at_any, at_end = self.seen & done, flags & done
         self.seen[done] = False
         return at_any, at_end

@@ -75,6 +75,7 @@ class PlanFacts:
     asked_policy_lag: int | None = None
     action_chunk: int = 1  # env.action_chunk: primitive env steps per decision (samples count decisions)
     group_size: int = 1  # env.group_size: consecutive env columns that start from one initial state
+    colocated: bool = True  # every rank plays every role (one process, or layout.mode colocated), not split
 
 
 # The Config class an Algorithm subclass learns with (Algorithm[PPOConfig]): what its classmethods and self.config see.
@@ -114,6 +115,12 @@ class Algorithm(Generic[ConfigT]):
         return Schedule()
 
     @classmethod
+    def required_fields(cls, config: ConfigT) -> tuple[str, ...]:
+        """The step fields this config learns from (checked before start): `requires`, unless a key adds some (GRPO's
+        algo.outcome=success adds the success fields)."""
+        return cls.requires
+
+    @classmethod
     def check_plan(cls, config: ConfigT, plan: PlanFacts) -> None:
         """Raise spmd_rl.runtime.errors.UserError for a config that cannot work with this layout (runs before any
         process group, on every rank)."""
@@ -129,7 +136,8 @@ class Algorithm(Generic[ConfigT]):
         self.context = context
 
     def learn(self, segment: TensorDict, iteration: int) -> dict[str, float]:
-        """One iteration's learning; returns scalars for metrics.jsonl (the first trainer's are logged).
+        """One iteration's learning; returns scalars for metrics.jsonl (the first trainer's are logged). The segment
+        (its layout: docs/plugins.md "Segments") is a copy the algorithm may keep across iterations.
 
         `iteration` counts from 0 (the first iteration is 0, the last context.num_iterations - 1), as metrics.jsonl's
         `iteration`, the checkpoints' iter_N and the console do; a resumed run continues with the iteration after

@@ -5,7 +5,7 @@ averaging, bounded collectives, a sharded replay buffer, normalizer merging)."""
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -62,6 +62,11 @@ class Context:
     # train.shard_group_size: (replicate group, shard group, [[global ranks] per replica]) for hybrid sharding
     hybrid_shards: tuple[Any, ...] | None = None
     group_size: int = 1  # env.group_size: a segment's env columns come in blocks of this many that started together
+    # Where every rank is also an env rank (one process, colocated), the engine's way to roll one more rollout within
+    # an iteration: extra_rollout(iteration) steps every env of this rank through one more rollout with the current
+    # weights and returns this trainer's segment of it. Every trainer must call it equally often (decide with an
+    # all_reduce). None where the layout cannot (split: env ranks follow the plan alone).
+    extra_rollout: Callable[[int], TensorDict] | None = None
 
     @classmethod
     def local(

@@ -25,13 +25,13 @@ from torch import Tensor, nn
 from spmd_rl.comm.sharding import is_dtensor
 from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.modules.configs import ActorCriticConfig
+from spmd_rl.modules.distributions import gaussian_entropy, gaussian_log_prob, tempered_log_std, tempered_logits
 from spmd_rl.modules.encoders import make_encoder
 from spmd_rl.modules.masks import action_mask_of, masked
 from spmd_rl.modules.mlp import ACTIVATIONS, mlp
 from spmd_rl.runtime.errors import UserError
 
 ACTIVATION_FUNCTIONS = {"tanh": torch.tanh, "relu": torch.relu, "elu": F.elu}
-LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,6 +223,7 @@ class ActorCritic(ActionHeadPolicy):
         super().__init__(observation_space, action_space, config)
         _check_action_space(action_space)
         self.action_bins = config.action_bins
+        self.temperature = config.temperature  # rollouts sample at it; log-probs are its (modules/distributions.py)
         if self.action_bins:
             actor_out = self._add_binned_head(action_space)
         else:
@@ -263,7 +264,7 @@ class ActorCritic(ActionHeadPolicy):
         out, value = self.actor_and_critic(self.encoder(obs))
         if self.discrete:
             # An action mask in the observation (modules/masks.py): the disallowed actions get probability 0.
-            log_probs = torch.log_softmax(masked(out, action_mask_of(obs)), dim=-1)
+            log_probs = torch.log_softmax(tempered_logits(masked(out, action_mask_of(obs)), self.temperature), dim=-1)
             if deterministic:
                 action = log_probs.argmax(-1)
             else:
@@ -280,8 +281,9 @@ class ActorCritic(ActionHeadPolicy):
             log_prob = log_probs.gather(-1, index.unsqueeze(-1)).squeeze(-1).sum(-1)
             action = (self.bin_low + index * self.bin_width).reshape(-1, *self.action_field.shape)
         else:
-            action = out if deterministic else out + self.log_std.exp() * torch.randn_like(out)
-            log_prob = self._gaussian_log_prob(out, action)
+            log_std = tempered_log_std(self.log_std, self.temperature)
+            action = out if deterministic else out + log_std.exp() * torch.randn_like(out)
+            log_prob = gaussian_log_prob(out, action, log_std)
             action = action.reshape(-1, *self.action_field.shape)  # a Box of more than one axis (e.g. a chunk [K, A])
         return {"action": action, "log_prob": log_prob, "value": value.squeeze(-1)}
 
@@ -289,7 +291,7 @@ class ActorCritic(ActionHeadPolicy):
         """(log_prob, entropy, value) of given actions, with gradients."""
         out, value = self.actor_and_critic(self.encoder(obs))
         if self.discrete:
-            log_probs = torch.log_softmax(masked(out, action_mask_of(obs)), dim=-1)
+            log_probs = torch.log_softmax(tempered_logits(masked(out, action_mask_of(obs)), self.temperature), dim=-1)
             # nll_loss picks each row's log-prob in one op (and one cheap backward) instead of gather + reshapes
             log_prob = -F.nll_loss(log_probs, action.long(), reduction="none")
             entropy = -(log_probs.exp() * log_probs).sum(-1)
@@ -301,8 +303,9 @@ class ActorCritic(ActionHeadPolicy):
             entropy = -(log_probs.exp() * log_probs).sum((-2, -1))
         else:
             # A chunk's log-prob (and entropy) is its actions' summed, the probability of the whole decision.
-            log_prob = self._gaussian_log_prob(out, action.reshape(out.shape))
-            entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(out.shape[0])
+            log_std = tempered_log_std(self.log_std, self.temperature)
+            log_prob = gaussian_log_prob(out, action.reshape(out.shape), log_std)
+            entropy = gaussian_entropy(log_std, out.shape[0])
         return log_prob, entropy, value.squeeze(-1)
 
     def forward(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -336,8 +339,5 @@ class ActorCritic(ActionHeadPolicy):
 
     def _bin_log_probs(self, out: Tensor) -> Tensor:
         """Each action element's log-probabilities over its bins, [B, elements, bins]."""
-        return torch.log_softmax(out.reshape(out.shape[0], -1, self.action_bins), dim=-1)
-
-    def _gaussian_log_prob(self, mean: Tensor, action: Tensor) -> Tensor:
-        z = (action - mean) * torch.exp(-self.log_std)
-        return (-0.5 * z.square() - self.log_std - LOG_SQRT_2PI).sum(-1)
+        logits = out.reshape(out.shape[0], -1, self.action_bins)
+        return torch.log_softmax(tempered_logits(logits, self.temperature), dim=-1)

@@ -76,6 +76,13 @@ class ActorCriticConfig(EncoderConfig):
         min=0,
         omit_default=True,
     )
+    temperature: float = knob(
+        1.0,
+        "rollout sampling temperature: a Gaussian's std times it, a categorical's (or each bin's) logits divided by "
+        "it; act's and evaluate's log-probs are the tempered distribution's (1 = the policy as trained)",
+        min=0.01,
+        omit_default=True,
+    )
 
 
 @dataclass
@@ -125,6 +132,13 @@ class TransformerConfig:
     )
     normalize_obs: bool = knob(False, "running normalization of vector observations (merged across trainers)")
     log_std_init: float = knob(0.0, "initial log std of the Gaussian policy (continuous actions)")
+    temperature: float = knob(
+        1.0,
+        "rollout sampling temperature: a Gaussian's std times it, a categorical's (or each bin's) logits divided by "
+        "it; act's and evaluate's log-probs are the tempered distribution's (1 = the policy as trained)",
+        min=0.01,
+        omit_default=True,
+    )
 
 
 @dataclass
@@ -202,6 +216,13 @@ class VLAConfig:
         choices=["gaussian", "bins"],
     )
     log_std_init: float = knob(0.0, "initial log std of the Gaussian head")
+    temperature: float = knob(
+        1.0,
+        "rollout sampling temperature: a Gaussian's std times it, a categorical's (or each bin's) logits divided by "
+        "it; act's and evaluate's log-probs are the tempered distribution's (1 = the policy as trained)",
+        min=0.01,
+        omit_default=True,
+    )
     lora: LoraConfig = knob(
         None, "LoRA adapters through peft: {rank, alpha, dropout, target_modules, save}", factory=LoraConfig
     )

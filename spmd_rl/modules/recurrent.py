@@ -12,7 +12,6 @@ acting computed.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import gymnasium as gym
@@ -28,10 +27,9 @@ from spmd_rl.modules.actor_critic import (
     check_vector_action_space,
 )
 from spmd_rl.modules.configs import ActorCriticConfig
+from spmd_rl.modules.distributions import gaussian_entropy, gaussian_log_prob, tempered_log_std, tempered_logits
 from spmd_rl.modules.encoders import make_encoder
 from spmd_rl.modules.mlp import mlp
-
-LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 @dataclass
@@ -138,12 +136,13 @@ class RecurrentActorCritic(ActionHeadPolicy):
         h = next_state["h"]
         out = self.actor(h)
         if self.discrete:
-            log_probs = torch.log_softmax(out, dim=-1)
+            log_probs = torch.log_softmax(tempered_logits(out, self.config.temperature), dim=-1)
             action = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1).squeeze(-1)
             log_prob = log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1)
         else:
-            action = out if deterministic else out + self.log_std.exp() * torch.randn_like(out)
-            log_prob = self._gaussian_log_prob(out, action)
+            log_std = tempered_log_std(self.log_std, self.config.temperature)
+            action = out if deterministic else out + log_std.exp() * torch.randn_like(out)
+            log_prob = gaussian_log_prob(out, action, log_std)
         outputs = {
             "action": action,
             "log_prob": log_prob,
@@ -176,12 +175,13 @@ class RecurrentActorCritic(ActionHeadPolicy):
         out = self.actor(actor_input)
         flat_action = action.reshape(steps * batch, *action.shape[2:])
         if self.discrete:
-            log_probs = torch.log_softmax(out, dim=-1)
+            log_probs = torch.log_softmax(tempered_logits(out, self.config.temperature), dim=-1)
             log_prob = -nn.functional.nll_loss(log_probs, flat_action.long(), reduction="none")
             entropy = -(log_probs.exp() * log_probs).sum(-1)
         else:
-            log_prob = self._gaussian_log_prob(out, flat_action)
-            entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(out.shape[0])
+            log_std = tempered_log_std(self.log_std, self.config.temperature)
+            log_prob = gaussian_log_prob(out, flat_action, log_std)
+            entropy = gaussian_entropy(log_std, out.shape[0])
         value = self.critic(critic_input).squeeze(-1)
         return log_prob.reshape(steps, batch), entropy.reshape(steps, batch), value.reshape(steps, batch)
 
@@ -193,7 +193,3 @@ class RecurrentActorCritic(ActionHeadPolicy):
         """V over a sequence, [T, B]."""
         _, critic_input = self.unroll(obs, episode_start, state)
         return self.critic(critic_input).squeeze(-1).reshape(episode_start.shape)
-
-    def _gaussian_log_prob(self, mean: Tensor, action: Tensor) -> Tensor:
-        z = (action - mean) * torch.exp(-self.log_std)
-        return (-0.5 * z.square() - self.log_std - LOG_SQRT_2PI).sum(-1)

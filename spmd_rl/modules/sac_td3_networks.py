@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spmd_rl.interfaces.policy import Policy, StepField
-from spmd_rl.modules.actor_critic import LOG_SQRT_2PI
 from spmd_rl.modules.configs import SquashedGaussianConfig
+from spmd_rl.modules.distributions import LOG_SQRT_2PI
 from spmd_rl.modules.mlp import mlp
 from spmd_rl.modules.normalizer import RunningNormalizer
 from spmd_rl.runtime.errors import UserError

@@ -35,13 +35,13 @@ from torch import Tensor, nn
 from spmd_rl.envs.text import TokenizedText
 from spmd_rl.interfaces.policy import StepField
 from spmd_rl.modules.actor_critic import (
-    LOG_SQRT_2PI,
     ActionHeadPolicy,
     actor_critic_outputs,
     add_action_head,
     check_vector_action_space,
 )
 from spmd_rl.modules.configs import TransformerConfig
+from spmd_rl.modules.distributions import gaussian_entropy, gaussian_log_prob, tempered_log_std, tempered_logits
 from spmd_rl.modules.encoders import VectorEncoder, image_batch, image_layout, is_image
 from spmd_rl.runtime.errors import UserError
 
@@ -238,6 +238,7 @@ class TransformerPolicy(ActionHeadPolicy):
         if mlp_width < 1:
             raise UserError(f"policy.mlp_ratio={config.mlp_ratio} gives blocks an MLP of width 0; use at least 1/width")
         actor_out = add_action_head(self, action_space, config.log_std_init)
+        self.temperature = config.temperature  # rollouts sample at it; log-probs are its (modules/distributions.py)
         self.tokens = make_tokens(observation_space, config)
         self.readout = nn.Parameter(torch.zeros(1, 1, width))
         self.position = nn.Parameter(torch.zeros(1, self.tokens.tokens + 1, width))
@@ -295,33 +296,31 @@ class TransformerPolicy(ActionHeadPolicy):
         unclipped (the env side clips). Called under torch.no_grad()."""
         out, value = self.heads(obs)
         if self.discrete:
-            log_probs = torch.log_softmax(out, dim=-1)
+            log_probs = torch.log_softmax(tempered_logits(out, self.temperature), dim=-1)
             if deterministic:
                 action = log_probs.argmax(-1)
             else:  # Gumbel-max in its exponential form, as the actor-critic samples
                 action = (log_probs - torch.empty_like(log_probs).exponential_().log()).argmax(-1)
             log_prob = log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1)
         else:
-            action = out if deterministic else out + self.log_std.exp() * torch.randn_like(out)
-            log_prob = self._gaussian_log_prob(out, action)
+            log_std = tempered_log_std(self.log_std, self.temperature)
+            action = out if deterministic else out + log_std.exp() * torch.randn_like(out)
+            log_prob = gaussian_log_prob(out, action, log_std)
         return {"action": action, "log_prob": log_prob, "value": value}
 
     def evaluate(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(log_prob, entropy, value) of given actions, each [B], with gradients."""
         out, value = self.heads(obs)
         if self.discrete:
-            log_probs = torch.log_softmax(out, dim=-1)
+            log_probs = torch.log_softmax(tempered_logits(out, self.temperature), dim=-1)
             log_prob = log_probs.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
             entropy = -(log_probs.exp() * log_probs).sum(-1)
         else:
-            log_prob = self._gaussian_log_prob(out, action)
-            entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(out.shape[0])
+            log_std = tempered_log_std(self.log_std, self.temperature)
+            log_prob = gaussian_log_prob(out, action, log_std)
+            entropy = gaussian_entropy(log_std, out.shape[0])
         return log_prob, entropy, value
 
     def forward(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # DDP and FSDP hook forward(): the trainer calls model(obs, action) to get evaluate() with synced grads.
         return self.evaluate(obs, action)
-
-    def _gaussian_log_prob(self, mean: Tensor, action: Tensor) -> Tensor:
-        z = (action - mean) * torch.exp(-self.log_std)
-        return (-0.5 * z.square() - self.log_std - LOG_SQRT_2PI).sum(-1)

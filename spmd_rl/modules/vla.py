@@ -39,8 +39,9 @@ from torch import Tensor, nn
 
 from spmd_rl.config.excerpts import clip
 from spmd_rl.interfaces.policy import Policy, StepField
-from spmd_rl.modules.actor_critic import LOG_SQRT_2PI, actor_critic_outputs
+from spmd_rl.modules.actor_critic import actor_critic_outputs
 from spmd_rl.modules.configs import VLAConfig
+from spmd_rl.modules.distributions import gaussian_entropy, gaussian_log_prob, tempered_log_std, tempered_logits
 from spmd_rl.modules.encoders import image_batch, image_layout
 from spmd_rl.modules.pretrained import load_weights, read_json, read_model_config, weight_files
 from spmd_rl.runtime.errors import UserError
@@ -428,11 +429,13 @@ class VLAPolicy(Policy):
         """Sample an action chunk (the mode when deterministic) with its log-prob and the value; Gaussian actions
         are unclipped (the env side clips). Called under torch.no_grad()."""
         out, value = self.heads(obs)
+        temperature = self.config.temperature  # rollouts sample at it; log-probs are its (modules/distributions.py)
         if self.config.action_head == "gaussian":
-            action = out if deterministic else out + self.log_std.exp() * torch.randn_like(out)
-            log_prob = self._gaussian_log_prob(out, action)
+            log_std = tempered_log_std(self.log_std, temperature)
+            action = out if deterministic else out + log_std.exp() * torch.randn_like(out)
+            log_prob = gaussian_log_prob(out, action, log_std)
         else:
-            log_probs = torch.log_softmax(out, dim=-1)
+            log_probs = torch.log_softmax(tempered_logits(out, temperature), dim=-1)
             if deterministic:
                 bins = log_probs.argmax(-1)
             else:  # Gumbel-max, as the actor-critic samples
@@ -445,11 +448,13 @@ class VLAPolicy(Policy):
         """(log_prob, entropy, value) of given action chunks, each [B], with gradients."""
         out, value = self.heads(obs)
         action = action.reshape(action.shape[0], -1)
+        temperature = self.config.temperature
         if self.config.action_head == "gaussian":
-            log_prob = self._gaussian_log_prob(out, action)
-            entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(out.shape[0])
+            log_std = tempered_log_std(self.log_std, temperature)
+            log_prob = gaussian_log_prob(out, action, log_std)
+            entropy = gaussian_entropy(log_std, out.shape[0])
         else:
-            log_probs = torch.log_softmax(out, dim=-1)
+            log_probs = torch.log_softmax(tempered_logits(out, temperature), dim=-1)
             log_prob = log_probs.gather(-1, self._bin_of(action).unsqueeze(-1)).squeeze(-1).sum(-1)
             entropy = -(log_probs.exp() * log_probs).sum(-1).sum(-1)
         return log_prob, entropy, value
@@ -507,7 +512,3 @@ class VLAPolicy(Policy):
                 elif key.startswith(f"{name}.lora_B."):
                     full[key] = torch.zeros_like(own[key])
         return full
-
-    def _gaussian_log_prob(self, mean: Tensor, action: Tensor) -> Tensor:
-        z = (action - mean) * torch.exp(-self.log_std)
-        return (-0.5 * z.square() - self.log_std - LOG_SQRT_2PI).sum(-1)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from spmd_rl.envs import spaces
-from spmd_rl.envs.backend import EnvBackend, group_seeds, old_gym_api_hint
+from spmd_rl.envs.backend import EnvBackend, check_group_starts, group_seeds, old_gym_api_hint
 from spmd_rl.envs.chunks import CHUNK_REWARDS, executed_steps
 from spmd_rl.envs.gymnasium_state import as_arrays, as_tensors
 from spmd_rl.envs.success import EpisodeSuccess
@@ -208,6 +208,7 @@ class EnvRunner:
                 f"{old_gym_api_hint(exc)}"
             ) from exc
         self._check_finite(self.obs, None, "reset")
+        check_group_starts(self.obs, self.group_size, self.env_id)
         self.active[:] = True
         self.next_step_valid[:] = True
         if self.recurrent:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from spmd_rl.comm.sharding import full_state_dict, is_dtensor
-from spmd_rl.interfaces.policy import GROUP, RECURRENT_STATE
+from spmd_rl.interfaces.policy import CHUNK_VALID, GROUP, RECURRENT_STATE
 from spmd_rl.persist.checkpoint import SHARDS_FROM, load_shards
 from spmd_rl.persist.rank_state import ALGORITHM, POLICY
 from spmd_rl.roles.update_guard import UpdateGuard
@@ -125,11 +125,12 @@ class Trainer:
     # -- one iteration -------------------------------------------------------------------------------------------
 
     def receive_segments(self, iteration: int, version: int) -> TensorDict:
-        """Sync engine: one segment from each env rank, every step of it acted with `version`."""
+        """Sync engine: one segment from each env rank, every step of it acted with `version`. A copy, never the
+        receive buffer, which the next iteration's segment overwrites: an algorithm may keep what it learns from."""
         pending = [ch.irecv() for ch in self.segment_channels]
         segments = [message.wait() for message in pending]
         self.check_policy_lag(segments, version, 0, iteration)
-        return combine_segments(segments)
+        return combine_segments(segments, copy=True)
 
     def check_policy_lag(
         self, segments: list[TensorDict], freshest: int, bound: int, iteration: int
@@ -161,8 +162,13 @@ class Trainer:
             if self.column_groups is not None:  # each row's group, logged beside the rollout's own fields
                 rollout = rollout.clone(recurse=False)
                 rollout[GROUP] = self.column_groups.to(torch.int16).expand(rollout.batch_size)
+            # env_step counts primitive steps: a decision of an action chunk counts as its K (as env_steps does)
+            chunk = rollout[CHUNK_VALID].shape[-1] if CHUNK_VALID in rollout.keys() else 1
             self.experience_log.append(
-                rollout, policy_version=int(segment["policy_version"][0]), env_step=iteration * rollout.numel()
+                rollout,
+                policy_version=int(segment["policy_version"][0]),
+                env_step=iteration * rollout.numel() * chunk,
+                steps_per_row=chunk,
             )
         try:
             with (

@@ -267,7 +267,7 @@ def _check_algorithm_needs(
                 f"single steps (its `requires` lacks '{RECURRENT_STATE}'); choose an algorithm that replays "
                 f"sequences (e.g. spmd_rl.algorithms.recurrent_ppo:RecurrentPPO) or a stateless policy"
             )
-    missing = [key for key in algorithm_cls.requires if key not in available]
+    missing = [key for key in algorithm_cls.required_fields(cfg.algo) if key not in available]
     unreported = [key for key in missing if key in SUCCESS_FIELDS]
     if unreported:
         raise UserError(

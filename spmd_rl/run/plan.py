@@ -36,6 +36,7 @@ class Plan:
     parallel: ParallelPlan = ParallelPlan()  # how the trainers hold the policy (sharded or not, shard groups)
     action_chunk: int = 1  # env.action_chunk: primitive env steps per decision
     episodes: bool = False  # a rollout is whole episodes (the algorithm's Schedule.rollout_unit), num_steps decisions
+    colocated: bool = True  # the layout: every rank plays every role (not split into env, inference and trainer ranks)
 
     @property
     def decisions_per_iteration(self) -> int:
@@ -68,6 +69,7 @@ class Plan:
             num_iterations=self.num_iterations,
             action_chunk=self.action_chunk,
             group_size=self.env.group_size if self.env is not None else 1,
+            colocated=self.colocated,
         )
 
     def describe(self, cfg: Config, world_size: int, layout: str, algorithm_cls: type[Algorithm]) -> str:
@@ -257,6 +259,7 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
         action_chunk=chunk,
         episodes=episodes,
         parallel=parallel,
+        colocated=topology.colocated,
     )
     engine_cls = plugins.load_class(plugins.ENGINE, cfg.classes.get("engine", "sync"), Engine)
     algorithm_cls.check_plan(cfg.algo, plan.facts(engine_cls.asked_policy_lag(cfg.engine)))

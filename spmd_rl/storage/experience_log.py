@@ -43,16 +43,19 @@ class ExperienceLog:
             must_exist=must_exist,  # resuming from a checkpoint: the rows it counts are in this file
         )
 
-    def append(self, td_rollout: TensorDict, policy_version: int, env_step: int) -> None:
+    def append(self, td_rollout: TensorDict, policy_version: int, env_step: int, steps_per_row: int = 1) -> None:
         """Append a rollout shaped [T, N, ...] (or rows [B, ...]).
 
         env_id of row (t, n) is n, the env's index on this rank; env_step is the rank's env-step counter at the
-        rollout's first step, so row (t, n) gets env_step + t * N + n: one distinct number per transition.
+        rollout's first step, in primitive env steps, so row (t, n) gets env_step + (t * N + n) * steps_per_row: one
+        distinct number per transition (a decision of an action chunk counts as its K steps: steps_per_row K).
         """
         envs = td_rollout.batch_size[1] if td_rollout.batch_dims == 2 else 1
         rows = td_rollout.batch_size.numel()
         row = np.arange(rows, dtype=np.int64)
-        self._writer.append(td_rollout, policy_version=policy_version, env_id=row % envs, env_step=env_step + row)
+        self._writer.append(
+            td_rollout, policy_version=policy_version, env_id=row % envs, env_step=env_step + row * steps_per_row
+        )
 
     @property
     def total_rows(self) -> int:

@@ -9,7 +9,8 @@ File layout (format "spmd_rl.hdf5", version 1):
                            groups (("next", "obs") -> /data/next/obs)
     /meta/policy_version   int64 per row: the policy version that acted (-1 = not recorded)
     /meta/env_id           int64 per row: the env's index on the writing rank (-1 = not recorded)
-    /meta/env_step         int64 per row: the rank's env-step counter for the row (-1 = not recorded)
+    /meta/env_step         int64 per row: the rank's env-step counter for the row, in primitive steps (-1 = not
+                           recorded)
     /cursor                int64[2]: [committed, reserved] row counts over the file's life (see below)
     attributes of /        format, format_version, schema (JSON: key -> shape, numpy dtype string), capacity
                            (0 = grows without bound, else a ring of that many rows), chunk_rows, compression,

@@ -46,20 +46,33 @@ class Countdown(gym.Env):
 
 gym.register("ChunkCountdown-v0", entry_point=Countdown)
 
+
+class SucceedsAtStepTwo(Countdown):
+    """Countdown that reports success at its second step only: in the middle of a decision's chunk."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, _ = super().step(action)
+        return obs, reward, terminated, truncated, {"success": self.steps == 2}
+
+
+gym.register("ChunkMidSuccess-v0", entry_point=SucceedsAtStepTwo)
+
 K = 4
 
 
-def _run_decisions(decisions: int, num_envs: int = 2):
+def _run_decisions(decisions: int, num_envs: int = 2, env_id: str = "ChunkCountdown-v0"):
     """Steps Countdown envs (episodes of 6 steps) through the env runner with chunks of K; decision d's action k is
     100 d + 10 k + env index."""
-    cfg = EnvSection(id="ChunkCountdown-v0", num_envs=num_envs, action_chunk=K)
+    cfg = EnvSection(id=env_id, num_envs=num_envs, action_chunk=K)
     spec = probe_env(cfg)
     outputs = {"action": StepField((K, 1), torch.float32)}
     envs, first_obs = make_vector_env(cfg, spec, seed=0)
     obs_out, obs_in = local_channel("observations", observation_message(spec, num_envs))
     actions_out, actions_in = local_channel("actions", action_message(outputs, num_envs))
     segments_out, segments_in = local_channel("segments", segment_message(spec, outputs, decisions, num_envs))
-    runner = EnvRunner(envs, first_obs, obs_out, actions_in, segments_out, decisions, list(outputs))
+    runner = EnvRunner(
+        envs, first_obs, obs_out, actions_in, segments_out, decisions, list(outputs), success_key=spec.success_key
+    )
     for d in range(decisions):
         runner.send_observations(d)
         obs_in.recv()
@@ -103,6 +116,29 @@ def test_a_chunk_stops_at_the_episode_end_and_the_next_decision_resets_without_r
     # Each env executed its own chunk (env 1's actions are env 0's + 1).
     assert torch.equal(rollout[:, 1]["reward"], torch.where(env0["chunk_valid"], env0["reward"] + 1, 0.0))
     assert torch.equal(segment["next_obs"], torch.full((2, 1), 6.0))
+
+
+def test_a_success_in_the_middle_of_a_chunk_counts_as_success_at_any_step_but_not_at_the_end():
+    spec, segment = _run_decisions(5, env_id="ChunkMidSuccess-v0")
+    assert spec.success_key == "success"
+    env0 = segment["rollout"][:, 0]
+    # Steps 1-4 run in decision 0 (success at step 2, not at 4, the chunk's last); the episode ends at decision 1.
+    assert env0["episode_success"].tolist() == [False, True, False, False, True]
+    assert not env0["episode_success_at_end"].any()
+
+
+def test_the_experience_log_counts_primitive_steps_under_chunks(tmp_path):
+    from tensordict import TensorDict
+
+    from spmd_rl.storage.experience_log import ExperienceLog
+    from spmd_rl.storage.reader import HDF5Reader
+
+    rollout = TensorDict({"reward": torch.zeros(3, 2, K)}, batch_size=[3, 2])
+    log = ExperienceLog(tmp_path, 0, rollout[0, 0])
+    log.append(rollout, policy_version=0, env_step=1 * 3 * 2 * K, steps_per_row=K)  # the second iteration
+    log.close()
+    with HDF5Reader(tmp_path / "buffer" / "experience_rank0.h5") as reader:
+        assert reader.read(meta=True)["meta/env_step"].tolist() == [24 + K * row for row in range(6)]
 
 
 def test_a_chunk_reward_is_discounted_within_the_chunk_and_the_next_decision_by_the_steps_that_ran():

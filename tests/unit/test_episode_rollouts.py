@@ -20,7 +20,7 @@ from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.roles.messages import action_message, observation_message, segment_message
 from spmd_rl.run.plan import plan_run
 from spmd_rl.run.topology import build_topology
-from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.errors import UserCodeError, UserError
 
 
 class RandomLength(gym.Env):
@@ -45,8 +45,23 @@ gym.register("RandomLength-v0", entry_point=RandomLength)
 OUTPUTS = {"action": StepField((1,), torch.float32)}
 
 
-def _rollouts(count: int, steps: int, num_envs: int = 6, group_size: int = 2):
-    cfg = EnvSection(id="RandomLength-v0", num_envs=num_envs, group_size=group_size)
+class UnseededStart(RandomLength):
+    """RandomLength whose episode length comes from a generator its seed does not reach: a reset that is not
+    reproducible, which breaks env.group_size's contract."""
+
+    unseeded = np.random.default_rng()
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.length = int(self.unseeded.integers(1, 1000))
+        return np.array([0, self.length], np.float32), {}
+
+
+gym.register("UnseededStart-v0", entry_point=UnseededStart)
+
+
+def _rollouts(count: int, steps: int, num_envs: int = 6, group_size: int = 2, env_id: str = "RandomLength-v0"):
+    cfg = EnvSection(id=env_id, num_envs=num_envs, group_size=group_size)
     spec = probe_env(cfg)
     spec = dataclasses.replace(spec, episodes=True)  # as the driver sets it from the plan
     envs, first_obs = make_vector_env(cfg, spec, seed=0)
@@ -89,6 +104,22 @@ def test_each_rollout_starts_every_env_from_a_reset_and_masks_the_envs_whose_epi
             assert rollout["episode_length"][:, n].tolist() == [length if d else 0 for d in done]
             assert rollout["episode_return"][:, n].tolist() == [float(length) if d else 0.0 for d in done]
     assert len(lengths_seen) > 1, "rollouts draw new initial states"
+
+
+def test_every_rollout_starts_a_groups_members_from_one_state_with_a_real_gymnasium_env():
+    segments = _rollouts(3, 2, num_envs=8, group_size=4, env_id="Pendulum-v1")
+    starts = [segment["rollout"]["obs"][0] for segment in segments]  # [8, 3] each: cos, sin, angular velocity
+    for first in starts:
+        assert (first[:4] == first[0]).all() and (first[4:] == first[4]).all()
+        assert not torch.equal(first[0], first[4])
+    assert not torch.equal(starts[0], starts[1]) and not torch.equal(starts[1], starts[2])
+
+
+def test_an_env_whose_seeded_reset_is_not_reproducible_is_named_at_its_first_group_reset():
+    with pytest.raises(
+        UserCodeError, match=r"group\(s\) \[0, 1, 2\] \(env.group_size=2\) were reset with one seed but"
+    ):
+        _rollouts(1, 1, env_id="UnseededStart-v0")
 
 
 class EpisodeAlgorithm(PPO):

@@ -1,21 +1,62 @@
-"""GRPO's pieces by hand: episode outcomes from an episode rollout, group-relative advantages, dynamic sampling, and
-the clip-higher objective."""
+"""GRPO's pieces by hand: episode outcomes (returns and successes) from an episode rollout, which outcome a config
+judges by, group-relative advantages, dynamic sampling, and the clip-higher objective."""
 
+import pytest
 import torch
+from harness import instructed_env  # noqa: F401  (registers Instructed-v0)
 from tensordict import TensorDict
 
 from spmd_rl.algorithms.configs import GRPOConfig
-from spmd_rl.algorithms.grpo import episode_outcomes, group_advantages, grpo_losses
+from spmd_rl.algorithms.grpo import (
+    GRPO,
+    episode_returns,
+    episode_successes,
+    group_advantages,
+    grpo_losses,
+    success_outcome,
+)
+from spmd_rl.config.loading import load_config
+from spmd_rl.envs.vector import probe_env
+from spmd_rl.runtime.errors import UserError
 
 
-def test_an_outcome_is_the_return_of_the_episode_the_column_ran_in_the_rollout():
+def test_a_return_outcome_is_the_return_of_the_episode_the_column_ran_in_the_rollout():
     # 3 decisions x 2 columns x chunks of 2: column 0's episode ends after decision 1 (its last decision's second
     # step did not run), column 1 runs all three.
     reward = torch.tensor([[[1.0, 2.0], [10.0, 20.0]], [[3.0, 99.0], [30.0, 40.0]], [[5.0, 6.0], [50.0, 60.0]]])
     chunk_valid = torch.tensor([[[1, 1], [1, 1]], [[1, 0], [1, 1]], [[1, 1], [1, 1]]], dtype=torch.bool)
     active = torch.tensor([[True, True], [True, True], [False, True]])
     rollout = TensorDict({"reward": reward, "chunk_valid": chunk_valid, "active": active}, batch_size=[3, 2])
-    assert episode_outcomes(rollout).tolist() == [1 + 2 + 3, 10 + 20 + 30 + 40 + 50 + 60]
+    assert episode_returns(rollout).tolist() == [1 + 2 + 3, 10 + 20 + 30 + 40 + 50 + 60]
+
+
+def test_a_success_outcome_is_whether_the_episode_the_column_ran_succeeded_at_any_step():
+    # The env side sets episode_success at the decision that ends an episode (success at any of its steps); column
+    # 1's later episode (inactive: the vector env autoreset it) succeeds but is no part of the rollout.
+    episode_success = torch.tensor([[False, False, False], [True, False, False], [False, True, False]])
+    active = torch.tensor([[True, True, True], [True, True, True], [False, False, True]])
+    rollout = TensorDict({"episode_success": episode_success, "active": active}, batch_size=[3, 3])
+    assert episode_successes(rollout).tolist() == [1.0, 0.0, 0.0]
+
+
+def test_the_outcome_is_success_where_the_env_reports_it_unless_return_is_asked():
+    with_flag, without = ["reward", "episode_success"], ["reward"]
+    assert success_outcome("auto", with_flag) and not success_outcome("auto", without)
+    assert success_outcome("success", with_flag) and not success_outcome("return", with_flag)
+
+
+def test_a_success_outcome_needs_an_env_that_reports_success_before_start():
+    from spmd_rl.run import contract
+
+    assert GRPO.required_fields(GRPOConfig()) == ("log_prob",)
+    assert GRPO.required_fields(GRPOConfig(outcome="success"))[1:] == ("episode_success", "episode_success_at_end")
+    overrides = ["algo.class=grpo", "algo.outcome=success", "env.group_size=2", "env.num_envs=2"]
+    reporting = load_config(None, [*overrides, "env.id=tests.harness.instructed_env:Instructed-v0"])
+    policy_cls, algorithm_cls, _, _ = contract.load_classes(reporting)
+    contract.check_policy(reporting, probe_env(reporting.env), policy_cls, algorithm_cls)
+    cartpole = load_config(None, overrides)
+    with pytest.raises(UserError, match=r"only for an env whose step info has a success flag; env 'CartPole-v1'"):
+        contract.check_policy(cartpole, probe_env(cartpole.env), policy_cls, algorithm_cls)
 
 
 def test_advantages_are_relative_to_the_group_and_flat_groups_are_dropped_when_asked():
@@ -43,3 +84,27 @@ def test_the_ratio_is_clipped_higher_above_than_below():
     ref = torch.zeros(4)
     k3 = grpo_losses(new, old, ref, torch.zeros(4), advantage, weight, cfg)["kl_ref"]
     torch.testing.assert_close(k3, ((1 / torch.tensor([1.5, 1.5, 0.5, 0.5])) - 1 + new).mean())
+
+
+def test_a_refill_is_planned_in_one_process_and_colocated_and_refused_in_the_split_layout():
+    from spmd_rl.run.plan import plan_run
+    from spmd_rl.run.topology import build_topology
+
+    overrides = ["algo.class=grpo", "env.group_size=2", "algo.filter_groups=true", "algo.max_resample_rounds=2"]
+    one = load_config(None, [*overrides, "env.id=Pendulum-v1"])
+    assert plan_run(one, build_topology(one.layout, 1), GRPO).colocated
+    colocated = load_config(None, [*overrides, "env.id=Pendulum-v1", "layout.mode=colocated"])
+    assert plan_run(colocated, build_topology(colocated.layout, 2), GRPO).colocated
+    split = load_config(
+        None,
+        [
+            *overrides,
+            "env.id=Pendulum-v1",
+            "layout.mode=split",
+            "layout.trainer=1",
+            "layout.inference=1",
+            "layout.env=1",
+        ],
+    )
+    with pytest.raises(UserError, match=r"algo.max_resample_rounds=2 .* set layout.mode=colocated"):
+        plan_run(split, build_topology(split.layout, 3), GRPO)

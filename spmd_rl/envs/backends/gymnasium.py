@@ -125,7 +125,8 @@ class GymnasiumBackend(EnvBackend):
                 *(wrappers or ()),
             ]
         if spec.action_chunk > 1:  # outermost: each primitive step goes through the other wrappers
-            wrappers = [*(wrappers or ()), functools.partial(ActionChunks, chunk=spec.action_chunk)]
+            chunks = functools.partial(ActionChunks, chunk=spec.action_chunk, success_key=spec.success_key)
+            wrappers = [*(wrappers or ()), chunks]
         try:
             if cfg.groups:
                 envs = _make_group_vector_env(cfg, mode, wrappers)
