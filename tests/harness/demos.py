@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness.vla_fixtures import TARGETS, WORDS
 from spmd_rl.comm.local_channel import local_channel
 from spmd_rl.config.loading import load_config
 from spmd_rl.envs.backend import backend_for
@@ -24,8 +25,6 @@ from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.roles.inference_server import InferenceServer
 from spmd_rl.roles.messages import action_message, observation_message, segment_message
 from spmd_rl.storage.experience_log import ExperienceLog
-
-from harness.vla_fixtures import TARGETS, WORDS
 
 STEP = 0.2  # InstructedReach-v0 moves its point by 0.2 x the action
 
