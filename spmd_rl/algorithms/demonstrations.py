@@ -115,9 +115,12 @@ def read_share(files: list[Path], expected: dict[str, Field], trainer_index: int
     for path in files:
         try:
             with HDF5Reader(path) as reader:
-                episode = _episode_numbers(reader) + episodes
-                episodes = int(episode.max()) + 1 if episode.size else episodes
                 keep = reader.column("data/valid").astype(bool)
+                # Numbered over the episodes with a decision (not the reset step after a column's last end).
+                numbers, in_file = np.unique(_episode_numbers(reader)[keep], return_inverse=True)
+                episode = np.full(len(keep), -1, dtype=np.int64)
+                episode[keep] = in_file.reshape(-1) + episodes
+                episodes += len(numbers)
                 if CHUNK_VALID in reader.layout:
                     whole = reader.column(f"data/{CHUNK_VALID}").reshape(len(reader), -1).all(1)
                     cut += int((keep & ~whole).sum())
@@ -135,8 +138,8 @@ def read_share(files: list[Path], expected: dict[str, Field], trainer_index: int
 
 
 def _episode_numbers(reader: HDF5Reader) -> np.ndarray:
-    """Each row's episode within the file, numbered 0.. in the order (env column, count of episodes that ended in
-    that column before the row): a row after an episode's end starts the column's next one."""
+    """Each row's episode within the file, as (env column, episodes that ended in that column before the row) in
+    one number that sorts alike: a row after an episode's end starts the column's next one."""
     env_id = reader.column("meta/env_id")
     ended = reader.column("data/terminated").astype(bool) | reader.column("data/truncated").astype(bool)
     before = np.zeros(len(env_id), dtype=np.int64)
@@ -144,8 +147,7 @@ def _episode_numbers(reader: HDF5Reader) -> np.ndarray:
         rows = np.flatnonzero(env_id == column)
         ends = ended[rows].astype(np.int64)
         before[rows] = np.cumsum(ends) - ends
-    _, numbers = np.unique(np.stack([env_id, before], 1), axis=0, return_inverse=True)
-    return numbers.reshape(-1)
+    return env_id * (len(env_id) + 1) + before
 
 
 def _selected(reader: HDF5Reader, name: str, keep: np.ndarray) -> np.ndarray:

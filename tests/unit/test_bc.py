@@ -88,8 +88,8 @@ def test_each_trainer_reads_every_other_episode(reach_demos):
     assert whole.episodes == halves[0].episodes == halves[1].episodes > 4
     assert len(halves[0].decisions) + len(halves[1].decisions) == len(whole.decisions)
     assert abs(len(halves[0].decisions) - len(halves[1].decisions)) <= 4  # about half each, by whole episodes
-    # Reset steps are no decisions: 4 envs x 20 rows, minus the steps after each episode's end.
-    assert len(whole.decisions) == 80 - sum(1 for _ in range(whole.episodes - 4))
+    # 4 envs x 20 rows: 4 episodes each of 4 decisions (8 steps in chunks of 2), each followed by its reset step.
+    assert (whole.episodes, len(whole.decisions)) == (16, 64)
 
 
 def test_a_chunk_cut_short_is_left_out(reach_demos, tmp_path):
@@ -98,7 +98,7 @@ def test_a_chunk_cut_short_is_left_out(reach_demos, tmp_path):
     with h5py.File(copy, "r+") as file:
         file["data/chunk_valid"][0] = [True, False]
     share = read_share([copy], expected_layout(*spaces(REACH)), 0, 1)
-    assert share.cut_chunks == 1 and len(share.decisions) == 80 - (share.episodes - 4) - 1
+    assert (share.cut_chunks, len(share.decisions)) == (1, 63)
 
 
 def test_demonstrations_of_another_layout_name_the_file_and_the_key(reach_demos):
