@@ -4,8 +4,10 @@ env's layout as the policy sees it, and read as decisions, each trainer its own 
 
 A row of an experience file is one decision of one env (rows of a rollout [T, N] are time-major); what bc learns
 from is a row's obs and action. Rows that are no demonstrated decision are left out: a reset step (`valid` false,
-also set for the steps of an env whose episode ended in a rollout of whole episodes) and, with action chunks, a
-decision whose chunk an episode's end cut short (`chunk_valid` not all true: its later actions never ran).
+also set for the steps of an env whose episode ended in a rollout of whole episodes). With action chunks, a row's
+action is the whole chunk the demonstrator decided, also where an episode's end cut it short (`chunk_valid` not all
+true: the env ran only its first actions): its later actions are still what the demonstrator chose to do from that
+observation, and a task that ends on success mid-chunk ends every demonstration that way.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ class Share:
 
     decisions: TensorDict
     episodes: int  # episodes in all files
-    cut_chunks: int  # decisions of all files left out because an episode's end cut their chunk short
+    cut_chunks: int  # decisions of all files whose chunk an episode's end cut short (learned from as decided)
 
 
 def read_share(files: list[Path], expected: dict[str, Field], trainer_index: int, num_trainers: int) -> Share:
@@ -124,7 +126,6 @@ def read_share(files: list[Path], expected: dict[str, Field], trainer_index: int
                 if CHUNK_VALID in reader.layout:
                     whole = reader.column(f"data/{CHUNK_VALID}").reshape(len(reader), -1).all(1)
                     cut += int((keep & ~whole).sum())
-                    keep &= whole
                 keep &= episode % num_trainers == trainer_index
                 parts.append({key: _selected(reader, f"data/{key}", keep) for key in expected})
         except DAMAGED_FILE_ERRORS as exc:

@@ -92,13 +92,13 @@ def test_each_trainer_reads_every_other_episode(reach_demos):
     assert (whole.episodes, len(whole.decisions)) == (16, 64)
 
 
-def test_a_chunk_cut_short_is_left_out(reach_demos, tmp_path):
+def test_a_chunk_cut_short_is_counted_and_learned_as_decided(reach_demos, tmp_path):
     copy = tmp_path / "cut.h5"
     copy.write_bytes((reach_demos / "buffer" / "experience_rank0.h5").read_bytes())
     with h5py.File(copy, "r+") as file:
         file["data/chunk_valid"][0] = [True, False]
     share = read_share([copy], expected_layout(*spaces(REACH)), 0, 1)
-    assert (share.cut_chunks, len(share.decisions)) == (1, 63)
+    assert (share.cut_chunks, len(share.decisions)) == (1, 64)
 
 
 def test_demonstrations_of_another_layout_name_the_file_and_the_key(reach_demos):
