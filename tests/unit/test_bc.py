@@ -127,3 +127,7 @@ def test_a_plan_without_rollouts_takes_its_iterations_from_the_algorithm(reach_d
     cfg = load_config(None, [*REACH, "algo.class=bc", f"algo.demos={reach_demos}", "algo.batch_size=33"])
     with pytest.raises(UserError, match="algo.batch_size=33 cannot be shared equally by 2 trainers"):
         plan_run(cfg, build_topology(cfg.layout, 2), BC)
+    split = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=1", "engine.class=async"]
+    cfg = load_config(None, [*REACH, "algo.class=bc", f"algo.demos={reach_demos}", *split])
+    with pytest.raises(UserError, match="algo.class 'bc' rolls out nothing; use engine.class=sync"):
+        plan_run(cfg, build_topology(cfg.layout, 3), BC)
