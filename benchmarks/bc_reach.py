@@ -1,9 +1,10 @@
 """bc (behaviour cloning) on a scripted expert's demonstrations of examples/instructed_reach, then GRPO from it.
 
-    python benchmarks/bc_reach.py [--rollouts 4] [--seeds 3] [--rl-steps 0]
+    python benchmarks/bc_reach.py [--rollouts 4] [--envs 16] [--decisions 16] [--seeds 3] [--rl-steps 0]
 
-1. The expert (it reads the target from the instruction's byte tokens and steps straight at it) acts on 16 of the
-   example's envs (env.action_chunk 4) for `--rollouts` rollouts of 16 decisions; every rollout is appended to an
+1. The expert (it reads the target from the instruction's byte tokens and steps straight at it) acts on `--envs` of
+   the example's envs (env.action_chunk 4) for `--rollouts` rollouts of `--decisions` decisions (an episode is a
+   decision and its reset step: the expert's first chunk reaches the target); every rollout is appended to an
    experience file (tests/harness/demos.py: the framework's own env runner and inference server), the
    demonstrations. Its own success rate is printed beside them.
 2. The example's bc.yaml learns from them (no rollouts), per seed; its evaluations (100 deterministic episodes every
@@ -35,11 +36,9 @@ from reach_env import TARGETS  # noqa: E402 (after the path it is found on)
 SPEED = 0.2  # the env's default speed: each step moves the tip by SPEED x the velocity
 ENV = [
     "env.id=reach_env:InstructedReach-v0",
-    "env.num_envs=16",
     "env.action_chunk=4",
     "env.max_episode_steps=16",
     "env.max_text_tokens=24",
-    "algo.num_steps=16",
 ]
 
 
@@ -69,14 +68,17 @@ def expert_success(path: Path) -> tuple[int, int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rollouts", type=int, default=4, help="rollouts of 16 envs x 16 decisions the expert acts")
+    parser.add_argument("--rollouts", type=int, default=4, help="rollouts the expert acts (default 4)")
+    parser.add_argument("--envs", type=int, default=16, help="envs the expert acts on (default 16)")
+    parser.add_argument("--decisions", type=int, default=16, help="decisions per env per rollout (default 16)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--rl-steps", type=int, default=0, help="env steps of grpo.yaml from each bc run (0: none)")
     args = parser.parse_args()
     print(f"machine: {machine()}; load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(versions_line())
     work = Path(tempfile.mkdtemp(prefix="spmd_bc_"))
-    demos = collect(work / "demos", ENV, ReachEnvExpert, args.rollouts)
+    shape = [f"env.num_envs={args.envs}", f"algo.num_steps={args.decisions}"]
+    demos = collect(work / "demos", [*ENV, *shape], ReachEnvExpert, args.rollouts)
     episodes, decisions, success = expert_success(demos)
     print(f"demonstrations: {episodes} episodes, {decisions} decisions, expert success {success:.2f} ({demos})")
     rows = []
