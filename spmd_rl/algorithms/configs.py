@@ -176,7 +176,8 @@ class TD3Config(AlgorithmConfig):
 class BCConfig(AlgorithmConfig):
     """Behaviour cloning (supervised fine-tuning) on demonstrations: the negative log-likelihood of each demonstrated
     action (or action chunk) under the policy; cross-entropy for a discrete or binned head. No rollouts: an
-    iteration is update_epochs passes over the demonstrations in minibatches of batch_size decisions."""
+    iteration is update_epochs passes over the demonstrations in minibatches of batch_size decisions (algo.num_steps
+    and train.total_steps are not used). docs/sft.md."""
 
     default_policy: ClassVar[str] = "actor_critic"
     demos: str = knob(
