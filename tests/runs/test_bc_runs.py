@@ -1,6 +1,7 @@
 """bc end to end: `algo.class=bc` on a scripted expert's demonstrations (harness/demos.py) learns with no rollouts,
-reports eval_success_rate, shares the episodes over two colocated trainers and resumes exactly; PPO and GRPO start
-from its run with run.init_from; a missing demos path and demonstrations of another env are one line and exit 2."""
+reports eval_success_rate, shares the episodes over two colocated trainers (ddp, resuming exactly; fsdp); PPO and
+GRPO start from its run with run.init_from; a missing demos path and demonstrations of another env are one line and
+exit 2."""
 
 from __future__ import annotations
 
@@ -20,11 +21,10 @@ POLICY = [
 QUIET = ["log.progress=false", "log.tensorboard=false"]
 
 
-def bc_args(demos, run_dir, *extra):
+def bc_args(demos, run_dir, *extra, evaluation=("eval.every=3", "eval.episodes=4")):
     return [
         *ENV, *POLICY, *QUIET, "env.num_envs=1", "algo.class=bc", f"algo.demos={demos}", "algo.iterations=6",
-        "algo.batch_size=32", "algo.learning_rate=0.003", "eval.every=3", "eval.episodes=4", f"run.dir={run_dir}",
-        *extra,
+        "algo.batch_size=32", "algo.learning_rate=0.003", *evaluation, f"run.dir={run_dir}", *extra,
     ]  # fmt: skip
 
 
@@ -63,6 +63,13 @@ def test_two_trainers_share_the_episodes_and_resume_exactly(demos, tmp_path):
     resumed = run_main(*bc_args(demos, tmp_path / "split"), nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(tmp_path / "full", tmp_path / "split")
+
+
+def test_two_trainers_shard_the_policy_with_fsdp(demos, tmp_path):
+    # Evaluation is refused with fsdp (rank 0 would act alone with a sharded policy).
+    result = run_main(*bc_args(demos, tmp_path / "fsdp", "train.parallel=fsdp", evaluation=()), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(read_metrics(tmp_path / "fsdp")) == 6 and (tmp_path / "fsdp" / "policy.pt").exists()
 
 
 def test_ppo_starts_from_the_bc_run(bc_run, tmp_path):
