@@ -92,6 +92,9 @@ class BC(Algorithm):
                 f"give each of the {context.num_trainers} trainers one; give more demonstrations or fewer trainers"
             )
         self.total_decisions, self.episodes, self.cut_chunks = int(counts.sum()), share.episodes, share.cut_chunks
+        # A policy with running observation statistics (policy.normalize_obs) takes them from all the demonstrations
+        # once, merged over the trainers: what it learns to act on is what RL from its weights then normalizes with.
+        policy.update_normalizer(self.decisions["obs"].to(context.device), context)
         self.local_batch = config.batch_size // context.num_trainers
         self.steps_per_epoch = math.ceil(self.total_decisions / config.batch_size)
         # 2. The model, laid out as train.parallel says, and its optimizer.

@@ -80,6 +80,13 @@ def test_cross_entropy_of_a_discrete_head_falls(tmp_path):
     assert last < 0.3
 
 
+def test_observation_statistics_come_from_the_demonstrations(reach_demos):
+    bc = make_bc(reach_demos, REACH, (("normalize_obs", True),))
+    states = bc.decisions["obs", "state"].double()
+    normalizer = bc.policy.encoder.encoders["state"].normalizer
+    assert torch.allclose(normalizer.mean, states.mean(0), atol=1e-3)  # its prior count is tiny, not zero
+
+
 def test_each_trainer_reads_every_other_episode(reach_demos):
     files = demonstration_files(str(reach_demos))
     layout = expected_layout(*spaces(REACH))
