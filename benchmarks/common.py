@@ -75,11 +75,13 @@ def run_spmd(
     timeout: float = 1800,
     root: Path = ROOT,
     user_code: Path | None = None,
+    run_dir: Path | None = None,
 ) -> list[dict]:
     """Run `python -m spmd_rl.main` (under torchrun when nproc > 0) and return its metrics records. root: the
     checkout whose spmd_rl runs (another one, e.g. a `git worktree` of an older commit, to compare in one run).
-    user_code: a folder of user modules (an example's) importable by the run, as its working directory would be."""
-    run_dir = Path(tempfile.mkdtemp(prefix="spmd_bench_"))
+    user_code: a folder of user modules (an example's) importable by the run, as its working directory would be.
+    run_dir: where the run writes (a new temporary directory by default)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="spmd_bench_")) if run_dir is None else run_dir
     args = (
         (["--config", config] if config else [])
         + overrides

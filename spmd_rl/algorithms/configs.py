@@ -186,3 +186,21 @@ class TD3Config(AlgorithmConfig):
         None, "hidden layer widths of each Q network", factory=lambda: [256, 256], item_min=1
     )
     critic_activation: str = knob("relu", "hidden activation of the Q networks", choices=["tanh", "relu", "elu"])
+
+
+@dataclass
+class BCConfig(AlgorithmConfig):
+    """Behaviour cloning (supervised fine-tuning) on demonstrations: the negative log-likelihood of each demonstrated
+    action (or action chunk) under the policy; cross-entropy for a discrete or binned head. No rollouts: an
+    iteration is update_epochs passes over the demonstrations in minibatches of batch_size decisions (algo.num_steps
+    and train.total_steps are not used). docs/sft.md."""
+
+    default_policy: ClassVar[str] = "actor_critic"
+    demos: str = knob(
+        "", "the demonstrations: an HDF5 experience file, a folder of them (or a run directory's buffer/) or a glob"
+    )
+    iterations: int = knob(100, "iterations of the run (each update_epochs passes over the demonstrations)", min=1)
+    update_epochs: int = knob(1, "passes over the demonstrations per iteration", min=1)
+    batch_size: int = knob(256, "decisions per gradient step, all trainers together (each takes an equal part)", min=1)
+    learning_rate: float = knob(3e-4, "Adam learning rate", min=0.0)
+    max_grad_norm: float = knob(1.0, "gradient norm clipping (0 = none)", min=0.0)

@@ -41,6 +41,7 @@ ALGORITHM = Kind(
     {
         "ppo": ("spmd_rl.algorithms.ppo:PPO", "spmd_rl.algorithms.configs:PPOConfig"),
         "grpo": ("spmd_rl.algorithms.grpo:GRPO", "spmd_rl.algorithms.configs:GRPOConfig"),
+        "bc": ("spmd_rl.algorithms.bc:BC", "spmd_rl.algorithms.configs:BCConfig"),
         "sac": ("spmd_rl.algorithms.sac:SAC", "spmd_rl.algorithms.configs:SACConfig"),
         "dqn": ("spmd_rl.algorithms.dqn:DQN", "spmd_rl.algorithms.configs:DQNConfig"),
         "td3": ("spmd_rl.algorithms.td3:TD3", "spmd_rl.algorithms.configs:TD3Config"),

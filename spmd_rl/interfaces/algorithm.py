@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
+import gymnasium as gym
+
 from spmd_rl.config.sections import AlgorithmConfig, NoConfig
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import Policy
@@ -28,8 +30,11 @@ class Schedule:
     max_policy_lag: int = 0  # policy versions a step may lag behind the learner (0: on-policy; ANY_LAG: any)
     # What one rollout is: "window", algo.num_steps decisions that episodes span (autoreset within it); or "episode",
     # every env from a reset until its episode ends, envs whose episode has ended masked inactive (rollout["active"])
-    # for the rollout's fixed ceil(max episode steps / env.action_chunk) decisions.
+    # for the rollout's fixed ceil(max episode steps / env.action_chunk) decisions; or "none", no rollout at all: an
+    # algorithm that learns from data of its own (bc's demonstrations) steps no env, and its segments are empty.
     rollout_unit: str = "window"
+    # With rollout_unit "none": how many iterations the run has (train.total_steps counts env steps: none are taken).
+    iterations: int = 0
 
 
 # What the contract check knows of a returned tensor by its name: [B] for these, [B, *action shape] for "action"
@@ -124,6 +129,12 @@ class Algorithm(Generic[ConfigT]):
     def check_plan(cls, config: ConfigT, plan: PlanFacts) -> None:
         """Raise spmd_rl.runtime.errors.UserError for a config that cannot work with this layout (runs before any
         process group, on every rank)."""
+
+    @classmethod
+    def check_spaces(cls, config: ConfigT, observation_space: gym.Space[Any], action_space: gym.Space[Any]) -> None:
+        """Raise spmd_rl.runtime.errors.UserError for data of its own that does not fit the env's spaces as the
+        policy sees them (bc's demonstrations: their observation and action layout); runs before any process group,
+        on every rank, after the policy's contract check."""
 
     @classmethod
     def summary(cls, config: ConfigT, plan: PlanFacts) -> str:

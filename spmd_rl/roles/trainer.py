@@ -138,6 +138,8 @@ class Trainer:
         """The lag of every step received for an iteration: versions behind `freshest`, the version the sync
         engine acts with; a step outside [freshest - bound, freshest] is a PolicyLagError naming its env rank."""
         lags = torch.cat([freshest - segment["policy_version"] for segment in segments])
+        if not lags.numel():  # segments without steps (an algorithm without rollouts): nothing acted
+            return {}
         worst = int(lags.max())
         if worst > bound or int(lags.min()) < 0:
             who = [

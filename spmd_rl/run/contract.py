@@ -72,6 +72,7 @@ def check_policy(
     obs, acted = _check_act(name, policy, outputs, spec, state)
     _check_algorithm_needs(cfg, policy, outputs, algorithm_cls, state, spec.success_key is not None)
     _check_policy_methods(cfg, policy, algorithm_cls, obs, acted, outputs)
+    algorithm_cls.check_spaces(cfg.algo, spec.observation_space, spec.action_space)
     return outputs
 
 

@@ -12,7 +12,7 @@ from spmd_rl.comm.parallel_plan import ParallelPlan
 from spmd_rl.config import plugins
 from spmd_rl.config.sections import Config, EnvSection
 from spmd_rl.envs.backend import backend_for
-from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts
+from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, Schedule
 from spmd_rl.interfaces.engine import Engine
 from spmd_rl.run.topology import Topology
 from spmd_rl.runtime.errors import UserError
@@ -23,7 +23,7 @@ class Plan:
     env_ranks: int
     trainer_ranks: int
     envs_total: int
-    num_steps: int  # decisions per env per iteration (the rollout length; env steps without action chunks)
+    num_steps: int  # decisions per env per iteration (the rollout length; env steps without action chunks; 0: none)
     steps_per_iteration: int  # primitive env steps per iteration, all env ranks together (decisions x chunk)
     num_iterations: int
     max_env_columns_per_trainer: int  # env columns of the busiest trainer
@@ -74,6 +74,14 @@ class Plan:
 
     def describe(self, cfg: Config, world_size: int, layout: str, algorithm_cls: type[Algorithm]) -> str:
         assert self.env is not None  # plan_run sets it
+        summary = algorithm_cls.summary(cfg.algo, self.facts())
+        if not self.num_steps:  # no rollouts (Schedule.rollout_unit "none"): the envs only evaluate
+            text = (
+                f"{cfg.classes['algo']} (policy {cfg.classes['policy']}) for {cfg.env.id}; world size {world_size}, "
+                f"layout {layout}; {self.trainer_ranks} trainer rank(s); {self.num_iterations} iterations, no env "
+                f"steps (no rollouts)"
+            )
+            return text + (f"; {summary}" if summary else "")
         text = (
             f"{cfg.classes['algo']} (policy {cfg.classes['policy']}) on {cfg.env.id}; world size {world_size}, "
             f"layout {layout}; {self.env_ranks} env rank(s) x {self.env.num_envs} envs = {self.envs_total} envs"
@@ -92,7 +100,6 @@ class Plan:
             text += f"; {self.explore_iterations} iteration(s) of uniform random actions first"
         if self.sync_every > 1 and layout.startswith("split"):
             text += f"; weights broadcast every {self.sync_every} iterations"
-        summary = algorithm_cls.summary(cfg.algo, self.facts())
         return text + (f"; {summary}" if summary else "")
 
 
@@ -134,12 +141,26 @@ def spread_total_envs(given: EnvSection, topology: Topology) -> EnvSection:
 
 def _episode_rollouts(rollout_unit: str, cfg: Config) -> bool:
     """Whether the algorithm's rollouts are whole episodes (Schedule.rollout_unit)."""
-    if rollout_unit not in ("window", "episode"):
+    if rollout_unit not in ("window", "episode", "none"):
         raise UserError(
             f"algo.class '{cfg.classes['algo']}' asks for rollout_unit '{rollout_unit}' in its schedule; it must be "
-            f"'window' or 'episode'"
+            f"'window', 'episode' or 'none'"
         )
     return rollout_unit == "episode"
+
+
+def _rollout_length(schedule: Schedule, env: EnvSection, cfg: Config) -> int:
+    """Decisions per env per iteration: algo.num_steps, those of a whole episode, or 0 without rollouts."""
+    if schedule.rollout_unit == "none":
+        if schedule.iterations < 1:
+            raise UserError(
+                f"algo.class '{cfg.classes['algo']}' rolls out nothing (rollout_unit 'none') and states "
+                f"{schedule.iterations} iterations in its schedule; it must state 1 or more"
+            )
+        return 0
+    if _episode_rollouts(schedule.rollout_unit, cfg):
+        return math.ceil(_episode_step_limit(env) / env.action_chunk)
+    return cfg.algo.num_steps
 
 
 def _episode_step_limit(env: EnvSection) -> int:
@@ -219,7 +240,7 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
     schedule = algorithm_cls.schedule(cfg.algo)
     chunk = env.action_chunk
     episodes = _episode_rollouts(schedule.rollout_unit, cfg)
-    num_steps = math.ceil(_episode_step_limit(env) / chunk) if episodes else cfg.algo.num_steps
+    num_steps = _rollout_length(schedule, env, cfg)
     if chunk > 1 and not algorithm_cls.supports_action_chunks:
         raise UserError(
             f"env.action_chunk={chunk}: algo.class '{cfg.classes['algo']}' learns from single actions, not action "
@@ -228,7 +249,7 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
     # A decision counts as its whole chunk, also where an episode's end stops it early (as a reset step counts as
     # a step): the schedule follows from the config alone, never from where episodes end.
     steps_per_iteration = envs_total * num_steps * chunk
-    num_iterations = cfg.train.total_steps // steps_per_iteration
+    num_iterations = cfg.train.total_steps // steps_per_iteration if num_steps else schedule.iterations
     if num_iterations < 1:
         raise UserError(
             f"train.total_steps={cfg.train.total_steps} is less than one iteration "
@@ -254,7 +275,7 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
         num_iterations=num_iterations,
         max_env_columns_per_trainer=max(env_ranks_per_trainer) * env.num_envs,
         sync_every=schedule.weight_sync_every,
-        explore_iterations=math.ceil(schedule.random_steps / steps_per_iteration),
+        explore_iterations=math.ceil(schedule.random_steps / steps_per_iteration) if num_steps else 0,
         env=env,
         action_chunk=chunk,
         episodes=episodes,

@@ -102,6 +102,11 @@ class AsyncEngine(SyncEngine):
     @classmethod
     def check_plan(cls, cfg, topology, plan, schedule) -> None:
         """Before any process group: the layout and the lag the algorithm tolerates."""
+        if schedule.rollout_unit == "none":
+            raise UserError(
+                f"engine.class=async overlaps rollouts with learning, and algo.class '{cfg.classes['algo']}' rolls "
+                f"out nothing; use engine.class=sync"
+            )
         if topology.colocated:
             raise UserError(
                 "engine.class=async runs in the split layout only (env, inference and trainer ranks of "
