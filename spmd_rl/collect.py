@@ -167,14 +167,14 @@ def _resume_point(out: Path, settings: dict) -> tuple[_Kept, int]:
         if not rows:
             return _Kept(), 0
         columns = reader.read(0, rows, meta=True)
-    ended = np.flatnonzero(columns["data/terminated"] | columns["data/truncated"])
+    ended = np.flatnonzero(columns["terminated"] | columns["truncated"])
     if not len(ended):
         return _Kept(), 0
     last = int(ended[-1])
     steps = columns["meta/env_step"][last] - columns["meta/env_step"][0]
-    valid = columns["data/chunk_valid"][last] if "data/chunk_valid" in columns else np.ones(1, dtype=bool)
-    kept = _Kept(int(columns["data/episode"][last]) + 1, last + 1, int(steps + valid.sum()))
-    return kept, int(columns["data/episode_seed"][last]) - settings["seed"] + 1
+    valid = columns["chunk_valid"][last] if "chunk_valid" in columns else np.ones(1, dtype=bool)
+    kept = _Kept(int(columns["episode"][last]) + 1, last + 1, int(steps + valid.sum()))
+    return kept, int(columns["episode_seed"][last]) - settings["seed"] + 1
 
 
 class _Actor:
