@@ -185,7 +185,7 @@ class _Actor:
     def begin(self, seed: int, info: dict) -> None:
         """An episode starts from reset seed `seed` (info: the reset's)."""
 
-    def actions(self, obs, raw: np.ndarray) -> np.ndarray:
+    def actions(self, obs, raw: np.ndarray | None) -> np.ndarray:
         """[n, *action shape] actions for the next n primitive steps, from the observation (a batch of one) and the
         env's own state vector (MetaWorld's)."""
         raise NotImplementedError
@@ -199,7 +199,7 @@ class _ScriptedExpert(_Actor):
     def begin(self, seed: int, info: dict) -> None:
         self.expert = scripted_expert(str(info["task"][0]))
 
-    def actions(self, obs, raw: np.ndarray) -> np.ndarray:
+    def actions(self, obs, raw: np.ndarray | None) -> np.ndarray:
         return self.expert.get_action(raw)[None]
 
 
@@ -225,7 +225,7 @@ class _TrainedPolicy(_Actor):
 
         torch.manual_seed(seed)  # a stochastic policy's episode is the same on every collection
 
-    def actions(self, obs, raw: np.ndarray) -> np.ndarray:
+    def actions(self, obs, raw: np.ndarray | None) -> np.ndarray:
         action = np.asarray(self.policy.act(obs, deterministic=self.deterministic)["action"])[0]
         return action.reshape(self.chunk, -1) if self.chunk > 1 else action[None]
 

@@ -116,7 +116,7 @@ def register(env_id: str) -> str:
         ) from None
     renderer = choose_renderer()
     if env_id not in gym.registry:
-        gym.register(id=env_id, entry_point=MetaWorldEnv, kwargs={"task": name})
+        gym.register(id=env_id, entry_point=f"{__name__}:MetaWorldEnv", kwargs={"task": name})
     return f"MetaWorld renders with MUJOCO_GL={renderer}"
 
 
@@ -133,11 +133,13 @@ def choose_renderer() -> str:
             os.environ["MUJOCO_GL"] = name
             return name
         failures.append(f"{name}: {error}")
-    advice = (
-        f"MUJOCO_GL={given} is set: unset it to let EGL or OSMesa be tried, or set another"
-        if given
-        else "install EGL (Debian: libegl1 libegl-mesa0) or OSMesa (libosmesa6), or set MUJOCO_GL"
-    )
+    platform = os.environ.get("PYOPENGL_PLATFORM")
+    if given:
+        advice = f"MUJOCO_GL={given} is set: unset it to let EGL or OSMesa be tried, or set another"
+    elif platform and platform.lower() not in RENDERERS:
+        advice = f"PYOPENGL_PLATFORM={clip(platform)} is set, which rules out both: unset it"
+    else:
+        advice = "install EGL (Debian: libegl1 libegl-mesa0) or OSMesa (libosmesa6), or set MUJOCO_GL"
     raise UserError(
         f"MetaWorld's camera images need headless rendering, and none works here ({'; '.join(failures)}): {advice}"
     )
@@ -166,7 +168,8 @@ def scripted_expert(task: str):
     """MetaWorld's scripted policy for `task` (metaworld.policies): get_action(MetaWorld's 39-value observation)."""
     from metaworld.policies import ENV_POLICY_MAP
 
-    return ENV_POLICY_MAP[task]()
+    expert: Any = ENV_POLICY_MAP[task]  # typed as MetaWorld's abstract base; each entry is a task's concrete class
+    return expert()
 
 
 @functools.cache
@@ -202,7 +205,12 @@ class MetaWorldEnv(gym.Env):
         benchmark = _benchmark(task, benchmark_seed)
         self._classes = benchmark.train_classes
         self._tasks = benchmark.train_tasks
-        self._settings = {"camera": camera, "width": width, "height": height, "cheap_scene": cheap_scene}
+        self._settings: dict[str, Any] = {
+            "camera": camera,
+            "width": width,
+            "height": height,
+            "cheap_scene": cheap_scene,
+        }
         self._envs: dict[str, Any] = {}  # task name -> its MetaWorld env, made when a reset first needs it
         self.terminate_on_success = terminate_on_success
         self.render_mode = render_mode

@@ -1,0 +1,42 @@
+"""MetaWorld's tasks as env ids, without rendering (tests/runs/test_metaworld.py renders): every task has an
+instruction, an unknown task is one line naming the nearest ones, and a demonstration row's layout."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from spmd_rl.collect import demonstration_layout
+from spmd_rl.envs.metaworld_envs import INSTRUCTIONS, is_metaworld_id, register
+from spmd_rl.envs.text import TokenizedText
+from spmd_rl.runtime.errors import UserError
+
+metaworld = pytest.importorskip("metaworld", reason='MetaWorld is not installed (pip install -e ".[metaworld]")')
+
+
+def test_every_metaworld_task_has_an_instruction():
+    assert set(INSTRUCTIONS) == set(metaworld.ALL_V3_ENVIRONMENTS)
+    assert len(set(INSTRUCTIONS.values())) == len(INSTRUCTIONS)  # the instruction tells every task apart
+
+
+def test_an_unknown_task_names_the_nearest_ones():
+    with pytest.raises(UserError, match=r"MetaWorld has no task 'rech-v3'; did you mean metaworld/reach-v3"):
+        register("metaworld/rech-v3")
+    assert is_metaworld_id("metaworld/MT10") and not is_metaworld_id("Meta-World/MT1")
+
+
+def test_a_demonstration_row_holds_the_observation_the_chunk_and_the_outcome():
+    observation = gym.spaces.Dict(
+        {
+            "image": gym.spaces.Box(0, 255, (64, 64, 3), dtype=np.uint8),
+            "instruction": TokenizedText(256, 48),
+        }
+    )
+    layout = demonstration_layout(observation, gym.spaces.Box(-1, 1, (4,), dtype=np.float32), chunk=4)
+    assert layout["obs/image"] == ((64, 64, 3), np.dtype(np.uint8))
+    assert layout["obs/instruction/ids"] == ((48,), np.dtype(np.uint8))
+    assert layout["action"] == ((4, 4), np.dtype(np.float32))
+    assert layout["reward"] == ((4,), np.dtype(np.float32)) and layout["chunk_valid"] == ((4,), np.dtype(np.bool_))
+    single = demonstration_layout(observation, gym.spaces.Box(-1, 1, (4,), dtype=np.float32), chunk=1)
+    assert single["action"] == ((4,), np.dtype(np.float32)) and "chunk_valid" not in single
