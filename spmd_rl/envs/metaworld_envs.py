@@ -9,7 +9,8 @@ included), which the scripted experts act on (spmd_rl.collect) and a policy shou
 names the `task` and its configuration's `task_index`.
 
 Resets are reproducible: MetaWorld draws every initial state from a task configuration (50 per task), so
-reset(seed=s) sets configuration s % n (n = 50, or 500 for MT10) with MetaWorld's own sampling on reset off, and
+reset(seed=s) sets configuration s % n (n = 50; for MT10 n = 500, task s % 10 in MT10's order, its configuration
+(s // 10) % 50) with MetaWorld's own sampling on reset off, and
 seeds the generator that picks the configuration of each later reset without a seed. Envs given the same seed
 (an episode group, env.group_size) start from the same state.
 
@@ -204,7 +205,7 @@ class MetaWorldEnv(gym.Env):
     ):
         benchmark = _benchmark(task, benchmark_seed)
         self._classes = benchmark.train_classes
-        self._tasks = benchmark.train_tasks
+        self._tasks = interleaved_tasks(benchmark.train_tasks, list(self._classes))
         self._settings: dict[str, Any] = {
             "camera": camera,
             "width": width,
@@ -270,6 +271,16 @@ class MetaWorldEnv(gym.Env):
         for env in self._envs.values():
             env.close()
         self._envs.clear()
+
+
+def interleaved_tasks(tasks: list, names: list[str]) -> list:
+    """MetaWorld lists a benchmark's configurations task by task (MT10: 50 of reach-v3, then 50 of push-v3, ...);
+    interleaved, configuration i is task i mod len(names), so consecutive seeds (an env rank's envs) play different
+    tasks. One task's list is unchanged."""
+    by_task: dict[str, list] = {name: [] for name in names}
+    for task in tasks:
+        by_task[task.env_name].append(task)
+    return [column for row in zip(*by_task.values()) for column in row]
 
 
 def make_task_env(env_class, camera: str, width: int, height: int, cheap_scene: bool):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from spmd_rl.collect import demonstration_layout
-from spmd_rl.envs.metaworld_envs import INSTRUCTIONS, is_metaworld_id, register
+from spmd_rl.envs.metaworld_envs import INSTRUCTIONS, interleaved_tasks, is_metaworld_id, register
 from spmd_rl.envs.text import TokenizedText
 from spmd_rl.runtime.errors import UserError
 
@@ -24,6 +24,20 @@ def test_an_unknown_task_names_the_nearest_ones():
     with pytest.raises(UserError, match=r"MetaWorld has no task 'rech-v3'; did you mean metaworld/reach-v3"):
         register("metaworld/rech-v3")
     assert is_metaworld_id("metaworld/MT10") and not is_metaworld_id("Meta-World/MT1")
+
+
+def test_mt10_seeds_take_its_tasks_in_turn():
+    tasks = [metaworld.Task(env_name=name, data=bytes([i])) for name in ("a", "b") for i in range(3)]
+    order = interleaved_tasks(tasks, ["a", "b"])  # seed s: task s mod 2, its configuration s div 2
+    assert [(task.env_name, task.data[0]) for task in order] == [
+        ("a", 0),
+        ("b", 0),
+        ("a", 1),
+        ("b", 1),
+        ("a", 2),
+        ("b", 2),
+    ]
+    assert interleaved_tasks(tasks[:3], ["a"]) == tasks[:3]  # one task: MetaWorld's order
 
 
 def test_a_demonstration_row_holds_the_observation_the_chunk_and_the_outcome():
