@@ -174,7 +174,7 @@ def scripted_expert(task: str):
 
 
 @functools.cache
-def _benchmark(name: str, seed: int):
+def metaworld_benchmark(name: str, seed: int):
     """MetaWorld's benchmark object (its classes and task configurations) for a task or MT10; built once per
     process (MT10's takes seconds)."""
     import metaworld
@@ -203,7 +203,7 @@ class MetaWorldEnv(gym.Env):
         benchmark_seed: int = 0,
         render_mode: str | None = None,
     ):
-        benchmark = _benchmark(task, benchmark_seed)
+        benchmark = metaworld_benchmark(task, benchmark_seed)
         self._classes = benchmark.train_classes
         self._tasks = interleaved_tasks(benchmark.train_tasks, list(self._classes))
         self._settings: dict[str, Any] = {
