@@ -3,15 +3,19 @@ instruction, an unknown task is one line naming the nearest ones, and a demonstr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gymnasium as gym
 import numpy as np
 import pytest
 
 from spmd_rl.collect import demonstration_layout
+from spmd_rl.config.loading import load_config
 from spmd_rl.envs.metaworld_envs import INSTRUCTIONS, interleaved_tasks, is_metaworld_id, register
 from spmd_rl.envs.text import TokenizedText
 from spmd_rl.runtime.errors import UserError
 
+ROOT = Path(__file__).resolve().parents[2]
 metaworld = pytest.importorskip("metaworld", reason='MetaWorld is not installed (pip install -e ".[metaworld]")')
 
 
@@ -54,3 +58,10 @@ def test_a_demonstration_row_holds_the_observation_the_chunk_and_the_outcome():
     assert layout["reward"] == ((4,), np.dtype(np.float32)) and layout["chunk_valid"] == ((4,), np.dtype(np.bool_))
     single = demonstration_layout(observation, gym.spaces.Box(-1, 1, (4,), dtype=np.float32), chunk=1)
     assert single["action"] == ((4,), np.dtype(np.float32)) and "chunk_valid" not in single
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "metaworld").glob("*.yaml")), ids=lambda path: path.name)
+def test_the_metaworld_configs_load_and_name_a_metaworld_task(path):
+    env = load_config(path).env
+    assert env.id.startswith("metaworld/") and env.id.partition("/")[2] in INSTRUCTIONS
+    assert env.max_text_tokens >= len(INSTRUCTIONS[env.id.partition("/")[2]])
