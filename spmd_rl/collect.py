@@ -73,23 +73,22 @@ def collect(
     try:
         writer.rewind(kept.rows)  # rows of an episode a crash cut short (appends are whole episodes)
         envs, _ = make_vector_env(env_cfg, spec, cfg.train.seed)
-        written, attempt = kept.episodes, next_attempt
-        while written < episodes:
-            if success_only and done["attempts"] >= ATTEMPTS_PER_EPISODE * (episodes - kept.episodes):
+        first, attempt = kept.episodes, next_attempt
+        while kept.episodes < episodes:
+            if success_only and done["attempts"] >= ATTEMPTS_PER_EPISODE * (episodes - first):
                 raise UserError(
                     f"--success-only: {done['successes']} of {done['attempts']} attempts succeeded, too few for "
-                    f"{episodes - kept.episodes} episodes ({written} in {out}); collect without --success-only"
+                    f"{episodes - first} episodes ({kept.episodes} in {out}); collect without --success-only"
                 )
             rows, success = _play_episode(envs, actor, cfg.train.seed + attempt, chunk, layout, spec.action_space)
             done["attempts"] += 1
             done["successes"] += int(success)
             if success or not success_only:
-                rows["episode"][:] = written
+                rows["episode"][:] = kept.episodes
                 rows["episode_seed"][:] = cfg.train.seed + attempt
                 steps = rows.pop("steps")
                 writer.append(rows, env_id=0, env_step=kept.env_steps + np.cumsum(steps) - steps)
                 kept = kept.plus(len(steps), int(steps.sum()))
-                written += 1
                 done["episodes"] += 1
                 done["rows"] += len(steps)
             attempt += 1

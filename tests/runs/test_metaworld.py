@@ -94,6 +94,19 @@ def test_collect_writes_expert_episodes_and_continues_the_file(tmp_path):
     assert other.returncode == 2 and "holds other episodes than these settings collect" in other.stderr
 
 
+def test_success_only_gives_up_when_too_few_attempts_succeed(tmp_path):
+    out = tmp_path / "reach.h5"  # 4 steps: too few for the expert to reach the goal
+    line = [sys.executable, "-m", "spmd_rl.collect", "--config", REACH, "--episodes", "1", "--success-only"]
+    result = subprocess.run(
+        [*line, "--out", str(out), "env.max_episode_steps=4"],
+        cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "--success-only: 0 of 20 attempts succeeded, too few for 1 episodes (0 in" in result.stderr
+    with HDF5Reader(out) as reader:
+        assert len(reader) == 0  # no failed episode was written
+
+
 @pytest.mark.parametrize(
     ("overrides", "variables", "expected"),
     [
