@@ -40,6 +40,8 @@ class EnvSpec:
     # Whether a rollout is whole episodes (the algorithm's Schedule.rollout_unit, set from the plan): each rollout
     # starts every env from a reset, and segments carry rollout["active"].
     episodes: bool = False
+    # A line for rank 0 to print at start about how the envs run (MetaWorld's: which renderer it chose); "" for none.
+    note: str = ""
 
 
 class EnvBackend:

@@ -331,6 +331,8 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
     run_dir, resume = agree_on_run(cfg, runtime, dry_run, checked.algorithm_cls.reshard_refusal)
     if runtime.rank == 0 and resume.fallback:
         print(f"spmd_rl: note: {resume.fallback}", flush=True)
+    if runtime.rank == 0 and checked.spec.note:  # how the envs run, said once (MetaWorld's renderer)
+        print(f"spmd_rl: note: {checked.spec.note}", flush=True)
     if runtime.rank == 0:
         start = ""
         if resume.checkpoint:  # iterations count from 0, as in metrics.jsonl, the checkpoints and the stop line

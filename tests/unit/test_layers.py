@@ -18,7 +18,7 @@ LAYERS = [
     {"roles", "algorithms", "modules"},
     {"run"},
     {"engines"},
-    {"main", "api", "evaluate", "plot", "runs", "data", "experience", "sweep"},
+    {"main", "api", "evaluate", "plot", "runs", "data", "experience", "sweep", "collect"},
 ]
 
 

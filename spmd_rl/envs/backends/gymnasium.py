@@ -20,6 +20,8 @@ from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.backend import EnvBackend, EnvSpec, differing_space, finish_vector_env
 from spmd_rl.envs.chunks import ActionChunks, chunked_spec
 from spmd_rl.envs.factory import register_factory
+from spmd_rl.envs.metaworld_envs import is_metaworld_id
+from spmd_rl.envs.metaworld_envs import register as register_metaworld
 from spmd_rl.runtime.errors import UserError, describe_exception
 
 
@@ -57,6 +59,8 @@ class GymnasiumBackend(EnvBackend):
                     f"env.id '{env_id}': importing its module failed (module '{module}'): {import_failure(exc)}"
                 ) from None
             register_factory(module, name)  # 'module:make_env': a function returning an Env (envs/factory.py)
+        # metaworld/<task>: registered here, as the factories above (envs/metaworld_envs.py)
+        note = register_metaworld(cfg.id) if is_metaworld_id(cfg.id) else ""
         try:
             # gymnasium's own warnings appear again when the envs are built; here they would only bury our verdict.
             with warnings.catch_warnings():
@@ -90,7 +94,7 @@ class GymnasiumBackend(EnvBackend):
                     f"env.vectorization=vector_entry_point: env.id '{cfg.id}' has no vectorized "
                     f"implementation; use env.vectorization=auto, sync or async"
                 )
-            return EnvSpec(cfg.id, env.observation_space, env.action_space, mode, _step_info_keys(env))
+            return EnvSpec(cfg.id, env.observation_space, env.action_space, mode, _step_info_keys(env), note=note)
         finally:
             env.close()
 
@@ -115,7 +119,7 @@ class GymnasiumBackend(EnvBackend):
         # runs one setting).
         mode = "async" if cfg.vectorization == "async" else "sync"
         info_keys = frozenset.intersection(*(spec.step_info_keys for _, spec in specs))  # what every group reports
-        return EnvSpec(cfg.id, spec.observation_space, spec.action_space, mode, info_keys)
+        return EnvSpec(cfg.id, spec.observation_space, spec.action_space, mode, info_keys, note=spec.note)
 
     def make(self, cfg: EnvSection, spec: EnvSpec, seed: int, wrappers: list | None = None):
         mode = spec.vectorization

@@ -1,0 +1,124 @@
+"""MetaWorld's envs for real (MuJoCo 3.3.0, EGL or OSMesa): a task renders its camera and resets to the same state
+from the same seed, the instruction reaches the policy as token ids, the scripted expert's episodes go to HDF5 and
+a second call continues the file, and bad input is one line, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from harness.launch import ROOT, job_env
+from harness.runs import TINY, assert_one_line_exit_2, run_main
+
+from spmd_rl.config.sections import EnvSection
+from spmd_rl.envs.metaworld_envs import INSTRUCTIONS, register
+from spmd_rl.envs.vector import make_vector_env, probe_env
+from spmd_rl.storage.reader import HDF5Reader
+
+pytest.importorskip("metaworld", reason='MetaWorld is not installed (pip install -e ".[metaworld]")')
+
+REACH = str(ROOT / "configs" / "metaworld" / "reach_collect.yaml")
+
+
+def test_a_task_renders_and_resets_to_one_state_per_seed():
+    register("metaworld/reach-v3")
+    env = gym.make("metaworld/reach-v3", width=32, height=24)
+    try:
+        first, info = env.reset(seed=7)
+        assert first["image"].shape == (24, 32, 3) and first["image"].dtype == np.uint8
+        assert first["image"].std() > 10  # a scene, not a blank frame
+        assert first["instruction"] == INSTRUCTIONS["reach-v3"] and first["state"].shape == (4,)
+        assert info["task"] == "reach-v3" and info["task_index"] == 7
+        moved, _, _, _, step_info = env.step(np.array([1.0, 0.0, 0.0, 0.0], dtype=np.float32))
+        assert not np.array_equal(moved["image"], first["image"]) and "success" in step_info
+        again, again_info = env.reset(seed=7)  # configuration 7 again: the same state and image
+        assert np.array_equal(again["image"], first["image"])
+        assert np.array_equal(again_info["metaworld_observation"], info["metaworld_observation"])
+        other, other_info = env.reset(seed=8)
+        assert not np.array_equal(other_info["metaworld_observation"][4:7], info["metaworld_observation"][4:7]) or (
+            not np.array_equal(other_info["metaworld_observation"][-3:], info["metaworld_observation"][-3:])
+        )
+    finally:
+        env.close()
+
+
+def test_the_instruction_arrives_as_token_ids_and_a_group_starts_together():
+    cfg = EnvSection(id="metaworld/push-v3", num_envs=2, group_size=2, max_text_tokens=32)
+    spec = probe_env(cfg)
+    assert spec.success_key == "success" and "renders with MUJOCO_GL=" in spec.note
+    envs, obs = make_vector_env(cfg, spec, seed=3)
+    try:
+        sentence = INSTRUCTIONS["push-v3"].encode()
+        ids, mask = obs["instruction"]["ids"], obs["instruction"]["mask"]
+        assert ids.dtype == np.uint8 and ids.shape == (2, 32)
+        assert bytes(ids[0, : len(sentence)]) == sentence and mask[0].sum() == len(sentence)
+        assert np.array_equal(obs["image"][0], obs["image"][1])  # one seed for the group: one initial state
+    finally:
+        envs.close()
+
+
+@pytest.mark.slow
+def test_collect_writes_expert_episodes_and_continues_the_file(tmp_path):
+    out = tmp_path / "reach.h5"
+
+    def collect(episodes: int, *overrides: str) -> subprocess.CompletedProcess:
+        line = [sys.executable, "-m", "spmd_rl.collect", "--config", REACH, "--episodes", str(episodes), *overrides]
+        return subprocess.run(
+            [*line, "--out", str(out)], cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=300
+        )
+
+    first = collect(1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "renders with MUJOCO_GL=" in first.stdout and "holds 1 episodes; this call wrote 1" in first.stdout
+    second = collect(2)  # continues: episode 1 from seed 1, episode 0 kept
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "holds 2 episodes; this call wrote 1" in second.stdout
+    with HDF5Reader(out) as reader:
+        assert reader.check_rows()  # every chunk's checksum
+        rows = reader.read(meta=True)
+    assert rows["obs/image"].dtype == np.uint8 and rows["obs/image"].shape[1:] == (64, 64, 3)
+    assert rows["action"].shape[1:] == (4, 4) and np.abs(rows["action"]).max() <= 1.0
+    assert list(np.unique(rows["episode"])) == [0, 1] and list(np.unique(rows["episode_seed"])) == [0, 1]
+    ends = np.flatnonzero(rows["terminated"] | rows["truncated"])
+    assert len(ends) == 2 and ends[-1] == len(rows["episode"]) - 1
+    assert rows["episode_success"].all() and rows["success"][ends].all()  # reach's expert succeeds, which ends it
+    sentence = INSTRUCTIONS["reach-v3"].encode()
+    assert bytes(rows["obs/instruction/ids"][0, : len(sentence)]) == sentence
+    steps = rows["meta/env_step"]
+    assert steps[0] == 0 and np.all(np.diff(steps) > 0)  # primitive steps counted on over both calls
+
+    other = collect(3, "env.max_episode_steps=90")  # the same file with other settings is refused
+    assert other.returncode == 2 and "holds other episodes than these settings collect" in other.stderr
+
+
+def test_success_only_gives_up_when_too_few_attempts_succeed(tmp_path):
+    out = tmp_path / "reach.h5"  # 4 steps: too few for the expert to reach the goal
+    line = [sys.executable, "-m", "spmd_rl.collect", "--config", REACH, "--episodes", "1", "--success-only"]
+    result = subprocess.run(
+        [*line, "--out", str(out), "env.max_episode_steps=4"],
+        cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "--success-only: 0 of 20 attempts succeeded, too few for 1 episodes (0 in" in result.stderr
+    with HDF5Reader(out) as reader:
+        assert len(reader) == 0  # no failed episode was written
+
+
+@pytest.mark.parametrize(
+    ("overrides", "variables", "expected"),
+    [
+        (["env.id=metaworld/rech-v3"], {}, "MetaWorld has no task 'rech-v3'; did you mean metaworld/reach-v3"),
+        (["env.id=metaworld/reach-v3", "env.kwargs.camera=nowhere"], {}, "scene has no camera 'nowhere'; its cameras"),
+        # A GL platform that is neither EGL nor OSMesa: both fail to load, as on a machine without either.
+        (["env.id=metaworld/reach-v3"], {"PYOPENGL_PLATFORM": "glx"}, "need headless rendering, and none works here"),
+    ],
+    ids=["unknown-task", "unknown-camera", "no-renderer"],
+)
+def test_bad_metaworld_input_is_one_line_exit_2(tmp_path, overrides, variables, expected):
+    env = job_env(**variables)
+    env.pop("MUJOCO_GL", None)
+    result = run_main("--config", TINY, *overrides, f"run.dir={tmp_path}/run", env=env)
+    assert_one_line_exit_2(result, expected)

@@ -1,0 +1,67 @@
+"""MetaWorld's tasks as env ids, without rendering (tests/runs/test_metaworld.py renders): every task has an
+instruction, an unknown task is one line naming the nearest ones, and a demonstration row's layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from spmd_rl.collect import demonstration_layout
+from spmd_rl.config.loading import load_config
+from spmd_rl.envs.metaworld_envs import INSTRUCTIONS, interleaved_tasks, is_metaworld_id, register
+from spmd_rl.envs.text import TokenizedText
+from spmd_rl.runtime.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
+metaworld = pytest.importorskip("metaworld", reason='MetaWorld is not installed (pip install -e ".[metaworld]")')
+
+
+def test_every_metaworld_task_has_an_instruction():
+    assert set(INSTRUCTIONS) == set(metaworld.ALL_V3_ENVIRONMENTS)
+    assert len(set(INSTRUCTIONS.values())) == len(INSTRUCTIONS)  # the instruction tells every task apart
+
+
+def test_an_unknown_task_names_the_nearest_ones():
+    with pytest.raises(UserError, match=r"MetaWorld has no task 'rech-v3'; did you mean metaworld/reach-v3"):
+        register("metaworld/rech-v3")
+    assert is_metaworld_id("metaworld/MT10") and not is_metaworld_id("Meta-World/MT1")
+
+
+def test_mt10_seeds_take_its_tasks_in_turn():
+    tasks = [metaworld.Task(env_name=name, data=bytes([i])) for name in ("a", "b") for i in range(3)]
+    order = interleaved_tasks(tasks, ["a", "b"])  # seed s: task s mod 2, its configuration s div 2
+    assert [(task.env_name, task.data[0]) for task in order] == [
+        ("a", 0),
+        ("b", 0),
+        ("a", 1),
+        ("b", 1),
+        ("a", 2),
+        ("b", 2),
+    ]
+    assert interleaved_tasks(tasks[:3], ["a"]) == tasks[:3]  # one task: MetaWorld's order
+
+
+def test_a_demonstration_row_holds_the_observation_the_chunk_and_the_outcome():
+    observation = gym.spaces.Dict(
+        {
+            "image": gym.spaces.Box(0, 255, (64, 64, 3), dtype=np.uint8),
+            "instruction": TokenizedText(256, 48),
+        }
+    )
+    layout = demonstration_layout(observation, gym.spaces.Box(-1, 1, (4,), dtype=np.float32), chunk=4)
+    assert layout["obs/image"] == ((64, 64, 3), np.dtype(np.uint8))
+    assert layout["obs/instruction/ids"] == ((48,), np.dtype(np.uint8))
+    assert layout["action"] == ((4, 4), np.dtype(np.float32))
+    assert layout["reward"] == ((4,), np.dtype(np.float32)) and layout["chunk_valid"] == ((4,), np.dtype(np.bool_))
+    single = demonstration_layout(observation, gym.spaces.Box(-1, 1, (4,), dtype=np.float32), chunk=1)
+    assert single["action"] == ((4,), np.dtype(np.float32)) and "chunk_valid" not in single
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "metaworld").glob("*.yaml")), ids=lambda path: path.name)
+def test_the_metaworld_configs_load_and_name_a_metaworld_task(path):
+    env = load_config(path).env
+    assert env.id.startswith("metaworld/") and env.id.partition("/")[2] in INSTRUCTIONS
+    assert env.max_text_tokens >= len(INSTRUCTIONS[env.id.partition("/")[2]])
