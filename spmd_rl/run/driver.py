@@ -72,7 +72,7 @@ class Checked:
     engine_cls: type
     callback_classes: list
     spec: EnvSpec
-    outputs: dict
+    policy_spec: contract.PolicySpec  # its outputs, recurrent state, size: read on the meta device, built nowhere yet
     gpu_slot: tuple[int | None, int]  # this rank's GPU on its node (None: an env rank), and how many it needs
 
 
@@ -309,8 +309,8 @@ def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
                 check_same_spaces(spec, probe_eval_env(cfg), "eval.env")
         shards = plan.trainer_ranks if plan.parallel.sharded else 1  # FSDP divides the training state
         with watchdog.watch(f"building policy.class {cfg.classes['policy']} and calling its act"):
-            outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls, shards)
-        contract.check_planned_memory(cfg, spec, outputs, plan)
+            policy_spec = contract.check_policy(cfg, spec, policy_cls, algorithm_cls, shards)
+        contract.check_planned_memory(cfg, spec, policy_spec.outputs, plan)
     except UserError as exc:
         raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
     gpu_slot = topology.gpu_slot(launch.rank, launch.local_rank, launch.local_world_size)
@@ -319,7 +319,7 @@ def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
     except UserError as exc:
         raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
     return Checked(
-        cfg, given, topology, plan, policy_cls, algorithm_cls, engine_cls, callback_classes, spec, outputs, gpu_slot
+        cfg, given, topology, plan, policy_cls, algorithm_cls, engine_cls, callback_classes, spec, policy_spec, gpu_slot
     )
 
 
@@ -355,7 +355,8 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
         topology=topology,
         groups=groups,
         spec=checked.spec,
-        outputs=checked.outputs,
+        outputs=checked.policy_spec.outputs,
+        recurrent_state=checked.policy_spec.recurrent_state,
         run_dir=run_dir,
         policy_cls=checked.policy_cls,
         algorithm_cls=checked.algorithm_cls,

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
-
-import torch
 
 from spmd_rl.config.sections import Config
 from spmd_rl.envs.vector import EnvSpec
@@ -30,7 +27,6 @@ from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run import builders
 from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.plan import Plan
-from spmd_rl.run.policies import build_policy
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.resume import Resume
 from spmd_rl.run.topology import COLOCATED, ENV, INFERENCE, TRAINER, ProcessGroups, Topology
@@ -53,6 +49,9 @@ class Run:
     groups: ProcessGroups
     spec: EnvSpec
     outputs: dict[str, StepField]  # the policy's declared per-step outputs
+    # The policy's declared recurrent state per env (None: stateless), read with its outputs by the contract check
+    # from its instance on the meta device: no rank builds the policy to learn it.
+    recurrent_state: dict[str, StepField] | None
     run_dir: Path
     policy_cls: type[Policy]
     algorithm_cls: type[Algorithm]
@@ -77,13 +76,6 @@ class Run:
     def iterations(self) -> range:
         """The iterations this rank runs: from the one after the resumed checkpoint to the plan's last."""
         return range(self.resume.start_iteration, self.plan.num_iterations)
-
-    @cached_property
-    def recurrent_state(self) -> dict[str, StepField] | None:
-        """The policy's declared recurrent state per env (None: stateless), checked by the contract before start.
-        Every rank reads it from a policy built the same way, without touching its random streams."""
-        with torch.random.fork_rng(devices=[]):
-            return build_policy(self.cfg, self.spec, self.policy_cls).recurrent_state()
 
     def describe(self, rank: int | None = None) -> str:
         """'rank 2 (env 0)': how messages name a rank (this one by default)."""
