@@ -6,12 +6,12 @@ and what to change (exit 2 on every rank, before any rank waits for another)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
 import torch
 from tensordict import TensorDict
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from spmd_rl.comm import sharding
 from spmd_rl.config import plugins
@@ -31,7 +31,7 @@ from spmd_rl.interfaces.policy import (
     initial_state,
 )
 from spmd_rl.roles.messages import segment_message
-from spmd_rl.run.policies import build_policy, policy_on_meta
+from spmd_rl.run.policies import PolicySpec, build_policy, policy_on_meta
 from spmd_rl.runtime.errors import UserError, describe_exception
 from spmd_rl.runtime.limits import check_memory, training_state_bytes
 
@@ -47,31 +47,26 @@ def load_classes(cfg: Config) -> tuple[type[Policy], type[Algorithm], type, list
     return policy_cls, algorithm_cls, engine_cls, callbacks
 
 
-@dataclass(frozen=True)
-class PolicySpec:
-    """The policy as every rank knows it without building it (read from its instance on the meta device): what lays
-    out every channel, segment and experience file, its size and its shard units."""
-
-    outputs: dict[str, StepField]
-    recurrent_state: dict[str, StepField] | None  # None: stateless
-    parameters: int
-    trained_parameters: int  # those that require grad
-    parameter_bytes: int  # the weights in their own dtypes
-    shard_units: int  # the submodules FSDP shards one by one (comm/sharding.py)
-
-
 def check_policy(
     cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm_cls: type[Algorithm], shards: int = 1
 ) -> PolicySpec:
-    """Build the policy, act on a batch of sample observations, compare with its declared outputs; returns its
-    static spec. The instance is built on the meta device (no memory, no initialisation, a pretrained folder checked
-    against its files' headers, not read), so that no rank builds the policy to check it and env ranks never build
-    it at all. A class whose constructor or methods need real values (code that reads a tensor's data) fails there:
-    it is checked, as before, on an instance built on the CPU, which also words any error of its own."""
+    """Build the policy, check its size against this host's memory, act on a batch of sample observations, compare
+    with its declared outputs; returns its static spec. Built on the meta device (no memory, no initialisation, a
+    pretrained folder checked against its files' headers), so no rank builds the policy to check it and env ranks
+    never build it. A class whose code needs real values fails there and is checked on a CPU instance, as before."""
+    name = f"policy.class '{cfg.classes['policy']}'"
+    key = "policy.hidden_sizes" if hasattr(cfg.policy, "hidden_sizes") else "the policy's size (its policy.* keys)"
     try:  # SystemExit and KeyboardInterrupt go on: no failure of the meta device
-        return _check_instance(cfg, spec, policy_cls, algorithm_cls, shards, policy_on_meta(cfg, spec, policy_cls))
+        policy = policy_on_meta(cfg, spec, policy_cls)
     except Exception:
-        name = f"policy.class '{cfg.classes['policy']}'"
+        policy = None
+    if policy is not None:
+        check_policy_memory(policy, name, key, shards)  # a policy too large is refused before anything is built
+        try:  # as fake tensors its methods run on shapes alone, and transformers skips shortcuts that read values
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                return _check_instance(cfg, spec, algorithm_cls, policy)
+        except Exception:
+            pass
     try:
         policy = build_policy(cfg, spec, policy_cls)
     except UserError:
@@ -81,15 +76,12 @@ def check_policy(
             f"{name} could not be built for observation space {spec.observation_space} and action "
             f"space {spec.action_space}: {describe_exception(exc)}"
         ) from None
-    return _check_instance(cfg, spec, policy_cls, algorithm_cls, shards, policy)
-
-
-def _check_instance(
-    cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm_cls: type[Algorithm], shards: int, policy: Policy
-) -> PolicySpec:
-    name = f"policy.class '{cfg.classes['policy']}'"
-    key = "policy.hidden_sizes" if hasattr(cfg.policy, "hidden_sizes") else "the policy's size (its policy.* keys)"
     check_policy_memory(policy, name, key, shards)
+    return _check_instance(cfg, spec, algorithm_cls, policy)
+
+
+def _check_instance(cfg: Config, spec: EnvSpec, algorithm_cls: type[Algorithm], policy: Policy) -> PolicySpec:
+    name = f"policy.class '{cfg.classes['policy']}'"
     try:
         outputs = dict(policy.outputs())
     except Exception as exc:
@@ -100,25 +92,24 @@ def _check_instance(
     obs, acted = _check_act(name, policy, outputs, spec, state)
     _check_algorithm_needs(cfg, policy, outputs, algorithm_cls, state, spec.success_key is not None)
     _check_policy_methods(cfg, policy, algorithm_cls, obs, acted, outputs)
+    parameters = list(policy.parameters())
     return PolicySpec(
         outputs=outputs,
         recurrent_state=state,
-        parameters=sum(p.numel() for p in policy.parameters()),
-        trained_parameters=sum(p.numel() for p in policy.parameters() if p.requires_grad),
-        parameter_bytes=sum(p.numel() * p.element_size() for p in policy.parameters()),
+        parameters=sum(p.numel() for p in parameters),
+        trained_parameters=sum(p.numel() for p in parameters if p.requires_grad),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in parameters),
         shard_units=len(sharding.shard_units(policy)),
     )
 
 
 def check_policy_memory(policy: Policy, name: str, key: str, shards: int = 1) -> None:
     """The policy's weights, gradients and Adam state (16 bytes a trained parameter, a frozen one only its weight,
-    divided over `shards` ranks when sharded) against this host's memory, counted on the policy the contract check
-    built: the weights of a CPU instance are counted as held, since they are freed before training allocates (an
-    instance on the meta device holds none)."""
+    divided over `shards` ranks when sharded) against this host's memory, counted on the contract check's instance:
+    a CPU instance's weights as held, since they are freed before training allocates (a meta one holds none)."""
     parameters = sum(p.numel() for p in policy.parameters())
-    frozen = [p for p in policy.parameters() if not p.requires_grad]
+    frozen = [p for p in policy.parameters() if not p.requires_grad]  # neither gradient nor Adam state
     held = sum(p.untyped_storage().nbytes() for p in policy.parameters() if not p.is_meta)
-    # a frozen parameter has neither gradient nor Adam state
     frozen_bytes = -(-sum(p.numel() * p.element_size() for p in frozen) // max(1, shards))
     check_memory(
         training_state_bytes(parameters - sum(p.numel() for p in frozen), shards) + frozen_bytes,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import gymnasium as gym
@@ -19,7 +20,7 @@ from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import Config
 from spmd_rl.envs import spaces
 from spmd_rl.envs.vector import EnvSpec, probe_env
-from spmd_rl.interfaces.policy import Policy
+from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.persist.checkpoint import COMPLETE, LATEST, find_checkpoint
 from spmd_rl.persist.fileio import checksum_matches, load_failure, torch_save_atomic
 from spmd_rl.persist.rank_state import ALGORITHM, POLICY, TRAINER, in_component_layout, load_state
@@ -30,6 +31,20 @@ from spmd_rl.run.state_fit import SAFETENSORS_SUFFIX, load_fitted, read_safetens
 from spmd_rl.runtime.errors import UserError
 
 _RANK_FILE = re.compile(r"rank(\d+)\.pt")
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """The policy as every rank knows it without building it, read by the contract check (run/contract.py) from its
+    instance on the meta device: what lays out every channel, segment and experience file, its size and its shard
+    units (comm/sharding.py)."""
+
+    outputs: dict[str, StepField]
+    recurrent_state: dict[str, StepField] | None  # None: stateless
+    parameters: int
+    trained_parameters: int  # those that require grad
+    parameter_bytes: int  # the weights in their own dtypes
+    shard_units: int
 
 
 def build_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], device: torch.device | str = "cpu") -> Policy:

@@ -33,6 +33,9 @@ from spmd_rl.run.topology import COLOCATED, ENV, INFERENCE, TRAINER, ProcessGrou
 from spmd_rl.run.trackers import open_trackers
 from spmd_rl.runtime.distributed import Runtime
 from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.limits import peak_rss_mb
+
+ROLES = (COLOCATED, ENV, INFERENCE, TRAINER)  # a rank's role travels as its index here (Run.rank_facts)
 
 
 @dataclass
@@ -52,6 +55,7 @@ class Run:
     # The policy's declared recurrent state per env (None: stateless), read with its outputs by the contract check
     # from its instance on the meta device: no rank builds the policy to learn it.
     recurrent_state: dict[str, StepField] | None
+    built_before: int  # Policy.real_constructions before the run's checks: its policy_builds count from here
     run_dir: Path
     policy_cls: type[Policy]
     algorithm_cls: type[Algorithm]
@@ -76,6 +80,21 @@ class Run:
     def iterations(self) -> range:
         """The iterations this rank runs: from the one after the resumed checkpoint to the plan's last."""
         return range(self.resume.start_iteration, self.plan.num_iterations)
+
+    def rank_facts(self) -> tuple[float, float, float]:
+        """What the last agreement gathers of this rank for rank_records: its role (an index into ROLES), how many
+        times it constructed the policy, its peak resident memory in MiB."""
+        builds = Policy.real_constructions - self.built_before
+        return float(ROLES.index(self.role)), float(builds), peak_rss_mb()
+
+    def rank_records(self) -> list[dict]:
+        """finished.json's "ranks" (rank 0's, after the last agreement): each rank's role, how many times it
+        constructed the policy on a real device (the checks before start read an instance on the meta device) and
+        its peak resident memory."""
+        return [
+            {"rank": rank, "role": ROLES[int(role)], "policy_builds": int(builds), "peak_rss_mb": round(rss, 1)}
+            for rank, (role, builds, rss) in enumerate(self.control.gathered_facts)
+        ]
 
     def describe(self, rank: int | None = None) -> str:
         """'rank 2 (env 0)': how messages name a rank (this one by default)."""
