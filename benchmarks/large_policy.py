@@ -6,6 +6,15 @@ dist.broadcast of the same bytes, the extra memory a sync takes on a trainer, a 
 
     python benchmarks/large_policy.py                  # 100M and 300M parameters
     python benchmarks/large_policy.py --sizes 20       # quicker: 20M
+    python benchmarks/large_policy.py --vla small      # the vla policy (91M) built once where it runs (below)
+
+--vla PRESET: the vla policy from a PaliGemma folder this script writes (save_pretrained of the preset), split over
+5 ranks (2 env, 1 inference, 2 fsdp trainers) through torchrun, against the same layout with a small actor-critic
+MLP: start-up (launch to the first metrics line, the first iteration included) against the time one process takes
+to import, build and load the folder's weights; each rank's peak RSS and policy builds (finished.json's "ranks");
+the trainers' training state (weights, gradients, Adam's moments) with LoRA rank 16 against full fine-tuning,
+counted on the policy built on the meta device; and the bytes of a weight sync after the first (the frozen base
+travels only with the first), from the weight sync's own bucket layout of that policy.
 
 The model is a stack of square Linear layers (width 2048: 4.2M parameters a layer), built on the meta device and
 materialized after sharding, so no rank ever holds the whole model except where the measurement says so. Ranks are
@@ -25,12 +34,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import multiprocessing
 import os
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import machine, table  # noqa: E402
+from benchmarks.common import ROOT, command, machine, table  # noqa: E402
 from spmd_rl.comm import sharding  # noqa: E402
 from spmd_rl.comm.weight_sources import GatheredWeightSource, ShardedWeightSource  # noqa: E402
 from spmd_rl.comm.weights import WeightSync  # noqa: E402
@@ -253,14 +264,155 @@ def _ddp_child(rank: int, init: str, out: str, layers: int):
     os._exit(0)
 
 
+VLA_ENV = "env.id=tests.harness.vla_fixtures:InstructedReach-v0"
+SPLIT_5 = ["layout.mode=split", "layout.trainer=2", "layout.inference=1", "layout.env=2", "train.parallel=fsdp"]
+
+
+def _vla_folder(preset: str, folder: Path) -> int:
+    """A PaliGemma folder of the preset's architecture (its initial weights), as save_pretrained writes it; the
+    parameter count."""
+    from spmd_rl.modules.configs import VLAConfig
+    from spmd_rl.modules.vla import build_backbone
+
+    backbone, _ = build_backbone(VLAConfig(preset=preset))
+    backbone.save_pretrained(folder, max_shard_size="100MB")
+    return sum(p.numel() for p in backbone.parameters())
+
+
+def _load_once_s(folder: Path) -> float:
+    """Seconds for one fresh process to import, build the vla policy and read the folder's weights."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from harness.vla_fixtures import InstructedReach; "
+        "from spmd_rl.modules.configs import VLAConfig; from spmd_rl.modules.vla import VLAPolicy; env = "
+        f"InstructedReach(); VLAPolicy(env.observation_space, env.action_space, VLAConfig(pretrained='{folder}'))"
+    )
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return time.monotonic() - started
+
+
+def _split_run(overrides: list[str], run_dir: Path) -> tuple[float, list[dict]]:
+    """(seconds from launch to the first metrics line, finished.json's ranks) of a 2-iteration split-5 run."""
+    args = ["--config", "configs/ci_tiny.yaml", VLA_ENV, *SPLIT_5, f"run.dir={run_dir}", "train.total_steps=128"]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    started = time.monotonic()
+    job = subprocess.Popen(
+        [*command("torchrun", 5), *args, *overrides, "dist.timeout_s=900"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first_line = None
+    while job.poll() is None:
+        metrics = run_dir / "metrics.jsonl"
+        if first_line is None and metrics.exists() and metrics.stat().st_size:
+            first_line = time.monotonic() - started
+        time.sleep(0.2)
+    if job.returncode != 0:
+        raise RuntimeError(f"split run {overrides} failed ({job.returncode}): {job.stderr.read()[-3000:]}")
+    assert first_line is not None  # a finished run logged its iterations
+    return first_line, json.loads((run_dir / "finished.json").read_text())["ranks"]
+
+
+def _vla_paper(folder: Path, lora_rank: int) -> dict:
+    """On the policy built on the meta device: parameters, the training state of one of 2 fsdp trainers (16 bytes a
+    trained parameter, its weight for a frozen one) and the bytes of every weight sync after the first."""
+    from spmd_rl.comm.weights import lay_out
+    from spmd_rl.config.loading import load_config
+    from spmd_rl.envs.vector import probe_env
+    from spmd_rl.run.contract import load_classes
+    from spmd_rl.run.policies import policy_on_meta
+
+    cfg = load_config(
+        None, [VLA_ENV, "policy.class=vla", f"policy.pretrained={folder}", f"policy.lora.rank={lora_rank}"]
+    )
+    policy = policy_on_meta(cfg, probe_env(cfg.env), load_classes(cfg)[0])
+    trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in policy.parameters() if not p.requires_grad)
+    entries, sizes = lay_out(policy, BUCKET_MB * 2**20)
+    first_frozen = min([e.bucket for e in entries if e.frozen], default=len(sizes))
+    return {
+        "trained": trained,
+        "train_bytes": (16 * trained + frozen) / 2,
+        "first_sync": sum(sizes),
+        "later_sync": sum(sizes[:first_frozen]),
+    }
+
+
+def vla(preset: str) -> None:
+    """The --vla tables (the module docstring says what they measure)."""
+    mib = 2**20
+    work = Path(tempfile.mkdtemp(prefix="spmd_vla_"))
+    folder = work / "model"
+    parameters = _vla_folder(preset, folder)
+    load_s = _load_once_s(folder)
+    load = f"{os.getloadavg()[0]:.1f}"
+    vla = ["policy.class=vla", f"policy.pretrained={folder}"]
+    runs = {
+        "mlp [16, 16]": _split_run(["policy.hidden_sizes=[16,16]"], work / "mlp"),
+        "vla": _split_run(vla, work / "vla"),
+        "vla, lora 16": _split_run([*vla, "policy.lora.rank=16"], work / "vla_lora"),
+    }
+    load += f"-{os.getloadavg()[0]:.1f}"
+    full, lora = _vla_paper(folder, 0), _vla_paper(folder, 16)
+    shutil.rmtree(work, ignore_errors=True)
+    print(
+        f"\nvla preset {preset} ({parameters / 1e6:.0f}M backbone parameters), split 5 (2 env, 1 inference, 2 fsdp "
+        f"trainers), 2 iterations; one process importing, building and loading it: {load_s:.1f} s; load {load}"
+    )
+    roles = ("env", "inference", "trainer")
+    rows, env_rss = [], {}
+    for name, (startup_s, ranks) in runs.items():
+        rss = {role: max(r["peak_rss_mb"] for r in ranks if r["role"] == role) for role in roles}
+        builds = {role: [r["policy_builds"] for r in ranks if r["role"] == role] for role in roles}
+        env_rss[name] = rss["env"]
+        rows.append(
+            [
+                name,
+                f"{startup_s:.1f}",
+                f"{startup_s / load_s:.2f}x",
+                *(f"{rss[role]:.0f}" for role in roles),
+                ", ".join(f"{role} {builds[role]}" for role in roles),
+            ]
+        )
+    print(table(["policy", "start-up s", "/ load once", *(f"{r} peak RSS MiB" for r in roles), "policy builds"], rows))
+    print(f"env rank peak RSS, vla / mlp: {env_rss['vla'] / env_rss['mlp [16, 16]']:.2f}x")
+    print("\nTraining state per fsdp trainer (of 2) and bytes per weight sync, on the policy built on the meta device:")
+    print(
+        table(
+            ["policy", "trained parameters", "training state MiB", "first sync MiB", "later sync MiB"],
+            [
+                [
+                    name,
+                    f"{r['trained']:,}",
+                    f"{r['train_bytes'] / mib:.0f}",
+                    f"{r['first_sync'] / mib:.0f}",
+                    f"{r['later_sync'] / mib:.1f}",
+                ]  # fmt: skip
+                for name, r in (("full", full), ("lora 16", lora))
+            ],
+        )
+    )
+    print(
+        f"lora 16 / full: training state {lora['train_bytes'] / full['train_bytes']:.3f}x, bytes per later sync "
+        f"{lora['later_sync'] / full['later_sync']:.4f}x"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 300], help="millions of parameters")
     parser.add_argument("--designs", nargs="+", default=["sent"], choices=["gathered", "sent"])
     parser.add_argument("--pairs", type=int, default=PAIRS, help="rounds of a sync and a raw broadcast")
+    parser.add_argument("--vla", choices=["tiny", "small"], help="measure the vla policy of this preset instead")
     args = parser.parse_args()
     print(machine())
     print(f"load average before: {os.getloadavg()}")
+    if args.vla:
+        vla(args.vla)
+        return
     mib = 2**20
     memory, syncs, paper = [], [], []
     for millions in args.sizes:

@@ -70,6 +70,9 @@ class Policy(nn.Module):
     `act`. Add whatever your algorithm needs from it (PPO: `evaluate` and `value`; SAC: `sample` and `features`)."""
 
     Config: ClassVar[type] = NoConfig
+    # How many policies this process constructed with real tensors (of any class; an instance built on the meta
+    # device, which holds no data, is not counted): finished.json's policy_builds per rank, asserted by tests.
+    real_constructions: ClassVar[int] = 0
 
     if TYPE_CHECKING:
         # For the type checker only: the methods an algorithm calls beyond this contract (PPO's evaluate, DQN's
@@ -79,6 +82,8 @@ class Policy(nn.Module):
 
     def __init__(self, observation_space: gym.Space[Any], action_space: gym.Space[Any], config: Any):
         super().__init__()
+        if torch.get_default_device().type != "meta":
+            Policy.real_constructions += 1
         self.observation_space = observation_space
         self.action_space = action_space
         self.config = config

@@ -145,6 +145,8 @@ def load_weights(
         raise UserError(
             f"policy.pretrained={clip(str(folder))}: its weights do not fit the model: {'; '.join(problems)}"
         )
+    if any(tensor.is_meta for tensor in targets.values()):
+        return  # the contract check's instance on the meta device: checked against the files, nothing to copy into
     _copy(targets, mapped)
 
 

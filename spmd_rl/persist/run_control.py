@@ -5,6 +5,8 @@ Every rank computes the same answer at the same iteration: periodic checkpoints 
 (a signal it received, rank 0's clock for `checkpoint.every_s`) travels in one tiny all_reduce over all ranks.
 So every rank saves at the same iteration and no rank stops alone. A checkpoint is committed by rank 0 once every
 rank reported its file written (a second all_reduce), so a kill at any moment leaves the previous one loadable.
+At an agreement that may end the run (the last iteration; any, with run.stop_at_return) the same all_reduce also
+gathers a few numbers of every rank (`rank_facts`: what finished.json's "ranks" records), each in its own slots.
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class RunControl:
         self.stop_at_return = cfg.run.stop_at_return
         # rank 0: the headline return (the mean of the last episodes) after the iteration just logged
         self.mean_return: Callable[[], float] = lambda: float("nan")
+        # this rank's numbers for the run's end record (a fixed count, the same on every rank), and every rank's as
+        # gathered by the last agreement that could end the run (rank order)
+        self.rank_facts: Callable[[], tuple[float, ...]] = lambda: ()
+        self.gathered_facts: list[tuple[float, ...]] = []
         self.num_iterations = num_iterations
         self.rank, self.world_size, self.distributed = rank, world_size, distributed
         self.store = CheckpointStore(run_dir, keep=cfg.checkpoint.keep)
@@ -75,8 +81,9 @@ class RunControl:
         stop = requested_stop()
         mean_return = self.mean_return() if self.stop_at_return is not None and self.rank == 0 else float("nan")
         reached = mean_return >= self.stop_at_return if self.stop_at_return is not None else False  # NaN: not yet
+        facts = self.rank_facts() if last or self.stop_at_return is not None else ()
         signal_number, timed_out, reached, mean_return = self._agree(
-            stop[1] if stop else 0, timed_out, reached, mean_return
+            stop[1] if stop else 0, timed_out, reached, mean_return, facts
         )
         if not (due or timed_out or signal_number or reached):
             return
@@ -99,24 +106,32 @@ class RunControl:
             self._all_reduce(done, dist.ReduceOp.SUM, "stop: wait for rank 0's checkpoint and policy.pt")
 
     def _agree(
-        self, signal_number: int, timed_out: bool, reached: bool, mean_return: float
+        self, signal_number: int, timed_out: bool, reached: bool, mean_return: float, facts: tuple[float, ...]
     ) -> tuple[int, bool, bool, float]:
         """(a signal any rank received, rank 0's clock says a timed checkpoint is due, rank 0's mean return reached
-        run.stop_at_return, rank 0's mean return), the same on every rank. Small integers and the return travel
-        exactly as float64."""
+        run.stop_at_return, rank 0's mean return), the same on every rank; with `facts`, every rank's facts into
+        gathered_facts. Small integers and the return travel exactly as float64."""
         if not self.distributed:
+            if facts:
+                self.gathered_facts = [facts]
             return signal_number, timed_out, reached, mean_return
         known = self.rank == 0 and mean_return == mean_return  # NaN (no episode yet) takes no part in MAX
+        slots = [-math.inf] * (len(facts) * self.world_size)  # every rank's own slots; MAX leaves each its value
+        slots[self.rank * len(facts) : (self.rank + 1) * len(facts)] = facts
         flags = torch.tensor(
             [
                 signal_number,
                 int(timed_out and self.rank == 0),
                 int(reached and self.rank == 0),
                 mean_return if known else -math.inf,
+                *slots,
             ],
             dtype=torch.float64,
         )
         self._all_reduce(flags, dist.ReduceOp.MAX, "end-of-iteration agreement (checkpoint or stop) all_reduce")
+        if facts:
+            gathered = flags[4:].view(self.world_size, len(facts)).tolist()
+            self.gathered_facts = [tuple(row) for row in gathered]
         return int(flags[0]), bool(flags[1]), bool(flags[2]), float(flags[3])
 
     def _all_reduce(self, tensor: torch.Tensor, op, what: str) -> None:

@@ -31,7 +31,7 @@ from spmd_rl.roles.messages import action_message, observation_message, segment_
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.evaluation import cuda_indices
 from spmd_rl.run.metrics import MetricsLogger
-from spmd_rl.run.policies import build_policy, read_trained_state
+from spmd_rl.run.policies import build_policy, cpu_copy, read_trained_state
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.state_fit import load_fitted
 from spmd_rl.run.weight_sync_plan import WeightSyncPlan
@@ -54,6 +54,7 @@ def build_colocated(run: Run, logger: MetricsLogger | None) -> tuple[EnvRunner, 
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
         policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
     initial_algorithm_state = _init_policy_from(run, policy)
+    unsharded = _copy_before_sharding(run, policy)
     algorithm, callbacks = _build_algorithm(run, policy, group)
     with watchdog.watch(f"making and resetting env.id {cfg.env.id}"):
         envs, first_obs = backend_for(cfg.env).make(cfg.env, run.spec, _seed_rank(run))
@@ -103,7 +104,7 @@ def build_colocated(run: Run, logger: MetricsLogger | None) -> tuple[EnvRunner, 
     if run.resume.checkpoint is None:
         _init_algorithm_from(run, algorithm, initial_algorithm_state)
     if rank == 0:
-        run.final_policy = _final_policy(run, trainer, policy)
+        run.final_policy = _final_policy(trainer, policy, unsharded)
     return runner, server, trainer, report
 
 
@@ -193,6 +194,7 @@ def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1)
         policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
     initial_algorithm_state = _init_policy_from(run, policy)
     weights = WeightSyncPlan.of(run)
+    unsharded = _copy_before_sharding(run, policy)
     weight_sync: WeightSync | GatheredWeightSource | None
     if weights.gathered:  # after sharding: every trainer takes part
         algorithm, callbacks = _build_algorithm(run, policy, group)
@@ -228,7 +230,7 @@ def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1)
     if run.resume.checkpoint is None:
         _init_algorithm_from(run, algorithm, initial_algorithm_state)
     if rank == 0:
-        run.final_policy = _final_policy(run, trainer, policy)
+        run.final_policy = _final_policy(trainer, policy, unsharded)
     return trainer, report
 
 
@@ -281,14 +283,22 @@ def _build_algorithm(run: Run, policy: Policy, group) -> tuple[Algorithm, list]:
     return algorithm, callbacks
 
 
-def _final_policy(run: Run, trainer: Trainer, policy: Policy) -> Policy:
-    """What rank 0 saves as policy.pt: the policy itself, or with sharded trainers a plain copy on the CPU that
-    every checkpoint fills with the gathered full weights."""
+def _copy_before_sharding(run: Run, policy: Policy) -> Policy | None:
+    """Rank 0's plain copy of the policy on the CPU when the trainers shard it (taken before they do): what policy.pt
+    is written from, filled with the gathered full weights at every checkpoint. Not a second construction of the
+    policy where its class builds on the meta device (policies.cpu_copy)."""
+    if run.rank != 0 or not run.plan.parallel.sharded:
+        return None
+    return cpu_copy(policy, run.cfg, run.spec, run.policy_cls, cuda_indices(run.runtime.device))
+
+
+def _final_policy(trainer: Trainer, policy: Policy, unsharded: Policy | None) -> Policy:
+    """What rank 0 saves as policy.pt: the policy itself, or when the algorithm sharded it its plain copy."""
     if not trainer.sharded:
         return policy
-    with torch.random.fork_rng(devices=cuda_indices(run.runtime.device)):  # build_policy seeds torch
-        trainer.final_copy = build_policy(run.cfg, run.spec, run.policy_cls, "cpu")
-    return trainer.final_copy
+    assert unsharded is not None  # sharded by the algorithm: the plan shards (train.parallel=fsdp)
+    trainer.final_copy = unsharded
+    return unsharded
 
 
 def _recurrent_states(run: Run, counts: list[int]) -> RecurrentStates | None:

@@ -11,7 +11,9 @@ from typing import Any
 import gymnasium as gym
 import torch
 from tensordict import TensorDict
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from spmd_rl.comm import sharding
 from spmd_rl.config import plugins
 from spmd_rl.config.sections import Config
 from spmd_rl.envs.spaces import zeros_of
@@ -29,7 +31,7 @@ from spmd_rl.interfaces.policy import (
     initial_state,
 )
 from spmd_rl.roles.messages import segment_message
-from spmd_rl.run.policies import build_policy
+from spmd_rl.run.policies import PolicySpec, build_policy, policy_on_meta
 from spmd_rl.runtime.errors import UserError, describe_exception
 from spmd_rl.runtime.limits import check_memory, training_state_bytes
 
@@ -47,10 +49,24 @@ def load_classes(cfg: Config) -> tuple[type[Policy], type[Algorithm], type, list
 
 def check_policy(
     cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm_cls: type[Algorithm], shards: int = 1
-) -> dict[str, StepField]:
-    """Build the policy on the CPU, act on a batch of sample observations, compare with its declared outputs.
-    Returns the outputs, which lay out every channel, segment and experience file."""
+) -> PolicySpec:
+    """Build the policy, check its size against this host's memory, act on a batch of sample observations, compare
+    with its declared outputs; returns its static spec. Built on the meta device (no memory, no initialisation, a
+    pretrained folder checked against its files' headers), so no rank builds the policy to check it and env ranks
+    never build it. A class whose code needs real values fails there and is checked on a CPU instance, as before."""
     name = f"policy.class '{cfg.classes['policy']}'"
+    key = "policy.hidden_sizes" if hasattr(cfg.policy, "hidden_sizes") else "the policy's size (its policy.* keys)"
+    try:  # SystemExit and KeyboardInterrupt go on: no failure of the meta device
+        policy = policy_on_meta(cfg, spec, policy_cls)
+    except Exception:
+        policy = None
+    if policy is not None:
+        check_policy_memory(policy, name, key, shards)  # a policy too large is refused before anything is built
+        try:  # as fake tensors its methods run on shapes alone, and transformers skips shortcuts that read values
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                return _check_instance(cfg, spec, algorithm_cls, policy)
+        except Exception:
+            pass
     try:
         policy = build_policy(cfg, spec, policy_cls)
     except UserError:
@@ -60,8 +76,12 @@ def check_policy(
             f"{name} could not be built for observation space {spec.observation_space} and action "
             f"space {spec.action_space}: {describe_exception(exc)}"
         ) from None
-    key = "policy.hidden_sizes" if hasattr(cfg.policy, "hidden_sizes") else "the policy's size (its policy.* keys)"
     check_policy_memory(policy, name, key, shards)
+    return _check_instance(cfg, spec, algorithm_cls, policy)
+
+
+def _check_instance(cfg: Config, spec: EnvSpec, algorithm_cls: type[Algorithm], policy: Policy) -> PolicySpec:
+    name = f"policy.class '{cfg.classes['policy']}'"
     try:
         outputs = dict(policy.outputs())
     except Exception as exc:
@@ -73,19 +93,27 @@ def check_policy(
     _check_algorithm_needs(cfg, policy, outputs, algorithm_cls, state, spec.success_key is not None)
     _check_policy_methods(cfg, policy, algorithm_cls, obs, acted, outputs)
     algorithm_cls.check_spaces(cfg.algo, spec.observation_space, spec.action_space)
-    return outputs
+    parameters = list(policy.parameters())
+    return PolicySpec(
+        outputs=outputs,
+        recurrent_state=state,
+        parameters=sum(p.numel() for p in parameters),
+        trained_parameters=sum(p.numel() for p in parameters if p.requires_grad),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in parameters),
+        shard_units=len(sharding.shard_units(policy)),
+    )
 
 
 def check_policy_memory(policy: Policy, name: str, key: str, shards: int = 1) -> None:
-    """The policy's weights, gradients and Adam state (16 bytes a trained parameter, 4 a frozen one, divided over
-    `shards` ranks when sharded) against this host's memory, counted on the policy the contract check built: its
-    own weights are counted as held, since they are freed before training allocates."""
+    """The policy's weights, gradients and Adam state (16 bytes a trained parameter, a frozen one only its weight,
+    divided over `shards` ranks when sharded) against this host's memory, counted on the contract check's instance:
+    a CPU instance's weights as held, since they are freed before training allocates (a meta one holds none)."""
     parameters = sum(p.numel() for p in policy.parameters())
-    frozen = sum(p.numel() for p in policy.parameters() if not p.requires_grad)
-    held = sum(p.untyped_storage().nbytes() for p in policy.parameters())
-    frozen_bytes = -(-4 * frozen // max(1, shards))  # a frozen parameter has neither gradient nor Adam state
+    frozen = [p for p in policy.parameters() if not p.requires_grad]  # neither gradient nor Adam state
+    held = sum(p.untyped_storage().nbytes() for p in policy.parameters() if not p.is_meta)
+    frozen_bytes = -(-sum(p.numel() * p.element_size() for p in frozen) // max(1, shards))
     check_memory(
-        training_state_bytes(parameters - frozen, shards) + frozen_bytes,
+        training_state_bytes(parameters - sum(p.numel() for p in frozen), shards) + frozen_bytes,
         f"{name} ({parameters:,} parameters: weights, gradients and Adam's moments, 16 bytes each (4 if frozen)"
         f"{f' over {shards} shards' if shards > 1 else ''})",
         key,
@@ -188,6 +216,8 @@ def _check_act(name: str, policy: Policy, outputs: dict, spec: EnvSpec, state: d
     else:
         for i, sample in enumerate(samples):
             obs[i] = torch.as_tensor(sample)
+    device = next(policy.parameters(), torch.empty(0)).device  # the meta device for the meta instance
+    obs = obs.to(device)
     for deterministic in (False, True):
         call = f"act(obs, deterministic={deterministic}{', state=state' if state is not None else ''})"
         try:
@@ -196,7 +226,7 @@ def _check_act(name: str, policy: Policy, outputs: dict, spec: EnvSpec, state: d
                     out = policy.act(obs, deterministic=deterministic)
                 else:  # a recurrent policy's act takes its state too (Policy.act's docstring)
                     recurrent: Any = policy
-                    out = recurrent.act(obs, deterministic=deterministic, state=initial_state(state, batch))
+                    out = recurrent.act(obs, deterministic=deterministic, state=initial_state(state, batch, device))
         except Exception as exc:
             raise UserError(
                 f"{name}: {call} failed on a batch of {batch} sample observations: {describe_exception(exc)}"

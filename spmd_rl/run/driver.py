@@ -31,7 +31,7 @@ from spmd_rl.persist.run_lock import record_exit, release_run_dirs
 from spmd_rl.run import contract
 from spmd_rl.run.evaluation import check_video, probe_eval_env
 from spmd_rl.run.plan import Plan, dry_run_plan, plan_run
-from spmd_rl.run.policies import save_policy
+from spmd_rl.run.policies import PolicySpec, save_policy
 from spmd_rl.run.resume import agree_on_run, mark_finished
 from spmd_rl.run.run import Run
 from spmd_rl.run.topology import Topology, build_topology, create_process_groups
@@ -72,8 +72,9 @@ class Checked:
     engine_cls: type
     callback_classes: list
     spec: EnvSpec
-    outputs: dict
+    policy_spec: PolicySpec  # its outputs, recurrent state, size: read on the meta device, built nowhere yet
     gpu_slot: tuple[int | None, int]  # this rank's GPU on its node (None: an env rank), and how many it needs
+    built_before: int  # Policy.real_constructions when the checks began: this run's builds are counted from here
 
 
 @dataclass
@@ -285,6 +286,7 @@ def resolve(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
 
 
 def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
+    built_before = Policy.real_constructions
     host_rank = launch.rank if launch.world_size > 1 else None
     try:
         topology = build_topology(given.layout, launch.world_size)
@@ -309,8 +311,8 @@ def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
                 check_same_spaces(spec, probe_eval_env(cfg), "eval.env")
         shards = plan.trainer_ranks if plan.parallel.sharded else 1  # FSDP divides the training state
         with watchdog.watch(f"building policy.class {cfg.classes['policy']} and calling its act"):
-            outputs = contract.check_policy(cfg, spec, policy_cls, algorithm_cls, shards)
-        contract.check_planned_memory(cfg, spec, outputs, plan)
+            policy_spec = contract.check_policy(cfg, spec, policy_cls, algorithm_cls, shards)
+        contract.check_planned_memory(cfg, spec, policy_spec.outputs, plan)
     except UserError as exc:
         raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
     gpu_slot = topology.gpu_slot(launch.rank, launch.local_rank, launch.local_world_size)
@@ -318,9 +320,8 @@ def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
         choose_device(cfg.train.device, *gpu_slot)  # enough GPUs on this node: said before any group exists
     except UserError as exc:
         raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
-    return Checked(
-        cfg, given, topology, plan, policy_cls, algorithm_cls, engine_cls, callback_classes, spec, outputs, gpu_slot
-    )
+    classes = (policy_cls, algorithm_cls, engine_cls, callback_classes)
+    return Checked(cfg, given, topology, plan, *classes, spec, policy_spec, gpu_slot, built_before)
 
 
 def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Checked, dry_run: bool) -> Outcome:
@@ -357,7 +358,9 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
         topology=topology,
         groups=groups,
         spec=checked.spec,
-        outputs=checked.outputs,
+        outputs=checked.policy_spec.outputs,
+        recurrent_state=checked.policy_spec.recurrent_state,
+        built_before=checked.built_before,
         run_dir=run_dir,
         policy_cls=checked.policy_cls,
         algorithm_cls=checked.algorithm_cls,
@@ -365,6 +368,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
         control=control,
         resume=resume,
     )
+    control.rank_facts = run.rank_facts
     stop_at_iteration_boundary(True)  # from here a signal stops the run at an iteration boundary, checkpointed
     try:
         checked.engine_cls(cfg.engine).run(run)
@@ -373,7 +377,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
             assert run.final_policy is not None  # rank 0 trains
             save_policy(run.final_policy, run_dir)
             if stopped.finished:  # run.stop_at_return: done, never resumed; said here, as it is no stop to rerun
-                mark_finished(run_dir, checked.given.resume_digest())
+                mark_finished(run_dir, checked.given.resume_digest(), run.rank_records())
                 print(f"spmd_rl: {stopped}", flush=True)
         control.wait_for_stop_files()
         return Outcome(run_dir, run.final_policy, None if stopped.finished else stopped)
@@ -382,7 +386,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
     if runtime.rank == 0:
         assert run.final_policy is not None  # rank 0 trains
         save_policy(run.final_policy, run_dir)
-        mark_finished(run_dir, checked.given.resume_digest())
+        mark_finished(run_dir, checked.given.resume_digest(), run.rank_records())
     return Outcome(run_dir, run.final_policy)
 
 

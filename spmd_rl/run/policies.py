@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import gymnasium as gym
@@ -19,7 +20,7 @@ from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import Config
 from spmd_rl.envs import spaces
 from spmd_rl.envs.vector import EnvSpec, probe_env
-from spmd_rl.interfaces.policy import Policy
+from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.persist.checkpoint import COMPLETE, LATEST, find_checkpoint
 from spmd_rl.persist.fileio import checksum_matches, load_failure, torch_save_atomic
 from spmd_rl.persist.rank_state import ALGORITHM, POLICY, TRAINER, in_component_layout, load_state
@@ -32,11 +33,55 @@ from spmd_rl.runtime.errors import UserError
 _RANK_FILE = re.compile(r"rank(\d+)\.pt")
 
 
+@dataclass(frozen=True)
+class PolicySpec:
+    """The policy as every rank knows it without building it, read by the contract check (run/contract.py) from its
+    instance on the meta device: what lays out every channel, segment and experience file, its size and its shard
+    units (comm/sharding.py)."""
+
+    outputs: dict[str, StepField]
+    recurrent_state: dict[str, StepField] | None  # None: stateless
+    parameters: int
+    trained_parameters: int  # those that require grad
+    parameter_bytes: int  # the weights in their own dtypes
+    shard_units: int
+
+
 def build_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], device: torch.device | str = "cpu") -> Policy:
     """The module inference ranks act with and trainer rank 0 broadcasts; the same initial module everywhere
-    (trainer 0's is the one that counts)."""
+    (trainer 0's is the one that counts). Built once per rank that acts or trains with it (run/builders.py)."""
     torch.manual_seed(cfg.train.seed)
     return policy_cls(spec.observation_space, spec.action_space, cfg.policy).to(device)
+
+
+def policy_on_meta(cfg: Config, spec: EnvSpec, policy_cls: type[Policy]) -> Policy:
+    """The policy constructed on the meta device: every parameter's shape and dtype, no memory, no initialisation
+    and no random numbers drawn (a pretrained folder is checked against its files, not read). What the checks before
+    start and the static spec read; raises whatever the class raises when its constructor needs real tensors."""
+    with torch.device("meta"):
+        return policy_cls(spec.observation_space, spec.action_space, cfg.policy)
+
+
+def cpu_copy(policy: Policy, cfg: Config, spec: EnvSpec, policy_cls: type[Policy], cuda_devices: list[int]) -> Policy:
+    """A plain copy of `policy` (before any sharding wraps it) on the CPU, given its tensors (non-persistent buffers
+    too) without a second initialisation: constructed on the meta device where the class allows it, otherwise built
+    as on any rank with the random streams of `cuda_devices` and the CPU left as they were."""
+    try:
+        copy = policy_on_meta(cfg, spec, policy_cls).to_empty(device="cpu")
+    except Exception:  # a constructor that needs real tensors
+        with torch.random.fork_rng(devices=cuda_devices):  # build_policy seeds torch
+            copy = build_policy(cfg, spec, policy_cls)
+    # By name and with every name of tied tensors: to_empty gives each of them a tensor of its own.
+    sources = dict(_tensors(policy))
+    with torch.no_grad():
+        for name, target in _tensors(copy):
+            target.copy_(sources[name])
+    return copy
+
+
+def _tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer by name, each name of tied ones too."""
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
 
 
 def save_policy(policy: Policy, run_dir: Path) -> None:

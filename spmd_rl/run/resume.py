@@ -281,7 +281,9 @@ def prepare_run_dir(run_dir: Path, resume: Resume) -> str:
     return ""
 
 
-def mark_finished(run_dir: Path, given_digest: str) -> None:
+def mark_finished(run_dir: Path, given_digest: str, ranks: list[dict]) -> None:
     """A finished run's directory is never resumed (decide_resume). given_digest: the config's resume digest as the
-    command gave it (config.yaml holds env counts the plan resolved for this world size)."""
-    write_atomic(run_dir / FINISHED, json.dumps({"finished": True, "config_digest": given_digest}) + "\n")
+    command gave it (config.yaml holds env counts the plan resolved for this world size); ranks: one record per rank
+    (docs/runs.md)."""
+    record = {"finished": True, "config_digest": given_digest, "ranks": ranks}
+    write_atomic(run_dir / FINISHED, json.dumps(record) + "\n")

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
-
-import torch
 
 from spmd_rl.config.sections import Config
 from spmd_rl.envs.vector import EnvSpec
@@ -30,13 +27,15 @@ from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run import builders
 from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.plan import Plan
-from spmd_rl.run.policies import build_policy
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.resume import Resume
 from spmd_rl.run.topology import COLOCATED, ENV, INFERENCE, TRAINER, ProcessGroups, Topology
 from spmd_rl.run.trackers import open_trackers
 from spmd_rl.runtime.distributed import Runtime
 from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.limits import peak_rss_mb
+
+ROLES = (COLOCATED, ENV, INFERENCE, TRAINER)  # a rank's role travels as its index here (Run.rank_facts)
 
 
 @dataclass
@@ -53,6 +52,10 @@ class Run:
     groups: ProcessGroups
     spec: EnvSpec
     outputs: dict[str, StepField]  # the policy's declared per-step outputs
+    # The policy's declared recurrent state per env (None: stateless), read with its outputs by the contract check
+    # from its instance on the meta device: no rank builds the policy to learn it.
+    recurrent_state: dict[str, StepField] | None
+    built_before: int  # Policy.real_constructions before the run's checks: its policy_builds count from here
     run_dir: Path
     policy_cls: type[Policy]
     algorithm_cls: type[Algorithm]
@@ -78,12 +81,20 @@ class Run:
         """The iterations this rank runs: from the one after the resumed checkpoint to the plan's last."""
         return range(self.resume.start_iteration, self.plan.num_iterations)
 
-    @cached_property
-    def recurrent_state(self) -> dict[str, StepField] | None:
-        """The policy's declared recurrent state per env (None: stateless), checked by the contract before start.
-        Every rank reads it from a policy built the same way, without touching its random streams."""
-        with torch.random.fork_rng(devices=[]):
-            return build_policy(self.cfg, self.spec, self.policy_cls).recurrent_state()
+    def rank_facts(self) -> tuple[float, float, float]:
+        """What the last agreement gathers of this rank for rank_records: its role (an index into ROLES), how many
+        times it constructed the policy, its peak resident memory in MiB."""
+        builds = Policy.real_constructions - self.built_before
+        return float(ROLES.index(self.role)), float(builds), peak_rss_mb()
+
+    def rank_records(self) -> list[dict]:
+        """finished.json's "ranks" (rank 0's, after the last agreement): each rank's role, how many times it
+        constructed the policy on a real device (the checks before start read an instance on the meta device) and
+        its peak resident memory."""
+        return [
+            {"rank": rank, "role": ROLES[int(role)], "policy_builds": int(builds), "peak_rss_mb": round(rss, 1)}
+            for rank, (role, builds, rss) in enumerate(self.control.gathered_facts)
+        ]
 
     def describe(self, rank: int | None = None) -> str:
         """'rank 2 (env 0)': how messages name a rank (this one by default)."""

@@ -8,6 +8,8 @@ before the run allocates anything, and counts page cache as available (the kerne
 from __future__ import annotations
 
 import os
+import resource
+import sys
 from pathlib import Path
 
 from spmd_rl.runtime.errors import UserError
@@ -37,6 +39,12 @@ def training_state_bytes(parameters: int, shards: int = 1) -> int:
     gradients and optimizer state, divided over `shards` ranks when they are sharded (FSDP; 1 = replicated, DDP).
     Activations are not counted: they depend on the batch."""
     return -(-parameters * BYTES_PER_TRAINED_PARAMETER // max(1, shards))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (getrusage: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
 def available_memory() -> int | None:

@@ -165,3 +165,19 @@ def _agree_across_ranks(rank, world_size, cfg, run_dir):
 def test_ranks_agree_on_a_stop_only_one_was_asked_for_and_on_rank_0s_clock(tmp_path):
     cfg = load_config(None, ["checkpoint.every_s=600", "checkpoint.every_iterations=0"])
     assert_all_ok(run_ranks(_agree_across_ranks, 2, cfg, str(tmp_path), timeout_s=20))
+
+
+def _gather_rank_facts(rank, world_size, cfg, run_dir):
+    signals._Graceful.requested, signals._Graceful.enabled = None, False  # this forked child's own state
+    rc = RunControl(cfg, 3, rank=rank, world_size=world_size, distributed=True, run_dir=Path(run_dir), timeout=TIMEOUT)
+    asked = []
+    rc.rank_facts = lambda: asked.append(1) or (float(rank), 10.0 * rank + 0.5)
+    run(rc, range(2))
+    assert asked == [] and rc.gathered_facts == []  # not the last agreement, no run.stop_at_return: nothing asked
+    run(rc, range(2, 3))
+    assert rc.gathered_facts == [(float(r), 10.0 * r + 0.5) for r in range(world_size)]
+
+
+def test_the_last_agreement_gathers_every_ranks_facts_in_rank_order(tmp_path):
+    cfg = config("checkpoint.every_iterations=0")
+    assert_all_ok(run_ranks(_gather_rank_facts, 3, cfg, str(tmp_path), timeout_s=20))

@@ -1,9 +1,12 @@
 """PPO with the vla policy through `python -m spmd_rl.main`: a tiny PaliGemma folder made here (sharded safetensors),
 an instructed reaching env with camera image, state and instruction ids. In one process with LoRA (stopped after an
 iteration and resumed; policy.pt merged, loaded back by load_policy); split over 5 ranks with the bins head, LoRA
-(policy.pt as adapters), two fsdp trainers and bf16; a bad folder is one line and exit 2."""
+(policy.pt as adapters), two fsdp trainers and bf16, the policy built once per trainer and inference rank and never on
+an env rank; a bad folder is one line and exit 2."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from harness.runs import TINY, assert_one_line_exit_2, assert_run_complete, run_
 from harness.vla_fixtures import InstructedReach, make_model_folder
 
 from spmd_rl.modules.vla import VLAPolicy
+from spmd_rl.persist.run_files import FINISHED
 from spmd_rl.run.policies import load_policy
 
 ENV = "env.id=tests.harness.vla_fixtures:InstructedReach-v0"
@@ -54,6 +58,10 @@ def test_ppo_trains_the_bins_head_with_lora_on_two_fsdp_trainers_in_bf16_split_o
     assert records[-1]["episodes"] > 0 and records[-1]["time_weight_sync_s"] > 0
     state = torch.load(tmp_path / "policy.pt")
     assert state and all(".lora_" in key or not key.startswith("backbone.") for key in state)
+    ranks = json.loads((tmp_path / FINISHED).read_text())["ranks"]  # env ranks never build the policy
+    assert [(r["role"], r["policy_builds"]) for r in ranks] == [("trainer", 1)] * 2 + [("inference", 1)] + [
+        ("env", 0)
+    ] * 2
 
 
 def test_a_pretrained_folder_without_config_json_is_one_line_and_exit_2(tmp_path):

@@ -1,0 +1,38 @@
+"""Where the policy is built (finished.json's "ranks"): once on every rank that acts or trains with it, never on an
+env rank, also when the trainers shard it (rank 0's unsharded copy for policy.pt is no second construction); the
+checks before start read an instance on the meta device."""
+
+from __future__ import annotations
+
+import json
+
+from harness.runs import TINY, assert_run_complete, run_main
+
+from spmd_rl.persist.run_files import FINISHED
+
+
+def ranks_of(run_dir) -> list[dict]:
+    return json.loads((run_dir / FINISHED).read_text())["ranks"]
+
+
+def test_a_split_run_builds_the_policy_once_per_trainer_and_inference_rank_and_never_on_env_ranks(tmp_path):
+    result = run_main(
+        "--config", TINY, f"run.dir={tmp_path}", "train.parallel=fsdp", "layout.mode=split", "layout.trainer=2",
+        "layout.inference=1", "layout.env=2",
+        nproc=5,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = ranks_of(tmp_path)
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3, 4]
+    builds = {
+        role: [r["policy_builds"] for r in ranks if r["role"] == role] for role in ("trainer", "inference", "env")
+    }
+    assert builds == {"trainer": [1, 1], "inference": [1], "env": [0, 0]}, ranks
+    assert all(r["peak_rss_mb"] > 0 for r in ranks)
+
+
+def test_one_process_builds_the_policy_once(tmp_path):
+    result = run_main("--config", TINY, f"run.dir={tmp_path}")
+    assert_run_complete(result, tmp_path, iterations=8)
+    (rank,) = ranks_of(tmp_path)
+    assert rank["rank"] == 0 and rank["role"] == "colocated" and rank["policy_builds"] == 1
