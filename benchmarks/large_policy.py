@@ -1,6 +1,7 @@
 """Large policies on CPU ranks over gloo: trainer memory with FSDP2 vs DDP, bytes and time of a weight sync from
 shards (fp32 and bf16 on the wire; two designs: "gathered", every bucket all-gathered in the trainer group and
-broadcast by trainer 0, and "sent", every trainer sending its own rows to the inference ranks) against a raw
+broadcast by trainer 0, and "sent", every trainer sending its own rows to the inference ranks) and from replicated
+(ddp) trainers ("replicated": trainer 0 casts each bucket to the wire dtype and broadcasts it) against a raw
 dist.broadcast of the same bytes, the extra memory a sync takes on a trainer, a frozen backbone's later syncs, and a
 7B sync on paper from the measured per-bucket overhead.
 
@@ -18,9 +19,9 @@ travels only with the first), from the weight sync's own bucket layout of that p
 
 The model is a stack of square Linear layers (width 2048: 4.2M parameters a layer), built on the meta device and
 materialized after sharding, so no rank ever holds the whole model except where the measurement says so. Ranks are
-forked processes meeting through a file:// store: 2 trainers (FSDP over both), 2 inference ranks (the weight group
-is trainer 0 + the inference ranks). Memory is counted from the tensors themselves (parameters, gradients, Adam's
-two moments), and a sync's extra memory as the growth of the process's peak RSS during it.
+forked processes meeting through a file:// store: 2 trainers (FSDP over both, but "replicated"), 2 inference ranks
+(the weight group is trainer 0 + the inference ranks). Memory is counted from the tensors themselves (parameters,
+gradients, Adam's two moments), and a sync's extra memory as the growth of the process's peak RSS during it.
 
 Time on a shared machine: a sync and a raw broadcast of the same bytes alternate (A B, B A, ...) for --pairs rounds,
 each after a barrier of all four ranks and timed from the first rank's start to the last rank's end (an inference
@@ -133,7 +134,8 @@ def _rank(rank: int, world: int, init: str, out: str, layers: int, wire: str, fr
         return
     with torch.device("meta"):
         net = Stack(layers, frozen)
-    sharding.shard_policy(net, trainers, torch.device("cpu"), [], bf16=False)
+    if design != "replicated":  # replicated: ddp's trainers, each with the whole model
+        sharding.shard_policy(net, trainers, torch.device("cpu"), [], bf16=False)
     net.to_empty(device="cpu")
     for block in net.blocks:  # any values: the measurements do not depend on them
         nn.init.uniform_(block.weight, -0.02, 0.02)
@@ -404,7 +406,7 @@ def vla(preset: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 300], help="millions of parameters")
-    parser.add_argument("--designs", nargs="+", default=["sent"], choices=["gathered", "sent"])
+    parser.add_argument("--designs", nargs="+", default=["sent"], choices=["gathered", "sent", "replicated"])
     parser.add_argument("--pairs", type=int, default=PAIRS, help="rounds of a sync and a raw broadcast")
     parser.add_argument("--vla", choices=["tiny", "small"], help="measure the vla policy of this preset instead")
     args = parser.parse_args()
@@ -423,7 +425,7 @@ def main() -> None:
             for wire in ("fp32", "bf16")
             for design in args.designs
         }
-        fsdp = results["fp32", args.designs[0]]
+        fsdp = results["fp32", next((d for d in args.designs if d != "replicated"), args.designs[0])]
         memory.append(
             [
                 f"{ddp['parameters'] / 1e6:.0f}M",
@@ -475,9 +477,9 @@ def main() -> None:
     print("\nTrainer memory per rank (parameters + gradients + Adam state), 2 trainers:")
     print(table(["parameters", "ddp MiB", "fsdp MiB", "fsdp / ddp"], memory))
     print(
-        f"\nWeight sync, 2 FSDP trainers -> 2 inference ranks, {BUCKET_MB} MiB buckets; times from the first rank's "
-        f"start to the last rank's end, medians of {args.pairs} alternating rounds; raw / sync: the median of the "
-        f"rounds' ratios (lowest-highest):"
+        f"\nWeight sync, 2 trainers (FSDP, but design replicated) -> 2 inference ranks, {BUCKET_MB} MiB buckets; "
+        f"times from the first rank's start to the last rank's end, medians of {args.pairs} alternating rounds; "
+        f"raw / sync: the median of the rounds' ratios (lowest-highest):"
     )
     print(
         table(

@@ -49,8 +49,10 @@ class GatheredWeightSource(WeightGroupMember):
     Every trainer builds one at the same point and calls broadcast()/verify() at the same points: bucket by
     bucket, every trainer all-gathers the bucket's sharded parameters (one all-gather in the trainer group per
     parameter, each shard cast to the wire dtype first) straight into a bucket-sized buffer of its own, and the
-    first trainer, a member of the weight group, broadcasts its buffer. No trainer holds more than that one
-    bucket beyond its shards (a parameter sharded unevenly goes through one whole temporary copy).
+    first trainer, a member of the weight group, broadcasts its buffer. A bucket with nothing sharded in it is
+    filled (cast) by the first trainer alone. The first trainer holds two buckets beyond its shards (it fills the
+    next while this one is broadcast), the others one (a parameter sharded unevenly goes through one whole
+    temporary copy).
     Receivers are plain WeightSyncs: the layout is the same, computed from the full shapes and the wire dtype.
     """
 
@@ -71,7 +73,7 @@ class GatheredWeightSource(WeightGroupMember):
         self.device = self.entries[0].current().device
         self.broadcasts = 0
         self.version = -1
-        self._buffer: torch.Tensor | None = None  # see buffer
+        self._buffers: list[torch.Tensor] = []  # see buffer and broadcast
         if not self.is_source:  # a trainer that only contributes its shards to the gathers
             return
         self._join(group, src, me, timeout, describe_rank)
@@ -80,17 +82,29 @@ class GatheredWeightSource(WeightGroupMember):
 
     @property
     def buffer(self) -> torch.Tensor:
-        """One bucket on every trainer: the shards are all-gathered straight into it, in the wire dtype (made on
-        first use; a ShardedWeightSource casts into part of it to send, and gathers into it only to verify).
-        Uninitialized, so that only the pages used count: _fill writes every byte of a bucket it gathers."""
-        if self._buffer is None:
-            self._buffer = torch.empty(max(self.bucket_sizes), dtype=torch.uint8, device=self.device)
-        return self._buffer
+        """One bucket on every trainer (the first of the source's two): the shards are all-gathered straight into
+        it, in the wire dtype (made on first use; a ShardedWeightSource casts into part of it to send, and gathers
+        into it only to verify). Uninitialized, so that only the pages used count: _fill writes every byte of a
+        bucket it gathers."""
+        return self._buffer_number(0)
 
-    def _fill(self, index: int, version: int) -> torch.Tensor | None:
-        """Bucket index, gathered into the buffer by every trainer together; the source's to broadcast (returned),
-        the others' only the output their all-gathers need (None)."""
-        bucket = self.buffer[: self.bucket_sizes[index]]
+    def _buffer_number(self, number: int) -> torch.Tensor:
+        while len(self._buffers) <= number:
+            self._buffers.append(torch.empty(max(self.bucket_sizes), dtype=torch.uint8, device=self.device))
+        return self._buffers[number]
+
+    def _gathers(self, index: int) -> bool:
+        """Whether bucket index holds a sharded parameter, whose gather every trainer takes part in (otherwise only
+        the source fills the bucket: the others' copies of replicated tensors would be work for nothing)."""
+        return any(is_dtensor(entry.current()) for entry in self.entries if entry.bucket == index)
+
+    def _fill(self, index: int, version: int, into: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Bucket index, gathered into `into` (default: the buffer) by every trainer together; the source's to
+        broadcast (returned), the others' only the output their all-gathers need (None; nothing is filled when
+        the bucket has nothing to gather)."""
+        if not self.is_source and not self._gathers(index):
+            return None
+        bucket = (self.buffer if into is None else into)[: self.bucket_sizes[index]]
         # The alignment gaps between tensors hold zeros, as every receiver's bucket does: the buffer is reused, and
         # a receiver of sent shards gets only the tensors' bytes (the checksums cover the gaps too).
         end = HEADER_BYTES if index == 0 else 0
@@ -114,18 +128,31 @@ class GatheredWeightSource(WeightGroupMember):
         return bucket
 
     def broadcast(self, version: int) -> int:
+        """Bucket by bucket: fill (gather, cast) and broadcast. The source fills the next bucket into a second
+        buffer while the broadcast of this one is on the wire, and waits for a broadcast only before refilling its
+        buffer; the other trainers take part in the gathers only, which need one buffer."""
         indices = self.buckets_to_send()
-        for index in indices:
-            bucket = self._fill(index, version)
+        in_flight: collections.deque[tuple[dist.Work, str]] = collections.deque()
+        peer = self.broadcast_peer() if self.is_source else None
+
+        def complete_oldest() -> None:
+            work, describe = in_flight.popleft()
+            wait(work, self.timeout, lambda: describe, peer)
+
+        for number, index in enumerate(indices):
+            if len(in_flight) == 2:  # the broadcast that used this buffer two buckets ago
+                complete_oldest()
+            bucket = self._fill(index, version, self._buffer_number(number % 2) if self.is_source else None)
             if bucket is None:
                 continue
             describe = self._describe_broadcast(index, len(indices), version)
-            peer = self.broadcast_peer()
             try:
                 work = dist.broadcast(bucket, src=self.src, group=self.group, async_op=True)
             except RuntimeError as exc:  # a member already gone can fail the post itself
                 raise comm_error(describe, exc, self.timeout, peer) from exc
-            wait(work, self.timeout, lambda describe=describe: describe, peer)  # the buffer is reused next
+            in_flight.append((work, describe))
+        while in_flight:
+            complete_oldest()
         self.broadcasts += 1
         self.version = version
         return version
