@@ -1,6 +1,6 @@
 """Action chunks pay for themselves, and the fields they bring cost nothing extra on the wire.
 
-    python benchmarks/chunks.py [--parts throughput,wire] [--hidden 384] [--steps 16384] [--repeats 3] [--rounds 5]
+    python benchmarks/chunks.py [--parts throughput,wire] [--hidden 768] [--steps 16384] [--repeats 3] [--rounds 5]
 
 throughput: PPO in one process on Pendulum-v1 (a cheap env: tens of microseconds a step) with the built-in
 actor-critic made wide enough (policy.hidden_sizes [--hidden, --hidden]) that one forward pass over the 8 envs
@@ -202,7 +202,7 @@ def wire(envs: list[int], rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="throughput,wire")
-    parser.add_argument("--hidden", type=int, default=384, help="the actor-critic's hidden width (forward ~1 ms)")
+    parser.add_argument("--hidden", type=int, default=768, help="the actor-critic's hidden width (forward ~1 ms)")
     parser.add_argument("--steps", type=int, default=16384, help="train.total_steps of each throughput run")
     parser.add_argument("--repeats", type=int, default=3, help="throughput runs per chunk size")
     parser.add_argument("--envs", default="16,256", help="wire: env counts of one env rank")
