@@ -27,6 +27,17 @@ def _fields(fields: dict[str, StepField], *batch: int) -> dict[str, torch.Tensor
     return {key: torch.zeros(*batch, *f.shape, dtype=f.dtype) for key, f in fields.items()}
 
 
+def stage_channel(name: str, stage: int, stages: int) -> str:
+    """The channel of one pipeline stage (env.pipeline_stages): the plain name with one stage, so that a run of one
+    stage keeps its channels and their tags."""
+    return name if stages == 1 else f"{name} stage {stage}"
+
+
+def stage_name(stage: int, stages: int) -> str:
+    """' stage 1' where an env rank has pipeline stages (said in errors beside the rank), nothing without."""
+    return "" if stages == 1 else f" stage {stage}"
+
+
 def observation_message(spec: EnvSpec, num_envs: int) -> TensorDict:
     """env runner -> inference server, every step: the observations as the env gives them."""
     return TensorDict({"obs": zeros_of(spec.observation_space, num_envs)}, batch_size=[])

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import Sequence
 
 import torch
 from tensordict import TensorDict
@@ -41,7 +40,6 @@ class AsyncInferenceServer(ServerState):
         verify_every: int,
         describe_rank,
         rank: int,
-        served: Sequence[int],
     ):
         self.plan, self.lag_bound = plan, lag_bound
         self.policy, self.weight_sync = parts.policy, parts.weight_sync
@@ -49,7 +47,9 @@ class AsyncInferenceServer(ServerState):
         self.device, self.timeout = device, timeout
         self.describe = describe_rank(rank)
         self.source = describe_rank(parts.weight_sync.src)
-        self.env_names = [describe_rank(env) for env in served]
+        self.env_names = parts.client_names  # its env ranks, each pipeline stage of one a client of its own
+        per_stage = len(parts.obs_channels) // parts.stages
+        self.stage_clients = [set(range(s * per_stage, (s + 1) * per_stage)) for s in range(parts.stages)]
         self.obs_channels, self.action_channels = parts.obs_channels, parts.action_channels
         self.output_keys = list(parts.policy.outputs())
         self.fields = dict(parts.policy.outputs())
@@ -60,7 +60,7 @@ class AsyncInferenceServer(ServerState):
         self.lockstep = lag_bound == 0
         self.num_steps = plan.num_steps
         self.end_step = iterations.stop * self.num_steps
-        self.next_step = [iterations.start * self.num_steps] * len(served)  # per env rank: the next step to serve
+        self.next_step = [iterations.start * self.num_steps] * len(self.env_names)  # per client: its next step
         # Broadcasts after each iteration, in order; served_through(i) needs those up to i taken.
         self.syncs = [i for i in iterations if plan.syncs_after(i)]
         self.taken = 0
@@ -201,8 +201,8 @@ class AsyncInferenceServer(ServerState):
             for index in sorted(self.ready)
             if self.policy_version >= self.required_version(self.next_step[index] // self.num_steps)
         ]
-        if self.lockstep:
-            return allowed if len(allowed) == len(self.obs_channels) else []
+        if self.lockstep:  # a whole pipeline stage of every env rank, the first ready (the sync engine's batches)
+            return next((sorted(clients) for clients in self.stage_clients if clients <= set(allowed)), [])
         return allowed
 
     def _serve(self, serve: list[int], messages: list[TensorDict]) -> None:
