@@ -39,9 +39,11 @@ class EnvRunner:
         success_key: str | None = None,
         group_size: int = 1,
         columns: slice | None = None,
+        stage: str = "",
     ):
         """`columns`: where this runner's envs lie in the segment, when it is one stage of a PipelinedEnvRunner
-        (which sends the segment); None: the whole segment, sent by this runner."""
+        (which sends the segment); None: the whole segment, sent by this runner. `stage` names the stage in its
+        errors (' in pipeline stage 1'; '' without stages)."""
         self.envs = envs
         self.env_backend = env_backend  # what saves and restores the envs' state (None: checkpoints hold none)
         self.num_steps = num_steps
@@ -49,9 +51,9 @@ class EnvRunner:
         self.from_inference = from_inference
         self.to_trainer = to_trainer
         self.policy_outputs = policy_outputs  # the fields of each reply copied into the rollout (action first)
-        self.describe = describe
+        self.describe = describe + stage
         self.env_id = env_id
-        self.watched_step = watchdog.watch(f"env.step of {env_id}")  # made once: entered every step
+        self.watched_step = watchdog.watch(f"env.step of {env_id}{stage}")  # made once: entered every step
         # Both outgoing buffers are written in place, so the channels send them without another copy. The writes
         # go through numpy views of the (CPU) buffers: a numpy assignment costs a fraction of a torch op's
         # dispatch, and this loop runs once per env step. Observations keep the env's dtype and shape (nested

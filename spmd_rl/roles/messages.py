@@ -34,8 +34,9 @@ def stage_channel(name: str, stage: int, stages: int) -> str:
 
 
 def stage_name(stage: int, stages: int) -> str:
-    """' stage 1' where an env rank has pipeline stages (said in errors beside the rank), nothing without."""
-    return "" if stages == 1 else f" stage {stage}"
+    """' in pipeline stage 1' where an env rank has pipeline stages (said in errors beside the rank and the env
+    call), nothing without."""
+    return "" if stages == 1 else f" in pipeline stage {stage}"
 
 
 def observation_message(spec: EnvSpec, num_envs: int) -> TensorDict:

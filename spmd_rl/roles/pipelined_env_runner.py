@@ -14,6 +14,19 @@ from __future__ import annotations
 from spmd_rl.roles.env_runner import EnvRunner, draw_episode_seed, send_segment
 
 
+def stage_columns(num_envs: int, stages: int) -> list[slice]:
+    """Each stage's envs among an env rank's `num_envs` (columns of its segment): equal consecutive blocks, so a
+    block of env.group_size envs (which the plan makes divide a stage) lies in one stage."""
+    size = num_envs // stages
+    return [slice(s * size, (s + 1) * size) for s in range(stages)]
+
+
+def stage_seed(seed: int, columns: slice, group_size: int) -> int:
+    """The first seed of a stage's envs, where `seed` is the env rank's: env i of the rank resets with seed + i (or
+    seed + i // group_size, a group's), in one stage or several (envs/backend.py's group_seeds)."""
+    return seed + columns.start // group_size
+
+
 class PipelinedEnvRunner:
     def __init__(self, stages: list[EnvRunner], to_trainer, num_envs: int):
         self.stages = stages
@@ -33,7 +46,7 @@ class PipelinedEnvRunner:
             seed = draw_episode_seed(self.num_envs)
             for stage in self.stages:
                 assert stage.columns is not None  # every stage has its columns (build_env_runner)
-                stage.episode_seed = seed + stage.columns.start // stage.group_size
+                stage.episode_seed = stage_seed(seed, stage.columns, stage.group_size)
         for stage in self.stages:
             stage.send_observations(0)
         for t in range(self.num_steps):

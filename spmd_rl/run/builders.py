@@ -36,7 +36,7 @@ from spmd_rl.roles.messages import (
     stage_name,
     with_episode_starts,
 )
-from spmd_rl.roles.pipelined_env_runner import PipelinedEnvRunner
+from spmd_rl.roles.pipelined_env_runner import PipelinedEnvRunner, stage_columns, stage_seed
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.evaluation import cuda_indices
 from spmd_rl.run.metrics import MetricsLogger
@@ -124,18 +124,17 @@ def build_env_runner(run: Run, observation_layout=observation_message) -> EnvRun
     cfg, topology, spec, rank = run.cfg, run.topology, run.spec, run.rank
     inference, trainer = topology.env_to_inference[rank], topology.env_to_trainer[rank]
     n, t, stages = cfg.env.num_envs, run.plan.num_steps, cfg.env.pipeline_stages
-    per_stage = n // stages
+    columns = stage_columns(n, stages)
     state = run.recurrent_state
     seed = _seed_rank(run)
     stage_envs = []
-    for stage in range(stages):
-        # Stage s holds the envs that are columns s * N/S ... of the env rank, seeded as they are in one stage.
+    for stage, envs_of_stage in enumerate(columns):
         with watchdog.watch(f"making and resetting env.id {cfg.env.id}{stage_name(stage, stages)}"):
             stage_envs.append(
                 backend_for(cfg.env).make(
-                    dataclasses.replace(cfg.env, num_envs=per_stage),
+                    dataclasses.replace(cfg.env, num_envs=n // stages),
                     spec,
-                    seed + stage * per_stage // cfg.env.group_size,
+                    stage_seed(seed, envs_of_stage, cfg.env.group_size),
                 )
             )
     channels, from_inference = open_channels(
@@ -145,14 +144,14 @@ def build_env_runner(run: Run, observation_layout=observation_message) -> EnvRun
                 (
                     inference,
                     stage_channel("observations", s, stages),
-                    with_episode_starts(observation_layout(spec, per_stage), state, per_stage),
+                    with_episode_starts(observation_layout(spec, n // stages), state, n // stages),
                 )
                 for s in range(stages)
             ),
             (trainer, "segments", segment_message(spec, run.outputs, t, n, state)),
         ],
         recvs=[
-            (inference, stage_channel("actions", s, stages), action_message(run.outputs, per_stage, state))
+            (inference, stage_channel("actions", s, stages), action_message(run.outputs, n // stages, state))
             for s in range(stages)
         ],
         describe_rank=topology.describe,
@@ -168,12 +167,13 @@ def build_env_runner(run: Run, observation_layout=observation_message) -> EnvRun
             to_trainer,
             t,
             list(run.outputs),
-            describe=run.describe() + stage_name(s, stages),
+            describe=run.describe(),
             env_id=cfg.env.id,
             env_backend=backend_for(cfg.env),
             success_key=run.spec.success_key,
             group_size=cfg.env.group_size,
-            columns=None if stages == 1 else slice(s * per_stage, (s + 1) * per_stage),
+            columns=None if stages == 1 else columns[s],
+            stage=stage_name(s, stages),
         )
         for s, (envs, first_obs) in enumerate(stage_envs)
     ]

@@ -49,7 +49,7 @@ class AsyncInferenceServer(ServerState):
         self.source = describe_rank(parts.weight_sync.src)
         self.env_names = parts.client_names  # its env ranks, each pipeline stage of one a client of its own
         per_stage = len(parts.obs_channels) // parts.stages
-        self.stage_clients = [set(range(s * per_stage, (s + 1) * per_stage)) for s in range(parts.stages)]
+        self.stage_clients = [list(range(s * per_stage, (s + 1) * per_stage)) for s in range(parts.stages)]
         self.obs_channels, self.action_channels = parts.obs_channels, parts.action_channels
         self.output_keys = list(parts.policy.outputs())
         self.fields = dict(parts.policy.outputs())
@@ -194,15 +194,17 @@ class AsyncInferenceServer(ServerState):
             )
 
     def _servable(self) -> list[int]:
-        """The env ranks to act for now, in the fixed order: with lag 0 all of them or none (exactly the sync
-        engine's batches), else every ready one whose segment the current weights may act for."""
+        """The clients (env ranks, or their pipeline stages) to act for now, in the fixed order: with lag 0 one
+        stage of every env rank or none (exactly the sync engine's batches, in its order), else every ready one
+        whose segment the current weights may act for."""
         allowed = [
             index
             for index in sorted(self.ready)
             if self.policy_version >= self.required_version(self.next_step[index] // self.num_steps)
         ]
-        if self.lockstep:  # a whole pipeline stage of every env rank, the first ready (the sync engine's batches)
-            return next((sorted(clients) for clients in self.stage_clients if clients <= set(allowed)), [])
+        if self.lockstep:  # the stage the sync engine serves next (the earliest step, then the lowest stage)
+            due = min(self.stage_clients, key=lambda clients: self.next_step[clients[0]])
+            return due if set(due) <= set(allowed) else []
         return allowed
 
     def _serve(self, serve: list[int], messages: list[TensorDict]) -> None:
