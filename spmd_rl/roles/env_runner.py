@@ -105,7 +105,8 @@ class EnvRunner:
         self._reset_timers()
 
     def _reset_timers(self):
-        self.env_s = self.action_wait_s = self.inference_s = 0.0
+        self.env_s = self.action_wait_s = self.inference_s = self.inference_idle_s = 0.0
+        self.rollout_clock = time.perf_counter()  # a rollout's time runs from the previous segment sent
 
     def send_observations(self, t: int) -> None:
         self.to_inference.wait()  # the observations go out with isend: the previous ones are out of the buffer
@@ -119,16 +120,18 @@ class EnvRunner:
         if self.recurrent:
             self.rollout[EPISODE_START][t] = self.next_step_starts
             self.episode_start_out[:] = self.next_step_starts
-        self._action_clock = time.perf_counter()
         # The reply's receive is posted before the observation goes out: with gloo, a reply that arrives before
         # its receive is posted waits a round trip more whenever this process wakes late (async engine, busy cores).
         self._reply = self.from_inference.irecv()
         self.to_inference.isend()
 
     def receive_actions_and_step(self, t: int) -> None:
+        # Only the time this rank waits counts: a pipeline stage's actions are computed while other stages step.
+        clock = time.perf_counter()
         reply = self._numpy_views(self._reply.wait())
-        self.action_wait_s += time.perf_counter() - self._action_clock
+        self.action_wait_s += time.perf_counter() - clock
         self.inference_s += float(reply["inference_s"][0])
+        self.inference_idle_s += float(reply["idle_s"][0])
         for key in self.policy_outputs:
             self.rollout[key][t] = reply[key]
         action = self.rollout["action"][t]
@@ -340,6 +343,8 @@ def send_segment(to_trainer, runners: list[EnvRunner]) -> None:
     segment["env_s"].fill_(sum(runner.env_s for runner in runners))
     segment["action_wait_s"].fill_(sum(runner.action_wait_s for runner in runners))
     segment["inference_s"].fill_(sum(runner.inference_s for runner in runners))
+    segment["inference_idle_s"].fill_(sum(runner.inference_idle_s for runner in runners))
+    segment["rollout_s"].fill_(time.perf_counter() - runners[0].rollout_clock)
     to_trainer.send()
     for runner in runners:
         runner._reset_timers()

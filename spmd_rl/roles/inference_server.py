@@ -7,6 +7,7 @@ schedule never depends on data.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -158,6 +159,9 @@ class InferenceServer(ServerState):
         self.fields = dict(policy.outputs())  # what act returns, checked on every step
         self.output_keys = list(self.fields)
         self.watched_act = watchdog.watch("policy.act")  # made once: entered every step (one process has no peer)
+        # When the last forward pass ended (split layout): the time from there to the next pass's observations is
+        # this rank's idle time, which each reply carries. In one process the wait is the envs' own step: none.
+        self.pass_end = time.perf_counter() if weight_sync is not None else None
 
     def serve_step(self) -> None:
         """One env step of every client: per pipeline stage, its env ranks' observations, one forward pass, their
@@ -168,6 +172,7 @@ class InferenceServer(ServerState):
     def _serve(self, served: list[int]) -> None:
         pending = [self.obs_channels[index].irecv() for index in served]
         messages = [message.wait() for message in pending]
+        idle_s = 0.0 if self.pass_end is None else time.perf_counter() - self.pass_end
         observations = [message["obs"] for message in messages]
         obs = observations[0] if len(observations) == 1 else torch.cat(observations)
         replies = [self.replies[index] for index in served]
@@ -187,14 +192,17 @@ class InferenceServer(ServerState):
         sends = []
         offset = 0
         for index, reply in zip(served, replies):
-            offset = write_reply(reply, self.output_keys, outputs, offset, self.policy_version, inference_s)
+            offset = write_reply(reply, self.output_keys, outputs, offset, self.policy_version, inference_s, idle_s)
             sends.append(self.action_channels[index].isend())
         for send in sends:
             send.wait()
+        if self.pass_end is not None:
+            self.pass_end = time.perf_counter()
 
     def receive_weights(self) -> None:
         """Split layout, at the fixed point between rollouts: the trainer's weights and their version."""
         self.policy_version = self.weight_sync.broadcast(self.policy_version)  # receivers get the sender's version
+        self.pass_end = time.perf_counter()  # the wait for weights is the weight sync's time, not idle
 
     def take_weights(self, verify_every: int) -> None:
         """receive_weights, then check them against trainer 0's checksums when weights.verify_every says so."""

@@ -73,6 +73,7 @@ class AsyncInferenceServer(ServerState):
         self.weights_complete = False
         self.failure: BaseException | None = None
         self.progress_at = time.monotonic()
+        self.pass_end = time.perf_counter()  # when the last forward pass ended: the idle time before the next
 
     # -- weights --------------------------------------------------------------------------------------------------
 
@@ -219,6 +220,7 @@ class AsyncInferenceServer(ServerState):
             if recurrent:  # the replies get their recurrent state before their sends below: previous sends are out
                 for index in served:
                     self.action_channels[index].wait()
+            idle_s = time.perf_counter() - self.pass_end
             outputs, inference_s = act_for_replies(
                 self.policy,
                 obs,
@@ -235,13 +237,14 @@ class AsyncInferenceServer(ServerState):
                 channel = self.action_channels[index]
                 channel.wait()  # the previous reply to this env rank is out of the buffer
                 offset = write_reply(
-                    self.replies[index], self.output_keys, outputs, offset, self.policy_version, inference_s
+                    self.replies[index], self.output_keys, outputs, offset, self.policy_version, inference_s, idle_s
                 )
                 # Counted before the send: the env rank's next observation can arrive (and be checked against
                 # next_step by its receiving thread) the moment the reply is out.
                 with self.lock:
                     self.next_step[index] += 1
                 channel.isend()
+            self.pass_end = time.perf_counter()
 
     # -- the main thread: agreements, the end ---------------------------------------------------------------------
 
