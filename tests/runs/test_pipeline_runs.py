@@ -16,7 +16,7 @@ GRPO_EPISODES = [
     *SPLIT3,
     "env.id=Pendulum-v1",
     "algo.class=grpo",
-    "env.num_envs=16",  # a stage's Gaussian noise, 8 envs x 2 actions, is a whole block of 16 (docs/pipeline.md)
+    "env.num_envs=16",  # a stage's Gaussian noise, 8 envs x 2 actions, is a whole block of 16 (docs/launching.md)
     "env.group_size=2",
     "env.action_chunk=2",
     "env.max_episode_steps=12",
@@ -44,7 +44,7 @@ def test_two_stages_give_the_run_of_one_stage(tmp_path, config, engine):
 def test_two_stages_of_whole_episodes_in_groups_with_chunks_act_alike(tmp_path):
     """The same episodes, groups and returns; the policy's outputs (log-probabilities) of a forward pass of 8 envs
     may round differently from those of 16 in their last bits (the matrix kernels depend on the batch), which the
-    losses then show (docs/pipeline.md)."""
+    losses then show (docs/launching.md, pipeline stages)."""
     one = run_main(*GRPO_EPISODES, f"run.dir={tmp_path / 'one'}", nproc=3)
     assert one.returncode == 0, one.stderr[-2000:]
     two = run_main(*GRPO_EPISODES, "env.pipeline_stages=2", f"run.dir={tmp_path / 'two'}", nproc=3)
