@@ -1,7 +1,8 @@
 """env.pipeline_stages in runs of the split layout (one trainer, one inference rank, one env rank): two stages give
-the run of one stage, byte for byte (windows and whole episodes with groups and chunks; the sync engine and the
-async one at lag 0); a run of two stages resumes exactly; a stage whose env stalls is named in one line within
-dist.timeout_s; a config that cannot have stages exits 2 in one line."""
+the run of one stage byte for byte (the sync engine, and the async one at lag 0), and act alike where a smaller
+forward pass rounds differently (whole episodes in groups with chunks, a recurrent policy's state per stage); a run
+of four stages resumes exactly; a stage whose env stalls is named in one line within dist.timeout_s; a config that
+cannot have stages exits 2 in one line."""
 
 from __future__ import annotations
 
@@ -26,6 +27,18 @@ GRPO_EPISODES = [
     "log.progress=false",
     "log.tensorboard=false",
 ]
+RECURRENT = [
+    "--config",
+    TINY,
+    *SPLIT3,
+    "algo.class=spmd_rl.algorithms.recurrent_ppo:RecurrentPPO",
+    "policy.recurrent_size=8",
+    "policy.hidden_sizes=[8]",
+    "algo.num_minibatches=2",
+    "env.num_envs=4",
+    "env.vectorization=sync",
+    "train.total_steps=256",
+]
 
 
 @pytest.mark.parametrize(
@@ -41,21 +54,22 @@ def test_two_stages_give_the_run_of_one_stage(tmp_path, config, engine):
     assert_same_run(tmp_path / "one", tmp_path / "two")
 
 
-def test_two_stages_of_whole_episodes_in_groups_with_chunks_act_alike(tmp_path):
-    """The same episodes, groups and returns; the policy's outputs (log-probabilities) of a forward pass of 8 envs
-    may round differently from those of 16 in their last bits (the matrix kernels depend on the batch), which the
-    losses then show (docs/launching.md, pipeline stages)."""
-    one = run_main(*GRPO_EPISODES, f"run.dir={tmp_path / 'one'}", nproc=3)
+@pytest.mark.parametrize("config", [GRPO_EPISODES, RECURRENT], ids=["grpo-episodes-groups-chunks", "recurrent"])
+def test_two_stages_act_alike_where_smaller_batches_round_differently(tmp_path, config):
+    """The same episodes (whole ones in groups with chunks; a recurrent policy's state per stage) and returns; the
+    policy's outputs (log-probabilities) of a forward pass of half the envs may round differently in their last bits
+    (the matrix kernels depend on the batch), which the losses then show (docs/launching.md, pipeline stages)."""
+    one = run_main(*config, f"run.dir={tmp_path / 'one'}", nproc=3)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = run_main(*GRPO_EPISODES, "env.pipeline_stages=2", f"run.dir={tmp_path / 'two'}", nproc=3)
+    two = run_main(*config, "env.pipeline_stages=2", f"run.dir={tmp_path / 'two'}", nproc=3)
     assert two.returncode == 0, two.stderr[-2000:]
     records_one, records_two = records_without_timings(tmp_path / "one"), records_without_timings(tmp_path / "two")
-    assert len(records_one) == len(records_two) == 3
+    assert len(records_one) == len(records_two) >= 3
     for a, b in zip(records_one, records_two, strict=True):
         assert a.keys() == b.keys()
         for key in ("env_steps", "episodes", "episode_return_mean", "episode_length_mean", "outcome_mean"):
-            assert a[key] == b[key], key
-        assert all(b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6) for key in a), (a, b)
+            assert a.get(key) == b.get(key), key
+        assert all(b[key] == (a[key] if a[key] is None else pytest.approx(a[key], rel=1e-3, abs=1e-6)) for key in a)
 
 
 def test_a_run_of_four_stages_resumes_exactly(tmp_path):
