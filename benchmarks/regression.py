@@ -15,11 +15,11 @@ cwd=<tree> and PYTHONPATH=<tree>, so spmd_rl is imported from the tree and not f
 a preflight checks that. Each case writes its run to <out>/<case> (run.dir) and its output to <out>/<case>.log;
 <out>/manifest.json records the tree, its commit, the commands and their durations.
 
-What is compared, per case: the number of metrics.jsonl lines, each line's keys, each line's values except the
-timing keys (names starting with `time_`, containing `sps`, or ending in `_s`: wall_s, cpu_s, time_env_s, ...),
-policy.pt's sha256 (and, when it differs, whether the tensors are equal), config.yaml (the resolved config, but
-run.dir), and for HDF5 runs the contents of
-buffer/*.h5 (every dataset's bytes and the file attributes except writer_pid/writer_host). Cases marked
+What is compared, per case: the number of metrics.jsonl lines, each line's keys but the timing keys (a change may
+add timings: those are noted), each line's values except the timing keys (names starting with `time_`, containing
+`sps`, or ending in `_s`: wall_s, cpu_s, time_env_s, ...), policy.pt's sha256 (and, when it differs, whether the
+tensors are equal), config.yaml (the resolved config, but run.dir), and for HDF5 runs the contents of buffer/*.h5
+(every dataset's bytes and the file attributes except writer_pid/writer_host). Cases marked
 timing-dependent (the async engine with max_policy_lag > 0) report their differences without failing; their
 line count and keys must still match. Exit code 0 when nothing that counts differs.
 """
@@ -276,7 +276,10 @@ def compare_case(a: Path, b: Path, case: str, timing_dependent: bool, ignored: s
     differing_lines, differing_keys = 0, set()
     for i, (x, y) in enumerate(zip(ra, rb)):
         ignored.update(k for k in (*x, *y) if is_timing_key(k))
-        if x.keys() != y.keys():
+        new_timings = sorted(k for k in x.keys() ^ y.keys() if is_timing_key(k))
+        if new_timings and i == 0:  # a change may add timings (their values are never compared)
+            notes.append(f"timing keys in one side only (not compared): {new_timings}")
+        if {k for k in x if not is_timing_key(k)} != {k for k in y if not is_timing_key(k)}:
             structural = True
             notes.append(
                 f"line {i}: keys differ: only in this: {sorted(x.keys() - y.keys())}, "

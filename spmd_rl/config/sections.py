@@ -193,6 +193,14 @@ class EnvSection:
         min=1,
         omit_default=True,
     )
+    pipeline_stages: int = knob(
+        1,
+        "split layout: each env rank's envs in this many equal stages, stepped in turn, so that one stage steps "
+        "while the inference rank acts for another (env and inference time overlap); env.num_envs must be a "
+        "multiple of it, and each stage of env.group_size's blocks; 1 = every env in one step",
+        min=1,
+        omit_default=True,
+    )
     groups: list[EnvGroup] = knob(
         None,
         "env groups (multi-task): a list of {name, id, kwargs, num_envs, total_envs}; every env rank hosts every "

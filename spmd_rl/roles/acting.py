@@ -87,14 +87,18 @@ def _entering_state(
     return states.reset(entering, start)
 
 
-def write_reply(reply: dict, keys: list[str], outputs: list[np.ndarray], offset: int, version: int, seconds: float):
+def write_reply(
+    reply: dict, keys: list[str], outputs: list[np.ndarray], offset: int, version: int, seconds: float, idle_s: float
+):
     """Fill one env rank's reply (numpy views of its buffer) with its rows of `outputs` from `offset`, the policy
-    version that acted and the forward pass's seconds; returns the offset of the next env rank's rows."""
+    version that acted, the forward pass's seconds and the server's idle seconds before it; returns the offset of
+    the next env rank's rows."""
     count = reply["action"].shape[0]
     for key, value in zip(keys, outputs):
         reply[key][:] = value[offset : offset + count]
     reply["policy_version"][0] = version
     reply["inference_s"][0] = seconds
+    reply["idle_s"][0] = idle_s
     return offset + count
 
 

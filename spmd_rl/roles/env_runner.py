@@ -38,7 +38,12 @@ class EnvRunner:
         env_backend: EnvBackend | None = None,
         success_key: str | None = None,
         group_size: int = 1,
+        columns: slice | None = None,
+        stage: str = "",
     ):
+        """`columns`: where this runner's envs lie in the segment, when it is one stage of a PipelinedEnvRunner
+        (which sends the segment); None: the whole segment, sent by this runner. `stage` names the stage in its
+        errors (' in pipeline stage 1'; '' without stages)."""
         self.envs = envs
         self.env_backend = env_backend  # what saves and restores the envs' state (None: checkpoints hold none)
         self.num_steps = num_steps
@@ -46,17 +51,21 @@ class EnvRunner:
         self.from_inference = from_inference
         self.to_trainer = to_trainer
         self.policy_outputs = policy_outputs  # the fields of each reply copied into the rollout (action first)
-        self.describe = describe
+        self.describe = describe + stage
         self.env_id = env_id
-        self.watched_step = watchdog.watch(f"env.step of {env_id}")  # made once: entered every step
+        self.watched_step = watchdog.watch(f"env.step of {env_id}{stage}")  # made once: entered every step
         # Both outgoing buffers are written in place, so the channels send them without another copy. The writes
         # go through numpy views of the (CPU) buffers: a numpy assignment costs a fraction of a torch op's
         # dispatch, and this loop runs once per env step. Observations keep the env's dtype and shape (nested
         # dicts of views for Dict spaces).
         self.obs_out = spaces.numpy_views(to_inference.buffer["obs"])
         self.segment = to_trainer.buffer
-        self.rollout = {key: spaces.numpy_views(value) for key, value in self.segment["rollout"].items()}
-        self.next_obs_out = spaces.numpy_views(self.segment["next_obs"])
+        self.columns = columns
+        self.rollout = {
+            key: _columns_of(spaces.numpy_views(value), columns, axis=1)
+            for key, value in self.segment["rollout"].items()
+        }
+        self.next_obs_out = _columns_of(spaces.numpy_views(self.segment["next_obs"]), columns, axis=0)
         self.versions = self.segment["policy_version"].numpy()
         # The async engine's observations carry the index of the segment they belong to (see collect_segment).
         message = to_inference.buffer
@@ -68,7 +77,7 @@ class EnvRunner:
         self.recurrent = EPISODE_START in message.keys()
         if self.recurrent:
             self.episode_start_out = message[EPISODE_START].numpy()
-            self.first_state = spaces.numpy_views(self.segment[RECURRENT_STATE])
+            self.first_state = _columns_of(spaces.numpy_views(self.segment[RECURRENT_STATE]), columns, axis=0)
             self.next_step_starts = np.ones(envs.num_envs, dtype=bool)  # the first observations start episodes
         # Each episode's success (env.success_key in the step info), where the env reports it (EnvSpec.success_key).
         self.success = EpisodeSuccess(success_key, envs.num_envs) if success_key is not None else None
@@ -84,6 +93,9 @@ class EnvRunner:
         if self.episodes:
             self.active = np.ones(envs.num_envs, dtype=bool)
             self.group_size = group_size
+            # A stage's first seed of the next rollout, set by its PipelinedEnvRunner from the one draw of the env
+            # rank (so a rank's envs reset as they would in one stage); None: drawn here.
+            self.episode_seed: int | None = None
         self.obs = first_obs
         self.steps_taken = 0
         self._check_finite(first_obs, None, "reset")
@@ -93,9 +105,11 @@ class EnvRunner:
         self._reset_timers()
 
     def _reset_timers(self):
-        self.env_s = self.action_wait_s = self.inference_s = 0.0
+        self.env_s = self.action_wait_s = self.inference_s = self.inference_idle_s = 0.0
+        self.rollout_clock = time.perf_counter()  # a rollout's time runs from the previous segment sent
 
     def send_observations(self, t: int) -> None:
+        self.to_inference.wait()  # the observations go out with isend: the previous ones are out of the buffer
         if self.episodes:
             if t == 0:
                 self._start_episodes()
@@ -106,20 +120,25 @@ class EnvRunner:
         if self.recurrent:
             self.rollout[EPISODE_START][t] = self.next_step_starts
             self.episode_start_out[:] = self.next_step_starts
-        self._action_clock = time.perf_counter()
         # The reply's receive is posted before the observation goes out: with gloo, a reply that arrives before
         # its receive is posted waits a round trip more whenever this process wakes late (async engine, busy cores).
         self._reply = self.from_inference.irecv()
-        self.to_inference.send()
+        self.to_inference.isend()
 
     def receive_actions_and_step(self, t: int) -> None:
+        # Only the time this rank waits counts: a pipeline stage's actions are computed while other stages step.
+        clock = time.perf_counter()
         reply = self._numpy_views(self._reply.wait())
-        self.action_wait_s += time.perf_counter() - self._action_clock
+        self.action_wait_s += time.perf_counter() - clock
         self.inference_s += float(reply["inference_s"][0])
+        self.inference_idle_s += float(reply["idle_s"][0])
         for key in self.policy_outputs:
             self.rollout[key][t] = reply[key]
         action = self.rollout["action"][t]
-        self.versions[t] = reply["policy_version"][0]
+        if self.columns is None or self.columns.start == 0:
+            self.versions[t] = reply["policy_version"][0]
+        else:  # a later pipeline stage, which async serving may have answered with other weights: the oldest counts
+            self.versions[t] = min(self.versions[t], reply["policy_version"][0])
         if self.recurrent:
             if t == 0:  # where the learner's replay of this segment starts
                 for name, value in reply[RECURRENT_STATE].items():
@@ -199,7 +218,9 @@ class EnvRunner:
     def _start_episodes(self) -> None:
         """A rollout of whole episodes begins: every env resets, the envs of a group (env.group_size) with one seed,
         drawn from this rank's torch generator (seeded per rank, saved in checkpoints: a resume draws the same)."""
-        base = int(torch.randint(2**31 - 1 - self.envs.num_envs, ()))
+        base = self.episode_seed
+        if base is None:
+            base = draw_episode_seed(self.envs.num_envs)
         try:
             self.obs, _ = self.envs.reset(seed=group_seeds(base, self.envs.num_envs, self.group_size))
         except Exception as exc:  # the env's own reset: its error and file:line, not the vector env's stack
@@ -248,22 +269,22 @@ class EnvRunner:
         self.episode_primitive_steps[finished] = 0
 
     def send_segment(self) -> None:
-        spaces.write(self.next_obs_out, self.obs)
-        self.segment["env_s"].fill_(self.env_s)
-        self.segment["action_wait_s"].fill_(self.action_wait_s)
-        self.segment["inference_s"].fill_(self.inference_s)
-        self.to_trainer.send()
-        self._reset_timers()
+        send_segment(self.to_trainer, [self])
 
     def collect_segment(self, index: int) -> None:
         """One rollout acting on the inference server's replies (an env rank of the split layout), then the
         segment to the trainer. `index` is the rollout's number (the iteration), which async observations carry."""
-        if self.segment_index is not None:
-            self.segment_index[0] = index  # observations are sent whole: the previous send is complete here
+        self.mark_segment(index)
         for t in range(self.num_steps):
             self.send_observations(t)
             self.receive_actions_and_step(t)
         self.send_segment()
+
+    def mark_segment(self, index: int) -> None:
+        """Async observations carry the index of the rollout they belong to."""
+        if self.segment_index is not None:
+            self.to_inference.wait()  # the last observations of the previous rollout are out of the buffer
+            self.segment_index[0] = index
 
     def state_dict(self) -> dict:
         """What a checkpoint holds of this runner: its envs' own state (None where it cannot be saved) and its
@@ -307,3 +328,33 @@ class EnvRunner:
 
     def close(self) -> None:
         self.envs.close()
+
+
+def draw_episode_seed(num_envs: int) -> int:
+    """The first seed of a rollout of whole episodes for an env rank's `num_envs` envs, from this rank's torch
+    generator (seeded per rank, saved in checkpoints: a resume draws the same)."""
+    return int(torch.randint(2**31 - 1 - num_envs, ()))
+
+
+def send_segment(to_trainer, runners: list[EnvRunner]) -> None:
+    """The segment to the trainer: its runners' (a pipeline's stages') last observations and their summed timings."""
+    for runner in runners:
+        spaces.write(runner.next_obs_out, runner.obs)
+    segment = to_trainer.buffer
+    segment["env_s"].fill_(sum(runner.env_s for runner in runners))
+    segment["action_wait_s"].fill_(sum(runner.action_wait_s for runner in runners))
+    segment["inference_s"].fill_(sum(runner.inference_s for runner in runners))
+    segment["inference_idle_s"].fill_(sum(runner.inference_idle_s for runner in runners))
+    segment["rollout_s"].fill_(time.perf_counter() - runners[0].rollout_clock)
+    to_trainer.send()
+    for runner in runners:
+        runner._reset_timers()
+
+
+def _columns_of(views, columns: slice | None, axis: int):
+    """The numpy views (nested dicts for Dict spaces) of a pipeline stage's envs: `columns` along `axis`."""
+    if columns is None:
+        return views
+    if isinstance(views, dict):
+        return {key: _columns_of(value, columns, axis) for key, value in views.items()}
+    return views[(slice(None),) * axis + (columns,)]

@@ -7,6 +7,7 @@ schedule never depends on data.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -120,10 +121,12 @@ class InferenceParts:
 
     policy: Policy
     weight_sync: WeightSync  # weights come from trainer 0
-    obs_channels: list
+    obs_channels: list  # one per client: each served env rank's pipeline stages, stage by stage
     action_channels: list
     uniform_actions: UniformActions | None  # off-policy warm-up actions (None when the plan has none)
+    client_names: list[str]  # each client's rank, and its stage where there are several (for errors)
     states: RecurrentStates | None = None  # a recurrent policy's state per env (None: stateless)
+    stages: int = 1  # env.pipeline_stages
 
 
 class InferenceServer(ServerState):
@@ -136,7 +139,10 @@ class InferenceServer(ServerState):
         weight_sync=None,
         uniform_actions: UniformActions | None = None,
         states: RecurrentStates | None = None,
+        stages: int = 1,
     ):
+        """The channels: one per client, every env rank's stage 0 first, then their stage 1 and so on
+        (env.pipeline_stages); each step serves the stages in that order, one forward pass per stage."""
         self.policy = policy
         self.obs_channels = obs_channels
         self.action_channels = action_channels
@@ -148,16 +154,28 @@ class InferenceServer(ServerState):
         # numpy views of the reply buffers: cheaper per-step writes than torch ops (see EnvRunner)
         self.replies = [spaces.numpy_views(ch.buffer) for ch in action_channels]
         self.states = states  # None for a stateless policy: no per-step work for states
-        self.all_served = list(range(len(action_channels)))
+        per_stage = len(action_channels) // stages
+        self.stage_clients = [list(range(s * per_stage, (s + 1) * per_stage)) for s in range(stages)]
         self.fields = dict(policy.outputs())  # what act returns, checked on every step
         self.output_keys = list(self.fields)
         self.watched_act = watchdog.watch("policy.act")  # made once: entered every step (one process has no peer)
+        # When the last forward pass ended (split layout): the time from there to the next pass's observations is
+        # this rank's idle time, which each reply carries. In one process the wait is the envs' own step: none.
+        self.pass_end = time.perf_counter() if weight_sync is not None else None
 
     def serve_step(self) -> None:
-        pending = [ch.irecv() for ch in self.obs_channels]
+        """One env step of every client: per pipeline stage, its env ranks' observations, one forward pass, their
+        replies."""
+        for served in self.stage_clients:
+            self._serve(served)
+
+    def _serve(self, served: list[int]) -> None:
+        pending = [self.obs_channels[index].irecv() for index in served]
         messages = [message.wait() for message in pending]
+        idle_s = 0.0 if self.pass_end is None else time.perf_counter() - self.pass_end
         observations = [message["obs"] for message in messages]
         obs = observations[0] if len(observations) == 1 else torch.cat(observations)
+        replies = [self.replies[index] for index in served]
 
         outputs, inference_s = act_for_replies(
             self.policy,
@@ -166,22 +184,25 @@ class InferenceServer(ServerState):
             self.fields,
             self.uniform_actions if self.explore_uniformly else None,
             self.states,
-            self.all_served,
+            served,
             [message[EPISODE_START] for message in messages] if self.states is not None else (),
-            self.replies,
+            replies,
             self.watched_act,
         )
         sends = []
         offset = 0
-        for channel, reply in zip(self.action_channels, self.replies):
-            offset = write_reply(reply, self.output_keys, outputs, offset, self.policy_version, inference_s)
-            sends.append(channel.isend())
+        for index, reply in zip(served, replies):
+            offset = write_reply(reply, self.output_keys, outputs, offset, self.policy_version, inference_s, idle_s)
+            sends.append(self.action_channels[index].isend())
         for send in sends:
             send.wait()
+        if self.pass_end is not None:
+            self.pass_end = time.perf_counter()
 
     def receive_weights(self) -> None:
         """Split layout, at the fixed point between rollouts: the trainer's weights and their version."""
         self.policy_version = self.weight_sync.broadcast(self.policy_version)  # receivers get the sender's version
+        self.pass_end = time.perf_counter()  # the wait for weights is the weight sync's time, not idle
 
     def take_weights(self, verify_every: int) -> None:
         """receive_weights, then check them against trainer 0's checksums when weights.verify_every says so."""

@@ -22,9 +22,26 @@ from spmd_rl.interfaces.policy import (
     StepField,
 )
 
+# A segment's timings of its rollout, one float64 each (summed over an env rank's pipeline stages): seconds in
+# env.step; waiting for actions (the env rank idle); in the forward passes that acted for it; the whole rollout (from
+# the previous segment sent, or the start, to this one); the inference rank idle before those forward passes.
+SEGMENT_TIMINGS = ("env_s", "action_wait_s", "inference_s", "rollout_s", "inference_idle_s")
+
 
 def _fields(fields: dict[str, StepField], *batch: int) -> dict[str, torch.Tensor]:
     return {key: torch.zeros(*batch, *f.shape, dtype=f.dtype) for key, f in fields.items()}
+
+
+def stage_channel(name: str, stage: int, stages: int) -> str:
+    """The channel of one pipeline stage (env.pipeline_stages): the plain name with one stage, so that a run of one
+    stage keeps its channels and their tags."""
+    return name if stages == 1 else f"{name} stage {stage}"
+
+
+def stage_name(stage: int, stages: int) -> str:
+    """' in pipeline stage 1' where an env rank has pipeline stages (said in errors beside the rank and the env
+    call), nothing without."""
+    return "" if stages == 1 else f" in pipeline stage {stage}"
 
 
 def observation_message(spec: EnvSpec, num_envs: int) -> TensorDict:
@@ -52,12 +69,14 @@ def action_message(
 ) -> TensorDict:
     """inference server -> env runner, every step: the policy's outputs (action first). The policy version lets the
     env prove it acted on fresh weights; inference_s (seconds in the forward pass) lets the trainer tell inference
-    time from transfer time. For a recurrent policy, also the state each env entered the step with (before its
+    time from transfer time, idle_s (seconds the inference rank waited for observations before it) what it idled.
+    For a recurrent policy, also the state each env entered the step with (before its
     reset at an episode start): the env runner keeps the first step's for the segment."""
     fields = {
         **_fields(outputs, num_envs),
         "policy_version": torch.zeros(1, dtype=torch.int64),
         "inference_s": torch.zeros(1, dtype=torch.float64),
+        "idle_s": torch.zeros(1, dtype=torch.float64),  # the inference rank idle before the forward pass
     }
     if state is not None:
         fields[RECURRENT_STATE] = TensorDict(_fields(state, num_envs), batch_size=[])
@@ -90,9 +109,7 @@ def segment_message(
         "rollout": rollout,
         "next_obs": zeros_of(spec.observation_space, n),
         "policy_version": torch.zeros(t, dtype=torch.int64),  # the version each step's actions came from
-        "env_s": torch.zeros(1, dtype=torch.float64),  # seconds in env.step this rollout
-        "action_wait_s": torch.zeros(1, dtype=torch.float64),  # seconds from sending obs to having actions
-        "inference_s": torch.zeros(1, dtype=torch.float64),  # of which the inference server computed
+        **{key: torch.zeros(1, dtype=torch.float64) for key in SEGMENT_TIMINGS},
     }
     if spec.success_key is not None:  # only envs that report a success flag: classic envs keep their layout
         rollout.update(_fields(SUCCESS_FIELDS, t, n))

@@ -16,6 +16,7 @@ from spmd_rl.comm.sharding import full_state_dict, is_dtensor
 from spmd_rl.interfaces.policy import CHUNK_VALID, GROUP, RECURRENT_STATE
 from spmd_rl.persist.checkpoint import SHARDS_FROM, load_shards
 from spmd_rl.persist.rank_state import ALGORITHM, POLICY
+from spmd_rl.roles.messages import SEGMENT_TIMINGS
 from spmd_rl.roles.update_guard import UpdateGuard
 from spmd_rl.runtime.distributed import bounded, comm_error, group_peer, is_comm_failure
 from spmd_rl.runtime.errors import CommError
@@ -37,9 +38,7 @@ def combine_segments(segments: list[TensorDict], copy: bool = False) -> TensorDi
             "rollout": torch.cat([s["rollout"] for s in segments], dim=1),
             "next_obs": torch.cat([s["next_obs"] for s in segments]),
             "policy_version": segments[0]["policy_version"].clone() if copy else segments[0]["policy_version"],
-            "env_s": torch.cat([s["env_s"] for s in segments]),
-            "action_wait_s": torch.cat([s["action_wait_s"] for s in segments]),
-            "inference_s": torch.cat([s["inference_s"] for s in segments]),
+            **{key: torch.cat([s[key] for s in segments]) for key in SEGMENT_TIMINGS},
         },
         batch_size=[],
     )
@@ -257,9 +256,7 @@ class Trainer:
             episodes["successes_at_end"] = rollout["episode_success_at_end"][done].double()
         local = {
             **episodes,
-            "env_s": segment["env_s"].sum().item(),
-            "action_wait_s": segment["action_wait_s"].sum().item(),
-            "inference_s": segment["inference_s"].sum().item(),
+            **{key: segment[key].sum().item() for key in SEGMENT_TIMINGS},
             "env_ranks": float(segment["env_s"].numel()),
         }
         if self.group is None or dist.get_world_size(self.group) == 1:
@@ -267,13 +264,12 @@ class Trainer:
         # Fixed-size tensors (padded with NaN) so the gather needs no negotiation of sizes.
         slots = self.episode_slots
         blocks = len(episodes)
-        packed = torch.full((blocks * slots + 4,), float("nan"), dtype=torch.float64)
+        sums_at = [*SEGMENT_TIMINGS, "env_ranks"]
+        packed = torch.full((blocks * slots + len(sums_at),), float("nan"), dtype=torch.float64)
         count = local["returns"].numel()
         for block, values in enumerate(episodes.values()):
             packed[block * slots : block * slots + count] = values
-        packed[blocks * slots :] = torch.tensor(
-            [local["env_s"], local["action_wait_s"], local["inference_s"], local["env_ranks"]], dtype=torch.float64
-        )
+        packed[blocks * slots :] = torch.tensor([local[key] for key in sums_at], dtype=torch.float64)
         gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(self.group))]
         bounded(
             dist.all_gather,
@@ -291,7 +287,5 @@ class Trainer:
         statistics: dict[str, torch.Tensor | float] = {
             name: merged[:, block * slots : (block + 1) * slots][finished] for block, name in enumerate(episodes)
         }
-        statistics.update(
-            env_s=sums[0].item(), action_wait_s=sums[1].item(), inference_s=sums[2].item(), env_ranks=sums[3].item()
-        )
+        statistics.update({key: sums[i].item() for i, key in enumerate(sums_at)})
         return statistics

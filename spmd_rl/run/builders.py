@@ -10,6 +10,7 @@ file; who sends the weights how is run/weight_sync_plan.py's.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,7 +28,15 @@ from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import GROUP, Policy
 from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.roles.inference_server import InferenceParts, InferenceServer, RecurrentStates, UniformActions
-from spmd_rl.roles.messages import action_message, observation_message, segment_message, with_episode_starts
+from spmd_rl.roles.messages import (
+    action_message,
+    observation_message,
+    segment_message,
+    stage_channel,
+    stage_name,
+    with_episode_starts,
+)
+from spmd_rl.roles.pipelined_env_runner import PipelinedEnvRunner, stage_columns, stage_seed
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.evaluation import cuda_indices
 from spmd_rl.run.metrics import MetricsLogger
@@ -108,38 +117,65 @@ def build_colocated(run: Run, logger: MetricsLogger | None) -> tuple[EnvRunner, 
     return runner, server, trainer, report
 
 
-def build_env_runner(run: Run, observation_layout=observation_message) -> EnvRunner:
+def build_env_runner(run: Run, observation_layout=observation_message) -> EnvRunner | PipelinedEnvRunner:
     """Run.build_env_runner (its docstring says what it builds)."""
     cfg, topology, spec, rank = run.cfg, run.topology, run.spec, run.rank
     inference, trainer = topology.env_to_inference[rank], topology.env_to_trainer[rank]
-    n, t = cfg.env.num_envs, run.plan.num_steps
+    n, t, stages = cfg.env.num_envs, run.plan.num_steps, cfg.env.pipeline_stages
+    columns = stage_columns(n, stages)
     state = run.recurrent_state
-    with watchdog.watch(f"making and resetting env.id {cfg.env.id}"):
-        envs, first_obs = backend_for(cfg.env).make(cfg.env, spec, _seed_rank(run))
-    (to_inference, to_trainer), (from_inference,) = open_channels(
+    seed = _seed_rank(run)
+    stage_envs = []
+    for stage, envs_of_stage in enumerate(columns):
+        with watchdog.watch(f"making and resetting env.id {cfg.env.id}{stage_name(stage, stages)}"):
+            stage_envs.append(
+                backend_for(cfg.env).make(
+                    dataclasses.replace(cfg.env, num_envs=n // stages),
+                    spec,
+                    stage_seed(seed, envs_of_stage, cfg.env.group_size),
+                )
+            )
+    channels, from_inference = open_channels(
         me=rank,
         sends=[
-            (inference, "observations", with_episode_starts(observation_layout(spec, n), state, n)),
+            *(
+                (
+                    inference,
+                    stage_channel("observations", s, stages),
+                    with_episode_starts(observation_layout(spec, n // stages), state, n // stages),
+                )
+                for s in range(stages)
+            ),
             (trainer, "segments", segment_message(spec, run.outputs, t, n, state)),
         ],
-        recvs=[(inference, "actions", action_message(run.outputs, n, state))],
+        recvs=[
+            (inference, stage_channel("actions", s, stages), action_message(run.outputs, n // stages, state))
+            for s in range(stages)
+        ],
         describe_rank=topology.describe,
         timeout=run.runtime.timeout,
     )
-    runner = EnvRunner(
-        envs,
-        first_obs,
-        to_inference,
-        from_inference,
-        to_trainer,
-        t,
-        list(run.outputs),
-        describe=run.describe(),
-        env_id=cfg.env.id,
-        env_backend=backend_for(cfg.env),
-        success_key=run.spec.success_key,
-        group_size=cfg.env.group_size,
-    )
+    *to_inference, to_trainer = channels
+    runners = [
+        EnvRunner(
+            envs,
+            first_obs,
+            to_inference[s],
+            from_inference[s],
+            to_trainer,
+            t,
+            list(run.outputs),
+            describe=run.describe(),
+            env_id=cfg.env.id,
+            env_backend=backend_for(cfg.env),
+            success_key=run.spec.success_key,
+            group_size=cfg.env.group_size,
+            columns=None if stages == 1 else columns[s],
+            stage=stage_name(s, stages),
+        )
+        for s, (envs, first_obs) in enumerate(stage_envs)
+    ]
+    runner = runners[0] if stages == 1 else PipelinedEnvRunner(runners, to_trainer, n)
     _say_if_env_state_unsaved(run, runner)
     return runner
 
@@ -155,14 +191,17 @@ def build_inference_server(run: Run) -> InferenceServer:
         parts.weight_sync,
         uniform_actions=parts.uniform_actions,
         states=parts.states,
+        stages=parts.stages,
     )
 
 
 def inference_parts(run: Run, observation_layout=observation_message, recv_buffers: int = 1) -> InferenceParts:
     """Run.inference_parts (its docstring says what it builds)."""
     cfg, topology, rank = run.cfg, run.topology, run.rank
-    served = topology.envs_served_by(rank)
-    n = cfg.env.num_envs
+    stages = cfg.env.pipeline_stages
+    # Its clients: every served env rank's stages, stage by stage (each stage of each env rank has its channels).
+    clients = [(env, s) for s in range(stages) for env in topology.envs_served_by(rank)]
+    n = cfg.env.num_envs // stages
     state_fields = run.recurrent_state
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
         policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
@@ -171,17 +210,31 @@ def inference_parts(run: Run, observation_layout=observation_message, recv_buffe
         sharding.compute_in_bf16(sharding.cast_parameters(policy, torch.bfloat16), ["act"], policy_device(policy))
     weight_sync = weights.inference_member(run, policy)
     _seed_rank(run)
-    observations = [with_episode_starts(observation_layout(run.spec, n), state_fields, n) for _ in served]
+    observations = [with_episode_starts(observation_layout(run.spec, n), state_fields, n) for _ in clients]
     action_channels, obs_channels = open_channels(
         me=rank,
-        sends=[(env, "actions", action_message(run.outputs, n, state_fields)) for env in served],
-        recvs=[(env, "observations", layout) for env, layout in zip(served, observations)],
+        sends=[
+            (env, stage_channel("actions", s, stages), action_message(run.outputs, n, state_fields))
+            for env, s in clients
+        ],
+        recvs=[
+            (env, stage_channel("observations", s, stages), layout) for (env, s), layout in zip(clients, observations)
+        ],
         describe_rank=topology.describe,
         timeout=run.runtime.timeout,
         num_recv_buffers=recv_buffers,
     )
-    states = _recurrent_states(run, [n] * len(served))
-    return InferenceParts(policy, weight_sync, obs_channels, action_channels, _uniform_actions(run), states)
+    states = _recurrent_states(run, [n] * len(clients))
+    return InferenceParts(
+        policy,
+        weight_sync,
+        obs_channels,
+        action_channels,
+        _uniform_actions(run),
+        [topology.describe(env) + stage_name(s, stages) for env, s in clients],
+        states,
+        stages,
+    )
 
 
 def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1) -> tuple[Trainer, Reporter]:
@@ -387,7 +440,7 @@ def _init_algorithm_from(run: Run, algorithm: Algorithm, state: dict | None) -> 
         ) from None
 
 
-def _say_if_env_state_unsaved(run: Run, runner: EnvRunner) -> None:
+def _say_if_env_state_unsaved(run: Run, runner: EnvRunner | PipelinedEnvRunner) -> None:
     """Once per run (the first rank with envs): a checkpoint cannot hold these envs' state, so a resume begins
     fresh episodes."""
     first = 0 if run.topology.colocated else run.topology.env_ranks[0]

@@ -122,6 +122,11 @@ class MetricsLogger:
             "time_env_s": statistics["env_s"] / env_ranks,
             "time_inference_s": inference_s,
             "time_transfer_s": max(statistics["action_wait_s"] / env_ranks - inference_s, 0.0),
+            # the rollout's own time and what each side idled in it (env ranks waiting for actions, the inference
+            # rank for observations): with env.pipeline_stages the rollout is less than env + inference time
+            "time_rollout_s": statistics["rollout_s"] / env_ranks,
+            "time_env_idle_s": statistics["action_wait_s"] / env_ranks,
+            "time_inference_idle_s": statistics["inference_idle_s"] / env_ranks,
             **trainer_times,
             "wall_s": elapsed,  # since this process started the run (or resumed it)
             "cpu_s": time.process_time() - self.start_cpu,  # this rank's CPU time: robust to a busy machine
@@ -201,6 +206,12 @@ class MetricsLogger:
         for key, label, spec in cls.GLANCE:
             if key in record:
                 text += f"  {label} {record[key]:{spec}}"
+        if "time_rollout_s" in record:  # where the rollout's time went, and which side waited for the other
+            text += (
+                f"  rollout {record['time_rollout_s']:.3f}s: env {record['time_env_s']:.3f}s, inference "
+                f"{record['time_inference_s']:.3f}s, idle env {record['time_env_idle_s']:.3f}s / inference "
+                f"{record['time_inference_idle_s']:.3f}s"
+            )
         if record.get("success_rate") is not None:  # envs that report success (null: no episode ended)
             text += f"  success {record['success_rate']:.2f}"
         groups = [key.split("/", 1)[1] for key in record if key.startswith("episode_return_mean/")]

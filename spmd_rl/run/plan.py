@@ -190,6 +190,35 @@ def _check_group_size(env: EnvSection) -> None:
             )
 
 
+def _check_pipeline_stages(env: EnvSection, topology: Topology) -> None:
+    """env.pipeline_stages: an env rank's envs in equal stages, each of whole env.group_size blocks, beside an
+    inference rank of the split layout (in one process there is nothing to overlap the stages with)."""
+    stages = env.pipeline_stages
+    if stages == 1:
+        return
+    if topology.colocated:
+        raise UserError(
+            f"env.pipeline_stages={stages} overlaps env ranks' stepping with inference ranks' forward passes, and the "
+            f"colocated layout has neither: use layout.mode=split, or env.pipeline_stages=1"
+        )
+    if env.groups:
+        raise UserError(
+            f"env.pipeline_stages={stages} with env.groups is not supported (a stage would cut the groups' mixed "
+            f"vector env): set env.pipeline_stages=1, or run one env id"
+        )
+    if env.num_envs % stages:
+        raise UserError(
+            f"env.pipeline_stages={stages} does not divide the {env.num_envs} envs of each env rank: stages are "
+            f"equal; make env.num_envs (or env.total_envs / env ranks) a multiple of {stages}"
+        )
+    per_stage = env.num_envs // stages
+    if per_stage % env.group_size:
+        raise UserError(
+            f"env.pipeline_stages={stages} would split the env.group_size={env.group_size} blocks: each stage "
+            f"holds {per_stage} envs; make env.num_envs / env.pipeline_stages a multiple of {env.group_size}"
+        )
+
+
 def _per_env_rank(total: int, env_ranks: int, what: str) -> int:
     if total % env_ranks:
         raise UserError(
@@ -235,6 +264,7 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
     The config is left as given; the plan carries the env counts per env rank (plan.env, plan.run_config)."""
     env = spread_total_envs(cfg.env, topology)
     _check_group_size(env)
+    _check_pipeline_stages(env, topology)
     env_ranks = len(topology.env_ranks)
     envs_total = env_ranks * env.num_envs
     schedule = algorithm_cls.schedule(cfg.algo)

@@ -23,6 +23,7 @@ from spmd_rl.persist.run_control import RunControl, StoppedWithCheckpoint
 from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.roles.inference_server import InferenceParts, InferenceServer
 from spmd_rl.roles.messages import observation_message
+from spmd_rl.roles.pipelined_env_runner import PipelinedEnvRunner
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run import builders
 from spmd_rl.run.metrics import MetricsLogger
@@ -179,9 +180,10 @@ class Run:
         and data-parallel learning across ranks, joined by local channels."""
         return builders.build_colocated(self, logger)
 
-    def build_env_runner(self, observation_layout=observation_message) -> EnvRunner:
+    def build_env_runner(self, observation_layout=observation_message) -> EnvRunner | PipelinedEnvRunner:
         """A split-layout env rank's runner: its envs, its channels (observations to its inference rank and actions
-        back, segments to its trainer). observation_layout(spec, num_envs) lays out the observation message."""
+        back, segments to its trainer); with env.pipeline_stages > 1, one runner per stage in a PipelinedEnvRunner.
+        observation_layout(spec, num_envs) lays out the observation message."""
         return builders.build_env_runner(self, observation_layout)
 
     def build_inference_server(self) -> InferenceServer:

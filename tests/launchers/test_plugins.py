@@ -542,6 +542,8 @@ def _gather_on_two_trainers(rank: int, world_size: int) -> None:
             "env_s": torch.tensor([1.0 + rank]),
             "action_wait_s": torch.tensor([0.5]),
             "inference_s": torch.tensor([0.25]),
+            "rollout_s": torch.tensor([2.0]),
+            "inference_idle_s": torch.tensor([0.125]),
         },
         batch_size=[],
     )
@@ -561,6 +563,7 @@ def _gather_on_two_trainers(rank: int, world_size: int) -> None:
     assert sorted(statistics["returns"].tolist()) == sorted(r for r, _ in everyone)
     assert sorted(statistics["lengths"].tolist()) == sorted(float(n) for _, n in everyone)
     assert statistics["env_ranks"] == 2.0 and statistics["env_s"] == 3.0 and statistics["inference_s"] == 0.5
+    assert statistics["rollout_s"] == 4.0 and statistics["inference_idle_s"] == 0.25
 
 
 def test_gather_statistics_merges_every_trainers_episodes_on_the_first():

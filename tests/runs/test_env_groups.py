@@ -102,6 +102,8 @@ def _gather_groups_on_two_trainers(rank: int, world_size: int) -> None:
             "env_s": torch.tensor([1.0]),
             "action_wait_s": torch.tensor([0.5]),
             "inference_s": torch.tensor([0.25]),
+            "rollout_s": torch.tensor([2.0]),
+            "inference_idle_s": torch.tensor([0.125]),
         },
         batch_size=[],
     )

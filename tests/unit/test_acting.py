@@ -63,6 +63,7 @@ def test_a_server_step_resets_states_at_episode_starts_and_fills_each_reply():
             "recurrent_state": {"steps": np.zeros(rows, np.float32)},
             "policy_version": np.zeros(1, np.int64),
             "inference_s": np.zeros(1, np.float32),
+            "idle_s": np.zeros(1, np.float32),
         }
         for rows in (2, 1)
     ]
@@ -75,8 +76,9 @@ def test_a_server_step_resets_states_at_episode_starts_and_fills_each_reply():
     assert replies[0]["recurrent_state"]["steps"].tolist() == [5.0, 6.0]  # what each env entered the step with
     offset = 0
     for reply in replies:
-        offset = write_reply(reply, list(fields), outputs, offset, 7, seconds)
+        offset = write_reply(reply, list(fields), outputs, offset, 7, seconds, 0.5)
     assert offset == 3 and replies[1]["count"].tolist() == [7.0] and replies[1]["policy_version"][0] == 7
+    assert replies[1]["idle_s"][0] == 0.5
 
 
 def test_warm_up_steps_act_uniformly_without_the_policy():

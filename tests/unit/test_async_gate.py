@@ -79,6 +79,7 @@ def make_server(plan: Plan, lag_bound: int, iterations: range, env_ranks: int = 
         obs_channels=[receive for _, receive in obs_ends],
         action_channels=[send for send, _ in action_ends],
         uniform_actions=None,
+        client_names=[f"rank {rank}" for rank in range(2, 2 + env_ranks)],
     )
     server = AsyncInferenceServer(
         parts,
@@ -90,7 +91,6 @@ def make_server(plan: Plan, lag_bound: int, iterations: range, env_ranks: int = 
         verify_every=0,
         describe_rank=lambda rank: f"rank {rank}",
         rank=1,
-        served=list(range(2, 2 + env_ranks)),
     )
     return server, [receive for _, receive in action_ends]
 

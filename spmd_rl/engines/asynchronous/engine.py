@@ -152,7 +152,6 @@ class AsyncEngine(SyncEngine):
             run.cfg.weights.verify_every,
             run.describe,
             run.rank,
-            run.topology.envs_served_by(run.rank),
         )
         components = self.restored(run, {rank_state.INFERENCE_SERVER: server})  # the weights come from trainer 0
         server.start()

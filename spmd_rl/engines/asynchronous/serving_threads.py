@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import Sequence
 
 import torch
 from tensordict import TensorDict
@@ -41,7 +40,6 @@ class AsyncInferenceServer(ServerState):
         verify_every: int,
         describe_rank,
         rank: int,
-        served: Sequence[int],
     ):
         self.plan, self.lag_bound = plan, lag_bound
         self.policy, self.weight_sync = parts.policy, parts.weight_sync
@@ -49,7 +47,9 @@ class AsyncInferenceServer(ServerState):
         self.device, self.timeout = device, timeout
         self.describe = describe_rank(rank)
         self.source = describe_rank(parts.weight_sync.src)
-        self.env_names = [describe_rank(env) for env in served]
+        self.env_names = parts.client_names  # its env ranks, each pipeline stage of one a client of its own
+        per_stage = len(parts.obs_channels) // parts.stages
+        self.stage_clients = [list(range(s * per_stage, (s + 1) * per_stage)) for s in range(parts.stages)]
         self.obs_channels, self.action_channels = parts.obs_channels, parts.action_channels
         self.output_keys = list(parts.policy.outputs())
         self.fields = dict(parts.policy.outputs())
@@ -60,7 +60,7 @@ class AsyncInferenceServer(ServerState):
         self.lockstep = lag_bound == 0
         self.num_steps = plan.num_steps
         self.end_step = iterations.stop * self.num_steps
-        self.next_step = [iterations.start * self.num_steps] * len(served)  # per env rank: the next step to serve
+        self.next_step = [iterations.start * self.num_steps] * len(self.env_names)  # per client: its next step
         # Broadcasts after each iteration, in order; served_through(i) needs those up to i taken.
         self.syncs = [i for i in iterations if plan.syncs_after(i)]
         self.taken = 0
@@ -73,6 +73,7 @@ class AsyncInferenceServer(ServerState):
         self.weights_complete = False
         self.failure: BaseException | None = None
         self.progress_at = time.monotonic()
+        self.pass_end = time.perf_counter()  # when the last forward pass ended: the idle time before the next
 
     # -- weights --------------------------------------------------------------------------------------------------
 
@@ -194,15 +195,17 @@ class AsyncInferenceServer(ServerState):
             )
 
     def _servable(self) -> list[int]:
-        """The env ranks to act for now, in the fixed order: with lag 0 all of them or none (exactly the sync
-        engine's batches), else every ready one whose segment the current weights may act for."""
+        """The clients (env ranks, or their pipeline stages) to act for now, in the fixed order: with lag 0 one
+        stage of every env rank or none (exactly the sync engine's batches, in its order), else every ready one
+        whose segment the current weights may act for."""
         allowed = [
             index
             for index in sorted(self.ready)
             if self.policy_version >= self.required_version(self.next_step[index] // self.num_steps)
         ]
-        if self.lockstep:
-            return allowed if len(allowed) == len(self.obs_channels) else []
+        if self.lockstep:  # the stage the sync engine serves next (the earliest step, then the lowest stage)
+            due = min(self.stage_clients, key=lambda clients: self.next_step[clients[0]])
+            return due if set(due) <= set(allowed) else []
         return allowed
 
     def _serve(self, serve: list[int], messages: list[TensorDict]) -> None:
@@ -217,6 +220,7 @@ class AsyncInferenceServer(ServerState):
             if recurrent:  # the replies get their recurrent state before their sends below: previous sends are out
                 for index in served:
                     self.action_channels[index].wait()
+            idle_s = time.perf_counter() - self.pass_end
             outputs, inference_s = act_for_replies(
                 self.policy,
                 obs,
@@ -233,13 +237,14 @@ class AsyncInferenceServer(ServerState):
                 channel = self.action_channels[index]
                 channel.wait()  # the previous reply to this env rank is out of the buffer
                 offset = write_reply(
-                    self.replies[index], self.output_keys, outputs, offset, self.policy_version, inference_s
+                    self.replies[index], self.output_keys, outputs, offset, self.policy_version, inference_s, idle_s
                 )
                 # Counted before the send: the env rank's next observation can arrive (and be checked against
                 # next_step by its receiving thread) the moment the reply is out.
                 with self.lock:
                     self.next_step[index] += 1
                 channel.isend()
+            self.pass_end = time.perf_counter()
 
     # -- the main thread: agreements, the end ---------------------------------------------------------------------
 
