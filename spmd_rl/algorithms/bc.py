@@ -3,8 +3,10 @@
 Read top to bottom: each trainer reads its share of the demonstrations' episodes (algorithms/demonstrations.py),
 then every iteration is algo.update_epochs passes over them in minibatches; a minibatch's loss is the negative
 log-likelihood of the demonstrated actions under the policy: the Gaussian head's NLL, or the cross-entropy of a
-discrete or binned head (policy.action_bins), an action chunk's summed over its actions (the policy's log_prob of
-the decision). Its checkpoint and policy.pt are what `run.init_from` starts PPO or GRPO from.
+discrete or binned head (policy.action_bins), an action chunk's summed over the actions that ran (chunk_valid: an
+episode's end cuts a chunk short, and the file's actions past it are no demonstration). Every demonstrated action
+weighs alike: a minibatch's loss is its decisions' summed NLL over its decision count, so a cut chunk counts by
+its valid steps. Its checkpoint and policy.pt are what `run.init_from` starts PPO or GRPO from.
 
 No rollouts (Schedule(rollout_unit="none")): the envs step only in evaluation (eval.every), which reports
 eval_success_rate for envs with a success flag.
@@ -12,6 +14,7 @@ eval_success_rate for envs with a success flag.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -26,7 +29,7 @@ from spmd_rl.algorithms.demonstrations import check_files, demonstration_files, 
 from spmd_rl.algorithms.optimizer_step import FusedAdamStep, clip_grad_norm
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, PolicyMethod, Schedule
 from spmd_rl.interfaces.context import Context
-from spmd_rl.interfaces.policy import Policy
+from spmd_rl.interfaces.policy import CHUNK_VALID, Policy
 from spmd_rl.runtime.errors import UserError
 
 
@@ -42,7 +45,8 @@ class BC(Algorithm):
             ("obs", "action"),
             ("log_prob", "entropy", "value"),
             "bc calls the policy as policy(obs, action), which DDP wraps: define forward(self, obs, action) to "
-            "return (log_prob, entropy, value) (the value is not learned: return any [B] tensor, e.g. zeros)",
+            "return (log_prob, entropy, value) (the value is not learned: return any [B] tensor, e.g. zeros); with "
+            "action chunks also forward(obs, action, chunk_valid), the log_prob of the chunk's valid steps only",
         ),
     )
 
@@ -83,6 +87,13 @@ class BC(Algorithm):
         share = read_share(demonstration_files(config.demos), layout, context.trainer_index, context.num_trainers)
         self.decisions = share.decisions
         self.decisions["action"] = self.decisions["action"].to(policy.outputs()["action"].dtype)
+        self.chunked = CHUNK_VALID in self.decisions.keys()
+        if self.chunked and CHUNK_VALID not in inspect.signature(policy.forward).parameters:
+            raise UserError(
+                f"algo.demos={config.demos} holds action chunks with chunk_valid, and policy {type(policy).__name__}'s "
+                f"forward takes no chunk_valid: define forward(self, obs, action, chunk_valid=None) whose log_prob "
+                f"sums only the chunk's valid steps (chunk_valid [B, K] bool), as the built-in policies' do"
+            )
         counts = torch.zeros(context.num_trainers, dtype=torch.float64)
         counts[context.trainer_index] = len(self.decisions)
         counts = self.context.all_reduce(counts, "bc demonstration counts")
@@ -130,7 +141,10 @@ class BC(Algorithm):
 
     def _step(self, minibatch: TensorDict) -> dict[str, Tensor]:
         """One optimizer step on the negative log-likelihood of the minibatch's demonstrated actions."""
-        log_prob, entropy, value = self.model(minibatch["obs"], minibatch["action"])
+        # With chunks a decision's log_prob is its valid steps' sum, so over the decision count every demonstrated
+        # action weighs alike (DDP's mean over trainers of equal minibatches keeps it so).
+        steps = {"chunk_valid": minibatch[CHUNK_VALID]} if self.chunked else {}
+        log_prob, entropy, value = self.model(minibatch["obs"], minibatch["action"], **steps)
         nll = -log_prob.mean()
         # The value output takes no part, but DDP expects a gradient for every parameter that took part in forward.
         loss = nll + 0.0 * value.sum()

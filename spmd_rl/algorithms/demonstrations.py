@@ -4,10 +4,10 @@ env's layout as the policy sees it, and read as decisions, each trainer its own 
 
 A row of an experience file is one decision of one env (rows of a rollout [T, N] are time-major); what bc learns
 from is a row's obs and action. Rows that are no demonstrated decision are left out: a reset step (`valid` false,
-also set for the steps of an env whose episode ended in a rollout of whole episodes). With action chunks, a row's
-action is the whole chunk the demonstrator decided, also where an episode's end cut it short (`chunk_valid` not all
-true: the env ran only its first actions): its later actions are still what the demonstrator chose to do from that
-observation, and a task that ends on success mid-chunk ends every demonstration that way.
+also set for the steps of an env whose episode ended in a rollout of whole episodes). With action chunks a row's
+action is the chunk [K, ...], and its `chunk_valid` [K] (read too where the file has it) says which of its actions
+ran: an episode's end cuts a chunk short, and what a file holds past it is no demonstration (python -m spmd_rl.collect
+writes zeros there; the experience log the actions the policy drew but never ran), so bc learns the valid ones only.
 """
 
 from __future__ import annotations
@@ -104,14 +104,15 @@ def check_files(files: list[Path], expected: dict[str, Field]) -> None:
 class Share:
     """A trainer's share of the demonstrations: its decisions (obs and action, [M]) and the counts over all files."""
 
-    decisions: TensorDict
+    decisions: TensorDict  # with chunk_valid [M, K] where a file has it (rows of a file without it: all true)
     episodes: int  # episodes in all files
-    cut_chunks: int  # decisions of all files whose chunk an episode's end cut short (learned from as decided)
+    cut_chunks: int  # decisions of all files whose chunk an episode's end cut short (learned from its valid steps)
 
 
 def read_share(files: list[Path], expected: dict[str, Field], trainer_index: int, num_trainers: int) -> Share:
     """The decisions of every num_trainers-th episode from the trainer_index-th on (episodes numbered over the files
-    in order, each file's by env column and order of ending), with their obs and action."""
+    in order, each file's by env column and order of ending), with their obs and action, and chunk_valid where any
+    file holds it."""
     episodes = cut = 0
     parts: list[dict[str, np.ndarray]] = []
     for path in files:
@@ -127,10 +128,14 @@ def read_share(files: list[Path], expected: dict[str, Field], trainer_index: int
                     whole = reader.column(f"data/{CHUNK_VALID}").reshape(len(reader), -1).all(1)
                     cut += int((keep & ~whole).sum())
                 keep &= episode % num_trainers == trainer_index
-                parts.append({key: _selected(reader, f"data/{key}", keep) for key in expected})
+                keys = [*expected, CHUNK_VALID] if CHUNK_VALID in reader.layout else expected
+                parts.append({key: _selected(reader, f"data/{key}", keep) for key in keys})
         except DAMAGED_FILE_ERRORS as exc:
             raise damaged(path, exc) from None
-    arrays = {key: np.concatenate([part[key] for part in parts]) for key in expected}
+    if any(CHUNK_VALID in part for part in parts):
+        for part in parts:  # a file without it ran its chunks whole
+            part.setdefault(CHUNK_VALID, np.ones(part["action"].shape[:2], dtype=bool))
+    arrays = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
     rows = len(arrays["action"])
     decisions = TensorDict(
         {tuple(key.split("/")): torch.from_numpy(array) for key, array in arrays.items()}, batch_size=[rows]

@@ -25,7 +25,13 @@ from torch import Tensor, nn
 from spmd_rl.comm.sharding import is_dtensor
 from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.modules.configs import ActorCriticConfig
-from spmd_rl.modules.distributions import gaussian_entropy, gaussian_log_prob, tempered_log_std, tempered_logits
+from spmd_rl.modules.distributions import (
+    decision_sum,
+    gaussian_entropy,
+    gaussian_log_prob,
+    tempered_log_std,
+    tempered_logits,
+)
 from spmd_rl.modules.encoders import make_encoder
 from spmd_rl.modules.masks import action_mask_of, masked
 from spmd_rl.modules.mlp import ACTIVATIONS, mlp
@@ -287,8 +293,10 @@ class ActorCritic(ActionHeadPolicy):
             action = action.reshape(-1, *self.action_field.shape)  # a Box of more than one axis (e.g. a chunk [K, A])
         return {"action": action, "log_prob": log_prob, "value": value.squeeze(-1)}
 
-    def evaluate(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(log_prob, entropy, value) of given actions, with gradients."""
+    def evaluate(self, obs, action: Tensor, chunk_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """(log_prob, entropy, value) of given actions, with gradients. With action chunks, chunk_valid [B, K] makes
+        log_prob the chunk's valid steps' only (modules/distributions.py; bc on demonstrations); entropy stays the
+        whole chunk's."""
         out, value = self.actor_and_critic(self.encoder(obs))
         if self.discrete:
             log_probs = torch.log_softmax(tempered_logits(masked(out, action_mask_of(obs)), self.temperature), dim=-1)
@@ -299,18 +307,18 @@ class ActorCritic(ActionHeadPolicy):
             log_probs = self._bin_log_probs(out)
             element = action.reshape(out.shape[0], -1)
             index = ((element - self.bin_low) / self.bin_width).round().long().clamp(0, self.action_bins - 1)
-            log_prob = log_probs.gather(-1, index.unsqueeze(-1)).squeeze(-1).sum(-1)
+            log_prob = decision_sum(log_probs.gather(-1, index.unsqueeze(-1)).squeeze(-1), chunk_valid)
             entropy = -(log_probs.exp() * log_probs).sum((-2, -1))
         else:
             # A chunk's log-prob (and entropy) is its actions' summed, the probability of the whole decision.
             log_std = tempered_log_std(self.log_std, self.temperature)
-            log_prob = gaussian_log_prob(out, action.reshape(out.shape), log_std)
+            log_prob = gaussian_log_prob(out, action.reshape(out.shape), log_std, chunk_valid)
             entropy = gaussian_entropy(log_std, out.shape[0])
         return log_prob, entropy, value.squeeze(-1)
 
-    def forward(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, obs, action: Tensor, chunk_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         # DDP only hooks forward(): the trainer calls ddp_policy(obs, action) to get evaluate() with synced grads.
-        return self.evaluate(obs, action)
+        return self.evaluate(obs, action, chunk_valid)
 
     def _add_binned_head(self, action_space: gym.Space) -> int:
         """policy.action_bins: every element of a Box action (of each step of a chunk) is one of action_bins evenly

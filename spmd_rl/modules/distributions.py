@@ -7,6 +7,11 @@ distribution and returns that distribution's log-prob, and `evaluate` gives the 
 entropy, so an algorithm's ratio compares like with like (it is 1 on the first minibatch of an update). At T = 1 no op
 is added: the policy computes exactly what it did before the key existed. The mode (deterministic acting) does not
 depend on T.
+
+A decision's log-prob is its action elements' summed (an action chunk's: all its K steps'). With `chunk_valid`
+[B, K] (bc on demonstrations whose episodes end mid-chunk) it is the sum over the chunk's valid steps only: the
+elements of the others are replaced by 0 before the sum, so neither their values nor their gradients depend on the
+actions recorded there (zeros past an episode's end). Without it the sum is the one it always was.
 """
 
 from __future__ import annotations
@@ -29,10 +34,20 @@ def tempered_log_std(log_std: Tensor, temperature: float) -> Tensor:
     return log_std if temperature == 1.0 else log_std + math.log(temperature)
 
 
-def gaussian_log_prob(mean: Tensor, action: Tensor, log_std: Tensor) -> Tensor:
-    """The log density of a diagonal Gaussian at action, summed over the last axis: [B]."""
+def decision_sum(elements: Tensor, chunk_valid: Tensor | None = None) -> Tensor:
+    """A decision's log-prob from its action elements' [B, elements] (a chunk's step-major: K steps, each of
+    elements / K): their sum, or with chunk_valid [B, K] the sum over the valid steps' elements only: [B]."""
+    if chunk_valid is None:
+        return elements.sum(-1)
+    steps = elements.reshape(*chunk_valid.shape, -1)
+    return torch.where(chunk_valid.unsqueeze(-1), steps, 0.0).sum((-2, -1))
+
+
+def gaussian_log_prob(mean: Tensor, action: Tensor, log_std: Tensor, chunk_valid: Tensor | None = None) -> Tensor:
+    """The log density of a diagonal Gaussian at action, summed over the last axis (with chunk_valid: over the
+    chunk's valid steps, decision_sum): [B]."""
     z = (action - mean) * torch.exp(-log_std)
-    return (-0.5 * z.square() - log_std - LOG_SQRT_2PI).sum(-1)
+    return decision_sum(-0.5 * z.square() - log_std - LOG_SQRT_2PI, chunk_valid)
 
 
 def gaussian_entropy(log_std: Tensor, batch: int) -> Tensor:

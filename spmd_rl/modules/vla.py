@@ -41,7 +41,13 @@ from spmd_rl.config.excerpts import clip
 from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.modules.actor_critic import actor_critic_outputs
 from spmd_rl.modules.configs import VLAConfig
-from spmd_rl.modules.distributions import gaussian_entropy, gaussian_log_prob, tempered_log_std, tempered_logits
+from spmd_rl.modules.distributions import (
+    decision_sum,
+    gaussian_entropy,
+    gaussian_log_prob,
+    tempered_log_std,
+    tempered_logits,
+)
 from spmd_rl.modules.encoders import image_batch, image_layout
 from spmd_rl.modules.pretrained import load_weights, read_json, read_model_config, weight_files
 from spmd_rl.runtime.errors import UserError
@@ -444,24 +450,25 @@ class VLAPolicy(Policy):
             action = self._action_of(bins)
         return {"action": action.reshape(-1, *self.action_field.shape), "log_prob": log_prob, "value": value}
 
-    def evaluate(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(log_prob, entropy, value) of given action chunks, each [B], with gradients."""
+    def evaluate(self, obs, action: Tensor, chunk_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """(log_prob, entropy, value) of given action chunks, each [B], with gradients; with chunk_valid [B, K] the
+        log_prob of the chunk's valid steps only (modules/distributions.py; bc on demonstrations)."""
         out, value = self.heads(obs)
         action = action.reshape(action.shape[0], -1)
         temperature = self.config.temperature
         if self.config.action_head == "gaussian":
             log_std = tempered_log_std(self.log_std, temperature)
-            log_prob = gaussian_log_prob(out, action, log_std)
+            log_prob = gaussian_log_prob(out, action, log_std, chunk_valid)
             entropy = gaussian_entropy(log_std, out.shape[0])
         else:
             log_probs = torch.log_softmax(tempered_logits(out, temperature), dim=-1)
-            log_prob = log_probs.gather(-1, self._bin_of(action).unsqueeze(-1)).squeeze(-1).sum(-1)
+            log_prob = decision_sum(log_probs.gather(-1, self._bin_of(action).unsqueeze(-1)).squeeze(-1), chunk_valid)
             entropy = -(log_probs.exp() * log_probs).sum(-1).sum(-1)
         return log_prob, entropy, value
 
-    def forward(self, obs, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, obs, action: Tensor, chunk_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         # DDP and FSDP hook forward(): the trainer calls model(obs, action) to get evaluate() with synced grads.
-        return self.evaluate(obs, action)
+        return self.evaluate(obs, action, chunk_valid)
 
     # -- policy.pt with LoRA ---------------------------------------------------------------------------------
 

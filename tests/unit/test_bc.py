@@ -1,13 +1,17 @@
 """bc (behaviour cloning) on demonstrations a scripted expert made on a real env (harness/demos.py), in process: 20
-steps lower the loss for the Gaussian, binned and discrete heads with action chunks and Dict observations (image,
-state, token ids); each trainer's share is every other episode; bad demonstrations are one UserError naming the file
-and the key; the plan of an algorithm without rollouts."""
+steps lower the loss for the Gaussian, binned and discrete heads with action chunks (some cut short, zeros past
+their ends) and Dict observations (image, state, token ids); what a file holds past a chunk's valid steps changes
+neither the loss nor the gradient (actor-critic heads in bc, the vla's heads directly), and a policy whose forward
+takes no chunk_valid is refused; each trainer's share is every other episode; bad demonstrations are one UserError
+naming the file and the key; the plan of an algorithm without rollouts."""
 
 from __future__ import annotations
 
 import math
 
+import gymnasium as gym
 import h5py
+import numpy as np
 import pytest
 import torch
 from harness.demos import ReachExpert, ScriptedExpert, collect
@@ -63,8 +67,8 @@ def make_bc(demos, overrides, policy_changes=(), **changes):
 
 
 @pytest.mark.parametrize("head", [(), (("action_bins", 11),)], ids=["gaussian", "binned"])
-def test_twenty_steps_lower_the_loss_with_chunks_and_dict_observations(reach_demos, head):
-    bc = make_bc(reach_demos, REACH, head)
+def test_twenty_steps_lower_the_loss_with_chunks_cut_short_and_dict_observations(reach_demos, tmp_path, head):
+    bc = make_bc(cut_copy(reach_demos, tmp_path / "cut.h5", tail=0.0)[0], REACH, head)  # zeros past the ends
     assert bc.decisions["action"].shape[1:] == (2, 2) and bc.decisions["obs", "image"].dtype == torch.uint8
     losses = [bc.learn(None, iteration)["nll_loss"] for iteration in range(20 // bc.steps_per_epoch)]
     assert bc.steps_per_epoch * len(losses) == 20
@@ -99,13 +103,79 @@ def test_each_trainer_reads_every_other_episode(reach_demos):
     assert (whole.episodes, len(whole.decisions)) == (16, 64)
 
 
-def test_a_chunk_cut_short_is_counted_and_learned_as_decided(reach_demos, tmp_path):
-    copy = tmp_path / "cut.h5"
-    copy.write_bytes((reach_demos / "buffer" / "experience_rank0.h5").read_bytes())
-    with h5py.File(copy, "r+") as file:
-        file["data/chunk_valid"][0] = [True, False]
-    share = read_share([copy], expected_layout(*spaces(REACH)), 0, 1)
-    assert (share.cut_chunks, len(share.decisions)) == (1, 64)
+def cut_copy(reach_demos, path, tail=None, cut=True):
+    """A copy of the reach demonstrations whose every third decision ran only its first action (chunk_valid
+    [True, False] unless not cut), its second action replaced by tail where given (what a file holds past an
+    episode's end: collect's zeros, or anything)."""
+    path.write_bytes((reach_demos / "buffer" / "experience_rank0.h5").read_bytes())
+    with h5py.File(path, "r+") as file:
+        rows = np.flatnonzero(file["data/valid"][:])[::3]
+        if cut:
+            chunk_valid = file["data/chunk_valid"][:]
+            chunk_valid[rows, 1] = False
+            file["data/chunk_valid"][:] = chunk_valid
+        if tail is not None:
+            action = file["data/action"][:]
+            action[rows, 1] = tail
+            file["data/action"][:] = action
+    return path, len(rows)
+
+
+def test_a_chunk_cut_short_is_counted_and_its_valid_steps_read(reach_demos, tmp_path):
+    path, cut = cut_copy(reach_demos, tmp_path / "cut.h5")
+    share = read_share([path], expected_layout(*spaces(REACH)), 0, 1)
+    assert (share.cut_chunks, len(share.decisions)) == (cut, 64) and cut > 10
+    assert share.decisions["chunk_valid"].shape == (64, 2) and int((~share.decisions["chunk_valid"]).sum()) == cut
+
+
+@pytest.mark.parametrize("head", [(), (("action_bins", 11),)], ids=["gaussian", "binned"])
+def test_what_a_file_holds_past_a_chunks_valid_steps_changes_neither_loss_nor_gradient(reach_demos, tmp_path, head):
+    def learned(path):
+        bc = make_bc(path, REACH, head)
+        metrics = [bc.learn(None, iteration) for iteration in range(3)]  # Adam steps: the gradients, compared
+        return [m["nll_loss"] for m in metrics], bc.policy.state_dict()
+
+    zeros, _ = cut_copy(reach_demos, tmp_path / "zeros.h5", tail=0.0)
+    losses, weights = learned(zeros)
+    other_losses, other_weights = learned(cut_copy(reach_demos, tmp_path / "other.h5", tail=0.9)[0])
+    assert losses == other_losses and all(torch.equal(weights[key], other_weights[key]) for key in weights)
+    # Not vacuous: learned whole (chunk_valid all true), the same tails do change both.
+    whole_losses, whole_weights = learned(cut_copy(reach_demos, tmp_path / "whole.h5", tail=0.9, cut=False)[0])
+    assert whole_losses != losses and not all(torch.equal(weights[key], whole_weights[key]) for key in weights)
+
+
+class ChunkBlindPolicy(ActorCritic):
+    """A policy whose forward takes no chunk_valid (a policy.class of someone's own)."""
+
+    def forward(self, obs, action):
+        return self.evaluate(obs, action)
+
+
+def test_a_policy_whose_forward_takes_no_chunk_valid_is_refused_on_chunked_demonstrations(reach_demos):
+    observation_space, action_space = spaces(REACH)
+    policy = ChunkBlindPolicy(observation_space, action_space, ActorCriticConfig(hidden_sizes=[8]))
+    with pytest.raises(UserError, match=r"ChunkBlindPolicy's forward takes no chunk_valid: define forward\(self, obs"):
+        BC(policy, BCConfig(demos=str(reach_demos)), Context.local(observation_space, action_space))
+
+
+@pytest.mark.parametrize("head", ["gaussian", "bins"])
+def test_the_vla_heads_sum_a_chunks_valid_steps_only(head):
+    from harness.vla_fixtures import InstructedReach
+
+    from spmd_rl.envs.spaces import zeros_of
+    from spmd_rl.modules.configs import VLAConfig
+    from spmd_rl.modules.vla import VLAPolicy
+
+    observation_space = InstructedReach().observation_space
+    torch.manual_seed(0)
+    policy = VLAPolicy(observation_space, gym.spaces.Box(-1.0, 1.0, (3, 2)), VLAConfig(action_head=head))
+    obs, action = zeros_of(observation_space, 3), torch.rand(3, 3, 2) * 2 - 1
+    chunk_valid = torch.tensor([[True, True, True], [True, False, False], [True, True, False]])
+    log_prob = policy(obs, action, chunk_valid=chunk_valid)[0]
+    assert torch.equal(log_prob, policy(obs, torch.where(chunk_valid[..., None], action, 0.0), chunk_valid)[0])
+    whole = policy(obs, action)[0]
+    assert torch.allclose(whole, policy(obs, action, torch.ones(3, 3, dtype=torch.bool))[0])
+    assert torch.allclose(log_prob[0], whole[0]) and not torch.allclose(log_prob[1:], whole[1:])
 
 
 def test_demonstrations_of_another_layout_name_the_file_and_the_key(reach_demos):
