@@ -32,7 +32,7 @@ from spmd_rl.runtime.errors import StopSignal, UserError
 from spmd_rl.runtime.exits import leave_exit_code, user_error
 from spmd_rl.runtime.launch import detect_launch, rank_from_env
 from spmd_rl.runtime.orphans import watch_for_orphaning
-from spmd_rl.runtime.signals import install_early_signal_handlers, install_signal_handlers
+from spmd_rl.runtime.signals import install_early_signal_handlers, install_signal_handlers, stop_cause
 from spmd_rl.runtime.user_exits import guard_os_exit
 from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
 
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         # Rank 0 speaks for the job: a launcher that saw another rank fail signals the rest, which end quietly.
         if rank_from_env() in (None, 0):
-            print(f"spmd_rl: stopped by {name} while starting, before the run began", file=sys.stderr, flush=True)
+            line = f"spmd_rl: stopped by {name}{stop_cause()} while starting, before the run began"
+            print(line, file=sys.stderr, flush=True)
     if rank_from_env() in (None, 0):
         # also for what ends before the run starts (a config or layout error, a signal): torchrun exits 1 whatever
         # its ranks did, and launch/torchrun.sh reads the job's code from here

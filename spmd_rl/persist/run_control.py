@@ -24,7 +24,7 @@ from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state
 from spmd_rl.persist.rank_state import ITERATION, RNG
 from spmd_rl.runtime.distributed import bounded
 from spmd_rl.runtime.errors import UserError
-from spmd_rl.runtime.signals import requested_stop
+from spmd_rl.runtime.signals import requested_stop, stop_cause
 
 
 class StoppedWithCheckpoint(Exception):
@@ -32,7 +32,7 @@ class StoppedWithCheckpoint(Exception):
 
     def __init__(self, signal_name: str, iteration: int, checkpoint: Path):
         super().__init__(
-            f"stopped by {signal_name} after iteration {iteration}; checkpoint {checkpoint}; rerun the "
+            f"stopped by {signal_name}{stop_cause()} after iteration {iteration}; checkpoint {checkpoint}; rerun the "
             f"same command to resume"
         )
         self.checkpoint = checkpoint

@@ -52,7 +52,7 @@ from spmd_rl.runtime.errors import (
 from spmd_rl.runtime.exits import leave_exit_code, say, unexpected_error, user_error
 from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.postmortem import Failure, after_failure
-from spmd_rl.runtime.signals import install_signal_handlers, stop_at_iteration_boundary
+from spmd_rl.runtime.signals import install_signal_handlers, stop_at_iteration_boundary, stop_cause
 from spmd_rl.runtime.user_exits import describe_system_exit
 from spmd_rl.runtime.watchdog import watchdog
 
@@ -158,7 +158,7 @@ def _report_failure(
         code, what = (
             (130, "interrupted (SIGINT)")
             if isinstance(exc, KeyboardInterrupt)
-            else (128 + exc.signal_number, f"stopped by {exc.signal_name}")
+            else (128 + exc.signal_number, f"stopped by {exc.signal_name}{stop_cause()}")
         )
         # A signal before the process group exists (started: False) is the job's stop, not a failure of this rank:
         # rank 0 speaks for the job, as main.py's early handlers do, and the launcher scripts when rank 0 could not.

@@ -25,6 +25,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from spmd_rl.runtime.signals import signal_self
+
 POLL_S = 0.5  # how often the parent's pid is compared: the stop begins at most this late
 AGENT_VARIABLE = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent for every worker it starts
 
@@ -48,12 +50,9 @@ def _watch(agent: int, bound_s: Callable[[], float], who: Callable[[], str]) -> 
         time.sleep(POLL_S)
     _silence_dead_pipes()
     bound = bound_s()
-    if os.environ.get("RANK", "0") == "0":  # rank 0 speaks for the job, if anybody still reads its stderr
-        _say(
-            f"spmd_rl: {who()}: the torchrun agent (pid {agent}) is gone (killed?): stopping as on SIGTERM, with a "
-            f"checkpoint at the next iteration boundary, at once after {bound:g} s"
-        )
-    os.kill(os.getpid(), signal.SIGTERM)
+    # No line of its own: the stop's one line (rank 0's) names the cause, also when the agent relayed a signal
+    # before it went (the ranks then stop for that one, and say so once).
+    signal_self(signal.SIGTERM, f"the torchrun agent, pid {agent}, is gone; killed?")
     time.sleep(bound)
     _say(f"spmd_rl: {who()}: still running {bound:g} s after the torchrun agent went: exiting at once")
     os._exit(128 + signal.SIGTERM)

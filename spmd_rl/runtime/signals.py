@@ -30,6 +30,24 @@ def _is_repeat(first_at: float | None) -> bool:
     return first_at is not None and time.monotonic() - first_at < REPEAT_WINDOW_S
 
 
+class _Cause:
+    text = ""  # why this process signalled itself, for the stop's one line: " (the torchrun agent ... is gone)"
+
+
+def signal_self(signum: int, cause: str) -> None:
+    """Stop this process as if signum came from outside, naming cause in the stop's one line (instead of a second
+    line beside it). A stop already asked for goes on as it is: a second signal would make it a stop at once."""
+    if _Early.requested is not None or _Graceful.requested is not None:
+        return
+    _Cause.text = f" ({cause})"
+    os.kill(os.getpid(), signum)
+
+
+def stop_cause() -> str:
+    """ " (why)" after a signal's name in a stop line, when this process sent the signal itself; "" otherwise."""
+    return _Cause.text
+
+
 class _Early:
     requested: tuple[str, int] | None = None
     requested_at: float | None = None  # time.monotonic() of the first signal
@@ -55,7 +73,8 @@ def _on_early_signal(signum: int, frame) -> None:
     code = 130 if signum == signal.SIGINT else 128 + signum
     if rank_from_env() in (None, 0):  # rank 0 speaks for the job (see main.py); the rest end quietly
         during = f" ({in_user_code})" if in_user_code else ""
-        print(f"spmd_rl: stopped by {name} while starting{during}, before the run began", file=sys.stderr, flush=True)
+        line = f"spmd_rl: stopped by {name}{stop_cause()} while starting{during}, before the run began"
+        print(line, file=sys.stderr, flush=True)
         leave_exit_code(code)
     os._exit(code)
 
@@ -146,7 +165,8 @@ def _announce_stop(name: str, signum: int) -> None:
     if not _Graceful.enabled or _Graceful.requested != (name, signum) or a_rank_has_failed():
         return
     print(
-        f"spmd_rl: {name}: stopping after this iteration with a checkpoint (send it again to stop at once)",
+        f"spmd_rl: {name}{stop_cause()}: stopping after this iteration with a checkpoint (send it again to stop at "
+        "once)",
         file=sys.stderr,
         flush=True,
     )
