@@ -17,64 +17,49 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from common import SPLIT_ONE_ENV_PER_RANK, machine, run_spmd, table
 
+
+class PPOSettings(NamedTuple):
+    """One set of PPO hyperparameters, in SB3's names; both sides also clip at 0.2 with no entropy bonus and no
+    annealing (SB3's constants)."""
+
+    n_envs: int
+    n_steps: int
+    batch_size: int
+    n_epochs: int
+    gamma: float
+    gae_lambda: float
+    learning_rate: float
+
+    def sb3_kwargs(self) -> dict:
+        return dict(self._asdict(), clip_range=0.2, ent_coef=0.0)
+
+    def overrides(self) -> list[str]:
+        """The same settings for spmd_rl, which names a minibatch by how many split the rollout, not by its size."""
+        rollout = self.n_envs * self.n_steps
+        assert rollout % self.batch_size == 0, f"batch_size {self.batch_size} must divide the rollout's {rollout}"
+        return [
+            f"env.num_envs={self.n_envs}",
+            f"algo.num_steps={self.n_steps}",
+            f"algo.num_minibatches={rollout // self.batch_size}",
+            f"algo.update_epochs={self.n_epochs}",
+            f"algo.gamma={self.gamma}",
+            f"algo.gae_lambda={self.gae_lambda}",
+            f"algo.learning_rate={self.learning_rate}",
+            "algo.clip_coef=0.2",
+            "algo.anneal_lr=false",
+            "algo.anneal_clip=false",
+        ]
+
+
 SETTINGS = {
-    # name: (SB3 PPO kwargs, spmd_rl overrides, budget)
-    "rl-zoo tuned (8x32, 20 epochs, batch 256)": (
-        dict(
-            n_envs=8,
-            n_steps=32,
-            batch_size=256,
-            n_epochs=20,
-            gamma=0.98,
-            gae_lambda=0.8,
-            learning_rate=1e-3,
-            clip_range=0.2,
-            ent_coef=0.0,
-        ),
-        [
-            "env.num_envs=8",
-            "algo.num_steps=32",
-            "algo.num_minibatches=1",
-            "algo.update_epochs=20",
-            "algo.gamma=0.98",
-            "algo.gae_lambda=0.8",
-            "algo.learning_rate=1e-3",
-            "algo.clip_coef=0.2",
-            "algo.anneal_lr=false",
-            "algo.anneal_clip=false",
-        ],
-        51_200,
-    ),
-    "sb3 defaults (1x2048, 10 epochs, batch 64)": (
-        dict(
-            n_envs=1,
-            n_steps=2048,
-            batch_size=64,
-            n_epochs=10,
-            gamma=0.99,
-            gae_lambda=0.95,
-            learning_rate=3e-4,
-            clip_range=0.2,
-            ent_coef=0.0,
-        ),
-        [
-            "env.num_envs=1",
-            "algo.num_steps=2048",
-            "algo.num_minibatches=32",
-            "algo.update_epochs=10",
-            "algo.gamma=0.99",
-            "algo.gae_lambda=0.95",
-            "algo.learning_rate=3e-4",
-            "algo.clip_coef=0.2",
-            "algo.anneal_lr=false",
-            "algo.anneal_clip=false",
-        ],
-        40_960,
-    ),
+    # name: (settings, env steps)
+    "rl-zoo tuned (8x32, 20 epochs, batch 256)": (PPOSettings(8, 32, 256, 20, 0.98, 0.8, 1e-3), 51_200),
+    "sb3 defaults (1x2048, 10 epochs, batch 64)": (PPOSettings(1, 2048, 64, 10, 0.99, 0.95, 3e-4), 40_960),
 }
 
 
@@ -108,7 +93,8 @@ def spmd_sps(
 
 def compare_with_sb3(repeats: int, other_tree: Path | None = None) -> None:
     rows = []
-    for name, (sb3_kwargs, overrides, budget) in SETTINGS.items():
+    for name, (settings, budget) in SETTINGS.items():
+        sb3_kwargs, overrides = settings.sb3_kwargs(), settings.overrides()
         ours, theirs, other = [], [], []
         for repeat in range(repeats):  # alternating, so a change in the machine's load hits every side alike
             # ...and in turn first and last, so neither tree always follows SB3's in-process run
