@@ -91,9 +91,6 @@ def sb3_solve(seed: int) -> dict:
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
 
-    def linear(start):
-        return lambda progress_remaining: progress_remaining * start
-
     class StopWhenSolved(BaseCallback):
         solved_at = None
         solved_wall = None
@@ -112,23 +109,9 @@ def sb3_solve(seed: int) -> dict:
     assert cfg.policy.hidden_sizes == [64, 64] and cfg.policy.activation == "tanh" and not cfg.policy.normalize_obs
     torch.set_num_threads(1)
     env = make_vec_env("CartPole-v1", n_envs=cfg.env.num_envs, seed=seed)
-    model = PPO(
-        "MlpPolicy",
-        env,
-        n_steps=algo.num_steps,
-        batch_size=cfg.env.num_envs * algo.num_steps // algo.num_minibatches,
-        gae_lambda=algo.gae_lambda,
-        gamma=algo.gamma,
-        n_epochs=algo.update_epochs,
-        ent_coef=algo.ent_coef,
-        vf_coef=algo.vf_coef,
-        max_grad_norm=algo.max_grad_norm,
-        normalize_advantage=algo.normalize_advantages,
-        learning_rate=linear(algo.learning_rate) if algo.anneal_lr else algo.learning_rate,
-        clip_range=linear(algo.clip_coef) if algo.anneal_clip else algo.clip_coef,
-        seed=seed,
-        device="cpu",
-    )
+    kwargs = ppo_kwargs(cfg, torch.nn.Tanh)  # the seed runner's translation, key by key
+    assert kwargs.pop("normalize") is None  # no VecNormalize: the default config normalizes nothing
+    model = PPO("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
     callback = StopWhenSolved()
     start = time.perf_counter()
     model.learn(total_timesteps=BUDGET, callback=callback)
