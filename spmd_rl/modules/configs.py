@@ -7,6 +7,17 @@ from dataclasses import dataclass
 from spmd_rl.config.sections import knob
 
 
+def _temperature_knob():
+    """policy.temperature, the same key with the same meaning on every built-in policy that samples."""
+    return knob(
+        1.0,
+        "rollout sampling temperature: a Gaussian's std times it, a categorical's (or each bin's) logits divided by "
+        "it; act's and evaluate's log-probs are the tempered distribution's (1 = the policy as trained)",
+        min=0.01,
+        omit_default=True,
+    )
+
+
 @dataclass
 class EncoderConfig:
     """The observation encoder's keys (modules/encoders.py), shared by the policies built on it (the actor-critic
@@ -76,13 +87,7 @@ class ActorCriticConfig(EncoderConfig):
         min=0,
         omit_default=True,
     )
-    temperature: float = knob(
-        1.0,
-        "rollout sampling temperature: a Gaussian's std times it, a categorical's (or each bin's) logits divided by "
-        "it; act's and evaluate's log-probs are the tempered distribution's (1 = the policy as trained)",
-        min=0.01,
-        omit_default=True,
-    )
+    temperature: float = _temperature_knob()
 
 
 @dataclass
@@ -132,13 +137,7 @@ class TransformerConfig:
     )
     normalize_obs: bool = knob(False, "running normalization of vector observations (merged across trainers)")
     log_std_init: float = knob(0.0, "initial log std of the Gaussian policy (continuous actions)")
-    temperature: float = knob(
-        1.0,
-        "rollout sampling temperature: a Gaussian's std times it, a categorical's (or each bin's) logits divided by "
-        "it; act's and evaluate's log-probs are the tempered distribution's (1 = the policy as trained)",
-        min=0.01,
-        omit_default=True,
-    )
+    temperature: float = _temperature_knob()
 
 
 @dataclass
@@ -216,13 +215,7 @@ class VLAConfig:
         choices=["gaussian", "bins"],
     )
     log_std_init: float = knob(0.0, "initial log std of the Gaussian head")
-    temperature: float = knob(
-        1.0,
-        "rollout sampling temperature: a Gaussian's std times it, a categorical's (or each bin's) logits divided by "
-        "it; act's and evaluate's log-probs are the tempered distribution's (1 = the policy as trained)",
-        min=0.01,
-        omit_default=True,
-    )
+    temperature: float = _temperature_knob()
     lora: LoraConfig = knob(
         None, "LoRA adapters through peft: {rank, alpha, dropout, target_modules, save}", factory=LoraConfig
     )
