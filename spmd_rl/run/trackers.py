@@ -127,6 +127,11 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:300] if text else "no message"
 
 
+def _cannot_start(key: str, run: str, exc: BaseException, message: str, advice: str) -> UserError:
+    """The one line for a tracker whose run did not start: its key, the run, the error and what to do."""
+    return UserError(f"config key '{key}': cannot start {run} ({type(exc).__name__}: {message}); {advice}")
+
+
 def _kept_id(run_dir: Path, name: str, resumed: bool) -> str | None:
     """The tracker run id kept in run_dir/name when the run resumes from a checkpoint (None: start a new one)."""
     path = run_dir / name
@@ -173,10 +178,8 @@ class WandbSink:
             self.run.config.update(cfg.to_dict(), allow_val_change=True)  # a resume may change run/log keys
             self.next_step = self.run.step  # W&B's next step: the steps below it are logged already (online)
         except Exception as exc:
-            raise UserError(
-                f"config key 'log.wandb': cannot start a W&B run ({type(exc).__name__}: {_first_line(exc)}); log "
-                f"in with `wandb login`, or set log.wandb_mode=offline (`wandb sync` uploads it later)"
-            ) from None
+            advice = "log in with `wandb login`, or set log.wandb_mode=offline (`wandb sync` uploads it later)"
+            raise _cannot_start(self.key, "a W&B run", exc, _first_line(exc), advice) from None
 
     def log(self, scalars: dict[str, float], env_steps: int) -> None:
         if env_steps >= self.next_step:
@@ -222,10 +225,9 @@ class MlflowSink:
                     self.client.log_batch(self.run_id, params=params[start : start + self.PARAMS])
             self.client.log_dict(self.run_id, cfg.to_dict(), "config.yaml")  # this process's config, whole
         except Exception as exc:
-            raise UserError(
-                f"config key 'log.mlflow': cannot start an MLflow run at {_tracking_uri(log.mlflow_tracking_uri)} "
-                f"({type(exc).__name__}: {_whole_message(exc)}); {_mlflow_advice(log.mlflow_tracking_uri)}"
-            ) from None
+            run = f"an MLflow run at {_tracking_uri(log.mlflow_tracking_uri)}"
+            advice = _mlflow_advice(log.mlflow_tracking_uri)
+            raise _cannot_start(self.key, run, exc, _whole_message(exc), advice) from None
 
     def log(self, scalars: dict[str, float], env_steps: int) -> None:
         if env_steps <= self.logged_through:
