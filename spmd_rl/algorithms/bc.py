@@ -27,7 +27,7 @@ from torch import Tensor
 from spmd_rl.algorithms.configs import BCConfig
 from spmd_rl.algorithms.demonstrations import check_files, demonstration_files, expected_layout, read_share
 from spmd_rl.algorithms.optimizer_step import FusedAdamStep, clip_grad_norm
-from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, PolicyMethod, Schedule
+from spmd_rl.interfaces.algorithm import UNLEARNED_VALUE, Algorithm, PlanFacts, Schedule, loss_forward
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import CHUNK_VALID, Policy
 from spmd_rl.runtime.errors import UserError
@@ -40,13 +40,10 @@ class BC(Algorithm):
     Config = BCConfig
     supports_action_chunks = True
     policy_methods = (
-        PolicyMethod(
-            "forward",
-            ("obs", "action"),
-            ("log_prob", "entropy", "value"),
-            "bc calls the policy as policy(obs, action), which DDP wraps: define forward(self, obs, action) to "
-            "return (log_prob, entropy, value) (the value is not learned: return any [B] tensor, e.g. zeros); with "
-            "action chunks also forward(obs, action, chunk_valid), the log_prob of the chunk's valid steps only",
+        loss_forward(
+            "bc",
+            f"{UNLEARNED_VALUE}; with action chunks also forward(obs, action, chunk_valid), the log_prob of the "
+            "chunk's valid steps only",
         ),
     )
 

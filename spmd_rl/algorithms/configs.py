@@ -10,6 +10,15 @@ from spmd_rl.config.sections import AlgorithmConfig, knob
 from spmd_rl.runtime.errors import UserError
 
 
+def check_num_minibatches(num_minibatches: int, available: int, what: str, advice: str = "lower it") -> None:
+    """algo.num_minibatches splits what a trainer learns from in an iteration: no more parts than there are items
+    (`what` names them)."""
+    if available < num_minibatches:
+        raise UserError(
+            f"algo.num_minibatches={num_minibatches} is more than the {available} {what} per iteration; {advice}"
+        )
+
+
 @dataclass
 class PPOConfig(AlgorithmConfig):
     """PPO's hyperparameters; the defaults are RL Zoo's tuned CartPole-v1 settings with 2 minibatches instead of 1."""

@@ -18,9 +18,9 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from spmd_rl.algorithms.configs import GRPOConfig
+from spmd_rl.algorithms.configs import GRPOConfig, check_num_minibatches
 from spmd_rl.algorithms.optimizer_step import FusedAdamStep, clip_grad_norm
-from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, PolicyMethod, Schedule
+from spmd_rl.interfaces.algorithm import UNLEARNED_VALUE, Algorithm, PlanFacts, Schedule, loss_forward
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, SUCCESS_FIELDS, Policy
 from spmd_rl.runtime.errors import UserError
@@ -134,15 +134,7 @@ class GRPO(Algorithm):
     Config = GRPOConfig
     requires = ("log_prob",)
     supports_action_chunks = True
-    policy_methods = (
-        PolicyMethod(
-            "forward",
-            ("obs", "action"),
-            ("log_prob", "entropy", "value"),
-            "GRPO calls the policy as policy(obs, action), which DDP wraps: define forward(self, obs, action) to "
-            "return (log_prob, entropy, value) (the value is not learned: return any [B] tensor, e.g. zeros)",
-        ),
-    )
+    policy_methods = (loss_forward("GRPO", UNLEARNED_VALUE),)
 
     @classmethod
     def schedule(cls, config: GRPOConfig) -> Schedule:
@@ -175,11 +167,7 @@ class GRPO(Algorithm):
                 f"algo.class grpo learns on-policy; the engine asks for a policy lag of {plan.asked_policy_lag}: "
                 f"lower it to 0"
             )
-        if plan.samples_per_trainer < config.num_minibatches:
-            raise UserError(
-                f"algo.num_minibatches={config.num_minibatches} is more than the {plan.samples_per_trainer} decisions "
-                f"a trainer holds per iteration; lower it"
-            )
+        check_num_minibatches(config.num_minibatches, plan.samples_per_trainer, "decisions a trainer holds")
 
     @classmethod
     def summary(cls, config: GRPOConfig, plan: PlanFacts) -> str:

@@ -20,10 +20,10 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from spmd_rl.algorithms.configs import PPOConfig
+from spmd_rl.algorithms.configs import PPOConfig, check_num_minibatches
 from spmd_rl.algorithms.optimizer_step import FusedAdamStep, clip_grad_norm
 from spmd_rl.algorithms.vtrace import vtrace
-from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, PolicyMethod, Schedule
+from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, PolicyMethod, Schedule, loss_forward
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import CHUNK_VALID, Policy
 from spmd_rl.runtime.errors import UserError
@@ -374,13 +374,7 @@ class PPO(PPOUpdateTail, Algorithm[PPOConfig]):
     policy_methods = (
         PolicyMethod("evaluate", ("obs", "action"), ("log_prob", "entropy", "value"), "with gradients"),
         PolicyMethod("value", ("obs",), "value", "V(obs), for the bootstrap after the rollout's last step"),
-        PolicyMethod(
-            "forward",
-            ("obs", "action"),
-            ("log_prob", "entropy", "value"),
-            "PPO's loss calls the policy as policy(obs, action), which DDP wraps: define "
-            "forward(self, obs, action) to return self.evaluate(obs, action)",
-        ),
+        loss_forward("PPO's loss", "self.evaluate(obs, action)"),
     )
 
     @classmethod
@@ -396,11 +390,7 @@ class PPO(PPOUpdateTail, Algorithm[PPOConfig]):
                 f"algo.vtrace with env.action_chunk={plan.action_chunk} is not supported (V-trace discounts per "
                 f"step); set algo.vtrace=false or env.action_chunk=1"
             )
-        if plan.samples_per_trainer < config.num_minibatches:
-            raise UserError(
-                f"algo.num_minibatches={config.num_minibatches} is more than the "
-                f"{plan.samples_per_trainer} samples a trainer holds per iteration; lower it"
-            )
+        check_num_minibatches(config.num_minibatches, plan.samples_per_trainer, "samples a trainer holds")
 
     @classmethod
     def summary(cls, config: PPOConfig, plan: PlanFacts) -> str:

@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from spmd_rl.algorithms.configs import PPOConfig
+from spmd_rl.algorithms.configs import PPOConfig, check_num_minibatches
 from spmd_rl.algorithms.optimizer_step import clip_grad_norm
 from spmd_rl.algorithms.ppo import (
     APPROX_KL,
@@ -43,7 +43,6 @@ from spmd_rl.config.sections import knob
 from spmd_rl.interfaces.algorithm import Algorithm, PlanFacts, Schedule
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import EPISODE_START, RECURRENT_STATE, Policy
-from spmd_rl.runtime.errors import UserError
 
 
 @dataclass
@@ -88,11 +87,8 @@ class RecurrentPPO(PPOUpdateTail, Algorithm[RecurrentPPOConfig]):
     def check_plan(cls, config: RecurrentPPOConfig, plan: PlanFacts) -> None:
         check_lag_without_vtrace(config, plan)
         columns = plan.samples_per_trainer // config.num_steps
-        if columns < config.num_minibatches:
-            raise UserError(
-                f"algo.num_minibatches={config.num_minibatches} is more than the {columns} env columns (whole "
-                f"sequences) a trainer learns from per iteration; lower it or raise env.num_envs"
-            )
+        what = "env columns (whole sequences) a trainer learns from"
+        check_num_minibatches(config.num_minibatches, columns, what, advice="lower it or raise env.num_envs")
 
     @classmethod
     def summary(cls, config: RecurrentPPOConfig, plan: PlanFacts) -> str:

@@ -66,6 +66,22 @@ class PolicyMethod:
         return f"{self.name}({', '.join(self.args)}) -> {returns}"
 
 
+def loss_forward(caller: str, to_return: str) -> PolicyMethod:
+    """forward(obs, action) -> (log_prob, entropy, value): what a loss calls as policy(obs, action), so that DDP's
+    wrapper (context.data_parallel) sees the call; `to_return` tells a policy's author what forward must return."""
+    return PolicyMethod(
+        "forward",
+        ("obs", "action"),
+        ("log_prob", "entropy", "value"),
+        f"{caller} calls the policy as policy(obs, action), which DDP wraps: define forward(self, obs, action) to "
+        f"return {to_return}",
+    )
+
+
+# loss_forward's `to_return` for an algorithm that learns no value (bc, GRPO).
+UNLEARNED_VALUE = "(log_prob, entropy, value) (the value is not learned: return any [B] tensor, e.g. zeros)"
+
+
 @dataclass(frozen=True)
 class PlanFacts:
     """What an algorithm may check its config against before any process group exists."""
