@@ -25,7 +25,7 @@ import h5py
 import numpy as np
 import torch
 from common import ROOT, machine, run_spmd, table, versions_line
-from harness.demos import ScriptedExpert, collect
+from harness.demos import ScriptedExpert, chunk_towards, collect
 from instructed_reach import windowed_success
 
 FOLDER = ROOT / "examples" / "instructed_reach"
@@ -50,13 +50,7 @@ class ReachEnvExpert(ScriptedExpert):
         ids, mask = obs["instruction"]["ids"].numpy(), obs["instruction"]["mask"].numpy().astype(bool)
         colours = [bytes(row[keep]).decode().split()[2] for row, keep in zip(ids, mask)]  # "reach the red target"
         targets = np.array([TARGETS[colour][0] for colour in colours], dtype=np.float32)
-        tip = obs["state"].numpy().copy()
-        chunk = []
-        for _ in range(self.action_space.shape[0]):
-            velocity = np.clip((targets - tip) / SPEED, -1.0, 1.0)
-            tip = np.clip(tip + SPEED * velocity, -1.0, 1.0)
-            chunk.append(velocity)
-        return torch.from_numpy(np.stack(chunk, 1).astype(np.float32))
+        return chunk_towards(targets, obs["state"].numpy(), SPEED, self.action_space.shape[0])  # velocities
 
 
 def expert_success(path: Path) -> tuple[int, int, float]:

@@ -16,14 +16,13 @@ import numpy as np
 import torch
 
 from harness.vla_fixtures import TARGETS, WORDS
-from spmd_rl.comm.local_channel import local_channel
 from spmd_rl.config.loading import load_config
 from spmd_rl.envs.backend import backend_for
 from spmd_rl.envs.vector import probe_env
 from spmd_rl.interfaces.policy import Policy, StepField
-from spmd_rl.roles.env_runner import EnvRunner
+from spmd_rl.roles.env_runner import local_env_runner
 from spmd_rl.roles.inference_server import InferenceServer
-from spmd_rl.roles.messages import action_message, observation_message, segment_message
+from spmd_rl.roles.messages import segment_message
 from spmd_rl.storage.experience_log import ExperienceLog
 
 STEP = 0.2  # InstructedReach-v0 moves its point by 0.2 x the action
@@ -42,6 +41,18 @@ class ScriptedExpert(Policy):
         raise NotImplementedError
 
 
+def chunk_towards(targets: np.ndarray, position: np.ndarray, step: float, length: int) -> torch.Tensor:
+    """A reaching expert's chunk of `length` actions per env ([N, length, dims], float32): each points straight at
+    the env's target (at most 1 per axis) from where the chunk's earlier actions took the point, which an action
+    moves by step x the action and the env keeps in [-1, 1]."""
+    chunk = []
+    for _ in range(length):
+        action = np.clip((targets - position) / step, -1.0, 1.0)
+        position = np.clip(position + step * action, -1.0, 1.0)
+        chunk.append(action)
+    return torch.from_numpy(np.stack(chunk, 1).astype(np.float32))
+
+
 class ReachExpert(ScriptedExpert):
     """InstructedReach-v0's expert: each action of a chunk steps straight towards the named target (at most 1 per
     axis), from where the chunk's earlier actions took the point."""
@@ -49,13 +60,7 @@ class ReachExpert(ScriptedExpert):
     def actions(self, obs) -> torch.Tensor:
         words = obs["instruction"]["ids"].numpy()
         targets = np.stack([TARGETS["red"] if WORDS.index("red") in row else TARGETS["blue"] for row in words])
-        position = obs["state"].numpy().copy()
-        chunk = []
-        for _ in range(self.action_space.shape[0]):
-            action = np.clip((targets - position) / STEP, -1.0, 1.0)
-            position = np.clip(position + STEP * action, -1.0, 1.0)
-            chunk.append(action)
-        return torch.from_numpy(np.stack(chunk, 1).astype(np.float32))
+        return chunk_towards(targets, obs["state"].numpy(), STEP, self.action_space.shape[0])
 
 
 def collect(run_dir: Path, overrides: list[str], expert_cls: type[ScriptedExpert], rollouts: int) -> Path:
@@ -67,17 +72,12 @@ def collect(run_dir: Path, overrides: list[str], expert_cls: type[ScriptedExpert
     outputs = expert.outputs()
     n, t = cfg.env.num_envs, cfg.algo.num_steps
     envs, first_obs = backend_for(cfg.env).make(cfg.env, spec, cfg.train.seed)
-    obs_out, obs_in = local_channel("observations", observation_message(spec, n))
-    actions_out, actions_in = local_channel("actions", action_message(outputs, n))
-    segments_out, segments_in = local_channel("segments", segment_message(spec, outputs, t, n))
-    runner = EnvRunner(
+    runner, obs_in, actions_out, segments_in = local_env_runner(
         envs,
         first_obs,
-        obs_out,
-        actions_in,
-        segments_out,
+        spec,
+        outputs,
         t,
-        list(outputs),
         env_id=cfg.env.id,
         env_backend=backend_for(cfg.env),
         success_key=spec.success_key,
