@@ -51,6 +51,11 @@ def describe(rank: int) -> str:
     return f"rank {rank} ({['env', 'inference', 'trainer'][rank]} 0)"
 
 
+def open_between(me: int, sends: list, recvs: list, **options):
+    """open_channels as rank `me` of these tests: TIMEOUT for every wait, ranks named by describe."""
+    return open_channels(sends=sends, recvs=recvs, me=me, timeout=TIMEOUT, describe_rank=describe, **options)
+
+
 # --- layout and local, single process ----------------------------------------------------------------------------
 
 
@@ -138,13 +143,7 @@ def _round_trips(rank, world_size):
     # them double-buffered and echoes each one back through its own send buffer; two more fill both buffers.
     example = make_message(0)
     if rank == 0:
-        (out,), (back,) = open_channels(
-            sends=[(1, "segments", example)],
-            recvs=[(1, "echo", example)],
-            me=0,
-            timeout=TIMEOUT,
-            describe_rank=describe,
-        )
+        (out,), (back,) = open_between(0, sends=[(1, "segments", example)], recvs=[(1, "echo", example)])
         for i in range(102):
             if i % 2:
                 out.buffer.update_(make_message(i))
@@ -155,13 +154,8 @@ def _round_trips(rank, world_size):
                 assert_same(back.recv(), make_message(i))
         out.wait()
     else:
-        (echo,), (inbox,) = open_channels(
-            sends=[(0, "echo", example)],
-            recvs=[(0, "segments", None)],
-            me=1,
-            timeout=TIMEOUT,
-            describe_rank=describe,
-            num_recv_buffers=2,
+        (echo,), (inbox,) = open_between(
+            1, sends=[(0, "echo", example)], recvs=[(0, "segments", None)], num_recv_buffers=2
         )
         pending = inbox.irecv()
         for i in range(100):
@@ -188,15 +182,9 @@ def _layout_mismatch(rank, world_size):
     expected["rollout", "obs"] = torch.zeros(5, 3, 6)
     with pytest.raises(ValueError) as error:
         if rank == 0:
-            open_channels(sends=[(1, "segments", sent)], recvs=[], me=0, timeout=TIMEOUT, describe_rank=describe)
+            open_between(0, sends=[(1, "segments", sent)], recvs=[])
         else:
-            open_channels(
-                sends=[],
-                recvs=[(0, "segments", TensorLayout.of(expected))],
-                me=1,
-                timeout=TIMEOUT,
-                describe_rank=describe,
-            )
+            open_between(1, sends=[], recvs=[(0, "segments", TensorLayout.of(expected))])
     message = str(error.value)
     assert "'segments' from rank 0 (env 0) to rank 1 (inference 0)" in message
     if rank == 1:
