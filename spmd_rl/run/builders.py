@@ -18,7 +18,6 @@ import torch
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.channel_setup import open_channels
-from spmd_rl.comm.local_channel import local_channel
 from spmd_rl.comm.weight_sources import GatheredWeightSource
 from spmd_rl.comm.weights import WeightSync
 from spmd_rl.envs.backend import backend_for
@@ -26,7 +25,7 @@ from spmd_rl.envs.vector import group_of_envs
 from spmd_rl.interfaces.algorithm import Algorithm, PolicyMethod
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import GROUP, Policy
-from spmd_rl.roles.env_runner import EnvRunner
+from spmd_rl.roles.env_runner import EnvRunner, local_env_runner
 from spmd_rl.roles.inference_server import InferenceParts, InferenceServer, RecurrentStates, UniformActions
 from spmd_rl.roles.messages import (
     action_message,
@@ -68,18 +67,13 @@ def build_colocated(run: Run, logger: MetricsLogger | None) -> tuple[EnvRunner, 
     with watchdog.watch(f"making and resetting env.id {cfg.env.id}"):
         envs, first_obs = backend_for(cfg.env).make(cfg.env, run.spec, _seed_rank(run))
     n, t = cfg.env.num_envs, plan.num_steps
-    state = run.recurrent_state
-    obs_out, obs_in = local_channel("observations", with_episode_starts(observation_message(run.spec, n), state, n))
-    actions_out, actions_in = local_channel("actions", action_message(run.outputs, n, state))
-    segments_out, segments_in = local_channel("segments", segment_message(run.spec, run.outputs, t, n, state))
-    runner = EnvRunner(
+    runner, obs_in, actions_out, segments_in = local_env_runner(
         envs,
         first_obs,
-        obs_out,
-        actions_in,
-        segments_out,
+        run.spec,
+        run.outputs,
         t,
-        list(run.outputs),
+        run.recurrent_state,
         describe=f"rank {rank}",
         env_id=cfg.env.id,
         env_backend=backend_for(cfg.env),

@@ -9,14 +9,12 @@ import torch
 from spmd_rl.algorithms.ppo import PPO, chunk_discounts, compute_gae
 from spmd_rl.algorithms.sac import SAC
 from spmd_rl.api import StepField
-from spmd_rl.comm.local_channel import local_channel
 from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.vector import make_vector_env, probe_env
 from spmd_rl.modules.actor_critic import ActorCritic
 from spmd_rl.modules.configs import ActorCriticConfig
-from spmd_rl.roles.env_runner import EnvRunner
-from spmd_rl.roles.messages import action_message, observation_message, segment_message
+from spmd_rl.roles.env_runner import local_env_runner
 from spmd_rl.run.evaluation import evaluate
 from spmd_rl.run.plan import plan_run
 from spmd_rl.run.topology import build_topology
@@ -67,11 +65,8 @@ def _run_decisions(decisions: int, num_envs: int = 2, env_id: str = "ChunkCountd
     spec = probe_env(cfg)
     outputs = {"action": StepField((K, 1), torch.float32)}
     envs, first_obs = make_vector_env(cfg, spec, seed=0)
-    obs_out, obs_in = local_channel("observations", observation_message(spec, num_envs))
-    actions_out, actions_in = local_channel("actions", action_message(outputs, num_envs))
-    segments_out, segments_in = local_channel("segments", segment_message(spec, outputs, decisions, num_envs))
-    runner = EnvRunner(
-        envs, first_obs, obs_out, actions_in, segments_out, decisions, list(outputs), success_key=spec.success_key
+    runner, obs_in, actions_out, segments_in = local_env_runner(
+        envs, first_obs, spec, outputs, decisions, success_key=spec.success_key
     )
     for d in range(decisions):
         runner.send_observations(d)

@@ -11,13 +11,11 @@ import torch
 
 from spmd_rl.algorithms.ppo import PPO
 from spmd_rl.api import StepField
-from spmd_rl.comm.local_channel import local_channel
 from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.vector import make_vector_env, probe_env
 from spmd_rl.interfaces.algorithm import Schedule
-from spmd_rl.roles.env_runner import EnvRunner
-from spmd_rl.roles.messages import action_message, observation_message, segment_message
+from spmd_rl.roles.env_runner import local_env_runner
 from spmd_rl.run.plan import plan_run
 from spmd_rl.run.topology import build_topology
 from spmd_rl.runtime.errors import UserCodeError, UserError
@@ -65,10 +63,9 @@ def _rollouts(count: int, steps: int, num_envs: int = 6, group_size: int = 2, en
     spec = probe_env(cfg)
     spec = dataclasses.replace(spec, episodes=True)  # as the driver sets it from the plan
     envs, first_obs = make_vector_env(cfg, spec, seed=0)
-    obs_out, obs_in = local_channel("observations", observation_message(spec, num_envs))
-    actions_out, actions_in = local_channel("actions", action_message(OUTPUTS, num_envs))
-    segments_out, segments_in = local_channel("segments", segment_message(spec, OUTPUTS, steps, num_envs))
-    runner = EnvRunner(envs, first_obs, obs_out, actions_in, segments_out, steps, list(OUTPUTS), group_size=group_size)
+    runner, obs_in, actions_out, segments_in = local_env_runner(
+        envs, first_obs, spec, OUTPUTS, steps, group_size=group_size
+    )
     torch.manual_seed(0)
     segments = []
     for _ in range(count):

@@ -9,8 +9,8 @@ from spmd_rl.api import StepField
 from spmd_rl.comm.local_channel import local_channel
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.vector import EnvSpec, make_vector_env, probe_env
-from spmd_rl.roles.env_runner import EnvRunner
-from spmd_rl.roles.messages import action_message, observation_message, segment_message
+from spmd_rl.roles.env_runner import local_env_runner
+from spmd_rl.roles.messages import segment_message
 from spmd_rl.roles.trainer import PolicyLagError, Trainer
 
 OUTPUTS = {
@@ -49,10 +49,7 @@ def test_env_worker_marks_the_step_after_an_episode_end_invalid():
     spec = probe_env(cfg)
     envs, first_obs = make_vector_env(cfg, spec, seed=0)
     steps = 60
-    obs_out, obs_in = local_channel("observations", observation_message(spec, 3))
-    actions_out, actions_in = local_channel("actions", action_message(OUTPUTS, 3))
-    segments_out, segments_in = local_channel("segments", segment_message(spec, OUTPUTS, steps, 3))
-    worker = EnvRunner(envs, first_obs, obs_out, actions_in, segments_out, steps, list(OUTPUTS))
+    worker, obs_in, actions_out, segments_in = local_env_runner(envs, first_obs, spec, OUTPUTS, steps)
     for t in range(steps):
         worker.send_observations(t)
         obs_in.recv()
