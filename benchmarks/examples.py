@@ -6,7 +6,8 @@ from inside the copy, under torchrun for several ranks), to its full budget, per
 
 Every layout runs the same number of envs in all (the example's env.num_envs shared by its env ranks), so an
 iteration is the same batch in each. An example with a preparation script (frozen_encoder's make_encoder.py, which
-writes its "pretrained" encoder) runs it in the copy first, as its README says.
+writes its "pretrained" encoder) runs it in the copy first, as its README says. frozen_encoder is the second policy
+of examples/pixel_catch (its frozen_catch.yaml).
 
 Returns are the mean of the last 20 episodes (the metrics' episode_return_mean); "steps to target" is the first
 iteration where it reaches the example's stated return.
@@ -32,6 +33,8 @@ EXAMPLES = {
 }
 # Scripts an example's README runs in its folder before training.
 PREPARE = {"frozen_encoder": ["make_encoder.py"]}
+# An example that is another config of a folder named otherwise.
+FOLDERS = {"frozen_encoder": "pixel_catch"}
 # layout: (torchrun processes (0 = plain python), env ranks, overrides)
 LAYOUTS = {
     "one": (0, 1, []),
@@ -52,7 +55,8 @@ def run_example(name: str, layout: str, seed: int) -> list[dict]:
     nproc, env_ranks, layout_overrides = LAYOUTS[layout]
     work = Path(tempfile.mkdtemp(prefix=f"spmd_example_{name}_"))
     folder = work / name
-    shutil.copytree(ROOT / "examples" / name, folder, ignore=shutil.ignore_patterns("__pycache__", "runs"))
+    source = ROOT / "examples" / FOLDERS.get(name, name)
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("__pycache__", "runs"))
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     for script in PREPARE.get(name, []):
         subprocess.run(command(script=script), cwd=folder, env=env, check=True, capture_output=True, timeout=600)

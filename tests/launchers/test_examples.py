@@ -305,7 +305,8 @@ def test_a_torch_cartpole_run_resumes_exactly_with_its_envs_state(example_module
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# examples/frozen_encoder: its own script writes the pretrained encoder; its config is split with 2 trainers
+# examples/pixel_catch's frozen encoder: its own script writes the pretrained encoder; its config is split with 2
+# trainers
 
 SPLIT_AS_CONFIGURED = []  # frozen_catch.yaml: layout.mode=split, 2 trainers, 1 inference, 2 env ranks
 ONE_PROCESS = ["layout.mode=colocated", "layout.trainer=0", "layout.inference=0", "layout.env=0"]
@@ -318,7 +319,7 @@ def test_frozen_encoder_example_runs_from_a_copy_and_keeps_the_pretrained_encode
 
     from spmd_rl.api import load_policy
 
-    folder = copy_example("frozen_encoder", tmp_path)
+    folder = copy_example("pixel_catch", tmp_path)
     made = subprocess.run(
         [sys.executable, "make_encoder.py", "--steps", "20"], cwd=folder, env=_env(), capture_output=True, text=True
     )
@@ -351,7 +352,7 @@ def test_the_frozen_encoder_gets_no_gradient_nor_optimizer_state_while_the_head_
     from spmd_rl.algorithms.ppo import PPO
     from spmd_rl.api import Context, UserError
 
-    monkeypatch.syspath_prepend(str(EXAMPLES / "frozen_encoder"))
+    monkeypatch.syspath_prepend(str(EXAMPLES / "pixel_catch"))
     monkeypatch.chdir(tmp_path)
     from frozen_policy import FrozenEncoderConfig, FrozenEncoderPolicy, PixelEncoder
     from make_encoder import random_play_frames

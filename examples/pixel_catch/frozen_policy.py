@@ -4,8 +4,9 @@ frozen_policy:FrozenEncoderPolicy`), written against spmd_rl.api.
 The encoder (`PixelEncoder`, two 3x3 convolutions and a linear layer) is loaded from a safetensors file that
 make_encoder.py writes (`policy.encoder_file`), and frozen: its parameters have requires_grad=False, so they get no
 gradient, DDP leaves them out of its gradient buckets, and Adam keeps no state for them. The head (an actor and a
-critic MLP over the encoder's features) is all that learns. What PPO needs from a policy: per-step outputs action,
-log_prob and value; `evaluate(obs, action)` with gradients (also as `forward`, the method DDP hooks); `value(obs)`.
+critic MLP over the encoder's features) is all that learns. What PPO needs from a policy (per-step outputs action,
+log_prob and value; `evaluate(obs, action)` with gradients, also as `forward`; `value(obs)`) comes from
+catch_policy.py's `CategoricalActorCritic`, as for the CNN policy trained from scratch.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import os
 from dataclasses import dataclass
 
 import gymnasium as gym
-import numpy as np
 import torch
+from catch_policy import CategoricalActorCritic
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from spmd_rl.api import Policy, StepField, UserError, knob
+from spmd_rl.api import UserError, knob
 
 FEATURES = 64  # the encoder's output width, fixed by its pretraining
 
@@ -53,19 +54,11 @@ class FrozenEncoderConfig:
     hidden: int = knob(64, "width of the hidden layer of the trainable actor and critic heads", min=1)
 
 
-class FrozenEncoderPolicy(Policy):
+class FrozenEncoderPolicy(CategoricalActorCritic):
     Config = FrozenEncoderConfig
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, config: FrozenEncoderConfig):
-        super().__init__(observation_space, action_space, config)
-        if not (
-            isinstance(observation_space, gym.spaces.Box)
-            and len(observation_space.shape) == 3
-            and observation_space.dtype == np.uint8
-        ):
-            raise UserError(f"FrozenEncoderPolicy needs uint8 frames (H x W x C), got {observation_space}")
-        if not isinstance(action_space, gym.spaces.Discrete):
-            raise UserError(f"FrozenEncoderPolicy needs a Discrete action space, got {action_space}")
+        super().__init__(observation_space, action_space, config)  # checks the spaces
         self.encoder = PixelEncoder(*observation_space.shape)
         if not os.path.isfile(config.encoder_file):
             raise UserError(
@@ -87,38 +80,6 @@ class FrozenEncoderPolicy(Policy):
         nn.init.orthogonal_(self.actor[2].weight, 0.01)
         nn.init.zeros_(self.actor[2].bias)
 
-    def outputs(self) -> dict[str, StepField]:
-        return {
-            "action": StepField((), torch.int64),
-            "log_prob": StepField((), torch.float32),
-            "value": StepField((), torch.float32),
-        }
-
     def features(self, obs: Tensor) -> Tensor:
         with torch.no_grad():  # frozen: no graph through the encoder, not even for the head's gradients
             return self.encoder(obs)
-
-    @torch.no_grad()
-    def act(self, obs: Tensor, deterministic: bool = False) -> dict[str, Tensor]:
-        x = self.features(obs)
-        log_probs = torch.log_softmax(self.actor(x), dim=-1)
-        action = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1).squeeze(-1)
-        return {
-            "action": action,
-            "log_prob": log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1),
-            "value": self.critic(x).squeeze(-1),
-        }
-
-    def evaluate(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(log_prob, entropy, value) of the given actions, with gradients (for the head)."""
-        x = self.features(obs)
-        log_probs = torch.log_softmax(self.actor(x), dim=-1)
-        log_prob = log_probs.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-        return log_prob, entropy, self.critic(x).squeeze(-1)
-
-    def forward(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return self.evaluate(obs, action)
-
-    def value(self, obs: Tensor) -> Tensor:
-        return self.critic(self.features(obs)).squeeze(-1)
