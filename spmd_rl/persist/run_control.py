@@ -69,6 +69,7 @@ class RunControl:
         self.timeout = timeout
         self.last_checkpoint = time.monotonic()
         self.save_s = 0.0  # seconds this rank spent on its last checkpoint (0 when none this iteration)
+        self.after_commit: Callable[[], None] = lambda: None  # rank 0, after every committed checkpoint
 
     def after_iteration(self, iteration: int, capture: Callable[[], dict]) -> None:
         """Checkpoint when due; raise StoppedWithCheckpoint when the ranks agreed to stop. capture() builds this
@@ -160,4 +161,5 @@ class RunControl:
         directory = self.store.directory(iteration)
         if self.rank == 0:
             self.store.commit(iteration, world_size=self.world_size)
+            self.after_commit()
         return directory

@@ -32,7 +32,7 @@ from spmd_rl.run import contract
 from spmd_rl.run.evaluation import check_video, probe_eval_env
 from spmd_rl.run.plan import Plan, dry_run_plan, plan_run
 from spmd_rl.run.policies import PolicySpec, save_policy
-from spmd_rl.run.resume import agree_on_run, mark_finished
+from spmd_rl.run.resume import agree_on_run, mark_finished, settle_start
 from spmd_rl.run.run import Run
 from spmd_rl.run.topology import Topology, build_topology, create_process_groups
 from spmd_rl.run.trackers import check_installed
@@ -369,6 +369,8 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
         resume=resume,
     )
     control.rank_facts = run.rank_facts
+    if runtime.rank == 0:
+        control.after_commit = lambda: settle_start(run_dir, resume)
     stop_at_iteration_boundary(True)  # from here a signal stops the run at an iteration boundary, checkpointed
     try:
         checked.engine_cls(cfg.engine).run(run)

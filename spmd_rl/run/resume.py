@@ -23,7 +23,7 @@ from spmd_rl.persist.checkpoint import CheckpointStore, find_checkpoint
 from spmd_rl.persist.event_files import repair_event_files
 from spmd_rl.persist.fileio import make_dirs, write_atomic
 from spmd_rl.persist.run_files import BUFFER_DIR, CHECKPOINTS_DIR, CONFIG_FILE, FINISHED, METRICS_FILE, TENSORBOARD_DIR
-from spmd_rl.persist.run_lock import lock_run_dir
+from spmd_rl.persist.run_lock import lock_run_dir, own_run_dirs
 from spmd_rl.run.metrics import drop_records_after
 from spmd_rl.runtime.distributed import broadcast_text
 from spmd_rl.runtime.errors import SharedUserError, UserError
@@ -38,6 +38,9 @@ class Resume:
     note: str = ""  # rank 0: how the default run directory was chosen, for its first line
     fallback: str = ""  # rank 0: what was found that could not be followed, and what is done instead (a line)
     resharded: bool = False  # the checkpoint was saved by another number of ranks (train.parallel=fsdp)
+    # rank 0, resuming: config.yaml as this start runs it, written at its first checkpoint (settle_start), so that a
+    # start that fails before one leaves the run's config.yaml as it was
+    config_text: str = ""
 
     @property
     def start_iteration(self) -> int:
@@ -89,8 +92,22 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False, algorithm_refusal:
         dropped = prepare_run_dir(path, resume)
         if dropped:  # damaged outputs of the run resumed: what went is said in rank 0's note line
             resume.fallback = f"{resume.fallback}; {dropped}" if resume.fallback else dropped
-        write_atomic(path / CONFIG_FILE, cfg.to_yaml())
+        if resume.checkpoint is None:  # a new run (or one started over): the directory is this start's from here
+            write_atomic(path / CONFIG_FILE, cfg.to_yaml())
+            own_run_dirs()
+        else:
+            resume.config_text = cfg.to_yaml()
     return path, resume
+
+
+def settle_start(run_dir: Path, resume: Resume) -> None:
+    """Rank 0, when this start commits a checkpoint: the run directory is this start's now. A resume writes its
+    config.yaml (held back until here) and run.lock records this start's end from now on (before, a failed start
+    puts back the note it found: persist/run_lock.py)."""
+    if resume.config_text:
+        write_atomic(run_dir / CONFIG_FILE, resume.config_text)
+        resume.config_text = ""
+    own_run_dirs()
 
 
 def _default_run_dir(cfg: Config, dry_run: bool) -> tuple[str, str]:
