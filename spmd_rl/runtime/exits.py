@@ -4,6 +4,7 @@ A user's exception shows its type, message and the user's file:line, not the fra
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
@@ -19,6 +20,16 @@ DEBUG_VARIABLE = "SPMD_RL_DEBUG"
 # as soon as one exits, so a quiet rank exiting first would stop a speaker that finds the same error a moment later
 # (a busier rank) before its line is printed; the speaker's exit stops the quiet ranks instead.
 QUIET_RANK_LINGER_S = 10.0
+
+
+def write_whole_lines(*streams) -> None:
+    """Make each line printed to these text streams reach the file in one write. Python's stderr (and stdout under
+    -u or PYTHONUNBUFFERED) writes through at once, so print() is two writes, the text and then its newline, and
+    ranks sharing a terminal or a launcher's pipe had their lines glued ('spmd_rl: rank 1 ...spmd_rl: rank 0
+    ...' and then two newlines). Held until the newline, a line under the pipe's 4096 bytes arrives whole."""
+    for stream in streams:
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def user_error(exc: UserError, speaker: bool, rank: int | None = None) -> int:
