@@ -72,6 +72,14 @@ def unexpected_error(exc: BaseException, who: str) -> int:
 
 
 EXIT_FILE_VARIABLE = "SPMD_RL_EXIT_FILE"
+AGENT_VARIABLE = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent for every worker it starts
+
+
+def under_plain_torchrun() -> bool:
+    """Whether a torchrun agent started this rank other than through launch/torchrun.sh (which reads rank 0's own
+    code from $SPMD_RL_EXIT_FILE). Such an agent reports any non-zero exit as a failure, with its FAILED /
+    ChildFailedError block, and exits 1."""
+    return AGENT_VARIABLE in os.environ and EXIT_FILE_VARIABLE not in os.environ
 
 
 def leave_exit_code(exit_code: int | None) -> None:

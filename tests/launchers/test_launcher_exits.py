@@ -163,3 +163,16 @@ def test_kill_9_of_the_launchers_group_stops_the_ranks_with_a_checkpoint_and_a_r
     code, output = _finish(rerun, tmp_path)
     assert f"{run_dir.relative_to(tmp_path)} (this command's unfinished run); resuming from" in output, output
     assert code == (75 if script == "torchrun.sh" else 1), output  # plain torchrun: 1 after a clean stop
+
+
+def test_a_stop_the_config_asked_for_ends_plain_torchrun_with_0_and_no_failed_report(tmp_path):
+    # run.stop_after_iterations is no failure: the ranks end 0 under plain torchrun (75 would be its FAILED /
+    # ChildFailedError report and exit 1); run.lock records the stop, to resume
+    run_dir = tmp_path / "run"
+    job = _start("torchrun", ["--config", TINY, f"run.dir={run_dir}", "run.stop_after_iterations=2"], tmp_path)
+    code, output = _finish(job, tmp_path)
+    assert code == 0, output[-4000:]
+    assert "FAILED" not in output and "ChildFailedError" not in output and "Traceback" not in output, output
+    said = [line for line in _lines(output) if "stopped by run.stop_after_iterations=2" in line]
+    assert len(said) == 1 and "rerun the same command to resume" in said[0], output
+    assert read_lock(run_dir)[1]["exit_code"] == 75
