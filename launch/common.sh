@@ -24,6 +24,10 @@ make_exit_file() {   # not in $(...): the trap that removes the files must belon
 wait_for_launcher() {
     local job=$1 filter=${2:-} sig status ranks_code
     signalled=""
+    if [[ $(trap -p INT) == "trap -- '' SIGINT" ]]; then   # ignored on entry: bash cannot trap it (see above)
+        echo "spmd_rl: $(basename "$0"): note: started with SIGINT ignored (a background job of a script, \`cmd &\`):" \
+            "Ctrl-C will not reach this job; stop it with SIGTERM (kill -TERM $$), which saves a checkpoint"
+    fi
     for sig in INT TERM USR1; do
         # shellcheck disable=SC2064  # the job's pid is fixed now
         trap "signalled=\${signalled:-$sig}; kill -$sig $job 2>/dev/null" "$sig"

@@ -176,3 +176,13 @@ def test_a_stop_the_config_asked_for_ends_plain_torchrun_with_0_and_no_failed_re
     said = [line for line in _lines(output) if "stopped by run.stop_after_iterations=2" in line]
     assert len(said) == 1 and "rerun the same command to resume" in said[0], output
     assert read_lock(run_dir)[1]["exit_code"] == 75
+
+
+def test_the_script_started_as_a_background_job_says_that_ctrl_c_will_not_reach_it(tmp_path):
+    # `launch/torchrun.sh ... &` in a script: bash starts it with SIGINT ignored, which it cannot trap
+    env = with_pythonpath(job_env(PYTHON=sys.executable, NPROC="1"), ROOT)
+    script = f"{ROOT / 'launch' / 'torchrun.sh'} --config {TINY} run.dir={tmp_path / 'run'} train.total_steps=64 & wait $!"
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BOUND_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    notes = [line for line in _lines(done.stdout + done.stderr) if "SIGINT ignored" in line]
+    assert len(notes) == 1 and "Ctrl-C will not reach this job; stop it with SIGTERM" in notes[0], done.stdout
