@@ -216,7 +216,7 @@ class MetricsLogger:
             text += f"  success {record['success_rate']:.2f}"
         groups = [key.split("/", 1)[1] for key in record if key.startswith("episode_return_mean/")]
         if groups:  # env groups: each one's return, briefly
-            text += "  (" + " ".join(f"{name} {record[f'episode_return_mean/{name}']:.1f}" for name in groups) + ")"
+            text += "  (" + " ".join(f"{name} {_shown(record[f'episode_return_mean/{name}'])}" for name in groups) + ")"
         return text
 
     def _print(self, text: str) -> None:
@@ -267,6 +267,11 @@ def success_rates(statistics: dict, group_names: list[str]) -> dict[str, float]:
             values = statistics[key][mine]
             rates[name + suffix] = values.mean().item() if values.numel() else float("nan")
     return rates
+
+
+def _shown(mean: float) -> str:
+    """A mean return for the console: '-' while it is NaN (no episode of it has ended yet)."""
+    return "-" if mean != mean else f"{mean:.1f}"
 
 
 def _finite_or_none(value):

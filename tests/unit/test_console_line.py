@@ -24,3 +24,10 @@ def test_before_the_first_episode_ends_the_line_says_so():
 def test_after_episodes_the_line_shows_their_mean_return_and_length():
     line = MetricsLogger.line(_record(4, 21.5, 21.5))
     assert line == "iter     3  steps       512  return    21.50  len    21.5  sps     1234"
+
+
+def test_an_env_group_whose_first_episode_has_not_ended_shows_a_dash():
+    record = {**_record(4, 21.5, 21.5), "episode_return_mean/easy": 30.0, "episode_return_mean/hard": float("nan")}
+    line = MetricsLogger.line(record)
+    assert "nan" not in line
+    assert line.endswith("(easy 30.0 hard -)")
