@@ -397,6 +397,13 @@ def _read_yaml(path: Path) -> dict:
         raise UserError(
             f"config file {path} must hold a mapping of sections (run:, env:, algo:, ...), not a {type(data).__name__}"
         )
+    glued = _glued_key(data)
+    if glued is not None:
+        name, _, given = glued.partition(":")
+        raise UserError(
+            f"config file {path}: YAML reads '{clip(glued)}' as one key with no value (a colon needs a space after "
+            f"it); write {clip(name)}: {clip(given)}"
+        )
     return data
 
 
@@ -437,8 +444,8 @@ def _apply_override(raw: dict, item: str) -> None:
 
 
 def _glued_key(value: Any) -> str | None:
-    """The first mapping key like 'chunk:4' with no value in value: `{chunk:4}` on a command line, which YAML reads
-    as the key 'chunk:4' (a colon without a space after it is part of the text)."""
+    """The first mapping key like 'chunk:4' with no value in value: `{chunk:4}` on a command line or in a file,
+    which YAML reads as the key 'chunk:4' (a colon without a space after it is part of the text)."""
     if isinstance(value, dict):
         for key, item in value.items():
             if item is None and isinstance(key, str) and ":" in key.strip(":"):
