@@ -198,8 +198,8 @@ def decide_resume(cfg, run_dir: Path, world_size: int, algorithm_refusal: str = 
         if why:
             raise UserError(
                 f"checkpoint {checkpoint} holds {ranks} rank(s) of layout {_layout_text(previous)} but this run has "
-                f"{world_size} of layout {_layout_text(cfg)}; resume with the same number of ranks and layout "
-                f"({why})"
+                f"{world_size} of layout {_layout_text(cfg)}; resume with the checkpoint's layout: "
+                f"{_layout_change(previous, cfg, ranks, world_size)} ({why})"
             )
         changed = (
             f"checkpoint {checkpoint} was saved by {ranks} rank(s) ({_layout_text(previous)}), this run has "
@@ -230,6 +230,21 @@ def reshard_refusal(cfg: Config, sharded: bool, algorithm_refusal: str = "") -> 
     if cfg.buffer.log_experience:
         return "the experience log is written per rank; set buffer.log_experience=false to reshard"
     return ""
+
+
+def _layout_change(previous: Config, cfg: Config, ranks: int, world_size: int) -> str:
+    """What to change for a run to have the checkpoint's layout: the layout keys whose values differ (a colocated
+    layout reads no role counts) and the number of ranks."""
+    names = ("mode",) if previous.layout.mode == "colocated" else ("mode", "trainer", "inference", "env")
+    keys = [
+        f"layout.{name}={getattr(previous.layout, name)}"
+        for name in names
+        if getattr(previous.layout, name) != getattr(cfg.layout, name)
+    ]
+    change = [f"set {' '.join(keys)}"] if keys else []
+    if ranks != world_size:
+        change.append(f"start {ranks} ranks")
+    return " and ".join(change) or "the same config.yaml"
 
 
 def _layout_text(cfg: Config) -> str:
