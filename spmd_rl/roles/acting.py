@@ -124,7 +124,8 @@ def check_act_outputs(policy, out, fields: dict[str, StepField], batch: int) -> 
                 raise UserCodeError(
                     f"policy.class '{name}': act() returned NaN in '{key}' (for a batch of {batch} observations, "
                     f"{int(torch.isnan(value).sum())} value(s)); the policy's forward pass produced it (its weights, "
-                    f"or observations it does not expect): fix the policy, or normalize its inputs (policy.normalize_obs)"
+                    f"or observations it does not expect): fix the policy, or normalize its inputs "
+                    f"(policy.normalize_obs)"
                 )
             continue
         got = (

@@ -431,7 +431,10 @@ def _init_policy_from(run: Run, policy: Policy) -> dict | None:
         source = trained_state_source(section.init_from, section.init_algorithm)
         into = f" (prefix {section.init_prefix})" if section.init_prefix else ""
         with_state = "; the algorithm's state too (run.init_algorithm)" if algorithm_state is not None else ""
-        print(f"spmd_rl: run.init_from: loaded {loaded} tensors from {source} into the policy{into}{with_state}", flush=True)
+        print(
+            f"spmd_rl: run.init_from: loaded {loaded} tensors from {source} into the policy{into}{with_state}",
+            flush=True,
+        )
     return algorithm_state
 
 

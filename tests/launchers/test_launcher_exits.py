@@ -181,8 +181,10 @@ def test_a_stop_the_config_asked_for_ends_plain_torchrun_with_0_and_no_failed_re
 def test_the_script_started_as_a_background_job_says_that_ctrl_c_will_not_reach_it(tmp_path):
     # `launch/torchrun.sh ... &` in a script: bash starts it with SIGINT ignored, which it cannot trap
     env = with_pythonpath(job_env(PYTHON=sys.executable, NPROC="1"), ROOT)
-    script = f"{ROOT / 'launch' / 'torchrun.sh'} --config {TINY} run.dir={tmp_path / 'run'} train.total_steps=64 & wait $!"
-    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BOUND_S)
+    script = f"{ROOT / 'launch' / 'torchrun.sh'} --config {TINY} run.dir={tmp_path / 'run'} train.total_steps=64"
+    done = subprocess.run(
+        ["bash", "-c", f"{script} & wait $!"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BOUND_S
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     notes = [line for line in _lines(done.stdout + done.stderr) if "SIGINT ignored" in line]
     assert len(notes) == 1 and "Ctrl-C will not reach this job; stop it with SIGTERM" in notes[0], done.stdout

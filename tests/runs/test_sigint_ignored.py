@@ -16,7 +16,15 @@ def _ignoring_sigint() -> None:
 
 def test_a_run_started_with_sigint_ignored_says_so_and_stops_on_sigterm(tmp_path):
     run = subprocess.Popen(
-        [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={tmp_path / 'run'}", "train.total_steps=10000000"],
+        [
+            sys.executable,
+            "-m",
+            "spmd_rl.main",
+            "--config",
+            TINY,
+            f"run.dir={tmp_path / 'run'}",
+            "train.total_steps=9999999",
+        ],
         cwd=tmp_path,
         env=with_pythonpath(job_env(), ROOT),
         stdout=subprocess.PIPE,

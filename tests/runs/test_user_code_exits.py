@@ -1,8 +1,8 @@
 """Exits that tell the truth: user code that calls sys.exit or os._exit (a policy's constructor or act, an env's
-step, a callback), changes its outputs' shape or dtype after the start-up check, hangs in act, or returns a
-callback result that is no scalar, or returns NaN from act, ends a real run with exit 4 and one line naming the user's file:line or the
-key, never exit 0 without finished.json (or a traceback). Each case is a real one-process run of the command line,
-as a user would start it."""
+step, a callback), changes its outputs' shape or dtype after the start-up check, returns NaN from act, hangs in
+act, or returns a callback result that is no scalar ends a real run with exit 4 and one line naming the user's
+file:line or the key, never exit 0 without finished.json (or a traceback). Each case is a real one-process run of
+the command line, as a user would start it."""
 
 from __future__ import annotations
 
