@@ -49,7 +49,7 @@ from spmd_rl.runtime.errors import (
     UserError,
     describe_exception,
 )
-from spmd_rl.runtime.exits import leave_exit_code, say, under_plain_torchrun, unexpected_error, user_error
+from spmd_rl.runtime.exits import leave_exit_code, process_exit_code, say, unexpected_error, user_error
 from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.postmortem import Failure, after_failure
 from spmd_rl.runtime.signals import install_signal_handlers, stop_at_iteration_boundary, stop_cause
@@ -142,22 +142,12 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
         if launch.rank == 0:
             leave_exit_code(exit_code)
         record_exit(exit_code)  # run.lock (rank 0's), before the teardown a launcher may cut short with SIGKILL
-        shutdown_runtime(runtime, _process_exit_code(exit_code, outcome))
+        shutdown_runtime(runtime, process_exit_code(exit_code, outcome and outcome.stopped))  # run.lock: 75 above
         release_run_dirs()  # the exit is recorded above
     if dry_run and exit_code == 0 and launch.rank == 0:
         assert outcome is not None  # the run finished
         _end_dry_run(outcome.run_dir)
-    return _process_exit_code(exit_code, outcome)
-
-
-def _process_exit_code(exit_code: int, outcome: Outcome | None) -> int:
-    """What the process exits with: exit_code, but 0 for the stop the config asked for (run.stop_after_iterations)
-    under plain torchrun, which would print its FAILED / ChildFailedError block for 75 and exit 1: that stop is no
-    failure. run.lock still records 75 (a stopped run, to resume), and the stop line says so."""
-    stopped = outcome.stopped if outcome is not None else None
-    if exit_code == STOPPED_EXIT_CODE and stopped is not None and stopped.planned and under_plain_torchrun():
-        return 0
-    return exit_code
+    return process_exit_code(exit_code, outcome and outcome.stopped)
 
 
 def _report_failure(
@@ -379,8 +369,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
         resume=resume,
     )
     control.rank_facts = run.rank_facts
-    if runtime.rank == 0:
-        control.after_commit = lambda: settle_start(run_dir, resume)
+    control.after_commit = lambda: settle_start(run_dir, resume)  # called on rank 0 only
     stop_at_iteration_boundary(True)  # from here a signal stops the run at an iteration boundary, checkpointed
     try:
         checked.engine_cls(cfg.engine).run(run)

@@ -11,7 +11,14 @@ import sys
 import time
 import traceback
 
-from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, describe_exception, user_frame
+from spmd_rl.runtime.errors import (
+    STOPPED_EXIT_CODE,
+    USER_CODE_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    UserError,
+    describe_exception,
+    user_frame,
+)
 
 # Set to 1 to print full tracebacks instead of the one-line summaries of errors in user code.
 DEBUG_VARIABLE = "SPMD_RL_DEBUG"
@@ -80,6 +87,16 @@ def under_plain_torchrun() -> bool:
     code from $SPMD_RL_EXIT_FILE). Such an agent reports any non-zero exit as a failure, with its FAILED /
     ChildFailedError block, and exits 1."""
     return AGENT_VARIABLE in os.environ and EXIT_FILE_VARIABLE not in os.environ
+
+
+def process_exit_code(exit_code: int, stopped) -> int:
+    """What the process exits with: exit_code, but 0 for the stop the config asked for (stopped, the run's
+    StoppedWithCheckpoint or None, is `planned`: run.stop_after_iterations) under plain torchrun, which would print
+    its FAILED / ChildFailedError block for 75 and exit 1: that stop is no failure. run.lock still records 75 (a
+    stopped run, to resume), and the stop line says so."""
+    if exit_code == STOPPED_EXIT_CODE and getattr(stopped, "planned", False) and under_plain_torchrun():
+        return 0
+    return exit_code
 
 
 def leave_exit_code(exit_code: int | None) -> None:
