@@ -14,8 +14,9 @@ make_exit_file() {   # not in $(...): the trap that removes the files must belon
 }
 
 # Passes SIGINT, SIGTERM and SIGUSR1 on to the launcher (which passes them on to every rank), waits until it has
-# exited, and exits with the job's code: when the launcher failed, rank 0's own (the launcher's is 1 whatever the
-# ranks did) where it is 2 (a config or layout error, the same on every rank) or 75 (a checkpointed stop), and,
+# exited, and exits with the job's code: when the launcher failed, the first failing rank's 2, 3 or 4 from the
+# failure records, else rank 0's own (the launcher's is 1 whatever the ranks did) where it is 2 (a config or layout
+# error, the same on every rank), 3, 4 or 75 (a checkpointed stop), and,
 # after a signal to this script, 128+N (rank 0's, or N's itself with a line of its own when rank 0 left no code:
 # the signal came before it could); else the launcher's status. A script started with SIGINT ignored (a background
 # job, `cmd &`, of a non-interactive shell) cannot trap it, as bash says, so it ignores a SIGINT; SIGTERM and SIGUSR1
@@ -23,6 +24,10 @@ make_exit_file() {   # not in $(...): the trap that removes the files must belon
 wait_for_launcher() {
     local job=$1 filter=${2:-} sig status ranks_code
     signalled=""
+    if [[ $(trap -p INT) == "trap -- '' SIGINT" ]]; then   # ignored on entry: bash cannot trap it (see above)
+        echo "spmd_rl: $(basename "$0"): note: started with SIGINT ignored (a background job of a script, \`cmd &\`):" \
+            "Ctrl-C will not reach this job; stop it with SIGTERM (kill -TERM $$), which saves a checkpoint"
+    fi
     for sig in INT TERM USR1; do
         # shellcheck disable=SC2064  # the job's pid is fixed now
         trap "signalled=\${signalled:-$sig}; kill -$sig $job 2>/dev/null" "$sig"
@@ -41,13 +46,21 @@ wait_for_launcher() {
     for attempt in $(cd "$failure_dir" && compgen -G "attempt*" | sort -V); do
         records=$failure_dir/$attempt
     done
+    local first_code=""
     if [[ $status != 0 ]] && compgen -G "$records/rank*.json" >/dev/null; then
-        "${PYTHON:-python}" -m spmd_rl.runtime.postmortem "$records" || true
+        first_code=$("${PYTHON:-python}" -m spmd_rl.runtime.postmortem "$records" || true)
     fi
     ranks_code=$(cat "$exit_file" 2>/dev/null || true)
     if [[ $status != 0 ]]; then
+        # An error without a signal: the job's code is its first failing rank's, from the failure records (rank 0's
+        # own may be a knock-on: a communication error, or the launcher's SIGTERM), else rank 0's.
+        if [[ -z $signalled ]]; then
+            case $first_code in
+                2 | 3 | 4) exit "$first_code" ;;
+            esac
+        fi
         case $ranks_code in
-            2 | 75) exit "$ranks_code" ;;
+            2 | 3 | 4 | 75) exit "$ranks_code" ;;
             1[3-9][0-9] | 2[0-5][0-9]) [[ -n $signalled ]] && exit "$ranks_code" ;;
             "") if [[ -n $signalled ]]; then
                     echo "spmd_rl: $(basename "$0"): stopped by SIG$signalled while the ranks were starting" >&2

@@ -16,6 +16,7 @@ returns the run (see `train` below).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -29,10 +30,16 @@ from spmd_rl.config.loading import describe_schema, load_config
 from spmd_rl.config.sections import DistSection
 from spmd_rl.run.topology import build_topology
 from spmd_rl.runtime.errors import StopSignal, UserError
-from spmd_rl.runtime.exits import leave_exit_code, user_error
+from spmd_rl.runtime.exits import leave_exit_code, user_error, write_whole_lines
 from spmd_rl.runtime.launch import detect_launch, rank_from_env
 from spmd_rl.runtime.orphans import watch_for_orphaning
-from spmd_rl.runtime.signals import install_early_signal_handlers, install_signal_handlers, stop_cause
+from spmd_rl.runtime.signals import (
+    SIGINT_IGNORED_NOTE,
+    install_early_signal_handlers,
+    install_signal_handlers,
+    sigint_ignored,
+    stop_cause,
+)
 from spmd_rl.runtime.user_exits import guard_os_exit
 from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
 
@@ -82,6 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     # Before anything slow (torch's import takes seconds): a signal from here on is a line and a defined code.
     install_early_signal_handlers()
+    write_whole_lines(sys.stdout, sys.stderr)  # ranks share a terminal: one write per line, never two glued
+    if sigint_ignored() and rank_from_env() in (None, 0):  # said once, at once: a Ctrl-C later would do nothing
+        print(SIGINT_IGNORED_NOTE.format(pid=os.getpid()), flush=True)
     guard_os_exit()  # before the first plug-in import: os._exit in user code is exit 4 and a line, never a success
     # User code runs from the first plug-in import on (while the config is read, --help included): bounded by
     # dist.timeout_s's default until the config gives its own.

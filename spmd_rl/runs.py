@@ -11,9 +11,9 @@ runs/<run>, runs/<sweep>/<run>), read from the files every run already writes:
                         exit codes were recorded
               unknown   no run.lock but metrics: a run from before run.lock, or a directory copied without it
               new       neither: a directory no run has logged in yet
-    iters, env steps (of train.total_steps), the last mean episode return and evaluation return, when metrics.jsonl
-    was last written, and the config keys that set the run apart from the others listed (as spmd_rl.plot's labels:
-    the env, algorithm and policy where they differ, then the keys where a run leaves its experiment's usual value).
+    iters, env steps (of train.total_steps), the last mean episode return and evaluation return, and when
+    metrics.jsonl was last written. The directory's name says which config it runs (its digest); spmd_rl.plot's
+    labels say which keys set runs apart.
 
 Damaged files are read as far as they are sound, the run's state is marked damaged, and what is damaged is named
 in a note below the table, never a traceback. Nothing a damaged or planted directory holds can hang or exhaust the
@@ -39,7 +39,7 @@ from spmd_rl.config.loading import MAX_CONFIG_BYTES, ConfigLoader
 from spmd_rl.persist.fileio import NotRegularFile, bounded_lines, open_regular
 from spmd_rl.persist.run_files import CONFIG_FILE, FINISHED, LOCK_FILE, METRICS_FILE, METRICS_LINE_BYTES
 from spmd_rl.persist.run_lock import read_lock
-from spmd_rl.plot import SEARCH_DEPTH, describe_keys, distinguishing_keys, flatten_config, is_run_dir, run_dirs_inside
+from spmd_rl.plot import SEARCH_DEPTH, is_run_dir, run_dirs_inside
 from spmd_rl.runtime.errors import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
 
 METRICS_TAIL_BYTES = 16 << 20  # what the index reads of a metrics.jsonl: its last records are what it shows
@@ -57,7 +57,6 @@ class RunStatus:
     updated: float | None = None  # metrics.jsonl's modification time
     exit_code: int | None = None
     holder: str = ""  # 'host vm, pid 123' while running
-    sets_apart: str = ""
     notes: list[str] = field(default_factory=list)
 
 
@@ -159,16 +158,7 @@ def _read_metrics(run_dir: Path, status: RunStatus) -> None:
 
 
 def statuses(run_dirs: list[Path]) -> list[RunStatus]:
-    found = [run_status(run_dir) for run_dir in run_dirs]
-    # train.seed stays: unlike plot, which draws seeds as one curve, every run is a line here
-    flat = [
-        {k: v for k, v in flatten_config(config).items() if k not in ("run.dir", "run.name")} for _, config in found
-    ]
-    leading, keys = distinguishing_keys(flat)
-    for (status, config), values, own in zip(found, flat, keys):
-        if config:
-            status.sets_apart = describe_keys(values, leading, own, limit=1000)  # the last column: whole
-    return [status for status, _ in found]
+    return [run_status(run_dir)[0] for run_dir in run_dirs]
 
 
 def format_table(rows: list[RunStatus], root: Path | None, now: float) -> str:
@@ -183,6 +173,8 @@ def format_table(rows: list[RunStatus], root: Path | None, now: float) -> str:
 
     def state(row: RunStatus) -> str:
         shown = f"{row.state} ({row.exit_code})" if row.state in ("stopped", "failed") else row.state
+        if row.holder:
+            shown = f"{shown} ({row.holder})"
         return f"{shown}, damaged" if row.notes else shown  # the notes below the table say what is damaged
 
     def steps(row: RunStatus) -> str:
@@ -193,7 +185,7 @@ def format_table(rows: list[RunStatus], root: Path | None, now: float) -> str:
     def number(value) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    header = ("RUN", "STATE", "ITERS", "ENV STEPS", "RETURN", "EVAL", "UPDATED", "SETS IT APART")
+    header = ("RUN", "STATE", "ITERS", "ENV STEPS", "RETURN", "EVAL", "UPDATED")
     table = [
         (
             name(row),
@@ -203,15 +195,11 @@ def format_table(rows: list[RunStatus], root: Path | None, now: float) -> str:
             number(row.last_return),
             number(row.last_eval_return),
             "-" if row.updated is None else _ago(now - row.updated),
-            row.sets_apart + (f" [{row.holder}]" if row.holder else ""),
         )
         for row in rows
     ]
-    widths = [max(len(cells[i]) for cells in (header, *table)) for i in range(len(header) - 1)]
-    lines = [
-        "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)) + "  " + cells[-1]
-        for cells in (header, *table)
-    ]
+    widths = [max(len(cells[i]) for cells in (header, *table)) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(cells, widths)) for cells in (header, *table)]
     lines = [line.rstrip() for line in lines]
     lines += [f"note: {note}" for row in rows for note in row.notes]
     return "\n".join(lines)

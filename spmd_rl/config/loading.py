@@ -397,6 +397,7 @@ def _read_yaml(path: Path) -> dict:
         raise UserError(
             f"config file {path} must hold a mapping of sections (run:, env:, algo:, ...), not a {type(data).__name__}"
         )
+    _refuse_glued_key(data, f"config file {path}")
     return data
 
 
@@ -418,13 +419,7 @@ def _apply_override(raw: dict, item: str) -> None:
         raise UserError(f"config key '{shown}' (on the command line): {exc.problem}") from None
     except yaml.YAMLError:
         value = text  # not YAML: keep the literal text, the type check below judges it
-    glued = _glued_key(value)
-    if glued is not None:
-        name, _, given = glued.partition(":")
-        raise UserError(
-            f"override {excerpt(item)}: YAML reads '{clip(glued)}' as one key with no value (a colon needs a space "
-            f"after it); write {clip(name)}: {clip(given)}, e.g. {shown}={{{clip(name)}: {clip(given)}}}"
-        )
+    _refuse_glued_key(value, f"override {excerpt(item)}", example_key=shown)
     node = raw
     for part in parts[:-1]:
         child = node.get(part)
@@ -436,9 +431,23 @@ def _apply_override(raw: dict, item: str) -> None:
     node[parts[-1]] = value
 
 
+def _refuse_glued_key(value: Any, where: str, example_key: str = "") -> None:
+    """A UserError with the fix when value holds a key like 'chunk:4' with no value (see _glued_key); example_key:
+    the override's key, for an example of the whole override."""
+    glued = _glued_key(value)
+    if glued is None:
+        return
+    name, _, given = glued.partition(":")
+    example = f", e.g. {example_key}={{{clip(name)}: {clip(given)}}}" if example_key else ""
+    raise UserError(
+        f"{where}: YAML reads '{clip(glued)}' as one key with no value (a colon needs a space after it); write "
+        f"{clip(name)}: {clip(given)}{example}"
+    )
+
+
 def _glued_key(value: Any) -> str | None:
-    """The first mapping key like 'chunk:4' with no value in value: `{chunk:4}` on a command line, which YAML reads
-    as the key 'chunk:4' (a colon without a space after it is part of the text)."""
+    """The first mapping key like 'chunk:4' with no value in value: `{chunk:4}` on a command line or in a file,
+    which YAML reads as the key 'chunk:4' (a colon without a space after it is part of the text)."""
     if isinstance(value, dict):
         for key, item in value.items():
             if item is None and isinstance(key, str) and ":" in key.strip(":"):

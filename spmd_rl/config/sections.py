@@ -233,7 +233,7 @@ class EvalSection:
     every: int = knob(
         0,
         "evaluate the policy every N iterations on separate envs (0 = never); logged as "
-        "eval_return_mean / eval_length_mean",
+        "eval_return_mean / eval_length_mean and printed on the console when it comes",
         min=0,
     )
     episodes: int = knob(10, "episodes per evaluation (dist.timeout_s bounds its time)", min=1, max=100_000)

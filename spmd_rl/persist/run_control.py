@@ -30,13 +30,14 @@ from spmd_rl.runtime.signals import requested_stop, stop_cause
 class StoppedWithCheckpoint(Exception):
     """Every rank agreed to stop after a signal; the checkpoint is committed. main prints one line, exit 75."""
 
-    def __init__(self, signal_name: str, iteration: int, checkpoint: Path):
+    def __init__(self, signal_name: str, iteration: int, checkpoint: Path, planned: bool = False):
         super().__init__(
             f"stopped by {signal_name}{stop_cause()} after iteration {iteration}; checkpoint {checkpoint}; rerun the "
             f"same command to resume"
         )
         self.checkpoint = checkpoint
         self.finished = False  # True: the run is done (run.stop_at_return), not waiting for a rerun
+        self.planned = planned  # the config asked for it (run.stop_after_iterations), not a signal
 
 
 class ReachedReturn(StoppedWithCheckpoint):
@@ -69,6 +70,7 @@ class RunControl:
         self.timeout = timeout
         self.last_checkpoint = time.monotonic()
         self.save_s = 0.0  # seconds this rank spent on its last checkpoint (0 when none this iteration)
+        self.after_commit: Callable[[], None] = lambda: None  # rank 0, after every committed checkpoint
 
     def after_iteration(self, iteration: int, capture: Callable[[], dict]) -> None:
         """Checkpoint when due; raise StoppedWithCheckpoint when the ranks agreed to stop. capture() builds this
@@ -96,7 +98,9 @@ class RunControl:
         if reached and not last:  # after the last iteration the run ends as planned
             raise ReachedReturn(self.stop_at_return, mean_return, iteration, directory)
         if stop_here:
-            raise StoppedWithCheckpoint(f"run.stop_after_iterations={self.stop_after}", iteration, directory)
+            raise StoppedWithCheckpoint(
+                f"run.stop_after_iterations={self.stop_after}", iteration, directory, planned=True
+            )
 
     def wait_for_stop_files(self) -> None:
         """After a stop: no rank exits before rank 0 has committed the checkpoint and written policy.pt (a launcher
@@ -160,4 +164,5 @@ class RunControl:
         directory = self.store.directory(iteration)
         if self.rank == 0:
             self.store.commit(iteration, world_size=self.world_size)
+            self.after_commit()
         return directory

@@ -9,7 +9,9 @@ run.lock also holds the note of who holds or held the lock: the holder's host an
 second copy names. When the run ends in an orderly way (done, a checkpointed stop, an error it could report), its
 holder adds the time and the exit code, so `python -m spmd_rl.runs` can tell a run that is running (a lock is
 held), stopped, failed or killed (the locks are free and the note holds no exit code: kill -9, a lost node, a run
-from before exit codes were recorded). The note is written into the file the holder opened itself, never through
+from before exit codes were recorded). A start that changed nothing of the run (refused, or failed before its first
+checkpoint: `own_run_dirs` not called) puts back the note it found instead, byte for byte: a refused resume of a
+stopped run leaves it stopped, not failed. The note is written into the file the holder opened itself, never through
 a symlink (O_NOFOLLOW), and a run.lock that is not a regular file of one link (a symlink, a FIFO, a directory, a
 hard link to another file) is refused: writing through it would destroy what it points at, and opening a FIFO
 would wait for a writer. Readers open it without following a symlink or waiting on a FIFO.
@@ -38,6 +40,9 @@ NOTE_BYTES = 4096  # more than a note ever holds: what a reader takes of run.loc
 # run directory -> (the directory's descriptor, or None where its file system refused the flock, and run.lock's:
 # the descriptors whose flocks this process holds)
 _held: dict[Path, tuple[int | None, int]] = {}
+# run directory -> the run.lock note found there when this process locked it, until this start owns the run (its
+# first checkpoint): what its exit puts back
+_found: dict[Path, bytes] = {}
 
 
 def lock_run_dir(run_dir: Path) -> None:
@@ -56,6 +61,7 @@ def lock_run_dir(run_dir: Path) -> None:
         note_fd = _open_note(run_dir / LOCK_FILE)
         if not _lock(note_fd, run_dir) and dir_fd is None:  # say so rather than run unguarded without a word
             raise UserError(f"{run_dir}: cannot lock the run directory: its file system takes no flock")
+        found = os.pread(note_fd, NOTE_BYTES + 1, 0)
         note = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}) + "\n"
         os.ftruncate(note_fd, 0)
         os.pwrite(note_fd, note.encode(), 0)
@@ -67,18 +73,30 @@ def lock_run_dir(run_dir: Path) -> None:
             raise file_error(run_dir / LOCK_FILE, exc, "cannot write the run directory's lock") from None
         raise
     _held[key] = dir_fd, note_fd
+    if found and len(found) <= NOTE_BYTES:  # a note of an earlier start (a longer one is no note of ours)
+        _found[key] = found
+
+
+def own_run_dirs() -> None:
+    """This start changed its run directory (its first checkpoint is committed): its exit is recorded in run.lock
+    from now on, in place of the note an earlier start left there."""
+    _found.clear()
 
 
 def record_exit(exit_code: int) -> None:
     """Write how this run ends (exit_code) beside the holder in every run.lock this process holds, keeping the
     lock: called before the slow part of the exit (the process groups' teardown), so that a launcher's SIGKILL
-    there (plain mpirun kills ranks a second after their SIGTERM) leaves the code written."""
-    for _, fd in _held.values():
+    there (plain mpirun kills ranks a second after their SIGTERM) leaves the code written. A start that did not
+    come to own its directory (own_run_dirs) puts back the note it found there."""
+    for key, (_, fd) in _held.items():
         with contextlib.suppress(OSError, ValueError):  # a record to read back, never a reason to fail an exit
-            holder = json.loads(os.pread(fd, NOTE_BYTES, 0).decode())
-            record = json.dumps({**holder, "ended": time.time(), "exit_code": exit_code}) + "\n"
+            if key in _found:
+                record = _found[key]
+            else:
+                holder = json.loads(os.pread(fd, NOTE_BYTES, 0).decode())
+                record = (json.dumps({**holder, "ended": time.time(), "exit_code": exit_code}) + "\n").encode()
             os.ftruncate(fd, 0)
-            os.pwrite(fd, record.encode(), 0)
+            os.pwrite(fd, record, 0)
 
 
 def release_run_dirs(exit_code: int | None = None) -> None:
@@ -86,6 +104,7 @@ def release_run_dirs(exit_code: int | None = None) -> None:
     recording how it ended (exit_code; None: record nothing more) beside the holder."""
     if exit_code is not None:
         record_exit(exit_code)
+    _found.clear()
     while _held:
         _, fds = _held.popitem()
         for fd in fds:

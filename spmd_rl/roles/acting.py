@@ -105,8 +105,10 @@ def write_reply(
 def check_act_outputs(policy, out, fields: dict[str, StepField], batch: int) -> None:
     """act's outputs on every step, against the contract checked before start: each declared key a tensor of
     [batch, *shape] and the declared dtype (not the values: a few attribute reads per key). Without it a batch of
-    the wrong size was broadcast into the replies and a wrong dtype cast, silently. UserCodeError (exit 4) naming
-    the key."""
+    the wrong size was broadcast into the replies and a wrong dtype cast, silently. A NaN in a floating output is
+    the policy's too (one reduction per key): unchecked, it surfaced as the update's non-finite loss and was blamed
+    on the algorithm. Infinities pass (a masked logit is -inf). UserCodeError (exit 4) naming the key."""
+    name = f"{type(policy).__module__}:{type(policy).__qualname__}"
     for key, field in fields.items():
         try:
             value = out[key]
@@ -118,13 +120,19 @@ def check_act_outputs(policy, out, fields: dict[str, StepField], batch: int) -> 
             and value.shape[0:1] == (batch,)
             and value.shape[1:] == field.shape
         ):
+            if value.is_floating_point() and bool(torch.isnan(value).any()):
+                raise UserCodeError(
+                    f"policy.class '{name}': act() returned NaN in '{key}' (for a batch of {batch} observations, "
+                    f"{int(torch.isnan(value).sum())} value(s)); the policy's forward pass produced it (its weights, "
+                    f"or observations it does not expect): fix the policy, or normalize its inputs "
+                    f"(policy.normalize_obs)"
+                )
             continue
         got = (
             f"{tuple(value.shape)} {value.dtype}"
             if isinstance(value, torch.Tensor)
             else ("nothing" if value is None else type(value).__name__)
         )
-        name = f"{type(policy).__module__}:{type(policy).__qualname__}"
         raise UserCodeError(
             f"policy.class '{name}': act() returned '{key}' as {got} for a batch of {batch} observations, but "
             f"outputs() declares {field.shape} {field.dtype} per env, i.e. {(batch, *field.shape)} {field.dtype}; "

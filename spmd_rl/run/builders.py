@@ -39,11 +39,11 @@ from spmd_rl.roles.pipelined_env_runner import PipelinedEnvRunner, stage_columns
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.evaluation import cuda_indices
 from spmd_rl.run.metrics import MetricsLogger
-from spmd_rl.run.policies import build_policy, cpu_copy, read_trained_state
+from spmd_rl.run.policies import build_policy, cpu_copy, read_trained_state, trained_state_source
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.state_fit import load_fitted
 from spmd_rl.run.weight_sync_plan import WeightSyncPlan
-from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.errors import SharedUserError, UserError
 from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
 from spmd_rl.storage.experience_log import ExperienceLog
 
@@ -409,14 +409,26 @@ def _init_policy_from(run: Run, policy: Policy) -> dict | None:
         )
     if run.resume.checkpoint is not None:
         return None
-    policy_state, algorithm_state = read_trained_state(section.init_from, with_algorithm=section.init_algorithm)
+    # Every rank that builds the policy reads the same file and fails alike: rank 0 (a trainer) says it once.
     try:
-        load_fitted(policy, policy_state, section.init_prefix)
+        policy_state, algorithm_state = read_trained_state(section.init_from, with_algorithm=section.init_algorithm)
     except UserError as exc:
-        raise UserError(
+        raise SharedUserError(str(exc)) from None
+    try:
+        loaded = load_fitted(policy, policy_state, section.init_prefix)
+    except UserError as exc:
+        raise SharedUserError(
             f"run.init_from={section.init_from}: its weights do not fit policy.class "
             f"'{run.cfg.classes['policy']}': {exc}"
         ) from None
+    if run.rank == 0:
+        source = trained_state_source(section.init_from, section.init_algorithm)
+        into = f" (prefix {section.init_prefix})" if section.init_prefix else ""
+        with_state = "; the algorithm's state too (run.init_algorithm)" if algorithm_state is not None else ""
+        print(
+            f"spmd_rl: run.init_from: loaded {loaded} tensors from {source} into the policy{into}{with_state}",
+            flush=True,
+        )
     return algorithm_state
 
 
@@ -427,7 +439,7 @@ def _init_algorithm_from(run: Run, algorithm: Algorithm, state: dict | None) -> 
     try:
         algorithm.load_state_dict(state)
     except (RuntimeError, KeyError, ValueError) as exc:
-        raise UserError(
+        raise SharedUserError(
             f"run.init_from={run.cfg.run.init_from}: its state does not fit policy.class "
             f"'{run.cfg.classes['policy']}' / algo.class '{run.cfg.classes['algo']}' with this "
             f"config: {' '.join(str(exc).split())[:300]}"

@@ -32,7 +32,7 @@ from spmd_rl.run import contract
 from spmd_rl.run.evaluation import check_video, probe_eval_env
 from spmd_rl.run.plan import Plan, dry_run_plan, plan_run
 from spmd_rl.run.policies import PolicySpec, save_policy
-from spmd_rl.run.resume import agree_on_run, mark_finished
+from spmd_rl.run.resume import agree_on_run, mark_finished, settle_start
 from spmd_rl.run.run import Run
 from spmd_rl.run.topology import Topology, build_topology, create_process_groups
 from spmd_rl.run.trackers import check_installed
@@ -49,7 +49,7 @@ from spmd_rl.runtime.errors import (
     UserError,
     describe_exception,
 )
-from spmd_rl.runtime.exits import leave_exit_code, say, unexpected_error, user_error
+from spmd_rl.runtime.exits import leave_exit_code, process_exit_code, say, unexpected_error, user_error
 from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.postmortem import Failure, after_failure
 from spmd_rl.runtime.signals import install_signal_handlers, stop_at_iteration_boundary, stop_cause
@@ -142,12 +142,12 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
         if launch.rank == 0:
             leave_exit_code(exit_code)
         record_exit(exit_code)  # run.lock (rank 0's), before the teardown a launcher may cut short with SIGKILL
-        shutdown_runtime(runtime, exit_code)
+        shutdown_runtime(runtime, process_exit_code(exit_code, outcome and outcome.stopped))  # run.lock: 75 above
         release_run_dirs()  # the exit is recorded above
     if dry_run and exit_code == 0 and launch.rank == 0:
         assert outcome is not None  # the run finished
         _end_dry_run(outcome.run_dir)
-    return exit_code
+    return process_exit_code(exit_code, outcome and outcome.stopped)
 
 
 def _report_failure(
@@ -369,6 +369,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
         resume=resume,
     )
     control.rank_facts = run.rank_facts
+    control.after_commit = lambda: settle_start(run_dir, resume)  # called on rank 0 only
     stop_at_iteration_boundary(True)  # from here a signal stops the run at an iteration boundary, checkpointed
     try:
         checked.engine_cls(cfg.engine).run(run)

@@ -150,7 +150,9 @@ class MetricsLogger:
         self.bar.update(env_steps - self.bar.n)
         shown = f"{record['episode_return_mean']:.1f}" if record["episodes"] else "-"  # no episode has ended yet
         self.bar.set_postfix(ret=shown, sps=f"{record['sps']:.0f}", refresh=False)
-        if elapsed - self.last_line >= self.interval_s:
+        # An evaluation is printed whenever it comes: off-policy runs (DQN, TD3) make many short iterations, and
+        # the one line in log.interval_s seconds almost never fell on the iteration of an evaluation.
+        if elapsed - self.last_line >= self.interval_s or "eval_return_mean" in record:
             self.last_line = elapsed
             self._print(self.line(record))
         self.last_record = record
@@ -212,11 +214,15 @@ class MetricsLogger:
                 f"{record['time_inference_s']:.3f}s, idle env {record['time_env_idle_s']:.3f}s / inference "
                 f"{record['time_inference_idle_s']:.3f}s"
             )
+        if "eval_return_mean" in record:  # this iteration's evaluation (eval.every)
+            text += f"  eval {record['eval_return_mean']:.2f} ± {record.get('eval_return_std', 0.0):.2f}"
+            if record.get("eval_success_rate") is not None:
+                text += f" success {record['eval_success_rate']:.2f}"
         if record.get("success_rate") is not None:  # envs that report success (null: no episode ended)
             text += f"  success {record['success_rate']:.2f}"
         groups = [key.split("/", 1)[1] for key in record if key.startswith("episode_return_mean/")]
         if groups:  # env groups: each one's return, briefly
-            text += "  (" + " ".join(f"{name} {record[f'episode_return_mean/{name}']:.1f}" for name in groups) + ")"
+            text += "  (" + " ".join(f"{name} {_shown(record[f'episode_return_mean/{name}'])}" for name in groups) + ")"
         return text
 
     def _print(self, text: str) -> None:
@@ -267,6 +273,11 @@ def success_rates(statistics: dict, group_names: list[str]) -> dict[str, float]:
             values = statistics[key][mine]
             rates[name + suffix] = values.mean().item() if values.numel() else float("nan")
     return rates
+
+
+def _shown(mean: float) -> str:
+    """A mean return for the console: '-' while it is NaN (no episode of it has ended yet)."""
+    return "-" if mean != mean else f"{mean:.1f}"
 
 
 def _finite_or_none(value):

@@ -192,9 +192,7 @@ def read_trained_state(path: str | Path, with_algorithm: bool = False) -> tuple[
     """(the Policy's state_dict, the Algorithm's state or None) of a run directory, checkpoint or policy file (a
     policy.pt or a .safetensors file): what `run.init_from` starts a new run from. The algorithm's state exists
     only in checkpoints."""
-    path = Path(path)
-    # The algorithm's state lives in checkpoints: from a run directory, take its latest one, not policy.pt.
-    weights = find_checkpoint(path) if with_algorithm and path.is_dir() else _weights_location(path)
+    weights = trained_state_source(path, with_algorithm)
     policy_state = _read_policy_state(weights)
     if not with_algorithm:
         return policy_state, None
@@ -208,6 +206,13 @@ def read_trained_state(path: str | Path, with_algorithm: bool = False) -> tuple[
 
 
 # -- locating and reading the weights ----------------------------------------------------------------------------
+
+
+def trained_state_source(path: str | Path, with_algorithm: bool = False) -> Path:
+    """The policy file or checkpoint directory read_trained_state reads for `path`."""
+    path = Path(path)
+    # The algorithm's state lives in checkpoints: from a run directory, take its latest one, not policy.pt.
+    return find_checkpoint(path) if with_algorithm and path.is_dir() else _weights_location(path)
 
 
 def _weights_location(path: Path) -> Path:

@@ -23,7 +23,7 @@ from spmd_rl.persist.checkpoint import CheckpointStore, find_checkpoint
 from spmd_rl.persist.event_files import repair_event_files
 from spmd_rl.persist.fileio import make_dirs, write_atomic
 from spmd_rl.persist.run_files import BUFFER_DIR, CHECKPOINTS_DIR, CONFIG_FILE, FINISHED, METRICS_FILE, TENSORBOARD_DIR
-from spmd_rl.persist.run_lock import lock_run_dir
+from spmd_rl.persist.run_lock import lock_run_dir, own_run_dirs
 from spmd_rl.run.metrics import drop_records_after
 from spmd_rl.runtime.distributed import broadcast_text
 from spmd_rl.runtime.errors import SharedUserError, UserError
@@ -38,6 +38,9 @@ class Resume:
     note: str = ""  # rank 0: how the default run directory was chosen, for its first line
     fallback: str = ""  # rank 0: what was found that could not be followed, and what is done instead (a line)
     resharded: bool = False  # the checkpoint was saved by another number of ranks (train.parallel=fsdp)
+    # rank 0, resuming: config.yaml as this start runs it, written at its first checkpoint (settle_start), so that a
+    # start that fails before one leaves the run's config.yaml as it was
+    config_text: str = ""
 
     @property
     def start_iteration(self) -> int:
@@ -89,8 +92,22 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False, algorithm_refusal:
         dropped = prepare_run_dir(path, resume)
         if dropped:  # damaged outputs of the run resumed: what went is said in rank 0's note line
             resume.fallback = f"{resume.fallback}; {dropped}" if resume.fallback else dropped
-        write_atomic(path / CONFIG_FILE, cfg.to_yaml())
+        if resume.checkpoint is None:  # a new run (or one started over): the directory is this start's from here
+            write_atomic(path / CONFIG_FILE, cfg.to_yaml())
+            own_run_dirs()
+        else:
+            resume.config_text = cfg.to_yaml()
     return path, resume
+
+
+def settle_start(run_dir: Path, resume: Resume) -> None:
+    """Rank 0, when this start commits a checkpoint: the run directory is this start's now. A resume writes its
+    config.yaml (held back until here) and run.lock records this start's end from now on (before, a failed start
+    puts back the note it found: persist/run_lock.py)."""
+    if resume.config_text:
+        write_atomic(run_dir / CONFIG_FILE, resume.config_text)
+        resume.config_text = ""
+    own_run_dirs()
 
 
 def _default_run_dir(cfg: Config, dry_run: bool) -> tuple[str, str]:
@@ -181,8 +198,8 @@ def decide_resume(cfg, run_dir: Path, world_size: int, algorithm_refusal: str = 
         if why:
             raise UserError(
                 f"checkpoint {checkpoint} holds {ranks} rank(s) of layout {_layout_text(previous)} but this run has "
-                f"{world_size} of layout {_layout_text(cfg)}; resume with the same number of ranks and layout "
-                f"({why})"
+                f"{world_size} of layout {_layout_text(cfg)}; resume with the checkpoint's layout: "
+                f"{_layout_change(previous, cfg, ranks, world_size)} ({why})"
             )
         changed = (
             f"checkpoint {checkpoint} was saved by {ranks} rank(s) ({_layout_text(previous)}), this run has "
@@ -213,6 +230,21 @@ def reshard_refusal(cfg: Config, sharded: bool, algorithm_refusal: str = "") -> 
     if cfg.buffer.log_experience:
         return "the experience log is written per rank; set buffer.log_experience=false to reshard"
     return ""
+
+
+def _layout_change(previous: Config, cfg: Config, ranks: int, world_size: int) -> str:
+    """What to change for a run to have the checkpoint's layout: the layout keys whose values differ (a colocated
+    layout reads no role counts) and the number of ranks."""
+    names = ("mode",) if previous.layout.mode == "colocated" else ("mode", "trainer", "inference", "env")
+    keys = [
+        f"layout.{name}={getattr(previous.layout, name)}"
+        for name in names
+        if getattr(previous.layout, name) != getattr(cfg.layout, name)
+    ]
+    change = [f"set {' '.join(keys)}"] if keys else []
+    if ranks != world_size:
+        change.append(f"start {ranks} ranks")
+    return " and ".join(change) or "the same config.yaml"
 
 
 def _layout_text(cfg: Config) -> str:

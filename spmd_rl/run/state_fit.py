@@ -87,12 +87,13 @@ def fit_state_dict(policy: nn.Module, state: dict[str, Tensor], prefix: str = ""
     return mapped
 
 
-def load_fitted(policy: nn.Module, state: dict[str, Tensor], prefix: str = "") -> None:
+def load_fitted(policy: nn.Module, state: dict[str, Tensor], prefix: str = "") -> int:
     """Copy state into the policy after fit_state_dict's check; with a policy prefix the rest of the policy keeps
-    its initialization."""
+    its initialization. Returns how many tensors were loaded."""
     mapped = fit_state_dict(policy, state, prefix)
     # The whole state, the policy's own values outside the prefix: a policy whose state_dict is a layout of its
     # own (load hooks that need every key, as ActorCritic's packed pair) loads a part as well as the whole.
     whole = policy.state_dict() | mapped
     with torch.no_grad():
         policy.load_state_dict(whole)
+    return len(mapped)

@@ -4,13 +4,21 @@ A user's exception shows its type, message and the user's file:line, not the fra
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
 import time
 import traceback
 
-from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, describe_exception, user_frame
+from spmd_rl.runtime.errors import (
+    STOPPED_EXIT_CODE,
+    USER_CODE_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    UserError,
+    describe_exception,
+    user_frame,
+)
 
 # Set to 1 to print full tracebacks instead of the one-line summaries of errors in user code.
 DEBUG_VARIABLE = "SPMD_RL_DEBUG"
@@ -19,6 +27,16 @@ DEBUG_VARIABLE = "SPMD_RL_DEBUG"
 # as soon as one exits, so a quiet rank exiting first would stop a speaker that finds the same error a moment later
 # (a busier rank) before its line is printed; the speaker's exit stops the quiet ranks instead.
 QUIET_RANK_LINGER_S = 10.0
+
+
+def write_whole_lines(*streams) -> None:
+    """Make each line printed to these text streams reach the file in one write. Python's stderr (and stdout under
+    -u or PYTHONUNBUFFERED) writes through at once, so print() is two writes, the text and then its newline, and
+    ranks sharing a terminal or a launcher's pipe had their lines glued ('spmd_rl: rank 1 ...spmd_rl: rank 0
+    ...' and then two newlines). Held until the newline, a line under the pipe's 4096 bytes arrives whole."""
+    for stream in streams:
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def user_error(exc: UserError, speaker: bool, rank: int | None = None) -> int:
@@ -61,6 +79,24 @@ def unexpected_error(exc: BaseException, who: str) -> int:
 
 
 EXIT_FILE_VARIABLE = "SPMD_RL_EXIT_FILE"
+AGENT_VARIABLE = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent for every worker it starts
+
+
+def under_plain_torchrun() -> bool:
+    """Whether a torchrun agent started this rank other than through launch/torchrun.sh (which reads rank 0's own
+    code from $SPMD_RL_EXIT_FILE). Such an agent reports any non-zero exit as a failure, with its FAILED /
+    ChildFailedError block, and exits 1."""
+    return AGENT_VARIABLE in os.environ and EXIT_FILE_VARIABLE not in os.environ
+
+
+def process_exit_code(exit_code: int, stopped) -> int:
+    """What the process exits with: exit_code, but 0 for the stop the config asked for (stopped, the run's
+    StoppedWithCheckpoint or None, is `planned`: run.stop_after_iterations) under plain torchrun, which would print
+    its FAILED / ChildFailedError block for 75 and exit 1: that stop is no failure. run.lock still records 75 (a
+    stopped run, to resume), and the stop line says so."""
+    if exit_code == STOPPED_EXIT_CODE and getattr(stopped, "planned", False) and under_plain_torchrun():
+        return 0
+    return exit_code
 
 
 def leave_exit_code(exit_code: int | None) -> None:

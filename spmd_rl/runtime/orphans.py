@@ -25,10 +25,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from spmd_rl.runtime.exits import AGENT_VARIABLE
 from spmd_rl.runtime.signals import signal_self
 
 POLL_S = 0.5  # how often the parent's pid is compared: the stop begins at most this late
-AGENT_VARIABLE = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent for every worker it starts
 
 
 def watch_for_orphaning(bound_s: Callable[[], float], who: Callable[[], str]) -> bool:

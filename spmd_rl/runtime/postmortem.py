@@ -358,11 +358,42 @@ def summarize_files(directory: Path) -> str | None:
     """The summary line from the record files of DIR, or None: no record, or rank 0 spoke for the job already."""
     if (directory / SPOKEN_MARKER).exists():
         return None
+    read = _read_record_files(directory)
+    if read is None:
+        return None
+    records, names, world_size = read
+
+    def describe(rank: int) -> str:
+        return names[rank] if 0 <= rank < len(names) else f"rank {rank}"
+
+    own = records.pop(min(records))
+    return f"spmd_rl: job summary: {first_cause(own, records, max(world_size, own.rank + 1), describe)}"
+
+
+def job_exit_code(directory: Path) -> int | None:
+    """The job's exit code from the record files of DIR: the first failing rank's that did not fail waiting on
+    another (2, 4, ...), else 3 (every record a communication error); None without records. What launch/common.sh
+    exits with: torchrun and mpirun exit 1 for any failure, and rank 0's own code may be a knock-on (3, or a
+    signal from the launcher) of another rank's error."""
+    read = _read_record_files(directory, quiet=True)
+    if read is None:
+        return None
+    records = read[0]
+    causes = [f for f in records.values() if f.exit_code != COMM_ERROR_EXIT_CODE]
+    return min(causes, key=lambda f: f.at).exit_code if causes else COMM_ERROR_EXIT_CODE
+
+
+def _read_record_files(directory: Path, quiet: bool = False) -> tuple[dict[int, Failure], list[str], int] | None:
+    """(records by rank, every rank's name, world size) from DIR's record files, or None when it holds none or
+    another user could have written them (said in a line unless quiet)."""
     foreign = _not_private(directory)
     if foreign:
-        print(
-            f"spmd_rl: job summary: ignored the failure records in {directory}: {foreign}", file=sys.stderr, flush=True
-        )
+        if not quiet:
+            print(
+                f"spmd_rl: job summary: ignored the failure records in {directory}: {foreign}",
+                file=sys.stderr,
+                flush=True,
+            )
         return None
     records: dict[int, Failure] = {}
     names: list[str] = []
@@ -376,14 +407,7 @@ def summarize_files(directory: Path) -> str | None:
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a damaged file: the summary of the others
         records[failure.rank] = failure
-    if not records:
-        return None
-
-    def describe(rank: int) -> str:
-        return names[rank] if 0 <= rank < len(names) else f"rank {rank}"
-
-    own = records.pop(min(records))
-    return f"spmd_rl: job summary: {first_cause(own, records, max(world_size, own.rank + 1), describe)}"
+    return (records, names, world_size) if records else None
 
 
 def _not_private(directory: Path) -> str:
@@ -402,9 +426,13 @@ def _not_private(directory: Path) -> str:
 
 
 if __name__ == "__main__":  # launch/common.sh, after a failed job: python -m spmd_rl.runtime.postmortem DIR
+    # The summary line on stderr (unless rank 0 spoke), the job's exit code on stdout.
     try:
         line = summarize_files(Path(sys.argv[1]))
         if line:
             print(line, file=sys.stderr, flush=True)
+        code = job_exit_code(Path(sys.argv[1]))
+        if code is not None:
+            print(code, flush=True)
     except Exception:  # noqa: BLE001 - a summary is a courtesy: the launcher's exit code stands either way
         pass

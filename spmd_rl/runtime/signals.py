@@ -26,6 +26,24 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 REPEAT_WINDOW_S = 2.0
 
 
+def _handled_signals() -> tuple[signal.Signals, ...]:
+    """STOP_SIGNALS, but SIGINT only where it is not ignored: a process started with SIGINT ignored (a background
+    job, `cmd &`, of a script) was meant by its shell to outlive the terminal's Ctrl-C, and keeps ignoring it."""
+    if sigint_ignored():
+        return tuple(signum for signum in STOP_SIGNALS if signum != signal.SIGINT)
+    return STOP_SIGNALS
+
+
+def sigint_ignored() -> bool:
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+SIGINT_IGNORED_NOTE = (
+    "spmd_rl: note: this run was started with SIGINT ignored (a background job of a script, `cmd &`): Ctrl-C will "
+    "not reach it; stop it with SIGTERM (kill -TERM {pid}), which saves a checkpoint"
+)
+
+
 def _is_repeat(first_at: float | None) -> bool:
     return first_at is not None and time.monotonic() - first_at < REPEAT_WINDOW_S
 
@@ -57,7 +75,7 @@ def install_early_signal_handlers() -> None:
     """Until install_signal_handlers: a first signal is remembered, and raised there; a second one ends the
     process at once with its line. Raising in the middle of an import would leave torch or numpy half-loaded (an
     ImportError, or an abort, later), so the first one waits for that safe point."""
-    for signum in STOP_SIGNALS:
+    for signum in _handled_signals():
         signal.signal(signum, _on_early_signal)
 
 
@@ -98,7 +116,7 @@ def install_signal_handlers() -> None:
     back while a file commit is in progress (see signals_deferred). Python runs handlers between bytecodes, so a
     rank blocked inside a C++ wait sees the signal when that wait returns (at most dist.timeout_s later).
     """
-    for signum in STOP_SIGNALS:
+    for signum in _handled_signals():
         signal.signal(signum, _on_signal)
     if _Early.requested is not None:
         name, early_signum = _Early.requested

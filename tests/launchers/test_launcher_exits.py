@@ -163,3 +163,28 @@ def test_kill_9_of_the_launchers_group_stops_the_ranks_with_a_checkpoint_and_a_r
     code, output = _finish(rerun, tmp_path)
     assert f"{run_dir.relative_to(tmp_path)} (this command's unfinished run); resuming from" in output, output
     assert code == (75 if script == "torchrun.sh" else 1), output  # plain torchrun: 1 after a clean stop
+
+
+def test_a_stop_the_config_asked_for_ends_plain_torchrun_with_0_and_no_failed_report(tmp_path):
+    # run.stop_after_iterations is no failure: the ranks end 0 under plain torchrun (75 would be its FAILED /
+    # ChildFailedError report and exit 1); run.lock records the stop, to resume
+    run_dir = tmp_path / "run"
+    job = _start("torchrun", ["--config", TINY, f"run.dir={run_dir}", "run.stop_after_iterations=2"], tmp_path)
+    code, output = _finish(job, tmp_path)
+    assert code == 0, output[-4000:]
+    assert "FAILED" not in output and "ChildFailedError" not in output and "Traceback" not in output, output
+    said = [line for line in _lines(output) if "stopped by run.stop_after_iterations=2" in line]
+    assert len(said) == 1 and "rerun the same command to resume" in said[0], output
+    assert read_lock(run_dir)[1]["exit_code"] == 75
+
+
+def test_the_script_started_as_a_background_job_says_that_ctrl_c_will_not_reach_it(tmp_path):
+    # `launch/torchrun.sh ... &` in a script: bash starts it with SIGINT ignored, which it cannot trap
+    env = with_pythonpath(job_env(PYTHON=sys.executable, NPROC="1"), ROOT)
+    script = f"{ROOT / 'launch' / 'torchrun.sh'} --config {TINY} run.dir={tmp_path / 'run'} train.total_steps=64"
+    done = subprocess.run(
+        ["bash", "-c", f"{script} & wait $!"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BOUND_S
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    notes = [line for line in _lines(done.stdout + done.stderr) if "SIGINT ignored" in line]
+    assert len(notes) == 1 and "Ctrl-C will not reach this job; stop it with SIGTERM" in notes[0], done.stdout

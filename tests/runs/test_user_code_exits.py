@@ -1,8 +1,8 @@
 """Exits that tell the truth: user code that calls sys.exit or os._exit (a policy's constructor or act, an env's
-step, a callback), changes its outputs' shape or dtype after the start-up check, hangs in act, or returns a
-callback result that is no scalar ends a real run with exit 4 and one line naming the user's file:line or the
-key, never exit 0 without finished.json (or a traceback). Each case is a real one-process run of the command line,
-as a user would start it."""
+step, a callback), changes its outputs' shape or dtype after the start-up check, returns NaN from act, hangs in
+act, or returns a callback result that is no scalar ends a real run with exit 4 and one line naming the user's
+file:line or the key, never exit 0 without finished.json (or a traceback). Each case is a real one-process run of
+the command line, as a user would start it."""
 
 from __future__ import annotations
 
@@ -57,6 +57,8 @@ class Policy(ActorCritic):
         out = super().act(obs, deterministic)
         if late and MODE == "act_shape":
             out["action"] = out["action"][:1]
+        if late and MODE == "act_nan":
+            out["log_prob"] = out["log_prob"] * float("nan")
         return out
 
 
@@ -109,6 +111,8 @@ CASES = {
         "the evaluation after iteration 0 (10 eval.episodes) did not return within 60 s",
     ),
     "act_shape": (["policy.class=user_code:Policy"], "act() returned 'action' as (1,) torch.int64"),
+    # blamed on the policy, not on the update it would poison ("fix the algorithm or its settings")
+    "act_nan": (["policy.class=user_code:Policy"], "act() returned NaN in 'log_prob'"),
     "env_step_exit_0": (["env.id=user_code:ExitingCartPole-v0"], "sys.exit(0) was called"),
     "callback_exit_0": (["callbacks=[user_code:Hook]"], "sys.exit(0) was called"),
     "callback_list": (["callbacks=[user_code:Hook]"], "returned a list; return None or a dict of scalars"),
@@ -177,6 +181,12 @@ def test_the_per_step_check_names_the_key_and_passes_outputs_as_declared():
         )
     with pytest.raises(UserCodeError, match="'log_prob' as nothing"):
         check_act_outputs(policy, {"action": torch.zeros(3, dtype=torch.int64)}, fields, 3)
+    masked = torch.tensor([0.0, -float("inf"), 1.0])  # an infinity is a value a policy may mean (a masked logit)
+    check_act_outputs(policy, {"action": torch.zeros(3, dtype=torch.int64), "log_prob": masked}, fields, 3)
+    with pytest.raises(UserCodeError, match="act\\(\\) returned NaN in 'log_prob'"):
+        check_act_outputs(
+            policy, {"action": torch.zeros(3, dtype=torch.int64), "log_prob": torch.full((3,), float("nan"))}, fields, 3
+        )
 
 
 def test_callback_scalars_take_numbers_of_every_kind():

@@ -323,3 +323,15 @@ def test_a_colon_without_a_space_in_an_override_gets_a_hint(override):
         f"override '{override}': YAML reads 'chunk:4' as one key with no value (a colon needs a space after it); "
         "write chunk: 4, e.g. env.kwargs={chunk: 4}"
     )
+
+
+def test_a_colon_without_a_space_in_a_config_file_gets_the_same_hint(tmp_path):
+    # in a file the glued key reached the env as a keyword argument 'chunk:4' (exit 2 from gymnasium's TypeError)
+    path = tmp_path / "glued.yaml"
+    path.write_text("env:\n  id: CartPole-v1\n  kwargs: {chunk:4}\n")
+    with pytest.raises(UserError) as caught:
+        load_config(path)
+    assert str(caught.value) == (
+        f"config file {path}: YAML reads 'chunk:4' as one key with no value (a colon needs a space after it); "
+        "write chunk: 4"
+    )

@@ -24,3 +24,23 @@ def test_before_the_first_episode_ends_the_line_says_so():
 def test_after_episodes_the_line_shows_their_mean_return_and_length():
     line = MetricsLogger.line(_record(4, 21.5, 21.5))
     assert line == "iter     3  steps       512  return    21.50  len    21.5  sps     1234"
+
+
+def test_an_env_group_whose_first_episode_has_not_ended_shows_a_dash():
+    record = {**_record(4, 21.5, 21.5), "episode_return_mean/easy": 30.0, "episode_return_mean/hard": float("nan")}
+    line = MetricsLogger.line(record)
+    assert "nan" not in line
+    assert line.endswith("(easy 30.0 hard -)")
+
+
+def test_an_evaluation_is_printed_on_its_iteration_whatever_log_interval_s(tmp_path, capsys):
+    # DQN and TD3 make many short iterations: with one line every interval_s their evaluations never showed
+    logger = MetricsLogger(tmp_path, total_steps=1000, progress=False, interval_s=3600.0, tensorboard=False)
+    base = {**_record(4, 21.5, 21.5), "wall_s": 0.0}
+    logger.write({**base, "iteration": 0, "wall_s": 0.0})
+    logger.write({**base, "iteration": 1, "wall_s": 1.0})
+    logger.write({**base, "iteration": 2, "wall_s": 2.0, "eval_return_mean": 500.0, "eval_return_std": 0.0})
+    logger.close(summary=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines] == ["0", "2"], lines
+    assert lines[1].endswith("eval 500.00 ± 0.00"), lines[1]
