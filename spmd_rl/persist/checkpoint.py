@@ -303,7 +303,8 @@ def checkpoint_damage(directory: Path) -> str:
 def what_to_do(directory: Path) -> str:
     """The advice after a damaged checkpoint: resuming from an earlier complete one where there is one; there is
     none with checkpoint.keep: 1 (deleting the only checkpoint would start the run over and clear its metrics)."""
-    earlier = [d for it, d in CheckpointStore(directory.parent)._complete() if d.name < directory.name]
+    siblings = directory.parent.iterdir() if directory.parent.is_dir() else iter(())
+    earlier = sorted(d for d in siblings if d.name.startswith(_PREFIX) and d.name < directory.name and _is_complete(d))
     if earlier:
         return f"delete {directory} to resume from the previous checkpoint ({earlier[-1].name})"
     return (
