@@ -51,9 +51,10 @@ def test_one_fsdp_trainer_in_the_shipped_async_layout_runs(tmp_path):
     assert (tmp_path / "finished.json").exists() and len(_shard_files(tmp_path)) == 1
 
 
-def test_one_fsdp_trainer_in_split_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("algorithm", [TINY, [*SAC, "train.parallel=fsdp"]], ids=["ppo", "sac"])
+def test_one_fsdp_trainer_in_split_resumes_exactly(tmp_path, algorithm):
     """N iterations in one go equal N/2, a stop and a resume: metrics and policy.pt byte for byte."""
-    args = [*TINY, *SPLIT3, *QUIET]
+    args = [*algorithm, *SPLIT3, *QUIET]
     whole = run_main(*args, f"run.dir={tmp_path / 'whole'}", nproc=3)
     assert whole.returncode == 0, whole.stdout[-2000:] + whole.stderr[-3000:]
     iterations = len(records_without_timings(tmp_path / "whole"))
