@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -128,6 +129,22 @@ class CheckpointStore:
             return None, f"{found}, and {self.root} holds no complete checkpoint"
         return None, ""
 
+    def latest_sound_and_why(self) -> tuple[Path | None, str]:
+        """latest_and_why(), stepping back past complete checkpoints with a damaged file (checkpoint_damage) to the
+        newest sound one, each step said in the line; a UserError naming the damage when no earlier one is left."""
+        checkpoint, why = self.latest_and_why()
+        while checkpoint is not None:
+            damage = checkpoint_damage(checkpoint)
+            if not damage:
+                return checkpoint, why
+            older = [d for _, d in self._complete() if d.name < checkpoint.name]
+            if not older:
+                raise UserError(f"{damage}: {what_to_do(checkpoint)}")
+            note = f"{damage}: resuming from {older[-1]}, the newest complete checkpoint before it"
+            why = f"{why}; {note}" if why else note
+            checkpoint = older[-1]
+        return None, why
+
     def load(self, path: Path | str, rank: int, map_location: str | torch.device = "cpu") -> dict:
         """This rank's state from the checkpoint directory `path`. A missing, incomplete, truncated or corrupt
         checkpoint is a UserError naming the file and what to do."""
@@ -213,31 +230,87 @@ def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.devic
             f"checkpoint {directory} has no {file.name} (it holds {', '.join(held) or 'no rank files'}): "
             f"resume with the number of ranks that wrote it"
         )
-    expected = _marker(directory).get("files", {}).get(file.name)
-    size = file.stat().st_size
-    if expected is not None and size != expected:
-        raise UserError(
-            f"checkpoint file {file} is truncated or altered ({size} bytes, {expected} when saved): "
-            f"delete {directory} to resume from the previous checkpoint"
-        )
-    if checksum_matches(file) is False:
-        raise UserError(
-            f"checkpoint file {file} is damaged (its contents differ from the checksum saved with them): "
-            f"delete {directory} to resume from the previous checkpoint"
-        )
+    damage = rank_file_damage(file)
+    if damage:
+        raise UserError(f"{damage}: {what_to_do(directory)}")
     try:
         state = _copied_off_the_file(torch.load(file, map_location=map_location, weights_only=True, mmap=True))
     except Exception as exc:  # torch raises several types for damaged files; each means the same to the user
-        first_line = load_failure(exc)
         raise UserError(
-            f"checkpoint file {file} cannot be read ({first_line}): delete {directory} to resume "
-            f"from the previous checkpoint"
+            f"checkpoint file {file} cannot be read ({load_failure(exc)}): {what_to_do(directory)}"
         ) from None
     if has_shards(state):
-        if whole:
-            return load_shards(state, directory)
         state[SHARDS_FROM] = str(directory)  # where its placeholders' DTensors are (load_shards)
+        if whole:
+            verify_shard_files(state)
+            return load_shards(state, directory)
     return state
+
+
+def rank_file_damage(file: Path) -> str:
+    """What is wrong with a committed checkpoint's rank file ('' when its size is the one its COMPLETE marker
+    recorded and its contents match their checksum)."""
+    expected = _marker(file.parent).get("files", {}).get(file.name)
+    size = file.stat().st_size
+    if expected is not None and size != expected:
+        return f"checkpoint file {file} is truncated or altered ({size} bytes, {expected} when saved)"
+    if checksum_matches(file) is False:
+        return f"checkpoint file {file} is damaged (its contents differ from the checksum saved with them)"
+    return ""
+
+
+def shard_file_damage(state: dict) -> str:
+    """What is wrong with the shard files a loaded rank state wrote ('' when each matches the SHA-256 saved with
+    it, or the state has none)."""
+    if not has_shards(state):
+        return ""
+    shards_dir = Path(state[SHARDS_FROM]) / SHARDS_DIR
+    for name, digest in state[SHARD_FILES].items():
+        if sha256_of(shards_dir / name) != digest:
+            return (
+                f"checkpoint shard file {shards_dir / name} is damaged or missing (its contents differ from the "
+                f"checksum saved with them)"
+            )
+    return ""
+
+
+def verify_shard_files(state: dict) -> None:
+    """A UserError naming the first damaged shard file of a loaded rank state, and what to do."""
+    damage = shard_file_damage(state)
+    if damage:
+        raise UserError(f"{damage}: {what_to_do(Path(state[SHARDS_FROM]))}")
+
+
+def checkpoint_damage(directory: Path) -> str:
+    """What is wrong with a complete checkpoint: its first damaged rank file or shard file ('' when it is sound).
+    Reads every file of it (rank 0 before it resumes, so that a damaged newest checkpoint falls back to an older
+    one rather than failing on the rank that reads the damage)."""
+    for file in sorted(directory.glob("rank*.pt")):
+        damage = rank_file_damage(file)
+        if damage:
+            return damage
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - torch raises several types for damaged files
+            return f"checkpoint file {file} cannot be read ({load_failure(exc)})"
+        if isinstance(state, dict) and has_shards(state):
+            damage = shard_file_damage({**state, SHARDS_FROM: str(directory)})
+            if damage:
+                return damage
+    return ""
+
+
+def what_to_do(directory: Path) -> str:
+    """The advice after a damaged checkpoint: resuming from an earlier complete one where there is one; there is
+    none with checkpoint.keep: 1 (deleting the only checkpoint would start the run over and clear its metrics)."""
+    siblings = directory.parent.iterdir() if directory.parent.is_dir() else iter(())
+    earlier = sorted(d for d in siblings if d.name.startswith(_PREFIX) and d.name < directory.name and _is_complete(d))
+    if earlier:
+        return f"delete {directory} to resume from the previous checkpoint ({earlier[-1].name})"
+    return (
+        "it is the run's only complete checkpoint: restore the file from a copy, or start a new run in another "
+        "run.dir (run.init_from can take an earlier run's weights)"
+    )
 
 
 def split_sharded(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -279,23 +352,18 @@ def save_shards(shards: dict, directory: Path) -> dict[str, str]:
 def load_shards(state: dict, directory: Path, like=None) -> dict:
     """state with its placeholders replaced by DTensors read from the shard files, laid out like the DTensor
     `like` (the loading run's mesh and placements; every trainer of that mesh calls it together), or with like
-    None by whole tensors in this process alone (evaluation, run.init_from)."""
+    None by whole tensors in this process alone (evaluation, run.init_from), read without a process group.
+    The shard files' checksums are the caller's to check first (verify_shard_files): before the collective, so
+    that a refusal can be agreed."""
     import torch.distributed.checkpoint as dcp
 
     shards_dir = directory / SHARDS_DIR
-    for name, digest in state.get(SHARD_FILES, {}).items():
-        if sha256_of(shards_dir / name) != digest:
-            raise UserError(
-                f"checkpoint shard file {shards_dir / name} is damaged or missing (its contents differ from the "
-                f"checksum saved with them): delete {directory} to resume from the previous checkpoint"
-            )
     reader = dcp.FileSystemReader(shards_dir)
     try:
         stored = reader.read_metadata().state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - a missing or unreadable .metadata
         raise UserError(
-            f"checkpoint {directory}: its shard files cannot be read ({_first_line(exc)}): delete {directory} "
-            f"to resume from the previous checkpoint"
+            f"checkpoint {directory}: its shard files cannot be read ({_first_line(exc)}): {what_to_do(directory)}"
         ) from None
     targets = {}
     for key in placeholder_keys(state):
@@ -305,7 +373,9 @@ def load_shards(state: dict, directory: Path, like=None) -> dict:
         tensor_meta = cast("TensorStorageMetadata", meta)  # placeholder keys are tensors
         targets[key] = _empty_like_stored(tuple(tensor_meta.size), tensor_meta.properties.dtype, like)
     if like is None:
-        dcp.load(targets, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that it reads in one process: what is asked of it here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(targets, storage_reader=reader, no_dist=True)
     else:
         dcp.load(targets, storage_reader=reader, process_group=mesh_trainers(like.device_mesh))
 
@@ -319,6 +389,27 @@ def load_shards(state: dict, directory: Path, like=None) -> dict:
         return value
 
     return fill(state)
+
+
+def stored_shapes(tensors: dict[str, Any], directory: Path | None) -> dict[str, tuple[int, ...]]:
+    """The shapes a checkpoint holds for a dict of tensors and sharded placeholders (read from the shard files'
+    metadata in directory, without reading the shards)."""
+    shapes = {key: tuple(value.shape) for key, value in tensors.items() if isinstance(value, torch.Tensor)}
+    placeholders = {key: value[SHARDED] for key, value in tensors.items() if isinstance(value, dict)}
+    if placeholders and directory is not None:
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            stored = dcp.FileSystemReader(directory / SHARDS_DIR).read_metadata().state_dict_metadata
+        except Exception as exc:  # noqa: BLE001 - a missing or unreadable .metadata
+            raise UserError(
+                f"checkpoint {directory}: its shard files cannot be read ({_first_line(exc)}): {what_to_do(directory)}"
+            ) from None
+        for key, path in placeholders.items():
+            meta = stored.get(path)
+            if meta is not None:
+                shapes[key] = tuple(cast("TensorStorageMetadata", meta).size)
+    return shapes
 
 
 def placeholder_keys(state) -> list[str]:

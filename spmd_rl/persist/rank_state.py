@@ -15,7 +15,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from spmd_rl.persist.checkpoint import SHARD_FILES, SHARDS_FROM, load_checkpoint, placeholder_keys, restore_rng_state
+from spmd_rl.persist.checkpoint import (
+    SHARD_FILES,
+    SHARDS_FROM,
+    load_checkpoint,
+    placeholder_keys,
+    restore_rng_state,
+    verify_shard_files,
+)
 from spmd_rl.runtime.errors import UserError
 
 # The role components' names.
@@ -72,6 +79,20 @@ def capture(components: Mapping[str, Component]) -> dict:
     """This rank's part of a checkpoint: each component's state under its name (the agreement adds the iteration
     and the generators)."""
     return {name: component.state_dict() for name, component in components.items()}
+
+
+def check(components: Mapping[str, Component], state: dict | None) -> None:
+    """What a rank checks alone before restore loads `state` (any part of it may be a collective: the sharded
+    load): its shard files' checksums, and each component's own check of its part (`check_state_dict`, where a
+    component has one: the trainer's of its policy's shapes). A UserError naming what does not fit."""
+    if state is None:
+        return
+    verify_shard_files(state)
+    shards = {key: state[key] for key in (SHARD_FILES, SHARDS_FROM) if key in state}
+    for name, component in components.items():
+        checker = getattr(component, "check_state_dict", None)
+        if checker is not None and name in state:
+            checker({**state[name], **shards})
 
 
 def restore(components: Mapping[str, Component], state: dict | None, generators: bool = True) -> None:

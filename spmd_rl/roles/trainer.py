@@ -13,13 +13,14 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from spmd_rl.comm.sharding import full_state_dict, is_dtensor
-from spmd_rl.interfaces.policy import CHUNK_VALID, GROUP, RECURRENT_STATE
-from spmd_rl.persist.checkpoint import SHARDS_FROM, load_shards
+from spmd_rl.interfaces.policy import CHUNK_VALID, GROUP, RECURRENT_STATE, Policy
+from spmd_rl.persist.checkpoint import SHARDS_FROM, load_shards, stored_shapes
 from spmd_rl.persist.rank_state import ALGORITHM, POLICY
+from spmd_rl.persist.tensor_fit import fit_problems
 from spmd_rl.roles.messages import SEGMENT_TIMINGS
 from spmd_rl.roles.update_guard import UpdateGuard
 from spmd_rl.runtime.distributed import bounded, comm_error, group_peer, is_comm_failure
-from spmd_rl.runtime.errors import CommError
+from spmd_rl.runtime.errors import CommError, UserError
 from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
 
 
@@ -192,6 +193,18 @@ class Trainer:
         self.learn_s = time.perf_counter() - clock
         return metrics
 
+    def whole_policy(self) -> Policy | None:
+        """The policy as one plain module (for policy.pt and for evaluating it): the policy itself when it is not
+        sharded; when it is, its full weights gathered tensor by tensor into final_copy, a collective of the
+        trainers (every trainer calls it), which trainer 0 returns and the others None."""
+        if not self.sharded:
+            return self.policy
+        assert self.policy is not None  # a sharded trainer holds its shards of the policy
+        full = full_state_dict(self.policy)  # trainer 0 gets the tensors
+        if self.final_copy is not None:
+            self.final_copy.load_state_dict(full)
+        return self.final_copy
+
     def state_dict(self) -> dict:
         """What a checkpoint holds of this trainer: the policy, the algorithm's state, the experience log's rows.
 
@@ -203,10 +216,7 @@ class Trainer:
             log.flush()
         if self.sharded:  # DTensors, written shard by shard by the checkpoint store; the full weights for policy.pt
             policy = {k: v.detach() for k, v in self.policy.state_dict().items()}
-            full = full_state_dict(self.policy)  # a collective of the trainers; trainer 0 gets the tensors
-            if self.final_copy is not None:
-                self.final_copy.load_state_dict(full)
-            del full
+            self.whole_policy()
         else:
             policy = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
         return {
@@ -214,6 +224,32 @@ class Trainer:
             ALGORITHM: self.algorithm.state_dict(),
             "experience_rows": log.total_rows if log is not None else -1,
         }
+
+    def check_state_dict(self, state: dict) -> None:
+        """What the load would refuse with a traceback, said first (alone, before the sharded load's collective):
+        a UserError naming the checkpoint's policy tensors that are missing, unexpected or of another shape than
+        this run's policy (a checkpoint of another config's run)."""
+        assert self.policy is not None  # a trainer that checkpoints has a policy
+        directory = Path(state[SHARDS_FROM]) if SHARDS_FROM in state else None
+        stored = stored_shapes(state[POLICY], directory)
+        expected = {key: tuple(value.shape) for key, value in self.policy.state_dict().items()}
+        problems = fit_problems(
+            [key for key in expected if key not in stored],
+            [key for key in stored if key not in expected],
+            [
+                f"{key} {stored[key]} (the policy's {shape})"
+                for key, shape in expected.items()
+                if stored.get(key, shape) != shape
+            ],
+            [],
+            "tensor",
+            "the checkpoint",
+        )
+        if problems:
+            raise UserError(
+                f"the checkpoint's policy does not fit this run's: {'; '.join(problems)}; resume with the config "
+                f"that wrote it, or start from its weights where they fit (run.init_from, run.init_prefix)"
+            )
 
     def load_state_dict(self, state: dict) -> None:
         assert self.policy is not None  # a trainer that checkpoints has a policy

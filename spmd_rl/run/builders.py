@@ -236,7 +236,9 @@ def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1)
     cfg, plan, topology, rank = run.cfg, run.plan, run.topology, run.rank
     sources = topology.envs_trained_by(rank)
     n, t = cfg.env.num_envs, plan.num_steps
-    group = run.groups.trainer if len(topology.trainer_ranks) > 1 else None
+    # A sharded policy needs its trainers' own group even when there is one trainer: the device mesh FSDP shards
+    # over is the trainer group's, never the world's (the inference and env ranks hold no rows).
+    group = run.groups.trainer if len(topology.trainer_ranks) > 1 or plan.parallel.sharded else None
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
         policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
     initial_algorithm_state = _init_policy_from(run, policy)

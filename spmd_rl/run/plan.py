@@ -239,12 +239,6 @@ def _parallel_plan(cfg: Config, topology: Topology, algorithm_cls: type[Algorith
                 f"train.parallel=fsdp: algo.class '{cfg.classes['algo']}' does not train through "
                 f"Context.data_parallel (it averages its gradients itself); use train.parallel=ddp"
             )
-        # Rank 0 evaluates alone, and a sharded module's forward is a collective of all trainers.
-        if cfg.eval.every:
-            raise UserError(
-                "train.parallel=fsdp cannot evaluate during training (eval.every): the policy's parameters are "
-                "sharded over the trainers; set eval.every=0 and evaluate policy.pt with python -m spmd_rl.evaluate"
-            )
         if cfg.train.skip_nonfinite_updates:
             raise UserError(
                 "train.parallel=fsdp with train.skip_nonfinite_updates is not supported (each trainer sees only "

@@ -38,12 +38,16 @@ class Reporter:
     def __call__(self, iteration: int, metrics: dict, statistics: dict | None, trainer: Trainer) -> None:
         env_steps = (iteration + 1) * self.plan.steps_per_iteration
         logger = self.logger if statistics is not None else None  # the logging rank, with the gathered statistics
+        evaluates = self.eval_cfg.every and (iteration + 1) % self.eval_cfg.every == 0
+        # Sharded trainers all take part in gathering the whole policy that the logging rank evaluates.
+        policy = trainer.whole_policy() if evaluates and trainer.sharded else self.policy
         if logger is not None and statistics is not None:
             # the whole metrics.jsonl line, periodic evaluation included, is what the callbacks see here
-            if self.eval_cfg.every and (iteration + 1) % self.eval_cfg.every == 0:
-                metrics = {**metrics, **self.evaluate(iteration)}
+            if evaluates:
+                assert policy is not None  # the logging rank is trainer 0, which holds the gathered copy
+                metrics = {**metrics, **self.evaluate(iteration, policy)}
                 if self.keep_best:
-                    self.keep_if_best(iteration, env_steps, metrics["eval_return_mean"])
+                    self.keep_if_best(iteration, env_steps, metrics["eval_return_mean"], policy)
             times = {"time_learn_s": trainer.learn_s, "time_weight_sync_s": trainer.weight_sync_s}
             record = logger.record(iteration, env_steps, metrics, statistics, times)
         else:
@@ -56,11 +60,12 @@ class Reporter:
         if logger is not None:
             logger.write(record)
 
-    def evaluate(self, iteration: int) -> dict[str, float]:
-        """Episodes on envs of their own, with a generator of their own: training's RNG streams are untouched."""
+    def evaluate(self, iteration: int, policy: Policy) -> dict[str, float]:
+        """Episodes of policy (a whole one: the trained policy, or a sharded one's gathered copy) on envs of their
+        own, with a generator of their own: training's RNG streams are untouched."""
         with watchdog.watch(f"the evaluation after iteration {iteration} ({self.eval_cfg.episodes} eval.episodes)"):
             result = evaluate(
-                self.policy,
+                policy,
                 self.env_cfg,
                 self.eval_cfg.episodes,
                 seed=self.seed * 1_000_003 + iteration,
@@ -68,7 +73,7 @@ class Reporter:
             )
         evaluations = (iteration + 1) // self.eval_cfg.every
         if self.eval_cfg.video_every and evaluations % self.eval_cfg.video_every == 0:
-            self.record_video(iteration)
+            self.record_video(iteration, policy)
         metrics = {
             "eval_return_mean": result["return_mean"],
             "eval_return_std": result["return_std"],
@@ -83,7 +88,7 @@ class Reporter:
                 metrics[f"eval_success_rate/{name}"] = group["success_rate"]
         return metrics
 
-    def record_video(self, iteration: int) -> None:
+    def record_video(self, iteration: int, policy: Policy) -> None:
         """One more episode, with the evaluation's seed and mode, recorded by gymnasium's RecordVideo into
         <run dir>/videos/iter_<I>/ (a group's in a folder of its own): a separate episode, so the evaluation's
         numbers stay what they are without video. Written to a scratch folder first: a folder there is whole."""
@@ -93,7 +98,7 @@ class Reporter:
         shutil.rmtree(scratch, ignore_errors=True)  # left by a run killed while recording
         with watchdog.watch(f"the video after iteration {iteration} (eval.video_every={self.eval_cfg.video_every})"):
             evaluate(
-                self.policy,
+                policy,
                 self.env_cfg,
                 1,
                 seed=self.seed * 1_000_003 + iteration,
@@ -103,7 +108,7 @@ class Reporter:
         shutil.rmtree(final, ignore_errors=True)  # a resume that repeats the iteration records it again
         os.replace(scratch, final)
 
-    def keep_if_best(self, iteration: int, env_steps: int, score: float) -> None:
+    def keep_if_best(self, iteration: int, env_steps: int, score: float, policy: Policy) -> None:
         """Save the policy to best/ when its evaluation beats the one saved there. The best score so far is the
         file's, so a resumed run goes on comparing against it."""
         assert self.logger is not None  # the logging rank's
@@ -112,7 +117,7 @@ class Reporter:
         if score_file.exists() and json.loads(score_file.read_text())["eval_return_mean"] >= score:
             return
         make_dirs(best)
-        save_policy(self.policy, best)  # the policy first: a score never names weights that are not there yet
+        save_policy(policy, best)  # the policy first: a score never names weights that are not there yet
         write_atomic(
             score_file,
             json.dumps({"iteration": iteration, "env_steps": env_steps, "eval_return_mean": score}) + "\n",

@@ -164,7 +164,7 @@ def decide_resume(cfg, run_dir: Path, world_size: int, algorithm_refusal: str = 
                 f"run directory {run_dir} holds a finished run; choose another run.dir (or run.init_from="
                 f"{run_dir} to fine-tune from it)"
             )
-        checkpoint, fallback = store.latest_and_why()
+        checkpoint, fallback = store.latest_sound_and_why()
         config_dir = run_dir
     else:
         checkpoint, fallback = find_checkpoint(mode), ""

@@ -32,8 +32,8 @@ from spmd_rl.run.report import Reporter
 from spmd_rl.run.resume import Resume
 from spmd_rl.run.topology import COLOCATED, ENV, INFERENCE, TRAINER, ProcessGroups, Topology
 from spmd_rl.run.trackers import open_trackers
-from spmd_rl.runtime.distributed import Runtime
-from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.distributed import Runtime, agree_on_refusal
+from spmd_rl.runtime.errors import SharedUserError, UserError
 from spmd_rl.runtime.limits import peak_rss_mb
 
 ROLES = (COLOCATED, ENV, INFERENCE, TRAINER)  # a rank's role travels as its index here (Run.rank_facts)
@@ -132,12 +132,22 @@ class Run:
         self._restored = True
         if self.resume.checkpoint is None:
             return
-        if not self.resume.resharded:
-            rank_state.restore(components, rank_state.load_state(self.resume.checkpoint, self.rank))
-        elif rank_state.TRAINER in components:
-            state = rank_state.load_state(self.resume.checkpoint, 0)
-            resharded = {key: state[key] for key in rank_state.RESHARDED if key in state}
-            rank_state.restore(components, resharded, generators=False)
+        state: dict | None = None
+        refusal = ""
+        try:  # every check a rank makes alone, before the sharded load (a collective of the trainers)
+            if not self.resume.resharded:
+                state = rank_state.load_state(self.resume.checkpoint, self.rank)
+            elif rank_state.TRAINER in components:
+                loaded = rank_state.load_state(self.resume.checkpoint, 0)
+                state = {key: loaded[key] for key in rank_state.RESHARDED if key in loaded}
+            rank_state.check(components, state)
+        except UserError as exc:
+            refusal = f"{self.describe()}: {exc}"
+        if self.runtime.distributed:  # one rank's refusal is every rank's: none is left in a collective alone
+            refusal = agree_on_refusal(refusal, self.runtime.timeout)
+        if refusal:
+            raise SharedUserError(refusal)
+        rank_state.restore(components, state, generators=not self.resume.resharded)
 
     def verifies(self, version: int) -> bool:
         """Whether weights of this version are checked against trainer 0's checksums (weights.verify_every)."""

@@ -67,16 +67,7 @@ def fit_state_dict(policy: nn.Module, state: dict[str, Tensor], prefix: str = ""
     mapped = {target + key: value for key, value in state.items()}
     missing = [key for key in expected if key not in mapped]
     unexpected = [source + key[len(target) :] for key in mapped if key not in expected]  # the file's own names
-    shapes = [
-        f"{key} {tuple(mapped[key].shape)} (the policy's {tuple(value.shape)})"
-        for key, value in expected.items()
-        if key in mapped and mapped[key].shape != value.shape
-    ]
-    dtypes = [
-        f"{key} {mapped[key].dtype} (the policy's {value.dtype})"
-        for key, value in expected.items()
-        if key in mapped and mapped[key].shape == value.shape and mapped[key].dtype != value.dtype
-    ]
+    shapes, dtypes = _shape_and_dtype_misfits(expected, mapped)
     problems = fit_problems(
         missing, unexpected, shapes, dtypes, "key", "the file", dtype_advice=" (convert the file's tensors)"
     )
@@ -87,9 +78,58 @@ def fit_state_dict(policy: nn.Module, state: dict[str, Tensor], prefix: str = ""
     return mapped
 
 
+def _shape_and_dtype_misfits(expected: dict[str, Tensor], given: dict[str, Tensor]) -> tuple[list[str], list[str]]:
+    """(the shape mismatches, the dtype mismatches) of the given tensors that share a name with expected ones."""
+    shapes = [
+        f"{key} {tuple(given[key].shape)} (the policy's {tuple(value.shape)})"
+        for key, value in expected.items()
+        if key in given and given[key].shape != value.shape
+    ]
+    dtypes = [
+        f"{key} {given[key].dtype} (the policy's {value.dtype})"
+        for key, value in expected.items()
+        if key in given and given[key].shape == value.shape and given[key].dtype != value.dtype
+    ]
+    return shapes, dtypes
+
+
+def module_tensors(module: nn.Module) -> dict[str, Tensor]:
+    """The module's parameters and persistent buffers by their own names: its state_dict before any state-dict hook
+    lays it out otherwise."""
+    tensors: dict[str, Tensor] = dict(module.named_parameters())
+    for name, buffer in module.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in module.get_submodule(owner)._non_persistent_buffers_set:
+            tensors[name] = buffer
+    return tensors
+
+
+def in_state_dict_layout(policy: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """state in the policy's state_dict layout. A sharded checkpoint (train.parallel=fsdp) holds the policy's
+    tensors as the module holds them, by parameter name, since its shards are saved as they lie; a policy whose
+    state_dict is a layout of its own (ActorCritic writes its packed actor-critic pair as two MLPs) is given such
+    a state through its module and read back in its state_dict layout. Any other state is returned as it is (the
+    fit check names what does not fit); a module-layout state of other shapes or dtypes is a UserError naming them."""
+    if set(state) == set(policy.state_dict()):
+        return state
+    own = module_tensors(policy)
+    if set(state) != set(own):
+        return state
+    shapes, dtypes = _shape_and_dtype_misfits(own, state)
+    problems = fit_problems([], [], shapes, dtypes, "tensor", "the file", dtype_advice=" (convert the file's tensors)")
+    if problems:
+        raise UserError("; ".join(problems))
+    with torch.no_grad():
+        policy.load_state_dict(state)
+    return policy.state_dict()
+
+
 def load_fitted(policy: nn.Module, state: dict[str, Tensor], prefix: str = "") -> int:
-    """Copy state into the policy after fit_state_dict's check; with a policy prefix the rest of the policy keeps
-    its initialization. Returns how many tensors were loaded."""
+    """Copy state (in the policy's state_dict layout, or a sharded checkpoint's: see in_state_dict_layout) into the
+    policy after fit_state_dict's check; with a policy prefix the rest of the policy keeps its initialization.
+    Returns how many tensors were loaded."""
+    if not prefix:
+        state = in_state_dict_layout(policy, state)
     mapped = fit_state_dict(policy, state, prefix)
     # The whole state, the policy's own values outside the prefix: a policy whose state_dict is a layout of its
     # own (load hooks that need every key, as ActorCritic's packed pair) loads a part as well as the whole.

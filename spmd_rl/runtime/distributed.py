@@ -361,3 +361,17 @@ def broadcast_text(
             f"one (e.g. a shorter run.dir)"
         )
     return message[4 : 4 + length].numpy().tobytes().decode()
+
+
+def agree_on_refusal(refusal: str, timeout: datetime.timedelta, max_bytes: int = 4096) -> str:
+    """Every rank's refusal heard by all (a collective of the world): '' on every rank when none refused, else the
+    refusal of the lowest rank that refused, on every rank. What a rank checks alone before a collective that its
+    peers would otherwise enter without it (a checkpoint's files before the sharded load)."""
+    world = dist.get_world_size()
+    first = torch.tensor([dist.get_rank() if refusal else world], dtype=torch.int64)
+    bounded(dist.all_reduce, first, group=None, timeout=timeout, what="agreeing on a refusal", op=dist.ReduceOp.MIN)
+    src = int(first.item())
+    if src == world:
+        return ""
+    cut = refusal.encode()[:max_bytes].decode(errors="ignore")  # a refusal is one line; never too long to send
+    return broadcast_text(cut, src=src, max_bytes=max_bytes, timeout=timeout)

@@ -103,15 +103,25 @@ def test_inference_rank_holds_the_gathered_full_weights_and_frozen_ones_are_sent
 
 
 def test_layout_refusals_are_one_line_exit_2(tmp_path):
-    cases = [
-        ([*TINY, "train.parallel=fsdp", "eval.every=2"], "eval.every"),
-        ([*TINY, "inference.dtype=bf16"], "inference.dtype=bf16 is for the inference ranks"),
-    ]
+    cases = [([*TINY, "inference.dtype=bf16"], "inference.dtype=bf16 is for the inference ranks")]
     for args, expected in cases:
         result = main(*args, f"run.dir={tmp_path / 'r'}", "--dry-run", timeout=120)
         assert result.returncode == 2, result.stdout + result.stderr
         assert expected in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_eval_every_evaluates_the_gathered_policy_of_two_sharded_trainers(tmp_path):
+    """eval.every with fsdp: every trainer takes part in gathering the whole policy, rank 0 evaluates it, and
+    checkpoint.keep_best saves that whole policy."""
+    args = [*TINY, "train.parallel=fsdp", "eval.every=2", "eval.episodes=2", "checkpoint.keep_best=true"]
+    result = main(*args, f"run.dir={tmp_path}", nproc=2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    evaluated = [r for r in metrics_without_timings(tmp_path) if "eval_return_mean" in r]
+    assert [r["iteration"] for r in evaluated] == [1, 3]
+    best = torch.load(tmp_path / "best" / "policy.pt", weights_only=True)
+    final = torch.load(tmp_path / "policy.pt", weights_only=True)
+    assert best.keys() == final.keys() and not any(type(v).__name__ == "DTensor" for v in best.values())
 
 
 @pytest.mark.slow

@@ -139,7 +139,20 @@ def test_damaged_checkpoint_is_a_user_error_naming_the_path(tmp_path, damage):
         load_checkpoint(directory, rank=0)
     message = str(error.value)
     assert expected in message and "\n" not in message
-    assert "delete" in message or "resume" in message or "give" in message
+    assert "delete" in message or "resume" in message or "give" in message or "restore the file" in message
+    if damage in ("truncated", "garbage", "flipped"):  # the only checkpoint: deleting it would start over
+        assert "delete" not in message and "only complete checkpoint" in message
+
+
+def test_a_damaged_checkpoint_after_an_earlier_one_says_delete_it_to_resume_from_that_one(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.save({"w": torch.randn(1000)}, 3, 0)
+    store.commit(3)
+    store.save({"w": torch.randn(1000)}, 7, 0)
+    directory = store.commit(7)
+    (directory / "rank0.pt").write_bytes(b"garbage")
+    with pytest.raises(UserError, match=f"delete {directory} to resume from the previous checkpoint"):
+        load_checkpoint(directory, rank=0)
 
 
 def _save_forever(run_dir: str, megabytes: int) -> None:
