@@ -457,7 +457,8 @@ def test_failure_records_in_the_launchers_directory_give_the_summary_without_ran
     assert sorted(path.name for path in tmp_path.iterdir()) == ["rank2.json", "rank3.json"]
     summarize = [sys.executable, "-m", "spmd_rl.runtime.postmortem", str(tmp_path)]
     done = subprocess.run(summarize, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout == "", done
+    # stdout: the job's exit code for the launcher (every record a communication error: 3)
+    assert done.returncode == 0 and done.stdout == f"{COMM_ERROR_EXIT_CODE}\n", done
     assert done.stderr.splitlines() == [
         "spmd_rl: job summary: rank 1 (inference 0) stopped responding first: ranks [2, 3] waited on it and it "
         "reported no error (killed, stopped or hung); the other ranks' errors follow from it"
