@@ -16,7 +16,6 @@ from harness.runs import TINY, assert_one_line_exit_2, run_main
 from spmd_rl.algorithms.demonstrations import check_files, expected_layout, read_share
 from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import EnvSection
-from spmd_rl.envs.chunks import chunked_spec
 from spmd_rl.envs.metaworld_envs import INSTRUCTIONS, register
 from spmd_rl.envs.vector import make_vector_env, probe_env
 from spmd_rl.storage.reader import HDF5Reader
@@ -96,7 +95,7 @@ def test_collect_writes_expert_episodes_and_continues_the_file(tmp_path):
 
     # bc reads the file as the SFT config's policy sees the env: both episodes, every decision, two trainers' shares.
     sft_env = load_config(ROOT / "configs" / "metaworld" / "reach_sft.yaml").env
-    spec = chunked_spec(probe_env(sft_env), sft_env)
+    spec = probe_env(sft_env)  # with its chunks: actions [4, 4]
     layout = expected_layout(spec.observation_space, spec.action_space)
     check_files([out], layout)
     shares = [read_share([out], layout, trainer, 2) for trainer in (0, 1)]
