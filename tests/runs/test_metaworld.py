@@ -47,6 +47,21 @@ def test_a_task_renders_and_resets_to_one_state_per_seed():
         env.close()
 
 
+def test_an_env_renders_on_after_another_env_of_its_process_closes():
+    # An evaluation's envs close beside the training envs of a colocated rank: MuJoCo's EGL context went with them,
+    # and the training envs rendered black frames from then on (a GRPO run learned from blank images).
+    register("metaworld/reach-v3")
+    kept, closed = (gym.make("metaworld/reach-v3", width=32, height=24) for _ in range(2))
+    try:
+        kept.reset(seed=1)
+        closed.reset(seed=2)
+        closed.close()
+        after, *_ = kept.step(np.zeros(4, dtype=np.float32))
+        assert after["image"].std() > 10  # a scene, not a black frame
+    finally:
+        kept.close()
+
+
 def test_the_instruction_arrives_as_token_ids_and_a_group_starts_together():
     cfg = EnvSection(id="metaworld/push-v3", num_envs=2, group_size=2, max_text_tokens=32)
     spec = probe_env(cfg)
