@@ -117,7 +117,8 @@ def demonstration_layout(observation_space: gym.Space, action_space: gym.Space, 
     layout["reward"] = (per_chunk, np.dtype(np.float32))
     if chunk > 1:
         layout["chunk_valid"] = (per_chunk, np.dtype(np.bool_))
-    for key in ("terminated", "truncated", "success", "episode_success"):
+    # valid: every row is a decision (the experience log's step field, which bc reads to leave reset steps out).
+    for key in ("valid", "terminated", "truncated", "success", "episode_success"):
         layout[key] = ((), np.dtype(np.bool_))
     layout["episode"] = ((), np.dtype(np.int64))
     layout["episode_seed"] = ((), np.dtype(np.int64))
@@ -278,6 +279,7 @@ def _play_episode(envs, actor: _Actor, seed: int, chunk: int, layout: dict, acti
         rows["steps"].append(ran)
     decisions = len(rows["steps"])
     rows["episode_success"] = [episode_success] * decisions
+    rows["valid"] = [True] * decisions
     rows["episode"] = rows["episode_seed"] = [0] * decisions
     arrays = {
         key: np.asarray(values, dtype=layout[key][1]) if key in layout else np.asarray(values)

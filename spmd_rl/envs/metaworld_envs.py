@@ -257,6 +257,9 @@ class MetaWorldEnv(gym.Env):
         )
 
     def _observation(self, raw: np.ndarray) -> dict:
+        # This env's GL context made current for every frame: another env of this process closing (an evaluation's
+        # envs) leaves none current, and MuJoCo then renders black frames without an error.
+        self._active.mujoco_renderer._get_viewer("rgb_array").make_context_current()
         self._image = np.ascontiguousarray(self._active.render()[::-1])  # MetaWorld's cameras see it upside down
         return {
             "image": self._image,

@@ -27,6 +27,7 @@ from spmd_rl.persist.run_lock import lock_run_dir, own_run_dirs
 from spmd_rl.run.metrics import drop_records_after
 from spmd_rl.runtime.distributed import broadcast_text
 from spmd_rl.runtime.errors import SharedUserError, UserError
+from spmd_rl.runtime.watchdog import watchdog
 
 
 @dataclass
@@ -179,6 +180,8 @@ def decide_resume(cfg, run_dir: Path, world_size: int, algorithm_refusal: str = 
         previous = load_config(config_dir / CONFIG_FILE)
     except UserError as exc:
         raise UserError(f"cannot resume from {config_dir}: its config.yaml does not load ({exc})") from None
+    finally:  # loading a config bounds the process's watchdog by its dist.timeout_s: this run's bound is the one
+        watchdog.rebound(cfg.dist.timeout_s)
     # The same run, on the same layout or (resharding, sharded runs only) another; everything else must match.
     if previous.resume_digest(with_layout=False) != cfg.resume_digest(with_layout=False):
         raise UserError(

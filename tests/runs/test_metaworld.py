@@ -13,6 +13,8 @@ import pytest
 from harness.launch import ROOT, job_env
 from harness.runs import TINY, assert_one_line_exit_2, run_main
 
+from spmd_rl.algorithms.demonstrations import check_files, expected_layout, read_share
+from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.metaworld_envs import INSTRUCTIONS, register
 from spmd_rl.envs.vector import make_vector_env, probe_env
@@ -43,6 +45,21 @@ def test_a_task_renders_and_resets_to_one_state_per_seed():
         )
     finally:
         env.close()
+
+
+def test_an_env_renders_on_after_another_env_of_its_process_closes():
+    # An evaluation's envs close beside the training envs of a colocated rank: MuJoCo's EGL context went with them,
+    # and the training envs rendered black frames from then on (a GRPO run learned from blank images).
+    register("metaworld/reach-v3")
+    kept, closed = (gym.make("metaworld/reach-v3", width=32, height=24) for _ in range(2))
+    try:
+        kept.reset(seed=1)
+        closed.reset(seed=2)
+        closed.close()
+        after, *_ = kept.step(np.zeros(4, dtype=np.float32))
+        assert after["image"].std() > 10  # a scene, not a black frame
+    finally:
+        kept.close()
 
 
 def test_the_instruction_arrives_as_token_ids_and_a_group_starts_together():
@@ -89,6 +106,17 @@ def test_collect_writes_expert_episodes_and_continues_the_file(tmp_path):
     assert bytes(rows["obs/instruction/ids"][0, : len(sentence)]) == sentence
     steps = rows["meta/env_step"]
     assert steps[0] == 0 and np.all(np.diff(steps) > 0)  # primitive steps counted on over both calls
+    assert rows["valid"].all()  # every row a decision: bc leaves out rows whose valid is false
+
+    # bc reads the file as the SFT config's policy sees the env: both episodes, every decision, two trainers' shares.
+    sft_env = load_config(ROOT / "configs" / "metaworld" / "reach_sft.yaml").env
+    spec = probe_env(sft_env)  # with its chunks: actions [4, 4]
+    layout = expected_layout(spec.observation_space, spec.action_space)
+    check_files([out], layout)
+    shares = [read_share([out], layout, trainer, 2) for trainer in (0, 1)]
+    assert [share.episodes for share in shares] == [2, 2]
+    assert sum(len(share.decisions) for share in shares) == len(rows["action"])
+    assert np.array_equal(shares[0].decisions["action"].numpy(), rows["action"][rows["episode"] == 0])
 
     other = collect(3, "env.max_episode_steps=90")  # the same file with other settings is refused
     assert other.returncode == 2 and "holds other episodes than these settings collect" in other.stderr

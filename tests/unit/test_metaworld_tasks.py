@@ -1,5 +1,6 @@
 """MetaWorld's tasks as env ids, without rendering (tests/runs/test_metaworld.py renders): every task has an
-instruction, an unknown task is one line naming the nearest ones, and a demonstration row's layout."""
+instruction, an unknown task is one line naming the nearest ones, a demonstration row's layout, and the recipe's
+configs (collect, SFT, GRPO, PPO per task) load and agree on what the policy sees."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_a_demonstration_row_holds_the_observation_the_chunk_and_the_outcome():
     layout = demonstration_layout(observation, gym.spaces.Box(-1, 1, (4,), dtype=np.float32), chunk=4)
     assert layout["obs/image"] == ((64, 64, 3), np.dtype(np.uint8))
     assert layout["obs/instruction/ids"] == ((48,), np.dtype(np.uint8))
-    assert layout["action"] == ((4, 4), np.dtype(np.float32))
+    assert layout["action"] == ((4, 4), np.dtype(np.float32)) and layout["valid"] == ((), np.dtype(np.bool_))
     assert layout["reward"] == ((4,), np.dtype(np.float32)) and layout["chunk_valid"] == ((4,), np.dtype(np.bool_))
     single = demonstration_layout(observation, gym.spaces.Box(-1, 1, (4,), dtype=np.float32), chunk=1)
     assert single["action"] == ((4,), np.dtype(np.float32)) and "chunk_valid" not in single
@@ -65,3 +66,33 @@ def test_the_metaworld_configs_load_and_name_a_metaworld_task(path):
     env = load_config(path).env
     assert env.id.startswith("metaworld/") and env.id.partition("/")[2] in INSTRUCTIONS
     assert env.max_text_tokens >= len(INSTRUCTIONS[env.id.partition("/")[2]])
+
+
+RECIPE_TASKS = ("reach", "push", "drawer_open")  # the tasks configs/metaworld holds the whole recipe of
+RECIPE_STEPS = ("collect", "sft", "grpo", "ppo")
+
+
+@pytest.mark.parametrize("task", RECIPE_TASKS)
+def test_a_task_recipe_collects_sfts_and_rls_on_one_env_and_policy(task):
+    configs = {step: load_config(ROOT / "configs" / "metaworld" / f"{task}_{step}.yaml") for step in RECIPE_STEPS}
+    assert {step: cfg.classes["algo"] for step, cfg in configs.items() if step != "collect"} == {
+        "sft": "bc",
+        "grpo": "grpo",
+        "ppo": "ppo",
+    }
+    collected = configs["collect"].env
+    for step in ("sft", "grpo", "ppo"):
+        env = configs[step].env
+        # The demonstrations hold what the SFT policy sees, and RL loads its weights: one observation and chunk.
+        assert (env.id, env.kwargs, env.action_chunk, env.max_text_tokens, env.max_episode_steps) == (
+            collected.id,
+            collected.kwargs,
+            collected.action_chunk,
+            collected.max_text_tokens,
+            collected.max_episode_steps,
+        ), step
+        assert env.action_chunk > 1 and configs[step].policy == configs["sft"].policy, step
+        assert configs[step].eval.every > 0 and configs[step].eval.episodes >= 50, step  # success rates as it learns
+    assert configs["sft"].algo.demos == f"demos/{task}.h5"
+    assert configs["grpo"].env.group_size > 1 and configs["grpo"].algo.outcome in ("auto", "success")
+    assert configs["grpo"].train.total_steps == configs["ppo"].train.total_steps == 500_000
