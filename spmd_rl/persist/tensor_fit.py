@@ -5,7 +5,19 @@ folder's safetensors headers against the module); each finds the names its own w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from spmd_rl.config.excerpts import listed
+
+
+def shape_misfits(expected: Mapping[str, tuple[int, ...]], given: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """The parts naming each given shape that differs from the expected one of the same name (fit_problems's
+    `shapes`): 'name (given) (the policy's (expected))'."""
+    return [
+        f"{key} {given[key]} (the policy's {shape})"
+        for key, shape in expected.items()
+        if key in given and given[key] != shape
+    ]
 
 
 def fit_problems(

@@ -16,7 +16,7 @@ from spmd_rl.comm.sharding import full_state_dict, is_dtensor
 from spmd_rl.interfaces.policy import CHUNK_VALID, GROUP, RECURRENT_STATE, Policy
 from spmd_rl.persist.checkpoint import SHARDS_FROM, load_shards, stored_shapes
 from spmd_rl.persist.rank_state import ALGORITHM, POLICY
-from spmd_rl.persist.tensor_fit import fit_problems
+from spmd_rl.persist.tensor_fit import fit_problems, shape_misfits
 from spmd_rl.roles.messages import SEGMENT_TIMINGS
 from spmd_rl.roles.update_guard import UpdateGuard
 from spmd_rl.runtime.distributed import bounded, comm_error, group_peer, is_comm_failure
@@ -236,11 +236,7 @@ class Trainer:
         problems = fit_problems(
             [key for key in expected if key not in stored],
             [key for key in stored if key not in expected],
-            [
-                f"{key} {stored[key]} (the policy's {shape})"
-                for key, shape in expected.items()
-                if stored.get(key, shape) != shape
-            ],
+            shape_misfits(expected, stored),
             [],
             "tensor",
             "the checkpoint",

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from spmd_rl.config.excerpts import listed
-from spmd_rl.persist.tensor_fit import fit_problems
+from spmd_rl.persist.tensor_fit import fit_problems, shape_misfits
 from spmd_rl.runtime.errors import UserError
 
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -80,17 +80,17 @@ def fit_state_dict(policy: nn.Module, state: dict[str, Tensor], prefix: str = ""
 
 def _shape_and_dtype_misfits(expected: dict[str, Tensor], given: dict[str, Tensor]) -> tuple[list[str], list[str]]:
     """(the shape mismatches, the dtype mismatches) of the given tensors that share a name with expected ones."""
-    shapes = [
-        f"{key} {tuple(given[key].shape)} (the policy's {tuple(value.shape)})"
-        for key, value in expected.items()
-        if key in given and given[key].shape != value.shape
-    ]
+    shapes = shape_misfits(_shapes(expected), _shapes(given))
     dtypes = [
         f"{key} {given[key].dtype} (the policy's {value.dtype})"
         for key, value in expected.items()
         if key in given and given[key].shape == value.shape and given[key].dtype != value.dtype
     ]
     return shapes, dtypes
+
+
+def _shapes(tensors: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(value.shape) for key, value in tensors.items()}
 
 
 def module_tensors(module: nn.Module) -> dict[str, Tensor]:
