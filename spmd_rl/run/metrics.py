@@ -43,8 +43,12 @@ class MetricsLogger:
         resumed_env_steps: int = 0,
         trackers=None,
         group_names: Sequence[str] = (),
+        rollouts: bool = True,
     ):
         self.run_dir = run_dir
+        # False for a run without rollouts (bc: Schedule.rollout_unit "none"): its records and lines have no env
+        # timings, steps or returns, which would all read 0 or "no episode has ended yet"
+        self.rollouts = rollouts
         self.total_steps = total_steps
         self.resumed_env_steps = resumed_env_steps  # env steps before this process: the timings leave them out
         self.interval_s = interval_s
@@ -108,6 +112,21 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self.start
         env_ranks = max(statistics["env_ranks"], 1.0)
         inference_s = statistics["inference_s"] / env_ranks
+        rollout_times = (
+            {
+                # seconds per phase in this iteration; env-side phases are means over env ranks
+                "time_env_s": statistics["env_s"] / env_ranks,
+                "time_inference_s": inference_s,
+                "time_transfer_s": max(statistics["action_wait_s"] / env_ranks - inference_s, 0.0),
+                # the rollout's own time and what each side idled in it (env ranks waiting for actions, the inference
+                # rank for observations): with env.pipeline_stages the rollout is less than env + inference time
+                "time_rollout_s": statistics["rollout_s"] / env_ranks,
+                "time_env_idle_s": statistics["action_wait_s"] / env_ranks,
+                "time_inference_idle_s": statistics["inference_idle_s"] / env_ranks,
+            }
+            if self.rollouts
+            else {}
+        )
         record = {
             "iteration": iteration,
             "env_steps": env_steps,
@@ -118,15 +137,7 @@ class MetricsLogger:
             **success,
             "sps": (env_steps - self.resumed_env_steps) / elapsed if elapsed > 0 else 0.0,  # this process's
             **losses,
-            # seconds per phase in this iteration; env-side phases are means over env ranks
-            "time_env_s": statistics["env_s"] / env_ranks,
-            "time_inference_s": inference_s,
-            "time_transfer_s": max(statistics["action_wait_s"] / env_ranks - inference_s, 0.0),
-            # the rollout's own time and what each side idled in it (env ranks waiting for actions, the inference
-            # rank for observations): with env.pipeline_stages the rollout is less than env + inference time
-            "time_rollout_s": statistics["rollout_s"] / env_ranks,
-            "time_env_idle_s": statistics["action_wait_s"] / env_ranks,
-            "time_inference_idle_s": statistics["inference_idle_s"] / env_ranks,
+            **rollout_times,
             **trainer_times,
             "wall_s": elapsed,  # since this process started the run (or resumed it)
             "cpu_s": time.process_time() - self.start_cpu,  # this rank's CPU time: robust to a busy machine
@@ -154,7 +165,7 @@ class MetricsLogger:
         # the one line in log.interval_s seconds almost never fell on the iteration of an evaluation.
         if elapsed - self.last_line >= self.interval_s or "eval_return_mean" in record:
             self.last_line = elapsed
-            self._print(self.line(record))
+            self._print(self.line(record, self.rollouts))
         self.last_record = record
 
     def _write_scalars(self, scalars: dict[str, float], env_steps: int) -> None:
@@ -196,15 +207,20 @@ class MetricsLogger:
         ("clip_fraction", "clip", ".3f"),
         ("qf_loss", "qf", ".3f"),
         ("alpha", "alpha", ".3f"),
+        ("nll_loss", "nll", ".3f"),
     )
 
     @classmethod
-    def line(cls, record: dict) -> str:
-        if record["episodes"]:
-            episodes = f"return {record['episode_return_mean']:8.2f}  len {record['episode_length_mean']:7.1f}"
-        else:  # the mean of no returns is NaN: say why there is none
-            episodes = "no episode has ended yet"
-        text = f"iter {record['iteration']:>5}  steps {record['env_steps']:>9}  {episodes}  sps {record['sps']:8.0f}"
+    def line(cls, record: dict, rollouts: bool = True) -> str:
+        text = f"iter {record['iteration']:>5}"
+        if rollouts:
+            if record["episodes"]:
+                episodes = f"return {record['episode_return_mean']:8.2f}  len {record['episode_length_mean']:7.1f}"
+            else:  # the mean of no returns is NaN: say why there is none
+                episodes = "no episode has ended yet"
+            text += f"  steps {record['env_steps']:>9}  {episodes}  sps {record['sps']:8.0f}"
+        elif "time_learn_s" in record:  # no rollouts (bc): the iteration is its update
+            text += f"  learn {record['time_learn_s']:.3f}s"
         for key, label, spec in cls.GLANCE:
             if key in record:
                 text += f"  {label} {record[key]:{spec}}"
@@ -218,8 +234,8 @@ class MetricsLogger:
             text += f"  eval {record['eval_return_mean']:.2f} ± {record.get('eval_return_std', 0.0):.2f}"
             if record.get("eval_success_rate") is not None:
                 text += f" success {record['eval_success_rate']:.2f}"
-        if record.get("success_rate") is not None:  # envs that report success (null: no episode ended)
-            text += f"  success {record['success_rate']:.2f}"
+        if rollouts and record.get("success_rate") is not None:  # envs that report success: "-" while no episode
+            text += f"  success {_shown(record['success_rate'], '.2f')}"  # ended this iteration (NaN)
         groups = [key.split("/", 1)[1] for key in record if key.startswith("episode_return_mean/")]
         if groups:  # env groups: each one's return, briefly
             text += "  (" + " ".join(f"{name} {_shown(record[f'episode_return_mean/{name}'])}" for name in groups) + ")"
@@ -250,7 +266,10 @@ class MetricsLogger:
                 if self.episodes
                 else "no episode ended, so no return"
             )
-            print(f"done: {steps}, {self.episodes} episodes, {returns}; run directory {self.run_dir}", flush=True)
+            done = f"{steps}, {self.episodes} episodes, {returns}"
+            if not self.rollouts:  # bc: no env steps or episodes to count
+                done = f"{record.get('iteration', -1) + 1} iterations (no rollouts), this process's in {wall_s:.1f}s"
+            print(f"done: {done}; run directory {self.run_dir}", flush=True)
         if self.writer is not None:
             self.writer.close()
         if self.trackers is not None:
@@ -275,9 +294,9 @@ def success_rates(statistics: dict, group_names: list[str]) -> dict[str, float]:
     return rates
 
 
-def _shown(mean: float) -> str:
-    """A mean return for the console: '-' while it is NaN (no episode of it has ended yet)."""
-    return "-" if mean != mean else f"{mean:.1f}"
+def _shown(mean: float, spec: str = ".1f") -> str:
+    """A mean for the console: '-' while it is NaN (no episode of it has ended yet)."""
+    return "-" if mean != mean else f"{mean:{spec}}"
 
 
 def _finite_or_none(value):

@@ -169,6 +169,7 @@ class Run:
                 resumed_env_steps=self.resume.start_iteration * plan.steps_per_iteration,
                 trackers=open_trackers(self.cfg, self.run_dir, resumed=self.resume.checkpoint is not None),
                 group_names=self.cfg.env.group_names(),
+                rollouts=plan.num_steps > 0,
             )
             self.control.mean_return = lambda: logger.last_record.get("episode_return_mean", float("nan"))
         finished = stopped = False
