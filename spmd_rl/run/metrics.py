@@ -21,12 +21,17 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from spmd_rl.persist.event_files import repair_event_files
 from spmd_rl.persist.fileio import LineAppender, NotRegularFile, bounded_lines, file_error, open_regular, write_atomic
 from spmd_rl.persist.run_files import METRICS_FILE, METRICS_LINE_BYTES, TENSORBOARD_DIR
 from spmd_rl.runtime.errors import UserError
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 # The mean over the last RETURN_WINDOW finished episodes (all env ranks) is the headline return.
 RETURN_WINDOW = 20
@@ -44,6 +49,7 @@ class MetricsLogger:
         trackers=None,
         group_names: Sequence[str] = (),
         rollouts: bool = True,
+        resumed_iteration: int | None = None,
     ):
         self.run_dir = run_dir
         # False for a run without rollouts (bc: Schedule.rollout_unit "none"): its records and lines have no env
@@ -53,21 +59,16 @@ class MetricsLogger:
         self.resumed_env_steps = resumed_env_steps  # env steps before this process: the timings leave them out
         self.interval_s = interval_s
         self.trackers = trackers  # trackers.Trackers (W&B, MLflow) or None: they get TensorBoard's scalars
-        self.jsonl = LineAppender(run_dir / METRICS_FILE)
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # imported only where used: it is slow to import
-
-            try:
-                # A resumed run drops the events a stopped run wrote after its checkpoint (purge_step), so TensorBoard
-                # continues at the right step.
-                self.writer = SummaryWriter(
-                    log_dir=str(run_dir / TENSORBOARD_DIR),
-                    purge_step=resumed_env_steps + 1 if resumed_env_steps else None,
-                )
-            except OSError as exc:
-                self.jsonl.close()
-                raise file_error(run_dir / TENSORBOARD_DIR, exc, "cannot create TensorBoard's directory") from None
+        self.tensorboard = tensorboard
+        self.jsonl: LineAppender | None = None
+        self.writer: SummaryWriter | None = None
+        # Resuming (from the checkpoint of resumed_iteration), the files are left as they are until this start
+        # commits a checkpoint of its own (open_files): a start that fails or is killed before it changes neither
+        # metrics.jsonl nor TensorBoard's events. Its records wait here meanwhile, (line, scalars, env steps).
+        self.resumed_iteration = resumed_iteration
+        self.held: list[tuple[str, dict[str, float], int]] = []
+        if resumed_iteration is None:
+            self.open_files()
         show_bar = sys.stderr.isatty() if progress is None else progress
         self.bar = tqdm(
             total=total_steps,
@@ -92,6 +93,43 @@ class MetricsLogger:
         self.start_cpu = time.process_time()
         self.last_line = -math.inf
         self.last_record: dict = {}
+
+    def open_files(self) -> None:
+        """Open metrics.jsonl and TensorBoard's writer and write the records held since the resume: at the start of
+        a new run, and when a resumed one commits its first checkpoint (RunControl.before_commit, before the
+        checkpoint counts), where the records a stopped run logged after the resumed checkpoint are dropped and
+        damaged lines and event records go (run/resume.py prepare_run_dir named them at the start)."""
+        if self.jsonl is not None:
+            return
+        if self.resumed_iteration is not None:
+            drop_records_after(self.run_dir / METRICS_FILE, self.resumed_iteration)
+            repair_event_files(self.run_dir / TENSORBOARD_DIR)
+        self.jsonl = LineAppender(self.run_dir / METRICS_FILE)
+        if self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # imported only where used: it is slow to import
+
+            try:
+                # A resumed run drops the events a stopped run wrote after its checkpoint (purge_step), so TensorBoard
+                # continues at the right step.
+                self.writer = SummaryWriter(
+                    log_dir=str(self.run_dir / TENSORBOARD_DIR),
+                    purge_step=self.resumed_env_steps + 1 if self.resumed_env_steps else None,
+                )
+            except OSError as exc:
+                self.jsonl.close()
+                raise file_error(self.run_dir / TENSORBOARD_DIR, exc, "cannot create TensorBoard's directory") from None
+        held, self.held = self.held, []
+        for line, scalars, env_steps in held:
+            self._write_files(line, scalars, env_steps)
+
+    def _write_files(self, line: str, scalars: dict[str, float], env_steps: int) -> None:
+        """One record into metrics.jsonl and TensorBoard, or held until open_files."""
+        if self.jsonl is None:
+            self.held.append((line, scalars, env_steps))
+            return
+        self.jsonl.append(line)
+        if self.writer is not None:
+            self._write_scalars(scalars, env_steps)
 
     def record(self, iteration: int, env_steps: int, losses: dict, statistics: dict, trainer_times: dict) -> dict:
         """This iteration's metrics.jsonl line (episode statistics folded into the recent window), not yet
@@ -148,14 +186,13 @@ class MetricsLogger:
         """Append the record to metrics.jsonl and TensorBoard; update the progress bar and the periodic line."""
         elapsed, env_steps = record["wall_s"], record["env_steps"]
         # JSON has no NaN: an iteration before the first finished episode has no return yet.
-        self.jsonl.append(json.dumps({k: _finite_or_none(v) for k, v in record.items()}))
+        line = json.dumps({k: _finite_or_none(v) for k, v in record.items()})
         scalars = {
             key: value
             for key, value in record.items()
             if key not in ("iteration", "env_steps") and value is not None and math.isfinite(value)
         }
-        if self.writer is not None:
-            self._write_scalars(scalars, env_steps)
+        self._write_files(line, scalars, env_steps)
         if self.trackers is not None:
             self.trackers.log(scalars, env_steps)
         self.bar.update(env_steps - self.bar.n)
@@ -274,7 +311,9 @@ class MetricsLogger:
             self.writer.close()
         if self.trackers is not None:
             self.trackers.close("finished" if summary else "stopped" if stopped else "failed")
-        self.jsonl.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        self.held.clear()  # a resume that ends before its first checkpoint: its records go with it
 
 
 def success_rates(statistics: dict, group_names: list[str]) -> dict[str, float]:
@@ -313,11 +352,12 @@ def last_record(path: Path) -> dict:
     return records[-1] if records else {}
 
 
-def drop_records_after(path: Path, iteration: int) -> str:
+def drop_records_after(path: Path, iteration: int, write: bool = True) -> str:
     """Keep the records of iterations <= iteration (a resumed run rewrites those a stopped run logged after its
     checkpoint); the file is replaced atomically. Damaged lines (torn by a kill, bytes that are not UTF-8 from a
     disk error, anything that is not a record) are dropped wherever they are, and every sound record is kept.
-    Returns what was damaged and dropped, for a note ('' when nothing was)."""
+    Returns what was damaged and dropped, for a note ('' when nothing was); write=False: only the note, the file
+    stays as it is."""
     if not path.exists():
         return ""
     kept, damaged = [], []
@@ -326,7 +366,8 @@ def drop_records_after(path: Path, iteration: int) -> str:
             damaged.append(number)
         elif record["iteration"] <= iteration:
             kept.append(line)
-    write_atomic(path, "".join(f"{line}\n" for line in kept))
+    if write:
+        write_atomic(path, "".join(f"{line}\n" for line in kept))
     if not damaged:
         return ""
     shown = ", ".join(map(str, damaged[:5])) + (f" and {len(damaged) - 5} more" if len(damaged) > 5 else "")

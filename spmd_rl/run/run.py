@@ -170,7 +170,9 @@ class Run:
                 trackers=open_trackers(self.cfg, self.run_dir, resumed=self.resume.checkpoint is not None),
                 group_names=self.cfg.env.group_names(),
                 rollouts=plan.num_steps > 0,
+                resumed_iteration=self.resume.iteration if self.resume.checkpoint is not None else None,
             )
+            self.control.before_commit = logger.open_files  # a resume's files change with its first checkpoint
             self.control.mean_return = lambda: logger.last_record.get("episode_return_mean", float("nan"))
         finished = stopped = False
         try:
