@@ -2,7 +2,9 @@
 subclass the API, the policy builds from the env's spaces, declares its outputs, and `act` returns exactly them,
 and the algorithm finds every step field it needs and every policy method it calls, each called with its declared
 signature on the sample observations and the actions act gave for them. Each failure is one UserError naming the class
-and what to change (exit 2 on every rank, before any rank waits for another)."""
+and what to change (exit 2 on every rank, before any rank waits for another; in a layout with env ranks, which never
+import the policy's module, the ranks that build it check it and every rank refuses once the process group exists:
+run/driver.py's agree_on_policy)."""
 
 from __future__ import annotations
 
@@ -41,10 +43,16 @@ SAMPLE_BATCH = 2  # the sample observations the policy's methods are called on
 def load_classes(cfg: Config) -> tuple[type[Policy], type[Algorithm], type, list]:
     """(policy class, algorithm class, engine class, [(callback class, its config)])."""
     policy_cls = plugins.load_class(plugins.POLICY, cfg.classes["policy"], Policy)
+    return policy_cls, *load_classes_but_policy(cfg)
+
+
+def load_classes_but_policy(cfg: Config) -> tuple[type[Algorithm], type, list]:
+    """(algorithm class, engine class, [(callback class, its config)]): what an env rank, which never builds the
+    policy, imports (the policy's module, a VLA's transformers and peft, stays unimported there)."""
     algorithm_cls = plugins.load_class(plugins.ALGORITHM, cfg.classes["algo"], Algorithm)
     engine_cls = plugins.load_class(plugins.ENGINE, cfg.classes["engine"], Engine)
     callbacks = [(plugins.load_class(plugins.CALLBACK, name, Callback), config) for name, config in cfg.callbacks]
-    return policy_cls, algorithm_cls, engine_cls, callbacks
+    return algorithm_cls, engine_cls, callbacks
 
 
 def check_policy(

@@ -2,7 +2,7 @@
 device, so they construct no policy with real tensors (Policy.real_constructions, what finished.json's policy_builds
 counts); a policy whose code reads values is checked on a CPU instance instead, with the same result. Rank 0's
 unsharded copy (run/policies.py's cpu_copy) holds the policy's tensors, tied and non-persistent ones too, without
-a second construction."""
+a second construction. The spec travels to env ranks as text and reads back the same."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from spmd_rl.api import Policy, StepField
 from spmd_rl.config.loading import load_config
 from spmd_rl.envs.vector import probe_env
 from spmd_rl.run import contract
-from spmd_rl.run.policies import build_policy, cpu_copy
+from spmd_rl.run.policies import PolicySpec, build_policy, cpu_copy
 
 RECURRENT_PPO = "spmd_rl.algorithms.recurrent_ppo:RecurrentPPO"
 
@@ -49,6 +49,7 @@ def test_the_checks_before_start_construct_no_built_in_policy_and_read_its_real_
     assert policy_spec.parameters == sum(p.numel() for p in policy.parameters())
     assert policy_spec.parameter_bytes == sum(p.numel() * p.element_size() for p in policy.parameters())
     assert policy_spec.trained_parameters == policy_spec.parameters and policy_spec.shard_units >= 1
+    assert PolicySpec.from_text(policy_spec.to_text()) == policy_spec  # as env ranks receive it
 
 
 def test_the_vla_preset_is_checked_on_the_meta_device_with_its_lora_adapters_frozen_base_counted():
