@@ -330,11 +330,12 @@ def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
     except UserError as exc:
         raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
     policy_spec, policy_refusal = None, ""
+    deferred = bool(topology.env_ranks) and not topology.colocated  # the refusal waits for env ranks to hear it
     if policy_cls is not None:
-        try:
-            policy_spec = _check_policy(cfg, spec, plan, policy_cls, algorithm_cls)
+        try:  # rank 0 calls act and the algorithm's methods for every rank that builds the policy, once
+            policy_spec = _check_policy(cfg, spec, plan, policy_cls, algorithm_cls, launch.rank == 0 or not deferred)
         except UserError as exc:
-            if not topology.env_ranks or topology.colocated:  # every rank checks: each refuses in place
+            if not deferred:  # every rank checks: each refuses in place
                 raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
             who = f"{topology.describe(launch.rank)}: " if launch.rank != 0 else ""
             policy_refusal = f"{who}{exc}"
@@ -347,18 +348,22 @@ def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
     return Checked(cfg, given, topology, plan, *classes, spec, policy_spec, gpu_slot, built_before, policy_refusal)
 
 
-def _check_policy(cfg: Config, spec: EnvSpec, plan: Plan, policy_cls: type[Policy], algorithm_cls) -> PolicySpec:
-    """The policy's contract and memory checks and the trainers' planned buffers, on a rank that builds it."""
+def _check_policy(
+    cfg: Config, spec: EnvSpec, plan: Plan, policy_cls: type[Policy], algorithm_cls, calls: bool
+) -> PolicySpec:
+    """The policy's contract and memory checks and the trainers' planned buffers, on a rank that builds it (with
+    `calls`, act and the algorithm's methods called on sample observations: contract.check_policy)."""
     shards = plan.trainer_ranks if plan.parallel.sharded else 1  # FSDP divides the training state
     with watchdog.watch(f"building policy.class {cfg.classes['policy']} and calling its act"):
-        policy_spec = contract.check_policy(cfg, spec, policy_cls, algorithm_cls, shards)
+        policy_spec = contract.check_policy(cfg, spec, policy_cls, algorithm_cls, shards, calls)
     contract.check_planned_memory(cfg, spec, policy_spec.outputs, plan)
     return policy_spec
 
 
 def agree_on_policy(checked: Checked, runtime: Runtime) -> PolicySpec:
     """The policy's spec on every rank, once the process group exists: a refusal of any rank that checked it is
-    every rank's (exit 2, rank 0's one line), else rank 0's spec (a trainer's) reaches the env ranks, as text."""
+    every rank's (exit 2, rank 0's one line), else rank 0's spec (a trainer's, the one whose act was called)
+    reaches every rank, as text."""
     if not runtime.distributed or (checked.topology.colocated or not checked.topology.env_ranks):
         assert checked.policy_spec is not None  # every rank checked the policy before start
         return checked.policy_spec
