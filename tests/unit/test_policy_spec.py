@@ -16,6 +16,7 @@ from spmd_rl.config.loading import load_config
 from spmd_rl.envs.vector import probe_env
 from spmd_rl.run import contract
 from spmd_rl.run.policies import PolicySpec, build_policy, cpu_copy
+from spmd_rl.runtime.errors import UserError
 
 RECURRENT_PPO = "spmd_rl.algorithms.recurrent_ppo:RecurrentPPO"
 
@@ -112,3 +113,19 @@ def test_the_unsharded_copy_holds_every_tensor_without_a_second_construction():
     assert Policy.real_constructions == before
     assert torch.equal(copy.embed.weight, policy.embed.weight) and torch.equal(copy.head.weight, policy.head.weight)
     assert torch.equal(copy.scale, policy.scale) and copy.scale.data_ptr() != policy.scale.data_ptr()
+
+
+class ActFails(ReadsValues):
+    def act(self, obs, deterministic=False):
+        raise RuntimeError("act is broken")
+
+
+def test_without_calls_the_check_reads_what_the_policy_declares_and_leaves_act_to_rank_0():
+    # A building rank other than rank 0 in a layout with env ranks: rank 0's calls speak for it.
+    cfg = load_config(None, [])
+    spec = probe_env(cfg.env)
+    algorithm_cls = contract.load_classes(cfg)[1]
+    declared = contract.check_policy(cfg, spec, ActFails, algorithm_cls, calls=False)
+    assert list(declared.outputs) == ["action", "log_prob", "value"] and declared.parameters == 10
+    with pytest.raises(UserError, match="act is broken"):
+        contract.check_policy(cfg, spec, ActFails, algorithm_cls)
