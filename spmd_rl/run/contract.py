@@ -4,7 +4,10 @@ and the algorithm finds every step field it needs and every policy method it cal
 signature on the sample observations and the actions act gave for them. Each failure is one UserError naming the class
 and what to change (exit 2 on every rank, before any rank waits for another; in a layout with env ranks, which never
 import the policy's module, the ranks that build it check it and every rank refuses once the process group exists:
-run/driver.py's agree_on_policy)."""
+run/driver.py's agree_on_policy).
+
+Over 400 lines: every check of the plug-in contract with its one-line refusal, in the order they run, and the
+memory checks that read the same instance; split, each part would import the others' helpers."""
 
 from __future__ import annotations
 

@@ -5,7 +5,10 @@ start the runtime, agree on where the run starts, build the Run and hand it to t
 an exit code and, on failure, one line (spmd_rl.runtime.exits), with the postmortem naming the first cause.
 
 `train` is what `python -m spmd_rl.main` runs on every rank; `train_in_process` is the same run in one process for
-the Python API (spmd_rl.train), where errors raise instead of becoming exit codes."""
+the Python API (spmd_rl.train), where errors raise instead of becoming exit codes.
+
+Over 400 lines: a rank's whole way from its config to its exit code (the checks before start, the agreement on
+the policy right after it, the engine's hand-off and every failure path) reads as one story, in the order it runs."""
 
 from __future__ import annotations
 
