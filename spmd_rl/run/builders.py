@@ -60,7 +60,7 @@ def build_colocated(run: Run, logger: MetricsLogger | None) -> tuple[EnvRunner, 
     cfg, plan, rank = run.cfg, run.plan, run.rank
     group = run.groups.trainer if run.runtime.world_size > 1 else None
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
-        policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
+        policy = build_policy(cfg, run.spec, run.policy_class(), run.runtime.device)
     initial_algorithm_state = _init_policy_from(run, policy)
     unsharded = _copy_before_sharding(run, policy)
     algorithm, callbacks = _build_algorithm(run, policy, group)
@@ -198,7 +198,7 @@ def inference_parts(run: Run, observation_layout=observation_message, recv_buffe
     n = cfg.env.num_envs // stages
     state_fields = run.recurrent_state
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
-        policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
+        policy = build_policy(cfg, run.spec, run.policy_class(), run.runtime.device)
     weights = WeightSyncPlan.of(run)
     if weights.wire_dtype == torch.bfloat16:  # this rank's copy in the wire's dtype; it acts under autocast
         sharding.compute_in_bf16(sharding.cast_parameters(policy, torch.bfloat16), ["act"], policy_device(policy))
@@ -240,7 +240,7 @@ def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1)
     # over is the trainer group's, never the world's (the inference and env ranks hold no rows).
     group = run.groups.trainer if len(topology.trainer_ranks) > 1 or plan.parallel.sharded else None
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
-        policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
+        policy = build_policy(cfg, run.spec, run.policy_class(), run.runtime.device)
     initial_algorithm_state = _init_policy_from(run, policy)
     weights = WeightSyncPlan.of(run)
     unsharded = _copy_before_sharding(run, policy)
@@ -338,7 +338,7 @@ def _copy_before_sharding(run: Run, policy: Policy) -> Policy | None:
     policy where its class builds on the meta device (policies.cpu_copy)."""
     if run.rank != 0 or not run.plan.parallel.sharded:
         return None
-    return cpu_copy(policy, run.cfg, run.spec, run.policy_cls, cuda_indices(run.runtime.device))
+    return cpu_copy(policy, run.cfg, run.spec, run.policy_class(), cuda_indices(run.runtime.device))
 
 
 def _final_policy(trainer: Trainer, policy: Policy, unsharded: Policy | None) -> Policy:
