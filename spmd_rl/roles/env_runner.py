@@ -2,7 +2,7 @@
 finished rollout segment to its trainer.
 
 One step is two halves (send observations / receive actions and step) so that in the colocated layout the
-inference server can run in between, in the same process, through local channels.
+inference server can run in between, in the same process, through local channels (roles/local_env_runner.py).
 """
 
 from __future__ import annotations
@@ -10,21 +10,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from spmd_rl.comm.local_channel import LocalRecvChannel, LocalSendChannel, local_channel
 from spmd_rl.envs import spaces
 from spmd_rl.envs.backend import EnvBackend, check_group_starts, group_seeds, old_gym_api_hint
 from spmd_rl.envs.chunks import CHUNK_REWARDS, executed_steps
 from spmd_rl.envs.gymnasium_state import as_arrays, as_tensors
 from spmd_rl.envs.success import EpisodeSuccess
-from spmd_rl.envs.vector import EnvSpec
-from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, EPISODE_START, RECURRENT_STATE, SUCCESS_FIELDS, StepField
+from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, EPISODE_START, RECURRENT_STATE, SUCCESS_FIELDS
 from spmd_rl.roles.env_step_thread import EnvStepThread
-from spmd_rl.roles.messages import action_message, observation_message, segment_message, with_episode_starts
 from spmd_rl.runtime.errors import UserCodeError, UserError, describe_exception
 from spmd_rl.runtime.watchdog import watchdog
 
@@ -397,36 +393,3 @@ def _columns_of(views, columns: slice | None, axis: int):
     if isinstance(views, dict):
         return {key: _columns_of(value, columns, axis) for key, value in views.items()}
     return views[(slice(None),) * axis + (columns,)]
-
-
-class LocalEnvRunner(NamedTuple):
-    """An env runner whose channels stay in this process, and their other ends: the observations the inference
-    server reads, the actions it answers through, the segments the trainer receives."""
-
-    runner: EnvRunner
-    observations: LocalRecvChannel
-    actions: LocalSendChannel
-    segments: LocalRecvChannel
-
-
-def local_env_runner(
-    envs,
-    first_obs,
-    spec: EnvSpec,
-    outputs: dict[str, StepField],
-    num_steps: int,
-    state: dict[str, StepField] | None = None,
-    segments: tuple[LocalSendChannel, LocalRecvChannel] | None = None,
-    **options,
-) -> LocalEnvRunner:
-    """An EnvRunner of envs.num_envs envs (options: its keyword arguments) on local channels, as the colocated layout
-    joins the roles in one process (and tests and tools that play every role themselves). `segments`: the segment
-    channel of several pipeline stages (each runner then given its `columns`); None: a channel of its own."""
-    n = envs.num_envs
-    obs_out, obs_in = local_channel("observations", with_episode_starts(observation_message(spec, n), state, n))
-    actions_out, actions_in = local_channel("actions", action_message(outputs, n, state))
-    if segments is None:
-        segments = local_channel("segments", segment_message(spec, outputs, num_steps, n, state))
-    segments_out, segments_in = segments
-    runner = EnvRunner(envs, first_obs, obs_out, actions_in, segments_out, num_steps, list(outputs), **options)
-    return LocalEnvRunner(runner, obs_in, actions_out, segments_in)

@@ -26,9 +26,10 @@ from spmd_rl.envs.vector import group_of_envs
 from spmd_rl.interfaces.algorithm import Algorithm, PolicyMethod
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import GROUP, Policy
-from spmd_rl.roles.env_runner import EnvRunner, local_env_runner
+from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.roles.env_step_thread import EnvStepThread
 from spmd_rl.roles.inference_server import InferenceParts, InferenceServer, RecurrentStates, UniformActions
+from spmd_rl.roles.local_env_runner import local_env_runner
 from spmd_rl.roles.messages import (
     action_message,
     observation_message,
@@ -81,14 +82,8 @@ def build_colocated(
             t,
             run.recurrent_state,
             segments,
-            describe=f"rank {rank}",
-            env_id=cfg.env.id,
-            env_backend=backend_for(cfg.env),
-            success_key=run.spec.success_key,
-            group_size=cfg.env.group_size,
-            columns=None if stages == 1 else columns[s],
-            stage=stage_name(s, stages),
             step_thread=None if stages == 1 else EnvStepThread(envs, f"env step{stage_name(s, stages)}"),
+            **_env_runner_options(run, f"rank {rank}", columns, s),
         )
         for s, (envs, first_obs) in enumerate(_make_stage_envs(run, _seed_rank(run), columns))
     ]
@@ -167,19 +162,27 @@ def build_env_runner(run: Run, observation_layout=observation_message) -> EnvRun
             to_trainer,
             t,
             list(run.outputs),
-            describe=run.describe(),
-            env_id=cfg.env.id,
-            env_backend=backend_for(cfg.env),
-            success_key=run.spec.success_key,
-            group_size=cfg.env.group_size,
-            columns=None if stages == 1 else columns[s],
-            stage=stage_name(s, stages),
+            **_env_runner_options(run, run.describe(), columns, s),
         )
         for s, (envs, first_obs) in enumerate(stage_envs)
     ]
     runner = runners[0] if stages == 1 else PipelinedEnvRunner(runners, to_trainer, n)
     _say_if_env_state_unsaved(run, runner)
     return runner
+
+
+def _env_runner_options(run: Run, describe: str, columns: list[slice], stage: int) -> dict:
+    """The EnvRunner keywords of pipeline stage `stage` of `columns` (the one stage: its whole segment)."""
+    stages = len(columns)
+    return {
+        "describe": describe,
+        "env_id": run.cfg.env.id,
+        "env_backend": backend_for(run.cfg.env),
+        "success_key": run.spec.success_key,
+        "group_size": run.cfg.env.group_size,
+        "columns": None if stages == 1 else columns[stage],
+        "stage": stage_name(stage, stages),
+    }
 
 
 def _make_stage_envs(run: Run, seed: int, columns: list[slice]) -> list[tuple]:

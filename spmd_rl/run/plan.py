@@ -198,7 +198,7 @@ def _check_pipeline_stages(env: EnvSection, topology: Topology) -> None:
     stages = env.pipeline_stages
     if stages == 1:
         return
-    if topology.colocated and (env.backend != "gymnasium" or env.vectorization != "async"):
+    if topology.colocated and not backend_for(env).steps_in_worker_processes(env):
         raise UserError(
             f"env.pipeline_stages={stages} in the colocated layout overlaps env steps with the policy only where "
             f"the envs run in worker processes, and env.backend={env.backend} with "

@@ -6,7 +6,7 @@ where nothing would overlap, exits 2 in one line."""
 
 from __future__ import annotations
 
-from harness.runs import TINY, assert_one_line_exit_2, assert_same_run, run_main
+from harness.runs import TINY, assert_halves_equal_whole, assert_one_line_exit_2, assert_same_run, run_main
 
 from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE
 
@@ -35,15 +35,7 @@ def test_two_stages_in_one_process_give_the_run_of_one_stage(tmp_path):
 
 
 def test_two_stages_in_one_process_resume_exactly(tmp_path):
-    config = [*GRPO_EPISODES, "env.pipeline_stages=2"]
-    full = run_main(*config, f"run.dir={tmp_path / 'full'}")
-    assert full.returncode == 0, full.stderr[-2000:]
-    stopped = run_main(*config, f"run.dir={tmp_path / 'parts'}", "run.stop_after_iterations=2")
-    assert stopped.returncode == 75, stopped.stderr[-2000:]
-    resumed = run_main(*config, f"run.dir={tmp_path / 'parts'}")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resuming from" in resumed.stdout
-    assert_same_run(tmp_path / "full", tmp_path / "parts")
+    assert_halves_equal_whole([*GRPO_EPISODES, "env.pipeline_stages=2"], tmp_path, half=2)
 
 
 def test_a_stalled_stage_in_one_process_is_named_in_one_line_within_the_timeout(tmp_path):
