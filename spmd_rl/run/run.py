@@ -200,9 +200,12 @@ class Run:
 
     # -- role components: built by run/builders.py, their state loaded by restore() ------------------------------
 
-    def build_colocated(self, logger: MetricsLogger | None) -> tuple[EnvRunner, InferenceServer, Trainer, Reporter]:
+    def build_colocated(
+        self, logger: MetricsLogger | None
+    ) -> tuple[EnvRunner | PipelinedEnvRunner, InferenceServer, Trainer, Reporter]:
         """The colocated layout: this rank's envs, its own policy copy (the trainer's module is the one that acts)
-        and data-parallel learning across ranks, joined by local channels."""
+        and data-parallel learning across ranks, joined by local channels; with env.pipeline_stages > 1, one runner
+        per stage in a PipelinedEnvRunner, each stage's envs stepping on a thread of their own."""
         return builders.build_colocated(self, logger)
 
     def build_env_runner(self, observation_layout=observation_message) -> EnvRunner | PipelinedEnvRunner:
