@@ -3,8 +3,9 @@
 Between ranks, a channel is a pair of preallocated flat buffers, one on each side, with every leaf of the
 TensorDict a view into its buffer at an aligned offset. A role writes its message into the sender's buffer in
 place; the sender ships the whole buffer with ONE torch.distributed isend; the receiver irecvs into its own buffer
-and hands back a TensorDict of views. Nothing is pickled on the per-step path: the layout (keys, shapes, dtypes)
-is agreed once, at start-up, by `open_channels` (channel_setup.py).
+and hands back a TensorDict of views (the same one every time a buffer comes round). Nothing is pickled on the
+per-step path: the layout (keys, shapes, dtypes) is agreed once, at start-up, by `open_channels`
+(channel_setup.py), and the group, the peer's rank in it and the tensors posted are resolved once per channel.
 
 Every flat buffer starts with a 16-byte header: the message's sequence number and the layout's digest, both int64.
 The receiver checks them, so a message that arrives out of order or from a sender with another layout fails
