@@ -17,7 +17,10 @@ the actions (inference -> env: the chunk, its log-prob and value) and the segmen
 the [T, N] rollout with the chunk's K rewards and valid mask, the active mask and the success flags). Groups add
 no field (a group is a block of G env columns). Each message is streamed over a channel (benchmarks/comm.py's
 pattern: receives posted ahead, one send in flight) against raw isend/irecv of one uint8 tensor of the same
-bytes, variants alternating within every round; MB/s and the ratio, medians over --rounds.
+bytes, variants alternating within every round; MB/s and the ratio, medians over --rounds. Beside them, each end's
+fixed cost: the CPU time of its main thread per message (time.thread_time, which a wait for the peer or for a core
+does not count), channel minus raw, medians. On a busy machine a small message's wall time is mostly waiting for
+the scheduler, and the ratio swings from run to run; the CPU time is what the channel adds whatever the load.
 """
 
 from __future__ import annotations
@@ -136,10 +139,11 @@ def nbytes_of(message) -> int:
     return sum(leaf.numel() * leaf.element_size() for leaf in message.values(True, True))
 
 
-def wire_ranks(rank: int, world_size: int, messages: dict, rounds: int, out_path: str) -> None:
-    """Rank 0 streams each message to rank 1 over a channel and raw, alternating; rank 0 writes the MB/s medians."""
+def wire_ranks(rank: int, world_size: int, messages: dict, rounds: int, out_dir: str) -> None:
+    """Rank 0 streams each message to rank 1 over a channel and raw, alternating. Rank 0 writes the MB/s medians
+    to out_dir/wire.json; each rank writes its main thread's CPU microseconds per message to out_dir/cpu{rank}.json."""
     ack = torch.zeros(1)
-    out = {}
+    out, cpu_us = {}, {}
     for name, message in messages.items():
         stream = open_channels(
             sends=[(1, name, message)] if rank == 0 else [],
@@ -151,9 +155,11 @@ def wire_ranks(rank: int, world_size: int, messages: dict, rounds: int, out_path
         nbytes = nbytes_of(message)
         raw_buffers = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(RECEIVES_AHEAD + 1)]
         count = messages_per_round(nbytes)
-        timings = {"raw": [], "channel": []}
+        timings: dict[str, list[float]] = {"raw": [], "channel": []}
+        cpu: dict[str, list[float]] = {"raw": [], "channel": []}
         for round_ in range(rounds + 1):  # round 0 warms up
             for variant in ("raw", "channel") if round_ % 2 == 0 else ("channel", "raw"):
+                cpu_start = time.thread_time()
                 seconds = (
                     _raw_stream(rank, count, raw_buffers, ack)
                     if variant == "raw"
@@ -161,9 +167,13 @@ def wire_ranks(rank: int, world_size: int, messages: dict, rounds: int, out_path
                 )
                 if round_ > 0:
                     timings[variant].append(seconds)
+                    cpu[variant].append(time.thread_time() - cpu_start)
         out[name] = {variant: nbytes * count / statistics.median(t) / 2**20 for variant, t in timings.items()}
+        cpu_us[name] = {variant: statistics.median(t) / count * 1e6 for variant, t in cpu.items()}
+    with open(f"{out_dir}/cpu{rank}.json", "w") as f:
+        json.dump(cpu_us, f)
     if rank == 0:
-        with open(out_path, "w") as f:
+        with open(f"{out_dir}/wire.json", "w") as f:
             json.dump(out, f)
 
 
@@ -172,9 +182,13 @@ def wire(envs: list[int], rounds: int) -> None:
     for num_envs in envs:
         messages = example_messages(num_envs)
         with tempfile.TemporaryDirectory() as tmp:
-            spawn(wire_ranks, 2, messages, rounds, f"{tmp}/wire.json")
+            spawn(wire_ranks, 2, messages, rounds, tmp)
             with open(f"{tmp}/wire.json") as f:
                 measured = json.load(f)
+            cpu_us = []
+            for rank in (0, 1):
+                with open(f"{tmp}/cpu{rank}.json") as f:
+                    cpu_us.append(json.load(f))
         for name, message in messages.items():
             raw, channel = measured[name]["raw"], measured[name]["channel"]
             paths = {"/".join(key) if isinstance(key, tuple) else key: leaf for key, leaf in message.items(True, True)}
@@ -183,6 +197,7 @@ def wire(envs: list[int], rounds: int) -> None:
                 for path, leaf in paths.items()
                 if not path.startswith("next_obs") and any(word in path.split("/") for word in SHOWN_FIELDS)
             )
+            extra_us = [each[name]["channel"] - each[name]["raw"] for each in cpu_us]
             rows.append(
                 [
                     num_envs,
@@ -191,11 +206,26 @@ def wire(envs: list[int], rounds: int) -> None:
                     f"{raw:.0f}",
                     f"{channel:.0f}",
                     f"{channel / raw:.2f}",
+                    f"{cpu_us[0][name]['raw']:.1f}, {cpu_us[1][name]['raw']:.1f}",
+                    f"{extra_us[0]:+.1f}, {extra_us[1]:+.1f}",
                     keys,
                 ]
             )
     print(
-        table(["envs", "message", "bytes", "raw MB/s", "channel MB/s", "ratio", "text, chunk and episode fields"], rows)
+        table(
+            [
+                "envs",
+                "message",
+                "bytes",
+                "raw MB/s",
+                "channel MB/s",
+                "ratio",
+                "raw CPU us/msg (send, recv)",
+                "channel - raw CPU us/msg (send, recv)",
+                "text, chunk and episode fields",
+            ],
+            rows,
+        )
     )
 
 

@@ -213,3 +213,25 @@ def _wrong_header(rank, world_size):
 
 def test_receiver_rejects_a_message_with_another_layout_digest():
     assert_all_ok(run_ranks(_wrong_header, 2, timeout_s=20))
+
+
+def _out_of_order(rank, world_size):
+    # A message whose sequence number is not the one the receiver expects (one lost, or another sender on the
+    # channel's tag): the receiver names both numbers in one line instead of handing the bytes on.
+    layout = TensorLayout.of(TensorDict({"x": torch.zeros(4)}, batch_size=[]))
+    if rank == 0:
+        flat = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        flat[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor([2, layout.digest]))  # message 2 comes first
+        dist.send(flat, dst=1, tag=7)
+    else:
+        expected = (
+            f"channel 'obs' from rank 0 \\(env 0\\) expected message 1 with layout digest {layout.digest}, "
+            "got message 2"
+        )
+        with pytest.raises(CommError, match=expected):
+            RecvChannel(layout, 1, 0, "obs", tag=7, timeout=TIMEOUT, describe_rank=describe).recv()
+    dist.barrier()
+
+
+def test_receiver_rejects_a_message_out_of_sequence():
+    assert_all_ok(run_ranks(_out_of_order, 2, timeout_s=20))
