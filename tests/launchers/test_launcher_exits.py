@@ -202,3 +202,24 @@ def test_ctrl_c_under_plain_torchrun_is_acknowledged_once_and_stops_once(tmp_pat
     stopped = [line for line in lines if "stopped by SIGINT after iteration" in line]
     assert len(acknowledged) == 1 and len(stopped) == 1, output
     assert "rerun the same command to resume" in stopped[0], output
+
+
+@needs_mpirun
+def test_sigterm_to_one_rank_under_mpirun_sh_is_the_stop_line_and_75_without_mpiruns_box(tmp_path):
+    # The ranks agree on the stop and exit 75; mpirun then prints its "exited with non-zero status" box (11 lines),
+    # which the script drops once rank 0 has spoken for the job (its stop line, its code in $SPMD_RL_EXIT_FILE).
+    job = _start("mpirun.sh", ENDLESS, tmp_path)
+    _wait_for(lambda: any(p.stat().st_size for p in tmp_path.glob("runs/*/metrics.jsonl")), job, "metrics")
+    (rank_1,) = [pid for pid in _ranks(tmp_path) if "OMPI_COMM_WORLD_RANK=1" in _environ(pid)]
+    os.kill(rank_1, signal.SIGTERM)
+    code, output = _finish(job, tmp_path)
+    said = [line for line in _lines(output) if not line.startswith(("spmd_rl: launcher ", "iter "))]
+    assert code == 75, output
+    assert len(said) == 1 and "stopped by SIGTERM after iteration" in said[0], output
+
+
+def _environ(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_text().split("\0")
+    except OSError:
+        return []
