@@ -36,7 +36,7 @@ from spmd_rl.run.resume import agree_on_run, mark_finished, settle_start
 from spmd_rl.run.run import Run
 from spmd_rl.run.topology import Topology, build_topology, create_process_groups
 from spmd_rl.run.trackers import check_installed
-from spmd_rl.runtime.distributed import Runtime, choose_device, shutdown_runtime, start_runtime
+from spmd_rl.runtime.distributed import Runtime, as_comm_error, choose_device, shutdown_runtime, start_runtime
 from spmd_rl.runtime.errors import (
     COMM_ERROR_EXIT_CODE,
     STOPPED_EXIT_CODE,
@@ -172,9 +172,10 @@ def _report_failure(
     if isinstance(exc, UserError):  # found while running (a rank's files, a config that differs): say which rank
         speaker = launch.rank == 0 or not isinstance(exc, SharedUserError)
         return user_error(exc, speaker=speaker, rank=launch.rank), None, speaker
-    if isinstance(exc, CommError):
-        say(who, "communication error", exc)
-        return COMM_ERROR_EXIT_CODE, exc, True
+    comm = as_comm_error(exc, who)  # a CommError, or torch's own collective failing (FSDP's all-gather in act)
+    if comm is not None:
+        say(who, "communication error", comm)
+        return COMM_ERROR_EXIT_CODE, comm, True
     if isinstance(exc, UserCodeError):
         say(who, "error in user code", exc)
         return USER_CODE_EXIT_CODE, None, True

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.runtime import meeting
-from spmd_rl.runtime.errors import CommError, UserError
+from spmd_rl.runtime.errors import CommError, UserCodeError, UserError
 from spmd_rl.runtime.job_store import open_rendezvous
 from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.postmortem import set_job_key
@@ -179,6 +179,19 @@ def is_comm_failure(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def as_comm_error(exc: BaseException, who: str) -> CommError | None:
+    """exc as a communication error: itself when it is a CommError; for torch's own collective failing as a plain
+    RuntimeError where no bounded wait of ours is around it (FSDP2's all-gather in a sharded policy's forward, on
+    the colocated layout's acting path) a CommError naming the other ranks, so the line is one line and rank 0's
+    summary names the rank that went; None for anything else (an error in user code stays one)."""
+    if isinstance(exc, CommError):
+        return exc
+    if isinstance(exc, UserCodeError) or not is_comm_failure(exc):
+        return None
+    others = group_peer(None) if dist.is_initialized() else None
+    return comm_error(f"{who}: a collective inside torch (FSDP's all-gather of a sharded policy)", exc, None, others)
 
 
 def comm_error(
