@@ -45,7 +45,7 @@ def user_error_line(exc: UserError, rank: int | None = None) -> str:
     return f"spmd_rl: {where}error: {exc}"
 
 
-def user_error(exc: UserError, speaker: bool, rank: int | None = None) -> int:
+def user_error(exc: UserError, speaker: bool, rank: int | None = None, linger_s: float = QUIET_RANK_LINGER_S) -> int:
     if speaker:
         print(user_error_line(exc, rank), file=sys.stderr, flush=True)
     else:
@@ -53,7 +53,7 @@ def user_error(exc: UserError, speaker: bool, rank: int | None = None) -> int:
         # planned, with its own code and nothing printed (a stop line here would be a second, false line).
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(signum, lambda *_: os._exit(USER_ERROR_EXIT_CODE))
-        time.sleep(QUIET_RANK_LINGER_S)
+        time.sleep(max(0.0, linger_s))
     return USER_ERROR_EXIT_CODE
 
 

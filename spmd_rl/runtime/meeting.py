@@ -149,9 +149,11 @@ def refuse_start(launch: LaunchInfo, error: UserError, speaker: bool, rank: int 
         return user_error(error, speaker=speaker, rank=rank)
     if speaker:
         user_error(error, speaker=True, rank=rank)
+    began = time.monotonic()
     if tell_rank_0(launch, USER_ERROR_EXIT_CODE, user_error_line(error, rank), speaker, timeout_s) or speaker:
         return USER_ERROR_EXIT_CODE
-    return user_error(error, speaker=False)  # rank 0 failed too and spoke for the job: this rank ends quietly
+    # rank 0 failed too and spoke for the job: this rank ends quietly, lingering no longer than it always did
+    return user_error(error, speaker=False, linger_s=QUIET_RANK_LINGER_S - (time.monotonic() - began))
 
 
 def exit_before_start(launch: LaunchInfo, exc: SystemExit, timeout_s: float) -> int:
