@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 import threading
 import time
@@ -121,9 +122,18 @@ def _tell(connect: Callable[[], Any], rank: int, exit_code: int, line: str, spok
             pass
 
     thread = threading.Thread(target=quietly, name="spmd_rl-tell-rank-0", daemon=True)
-    with signals_held_off():  # inherited by the thread: a signal does not cut its store client's retries short
-        thread.start()
-    thread.join(bound_s)
+    # torch's store client writes a warning and a C++ stack to stderr when rank 0 ends while it waits (rank 0 failed
+    # its own check too and spoke for the job): nothing else of this rank is said meanwhile, so fd 2 goes nowhere.
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as nowhere:
+            os.dup2(nowhere.fileno(), 2)
+        with signals_held_off():  # inherited by the thread: a signal does not cut its store client's retries short
+            thread.start()
+        thread.join(bound_s)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
     return heard.is_set()
 
 
