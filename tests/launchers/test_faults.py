@@ -191,7 +191,8 @@ def test_a_killed_rank_ends_the_job_with_one_line_per_rank(jobs, layout, victim)
 def test_a_killed_fsdp_trainer_leaves_one_line_and_the_summary(jobs):
     # Colocated with train.parallel=fsdp every rank's act all-gathers the sharded policy: the survivor's gather
     # from the killed rank fails inside FSDP2 as a plain RuntimeError (was: its traceback, exit 1, no summary).
-    job = jobs("colocated", ["train.parallel=fsdp"])
+    # Long rollouts, one short update: the kill lands while the survivor acts (learn maps its own failures)
+    job = jobs("colocated", ["train.parallel=fsdp", "algo.num_steps=1024", "algo.update_epochs=1"])
     killed_at = job.signal_when_training(1, signal.SIGKILL)
     job.wait(range(job.world), TIMEOUT_S + MARGIN_S)
     summary = check_lines(job, {0: (COMM_ERROR_EXIT_CODE, "communication error")})
