@@ -15,6 +15,18 @@ iteration (start-up) is left out. The ratio is that time over the bound max(E, I
 S's. E and I are given as set (the sleeps) and as measured (time_env_s, time_inference_s: a sleep overshoots,
 most on a busy machine), and the ratio against both bounds. The idle columns are each side's waiting per step
 (time_env_idle_s, time_inference_idle_s).
+
+    python benchmarks/pipeline.py --layout colocated [--stages 1,2,4]
+
+One process (the colocated layout, world size 1), 8 envs in gymnasium's AsyncVectorEnv (env.vectorization=async:
+one worker process per env), so each stage's envs step on their thread while the policy acts for the next stage.
+The envs' workers step in parallel, so a step of any stage takes E = the step's sleep; I = 8 x the forward pass's
+sleep, a stage's pass I / S. Stage s's step begins after its pass and must end before its next one, after the
+other stages' passes: a step costs max(I, E + I / S) (the model bound, column "vs model"), E + I with one stage; at
+E = I that is 1.33x for S = 2 and 1.6x for S = 4, not the split layout's 2x. A step is a rollout's time less the
+previous iteration's learning (a colocated rollout's time runs from the previous segment, so it holds that
+iteration's learning) over its steps; measured E is a stage's step (time_env_s sums the stages' steps, which run at
+once). The idle columns are the split layout's only: one process waits for no peer.
 """
 
 from __future__ import annotations
@@ -30,6 +42,33 @@ SPLITS = {  # name: (seconds an env step sleeps, seconds the forward pass sleeps
     "E = 3I": (0.003, 0.0005),  # E = 24 ms, I = 8 ms
     "I = 3E": (0.001, 0.0015),  # E = 8 ms, I = 24 ms
 }
+COLOCATED_SPLITS = {  # one process, 8 envs stepping in parallel worker processes: E = the sleep, I = 8 x its sleep
+    "E = I": (0.016, 0.002),  # E = 16 ms, I = 16 ms
+    "E = 3I": (0.024, 0.001),  # E = 24 ms, I = 8 ms
+    "I = 3E": (0.008, 0.003),  # E = 8 ms, I = 24 ms
+}
+
+
+def set_times(layout: str, env_sleep: float, act_sleep: float) -> tuple[float, float]:
+    """(E, I) per step as the sleeps set them (see the module docstring)."""
+    if layout == "colocated":
+        return env_sleep, ENVS * act_sleep
+    return ENVS * env_sleep, ENV_RANKS * ENVS * act_sleep
+
+
+def slow_run(stages: int, env_sleep: float, act_sleep: float, steps: int) -> list[str]:
+    """The overrides of a run with the set times: the sleeping env and policy, S stages, short PPO updates."""
+    return [
+        "env.id=benchmarks.slow_env:SlowCartPole-v1",
+        f"env.kwargs={{step_sleep_s: {env_sleep}}}",
+        f"env.num_envs={ENVS}",
+        f"env.pipeline_stages={stages}",
+        "policy.class=benchmarks.slow_policy:SlowActorCritic",
+        f"policy.act_sleep_s_per_env={act_sleep}",
+        f"algo.num_steps={steps}",
+        "algo.update_epochs=1",
+        "algo.num_minibatches=1",
+    ]
 
 
 def step_times(stages: int, env_sleep: float, act_sleep: float, steps: int, iterations: int) -> dict[str, float]:
@@ -39,16 +78,8 @@ def step_times(stages: int, env_sleep: float, act_sleep: float, steps: int, iter
             "layout.trainer=1",
             "layout.inference=1",
             f"layout.env={ENV_RANKS}",
-            "env.id=benchmarks.slow_env:SlowCartPole-v1",
-            f"env.kwargs={{step_sleep_s: {env_sleep}}}",
             "env.vectorization=sync",
-            f"env.num_envs={ENVS}",
-            f"env.pipeline_stages={stages}",
-            "policy.class=benchmarks.slow_policy:SlowActorCritic",
-            f"policy.act_sleep_s_per_env={act_sleep}",
-            f"algo.num_steps={steps}",
-            "algo.update_epochs=1",
-            "algo.num_minibatches=1",
+            *slow_run(stages, env_sleep, act_sleep, steps),
             f"train.total_steps={iterations * steps * ENVS * ENV_RANKS}",
         ],
         nproc=2 + ENV_RANKS,
@@ -67,20 +98,54 @@ def step_times(stages: int, env_sleep: float, act_sleep: float, steps: int, iter
     }
 
 
+def colocated_step_times(
+    stages: int, env_sleep: float, act_sleep: float, steps: int, iterations: int
+) -> dict[str, float]:
+    """One process, the envs in AsyncVectorEnv's workers: per step, as step_times (see the module docstring)."""
+    records = run_spmd(
+        [
+            "env.vectorization=async",
+            *slow_run(stages, env_sleep, act_sleep, steps),
+            f"train.total_steps={iterations * steps * ENVS}",
+        ],
+        timeout=900,
+    )
+    pairs = list(zip(records, records[1:]))  # (the previous iteration, this one): the first is left out
+
+    def per_step(value) -> float:
+        return statistics.median(value(previous, r) for previous, r in pairs) / steps
+
+    return {
+        "step": per_step(lambda previous, r: r["time_rollout_s"] - previous["time_learn_s"]),
+        # time_env_s sums the stages' steps, which run at once on their threads: one stage's step is E
+        "env": per_step(lambda previous, r: r["time_env_s"]) / stages,
+        "inference": per_step(lambda previous, r: r["time_inference_s"]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", default="1,2,4")
     parser.add_argument("--steps", type=int, default=32, help="algo.num_steps: steps per rollout")
     parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--layout", choices=["split", "colocated"], default="split")
     args = parser.parse_args()
     stage_counts = [int(s) for s in args.stages.split(",")]
+    colocated = args.layout == "colocated"
+    measure = colocated_step_times if colocated else step_times
     rows = []
-    for name, (env_sleep, act_sleep) in SPLITS.items():
-        env_s, inference_s = ENVS * env_sleep, ENV_RANKS * ENVS * act_sleep
+    for name, (env_sleep, act_sleep) in (COLOCATED_SPLITS if colocated else SPLITS).items():
+        env_s, inference_s = set_times(args.layout, env_sleep, act_sleep)
         base = None
         for stages in stage_counts:
-            t = step_times(stages, env_sleep, act_sleep, args.steps, args.iterations)
+            t = measure(stages, env_sleep, act_sleep, args.steps, args.iterations)
             base = t["step"] if stages == 1 else base
+            # one process: the model bound max(I, E + I / S); split: each side's idle time
+            last = (
+                f"{t['step'] / max(inference_s, env_s + inference_s / stages):.2f}x"
+                if colocated
+                else f"{t['env_idle'] * 1e3:.1f} / {t['inference_idle'] * 1e3:.1f}"
+            )
             rows.append(
                 [
                     name,
@@ -91,27 +156,23 @@ def main() -> None:
                     f"{t['step'] / max(env_s, inference_s):.2f}x",
                     f"{t['step'] / max(t['env'], t['inference']):.2f}x",
                     f"{base / t['step']:.2f}x" if base else "-",
-                    f"{t['env_idle'] * 1e3:.1f} / {t['inference_idle'] * 1e3:.1f}",
+                    last,
                 ]
             )
             print(rows[-1], flush=True)
     print(machine())
-    print(
-        table(
-            [
-                "split",
-                "E / I set (ms)",
-                "E / I measured (ms)",
-                "S",
-                "step (ms)",
-                "vs max(E, I) set",
-                "vs max(E, I) measured",
-                "speed-up vs S=1",
-                "idle env / inference (ms)",
-            ],
-            rows,
-        )
-    )
+    headers = [
+        "split",
+        "E / I set (ms)",
+        "E / I measured (ms)",
+        "S",
+        "step (ms)",
+        "vs max(E, I) set",
+        "vs max(E, I) measured",
+        "speed-up vs S=1",
+        "vs model max(I, E + I/S) set" if colocated else "idle env / inference (ms)",
+    ]
+    print(table(headers, rows))
 
 
 if __name__ == "__main__":

@@ -195,9 +195,10 @@ class EnvSection:
     )
     pipeline_stages: int = knob(
         1,
-        "split layout: each env rank's envs in this many equal stages, stepped in turn, so that one stage steps "
-        "while the inference rank acts for another (env and inference time overlap); env.num_envs must be a "
-        "multiple of it, and each stage of env.group_size's blocks; 1 = every env in one step",
+        "each env rank's envs in this many equal stages, stepped in turn, so that one stage steps while the "
+        "inference rank acts for another (env and inference time overlap); in the colocated layout each stage "
+        "steps on a thread of its own while the policy acts for the next, which needs env.vectorization=async; "
+        "env.num_envs must be a multiple of it, and each stage of env.group_size's blocks; 1 = every env in one step",
         min=1,
         omit_default=True,
     )

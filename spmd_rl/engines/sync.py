@@ -152,11 +152,7 @@ class SyncEngine(Engine):
 
         def rollout(iteration: int):
             """One rollout of this rank's envs, acting with the trainer's module, and its segment received."""
-            for step in range(plan.num_steps):
-                runner.send_observations(step)
-                server.serve_step()
-                runner.receive_actions_and_step(step)
-            runner.send_segment()
+            runner.collect_segment_in_process(iteration, server.serve_stage)
             return receive(iteration)
 
         # Only here, where every rank steps its own envs, can an algorithm roll more rollouts within an iteration

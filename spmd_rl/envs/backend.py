@@ -84,6 +84,11 @@ class EnvBackend:
         """Evaluation's --video: (section, spec, per-env wrappers) whose envs write every episode's video."""
         raise UserError(f"--video: env.backend={clip(cfg.backend)} records no videos")
 
+    def steps_in_worker_processes(self, cfg: EnvSection) -> bool:
+        """Whether the envs step in other processes, so that their step waits without holding this process's GIL
+        (env.pipeline_stages in one process overlaps the policy with such steps only; False refuses them there)."""
+        return False
+
     def capture_state(self, envs) -> dict | None:
         """The envs' state for a checkpoint, or None when it cannot be saved (unsaved_reason says why)."""
         return None

@@ -18,13 +18,15 @@ class Engine:
 
     `run(run)` receives a spmd_rl.api.Run and typically reads `run.role` (COLOCATED, or ENV / INFERENCE / TRAINER
     in the split layout) and runs one loop per role over `run.iterations`:
-      - build the role's component: `run.build_colocated(logger)` -> (EnvRunner, InferenceServer, Trainer,
-        Reporter); `run.build_env_runner()`; `run.build_inference_server()` (or `run.inference_parts()` for a
-        server of your own); `run.build_trainer(logger)` -> (Trainer, Reporter);
+      - build the role's component: `run.build_colocated(logger)` -> (EnvRunner, or a PipelinedEnvRunner with
+        env.pipeline_stages; InferenceServer, Trainer, Reporter); `run.build_env_runner()`;
+        `run.build_inference_server()` (or `run.inference_parts()` for a server of your own);
+        `run.build_trainer(logger)` -> (Trainer, Reporter);
       - restore them, `run.restore(components)` with `{name: component}` (each has state_dict() and
         load_state_dict(state); the role components' names are in spmd_rl/persist/rank_state.py), before the
         first iteration: the checkpoint the run resumes from, if any, is loaded into them;
-      - call their step-level methods (EnvRunner.collect_segment, InferenceServer.serve_step / take_weights,
+      - call their step-level methods (EnvRunner.collect_segment, or collect_segment_in_process with the server's
+        serve_stage in one process; InferenceServer.serve_step / take_weights,
         Trainer.receive_segments / learn / publish_weights / gather_statistics), following `run.plan`
         (version_at, syncs_after, explores_at);
       - end every iteration with `run.end_iteration(iteration, components)` on every rank after the same

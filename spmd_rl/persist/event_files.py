@@ -40,16 +40,17 @@ def sound_records(data: bytes) -> tuple[list[bytes], int, int]:
     return records, bad, len(data) - position
 
 
-def repair_event_files(directory: Path) -> str:
+def repair_event_files(directory: Path, write: bool = True) -> str:
     """Rewrite every damaged event file in directory with its sound records only; what was dropped, for a note
-    ('' when every file was sound)."""
+    ('' when every file was sound). write=False: only the note, the files stay as they are."""
     dropped = []
     for path in sorted(directory.glob("events.out.tfevents.*")) if directory.is_dir() else []:
         data = path.read_bytes()
         records, bad, tail = sound_records(data)
         if not bad and not tail:
             continue
-        write_atomic(path, b"".join(records))
+        if write:
+            write_atomic(path, b"".join(records))
         parts = ([f"{bad} record(s) failing their checksum"] if bad else []) + (
             [f"{tail} unreadable byte(s) at the end"] if tail else []
         )

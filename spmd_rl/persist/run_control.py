@@ -70,6 +70,8 @@ class RunControl:
         self.timeout = timeout
         self.last_checkpoint = time.monotonic()
         self.save_s = 0.0  # seconds this rank spent on its last checkpoint (0 when none this iteration)
+        # rank 0, once every rank saved a checkpoint and before it is committed: what must be on disk when it counts
+        self.before_commit: Callable[[], None] = lambda: None
         self.after_commit: Callable[[], None] = lambda: None  # rank 0, after every committed checkpoint
 
     def after_iteration(self, iteration: int, capture: Callable[[], dict]) -> None:
@@ -163,6 +165,7 @@ class RunControl:
             )
         directory = self.store.directory(iteration)
         if self.rank == 0:
+            self.before_commit()
             self.store.commit(iteration, world_size=self.world_size)
             self.after_commit()
         return directory

@@ -2,27 +2,25 @@
 finished rollout segment to its trainer.
 
 One step is two halves (send observations / receive actions and step) so that in the colocated layout the
-inference server can run in between, in the same process, through local channels.
+inference server can run in between, in the same process, through local channels (roles/local_env_runner.py).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import NamedTuple
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from spmd_rl.comm.local_channel import LocalRecvChannel, LocalSendChannel, local_channel
 from spmd_rl.envs import spaces
 from spmd_rl.envs.backend import EnvBackend, check_group_starts, group_seeds, old_gym_api_hint
 from spmd_rl.envs.chunks import CHUNK_REWARDS, executed_steps
 from spmd_rl.envs.gymnasium_state import as_arrays, as_tensors
 from spmd_rl.envs.success import EpisodeSuccess
-from spmd_rl.envs.vector import EnvSpec
-from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, EPISODE_START, RECURRENT_STATE, SUCCESS_FIELDS, StepField
-from spmd_rl.roles.messages import action_message, observation_message, segment_message, with_episode_starts
+from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, EPISODE_START, RECURRENT_STATE, SUCCESS_FIELDS
+from spmd_rl.roles.env_step_thread import EnvStepThread
 from spmd_rl.runtime.errors import UserCodeError, UserError, describe_exception
 from spmd_rl.runtime.watchdog import watchdog
 
@@ -44,11 +42,15 @@ class EnvRunner:
         group_size: int = 1,
         columns: slice | None = None,
         stage: str = "",
+        step_thread: EnvStepThread | None = None,
     ):
         """`columns`: where this runner's envs lie in the segment, when it is one stage of a PipelinedEnvRunner
         (which sends the segment); None: the whole segment, sent by this runner. `stage` names the stage in its
-        errors (' in pipeline stage 1'; '' without stages)."""
+        errors (' in pipeline stage 1'; '' without stages). `step_thread`: the thread that steps the envs while
+        this process acts for another stage (pipeline stages in one process); None: steps on the caller's thread."""
         self.envs = envs
+        self.step_thread = step_thread
+        self._action = None  # the actions of the step begun and not yet finished
         self.env_backend = env_backend  # what saves and restores the envs' state (None: checkpoints hold none)
         self.num_steps = num_steps
         self.to_inference = to_inference
@@ -130,6 +132,11 @@ class EnvRunner:
         self.to_inference.isend()
 
     def receive_actions_and_step(self, t: int) -> None:
+        self.receive_actions_and_start_step(t)
+        self.finish_step(t)
+
+    def receive_actions_and_start_step(self, t: int) -> None:
+        """Step t's first half: its actions into the rollout, and the step begun (on the step thread, if any)."""
         # Only the time this rank waits counts: a pipeline stage's actions are computed while other stages step.
         clock = time.perf_counter()
         reply = self._numpy_views(self._reply.wait())
@@ -149,11 +156,19 @@ class EnvRunner:
                     self.first_state[name][:] = value
             # After a reset step (this step, if invalid) the env gives a new episode's first observation.
             self.next_step_starts = ~self.next_step_valid
+        self._action = action
+        if self.step_thread is not None:
+            self.step_thread.start(action)
 
+    def finish_step(self, t: int) -> None:
+        """Step t's second half: the step's result (waited for, on a step thread) recorded."""
         clock = time.perf_counter()
         try:
             with self.watched_step:
-                obs, reward, terminated, truncated, info = self.envs.step(action)
+                if self.step_thread is None:
+                    obs, reward, terminated, truncated, info = self.envs.step(self._action)
+                else:
+                    (obs, reward, terminated, truncated, info), step_s = self.step_thread.wait()
         except UserError:  # the framework's own verdict on what the env gave (a text longer than its tokens)
             raise
         except Exception as exc:  # the env's own error: its type, message and file:line, not the vector env's stack
@@ -161,7 +176,9 @@ class EnvRunner:
                 f"{self.describe}: env '{self.env_id}' raised at step {self.steps_taken + 1}: {describe_exception(exc)}"
                 f"{old_gym_api_hint(exc)}"
             ) from exc
-        self.env_s += time.perf_counter() - clock
+        # On a step thread the step's own time counts: this thread acted for another stage during most of it.
+        self.env_s += time.perf_counter() - clock if self.step_thread is None else step_s
+        self._action = None
         self.steps_taken += 1
         # NaN and inf survive a sum (overflow aside, which the exact check below then clears): one reduction per
         # array is the cheap common case of the check.
@@ -284,6 +301,17 @@ class EnvRunner:
             self.receive_actions_and_step(t)
         self.send_segment()
 
+    def collect_segment_in_process(self, index: int, serve_stage: Callable[[int], None]) -> None:
+        """One rollout where the inference server runs in this process (the colocated layout): per step the
+        observations, `serve_stage(0)` (the server's forward pass for them), the actions and the step; then the
+        segment to the trainer."""
+        self.mark_segment(index)
+        for t in range(self.num_steps):
+            self.send_observations(t)
+            serve_stage(0)
+            self.receive_actions_and_step(t)
+        self.send_segment()
+
     def mark_segment(self, index: int) -> None:
         """Async observations carry the index of the rollout they belong to."""
         if self.segment_index is not None:
@@ -331,6 +359,9 @@ class EnvRunner:
             self.episode_primitive_steps = state["episode_primitive_steps"].numpy().copy()
 
     def close(self) -> None:
+        if self.step_thread is not None:
+            with self.watched_step:  # a step still in flight (the run is ending on an error) finishes first
+                self.step_thread.stop()
         self.envs.close()
 
 
@@ -362,32 +393,3 @@ def _columns_of(views, columns: slice | None, axis: int):
     if isinstance(views, dict):
         return {key: _columns_of(value, columns, axis) for key, value in views.items()}
     return views[(slice(None),) * axis + (columns,)]
-
-
-class LocalEnvRunner(NamedTuple):
-    """An env runner whose channels stay in this process, and their other ends: the observations the inference
-    server reads, the actions it answers through, the segments the trainer receives."""
-
-    runner: EnvRunner
-    observations: LocalRecvChannel
-    actions: LocalSendChannel
-    segments: LocalRecvChannel
-
-
-def local_env_runner(
-    envs,
-    first_obs,
-    spec: EnvSpec,
-    outputs: dict[str, StepField],
-    num_steps: int,
-    state: dict[str, StepField] | None = None,
-    **options,
-) -> LocalEnvRunner:
-    """An EnvRunner of envs.num_envs envs (options: its keyword arguments) on local channels, as the colocated layout
-    joins the roles in one process (and tests and tools that play every role themselves)."""
-    n = envs.num_envs
-    obs_out, obs_in = local_channel("observations", with_episode_starts(observation_message(spec, n), state, n))
-    actions_out, actions_in = local_channel("actions", action_message(outputs, n, state))
-    segments_out, segments_in = local_channel("segments", segment_message(spec, outputs, num_steps, n, state))
-    runner = EnvRunner(envs, first_obs, obs_out, actions_in, segments_out, num_steps, list(outputs), **options)
-    return LocalEnvRunner(runner, obs_in, actions_out, segments_in)

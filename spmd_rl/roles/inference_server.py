@@ -169,6 +169,10 @@ class InferenceServer(ServerState):
         for served in self.stage_clients:
             self._serve(served)
 
+    def serve_stage(self, stage: int) -> None:
+        """One env step of one pipeline stage's clients (in one process, the stage's runner asks for it)."""
+        self._serve(self.stage_clients[stage])
+
     def _serve(self, served: list[int]) -> None:
         pending = [self.obs_channels[index].irecv() for index in served]
         messages = [message.wait() for message in pending]

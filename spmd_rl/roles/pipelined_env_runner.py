@@ -11,6 +11,8 @@ stages in the same order (InferenceServer.serve_step), so the schedule still fol
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from spmd_rl.roles.env_runner import EnvRunner, draw_episode_seed, send_segment
 
 
@@ -39,6 +41,33 @@ class PipelinedEnvRunner:
 
     def collect_segment(self, index: int) -> None:
         """One rollout of every stage, interleaved, then the segment to the trainer (see the module docstring)."""
+        self._begin_segment(index)
+        for stage in self.stages:
+            stage.send_observations(0)
+        for t in range(self.num_steps):
+            for stage in self.stages:
+                stage.receive_actions_and_step(t)
+                if t + 1 < self.num_steps:
+                    stage.send_observations(t + 1)
+        self.send_segment()
+
+    def collect_segment_in_process(self, index: int, serve_stage: Callable[[int], None]) -> None:
+        """One rollout where the inference server runs in this process (the colocated layout) and each stage steps
+        on its own thread (EnvStepThread): per step, stage by stage, the stage's previous step is finished, its
+        observations go out, `serve_stage(s)` acts for them (while the other stages step) and its step begins."""
+        self._begin_segment(index)
+        for t in range(self.num_steps):
+            for s, stage in enumerate(self.stages):
+                if t:
+                    stage.finish_step(t - 1)
+                stage.send_observations(t)
+                serve_stage(s)
+                stage.receive_actions_and_start_step(t)
+        for stage in self.stages:
+            stage.finish_step(self.num_steps - 1)
+        self.send_segment()
+
+    def _begin_segment(self, index: int) -> None:
         for stage in self.stages:
             stage.mark_segment(index)
         if self.episodes:
@@ -47,13 +76,8 @@ class PipelinedEnvRunner:
             for stage in self.stages:
                 assert stage.columns is not None  # every stage has its columns (build_env_runner)
                 stage.episode_seed = stage_seed(seed, stage.columns, stage.group_size)
-        for stage in self.stages:
-            stage.send_observations(0)
-        for t in range(self.num_steps):
-            for stage in self.stages:
-                stage.receive_actions_and_step(t)
-                if t + 1 < self.num_steps:
-                    stage.send_observations(t + 1)
+
+    def send_segment(self) -> None:
         send_segment(self.to_trainer, self.stages)
 
     def state_dict(self) -> dict:

@@ -13,10 +13,11 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from spmd_rl.comm.sharding import full_state_dict, is_dtensor
+from spmd_rl.config.excerpts import listed
 from spmd_rl.interfaces.policy import CHUNK_VALID, GROUP, RECURRENT_STATE, Policy
 from spmd_rl.persist.checkpoint import SHARDS_FROM, load_shards, stored_shapes
 from spmd_rl.persist.rank_state import ALGORITHM, POLICY
-from spmd_rl.persist.tensor_fit import fit_problems, shape_misfits
+from spmd_rl.persist.tensor_fit import fit_problems, shape_misfits, state_shape_misfits
 from spmd_rl.roles.messages import SEGMENT_TIMINGS
 from spmd_rl.roles.update_guard import UpdateGuard
 from spmd_rl.runtime.distributed import bounded, comm_error, group_peer, is_comm_failure
@@ -245,6 +246,16 @@ class Trainer:
             raise UserError(
                 f"the checkpoint's policy does not fit this run's: {'; '.join(problems)}; resume with the config "
                 f"that wrote it, or start from its weights where they fit (run.init_from, run.init_prefix)"
+            )
+        optimizers = {
+            name: value for name, value in vars(self.algorithm).items() if isinstance(value, torch.optim.Optimizer)
+        }
+        misfits = state_shape_misfits(self.algorithm.state_dict(), state[ALGORITHM], optimizers, ALGORITHM)
+        if misfits:
+            raise UserError(
+                f"the checkpoint's algorithm state does not fit this run's: {len(misfits)} misfit(s): "
+                f"{listed(misfits)}; resume with the config and the version of algo.class "
+                f"'{type(self.algorithm).__name__}' that wrote it, or start from its weights (run.init_from)"
             )
 
     def load_state_dict(self, state: dict) -> None:

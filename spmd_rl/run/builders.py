@@ -18,6 +18,7 @@ import torch
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.channel_setup import open_channels
+from spmd_rl.comm.local_channel import local_channel
 from spmd_rl.comm.weight_sources import GatheredWeightSource
 from spmd_rl.comm.weights import WeightSync
 from spmd_rl.envs.backend import backend_for
@@ -25,8 +26,10 @@ from spmd_rl.envs.vector import group_of_envs
 from spmd_rl.interfaces.algorithm import Algorithm, PolicyMethod
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import GROUP, Policy
-from spmd_rl.roles.env_runner import EnvRunner, local_env_runner
+from spmd_rl.roles.env_runner import EnvRunner
+from spmd_rl.roles.env_step_thread import EnvStepThread
 from spmd_rl.roles.inference_server import InferenceParts, InferenceServer, RecurrentStates, UniformActions
+from spmd_rl.roles.local_env_runner import local_env_runner
 from spmd_rl.roles.messages import (
     action_message,
     observation_message,
@@ -55,42 +58,52 @@ def policy_device(policy: Policy) -> str:
     return next(iter(policy.state_dict().values()), torch.empty(0)).device.type
 
 
-def build_colocated(run: Run, logger: MetricsLogger | None) -> tuple[EnvRunner, InferenceServer, Trainer, Reporter]:
+def build_colocated(
+    run: Run, logger: MetricsLogger | None
+) -> tuple[EnvRunner | PipelinedEnvRunner, InferenceServer, Trainer, Reporter]:
     """Run.build_colocated (its docstring says what it builds)."""
     cfg, plan, rank = run.cfg, run.plan, run.rank
     group = run.groups.trainer if run.runtime.world_size > 1 else None
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
-        policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
+        policy = build_policy(cfg, run.spec, run.policy_class(), run.runtime.device)
     initial_algorithm_state = _init_policy_from(run, policy)
     unsharded = _copy_before_sharding(run, policy)
     algorithm, callbacks = _build_algorithm(run, policy, group)
-    with watchdog.watch(f"making and resetting env.id {cfg.env.id}"):
-        envs, first_obs = backend_for(cfg.env).make(cfg.env, run.spec, _seed_rank(run))
-    n, t = cfg.env.num_envs, plan.num_steps
-    runner, obs_in, actions_out, segments_in = local_env_runner(
-        envs,
-        first_obs,
-        run.spec,
-        run.outputs,
-        t,
-        run.recurrent_state,
-        describe=f"rank {rank}",
-        env_id=cfg.env.id,
-        env_backend=backend_for(cfg.env),
-        success_key=run.spec.success_key,
-        group_size=cfg.env.group_size,
+    n, t, stages = cfg.env.num_envs, plan.num_steps, cfg.env.pipeline_stages
+    columns = stage_columns(n, stages)
+    segments = local_channel("segments", segment_message(run.spec, run.outputs, t, n, run.recurrent_state))
+    # With stages, each stage's envs step on a thread of their own while this thread acts for the next stage.
+    stage_runners = [
+        local_env_runner(
+            envs,
+            first_obs,
+            run.spec,
+            run.outputs,
+            t,
+            run.recurrent_state,
+            segments,
+            step_thread=None if stages == 1 else EnvStepThread(envs, f"env step{stage_name(s, stages)}"),
+            **_env_runner_options(run, f"rank {rank}", columns, s),
+        )
+        for s, (envs, first_obs) in enumerate(_make_stage_envs(run, _seed_rank(run), columns))
+    ]
+    runner = (
+        stage_runners[0].runner
+        if stages == 1
+        else PipelinedEnvRunner([local.runner for local in stage_runners], segments[0], n)
     )
     server = InferenceServer(
         policy,
-        [obs_in],
-        [actions_out],
+        [local.observations for local in stage_runners],
+        [local.actions for local in stage_runners],
         run.runtime.device,
         uniform_actions=_uniform_actions(run),
-        states=_recurrent_states(run, [n]),
+        states=_recurrent_states(run, [n // stages] * stages),
+        stages=stages,
     )
     trainer = Trainer(
         algorithm,
-        [segments_in],
+        [segments[1]],
         [f"rank {rank}"],
         plan.max_env_columns_per_trainer * t,
         group,
@@ -118,17 +131,7 @@ def build_env_runner(run: Run, observation_layout=observation_message) -> EnvRun
     n, t, stages = cfg.env.num_envs, run.plan.num_steps, cfg.env.pipeline_stages
     columns = stage_columns(n, stages)
     state = run.recurrent_state
-    seed = _seed_rank(run)
-    stage_envs = []
-    for stage, envs_of_stage in enumerate(columns):
-        with watchdog.watch(f"making and resetting env.id {cfg.env.id}{stage_name(stage, stages)}"):
-            stage_envs.append(
-                backend_for(cfg.env).make(
-                    dataclasses.replace(cfg.env, num_envs=n // stages),
-                    spec,
-                    stage_seed(seed, envs_of_stage, cfg.env.group_size),
-                )
-            )
+    stage_envs = _make_stage_envs(run, _seed_rank(run), columns)
     channels, from_inference = open_channels(
         me=rank,
         sends=[
@@ -159,19 +162,44 @@ def build_env_runner(run: Run, observation_layout=observation_message) -> EnvRun
             to_trainer,
             t,
             list(run.outputs),
-            describe=run.describe(),
-            env_id=cfg.env.id,
-            env_backend=backend_for(cfg.env),
-            success_key=run.spec.success_key,
-            group_size=cfg.env.group_size,
-            columns=None if stages == 1 else columns[s],
-            stage=stage_name(s, stages),
+            **_env_runner_options(run, run.describe(), columns, s),
         )
         for s, (envs, first_obs) in enumerate(stage_envs)
     ]
     runner = runners[0] if stages == 1 else PipelinedEnvRunner(runners, to_trainer, n)
     _say_if_env_state_unsaved(run, runner)
     return runner
+
+
+def _env_runner_options(run: Run, describe: str, columns: list[slice], stage: int) -> dict:
+    """The EnvRunner keywords of pipeline stage `stage` of `columns` (the one stage: its whole segment)."""
+    stages = len(columns)
+    return {
+        "describe": describe,
+        "env_id": run.cfg.env.id,
+        "env_backend": backend_for(run.cfg.env),
+        "success_key": run.spec.success_key,
+        "group_size": run.cfg.env.group_size,
+        "columns": None if stages == 1 else columns[stage],
+        "stage": stage_name(stage, stages),
+    }
+
+
+def _make_stage_envs(run: Run, seed: int, columns: list[slice]) -> list[tuple]:
+    """Each pipeline stage's vector env and first observations (one stage: the rank's envs), every env seeded as it
+    is in one stage (stage_seed)."""
+    cfg, stages = run.cfg, len(columns)
+    stage_envs = []
+    for stage, envs_of_stage in enumerate(columns):
+        with watchdog.watch(f"making and resetting env.id {cfg.env.id}{stage_name(stage, stages)}"):
+            stage_envs.append(
+                backend_for(cfg.env).make(
+                    dataclasses.replace(cfg.env, num_envs=cfg.env.num_envs // stages),
+                    run.spec,
+                    stage_seed(seed, envs_of_stage, cfg.env.group_size),
+                )
+            )
+    return stage_envs
 
 
 def build_inference_server(run: Run) -> InferenceServer:
@@ -198,7 +226,7 @@ def inference_parts(run: Run, observation_layout=observation_message, recv_buffe
     n = cfg.env.num_envs // stages
     state_fields = run.recurrent_state
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
-        policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
+        policy = build_policy(cfg, run.spec, run.policy_class(), run.runtime.device)
     weights = WeightSyncPlan.of(run)
     if weights.wire_dtype == torch.bfloat16:  # this rank's copy in the wire's dtype; it acts under autocast
         sharding.compute_in_bf16(sharding.cast_parameters(policy, torch.bfloat16), ["act"], policy_device(policy))
@@ -240,7 +268,7 @@ def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1)
     # over is the trainer group's, never the world's (the inference and env ranks hold no rows).
     group = run.groups.trainer if len(topology.trainer_ranks) > 1 or plan.parallel.sharded else None
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
-        policy = build_policy(cfg, run.spec, run.policy_cls, run.runtime.device)
+        policy = build_policy(cfg, run.spec, run.policy_class(), run.runtime.device)
     initial_algorithm_state = _init_policy_from(run, policy)
     weights = WeightSyncPlan.of(run)
     unsharded = _copy_before_sharding(run, policy)
@@ -338,7 +366,7 @@ def _copy_before_sharding(run: Run, policy: Policy) -> Policy | None:
     policy where its class builds on the meta device (policies.cpu_copy)."""
     if run.rank != 0 or not run.plan.parallel.sharded:
         return None
-    return cpu_copy(policy, run.cfg, run.spec, run.policy_cls, cuda_indices(run.runtime.device))
+    return cpu_copy(policy, run.cfg, run.spec, run.policy_class(), cuda_indices(run.runtime.device))
 
 
 def _final_policy(trainer: Trainer, policy: Policy, unsharded: Policy | None) -> Policy:

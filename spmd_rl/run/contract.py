@@ -2,7 +2,12 @@
 subclass the API, the policy builds from the env's spaces, declares its outputs, and `act` returns exactly them,
 and the algorithm finds every step field it needs and every policy method it calls, each called with its declared
 signature on the sample observations and the actions act gave for them. Each failure is one UserError naming the class
-and what to change (exit 2 on every rank, before any rank waits for another)."""
+and what to change (exit 2 on every rank, before any rank waits for another; in a layout with env ranks, which never
+import the policy's module, the ranks that build it check it and every rank refuses once the process group exists:
+run/driver.py's agree_on_policy).
+
+Over 400 lines: every check of the plug-in contract with its one-line refusal, in the order they run, and the
+memory checks that read the same instance; split, each part would import the others' helpers."""
 
 from __future__ import annotations
 
@@ -41,19 +46,33 @@ SAMPLE_BATCH = 2  # the sample observations the policy's methods are called on
 def load_classes(cfg: Config) -> tuple[type[Policy], type[Algorithm], type, list]:
     """(policy class, algorithm class, engine class, [(callback class, its config)])."""
     policy_cls = plugins.load_class(plugins.POLICY, cfg.classes["policy"], Policy)
+    return policy_cls, *load_classes_but_policy(cfg)
+
+
+def load_classes_but_policy(cfg: Config) -> tuple[type[Algorithm], type, list]:
+    """(algorithm class, engine class, [(callback class, its config)]): what an env rank, which never builds the
+    policy, imports (the policy's module, a VLA's transformers and peft, stays unimported there)."""
     algorithm_cls = plugins.load_class(plugins.ALGORITHM, cfg.classes["algo"], Algorithm)
     engine_cls = plugins.load_class(plugins.ENGINE, cfg.classes["engine"], Engine)
     callbacks = [(plugins.load_class(plugins.CALLBACK, name, Callback), config) for name, config in cfg.callbacks]
-    return policy_cls, algorithm_cls, engine_cls, callbacks
+    return algorithm_cls, engine_cls, callbacks
 
 
 def check_policy(
-    cfg: Config, spec: EnvSpec, policy_cls: type[Policy], algorithm_cls: type[Algorithm], shards: int = 1
+    cfg: Config,
+    spec: EnvSpec,
+    policy_cls: type[Policy],
+    algorithm_cls: type[Algorithm],
+    shards: int = 1,
+    calls: bool = True,
 ) -> PolicySpec:
     """Build the policy, check its size against this host's memory, act on a batch of sample observations, compare
     with its declared outputs; returns its static spec. Built on the meta device (no memory, no initialisation, a
     pretrained folder checked against its files' headers), so no rank builds the policy to check it and env ranks
-    never build it. A class whose code needs real values fails there and is checked on a CPU instance, as before."""
+    never build it. A class whose code needs real values fails there and is checked on a CPU instance, as before.
+    Without `calls`, act and the algorithm's policy methods are not called (what the policy declares and its size
+    are still checked): for a rank whose peer makes the same calls for it (rank 0, in a layout with env ranks),
+    since a VLA's calls as fake tensors take tens of seconds of CPU."""
     name = f"policy.class '{cfg.classes['policy']}'"
     key = "policy.hidden_sizes" if hasattr(cfg.policy, "hidden_sizes") else "the policy's size (its policy.* keys)"
     try:  # SystemExit and KeyboardInterrupt go on: no failure of the meta device
@@ -64,7 +83,7 @@ def check_policy(
         check_policy_memory(policy, name, key, shards)  # a policy too large is refused before anything is built
         try:  # as fake tensors its methods run on shapes alone, and transformers skips shortcuts that read values
             with FakeTensorMode(allow_non_fake_inputs=True):
-                return _check_instance(cfg, spec, algorithm_cls, policy)
+                return _check_instance(cfg, spec, algorithm_cls, policy, calls)
         except Exception:
             pass
     try:
@@ -77,10 +96,12 @@ def check_policy(
             f"space {spec.action_space}: {describe_exception(exc)}"
         ) from None
     check_policy_memory(policy, name, key, shards)
-    return _check_instance(cfg, spec, algorithm_cls, policy)
+    return _check_instance(cfg, spec, algorithm_cls, policy, calls)
 
 
-def _check_instance(cfg: Config, spec: EnvSpec, algorithm_cls: type[Algorithm], policy: Policy) -> PolicySpec:
+def _check_instance(
+    cfg: Config, spec: EnvSpec, algorithm_cls: type[Algorithm], policy: Policy, calls: bool = True
+) -> PolicySpec:
     name = f"policy.class '{cfg.classes['policy']}'"
     try:
         outputs = dict(policy.outputs())
@@ -89,9 +110,11 @@ def _check_instance(cfg: Config, spec: EnvSpec, algorithm_cls: type[Algorithm], 
     _check_declared(name, outputs)
     _check_action_shape(name, outputs["action"], spec.action_space, spec.action_chunk)
     state = _check_declared_state(name, policy)
-    obs, acted = _check_act(name, policy, outputs, spec, state)
+    if calls:
+        obs, acted = _check_act(name, policy, outputs, spec, state)
     _check_algorithm_needs(cfg, policy, outputs, algorithm_cls, state, spec.success_key is not None)
-    _check_policy_methods(cfg, policy, algorithm_cls, obs, acted, outputs)
+    if calls:
+        _check_policy_methods(cfg, policy, algorithm_cls, obs, acted, outputs)
     algorithm_cls.check_spaces(cfg.algo, spec.observation_space, spec.action_space)
     parameters = list(policy.parameters())
     return PolicySpec(

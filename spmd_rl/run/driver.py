@@ -1,10 +1,14 @@
 """One rank's whole run after its config is read: check everything a user can get wrong before any process
-group exists (the classes the config names, the layout, the env, the policy's outputs, the planned memory), then
+group exists (the classes the config names, the layout, the env, the policy's outputs, the planned memory; env
+ranks leave the policy to the ranks that build it and learn its outputs, or their refusal, right after start), then
 start the runtime, agree on where the run starts, build the Run and hand it to the engine; every way out ends in
 an exit code and, on failure, one line (spmd_rl.runtime.exits), with the postmortem naming the first cause.
 
 `train` is what `python -m spmd_rl.main` runs on every rank; `train_in_process` is the same run in one process for
-the Python API (spmd_rl.train), where errors raise instead of becoming exit codes."""
+the Python API (spmd_rl.train), where errors raise instead of becoming exit codes.
+
+Over 400 lines: a rank's whole way from its config to its exit code (the checks before start, the agreement on
+the policy right after it, the engine's hand-off and every failure path) reads as one story, in the order it runs."""
 
 from __future__ import annotations
 
@@ -34,9 +38,17 @@ from spmd_rl.run.plan import Plan, dry_run_plan, plan_run
 from spmd_rl.run.policies import PolicySpec, save_policy
 from spmd_rl.run.resume import agree_on_run, mark_finished, settle_start
 from spmd_rl.run.run import Run
-from spmd_rl.run.topology import Topology, build_topology, create_process_groups
+from spmd_rl.run.topology import ENV, Topology, build_topology, create_process_groups
 from spmd_rl.run.trackers import check_installed
-from spmd_rl.runtime.distributed import Runtime, as_comm_error, choose_device, shutdown_runtime, start_runtime
+from spmd_rl.runtime.distributed import (
+    Runtime,
+    agree_on_refusal,
+    as_comm_error,
+    broadcast_text,
+    choose_device,
+    shutdown_runtime,
+    start_runtime,
+)
 from spmd_rl.runtime.errors import (
     COMM_ERROR_EXIT_CODE,
     STOPPED_EXIT_CODE,
@@ -69,14 +81,18 @@ class Checked:
     given: Config
     topology: Topology
     plan: Plan
-    policy_cls: type
+    policy_cls: type[Policy] | None  # None on an env rank: it never imports the policy's module
     algorithm_cls: type[Algorithm[Any]]
     engine_cls: type
     callback_classes: list
     spec: EnvSpec
-    policy_spec: PolicySpec  # its outputs, recurrent state, size: read on the meta device, built nowhere yet
+    # Its outputs, recurrent state, size: read on the meta device, built nowhere yet. None on an env rank, and
+    # `policy_refusal` the check's UserError on a rank that builds it, in a layout with env ranks: those learn both
+    # once the process group exists (agree_on_policy), so that every rank refuses together.
+    policy_spec: PolicySpec | None
     gpu_slot: tuple[int | None, int]  # this rank's GPU on its node (None: an env rank), and how many it needs
     built_before: int  # Policy.real_constructions when the checks began: this run's builds are counted from here
+    policy_refusal: str = ""
 
 
 @dataclass
@@ -288,10 +304,16 @@ def resolve(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
 def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
     built_before = Policy.real_constructions
     host_rank = launch.rank if launch.world_size > 1 else None
+    policy_cls: type[Policy] | None = None
     try:
         topology = build_topology(given.layout, launch.world_size)
+        # An env rank never builds the policy: it neither imports its module (a VLA's transformers and peft: a
+        # quarter of an env rank's memory) nor checks it; the ranks that build it tell it the outcome after start.
+        env_rank = not topology.colocated and topology.role_of(launch.rank) == ENV
         with watchdog.watch("importing the plug-in modules (policy, algo, engine, callbacks)"):
-            policy_cls, algorithm_cls, engine_cls, callback_classes = contract.load_classes(given)
+            if not env_rank:
+                policy_cls = contract.load_classes(given)[0]
+            algorithm_cls, engine_cls, callback_classes = contract.load_classes_but_policy(given)
         plan = plan_run(given, topology, algorithm_cls)
         if dry_run:
             plan = dry_run_plan(plan)
@@ -309,24 +331,57 @@ def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
         if cfg.eval.env:  # held-out settings: the policy built for env's spaces must act there too
             with watchdog.watch("making eval.env's envs (to read their spaces)"):
                 check_same_spaces(spec, probe_eval_env(cfg), "eval.env")
-        shards = plan.trainer_ranks if plan.parallel.sharded else 1  # FSDP divides the training state
-        with watchdog.watch(f"building policy.class {cfg.classes['policy']} and calling its act"):
-            policy_spec = contract.check_policy(cfg, spec, policy_cls, algorithm_cls, shards)
-        contract.check_planned_memory(cfg, spec, policy_spec.outputs, plan)
     except UserError as exc:
         raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
+    policy_spec, policy_refusal = None, ""
+    deferred = bool(topology.env_ranks) and not topology.colocated  # the refusal waits for env ranks to hear it
+    if policy_cls is not None:
+        try:  # rank 0 calls act and the algorithm's methods for every rank that builds the policy, once
+            policy_spec = _check_policy(cfg, spec, plan, policy_cls, algorithm_cls, launch.rank == 0 or not deferred)
+        except UserError as exc:
+            if not deferred:  # every rank checks: each refuses in place
+                raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
+            who = f"{topology.describe(launch.rank)}: " if launch.rank != 0 else ""
+            policy_refusal = f"{who}{exc}"
     gpu_slot = topology.gpu_slot(launch.rank, launch.local_rank, launch.local_world_size)
     try:
         choose_device(cfg.train.device, *gpu_slot)  # enough GPUs on this node: said before any group exists
     except UserError as exc:
         raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
     classes = (policy_cls, algorithm_cls, engine_cls, callback_classes)
-    return Checked(cfg, given, topology, plan, *classes, spec, policy_spec, gpu_slot, built_before)
+    return Checked(cfg, given, topology, plan, *classes, spec, policy_spec, gpu_slot, built_before, policy_refusal)
+
+
+def _check_policy(
+    cfg: Config, spec: EnvSpec, plan: Plan, policy_cls: type[Policy], algorithm_cls, calls: bool
+) -> PolicySpec:
+    """The policy's contract and memory checks and the trainers' planned buffers, on a rank that builds it (with
+    `calls`, act and the algorithm's methods called on sample observations: contract.check_policy)."""
+    shards = plan.trainer_ranks if plan.parallel.sharded else 1  # FSDP divides the training state
+    with watchdog.watch(f"building policy.class {cfg.classes['policy']} and calling its act"):
+        policy_spec = contract.check_policy(cfg, spec, policy_cls, algorithm_cls, shards, calls)
+    contract.check_planned_memory(cfg, spec, policy_spec.outputs, plan)
+    return policy_spec
+
+
+def agree_on_policy(checked: Checked, runtime: Runtime) -> PolicySpec:
+    """The policy's spec on every rank, once the process group exists: a refusal of any rank that checked it is
+    every rank's (exit 2, rank 0's one line), else rank 0's spec (a trainer's, the one whose act was called)
+    reaches every rank, as text."""
+    if not runtime.distributed or (checked.topology.colocated or not checked.topology.env_ranks):
+        assert checked.policy_spec is not None  # every rank checked the policy before start
+        return checked.policy_spec
+    refusal = agree_on_refusal(checked.policy_refusal, runtime.timeout)
+    if refusal:
+        raise SharedUserError(refusal)
+    text = checked.policy_spec.to_text() if checked.policy_spec is not None else ""
+    return PolicySpec.from_text(broadcast_text(text, src=0, max_bytes=1 << 16, timeout=runtime.timeout))
 
 
 def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Checked, dry_run: bool) -> Outcome:
     """Agree on the run directory and the start, build the Run, hand it to the engine, save the policy."""
     topology, plan = checked.topology, checked.plan
+    policy_spec = agree_on_policy(checked, runtime)
     if dry_run:  # its temporary directory goes: no W&B or MLflow run for it
         cfg.log.wandb = cfg.log.mlflow = False
     run_dir, resume = agree_on_run(cfg, runtime, dry_run, checked.algorithm_cls.reshard_refusal)
@@ -358,8 +413,8 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
         topology=topology,
         groups=groups,
         spec=checked.spec,
-        outputs=checked.policy_spec.outputs,
-        recurrent_state=checked.policy_spec.recurrent_state,
+        outputs=policy_spec.outputs,
+        recurrent_state=policy_spec.recurrent_state,
         built_before=checked.built_before,
         run_dir=run_dir,
         policy_cls=checked.policy_cls,

@@ -21,12 +21,17 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from spmd_rl.persist.event_files import repair_event_files
 from spmd_rl.persist.fileio import LineAppender, NotRegularFile, bounded_lines, file_error, open_regular, write_atomic
 from spmd_rl.persist.run_files import METRICS_FILE, METRICS_LINE_BYTES, TENSORBOARD_DIR
 from spmd_rl.runtime.errors import UserError
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 # The mean over the last RETURN_WINDOW finished episodes (all env ranks) is the headline return.
 RETURN_WINDOW = 20
@@ -43,27 +48,27 @@ class MetricsLogger:
         resumed_env_steps: int = 0,
         trackers=None,
         group_names: Sequence[str] = (),
+        rollouts: bool = True,
+        resumed_iteration: int | None = None,
     ):
         self.run_dir = run_dir
+        # False for a run without rollouts (bc: Schedule.rollout_unit "none"): its records and lines have no env
+        # timings, steps or returns, which would all read 0 or "no episode has ended yet"
+        self.rollouts = rollouts
         self.total_steps = total_steps
         self.resumed_env_steps = resumed_env_steps  # env steps before this process: the timings leave them out
         self.interval_s = interval_s
         self.trackers = trackers  # trackers.Trackers (W&B, MLflow) or None: they get TensorBoard's scalars
-        self.jsonl = LineAppender(run_dir / METRICS_FILE)
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # imported only where used: it is slow to import
-
-            try:
-                # A resumed run drops the events a stopped run wrote after its checkpoint (purge_step), so TensorBoard
-                # continues at the right step.
-                self.writer = SummaryWriter(
-                    log_dir=str(run_dir / TENSORBOARD_DIR),
-                    purge_step=resumed_env_steps + 1 if resumed_env_steps else None,
-                )
-            except OSError as exc:
-                self.jsonl.close()
-                raise file_error(run_dir / TENSORBOARD_DIR, exc, "cannot create TensorBoard's directory") from None
+        self.tensorboard = tensorboard
+        self.jsonl: LineAppender | None = None
+        self.writer: SummaryWriter | None = None
+        # Resuming (from the checkpoint of resumed_iteration), the files are left as they are until this start
+        # commits a checkpoint of its own (open_files): a start that fails or is killed before it changes neither
+        # metrics.jsonl nor TensorBoard's events. Its records wait here meanwhile, (line, scalars, env steps).
+        self.resumed_iteration = resumed_iteration
+        self.held: list[tuple[str, dict[str, float], int]] = []
+        if resumed_iteration is None:
+            self.open_files()
         show_bar = sys.stderr.isatty() if progress is None else progress
         self.bar = tqdm(
             total=total_steps,
@@ -89,6 +94,43 @@ class MetricsLogger:
         self.last_line = -math.inf
         self.last_record: dict = {}
 
+    def open_files(self) -> None:
+        """Open metrics.jsonl and TensorBoard's writer and write the records held since the resume: at the start of
+        a new run, and when a resumed one commits its first checkpoint (RunControl.before_commit, before the
+        checkpoint counts), where the records a stopped run logged after the resumed checkpoint are dropped and
+        damaged lines and event records go (run/resume.py prepare_run_dir named them at the start)."""
+        if self.jsonl is not None:
+            return
+        if self.resumed_iteration is not None:
+            drop_records_after(self.run_dir / METRICS_FILE, self.resumed_iteration)
+            repair_event_files(self.run_dir / TENSORBOARD_DIR)
+        self.jsonl = LineAppender(self.run_dir / METRICS_FILE)
+        if self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # imported only where used: it is slow to import
+
+            try:
+                # A resumed run drops the events a stopped run wrote after its checkpoint (purge_step), so TensorBoard
+                # continues at the right step.
+                self.writer = SummaryWriter(
+                    log_dir=str(self.run_dir / TENSORBOARD_DIR),
+                    purge_step=self.resumed_env_steps + 1 if self.resumed_env_steps else None,
+                )
+            except OSError as exc:
+                self.jsonl.close()
+                raise file_error(self.run_dir / TENSORBOARD_DIR, exc, "cannot create TensorBoard's directory") from None
+        held, self.held = self.held, []
+        for line, scalars, env_steps in held:
+            self._write_files(line, scalars, env_steps)
+
+    def _write_files(self, line: str, scalars: dict[str, float], env_steps: int) -> None:
+        """One record into metrics.jsonl and TensorBoard, or held until open_files."""
+        if self.jsonl is None:
+            self.held.append((line, scalars, env_steps))
+            return
+        self.jsonl.append(line)
+        if self.writer is not None:
+            self._write_scalars(scalars, env_steps)
+
     def record(self, iteration: int, env_steps: int, losses: dict, statistics: dict, trainer_times: dict) -> dict:
         """This iteration's metrics.jsonl line (episode statistics folded into the recent window), not yet
         written: callbacks see it whole and may add scalars before `write`."""
@@ -108,6 +150,21 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self.start
         env_ranks = max(statistics["env_ranks"], 1.0)
         inference_s = statistics["inference_s"] / env_ranks
+        rollout_times = (
+            {
+                # seconds per phase in this iteration; env-side phases are means over env ranks
+                "time_env_s": statistics["env_s"] / env_ranks,
+                "time_inference_s": inference_s,
+                "time_transfer_s": max(statistics["action_wait_s"] / env_ranks - inference_s, 0.0),
+                # the rollout's own time and what each side idled in it (env ranks waiting for actions, the inference
+                # rank for observations): with env.pipeline_stages the rollout is less than env + inference time
+                "time_rollout_s": statistics["rollout_s"] / env_ranks,
+                "time_env_idle_s": statistics["action_wait_s"] / env_ranks,
+                "time_inference_idle_s": statistics["inference_idle_s"] / env_ranks,
+            }
+            if self.rollouts
+            else {}
+        )
         record = {
             "iteration": iteration,
             "env_steps": env_steps,
@@ -118,15 +175,7 @@ class MetricsLogger:
             **success,
             "sps": (env_steps - self.resumed_env_steps) / elapsed if elapsed > 0 else 0.0,  # this process's
             **losses,
-            # seconds per phase in this iteration; env-side phases are means over env ranks
-            "time_env_s": statistics["env_s"] / env_ranks,
-            "time_inference_s": inference_s,
-            "time_transfer_s": max(statistics["action_wait_s"] / env_ranks - inference_s, 0.0),
-            # the rollout's own time and what each side idled in it (env ranks waiting for actions, the inference
-            # rank for observations): with env.pipeline_stages the rollout is less than env + inference time
-            "time_rollout_s": statistics["rollout_s"] / env_ranks,
-            "time_env_idle_s": statistics["action_wait_s"] / env_ranks,
-            "time_inference_idle_s": statistics["inference_idle_s"] / env_ranks,
+            **rollout_times,
             **trainer_times,
             "wall_s": elapsed,  # since this process started the run (or resumed it)
             "cpu_s": time.process_time() - self.start_cpu,  # this rank's CPU time: robust to a busy machine
@@ -137,14 +186,13 @@ class MetricsLogger:
         """Append the record to metrics.jsonl and TensorBoard; update the progress bar and the periodic line."""
         elapsed, env_steps = record["wall_s"], record["env_steps"]
         # JSON has no NaN: an iteration before the first finished episode has no return yet.
-        self.jsonl.append(json.dumps({k: _finite_or_none(v) for k, v in record.items()}))
+        line = json.dumps({k: _finite_or_none(v) for k, v in record.items()})
         scalars = {
             key: value
             for key, value in record.items()
             if key not in ("iteration", "env_steps") and value is not None and math.isfinite(value)
         }
-        if self.writer is not None:
-            self._write_scalars(scalars, env_steps)
+        self._write_files(line, scalars, env_steps)
         if self.trackers is not None:
             self.trackers.log(scalars, env_steps)
         self.bar.update(env_steps - self.bar.n)
@@ -154,7 +202,7 @@ class MetricsLogger:
         # the one line in log.interval_s seconds almost never fell on the iteration of an evaluation.
         if elapsed - self.last_line >= self.interval_s or "eval_return_mean" in record:
             self.last_line = elapsed
-            self._print(self.line(record))
+            self._print(self.line(record, self.rollouts))
         self.last_record = record
 
     def _write_scalars(self, scalars: dict[str, float], env_steps: int) -> None:
@@ -196,15 +244,20 @@ class MetricsLogger:
         ("clip_fraction", "clip", ".3f"),
         ("qf_loss", "qf", ".3f"),
         ("alpha", "alpha", ".3f"),
+        ("nll_loss", "nll", ".3f"),
     )
 
     @classmethod
-    def line(cls, record: dict) -> str:
-        if record["episodes"]:
-            episodes = f"return {record['episode_return_mean']:8.2f}  len {record['episode_length_mean']:7.1f}"
-        else:  # the mean of no returns is NaN: say why there is none
-            episodes = "no episode has ended yet"
-        text = f"iter {record['iteration']:>5}  steps {record['env_steps']:>9}  {episodes}  sps {record['sps']:8.0f}"
+    def line(cls, record: dict, rollouts: bool = True) -> str:
+        text = f"iter {record['iteration']:>5}"
+        if rollouts:
+            if record["episodes"]:
+                episodes = f"return {record['episode_return_mean']:8.2f}  len {record['episode_length_mean']:7.1f}"
+            else:  # the mean of no returns is NaN: say why there is none
+                episodes = "no episode has ended yet"
+            text += f"  steps {record['env_steps']:>9}  {episodes}  sps {record['sps']:8.0f}"
+        elif "time_learn_s" in record:  # no rollouts (bc): the iteration is its update
+            text += f"  learn {record['time_learn_s']:.3f}s"
         for key, label, spec in cls.GLANCE:
             if key in record:
                 text += f"  {label} {record[key]:{spec}}"
@@ -218,8 +271,8 @@ class MetricsLogger:
             text += f"  eval {record['eval_return_mean']:.2f} ± {record.get('eval_return_std', 0.0):.2f}"
             if record.get("eval_success_rate") is not None:
                 text += f" success {record['eval_success_rate']:.2f}"
-        if record.get("success_rate") is not None:  # envs that report success (null: no episode ended)
-            text += f"  success {record['success_rate']:.2f}"
+        if rollouts and record.get("success_rate") is not None:  # envs that report success: "-" while no episode
+            text += f"  success {_shown(record['success_rate'], '.2f')}"  # ended this iteration (NaN)
         groups = [key.split("/", 1)[1] for key in record if key.startswith("episode_return_mean/")]
         if groups:  # env groups: each one's return, briefly
             text += "  (" + " ".join(f"{name} {_shown(record[f'episode_return_mean/{name}'])}" for name in groups) + ")"
@@ -250,12 +303,17 @@ class MetricsLogger:
                 if self.episodes
                 else "no episode ended, so no return"
             )
-            print(f"done: {steps}, {self.episodes} episodes, {returns}; run directory {self.run_dir}", flush=True)
+            done = f"{steps}, {self.episodes} episodes, {returns}"
+            if not self.rollouts:  # bc: no env steps or episodes to count
+                done = f"{record.get('iteration', -1) + 1} iterations (no rollouts), this process's in {wall_s:.1f}s"
+            print(f"done: {done}; run directory {self.run_dir}", flush=True)
         if self.writer is not None:
             self.writer.close()
         if self.trackers is not None:
             self.trackers.close("finished" if summary else "stopped" if stopped else "failed")
-        self.jsonl.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        self.held.clear()  # a resume that ends before its first checkpoint: its records go with it
 
 
 def success_rates(statistics: dict, group_names: list[str]) -> dict[str, float]:
@@ -275,9 +333,9 @@ def success_rates(statistics: dict, group_names: list[str]) -> dict[str, float]:
     return rates
 
 
-def _shown(mean: float) -> str:
-    """A mean return for the console: '-' while it is NaN (no episode of it has ended yet)."""
-    return "-" if mean != mean else f"{mean:.1f}"
+def _shown(mean: float, spec: str = ".1f") -> str:
+    """A mean for the console: '-' while it is NaN (no episode of it has ended yet)."""
+    return "-" if mean != mean else f"{mean:{spec}}"
 
 
 def _finite_or_none(value):
@@ -294,11 +352,12 @@ def last_record(path: Path) -> dict:
     return records[-1] if records else {}
 
 
-def drop_records_after(path: Path, iteration: int) -> str:
+def drop_records_after(path: Path, iteration: int, write: bool = True) -> str:
     """Keep the records of iterations <= iteration (a resumed run rewrites those a stopped run logged after its
     checkpoint); the file is replaced atomically. Damaged lines (torn by a kill, bytes that are not UTF-8 from a
     disk error, anything that is not a record) are dropped wherever they are, and every sound record is kept.
-    Returns what was damaged and dropped, for a note ('' when nothing was)."""
+    Returns what was damaged and dropped, for a note ('' when nothing was); write=False: only the note, the file
+    stays as it is."""
     if not path.exists():
         return ""
     kept, damaged = [], []
@@ -307,7 +366,8 @@ def drop_records_after(path: Path, iteration: int) -> str:
             damaged.append(number)
         elif record["iteration"] <= iteration:
             kept.append(line)
-    write_atomic(path, "".join(f"{line}\n" for line in kept))
+    if write:
+        write_atomic(path, "".join(f"{line}\n" for line in kept))
     if not damaged:
         return ""
     shown = ", ".join(map(str, damaged[:5])) + (f" and {len(damaged) - 5} more" if len(damaged) > 5 else "")

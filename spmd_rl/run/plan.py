@@ -191,15 +191,19 @@ def _check_group_size(env: EnvSection) -> None:
 
 
 def _check_pipeline_stages(env: EnvSection, topology: Topology) -> None:
-    """env.pipeline_stages: an env rank's envs in equal stages, each of whole env.group_size blocks, beside an
-    inference rank of the split layout (in one process there is nothing to overlap the stages with)."""
+    """env.pipeline_stages: an env rank's envs in equal stages, each of whole env.group_size blocks. In the
+    colocated layout the policy acts on the rank's own thread while a stage steps on another, which overlaps only
+    where the envs run in worker processes (env.vectorization=async): in-process vectorizers are refused, not
+    warned about, since their stages would only cost time."""
     stages = env.pipeline_stages
     if stages == 1:
         return
-    if topology.colocated:
+    if topology.colocated and not backend_for(env).steps_in_worker_processes(env):
         raise UserError(
-            f"env.pipeline_stages={stages} overlaps env ranks' stepping with inference ranks' forward passes, and the "
-            f"colocated layout has neither: use layout.mode=split, or env.pipeline_stages=1"
+            f"env.pipeline_stages={stages} in the colocated layout overlaps env steps with the policy only where "
+            f"the envs run in worker processes, and env.backend={env.backend} with "
+            f"env.vectorization={env.vectorization} steps them in this process: set env.vectorization=async "
+            f"(env.backend=gymnasium), use layout.mode=split, or env.pipeline_stages=1"
         )
     if env.groups:
         raise UserError(

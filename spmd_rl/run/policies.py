@@ -6,6 +6,7 @@ A loaded policy's `act` also takes what gymnasium gives: numpy (or torch), one o
 
 from __future__ import annotations
 
+import json
 import re
 import types
 from dataclasses import dataclass
@@ -45,6 +46,30 @@ class PolicySpec:
     trained_parameters: int  # those that require grad
     parameter_bytes: int  # the weights in their own dtypes
     shard_units: int
+
+    def to_text(self) -> str:
+        """JSON: how the ranks that check the policy tell env ranks, which never import its class, what it is."""
+        return json.dumps(
+            {
+                "outputs": _fields_to_json(self.outputs),
+                "recurrent_state": None if self.recurrent_state is None else _fields_to_json(self.recurrent_state),
+                "sizes": [self.parameters, self.trained_parameters, self.parameter_bytes, self.shard_units],
+            }
+        )
+
+    @classmethod
+    def from_text(cls, text: str) -> PolicySpec:
+        data = json.loads(text)
+        state = None if data["recurrent_state"] is None else _fields_from_json(data["recurrent_state"])
+        return cls(_fields_from_json(data["outputs"]), state, *data["sizes"])
+
+
+def _fields_to_json(fields: dict[str, StepField]) -> list:
+    return [[name, list(f.shape), str(f.dtype).removeprefix("torch."), f.initial] for name, f in fields.items()]
+
+
+def _fields_from_json(rows: list) -> dict[str, StepField]:
+    return {name: StepField(tuple(shape), getattr(torch, dtype), initial) for name, shape, dtype, initial in rows}
 
 
 def build_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], device: torch.device | str = "cpu") -> Policy:

@@ -297,14 +297,16 @@ def checkpoint_iteration(checkpoint: Path) -> int:
 
 
 def prepare_run_dir(run_dir: Path, resume: Resume) -> str:
-    """Rank 0: make run_dir's outputs consistent with where the run starts. Resuming, metrics.jsonl keeps the
-    records up to the checkpoint (HDF5 files are rewound by their owners, TensorBoard by purge_step) and damaged
-    lines and event records are dropped: returns what was dropped ('' when nothing). Starting over in a directory
-    of the same run that had no checkpoint, its outputs are cleared."""
+    """Rank 0: make run_dir's outputs consistent with where the run starts. Resuming, nothing is changed here:
+    metrics.jsonl will keep the records up to the checkpoint (HDF5 files are rewound by their owners, TensorBoard by
+    purge_step) and damaged lines and event records will be dropped when this start commits its first checkpoint
+    (MetricsLogger.open_files), so a start that fails before leaves them as they were; returns what will be dropped
+    ('' when nothing). Starting over in a directory of the same run that had no checkpoint, its outputs are
+    cleared."""
     if resume.checkpoint is not None:
         dropped = [
-            drop_records_after(run_dir / METRICS_FILE, resume.iteration),
-            repair_event_files(run_dir / TENSORBOARD_DIR),
+            drop_records_after(run_dir / METRICS_FILE, resume.iteration, write=False),
+            repair_event_files(run_dir / TENSORBOARD_DIR, write=False),
         ]
         return "; ".join(note for note in dropped if note)
     for name in (METRICS_FILE, TENSORBOARD_DIR, BUFFER_DIR, CHECKPOINTS_DIR):

@@ -9,6 +9,7 @@ and restore sets the checkpoint's generators last, which is what makes a resumed
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +59,7 @@ class Run:
     recurrent_state: dict[str, StepField] | None
     built_before: int  # Policy.real_constructions before the run's checks: its policy_builds count from here
     run_dir: Path
-    policy_cls: type[Policy]
+    policy_cls: type[Policy] | None  # None on an env rank: it never imports the policy's module
     algorithm_cls: type[Algorithm]
     callback_classes: list  # [(class, config)]
     control: RunControl  # the end-of-iteration agreement: checkpoints and stops
@@ -82,19 +83,30 @@ class Run:
         """The iterations this rank runs: from the one after the resumed checkpoint to the plan's last."""
         return range(self.resume.start_iteration, self.plan.num_iterations)
 
-    def rank_facts(self) -> tuple[float, float, float]:
+    def policy_class(self) -> type[Policy]:
+        """The policy's class, on a rank that builds the policy (an env rank has none)."""
+        assert self.policy_cls is not None, f"{self.describe()} never builds the policy"
+        return self.policy_cls
+
+    def rank_facts(self) -> tuple[float, float, float, float]:
         """What the last agreement gathers of this rank for rank_records: its role (an index into ROLES), how many
-        times it constructed the policy, its peak resident memory in MiB."""
+        times it constructed the policy, its peak resident memory in MiB, whether it imported transformers."""
         builds = Policy.real_constructions - self.built_before
-        return float(ROLES.index(self.role)), float(builds), peak_rss_mb()
+        return float(ROLES.index(self.role)), float(builds), peak_rss_mb(), float("transformers" in sys.modules)
 
     def rank_records(self) -> list[dict]:
         """finished.json's "ranks" (rank 0's, after the last agreement): each rank's role, how many times it
-        constructed the policy on a real device (the checks before start read an instance on the meta device) and
-        its peak resident memory."""
+        constructed the policy on a real device (the checks before start read an instance on the meta device), its
+        peak resident memory and whether it imported transformers (a VLA's backbone: never on an env rank)."""
         return [
-            {"rank": rank, "role": ROLES[int(role)], "policy_builds": int(builds), "peak_rss_mb": round(rss, 1)}
-            for rank, (role, builds, rss) in enumerate(self.control.gathered_facts)
+            {
+                "rank": rank,
+                "role": ROLES[int(role)],
+                "policy_builds": int(builds),
+                "peak_rss_mb": round(rss, 1),
+                "transformers_imported": bool(imported),
+            }
+            for rank, (role, builds, rss, imported) in enumerate(self.control.gathered_facts)
         ]
 
     def describe(self, rank: int | None = None) -> str:
@@ -169,7 +181,10 @@ class Run:
                 resumed_env_steps=self.resume.start_iteration * plan.steps_per_iteration,
                 trackers=open_trackers(self.cfg, self.run_dir, resumed=self.resume.checkpoint is not None),
                 group_names=self.cfg.env.group_names(),
+                rollouts=plan.num_steps > 0,
+                resumed_iteration=self.resume.iteration if self.resume.checkpoint is not None else None,
             )
+            self.control.before_commit = logger.open_files  # a resume's files change with its first checkpoint
             self.control.mean_return = lambda: logger.last_record.get("episode_return_mean", float("nan"))
         finished = stopped = False
         try:
@@ -185,9 +200,12 @@ class Run:
 
     # -- role components: built by run/builders.py, their state loaded by restore() ------------------------------
 
-    def build_colocated(self, logger: MetricsLogger | None) -> tuple[EnvRunner, InferenceServer, Trainer, Reporter]:
+    def build_colocated(
+        self, logger: MetricsLogger | None
+    ) -> tuple[EnvRunner | PipelinedEnvRunner, InferenceServer, Trainer, Reporter]:
         """The colocated layout: this rank's envs, its own policy copy (the trainer's module is the one that acts)
-        and data-parallel learning across ranks, joined by local channels."""
+        and data-parallel learning across ranks, joined by local channels; with env.pipeline_stages > 1, one runner
+        per stage in a PipelinedEnvRunner, each stage's envs stepping on a thread of their own."""
         return builders.build_colocated(self, logger)
 
     def build_env_runner(self, observation_layout=observation_message) -> EnvRunner | PipelinedEnvRunner:

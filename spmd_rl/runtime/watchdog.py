@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import faulthandler
 import math
+import multiprocessing
 import os
 import sys
 import threading
@@ -116,6 +117,10 @@ class Watchdog:
                 self.on_expiry()
             except Exception:  # noqa: BLE001 - the exit below is what matters
                 pass
+        # Worker processes of this one (AsyncVectorEnv's envs, one of which may be the stuck call) would outlive it,
+        # stuck too, and hold its stdout and stderr open: whoever reads them to the end would wait for them.
+        for child in multiprocessing.active_children():
+            child.kill()
         sys.stdout.flush()
         os._exit(USER_CODE_EXIT_CODE)
 

@@ -20,8 +20,8 @@ from spmd_rl.config.loading import load_config
 from spmd_rl.envs.backend import backend_for
 from spmd_rl.envs.vector import probe_env
 from spmd_rl.interfaces.policy import Policy, StepField
-from spmd_rl.roles.env_runner import local_env_runner
 from spmd_rl.roles.inference_server import InferenceServer
+from spmd_rl.roles.local_env_runner import local_env_runner
 from spmd_rl.roles.messages import segment_message
 from spmd_rl.storage.experience_log import ExperienceLog
 

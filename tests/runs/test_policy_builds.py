@@ -1,12 +1,13 @@
 """Where the policy is built (finished.json's "ranks"): once on every rank that acts or trains with it, never on an
 env rank, also when the trainers shard it (rank 0's unsharded copy for policy.pt is no second construction); the
-checks before start read an instance on the meta device."""
+checks before start read an instance on the meta device. Env ranks never import the policy's module: what the
+building ranks' checks found reaches them once the process group exists, a refusal too."""
 
 from __future__ import annotations
 
 import json
 
-from harness.runs import TINY, assert_run_complete, run_main
+from harness.runs import TINY, assert_one_line_exit_2, assert_run_complete, run_main
 
 from spmd_rl.persist.run_files import FINISHED
 
@@ -36,3 +37,14 @@ def test_one_process_builds_the_policy_once(tmp_path):
     assert_run_complete(result, tmp_path, iterations=8)
     (rank,) = ranks_of(tmp_path)
     assert rank["rank"] == 0 and rank["role"] == "colocated" and rank["policy_builds"] == 1
+
+
+def test_a_policy_acting_on_the_wrong_action_shape_is_refused_by_every_rank_of_a_split_layout(tmp_path):
+    # Only the trainer and inference ranks check the policy; the env rank, which never imports it, refuses with them.
+    result = run_main(
+        "--config", TINY, f"run.dir={tmp_path}", "env.id=Pendulum-v1",
+        "policy.class=tests.harness.chunk_policy:ChunkDeclaringActorCritic", "layout.mode=split", "layout.trainer=1",
+        "layout.inference=1", "layout.env=1",
+        nproc=3,
+    )  # fmt: skip
+    assert_one_line_exit_2(result, "declares 'action' of shape (4, 1)", "takes actions of shape (1,)")

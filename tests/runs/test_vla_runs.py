@@ -51,7 +51,7 @@ def test_ppo_trains_the_bins_head_with_lora_on_two_fsdp_trainers_in_bf16_split_o
         "policy.action_head=bins", "policy.lora.rank=4", "policy.lora.save=adapters", "train.parallel=fsdp",
         "train.precision=bf16", "inference.dtype=bf16", "layout.mode=split", "layout.trainer=2",
         "layout.inference=1", "layout.env=2", "weights.verify_every=1",
-        "dist.timeout_s=300",  # each rank imports transformers (seconds of CPU each) within the bound on user code
+        "dist.timeout_s=300",  # each building rank imports transformers (seconds of CPU each) within that bound
         nproc=5,
     )  # fmt: skip
     records = assert_run_complete(result, tmp_path, iterations=4)
@@ -62,6 +62,9 @@ def test_ppo_trains_the_bins_head_with_lora_on_two_fsdp_trainers_in_bf16_split_o
     assert [(r["role"], r["policy_builds"]) for r in ranks] == [("trainer", 1)] * 2 + [("inference", 1)] + [
         ("env", 0)
     ] * 2
+    # nor import its backbone's library: their spec came from rank 0 (a policy that acts on the wrong action shape
+    # is refused on every rank: tests/runs/test_policy_builds.py)
+    assert [r["transformers_imported"] for r in ranks] == [True] * 3 + [False] * 2
 
 
 def test_a_pretrained_folder_without_config_json_is_one_line_and_exit_2(tmp_path):

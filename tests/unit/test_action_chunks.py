@@ -14,7 +14,7 @@ from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.vector import make_vector_env, probe_env
 from spmd_rl.modules.actor_critic import ActorCritic
 from spmd_rl.modules.configs import ActorCriticConfig
-from spmd_rl.roles.env_runner import local_env_runner
+from spmd_rl.roles.local_env_runner import local_env_runner
 from spmd_rl.run.evaluation import evaluate
 from spmd_rl.run.plan import plan_run
 from spmd_rl.run.topology import build_topology

@@ -1,6 +1,8 @@
 """The console's periodic line says what it knows: before the first episode ends there is no return to show (the
 mean of no returns is NaN), and it says so instead of printing "return nan"."""
 
+import torch
+
 from spmd_rl.run.metrics import MetricsLogger
 
 
@@ -44,3 +46,28 @@ def test_an_evaluation_is_printed_on_its_iteration_whatever_log_interval_s(tmp_p
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines] == ["0", "2"], lines
     assert lines[1].endswith("eval 500.00 ± 0.00"), lines[1]
+
+
+def test_an_iteration_with_no_ended_episode_shows_its_success_as_a_dash():
+    record = {**_record(4, 21.5, 21.5), "success_rate": float("nan")}
+    assert MetricsLogger.line(record).endswith("success -")
+    assert MetricsLogger.line({**record, "success_rate": 0.5}).endswith("success 0.50")
+
+
+def test_a_run_without_rollouts_shows_its_loss_and_evaluation_not_env_steps(tmp_path, capsys):
+    # bc: no env steps, no episodes, no rollout timings; its line is the update and the evaluation
+    logger = MetricsLogger(tmp_path, total_steps=0, progress=False, interval_s=0.0, tensorboard=False, rollouts=False)
+    statistics = {
+        "returns": torch.zeros(0),
+        "lengths": torch.zeros(0),
+        "env_ranks": 1.0,
+        **{key: torch.tensor(3.0) for key in ("env_s", "inference_s", "action_wait_s", "rollout_s")},
+        "inference_idle_s": torch.tensor(3.0),
+    }
+    record = logger.record(7, 0, {"nll_loss": -1.25}, statistics, {"time_learn_s": 2.5})
+    assert not any(key in record for key in ("time_env_s", "time_rollout_s", "time_env_idle_s")), record
+    logger.write({**record, "eval_return_mean": 300.0, "eval_return_std": 10.0, "eval_success_rate": 0.92})
+    logger.close(summary=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "iter     7  learn 2.500s  nll -1.250  eval 300.00 ± 10.00 success 0.92", lines
+    assert lines[1].startswith("done: 8 iterations (no rollouts), this process's in "), lines

@@ -15,7 +15,7 @@ from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.vector import make_vector_env, probe_env
 from spmd_rl.interfaces.algorithm import Schedule
-from spmd_rl.roles.env_runner import local_env_runner
+from spmd_rl.roles.local_env_runner import local_env_runner
 from spmd_rl.run.plan import plan_run
 from spmd_rl.run.topology import build_topology
 from spmd_rl.runtime.errors import UserCodeError, UserError

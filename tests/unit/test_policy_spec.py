@@ -2,7 +2,7 @@
 device, so they construct no policy with real tensors (Policy.real_constructions, what finished.json's policy_builds
 counts); a policy whose code reads values is checked on a CPU instance instead, with the same result. Rank 0's
 unsharded copy (run/policies.py's cpu_copy) holds the policy's tensors, tied and non-persistent ones too, without
-a second construction."""
+a second construction. The spec travels to env ranks as text and reads back the same."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from spmd_rl.api import Policy, StepField
 from spmd_rl.config.loading import load_config
 from spmd_rl.envs.vector import probe_env
 from spmd_rl.run import contract
-from spmd_rl.run.policies import build_policy, cpu_copy
+from spmd_rl.run.policies import PolicySpec, build_policy, cpu_copy
+from spmd_rl.runtime.errors import UserError
 
 RECURRENT_PPO = "spmd_rl.algorithms.recurrent_ppo:RecurrentPPO"
 
@@ -49,6 +50,7 @@ def test_the_checks_before_start_construct_no_built_in_policy_and_read_its_real_
     assert policy_spec.parameters == sum(p.numel() for p in policy.parameters())
     assert policy_spec.parameter_bytes == sum(p.numel() * p.element_size() for p in policy.parameters())
     assert policy_spec.trained_parameters == policy_spec.parameters and policy_spec.shard_units >= 1
+    assert PolicySpec.from_text(policy_spec.to_text()) == policy_spec  # as env ranks receive it
 
 
 def test_the_vla_preset_is_checked_on_the_meta_device_with_its_lora_adapters_frozen_base_counted():
@@ -111,3 +113,19 @@ def test_the_unsharded_copy_holds_every_tensor_without_a_second_construction():
     assert Policy.real_constructions == before
     assert torch.equal(copy.embed.weight, policy.embed.weight) and torch.equal(copy.head.weight, policy.head.weight)
     assert torch.equal(copy.scale, policy.scale) and copy.scale.data_ptr() != policy.scale.data_ptr()
+
+
+class ActFails(ReadsValues):
+    def act(self, obs, deterministic=False):
+        raise RuntimeError("act is broken")
+
+
+def test_without_calls_the_check_reads_what_the_policy_declares_and_leaves_act_to_rank_0():
+    # A building rank other than rank 0 in a layout with env ranks: rank 0's calls speak for it.
+    cfg = load_config(None, [])
+    spec = probe_env(cfg.env)
+    algorithm_cls = contract.load_classes(cfg)[1]
+    declared = contract.check_policy(cfg, spec, ActFails, algorithm_cls, calls=False)
+    assert list(declared.outputs) == ["action", "log_prob", "value"] and declared.parameters == 10
+    with pytest.raises(UserError, match="act is broken"):
+        contract.check_policy(cfg, spec, ActFails, algorithm_cls)

@@ -9,7 +9,7 @@ from spmd_rl.api import StepField
 from spmd_rl.comm.local_channel import local_channel
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.vector import EnvSpec, make_vector_env, probe_env
-from spmd_rl.roles.env_runner import local_env_runner
+from spmd_rl.roles.local_env_runner import local_env_runner
 from spmd_rl.roles.messages import segment_message
 from spmd_rl.roles.trainer import PolicyLagError, Trainer
 

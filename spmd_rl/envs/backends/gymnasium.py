@@ -28,6 +28,9 @@ from spmd_rl.runtime.errors import UserError, describe_exception
 class GymnasiumBackend(EnvBackend):
     takes_per_env_settings = True
 
+    def steps_in_worker_processes(self, cfg: EnvSection) -> bool:
+        return cfg.vectorization == "async"  # AsyncVectorEnv: one worker process per env
+
     def probe(self, cfg: EnvSection) -> EnvSpec:
         spec = chunked_spec(self._probe_groups(cfg) if cfg.groups else self._probe_spaces(cfg), cfg)
         if (cfg.group_size > 1 or cfg.max_episode_steps) and spec.vectorization not in ("sync", "async"):
