@@ -54,6 +54,24 @@ if [[ -z ${HOSTFILE:-} ]]; then
     # killed rank 0 before it could; one host only: records from some hosts alone would blame the others' ranks
     flags+=(-x "SPMD_RL_FAILURE_DIR=$failure_dir")
 fi
+# After a rank exits non-zero (75 too: a checkpointed stop that one rank was signalled for) mpirun prints a box or
+# two between rules of dashes saying which process "exited with non-zero status": 5 to 11 lines after the ranks'
+# one line. Once rank 0 has left its code in $exit_file it has spoken for the job (its line, the stop line or the
+# job summary), so such boxes are dropped; a job whose rank 0 left nothing (killed, or dead before Python ran) keeps
+# them, the only account of what happened. Every other line passes at once.
+drop_exit_status_boxes() {
+    awk -v exit_file="$exit_file" '
+         function spoke(  code) { code = ""; getline code < exit_file; close(exit_file); return code != "" }
+         /^--------------------+$/ { if (!boxed) { boxed = 1; held = $0; next }
+                      held = held "\n" $0; boxed = 0
+                      if (!(held ~ /non-zero/ && spoke())) print held
+                      fflush(); next }
+         boxed { held = held "\n" $0; next }
+         { print; fflush() }
+         END { if (boxed) print held }' >&2
+}
+exec {to_filter}> >(trap '' INT TERM USR1; drop_exit_status_boxes)
+filter=$!
 # mpirun runs in a process group of its own (set -m), so a signal to this script's group (a terminal's Ctrl-C,
 # `timeout`, kill -TERM -PGID) reaches it once, passed on below, not twice: a second SIGTERM makes mpirun kill the
 # ranks at once, without their checkpoint. Its stdin is /dev/null (a background group reading the terminal would be
@@ -64,7 +82,9 @@ if command -v setpriv >/dev/null; then
 fi
 set -m
 # shellcheck disable=SC2086  # MPIRUN_ARGS is a list of flags
-"${orphan_guard[@]}" mpirun "${flags[@]}" ${MPIRUN_ARGS:-} "${PYTHON:-python}" -m spmd_rl.main "$@" </dev/null &
+"${orphan_guard[@]}" mpirun "${flags[@]}" ${MPIRUN_ARGS:-} "${PYTHON:-python}" -m spmd_rl.main "$@" \
+    2>&"$to_filter" </dev/null &
 launcher=$!
 set +m
-wait_for_launcher $launcher   # passes INT, TERM and USR1 on to mpirun, which passes them on to every rank
+exec {to_filter}>&-
+wait_for_launcher $launcher "$filter"   # passes INT, TERM and USR1 on to mpirun, which passes them on to every rank

@@ -43,6 +43,7 @@ from spmd_rl.run.trackers import check_installed
 from spmd_rl.runtime.distributed import (
     Runtime,
     agree_on_refusal,
+    as_comm_error,
     broadcast_text,
     choose_device,
     shutdown_runtime,
@@ -61,10 +62,12 @@ from spmd_rl.runtime.errors import (
     describe_exception,
 )
 from spmd_rl.runtime.exits import leave_exit_code, process_exit_code, say, unexpected_error, user_error
+from spmd_rl.runtime.job_store import open_job_store
 from spmd_rl.runtime.launch import LaunchInfo
+from spmd_rl.runtime.meeting import StartAbandoned, exit_before_start, refuse_start
 from spmd_rl.runtime.postmortem import Failure, after_failure
 from spmd_rl.runtime.signals import install_signal_handlers, stop_at_iteration_boundary, stop_cause
-from spmd_rl.runtime.user_exits import describe_system_exit
+from spmd_rl.runtime.user_exits import say_user_exit
 from spmd_rl.runtime.watchdog import watchdog
 
 
@@ -104,10 +107,9 @@ class Outcome:
 def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
     """This rank's run; returns its exit code."""
     watchdog.configure(cfg.dist.timeout_s, f"rank {launch.rank}")  # user code may hang from the first import on
-    try:
-        checked = check_before_start(cfg, launch, dry_run)
-    except SystemExit as exc:  # sys.exit() in a policy's constructor or act, called by the contract check
-        return _say_user_exit(exc, f"rank {launch.rank}")
+    # Open before rank 0's checks, so that another rank's failed check reaches it at once (runtime/meeting.py).
+    job_store = open_job_store(launch, cfg.dist.timeout_s)
+    checked = check_before_start(cfg, launch, dry_run)
     if isinstance(checked, int):
         return checked
     cfg = checked.cfg  # the config the run executes (the plan's env counts per env rank)
@@ -127,7 +129,7 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
     watchdog.configure(cfg.dist.timeout_s, who, on_expiry=after_a_hang)
     waited: CommError | None = None  # whom this rank was waiting on when it failed, and whether it timed out
     try:
-        runtime = start_runtime(launch, cfg.train.device, cfg.dist.timeout_s, *checked.gpu_slot)
+        runtime = start_runtime(launch, cfg.train.device, cfg.dist.timeout_s, *checked.gpu_slot, job_store)
         outcome = run_engine(cfg, launch, runtime, checked, dry_run)
         if outcome.stopped is not None:
             if launch.rank == 0:
@@ -181,24 +183,21 @@ def _report_failure(
         if speaker:
             print(f"spmd_rl: {who}: {what}", file=sys.stderr, flush=True)
         return code, None, speaker
+    if isinstance(exc, StartAbandoned):  # another rank's check failed: its line is out (its own, or rank 0's for it)
+        return exc.exit_code, None, False
     if isinstance(exc, UserError):  # found while running (a rank's files, a config that differs): say which rank
         speaker = launch.rank == 0 or not isinstance(exc, SharedUserError)
         return user_error(exc, speaker=speaker, rank=launch.rank), None, speaker
-    if isinstance(exc, CommError):
-        say(who, "communication error", exc)
-        return COMM_ERROR_EXIT_CODE, exc, True
+    comm = as_comm_error(exc, who)  # a CommError, or torch's own collective failing (FSDP's all-gather in act)
+    if comm is not None:
+        say(who, "communication error", comm)
+        return COMM_ERROR_EXIT_CODE, comm, True
     if isinstance(exc, UserCodeError):
         say(who, "error in user code", exc)
         return USER_CODE_EXIT_CODE, None, True
     if isinstance(exc, SystemExit):  # the framework never exits by raising: this came from user code
-        return _say_user_exit(exc, who), None, True
+        return say_user_exit(exc, who), None, True
     return unexpected_error(exc, who), None, True
-
-
-def _say_user_exit(exc: SystemExit, who: str) -> int:
-    """sys.exit() in user code (policy, env, algorithm, callback) is a failure of user code, never a success."""
-    print(f"spmd_rl: {who}: error in user code: {describe_system_exit(exc)}", file=sys.stderr, flush=True)
-    return USER_CODE_EXIT_CODE
 
 
 def first_error(exc: BaseException) -> BaseException:
@@ -289,7 +288,9 @@ def check_before_start(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checke
     try:
         return _check(cfg, launch, dry_run)
     except _Refused as refused:
-        return user_error(refused.error, speaker=refused.speaker, rank=refused.rank)
+        return refuse_start(launch, refused.error, refused.speaker, refused.rank, cfg.dist.timeout_s)
+    except SystemExit as exc:  # sys.exit() in a policy's constructor or act, called by the contract check
+        return exit_before_start(launch, exc, cfg.dist.timeout_s)
 
 
 def resolve(cfg: Config, launch: LaunchInfo, dry_run: bool) -> Checked:

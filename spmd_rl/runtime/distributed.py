@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import datetime
-import errno
 import os
 import re
 import secrets
-import socket
 import sys
 import threading
-import urllib.parse
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from spmd_rl.runtime.errors import CommError, UserError
+from spmd_rl.runtime import meeting
+from spmd_rl.runtime.errors import CommError, UserCodeError, UserError
+from spmd_rl.runtime.job_store import open_rendezvous
 from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.postmortem import set_job_key
 from spmd_rl.runtime.signals import signals_held_off
@@ -51,83 +50,6 @@ class Runtime:
         return self.timeout + NCCL_WATCHDOG_MARGIN if "nccl" in self.backend else self.timeout
 
 
-def _rendezvous(launch: LaunchInfo, timeout: datetime.timedelta) -> dict:
-    """init_process_group's store. Under torchrun, its agent's store with a prefix per restart: torchrun keeps one
-    store for all restarts (--max-restarts), keys included, and restarted ranks would read the addresses of the
-    previous attempt's ranks (gloo: "Connection refused", then a wait until the timeout). On one host that prefix
-    only carries the port of a store of our own on loopback (the agent's listens on every interface, and the
-    failure records rank 0's summary trusts live in the job's store)."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if (
-        launch.launcher == "torchrun"
-        and attempt is not None
-        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    ):
-        agent = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            launch.world_size,
-            is_master=False,
-            timeout=timeout,
-        )
-        store = dist.PrefixStore(f"spmd_rl/attempt_{attempt}", agent)
-        if launch.local_world_size == launch.world_size:
-            return {"store": _loopback_store(launch, store, timeout)}
-        return {"store": store}
-    return {"store": _own_store(launch, timeout)}
-
-
-def _loopback_store(launch: LaunchInfo, meeting: dist.Store, timeout: datetime.timedelta) -> dist.TCPStore:
-    """A store hosted by rank 0 on 127.0.0.1 at a port the OS picks, which rank 0 announces in `meeting`."""
-    if launch.rank != 0:
-        port = int(meeting.get("loopback_store_port").decode())
-        return dist.TCPStore("127.0.0.1", port, launch.world_size, is_master=False, timeout=timeout)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    store = _serve_store(listener, "127.0.0.1", launch.world_size, timeout)
-    meeting.set("loopback_store_port", str(store.port))
-    return store
-
-
-def _own_store(launch: LaunchInfo, timeout: datetime.timedelta) -> dist.TCPStore:
-    """The job's store, hosted by rank 0 and listening only on the rendezvous address (127.0.0.1 when every rank
-    is on one host), not on every interface as TCPStore would: the failure records rank 0's summary trusts live
-    there, and nobody else on the network should be able to write them. (When that address is not one of rank
-    0's own, it listens on every interface, as TCPStore does.)"""
-    if launch.init_method.startswith("tcp://"):
-        address = urllib.parse.urlsplit(launch.init_method)
-        host, port = address.hostname, address.port
-        assert host is not None and port is not None  # launch.py writes tcp://host:port
-    else:  # env://: ranks started by hand with MASTER_ADDR / MASTER_PORT
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if launch.rank != 0:
-        return dist.TCPStore(host, port, launch.world_size, is_master=False, timeout=timeout)
-    family, kind, protocol, _, bound_to = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, protocol)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind(bound_to)
-    except OSError as exc:
-        if exc.errno != errno.EADDRNOTAVAIL:
-            raise
-        listener.bind(("", port))  # the address is not one of this host's (a name behind NAT): every interface
-    return _serve_store(listener, host, launch.world_size, timeout)
-
-
-def _serve_store(listener: socket.socket, host: str, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
-    """Rank 0's store server on a socket rank 0 bound itself (TCPStore alone would listen on every interface)."""
-    listener.listen(max(128, world_size))
-    return dist.TCPStore(
-        host,
-        listener.getsockname()[1],
-        world_size,
-        is_master=True,
-        timeout=timeout,
-        wait_for_workers=False,  # init_process_group's own barrier waits for them, within the timeout
-        master_listen_fd=listener.detach(),  # the store's server owns the socket from here
-    )
-
-
 def choose_device(preference: str, gpu_slot: int | None, gpus_needed: int = 1) -> torch.device:
     """This rank's device. gpu_slot: its index among the ranks of its node that compute on a GPU (trainers and
     inference ranks), of which there are gpus_needed; None for an env rank, which stays on the CPU and holds no
@@ -156,8 +78,15 @@ def choose_backend(preference: str) -> str:
 
 
 def start_runtime(
-    launch: LaunchInfo, device_preference: str, timeout_s: float, gpu_slot: int | None = 0, gpus_needed: int = 1
+    launch: LaunchInfo,
+    device_preference: str,
+    timeout_s: float,
+    gpu_slot: int | None = 0,
+    gpus_needed: int = 1,
+    job_store: dict | None = None,
 ) -> Runtime:
+    """This rank's device and, in a distributed run, the process group (job_store: rank 0's, from open_job_store;
+    None: opened here). A rank that failed its checks meanwhile ends the start: StartAbandoned."""
     device = choose_device(device_preference, gpu_slot, gpus_needed)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -166,6 +95,10 @@ def start_runtime(
         if _single_host(launch):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: keep gloo off other interfaces
         try:
+            with signals_held_off():
+                rendezvous = job_store or open_rendezvous(launch, runtime.timeout)
+            # signals are handled while the ranks meet: waiting on the others runs Python, not a C++ call
+            meeting.meet(rendezvous["store"], launch.rank, launch.world_size, runtime.timeout)
             # No device_id: it would create the world's NCCL communicator eagerly, on env ranks too.
             with signals_held_off():
                 dist.init_process_group(
@@ -173,8 +106,10 @@ def start_runtime(
                     rank=launch.rank,
                     world_size=launch.world_size,
                     timeout=runtime.group_timeout,
-                    **_rendezvous(launch, runtime.timeout),
+                    **rendezvous,
                 )
+        except (meeting.StartAbandoned, CommError):
+            raise
         except Exception as exc:  # the store could not be reached or a peer never arrived
             raise CommError(
                 f"rank {launch.rank}: init_process_group ({launch.launcher}, {launch.init_method}) "
@@ -244,6 +179,19 @@ def is_comm_failure(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def as_comm_error(exc: BaseException, who: str) -> CommError | None:
+    """exc as a communication error: itself when it is a CommError; for torch's own collective failing as a plain
+    RuntimeError where no bounded wait of ours is around it (FSDP2's all-gather in a sharded policy's forward, on
+    the colocated layout's acting path) a CommError naming the other ranks, so the line is one line and rank 0's
+    summary names the rank that went; None for anything else (an error in user code stays one)."""
+    if isinstance(exc, CommError):
+        return exc
+    if isinstance(exc, UserCodeError) or not is_comm_failure(exc):
+        return None
+    others = group_peer(None) if dist.is_initialized() else None
+    return comm_error(f"{who}: a collective inside torch (FSDP's all-gather of a sharded policy)", exc, None, others)
 
 
 def comm_error(

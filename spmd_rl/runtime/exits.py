@@ -39,16 +39,21 @@ def write_whole_lines(*streams) -> None:
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
-def user_error(exc: UserError, speaker: bool, rank: int | None = None) -> int:
+def user_error_line(exc: UserError, rank: int | None = None) -> str:
+    """'spmd_rl: rank R: error: ...' (without the rank where the error is the same on every rank)."""
+    where = f"rank {rank}: " if rank is not None else ""
+    return f"spmd_rl: {where}error: {exc}"
+
+
+def user_error(exc: UserError, speaker: bool, rank: int | None = None, linger_s: float = QUIET_RANK_LINGER_S) -> int:
     if speaker:
-        where = f"rank {rank}: " if rank is not None else ""
-        print(f"spmd_rl: {where}error: {exc}", file=sys.stderr, flush=True)
+        print(user_error_line(exc, rank), file=sys.stderr, flush=True)
     else:
         # The launcher ends a lingering rank with a signal once the speaker exits: that is this rank's end as
         # planned, with its own code and nothing printed (a stop line here would be a second, false line).
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(signum, lambda *_: os._exit(USER_ERROR_EXIT_CODE))
-        time.sleep(QUIET_RANK_LINGER_S)
+        time.sleep(max(0.0, linger_s))
     return USER_ERROR_EXIT_CODE
 
 

@@ -179,7 +179,11 @@ def _on_signal(signum: int, frame) -> None:
 
 def _announce_stop(name: str, signum: int) -> None:
     """The line acknowledging a stop request, unless the run has acted on it already or a rank has failed: then it
-    is most likely the launcher ending the job, and a checkpoint needs every rank, so no line promises one."""
+    is most likely the launcher ending the job, and a checkpoint needs every rank, so no line promises one. Rank 0
+    alone speaks: a terminal's Ctrl-C reaches every rank of the job, and one line says it (a signal sent to another
+    rank alone stops the job all the same; rank 0's stop line names it when the checkpoint is saved)."""
+    if rank_from_env() not in (None, 0):
+        return
     if not _Graceful.enabled or _Graceful.requested != (name, signum) or a_rank_has_failed():
         return
     print(

@@ -21,6 +21,12 @@ from spmd_rl.runtime.watchdog import watchdog
 _real_os_exit = os._exit
 
 
+def say_user_exit(exc: SystemExit, who: str) -> int:
+    """sys.exit() in user code (policy, env, algorithm, callback) is a failure of user code, never a success."""
+    print(f"spmd_rl: {who}: error in user code: {describe_system_exit(exc)}", file=sys.stderr, flush=True)
+    return USER_CODE_EXIT_CODE
+
+
 def describe_system_exit(exc: SystemExit) -> str:
     """'sys.exit(0) was called (at file:line); ...': the line for a SystemExit raised by user code."""
     where = user_frame(exc)

@@ -188,6 +188,18 @@ def test_a_killed_rank_ends_the_job_with_one_line_per_rank(jobs, layout, victim)
         assert job.name(victim) in first.split(", "), summary
 
 
+def test_a_killed_fsdp_trainer_leaves_one_line_and_the_summary(jobs):
+    # Colocated with train.parallel=fsdp every rank's act all-gathers the sharded policy: the survivor's gather
+    # from the killed rank fails inside FSDP2 as a plain RuntimeError (was: its traceback, exit 1, no summary).
+    # Long rollouts, one short update: the kill lands while the survivor acts (learn maps its own failures)
+    job = jobs("colocated", ["train.parallel=fsdp", "algo.num_steps=1024", "algo.update_epochs=1"])
+    killed_at = job.signal_when_training(1, signal.SIGKILL)
+    job.wait(range(job.world), TIMEOUT_S + MARGIN_S)
+    summary = check_lines(job, {0: (COMM_ERROR_EXIT_CODE, "communication error")})
+    check_ended_in_time(job, killed_at, [0])
+    assert summary.startswith(f"spmd_rl: job summary: {job.name(1)} stopped responding first"), summary
+
+
 # -- a rank stopped (SIGSTOP): the others time out; the stopped one, resumed, finds them gone -------------------------
 
 STOP_CASES = victim_cases(quick="split-env")

@@ -188,3 +188,38 @@ def test_the_script_started_as_a_background_job_says_that_ctrl_c_will_not_reach_
     assert done.returncode == 0, done.stdout + done.stderr
     notes = [line for line in _lines(done.stdout + done.stderr) if "SIGINT ignored" in line]
     assert len(notes) == 1 and "Ctrl-C will not reach this job; stop it with SIGTERM" in notes[0], done.stdout
+
+
+def test_ctrl_c_under_plain_torchrun_is_acknowledged_once_and_stops_once(tmp_path):
+    # A terminal's Ctrl-C: SIGINT to the whole foreground group, the agent and every rank. One acknowledgement
+    # (rank 0's), one stop line; the agent's own SignalException traceback is torchrun's (docs/failures.md).
+    job = _start("torchrun", ENDLESS, tmp_path)
+    _wait_for(lambda: any(p.stat().st_size for p in tmp_path.glob("runs/*/metrics.jsonl")), job, "metrics")
+    os.killpg(job.pid, signal.SIGINT)
+    _, output = _finish(job, tmp_path)
+    lines = _lines(output)
+    acknowledged = [line for line in lines if "SIGINT: stopping after this iteration with a checkpoint" in line]
+    stopped = [line for line in lines if "stopped by SIGINT after iteration" in line]
+    assert len(acknowledged) == 1 and len(stopped) == 1, output
+    assert "rerun the same command to resume" in stopped[0], output
+
+
+@needs_mpirun
+def test_sigterm_to_one_rank_under_mpirun_sh_is_the_stop_line_and_75_without_mpiruns_box(tmp_path):
+    # The ranks agree on the stop and exit 75; mpirun then prints its "exited with non-zero status" box (11 lines),
+    # which the script drops once rank 0 has spoken for the job (its stop line, its code in $SPMD_RL_EXIT_FILE).
+    job = _start("mpirun.sh", ENDLESS, tmp_path)
+    _wait_for(lambda: any(p.stat().st_size for p in tmp_path.glob("runs/*/metrics.jsonl")), job, "metrics")
+    (rank_1,) = [pid for pid in _ranks(tmp_path) if "OMPI_COMM_WORLD_RANK=1" in _environ(pid)]
+    os.kill(rank_1, signal.SIGTERM)
+    code, output = _finish(job, tmp_path)
+    said = [line for line in _lines(output) if not line.startswith(("spmd_rl: launcher ", "iter "))]
+    assert code == 75, output
+    assert len(said) == 1 and "stopped by SIGTERM after iteration" in said[0], output
+
+
+def _environ(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_text().split("\0")
+    except OSError:
+        return []

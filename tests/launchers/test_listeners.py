@@ -71,7 +71,7 @@ def test_under_torchrun_on_one_host_the_job_store_is_our_own_on_loopback(monkeyp
 
     import torch.distributed as dist
 
-    from spmd_rl.runtime.distributed import _rendezvous
+    from spmd_rl.runtime.job_store import open_rendezvous
     from spmd_rl.runtime.launch import LaunchInfo
 
     agent = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
@@ -84,7 +84,7 @@ def test_under_torchrun_on_one_host_the_job_store_is_our_own_on_loopback(monkeyp
 
     def meet(rank: int) -> None:
         launch = LaunchInfo("torchrun", rank=rank, world_size=2, local_rank=rank, local_world_size=2, init_method="")
-        stores[rank] = _rendezvous(launch, datetime.timedelta(seconds=30))["store"]
+        stores[rank] = open_rendezvous(launch, datetime.timedelta(seconds=30))["store"]
 
     threads = [threading.Thread(target=meet, args=(rank,)) for rank in (1, 0)]
     for thread in threads:
@@ -99,6 +99,6 @@ def test_under_torchrun_on_one_host_the_job_store_is_our_own_on_loopback(monkeyp
     assert f"127.0.0.1:{port}" in listeners([os.getpid()])
     # Ranks on several hosts keep meeting in the agent's store (under a prefix per restart).
     launch = LaunchInfo("torchrun", rank=1, world_size=4, local_rank=1, local_world_size=2, init_method="")
-    shared = _rendezvous(launch, datetime.timedelta(seconds=30))["store"]
+    shared = open_rendezvous(launch, datetime.timedelta(seconds=30))["store"]
     shared.set("key", "value")
     assert agent.get("spmd_rl/attempt_0/key") == b"value"

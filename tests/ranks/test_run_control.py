@@ -124,6 +124,23 @@ def test_a_stop_is_announced_unless_a_rank_failed_or_the_run_ended_meanwhile(tmp
     assert ("SIGTERM: stopping after this iteration with a checkpoint" in said) == (meanwhile == "nothing"), said
 
 
+@pytest.mark.parametrize("rank", ["0", "1", None])
+def test_a_stop_is_acknowledged_by_rank_0_alone(monkeypatch, capsys, rank):
+    # Ctrl-C in a terminal reaches every rank of the job at once: one acknowledgement, rank 0's (a rank started
+    # alone, with no launcher's rank variable, is rank 0); the final stop line is rank 0's too.
+    monkeypatch.delenv("SPMD_RL_FAILURE_DIR", raising=False)
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    if rank is not None:
+        monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(signals._Graceful, "requested", None)
+    monkeypatch.setattr(signals._Graceful, "enabled", True)
+    signals._on_signal(signal.SIGINT, None)
+    assert signals.requested_stop() == ("SIGINT", signal.SIGINT)  # every rank still asks for the stop
+    said = capsys.readouterr().err
+    assert ("SIGINT: stopping after this iteration with a checkpoint" in said) == (rank != "1"), said
+
+
 def test_checkpoint_every_s_is_due_by_the_clock(tmp_path, no_stop_requested):
     rc = control(
         load_config(None, ["checkpoint.every_s=600", "checkpoint.every_iterations=0"]), tmp_path, num_iterations=10

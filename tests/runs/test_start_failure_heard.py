@@ -1,0 +1,34 @@
+"""A rank other than 0 whose check before start fails, while rank 0's passes, is heard at once: its one line
+(printed by rank 0 for it, or by itself when it speaks, as for sys.exit in user code), its exit code for the job,
+and rank 0 ends soon after instead of waiting out dist.timeout_s in init_process_group
+(tests/harness/rank_one_faults.py). Ranks started by hand: no launcher stops rank 0 when rank 1 exits."""
+
+import subprocess
+
+import pytest
+from harness.forked import run_forked_job
+from harness.runs import TINY
+
+# Far beyond what the job takes once heard: a rank 0 that waits for rank 1 until the timeout fails the test.
+TIMEOUT_S = 600
+JOB_BOUND_S = 240
+
+
+@pytest.mark.parametrize(
+    "policy, code, line",
+    [
+        ("RaisesOnRankOne", 2, "spmd_rl: rank 1: error: policy.class 'tests.harness.rank_one_faults:RaisesOnRankOne'"),
+        ("ExitsOnRankOne", 4, "spmd_rl: rank 1: error in user code: sys.exit(0) was called"),
+    ],
+)
+def test_rank_1s_failed_check_is_one_line_and_ends_the_job_with_its_code(tmp_path, policy, code, line):
+    args = ["--config", TINY, f"run.dir={tmp_path / 'run'}", f"dist.timeout_s={TIMEOUT_S}"]
+    try:
+        job = run_forked_job([*args, f"policy.class=tests.harness.rank_one_faults:{policy}"], 2, timeout=JOB_BOUND_S)
+    except subprocess.TimeoutExpired as hang:
+        pytest.fail(f"rank 0 still waiting {JOB_BOUND_S} s after rank 1 failed its check: {hang.stderr}")
+    said = [text for text in (job.stdout + job.stderr).splitlines() if text.strip()]
+    assert job.returncode == code, job.stderr
+    assert len(said) == 1 and said[0].startswith(line), said  # once: rank 0 says it, or rank 1 alone
+    assert "this rank's own trouble" in said[0] or code == 4, said
+    assert not (tmp_path / "run").exists(), "no run directory for a start that never happened"
