@@ -185,9 +185,8 @@ class Trainer:
             # is the algorithm's own error.
             if isinstance(exc, CommError) or not is_comm_failure(exc):
                 raise
-            torchs = (
-                "FSDP2's parameter all-gather or gradient reduce-scatter" if self.sharded else "DDP's gradient all-reduce"
-            )
+            fsdp = "FSDP2's parameter all-gather or gradient reduce-scatter"
+            torchs = fsdp if self.sharded else "DDP's gradient all-reduce"
             raise comm_error(
                 f"{self.describe}: learning (iteration {iteration}): a collective in the trainer group "
                 f"({torchs} or the algorithm's own)",

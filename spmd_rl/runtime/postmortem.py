@@ -208,10 +208,10 @@ def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[in
         in_file = _leave_record_file(failure, world_size, describe_rank)
         store = _default_store()
         if store is None:
-            return
+            return failure.exit_code
         key = _JobKey.key
         if key is None:  # the key is set right after the group exists: a failure before it has no store record
-            return
+            return failure.exit_code
         if failure.rank != 0:
             _bounded(
                 lambda: store.set(KEY.format(failure.rank), sign(failure.encode(), key, failure.rank)), PUBLISH_BOUND_S
