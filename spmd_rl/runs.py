@@ -38,7 +38,7 @@ import yaml
 from spmd_rl.config.loading import MAX_CONFIG_BYTES, ConfigLoader
 from spmd_rl.persist.fileio import NotRegularFile, bounded_lines, open_regular
 from spmd_rl.persist.run_files import CONFIG_FILE, FINISHED, LOCK_FILE, METRICS_FILE, METRICS_LINE_BYTES
-from spmd_rl.persist.run_lock import read_lock
+from spmd_rl.persist.run_lock import note_damage, read_lock
 from spmd_rl.plot import SEARCH_DEPTH, is_run_dir, run_dirs_inside
 from spmd_rl.runtime.errors import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
 
@@ -84,8 +84,11 @@ def run_status(run_dir: Path) -> tuple[RunStatus, dict]:
     elif isinstance(lock.get("exit_code"), int):
         status.exit_code = lock["exit_code"]
         status.state = "stopped" if status.exit_code == STOPPED_EXIT_CODE else "failed"
-    elif lock or (run_dir / LOCK_FILE).exists():
+    elif lock or os.path.lexists(run_dir / LOCK_FILE):
         status.state = "killed"
+        damage = note_damage(run_dir)
+        if damage:
+            status.notes.append(damage)
     elif (run_dir / METRICS_FILE).exists():
         status.state = "unknown"  # logged without run.lock: a run from before run.lock, or a copied directory
     if status.state == "finished" and isinstance(lock.get("exit_code"), int):

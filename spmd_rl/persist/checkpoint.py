@@ -339,7 +339,14 @@ def save_shards(shards: dict, directory: Path) -> dict[str, str]:
 
     group = mesh_trainers(next(iter(shards.values())).device_mesh)
     try:
-        dcp.save(shards, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), process_group=group)
+        with warnings.catch_warnings():
+            # Shards already here are a save of this iteration that never became loadable (interrupted) or that a
+            # resume fell back from (damaged): this save writes every shard file and the metadata anew, and the
+            # checkpoint is loadable only once commit writes its COMPLETE marker after it. So torch's "existing
+            # checkpoint ... overwriting" warning (once per trainer) says nothing to act on.
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint in", category=UserWarning)
+            writer = dcp.FileSystemWriter(directory, sync_files=True, overwrite=True)  # newer torch defaults False
+            dcp.save(shards, storage_writer=writer, process_group=group)
     except Exception as exc:  # noqa: BLE001 - DCP gathers every rank's failure into one CheckpointException
         raise UserError(f"writing the sharded checkpoint {directory} failed: {_first_line(exc)}") from None
     mine = f"__{dist.get_rank(group)}_"

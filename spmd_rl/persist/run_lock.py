@@ -10,8 +10,10 @@ second copy names. When the run ends in an orderly way (done, a checkpointed sto
 holder adds the time and the exit code, so `python -m spmd_rl.runs` can tell a run that is running (a lock is
 held), stopped, failed or killed (the locks are free and the note holds no exit code: kill -9, a lost node, a run
 from before exit codes were recorded). A start that changed nothing of the run (refused, or failed before its first
-checkpoint: `own_run_dirs` not called) puts back the note it found instead, byte for byte: a refused resume of a
-stopped run leaves it stopped, not failed. The note is written into the file the holder opened itself, never through
+checkpoint: `own_run_dirs` not called) puts back the note it found instead, byte for byte, and removes the run.lock
+it created where there was none: a refused resume of a stopped run leaves it stopped, not failed. A run.lock
+removed while the run held it (`rm run.lock`) is written anew at its name when the run ends, so the run reads
+stopped or failed rather than unknown. The note is written into the file the holder opened itself, never through
 a symlink (O_NOFOLLOW), and a run.lock that is not a regular file of one link (a symlink, a FIFO, a directory, a
 hard link to another file) is refused: writing through it would destroy what it points at, and opening a FIFO
 would wait for a writer. Readers open it without following a symlink or waiting on a FIFO.
@@ -23,6 +25,7 @@ time, and a copy that went elsewhere would leave the user two half-runs of one c
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -41,8 +44,8 @@ NOTE_BYTES = 4096  # more than a note ever holds: what a reader takes of run.loc
 # the descriptors whose flocks this process holds)
 _held: dict[Path, tuple[int | None, int]] = {}
 # run directory -> the run.lock note found there when this process locked it, until this start owns the run (its
-# first checkpoint): what its exit puts back
-_found: dict[Path, bytes] = {}
+# first checkpoint): what its exit puts back (None: there was no run.lock, so the exit removes the one it made)
+_found: dict[Path, bytes | None] = {}
 
 
 def lock_run_dir(run_dir: Path) -> None:
@@ -58,6 +61,7 @@ def lock_run_dir(run_dir: Path) -> None:
             os.close(dir_fd)  # a file system that locks no directory: run.lock's flock alone guards the run
             dir_fd = None
         _refuse_odd_note(run_dir / LOCK_FILE)
+        existed = os.path.lexists(run_dir / LOCK_FILE)
         note_fd = _open_note(run_dir / LOCK_FILE)
         if not _lock(note_fd, run_dir) and dir_fd is None:  # say so rather than run unguarded without a word
             raise UserError(f"{run_dir}: cannot lock the run directory: its file system takes no flock")
@@ -73,7 +77,9 @@ def lock_run_dir(run_dir: Path) -> None:
             raise file_error(run_dir / LOCK_FILE, exc, "cannot write the run directory's lock") from None
         raise
     _held[key] = dir_fd, note_fd
-    if found and len(found) <= NOTE_BYTES:  # a note of an earlier start (a longer one is no note of ours)
+    if not existed:
+        _found[key] = None
+    elif len(found) <= NOTE_BYTES:  # a note of an earlier start, or an empty file (a longer one is no note of ours)
         _found[key] = found
 
 
@@ -87,16 +93,48 @@ def record_exit(exit_code: int) -> None:
     """Write how this run ends (exit_code) beside the holder in every run.lock this process holds, keeping the
     lock: called before the slow part of the exit (the process groups' teardown), so that a launcher's SIGKILL
     there (plain mpirun kills ranks a second after their SIGTERM) leaves the code written. A start that did not
-    come to own its directory (own_run_dirs) puts back the note it found there."""
+    come to own its directory (own_run_dirs) puts back the note it found there, or removes the run.lock it made."""
     for key, (_, fd) in _held.items():
         with contextlib.suppress(OSError, ValueError):  # a record to read back, never a reason to fail an exit
             if key in _found:
-                record = _found[key]
+                found = _found[key]
+                if found is None:
+                    _remove_own_note(key / LOCK_FILE, fd)
+                    continue
+                record = found
             else:
                 holder = json.loads(os.pread(fd, NOTE_BYTES, 0).decode())
                 record = (json.dumps({**holder, "ended": time.time(), "exit_code": exit_code}) + "\n").encode()
+                _rewrite_removed_note(key / LOCK_FILE, fd, record)
             os.ftruncate(fd, 0)
             os.pwrite(fd, record, 0)
+
+
+def _is_own_note(path: Path, fd: int) -> bool:
+    """Whether path still names the file this process opened as fd (not removed, not replaced)."""
+    try:
+        here, own = os.lstat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _remove_own_note(path: Path, fd: int) -> None:
+    """A refused start found no run.lock: the one it made goes (only if it is still the file it made)."""
+    if _is_own_note(path, fd):
+        os.unlink(path)
+
+
+def _rewrite_removed_note(path: Path, fd: int, record: bytes) -> None:
+    """run.lock was removed while this run held it: the exit code goes into a new file at its name, since the
+    removed one is read by nobody. Never through whatever else stands there now (O_EXCL, O_NOFOLLOW)."""
+    if _is_own_note(path, fd) or os.path.lexists(path):
+        return
+    new_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(new_fd, record)
+    finally:
+        os.close(new_fd)
 
 
 def release_run_dirs(exit_code: int | None = None) -> None:
@@ -198,19 +236,37 @@ def _refuse_odd_note(path: Path) -> None:
 def _read_note(path: Path) -> dict:
     """run.lock's note, or {} when absent, damaged or not a regular file; read without following a symlink or
     waiting on a FIFO, and at most NOTE_BYTES of it."""
+    return _read_note_and_damage(path)[0]
+
+
+def note_damage(run_dir: Path) -> str:
+    """Why run_dir's run.lock holds no readable note ('' when it reads, is absent or is empty: a holder killed
+    between creating it and writing its note), for `python -m spmd_rl.runs` to say."""
+    return _read_note_and_damage(Path(run_dir) / LOCK_FILE)[1]
+
+
+def _read_note_and_damage(path: Path) -> tuple[dict, str]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return {}
+    except FileNotFoundError:
+        return {}, ""
+    except OSError as exc:
+        what = "is a symlink" if exc.errno == errno.ELOOP else f"cannot be read ({exc.strerror})"
+        return {}, f"{path} {what}: its exit code is not read"
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return {}
-        note = json.loads(os.pread(fd, NOTE_BYTES, 0).decode())
+            return {}, f"{path} is not a regular file: its exit code is not read"
+        data = os.pread(fd, NOTE_BYTES, 0)
+        if not data:
+            return {}, ""
+        note = json.loads(data.decode())
     except (OSError, ValueError):
-        return {}
+        return {}, f"{path} holds no whole note (torn or overwritten): how the run ended is not known"
     finally:
         os.close(fd)
-    return note if isinstance(note, dict) else {}
+    if not isinstance(note, dict):
+        return {}, f"{path} holds no whole note (torn or overwritten): how the run ended is not known"
+    return note, ""
 
 
 def _holder(run_dir: Path) -> str:

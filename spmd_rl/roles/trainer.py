@@ -180,13 +180,16 @@ class Trainer:
             ):
                 metrics = self.update_guard.learn(segment, iteration)
         except Exception as exc:
-            # DDP's gradient all-reduce fails inside backward() as a plain RuntimeError; bounded collectives raise
-            # CommError themselves. Anything else is the algorithm's own error.
+            # DDP's gradient all-reduce (FSDP2's all-gather and reduce-scatter when sharded) fails inside forward()
+            # or backward() as a plain RuntimeError; bounded collectives raise CommError themselves. Anything else
+            # is the algorithm's own error.
             if isinstance(exc, CommError) or not is_comm_failure(exc):
                 raise
+            fsdp = "FSDP2's parameter all-gather or gradient reduce-scatter"
+            torchs = fsdp if self.sharded else "DDP's gradient all-reduce"
             raise comm_error(
                 f"{self.describe}: learning (iteration {iteration}): a collective in the trainer group "
-                f"(DDP's gradient all-reduce or the algorithm's own)",
+                f"({torchs} or the algorithm's own)",
                 exc,
                 self.timeout,
                 group_peer(self.group) if self.group is not None else None,

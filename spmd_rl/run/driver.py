@@ -147,18 +147,21 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
     finally:
         failed_at = time.time()
         flush_open_files()  # staged experience rows reach their files on every exit path
+        job_code = exit_code
         if exit_code not in (0, STOPPED_EXIT_CODE) and runtime is not None and runtime.distributed:
             # rank 0 names the first cause
             peers, timed_out = (waited.peers, waited.timed_out) if waited else ((), False)
             frozen_s = watchdog.frozen_for(within_s=cfg.dist.timeout_s + 5)
-            after_failure(
+            job_code = after_failure(
                 Failure(launch.rank, exit_code, failed_at, peers, timed_out, frozen_s),
                 launch.world_size,
                 checked.topology.describe,
             )
         if launch.rank == 0:
             leave_exit_code(exit_code)
-        record_exit(exit_code)  # run.lock (rank 0's), before the teardown a launcher may cut short with SIGKILL
+        # run.lock (rank 0's), before the teardown a launcher may cut short with SIGKILL: the job's code, the first
+        # cause the summary names (rank 1's error in user code), not rank 0's knock-on communication error
+        record_exit(job_code)
         shutdown_runtime(runtime, process_exit_code(exit_code, outcome and outcome.stopped))  # run.lock: 75 above
         release_run_dirs()  # the exit is recorded above
     if dry_run and exit_code == 0 and launch.rank == 0:

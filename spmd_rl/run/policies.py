@@ -297,8 +297,8 @@ def _read_policy_state(weights: Path) -> dict:
 def _torch_load(file: Path):
     if checksum_matches(file) is False:
         raise UserError(
-            f"{file} is damaged (its contents differ from the checksum saved with them): use another copy, or "
-            f"the run's checkpoints (python -m spmd_rl.evaluate <run dir>/checkpoints)"
+            f"{file} is damaged (its contents differ from the checksum saved with them): use another copy, or give "
+            f"<run dir>/checkpoints/latest of the run it came from in its place (its newest checkpoint's policy)"
         )
     try:
         return torch.load(file, map_location="cpu", weights_only=True)

@@ -46,7 +46,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,24 +197,26 @@ def _them(ranks: list[int]) -> str:
     return "it" if len(ranks) == 1 else "them"
 
 
-def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[int], str]) -> None:
+def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[int], str]) -> int:
     """On a failing rank of a distributed run, before it exits: leave this rank's record, or, on rank 0 after a
-    communication error, gather the others' and print the summary. Never raises, never blocks for long."""
+    communication error, gather the others' and print the summary. Never raises, never blocks for long. Returns
+    the job's exit code as far as this rank knows it: on rank 0 after a communication error, the first cause's
+    among the records that reached it (what the summary names, and run.lock records); else this rank's own."""
+    others: dict[int, Failure] = {}
     try:
         # first: the launcher may kill this rank any moment
         in_file = _leave_record_file(failure, world_size, describe_rank)
         store = _default_store()
         if store is None:
-            return
+            return failure.exit_code
         key = _JobKey.key
         if key is None:  # the key is set right after the group exists: a failure before it has no store record
-            return
+            return failure.exit_code
         if failure.rank != 0:
             _bounded(
                 lambda: store.set(KEY.format(failure.rank), sign(failure.encode(), key, failure.rank)), PUBLISH_BOUND_S
             )
         elif failure.exit_code == COMM_ERROR_EXIT_CODE:
-            others: dict[int, Failure] = {}
             forged: list[int] = []
             complete = False
             try:
@@ -246,6 +248,13 @@ def after_failure(failure: Failure, world_size: int, describe_rank: Callable[[in
             _leave_marker()
     except BaseException:  # noqa: BLE001 - a broken store or a second signal must not change how the rank exits
         pass
+    return _job_code([failure, *dict(others).values()])  # a copy: a collector cut short may still add to it
+
+
+def _job_code(records: Iterable[Failure]) -> int:
+    """The first failing rank's code among records that did not fail waiting on another (2, 4, ...), else 3."""
+    causes = [f for f in records if f.exit_code != COMM_ERROR_EXIT_CODE]
+    return min(causes, key=lambda f: f.at).exit_code if causes else COMM_ERROR_EXIT_CODE
 
 
 def _collect(store, world_size: int, into: dict[int, Failure], own: Failure, key: bytes, forged: list[int]) -> None:
@@ -378,9 +387,7 @@ def job_exit_code(directory: Path) -> int | None:
     read = _read_record_files(directory, quiet=True)
     if read is None:
         return None
-    records = read[0]
-    causes = [f for f in records.values() if f.exit_code != COMM_ERROR_EXIT_CODE]
-    return min(causes, key=lambda f: f.at).exit_code if causes else COMM_ERROR_EXIT_CODE
+    return _job_code(read[0].values())
 
 
 def _read_record_files(directory: Path, quiet: bool = False) -> tuple[dict[int, Failure], list[str], int] | None:

@@ -3,6 +3,7 @@ and launch/torchrun.sh end to end with a crashing rank (mpirun and srun: tests/l
 tests/launchers/test_slurm.py).
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -226,6 +227,8 @@ def test_torchrun_job_with_a_crashing_rank_fails(tmp_path, restarts):
     summaries = [line for line in output.splitlines() if "job summary" in line]
     assert summaries and summaries[-1].startswith("spmd_rl: job summary: rank 1 (colocated 1) failed first"), output
     assert "stopping after this iteration" not in output, output[-4000:]
+    # python -m spmd_rl.runs reads run.lock: the job's code (rank 1's), not rank 0's knock-on communication error
+    assert json.loads((tmp_path / "run" / "run.lock").read_text())["exit_code"] == 4
 
 
 # The agent's traceback when the whole process group is signalled: the signal reaches it directly and relayed by

@@ -1,6 +1,7 @@
 """Tracebacks become lines: an env whose constructor raises anything, a step limit of 0 in env.kwargs, a reset
 written for the old gym API, and an experience file whose schema names a dtype we never write end with one line and
-the documented exit code (2 for bad input, 4 for an error in the env's code), never a traceback."""
+the documented exit code (2 for bad input and for a plug-in that raises while the checks before start build it, 4
+for an error in the env's code once the run is going), never a traceback."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ TINY = str(ROOT / "configs" / "ci_tiny.yaml")
 ENVS = """
 import gymnasium as gym
 
+from spmd_rl.modules.actor_critic import ActorCritic
+
 
 class RaisingCartPole(gym.Wrapper):
     def __init__(self):
-        raise ValueError("cannot find the simulator's asset file")  # LINE
+        raise ValueError("cannot find the simulator's asset file")  # LINE 8
 
 
 class OldGymReset(gym.Wrapper):
@@ -39,6 +42,11 @@ class OldGymReset(gym.Wrapper):
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
         return obs  # the old gym API: no info
+
+
+class RaisingPolicy(ActorCritic):
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("cannot find the pretrained weights")
 
 
 gym.register("RaisingCartPole-v0", entry_point=RaisingCartPole)
@@ -55,6 +63,12 @@ CASES = {
         ["env.kwargs={max_episode_steps: 0}"],
         USER_ERROR_EXIT_CODE,
         "could not be made with env.kwargs {'max_episode_steps': 0}: ValueError: Expect the `max_episode_steps`",
+    ),
+    # built by the checks before start, like the env above: bad input to fix before the run can begin (exit 2)
+    "policy_constructor_raises": (
+        ["policy.class=bad_envs:RaisingPolicy"],
+        USER_ERROR_EXIT_CODE,
+        "policy.class 'bad_envs:RaisingPolicy' could not be built for observation space",
     ),
     "old_gym_reset": (
         ["env.id=bad_envs:OldGymReset-v0"],
@@ -83,7 +97,7 @@ def test_a_bad_env_is_one_line_and_its_exit_code(tmp_path, case):
     ours = [line for line in result.stderr.splitlines() if line.startswith("spmd_rl:") and "note:" not in line]
     assert len(ours) == 1 and says in ours[0], result.stderr[-3000:]
     if case == "constructor_raises":
-        assert f"(at {tmp_path / 'bad_envs.py'}:6)" in ours[0], ours[0]
+        assert f"(at {tmp_path / 'bad_envs.py'}:8)" in ours[0], ours[0]
 
 
 def _rows() -> TensorDict:

@@ -40,3 +40,16 @@ def test_weights_that_do_not_fit_are_one_line_for_the_job(trained, tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.startswith("spmd_rl:")]
     assert len(lines) == 1 and "its weights do not fit" in lines[0], result.stderr
     assert lines[0].startswith("spmd_rl: rank 0"), lines[0]
+
+
+def test_a_damaged_policy_file_gets_advice_for_run_init_from(trained, tmp_path):
+    damaged = tmp_path / "policy.pt"
+    data = bytearray((trained / "policy.pt").read_bytes())
+    data[-200:-184] = bytes(b ^ 0xFF for b in data[-200:-184])  # inside the zip, before the checksum trailer
+    damaged.write_bytes(bytes(data))
+    result = run_main("--config", TINY, f"run.dir={tmp_path / 'from_damaged'}", f"run.init_from={damaged}")
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("spmd_rl:")]
+    assert len(lines) == 1 and f"{damaged} is damaged" in lines[0], result.stderr
+    assert "spmd_rl.evaluate" not in lines[0], lines[0]  # that command evaluates; it starts no run from weights
+    assert "<run dir>/checkpoints/latest" in lines[0], lines[0]

@@ -97,6 +97,25 @@ def test_removing_run_lock_does_not_let_a_second_copy_in(tmp_path):
     assert _try_lock_in_another_process(run_dir).returncode == 0, "free again once its holder let go"
 
 
+def test_a_refused_start_leaves_an_absent_run_lock_absent(tmp_path):
+    run_dir = tmp_path / "run"  # a stopped run whose run.lock was removed (`rm run.lock`)
+    run_dir.mkdir()
+    lock_run_dir(run_dir)
+    release_run_dirs(2)  # refused (another config) before it owned the directory (own_run_dirs)
+    assert not (run_dir / "run.lock").exists(), "a refused start made a run.lock where there was none"
+
+
+def test_a_run_lock_removed_while_running_gets_the_exit_code_at_its_name(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock_run_dir(run_dir)
+    run_lock.own_run_dirs()  # the run's first checkpoint
+    (run_dir / "run.lock").unlink()  # `rm run.lock` while it runs
+    release_run_dirs(75)
+    held, note = read_lock(run_dir)
+    assert not held and note["exit_code"] == 75 and note["pid"] == os.getpid(), note
+
+
 @pytest.mark.parametrize("kind", ["symlink", "fifo", "directory", "hard link"])
 def test_a_run_lock_that_is_not_a_regular_file_of_one_link_is_refused_and_left_alone(tmp_path, kind):
     run_dir = tmp_path / "run"

@@ -36,6 +36,7 @@ def fake_run(root: Path, name: str, ended: int | None, returns=(10.0, 20.0), lea
     records = [{"iteration": i, "env_steps": 100 * (i + 1), "episode_return_mean": r} for i, r in enumerate(returns)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     run_lock.lock_run_dir(run_dir)
+    run_lock.own_run_dirs()  # as a run does at its first checkpoint: its end is recorded from then on
     run_lock.release_run_dirs(ended)
     return run_dir
 
@@ -181,6 +182,7 @@ def _list(runs: Path) -> subprocess.CompletedProcess:
         ("metrics of 2 GiB without a newline", "metrics.jsonl: 1 line(s) that are no JSON record skipped"),
         ("config alias bomb", "config.yaml does not load"),
         ("config FIFO", "config.yaml is not a regular file (a FIFO): its keys are not compared"),
+        ("run.lock torn in half", "run.lock holds no whole note (torn or overwritten)"),
     ],
 )
 def test_a_damaged_run_is_listed_as_damaged_without_hanging_or_a_traceback(tmp_path, damage, note):
@@ -201,6 +203,9 @@ def test_a_damaged_run_is_listed_as_damaged_without_hanging_or_a_traceback(tmp_p
             file.truncate(2 << 30)  # sparse: zeros that take no disk
     elif damage == "config alias bomb":
         config.write_text(ALIAS_BOMB)
+    elif damage == "run.lock torn in half":
+        whole = (run_dir / "run.lock").read_bytes()
+        (run_dir / "run.lock").write_bytes(whole[: len(whole) // 2])
     else:
         config.unlink()
         os.mkfifo(config)

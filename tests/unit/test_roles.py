@@ -1,8 +1,11 @@
 """Role pieces that need no other rank: the env runner's rollout bookkeeping and the segment -> transitions view."""
 
+import re
+
 import gymnasium as gym
 import pytest
 import torch
+from tensordict import TensorDict
 
 from spmd_rl.algorithms.sac import transitions_of
 from spmd_rl.api import StepField
@@ -12,6 +15,7 @@ from spmd_rl.envs.vector import EnvSpec, make_vector_env, probe_env
 from spmd_rl.roles.local_env_runner import local_env_runner
 from spmd_rl.roles.messages import segment_message
 from spmd_rl.roles.trainer import PolicyLagError, Trainer
+from spmd_rl.runtime.errors import CommError
 
 OUTPUTS = {
     "action": StepField((), torch.int64),
@@ -83,3 +87,28 @@ def test_trainer_rejects_a_segment_acted_on_with_stale_weights():
         r"versions outside \[4, 4\]",
     ):
         trainer.receive_segments(iteration=7, version=4)
+
+
+class _PeerGoneAlgorithm:
+    """learn fails as torch's own collective inside backward() does when a peer trainer was killed (gloo's text)."""
+
+    def learn(self, segment, iteration):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:12202: Connection reset by peer")
+
+
+@pytest.mark.parametrize(
+    "sharded, collective",
+    [(False, "DDP's gradient all-reduce"), (True, "FSDP2's parameter all-gather or gradient reduce-scatter")],
+)
+def test_a_peer_lost_while_learning_names_the_collective_of_the_parallel_mode(sharded, collective):
+    trainer = Trainer(
+        algorithm=_PeerGoneAlgorithm(),
+        segment_channels=[],
+        segment_sources=[],
+        episode_slots=1,
+        group=None,
+        describe="rank 0 (colocated 0)",
+        sharded=sharded,
+    )
+    with pytest.raises(CommError, match=re.escape(f"({collective} or the algorithm's own)")):
+        trainer.learn(TensorDict({}, batch_size=[]), iteration=10)
