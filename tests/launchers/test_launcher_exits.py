@@ -140,7 +140,10 @@ def test_sigterm_to_the_group_at_any_moment_is_one_line_and_143_or_75(tmp_path, 
 # the ranks. Plain torchrun's group holds the agent: the kill takes it, and the ranks watch it go themselves.
 @pytest.mark.parametrize("script", ["torchrun.sh", "torchrun"])
 def test_kill_9_of_the_launchers_group_stops_the_ranks_with_a_checkpoint_and_a_rerun_resumes(tmp_path, script):
-    job = _start(script, ENDLESS, tmp_path)
+    # a resume writes its metrics records once its first checkpoint commits (docs/storage-and-resume.md): every 20
+    # iterations, the rerun's come within seconds, not after checkpoint.every_s
+    endless = [*ENDLESS, "checkpoint.every_iterations=20"]
+    job = _start(script, endless, tmp_path)
     _wait_for(lambda: any(p.stat().st_size for p in tmp_path.glob("runs/*/metrics.jsonl")), job, "metrics")
     ranks = _ranks(tmp_path)
     assert len(ranks) == 2
@@ -157,7 +160,7 @@ def test_kill_9_of_the_launchers_group_stops_the_ranks_with_a_checkpoint_and_a_r
     assert not read_lock(run_dir)[0], "the run directory's lock is still held: a rerun could not take it"
     assert list((run_dir / "checkpoints").glob("iter_*")), "the stop left no checkpoint"
     records = run_dir.joinpath("metrics.jsonl").read_text().count("\n")
-    rerun = _start(script, ENDLESS, tmp_path)
+    rerun = _start(script, endless, tmp_path)
     _wait_for(lambda: run_dir.joinpath("metrics.jsonl").read_text().count("\n") > records, rerun, "resumed metrics")
     os.killpg(rerun.pid, signal.SIGTERM)
     code, output = _finish(rerun, tmp_path)

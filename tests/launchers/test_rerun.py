@@ -18,7 +18,10 @@ from spmd_rl.run.resume import FINISHED, command_run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "ci_tiny.yaml")
-ENDLESS = ("--config", TINY, "train.total_steps=100000000", "log.tensorboard=false")
+# A resume writes its metrics records once its first checkpoint commits (a start that fails before changes no file:
+# docs/storage-and-resume.md): a checkpoint every 20 iterations lets the resumed job's first record come within
+# seconds, as the first job's does, instead of after checkpoint.every_s.
+ENDLESS = ("--config", TINY, "train.total_steps=100000000", "log.tensorboard=false", "checkpoint.every_iterations=20")
 
 
 def test_a_command_continues_its_newest_unfinished_run_and_starts_the_next_after_a_finished_one(tmp_path):
