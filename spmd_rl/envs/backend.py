@@ -126,16 +126,18 @@ def group_seeds(seed: int, num_envs: int, group_size: int) -> int | list[int]:
 
 def check_group_starts(obs, group_size: int, env_id: str) -> None:
     """The contract of env.group_size: the envs of a group were reset with one seed, so their first observations
-    must be equal (a UserCodeError naming the groups otherwise: the env's seeded reset is not reproducible)."""
+    must be equal (a UserCodeError naming the groups, and which observation differs by how much, otherwise: the
+    env's seeded reset is not reproducible)."""
     if group_size == 1:
         return
     differing = differing_blocks(obs, group_size)
     if differing:
         raise UserCodeError(
             f"env '{clip(env_id)}': the envs of group(s) {differing[:8]} (env.group_size={group_size}) were reset "
-            f"with one seed but returned different first observations; an env must return the same initial state "
-            f"for the same seed (docs/envs.md, 'Groups that start together'): make its seeded reset reproducible in "
-            f"a wrapper of its own (e.g. the seed chooses a task configuration), or set env.group_size=1"
+            f"with one seed but returned different first observations ({clip(describe_difference(obs, group_size))}); "
+            f"an env must return the same initial state for the same seed (docs/envs.md, 'Groups that start "
+            f"together'): make its seeded reset reproducible in a wrapper of its own (e.g. the seed chooses a task "
+            f"configuration), or set env.group_size=1"
         )
 
 
@@ -147,6 +149,22 @@ def differing_blocks(values, block: int) -> list[int]:
     array = np.asarray(values)
     blocks = array.reshape(array.shape[0] // block, block, -1)
     return np.flatnonzero(~(blocks == blocks[:, :1]).all(axis=(1, 2))).tolist()
+
+
+def describe_difference(values, block: int, key: str = "") -> str:
+    """Which observation (a Dict's keys) differs within a block of envs, and its largest difference from the block's
+    first env, e.g. "'state' by up to 0.0031, 'image' by up to 255"."""
+    if isinstance(values, dict):
+        parts = (describe_difference(value, block, f"{key}/{name}" if key else name) for name, value in values.items())
+        return ", ".join(part for part in parts if part)
+    array = np.asarray(values)
+    if not differing_blocks(array, block):
+        return ""
+    blocks = array.reshape(array.shape[0] // block, block, -1)
+    if array.dtype.kind in "biuf":
+        gap = np.abs(blocks.astype(np.float64) - blocks[:, :1].astype(np.float64)).max()
+        return f"'{key}' by up to {gap:.3g}" if key else f"by up to {gap:.3g}"
+    return f"'{key}'" if key else "its values"
 
 
 def differing_space(spec: EnvSpec, other: EnvSpec) -> tuple[str, str, str] | None:

@@ -13,6 +13,7 @@ from spmd_rl.algorithms.ppo import PPO
 from spmd_rl.api import StepField
 from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import EnvSection
+from spmd_rl.envs.backend import check_group_starts
 from spmd_rl.envs.vector import make_vector_env, probe_env
 from spmd_rl.interfaces.algorithm import Schedule
 from spmd_rl.roles.local_env_runner import local_env_runner
@@ -114,9 +115,25 @@ def test_every_rollout_starts_a_groups_members_from_one_state_with_a_real_gymnas
 
 def test_an_env_whose_seeded_reset_is_not_reproducible_is_named_at_its_first_group_reset():
     with pytest.raises(
-        UserCodeError, match=r"group\(s\) \[0, 1, 2\] \(env.group_size=2\) were reset with one seed but"
+        UserCodeError,
+        match=r"group\(s\) \[0, 1, 2\] \(env.group_size=2\) were reset with one seed but returned different first "
+        r"observations \(by up to \d+\)",
     ):
         _rollouts(1, 1, env_id="UnseededStart-v0")
+
+
+def test_the_refusal_names_the_observation_that_differs_and_by_how_much():
+    starts = {
+        "image": np.zeros((4, 2, 2, 3), np.uint8),
+        "state": np.zeros((4, 3), np.float32),
+        "instruction": np.array(["push", "push", "reach", "reach"]),
+    }
+    starts["state"][3, 1] = 0.25  # the second group's second env
+    with pytest.raises(UserCodeError, match=r"group\(s\) \[1\] .* observations \('state' by up to 0.25\)"):
+        check_group_starts(starts, 2, "Mine-v0")
+    starts["instruction"][1] = "pull"
+    with pytest.raises(UserCodeError, match=r"group\(s\) \[0, 1\] .* \('state' by up to 0.25, 'instruction'\)"):
+        check_group_starts(starts, 2, "Mine-v0")
 
 
 class EpisodeAlgorithm(PPO):
