@@ -27,6 +27,14 @@ E = I that is 1.33x for S = 2 and 1.6x for S = 4, not the split layout's 2x. A s
 previous iteration's learning (a colocated rollout's time runs from the previous segment, so it holds that
 iteration's learning) over its steps; measured E is a stage's step (time_env_s sums the stages' steps, which run at
 once). The idle columns are the split layout's only: one process waits for no peer.
+
+    python benchmarks/pipeline.py --env metaworld [--layout colocated] [--stages 1,2] [--chunks 4,1]
+
+Real envs and a real policy: MetaWorld's reach-v3 at 64x64 (configs/metaworld/'s env section: the corner2 camera,
+rendered with EGL or OSMesa) and the vla policy's tiny preset (4.4M parameters), 8 envs per env rank, action chunks
+of each of --chunks (configs/metaworld/ use 4: each decision is 4 env steps, so E grows with K and I does not). E and
+I are measured only; the step, speed-up and idle columns are as above. Each run takes minutes on 2 cores: use a few
+--iterations and --steps.
 """
 
 from __future__ import annotations
@@ -71,7 +79,10 @@ def slow_run(stages: int, env_sleep: float, act_sleep: float, steps: int) -> lis
     ]
 
 
-def step_times(stages: int, env_sleep: float, act_sleep: float, steps: int, iterations: int) -> dict[str, float]:
+def step_times(run: list[str], steps: int, env_steps: int) -> dict[str, float]:
+    """The split layout (ENV_RANKS env ranks, one inference rank, one trainer) running the overrides `run` for
+    env_steps primitive env steps: per step, the medians over iterations (the first left out) of a step's time, E, I
+    and each side's idle time (see the module docstring)."""
     records = run_spmd(
         [
             "layout.mode=split",
@@ -79,8 +90,8 @@ def step_times(stages: int, env_sleep: float, act_sleep: float, steps: int, iter
             "layout.inference=1",
             f"layout.env={ENV_RANKS}",
             "env.vectorization=sync",
-            *slow_run(stages, env_sleep, act_sleep, steps),
-            f"train.total_steps={iterations * steps * ENVS * ENV_RANKS}",
+            *run,
+            f"train.total_steps={env_steps}",
         ],
         nproc=2 + ENV_RANKS,
         timeout=900,
@@ -98,18 +109,10 @@ def step_times(stages: int, env_sleep: float, act_sleep: float, steps: int, iter
     }
 
 
-def colocated_step_times(
-    stages: int, env_sleep: float, act_sleep: float, steps: int, iterations: int
-) -> dict[str, float]:
-    """One process, the envs in AsyncVectorEnv's workers: per step, as step_times (see the module docstring)."""
-    records = run_spmd(
-        [
-            "env.vectorization=async",
-            *slow_run(stages, env_sleep, act_sleep, steps),
-            f"train.total_steps={iterations * steps * ENVS}",
-        ],
-        timeout=900,
-    )
+def colocated_step_times(run: list[str], steps: int, env_steps: int, stages: int) -> dict[str, float]:
+    """One process, the envs in AsyncVectorEnv's workers, running the overrides `run` for env_steps primitive env
+    steps: per step, as step_times (see the module docstring)."""
+    records = run_spmd(["env.vectorization=async", *run, f"train.total_steps={env_steps}"], timeout=900)
     pairs = list(zip(records, records[1:]))  # (the previous iteration, this one): the first is left out
 
     def per_step(value) -> float:
@@ -123,22 +126,83 @@ def colocated_step_times(
     }
 
 
+def metaworld_run(stages: int, chunk: int, steps: int) -> list[str]:
+    """The overrides of a run on MetaWorld's reach-v3 at 64x64 (configs/metaworld/'s env section) with the vla
+    policy's tiny preset, S stages, action chunks of `chunk`, short PPO updates."""
+    return [
+        "env.id=metaworld/reach-v3",
+        "env.kwargs={camera: corner2, width: 64, height: 64}",
+        f"env.num_envs={ENVS}",
+        f"env.action_chunk={chunk}",
+        "env.max_episode_steps=150",
+        "env.max_text_tokens=48",
+        f"env.pipeline_stages={stages}",
+        "policy.class=vla",
+        "policy.preset=tiny",
+        f"algo.num_steps={steps}",
+        "algo.update_epochs=1",
+        "algo.num_minibatches=1",
+    ]
+
+
+def metaworld(args: argparse.Namespace, stage_counts: list[int]) -> None:
+    """--env metaworld: S = 1 against S > 1 with real envs and a real policy, E and I measured only."""
+    colocated = args.layout == "colocated"
+    env_ranks = 1 if colocated else ENV_RANKS
+    rows = []
+    for chunk in [int(k) for k in args.chunks.split(",")]:
+        base = None
+        for stages in stage_counts:
+            run = metaworld_run(stages, chunk, args.steps)
+            env_steps = args.iterations * args.steps * ENVS * env_ranks * chunk
+            t = (
+                colocated_step_times(run, args.steps, env_steps, stages)
+                if colocated
+                else step_times(run, args.steps, env_steps)
+            )
+            base = t["step"] if stages == 1 else base
+            rows.append(
+                [
+                    chunk,
+                    stages,
+                    f"{t['env'] * 1e3:.0f} / {t['inference'] * 1e3:.0f}",
+                    f"{t['step'] * 1e3:.0f}",
+                    f"{t['step'] / max(t['env'], t['inference']):.2f}x",
+                    f"{base / t['step']:.2f}x" if base else "-",
+                    "-" if colocated else f"{t['env_idle'] * 1e3:.0f} / {t['inference_idle'] * 1e3:.0f}",
+                ]
+            )
+            print(rows[-1], flush=True)
+    print(machine())
+    headers = ["chunk K", "S", "E / I measured (ms)", "step (ms)", "vs max(E, I)", "speed-up vs S=1"]
+    print(table([*headers, "idle env / inference (ms)"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", default="1,2,4")
     parser.add_argument("--steps", type=int, default=32, help="algo.num_steps: steps per rollout")
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--layout", choices=["split", "colocated"], default="split")
+    parser.add_argument("--env", choices=["slow", "metaworld"], default="slow", help="set sleeps, or MetaWorld")
+    parser.add_argument("--chunks", default="4", help="--env metaworld: env.action_chunk values")
     args = parser.parse_args()
     stage_counts = [int(s) for s in args.stages.split(",")]
+    if args.env == "metaworld":
+        metaworld(args, stage_counts)
+        return
     colocated = args.layout == "colocated"
-    measure = colocated_step_times if colocated else step_times
     rows = []
     for name, (env_sleep, act_sleep) in (COLOCATED_SPLITS if colocated else SPLITS).items():
         env_s, inference_s = set_times(args.layout, env_sleep, act_sleep)
         base = None
         for stages in stage_counts:
-            t = measure(stages, env_sleep, act_sleep, args.steps, args.iterations)
+            run = slow_run(stages, env_sleep, act_sleep, args.steps)
+            t = (
+                colocated_step_times(run, args.steps, args.iterations * args.steps * ENVS, stages)
+                if colocated
+                else step_times(run, args.steps, args.iterations * args.steps * ENVS * ENV_RANKS)
+            )
             base = t["step"] if stages == 1 else base
             # one process: the model bound max(I, E + I / S); split: each side's idle time
             last = (

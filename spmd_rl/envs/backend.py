@@ -84,9 +84,10 @@ class EnvBackend:
         """Evaluation's --video: (section, spec, per-env wrappers) whose envs write every episode's video."""
         raise UserError(f"--video: env.backend={clip(cfg.backend)} records no videos")
 
-    def steps_in_worker_processes(self, cfg: EnvSection) -> bool:
-        """Whether the envs step in other processes, so that their step waits without holding this process's GIL
-        (env.pipeline_stages in one process overlaps the policy with such steps only; False refuses them there)."""
+    def steps_without_the_gil(self, cfg: EnvSection) -> bool:
+        """Whether the envs' step waits without holding this process's GIL: its work runs in other processes or in
+        native threads (env.pipeline_stages in one process overlaps the policy with such steps only; False refuses
+        them there)."""
         return False
 
     def capture_state(self, envs) -> dict | None:

@@ -193,15 +193,16 @@ def _check_group_size(env: EnvSection) -> None:
 def _check_pipeline_stages(env: EnvSection, topology: Topology) -> None:
     """env.pipeline_stages: an env rank's envs in equal stages, each of whole env.group_size blocks. In the
     colocated layout the policy acts on the rank's own thread while a stage steps on another, which overlaps only
-    where the envs run in worker processes (env.vectorization=async): in-process vectorizers are refused, not
-    warned about, since their stages would only cost time."""
+    where the step waits without holding the GIL (env.vectorization=async's worker processes, EnvPool's C++
+    threads): vectorizers that step in Python are refused, not warned about, since their stages would only cost
+    time."""
     stages = env.pipeline_stages
     if stages == 1:
         return
-    if topology.colocated and not backend_for(env).steps_in_worker_processes(env):
+    if topology.colocated and not backend_for(env).steps_without_the_gil(env):
         raise UserError(
             f"env.pipeline_stages={stages} in the colocated layout overlaps env steps with the policy only where "
-            f"the envs run in worker processes, and env.backend={env.backend} with "
+            f"they run outside Python (worker processes, EnvPool), and env.backend={env.backend} with "
             f"env.vectorization={env.vectorization} steps them in this process: set env.vectorization=async "
             f"(env.backend=gymnasium), use layout.mode=split, or env.pipeline_stages=1"
         )

@@ -68,8 +68,8 @@ def test_stages_partition_the_envs_keep_groups_whole_and_seed_every_env_as_one_s
             "env.backend=gymnasium with env.vectorization=sync steps them in this process: set env.vectorization=async",
         ),
         (
-            ["env.num_envs=8", "env.backend=envpool", "env.pipeline_stages=2"],
-            "env.backend=envpool with env.vectorization=auto steps them in this process",
+            ["env.num_envs=8", "env.vectorization=vector_entry_point", "env.pipeline_stages=2"],
+            "env.vectorization=vector_entry_point steps them in this process",
         ),
         (
             ["env.num_envs=8", "env.vectorization=async", "env.pipeline_stages=3"],
@@ -102,8 +102,9 @@ def test_the_stage_count_must_be_positive():
 
 
 @pytest.mark.parametrize("layout", [[], ["layout.env=2", *SPLIT3[:3]]], ids=["one-process", "split"])
-def test_stages_of_async_envs_are_planned_in_one_process_and_split(layout):
-    overrides = [*layout, "env.num_envs=8", "env.vectorization=async", "env.pipeline_stages=4"]
+@pytest.mark.parametrize("envs", [["env.vectorization=async"], ["env.backend=envpool"]], ids=["async", "envpool"])
+def test_stages_of_envs_that_step_outside_python_are_planned_in_one_process_and_split(layout, envs):
+    overrides = [*layout, "env.num_envs=8", *envs, "env.pipeline_stages=4"]
     cfg = load_config(ROOT / "configs" / "ci_tiny.yaml", overrides)
     world = 1 if cfg.layout.mode != "split" else cfg.layout.trainer + cfg.layout.inference + cfg.layout.env
     assert plan_run(cfg, build_topology(cfg.layout, world), PPO).env.pipeline_stages == 4

@@ -11,6 +11,16 @@ bootstrapped past it) but not the game, and under `reward_clip` the reward the l
 returns reported are the game's own score (EnvPool's info["reward"]) summed until the game ends (info["terminated"])
 or is truncated, which is what Atari results are quoted in.
 
+Pipeline stages (env.pipeline_stages S > 1) are one pool per stage, made with the stage's first seed: EnvPool seeds
+env i of a pool made with seed s with s + i, so the stages' envs are those of one pool of the rank's envs (checked
+step by step in tests/runs/test_pipeline_envpool.py). In one process each stage's pool steps on a thread of its own
+(roles/env_step_thread.py) while the policy acts for another stage: EnvPool's step waits for its C++ threads without
+holding the GIL (steps_without_the_gil). One pool with EnvPool's own asynchronous interface (send, and recv of
+batch_size < num_envs envs) cannot be the stages: recv hands back whichever batch_size envs finish first (with 8
+envs in batches of 4, 200 recvs gave 16-20 different sets of env ids), so a stage would not be a fixed set of envs
+and the policy's batches, and with them the order its random numbers are drawn in, would depend on timing: not S =
+1's run, and not the same run twice.
+
 envpool is imported only when this backend is used: importing it takes ~2 s.
 """
 
@@ -33,6 +43,9 @@ INSTALL = 'pip install -e ".[envpool]"'
 class EnvPoolBackend(EnvBackend):
     takes_groups = False
     groups_refusal = "an EnvPool pool runs one id with one set of kwargs"
+
+    def steps_without_the_gil(self, cfg: EnvSection) -> bool:
+        return True  # its step waits for its C++ threads with the GIL released (see the module docstring)
 
     def probe(self, cfg: EnvSection) -> EnvSpec:
         if cfg.vectorization != "auto":

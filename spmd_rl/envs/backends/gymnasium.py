@@ -28,7 +28,7 @@ from spmd_rl.runtime.errors import UserError, describe_exception
 class GymnasiumBackend(EnvBackend):
     takes_per_env_settings = True
 
-    def steps_in_worker_processes(self, cfg: EnvSection) -> bool:
+    def steps_without_the_gil(self, cfg: EnvSection) -> bool:
         return cfg.vectorization == "async"  # AsyncVectorEnv: one worker process per env
 
     def probe(self, cfg: EnvSection) -> EnvSpec:
