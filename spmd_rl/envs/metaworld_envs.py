@@ -236,12 +236,18 @@ class MetaWorldEnv(gym.Env):
         return self._envs[name]
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
+        import mujoco  # here, as in make_task_env: this module is imported where MuJoCo may not be installed
+
         super().reset(seed=seed)
         index = seed % len(self._tasks) if seed is not None else int(self.np_random.integers(len(self._tasks)))
         task = self._tasks[index]
         self._task_name, self._active = task.env_name, self._env_for(task.env_name)
         self._active.set_task(task)  # MetaWorld's own sampling on reset stays off: the configuration is this one
         raw, _ = self._active.reset()
+        # Some tasks (push-v3) place their goal marker after MetaWorld's last kinematics pass of the reset, at a
+        # height read from where the last episode left the puck: the first frame would show the marker there, and
+        # a group's members (one seed, different pasts) would see different first images. One pass fixes it.
+        mujoco.mj_forward(self._active.model, self._active.data)
         return self._observation(raw), {"metaworld_observation": raw, "task": task.env_name, "task_index": index}
 
     def step(self, action):

@@ -47,6 +47,27 @@ def test_a_task_renders_and_resets_to_one_state_per_seed():
         env.close()
 
 
+def test_push_renders_its_goal_where_the_seed_puts_it_whatever_the_last_episode_left():
+    """push-v3 sets its goal marker's height from where the puck is when the reset begins; MetaWorld moves the marker
+    after its last kinematics pass, so the first frame showed the marker where the last episode's puck left it and a
+    group's members (same seed, different pasts) saw different first images."""
+    register("metaworld/push-v3")
+    moved, fresh = gym.make("metaworld/push-v3"), gym.make("metaworld/push-v3")
+    try:
+        moved.reset(seed=3)
+        sim = moved.unwrapped._active
+        qpos = sim.data.qpos.copy()
+        qpos[11] += 0.3  # the last episode ended with the puck lifted (the free joint's z)
+        sim.set_state(qpos, sim.data.qvel.copy())
+        first, _ = moved.reset(seed=7)
+        other, _ = fresh.reset(seed=7)
+        assert np.array_equal(first["image"], other["image"])
+        assert np.array_equal(sim.data.site("goal").xpos, sim.model.site("goal").pos)
+    finally:
+        moved.close()
+        fresh.close()
+
+
 def test_an_env_renders_on_after_another_env_of_its_process_closes():
     # An evaluation's envs close beside the training envs of a colocated rank: MuJoCo's EGL context went with them,
     # and the training envs rendered black frames from then on (a GRPO run learned from blank images).
