@@ -12,8 +12,9 @@ tiers (pytest imports them by base name). Every test is marked with its tier, so
 Under pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs it) the tests of a module with a module-scoped fixture
 (a trained run, a Slurm cluster) stay on one worker, so the fixture is made once, and the modules that start real
 Slurm daemons share one group, so no two throw-away clusters run at once. Every other test goes to whichever
-worker is free. The groups are handed to xdist's scheduler here (pytest_xdist_make_scheduler), not as xdist_group
-marks: pytest-xdist 3.8 under pytest 9.2 drops those (it renames `item._nodeid`, which pytest 9 no longer reads).
+worker is free, the units with a test marked slow first. The groups are handed to xdist's scheduler here
+(pytest_xdist_make_scheduler), not as xdist_group marks: pytest-xdist 3.8 under pytest 9.2 drops those (it renames
+`item._nodeid`, which pytest 9 no longer reads).
 
 SIGINT is made catchable here if the suite was started with it ignored (a background job of a non-interactive
 shell, as `cmd &` in a script or a CI runner may start it): every process the tests start would inherit the
@@ -61,6 +62,18 @@ def pytest_collection_modifyitems(config, items):
         relative = Path(item.fspath).resolve().relative_to(TESTS)
         if relative.parts[0] in TIERS:
             item.add_marker(relative.parts[0])
+    if hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False):  # xdist's worker, loadgroup
+        items[:] = slow_units_first(items, Path(config.rootpath))
+
+
+def slow_units_first(items: list, root: Path) -> list:
+    """The items with every unit xdist schedules (worker_group's group, else one test) that holds a test marked
+    slow moved ahead of the rest, each unit's items and the units' order otherwise as collected. xdist hands out
+    units in the order the workers collected them (after its groups of several tests), so the longest tests start
+    first and neither worker is left idle at the end while the other runs one of them."""
+    units = [worker_group(item.nodeid, root) or item.nodeid for item in items]
+    slow = {unit for unit, item in zip(units, items) if item.get_closest_marker("slow")}
+    return [item for unit, item in sorted(zip(units, items), key=lambda pair: pair[0] not in slow)]
 
 
 def worker_group(nodeid: str, root: Path) -> str | None:
