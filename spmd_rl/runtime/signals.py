@@ -1,4 +1,4 @@
-"""Signals: what SIGINT, SIGTERM and SIGUSR1 do to a rank. No torch here: main.py installs the early handlers
+"""Signals: what SIGINT, SIGTERM, SIGUSR1 and SIGHUP do to a rank. No torch here: main.py installs the early handlers
 before the seconds-long imports, so a signal at any moment after launch ends in a line and a defined exit code."""
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from spmd_rl.runtime.watchdog import watchdog
 
 ANNOUNCE_AFTER_S = 1.0  # a failed rank's peers see a closed socket at once and write their records well within this
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# SIGHUP: the terminal closed or the ssh session dropped; left at its default it ends the run at once, silently,
+# losing the iterations since the last periodic checkpoint.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 # A stop signal within this many seconds of the first is the same request, not "stop at once": a signal to the
 # whole process group (a terminal's Ctrl-C, scancel, timeout) reaches a rank directly and again through its
@@ -27,11 +29,14 @@ REPEAT_WINDOW_S = 2.0
 
 
 def _handled_signals() -> tuple[signal.Signals, ...]:
-    """STOP_SIGNALS, but SIGINT only where it is not ignored: a process started with SIGINT ignored (a background
-    job, `cmd &`, of a script) was meant by its shell to outlive the terminal's Ctrl-C, and keeps ignoring it."""
-    if sigint_ignored():
-        return tuple(signum for signum in STOP_SIGNALS if signum != signal.SIGINT)
-    return STOP_SIGNALS
+    """STOP_SIGNALS, but SIGINT and SIGHUP only where they are not ignored: a process started with SIGINT ignored (a
+    background job, `cmd &`, of a script) was meant by its shell to outlive the terminal's Ctrl-C, one started with
+    SIGHUP ignored (`nohup`) to outlive the terminal, and each keeps ignoring it."""
+    return tuple(
+        signum
+        for signum in STOP_SIGNALS
+        if signum not in (signal.SIGINT, signal.SIGHUP) or signal.getsignal(signum) is not signal.SIG_IGN
+    )
 
 
 def sigint_ignored() -> bool:
@@ -107,11 +112,11 @@ def raise_early_signal() -> None:
 
 
 def install_signal_handlers() -> None:
-    """SIGINT, SIGTERM and SIGUSR1, in the main thread; a signal the early handlers remembered is raised now.
+    """SIGINT, SIGTERM, SIGUSR1 and SIGHUP, in the main thread; a signal the early handlers remembered is raised now.
 
     While the engine's loop runs (`stop_at_iteration_boundary(True)`), the first signal only asks for a stop: the
     ranks finish the iteration, agree, save a checkpoint and exit (run_control.RunControl). Otherwise, and for a
-    second signal, SIGTERM/SIGUSR1 raise StopSignal and SIGINT KeyboardInterrupt, so every finally-block (and the
+    second signal, SIGTERM/SIGUSR1/SIGHUP raise StopSignal and SIGINT KeyboardInterrupt, so every finally-block (and the
     flush of open files) still runs: without a handler SIGTERM ends the process at once. The exception is held
     back while a file commit is in progress (see signals_deferred). Python runs handlers between bytecodes, so a
     rank blocked inside a C++ wait sees the signal when that wait returns (at most dist.timeout_s later).

@@ -1,0 +1,53 @@
+"""SIGHUP (the terminal closed, the ssh session dropped) stops a run as SIGTERM does: the iteration ends, a
+checkpoint is saved, one line, exit 75. A run started with SIGHUP ignored (`nohup`) keeps ignoring it."""
+
+import signal
+import subprocess
+import sys
+import time
+
+from harness.launch import ROOT, job_env, with_pythonpath
+from harness.runs import TINY
+
+
+def _ignoring_sighup() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+def _start(run_dir, preexec_fn=None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={run_dir}", "train.total_steps=9999999"],
+        cwd=run_dir.parent,
+        env=with_pythonpath(job_env(), ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=preexec_fn,
+    )
+
+
+def test_sighup_stops_with_a_checkpoint_unless_it_was_ignored_at_start(tmp_path):
+    hung_up, nohup = _start(tmp_path / "hung_up"), _start(tmp_path / "nohup", _ignoring_sighup)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / name / "metrics.jsonl").exists() for name in ("hung_up", "nohup")):
+            assert hung_up.poll() is None and nohup.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        hung_up.send_signal(signal.SIGHUP)
+        nohup.send_signal(signal.SIGHUP)
+        _, stderr = hung_up.communicate(timeout=120)
+        assert nohup.poll() is None, "SIGHUP stopped a run that was started with it ignored"
+        nohup.send_signal(signal.SIGTERM)
+        _, nohup_stderr = nohup.communicate(timeout=120)
+    finally:
+        for run in (hung_up, nohup):
+            if run.poll() is None:
+                run.kill()
+                run.communicate()
+    assert hung_up.returncode == 75, stderr
+    assert "Traceback" not in stderr, stderr
+    stop = [line for line in stderr.splitlines() if "stopped by SIGHUP after iteration" in line]
+    assert len(stop) == 1, stderr
+    checkpoint = stop[0].split("checkpoint ")[1].split(";")[0]
+    assert (tmp_path / checkpoint / "COMPLETE").is_file(), stop[0]
+    assert nohup.returncode == 75 and "stopped by SIGTERM" in nohup_stderr, nohup_stderr
