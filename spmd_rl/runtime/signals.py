@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -49,6 +50,21 @@ SIGINT_IGNORED_NOTE = (
 )
 
 
+def _leave_hung_up_terminal() -> None:
+    """Point stdout and stderr that are a terminal at /dev/null, as nohup would have: after a hangup every write to
+    the closed terminal fails (EIO), and the first line of the stop (or any print) would end the run with an
+    OSError instead of its checkpoint. What the run says is in its files (run.lock, metrics.jsonl). A hung-up
+    terminal is no longer a tty to isatty (its ioctls fail too): any character device is taken for one."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None and stat.S_ISCHR(os.fstat(stream.fileno()).st_mode):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, stream.fileno())
+                os.close(devnull)
+        except (OSError, ValueError):  # a stream without a file descriptor (a test's capture): nothing to detach
+            pass
+
+
 def _is_repeat(first_at: float | None) -> bool:
     return first_at is not None and time.monotonic() - first_at < REPEAT_WINDOW_S
 
@@ -86,6 +102,8 @@ def install_early_signal_handlers() -> None:
 
 def _on_early_signal(signum: int, frame) -> None:
     name = signal.Signals(signum).name
+    if signum == signal.SIGHUP:
+        _leave_hung_up_terminal()
     # Inside user code (a plug-in module's import) the safe point may never come: the first signal ends it.
     in_user_code = watchdog.watching()
     if _Early.requested is None and not in_user_code:
@@ -160,6 +178,8 @@ class _Deferral:
 
 def _on_signal(signum: int, frame) -> None:
     name = signal.Signals(signum).name
+    if signum == signal.SIGHUP:
+        _leave_hung_up_terminal()
     if _Graceful.enabled and _Graceful.requested is None:
         _Graceful.requested = request = (name, signum)
         _Graceful.requested_at = time.monotonic()

@@ -1,6 +1,11 @@
 """SIGHUP (the terminal closed, the ssh session dropped) stops a run as SIGTERM does: the iteration ends, a
-checkpoint is saved, one line, exit 75. A run started with SIGHUP ignored (`nohup`) keeps ignoring it."""
+checkpoint is saved, one line, exit 75. A run started with SIGHUP ignored (`nohup`) keeps ignoring it. On a real
+terminal that hangs up, the run's writes to it would fail (EIO): the stop still ends in its checkpoint and exit 75."""
 
+import json
+import os
+import pty
+import select
 import signal
 import subprocess
 import sys
@@ -51,3 +56,32 @@ def test_sighup_stops_with_a_checkpoint_unless_it_was_ignored_at_start(tmp_path)
     checkpoint = stop[0].split("checkpoint ")[1].split(";")[0]
     assert (tmp_path / checkpoint / "COMPLETE").is_file(), stop[0]
     assert nohup.returncode == 75 and "stopped by SIGTERM" in nohup_stderr, nohup_stderr
+
+
+def test_a_run_on_a_terminal_that_hangs_up_stops_with_its_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={run_dir}", "train.total_steps=9999999"]
+    env = with_pythonpath(job_env(), ROOT)
+    pid, terminal = pty.fork()  # the child's own session, with the pty as its controlling terminal (an ssh login's)
+    if pid == 0:
+        os.chdir(tmp_path)
+        os.execve(argv[0], argv, env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists():  # read what it writes, so that it never blocks on the pty
+            assert time.monotonic() < deadline, "the run did not start"
+            if select.select([terminal], [], [], 0.1)[0]:
+                os.read(terminal, 1 << 16)
+    finally:
+        os.close(terminal)  # the terminal goes away: the kernel sends SIGHUP to the session
+    waited = time.monotonic() + 120
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < waited:
+        time.sleep(0.1)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError("the run went on after its terminal hung up")
+    assert os.waitstatus_to_exitcode(done[1]) == 75
+    assert json.loads((run_dir / "run.lock").read_text())["exit_code"] == 75
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (run_dir / "checkpoints" / latest / "COMPLETE").is_file()
