@@ -132,9 +132,9 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
         runtime = start_runtime(launch, cfg.train.device, cfg.dist.timeout_s, *checked.gpu_slot, job_store)
         outcome = run_engine(cfg, launch, runtime, checked, dry_run)
         if outcome.stopped is not None:
+            exit_code = STOPPED_EXIT_CODE  # before the line: run.lock records the stop even if the line fails
             if launch.rank == 0:
                 print(f"spmd_rl: {outcome.stopped}", file=sys.stderr, flush=True)
-            exit_code = STOPPED_EXIT_CODE
     except BaseException as raised:
         # When user code raised again while the run unwound (an Algorithm's close after its learn failed), the
         # line names the first error, and a second line the later one.

@@ -51,15 +51,17 @@ SIGINT_IGNORED_NOTE = (
 
 
 def _leave_hung_up_terminal() -> None:
-    """Point stdout and stderr that are a terminal at /dev/null, as nohup would have: after a hangup every write to
-    the closed terminal fails (EIO), and the first line of the stop (or any print) would end the run with an
-    OSError instead of its checkpoint. What the run says is in its files (run.lock, metrics.jsonl). A hung-up
-    terminal is no longer a tty to isatty (its ioctls fail too): any character device is taken for one."""
+    """Point stdout and stderr at /dev/null where they are a terminal that hung up, as nohup would have: every write
+    to it fails (EIO), and the stop's first line would end the run with an OSError instead of its checkpoint. Its
+    SIGHUP is the usual signal, but a rank whose launcher got it hears SIGTERM from the launcher. A hung-up terminal
+    is a character device that is no longer a tty to isatty (its ioctls fail too); a live terminal is kept. What the
+    run says is then in its files (run.lock, metrics.jsonl)."""
     for stream in (sys.stdout, sys.stderr):
         try:
-            if stream is not None and stat.S_ISCHR(os.fstat(stream.fileno()).st_mode):
+            fd = stream.fileno() if stream is not None else -1
+            if fd >= 0 and stat.S_ISCHR(os.fstat(fd).st_mode) and not os.isatty(fd):
                 devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, stream.fileno())
+                os.dup2(devnull, fd)
                 os.close(devnull)
         except (OSError, ValueError):  # a stream without a file descriptor (a test's capture): nothing to detach
             pass
@@ -102,8 +104,7 @@ def install_early_signal_handlers() -> None:
 
 def _on_early_signal(signum: int, frame) -> None:
     name = signal.Signals(signum).name
-    if signum == signal.SIGHUP:
-        _leave_hung_up_terminal()
+    _leave_hung_up_terminal()
     # Inside user code (a plug-in module's import) the safe point may never come: the first signal ends it.
     in_user_code = watchdog.watching()
     if _Early.requested is None and not in_user_code:
@@ -178,8 +179,7 @@ class _Deferral:
 
 def _on_signal(signum: int, frame) -> None:
     name = signal.Signals(signum).name
-    if signum == signal.SIGHUP:
-        _leave_hung_up_terminal()
+    _leave_hung_up_terminal()
     if _Graceful.enabled and _Graceful.requested is None:
         _Graceful.requested = request = (name, signum)
         _Graceful.requested_at = time.monotonic()

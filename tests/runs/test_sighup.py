@@ -85,3 +85,37 @@ def test_a_run_on_a_terminal_that_hangs_up_stops_with_its_checkpoint(tmp_path):
     assert json.loads((run_dir / "run.lock").read_text())["exit_code"] == 75
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert (run_dir / "checkpoints" / latest / "COMPLETE").is_file()
+
+
+def test_a_stop_after_its_terminal_went_away_exits_75_and_run_lock_says_so(tmp_path):
+    """The rank's terminal hung up but the signal is SIGTERM (a launcher that got the SIGHUP passes on SIGTERM):
+    the stop's lines cannot be written, the stop still ends in its checkpoint, exit 75 and run.lock's 75."""
+    run_dir = tmp_path / "run"
+    terminal, its_end = os.openpty()
+    run = subprocess.Popen(
+        [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={run_dir}", "train.total_steps=9999999"],
+        cwd=tmp_path,
+        env=with_pythonpath(job_env(), ROOT),
+        stdout=its_end,
+        stderr=its_end,
+        start_new_session=True,  # not its controlling terminal: no SIGHUP from the kernel
+    )
+    os.close(its_end)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists():
+            assert run.poll() is None and time.monotonic() < deadline, "the run did not start"
+            if select.select([terminal], [], [], 0.1)[0]:
+                os.read(terminal, 1 << 16)
+        os.close(terminal)  # hung up: the run's writes to it fail from here on
+        terminal = -1
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=120)
+    finally:
+        if terminal >= 0:
+            os.close(terminal)
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 75
+    assert json.loads((run_dir / "run.lock").read_text())["exit_code"] == 75
