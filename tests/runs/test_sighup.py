@@ -19,15 +19,20 @@ def _ignoring_sighup() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
-def _start(run_dir, preexec_fn=None) -> subprocess.Popen:
+def _command(run_dir) -> list[str]:
+    return [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={run_dir}", "train.total_steps=9999999"]
+
+
+def _start(run_dir, preexec_fn=None, output=subprocess.PIPE, new_session=False) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={run_dir}", "train.total_steps=9999999"],
+        _command(run_dir),
         cwd=run_dir.parent,
         env=with_pythonpath(job_env(), ROOT),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=output,
+        stderr=output,
         text=True,
         preexec_fn=preexec_fn,
+        start_new_session=new_session,
     )
 
 
@@ -60,8 +65,7 @@ def test_sighup_stops_with_a_checkpoint_unless_it_was_ignored_at_start(tmp_path)
 
 def test_a_run_on_a_terminal_that_hangs_up_stops_with_its_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={run_dir}", "train.total_steps=9999999"]
-    env = with_pythonpath(job_env(), ROOT)
+    argv, env = _command(run_dir), with_pythonpath(job_env(), ROOT)
     pid, terminal = pty.fork()  # the child's own session, with the pty as its controlling terminal (an ssh login's)
     if pid == 0:
         os.chdir(tmp_path)
@@ -92,14 +96,7 @@ def test_a_stop_after_its_terminal_went_away_exits_75_and_run_lock_says_so(tmp_p
     the stop's lines cannot be written, the stop still ends in its checkpoint, exit 75 and run.lock's 75."""
     run_dir = tmp_path / "run"
     terminal, its_end = os.openpty()
-    run = subprocess.Popen(
-        [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={run_dir}", "train.total_steps=9999999"],
-        cwd=tmp_path,
-        env=with_pythonpath(job_env(), ROOT),
-        stdout=its_end,
-        stderr=its_end,
-        start_new_session=True,  # not its controlling terminal: no SIGHUP from the kernel
-    )
+    run = _start(run_dir, output=its_end, new_session=True)  # not its controlling terminal: no SIGHUP from the kernel
     os.close(its_end)
     try:
         deadline = time.monotonic() + 120
