@@ -66,7 +66,7 @@ from spmd_rl.runtime.job_store import open_job_store
 from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.meeting import StartAbandoned, exit_before_start, refuse_start
 from spmd_rl.runtime.postmortem import Failure, after_failure
-from spmd_rl.runtime.signals import install_signal_handlers, stop_at_iteration_boundary, stop_cause
+from spmd_rl.runtime.signals import STOP_SIGNALS, install_signal_handlers, stop_at_iteration_boundary, stop_cause
 from spmd_rl.runtime.user_exits import say_user_exit
 from spmd_rl.runtime.watchdog import watchdog
 
@@ -132,9 +132,9 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
         runtime = start_runtime(launch, cfg.train.device, cfg.dist.timeout_s, *checked.gpu_slot, job_store)
         outcome = run_engine(cfg, launch, runtime, checked, dry_run)
         if outcome.stopped is not None:
+            exit_code = STOPPED_EXIT_CODE  # before the line: run.lock records the stop even if the line fails
             if launch.rank == 0:
                 print(f"spmd_rl: {outcome.stopped}", file=sys.stderr, flush=True)
-            exit_code = STOPPED_EXIT_CODE
     except BaseException as raised:
         # When user code raised again while the run unwound (an Algorithm's close after its learn failed), the
         # line names the first error, and a second line the later one.
@@ -238,10 +238,9 @@ def train_in_process(cfg: Config) -> Outcome:
     checked = resolve(cfg, launch, dry_run=False)
     cfg = checked.cfg  # the config the run executes (the plan's env counts per env rank)
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     handlers = None
     if threading.current_thread() is threading.main_thread():
-        handlers = {signum: signal.getsignal(signum) for signum in stop_signals}
+        handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
         install_signal_handlers()
     configure_torch(cfg)
     runtime = None

@@ -186,7 +186,8 @@ def decide_resume(cfg, run_dir: Path, world_size: int, algorithm_refusal: str = 
     if previous.resume_digest(with_layout=False) != cfg.resume_digest(with_layout=False):
         raise UserError(
             f"run directory {config_dir} holds a run with a different config (beyond run, checkpoint and "
-            f"log keys){config_difference(previous, cfg)}; rerun with its config.yaml, or choose another run.dir"
+            f"log keys){config_difference(previous, cfg)}; rerun with its config.yaml, or choose another run.dir "
+            f"(with run.init_from={config_dir} to start from its weights, e.g. to train longer)"
         )
     if checkpoint is None:  # the same run, stopped before its first checkpoint: it starts over (see prepare_run_dir)
         held = [name for name in (METRICS_FILE, BUFFER_DIR, TENSORBOARD_DIR) if (run_dir / name).exists()]

@@ -51,7 +51,7 @@ def user_error(exc: UserError, speaker: bool, rank: int | None = None, linger_s:
     else:
         # The launcher ends a lingering rank with a signal once the speaker exits: that is this rank's end as
         # planned, with its own code and nothing printed (a stop line here would be a second, false line).
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
             signal.signal(signum, lambda *_: os._exit(USER_ERROR_EXIT_CODE))
         time.sleep(max(0.0, linger_s))
     return USER_ERROR_EXIT_CODE

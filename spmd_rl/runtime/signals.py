@@ -1,10 +1,11 @@
-"""Signals: what SIGINT, SIGTERM and SIGUSR1 do to a rank. No torch here: main.py installs the early handlers
+"""Signals: what SIGINT, SIGTERM, SIGUSR1 and SIGHUP do to a rank. No torch here: main.py installs the early handlers
 before the seconds-long imports, so a signal at any moment after launch ends in a line and a defined exit code."""
 
 from __future__ import annotations
 
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -17,7 +18,9 @@ from spmd_rl.runtime.watchdog import watchdog
 
 ANNOUNCE_AFTER_S = 1.0  # a failed rank's peers see a closed socket at once and write their records well within this
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# SIGHUP: the terminal closed or the ssh session dropped; left at its default it ends the run at once, silently,
+# losing the iterations since the last periodic checkpoint.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 # A stop signal within this many seconds of the first is the same request, not "stop at once": a signal to the
 # whole process group (a terminal's Ctrl-C, scancel, timeout) reaches a rank directly and again through its
@@ -27,11 +30,14 @@ REPEAT_WINDOW_S = 2.0
 
 
 def _handled_signals() -> tuple[signal.Signals, ...]:
-    """STOP_SIGNALS, but SIGINT only where it is not ignored: a process started with SIGINT ignored (a background
-    job, `cmd &`, of a script) was meant by its shell to outlive the terminal's Ctrl-C, and keeps ignoring it."""
-    if sigint_ignored():
-        return tuple(signum for signum in STOP_SIGNALS if signum != signal.SIGINT)
-    return STOP_SIGNALS
+    """STOP_SIGNALS, but SIGINT and SIGHUP only where they are not ignored: a process started with SIGINT ignored (a
+    background job, `cmd &`, of a script) was meant by its shell to outlive the terminal's Ctrl-C, one started with
+    SIGHUP ignored (`nohup`) to outlive the terminal, and each keeps ignoring it."""
+    return tuple(
+        signum
+        for signum in STOP_SIGNALS
+        if signum not in (signal.SIGINT, signal.SIGHUP) or signal.getsignal(signum) is not signal.SIG_IGN
+    )
 
 
 def sigint_ignored() -> bool:
@@ -42,6 +48,23 @@ SIGINT_IGNORED_NOTE = (
     "spmd_rl: note: this run was started with SIGINT ignored (a background job of a script, `cmd &`): Ctrl-C will "
     "not reach it; stop it with SIGTERM (kill -TERM {pid}), which saves a checkpoint"
 )
+
+
+def _leave_hung_up_terminal() -> None:
+    """Point stdout and stderr at /dev/null where they are a terminal that hung up, as nohup would have: every write
+    to it fails (EIO), and the stop's first line would end the run with an OSError instead of its checkpoint. Its
+    SIGHUP is the usual signal, but a rank whose launcher got it hears SIGTERM from the launcher. A hung-up terminal
+    is a character device that is no longer a tty to isatty (its ioctls fail too); a live terminal is kept. What the
+    run says is then in its files (run.lock, metrics.jsonl)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            fd = stream.fileno() if stream is not None else -1
+            if fd >= 0 and stat.S_ISCHR(os.fstat(fd).st_mode) and not os.isatty(fd):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, fd)
+                os.close(devnull)
+        except (OSError, ValueError):  # a stream without a file descriptor (a test's capture): nothing to detach
+            pass
 
 
 def _is_repeat(first_at: float | None) -> bool:
@@ -81,6 +104,7 @@ def install_early_signal_handlers() -> None:
 
 def _on_early_signal(signum: int, frame) -> None:
     name = signal.Signals(signum).name
+    _leave_hung_up_terminal()
     # Inside user code (a plug-in module's import) the safe point may never come: the first signal ends it.
     in_user_code = watchdog.watching()
     if _Early.requested is None and not in_user_code:
@@ -107,11 +131,11 @@ def raise_early_signal() -> None:
 
 
 def install_signal_handlers() -> None:
-    """SIGINT, SIGTERM and SIGUSR1, in the main thread; a signal the early handlers remembered is raised now.
+    """SIGINT, SIGTERM, SIGUSR1 and SIGHUP, in the main thread; a signal the early handlers remembered is raised now.
 
     While the engine's loop runs (`stop_at_iteration_boundary(True)`), the first signal only asks for a stop: the
     ranks finish the iteration, agree, save a checkpoint and exit (run_control.RunControl). Otherwise, and for a
-    second signal, SIGTERM/SIGUSR1 raise StopSignal and SIGINT KeyboardInterrupt, so every finally-block (and the
+    second signal, SIGTERM/SIGUSR1/SIGHUP raise StopSignal and SIGINT KeyboardInterrupt, so every finally-block (and the
     flush of open files) still runs: without a handler SIGTERM ends the process at once. The exception is held
     back while a file commit is in progress (see signals_deferred). Python runs handlers between bytecodes, so a
     rank blocked inside a C++ wait sees the signal when that wait returns (at most dist.timeout_s later).
@@ -155,6 +179,7 @@ class _Deferral:
 
 def _on_signal(signum: int, frame) -> None:
     name = signal.Signals(signum).name
+    _leave_hung_up_terminal()
     if _Graceful.enabled and _Graceful.requested is None:
         _Graceful.requested = request = (name, signum)
         _Graceful.requested_at = time.monotonic()

@@ -1,7 +1,7 @@
-"""Tracebacks become lines: an env whose constructor raises anything, a step limit of 0 in env.kwargs, a reset
-written for the old gym API, and an experience file whose schema names a dtype we never write end with one line and
-the documented exit code (2 for bad input and for a plug-in that raises while the checks before start build it, 4
-for an error in the env's code once the run is going), never a traceback."""
+"""Tracebacks become lines: an env whose constructor or close() raises anything, a step limit of 0 in
+env.kwargs, a reset written for the old gym API, and an experience file whose schema names a dtype we never write
+end with one line and the documented exit code (2 for bad input and for a plug-in that raises while the checks
+before start build it, 4 for an error in the env's code once the run is going), never a traceback."""
 
 from __future__ import annotations
 
@@ -44,6 +44,14 @@ class OldGymReset(gym.Wrapper):
         return obs  # the old gym API: no info
 
 
+class RaisingClose(gym.Wrapper):
+    def __init__(self):
+        super().__init__(gym.make("CartPole-v1"))
+
+    def close(self):
+        raise RuntimeError("the simulator was already shut down")
+
+
 class RaisingPolicy(ActorCritic):
     def __init__(self, *args, **kwargs):
         raise RuntimeError("cannot find the pretrained weights")
@@ -51,6 +59,7 @@ class RaisingPolicy(ActorCritic):
 
 gym.register("RaisingCartPole-v0", entry_point=RaisingCartPole)
 gym.register("OldGymReset-v0", entry_point=OldGymReset)
+gym.register("RaisingClose-v0", entry_point=RaisingClose)
 """
 
 CASES = {
@@ -69,6 +78,13 @@ CASES = {
         ["policy.class=bad_envs:RaisingPolicy"],
         USER_ERROR_EXIT_CODE,
         "policy.class 'bad_envs:RaisingPolicy' could not be built for observation space",
+    ),
+    # the checks before start close the env that read the spaces: its close() is user code as its constructor is
+    "close_raises": (
+        ["env.id=bad_envs:RaisingClose-v0"],
+        USER_ERROR_EXIT_CODE,
+        "env.id 'bad_envs:RaisingClose-v0': its close() failed when the checks before start closed the env that read "
+        "its spaces: RuntimeError: the simulator was already shut down",
     ),
     "old_gym_reset": (
         ["env.id=bad_envs:OldGymReset-v0"],

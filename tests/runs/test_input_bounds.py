@@ -312,6 +312,7 @@ def test_resuming_with_a_changed_config_names_the_keys_with_old_and_new_values(t
     )  # fmt: skip
     line = assert_one_line_exit_2(result, "holds a run with a different config", "rerun with its config.yaml")
     assert "algo.clip_coef 0.2 -> 0.3" in line and "env.num_envs 2 -> 4" in line
+    assert f"run.init_from={run_dir} to start from its weights" in line  # the way on with another config
     assert "timeout_s" not in line and "progress" not in line  # keys a resume may change are not differences
 
 

@@ -5,6 +5,7 @@ env.groups (several ids / kwargs side by side in one vector env).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -97,9 +98,13 @@ class GymnasiumBackend(EnvBackend):
                     f"env.vectorization=vector_entry_point: env.id '{cfg.id}' has no vectorized "
                     f"implementation; use env.vectorization=auto, sync or async"
                 )
-            return EnvSpec(cfg.id, env.observation_space, env.action_space, mode, _step_info_keys(env), note=note)
-        finally:
-            env.close()
+            spec = EnvSpec(cfg.id, env.observation_space, env.action_space, mode, _step_info_keys(env), note=note)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the verdict on its spaces or steps is the one to tell
+                env.close()
+            raise
+        _close_probe(env, env_id)
+        return spec
 
     def _probe_groups(self, cfg: EnvSection) -> EnvSpec:
         specs = []
@@ -224,6 +229,17 @@ def _make_group_vector_env(cfg: EnvSection, mode: str, wrappers: list | None) ->
     env_fns = [maker(section) for _, section in cfg.group_sections() for _ in range(section.num_envs)]
     vector_env = gym.vector.AsyncVectorEnv if mode == "async" else gym.vector.SyncVectorEnv
     return vector_env(env_fns)
+
+
+def _close_probe(env: gym.Env, env_id: str) -> None:
+    """Close the env that read the spaces; its close() is user code and may raise (or call sys.exit)."""
+    try:
+        env.close()
+    except (Exception, SystemExit) as exc:
+        raise UserError(
+            f"env.id '{env_id}': its close() failed when the checks before start closed the env that read its "
+            f"spaces: {clip(describe_exception(exc), MESSAGE_CHARS)}; fix the env's close()"
+        ) from None
 
 
 def _registered_id(env_id: str) -> str:
