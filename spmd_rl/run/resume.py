@@ -247,7 +247,7 @@ def _layout_change(previous: Config, cfg: Config, ranks: int, world_size: int) -
     ]
     change = [f"set {' '.join(keys)}"] if keys else []
     if ranks != world_size:
-        change.append(f"start {ranks} ranks")
+        change.append(f"start {ranks} rank{'' if ranks == 1 else 's'}")
     return " and ".join(change) or "the same config.yaml"
 
 

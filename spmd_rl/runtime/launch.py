@@ -2,7 +2,8 @@
 
 Sources are tried in precedence order; the first one whose variables are present wins:
   1. torchrun   RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (also under `srun torchrun`, whose workers
-                inherit the agent's SLURM_PROCID: RANK must win over Slurm's variables)
+                inherit the agent's SLURM_PROCID: RANK must win over Slurm's variables); the same variables set by
+                hand, without torchrun's agent (no TORCHELASTIC_RUN_ID), are launcher "env"
   2. mpi        OMPI_COMM_WORLD_RANK, PMIX_RANK or PMI_RANK (mpirun / mpiexec, also inside a Slurm allocation,
                 whose SLURM_PROCID the ranks inherit). Rank, size and local rank come from mpi4py; rank 0 picks
                 the address and a free port and broadcasts them (as plain bytes: nothing is unpickled).
@@ -27,7 +28,7 @@ from spmd_rl.runtime.errors import UserError
 
 @dataclass(frozen=True)
 class LaunchInfo:
-    launcher: str  # "torchrun", "mpi", "slurm" or "none"
+    launcher: str  # "torchrun", "env" (torchrun's variables set by hand), "mpi", "slurm" or "none"
     rank: int
     world_size: int
     local_rank: int
@@ -76,7 +77,8 @@ def from_torchrun(env: Mapping[str, str]) -> LaunchInfo | None:
     local = _int_var(env, "LOCAL_RANK", "torchrun")
     _check_rank(rank, world, local, "torchrun")
     local_world = _int_var(env, "LOCAL_WORLD_SIZE", "torchrun") if "LOCAL_WORLD_SIZE" in env else world
-    return LaunchInfo("torchrun", rank, world, local, local_world, "env://")
+    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"  # the agent sets it for every worker
+    return LaunchInfo(launcher, rank, world, local, local_world, "env://")
 
 
 # Variables an MPI launcher sets for each process, with the matching world-size variable (None: not standard).

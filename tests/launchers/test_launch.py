@@ -27,6 +27,7 @@ from spmd_rl.runtime.launch import (
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = {
+    "TORCHELASTIC_RUN_ID": "none",
     "RANK": "3",
     "WORLD_SIZE": "4",
     "LOCAL_RANK": "1",
@@ -64,6 +65,8 @@ def test_torchrun():
         2,
     )
     assert info.init_method == "env://"
+    by_hand = {key: value for key, value in TORCHRUN.items() if not key.startswith("TORCHELASTIC")}
+    assert detect_launch(by_hand).launcher == "env"  # the start line does not claim torchrun for ranks started by hand
 
 
 def test_torchrun_wins_over_slurm_under_srun_torchrun():
