@@ -67,7 +67,6 @@ def build_colocated(
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
         policy = build_policy(cfg, run.spec, run.policy_class(), run.runtime.device)
     initial_algorithm_state = _init_policy_from(run, policy)
-    unsharded = _copy_before_sharding(run, policy)
     algorithm, callbacks = _build_algorithm(run, policy, group)
     n, t, stages = cfg.env.num_envs, plan.num_steps, cfg.env.pipeline_stages
     columns = stage_columns(n, stages)
@@ -120,7 +119,7 @@ def build_colocated(
     if run.resume.checkpoint is None:
         _init_algorithm_from(run, algorithm, initial_algorithm_state)
     if rank == 0:
-        run.final_policy = _final_policy(trainer, policy, unsharded)
+        run.final_policy = _final_policy(run, trainer, policy)
     return runner, server, trainer, report
 
 
@@ -267,11 +266,13 @@ def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1)
     # A sharded policy needs its trainers' own group even when there is one trainer: the device mesh FSDP shards
     # over is the trainer group's, never the world's (the inference and env ranks hold no rows).
     group = run.groups.trainer if len(topology.trainer_ranks) > 1 or plan.parallel.sharded else None
-    with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
-        policy = build_policy(cfg, run.spec, run.policy_class(), run.runtime.device)
+    if run.prebuilt is not None:  # built by this rank's checks before start, which called act on it
+        policy, run.prebuilt = run.prebuilt.take(run.runtime.device), None
+    else:
+        with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
+            policy = build_policy(cfg, run.spec, run.policy_class(), run.runtime.device)
     initial_algorithm_state = _init_policy_from(run, policy)
     weights = WeightSyncPlan.of(run)
-    unsharded = _copy_before_sharding(run, policy)
     weight_sync: WeightSync | GatheredWeightSource | None
     if weights.gathered:  # after sharding: every trainer takes part
         algorithm, callbacks = _build_algorithm(run, policy, group)
@@ -307,7 +308,7 @@ def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1)
     if run.resume.checkpoint is None:
         _init_algorithm_from(run, algorithm, initial_algorithm_state)
     if rank == 0:
-        run.final_policy = _final_policy(trainer, policy, unsharded)
+        run.final_policy = _final_policy(run, trainer, policy)
     return trainer, report
 
 
@@ -360,22 +361,23 @@ def _build_algorithm(run: Run, policy: Policy, group) -> tuple[Algorithm, list]:
     return algorithm, callbacks
 
 
-def _copy_before_sharding(run: Run, policy: Policy) -> Policy | None:
-    """Rank 0's plain copy of the policy on the CPU when the trainers shard it (taken before they do): what policy.pt
-    is written from, filled with the gathered full weights at every checkpoint. Not a second construction of the
-    policy where its class builds on the meta device (policies.cpu_copy)."""
-    if run.rank != 0 or not run.plan.parallel.sharded:
-        return None
-    return cpu_copy(policy, run.cfg, run.spec, run.policy_class(), cuda_indices(run.runtime.device))
-
-
-def _final_policy(trainer: Trainer, policy: Policy, unsharded: Policy | None) -> Policy:
-    """What rank 0 saves as policy.pt: the policy itself, or when the algorithm sharded it its plain copy."""
+def _final_policy(run: Run, trainer: Trainer, policy: Policy) -> Policy | None:
+    """What rank 0 saves as policy.pt: the policy itself, or when the trainers shard it a plain copy on the CPU,
+    made when the full weights are first gathered into it (Trainer.whole_policy: the first checkpoint or
+    evaluation; the run's last iteration checkpoints), not at start, where it took seconds before the first
+    iteration. Not a second construction where the class builds on the meta device (policies.cpu_copy); its
+    buffers (non-persistent ones too, which no state dict holds) are the policy's own, which sharding leaves whole."""
     if not trainer.sharded:
         return policy
-    assert unsharded is not None  # sharded by the algorithm: the plan shards (train.parallel=fsdp)
-    trainer.final_copy = unsharded
-    return unsharded
+
+    def make() -> Policy:
+        run.final_policy = cpu_copy(
+            policy, run.cfg, run.spec, run.policy_class(), cuda_indices(run.runtime.device), parameters=False
+        )
+        return run.final_policy
+
+    trainer.make_final_copy = make
+    return None
 
 
 def _recurrent_states(run: Run, counts: list[int]) -> RecurrentStates | None:

@@ -48,3 +48,14 @@ def test_a_policy_acting_on_the_wrong_action_shape_is_refused_by_every_rank_of_a
         nproc=3,
     )  # fmt: skip
     assert_one_line_exit_2(result, "declares 'action' of shape (4, 1)", "takes actions of shape (1,)")
+
+
+def test_a_policy_whose_act_fails_is_refused_by_every_rank_of_a_split_layout_before_any_iteration(tmp_path):
+    # Rank 0 calls act on the instance it then trains with (run/contract.py's check_calls), before start.
+    result = run_main(
+        "--config", TINY, f"run.dir={tmp_path}", "policy.class=tests.harness.chunk_policy:ActFailingActorCritic",
+        "layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=1",
+        nproc=3,
+    )  # fmt: skip
+    assert_one_line_exit_2(result, "act(obs, deterministic=False) failed", "act is broken on purpose")
+    assert not (tmp_path / "metrics.jsonl").exists()
