@@ -11,10 +11,14 @@ file; who sends the weights how is run/weight_sync_plan.py's.
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.channel_setup import open_channels
@@ -42,7 +46,14 @@ from spmd_rl.roles.pipelined_env_runner import PipelinedEnvRunner, stage_columns
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.evaluation import cuda_indices
 from spmd_rl.run.metrics import MetricsLogger
-from spmd_rl.run.policies import build_policy, cpu_copy, read_trained_state, trained_state_source
+from spmd_rl.run.policies import (
+    build_policy,
+    cpu_copy,
+    policy_on_meta,
+    policy_tensors,
+    read_trained_state,
+    trained_state_source,
+)
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.state_fit import load_fitted
 from spmd_rl.run.weight_sync_plan import WeightSyncPlan
@@ -266,16 +277,28 @@ def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1)
     # A sharded policy needs its trainers' own group even when there is one trainer: the device mesh FSDP shards
     # over is the trainer group's, never the world's (the inference and env ranks hold no rows).
     group = run.groups.trainer if len(topology.trainer_ranks) > 1 or plan.parallel.sharded else None
-    if run.prebuilt is not None:  # built by this rank's checks before start, which called act on it
-        policy, run.prebuilt = run.prebuilt.take(run.runtime.device), None
+    on_meta = _policy_on_meta(run, group)
+    source = None  # trainer 0's built policy, whose values the trainers' shards take (policy on the meta device)
+    if on_meta is None:
+        policy = _trainer_policy(run)
     else:
-        with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
-            policy = build_policy(cfg, run.spec, run.policy_class(), run.runtime.device)
-    initial_algorithm_state = _init_policy_from(run, policy)
+        policy = on_meta
+        source = _trainer_policy(run) if rank == topology.trainer_ranks[0] else None
+    with warnings.catch_warnings():  # run.init_from into the meta device: checked, and copied nowhere
+        warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter .* to a meta parameter")
+        initial_algorithm_state = _init_policy_from(run, source if source is not None else policy)
+    materialise = None if on_meta is None else _shards_from_trainer_0(run, group, source)
+    source = None  # materialise holds it until the shards are filled, then lets it go
     weights = WeightSyncPlan.of(run)
     weight_sync: WeightSync | GatheredWeightSource | None
     if weights.gathered:  # after sharding: every trainer takes part
-        algorithm, callbacks = _build_algorithm(run, policy, group)
+        algorithm, callbacks = _build_algorithm(run, policy, group, materialise)
+        if any(p.is_meta for p in policy.parameters()):
+            raise UserError(
+                f"algo.class '{cfg.classes['algo']}' says it takes the policy on the meta device "
+                f"(takes_policy_on_meta), but its constructor did not lay it out with Context.data_parallel, which "
+                f"gives it its values; return False from takes_policy_on_meta or call data_parallel"
+            )
         weight_sync = weights.trainer_member(run, policy)
     else:  # before the optimizer and DDP: it points the parameters into its flat buckets
         weight_sync = weights.trainer_member(run, policy)
@@ -353,8 +376,50 @@ def _context(run: Run, group) -> Context:
     )
 
 
-def _build_algorithm(run: Run, policy: Policy, group) -> tuple[Algorithm, list]:
-    context = _context(run, group)
+def _trainer_policy(run: Run) -> Policy:
+    """The policy a trainer builds, or takes from its checks before start (which called act on it)."""
+    if run.prebuilt is not None:
+        policy, run.prebuilt = run.prebuilt.take(run.runtime.device), None
+        return policy
+    with watchdog.watch(f"building policy.class {run.cfg.classes['policy']}"):
+        return build_policy(run.cfg, run.spec, run.policy_class(), run.runtime.device)
+
+
+def _policy_on_meta(run: Run, group) -> Policy | None:
+    """A sharded trainer's policy on the meta device, where its algorithm takes it so (Algorithm.
+    takes_policy_on_meta) and its class builds there; None: the trainer builds it as before."""
+    if not (run.plan.parallel.sharded and group is not None and run.algorithm_cls.takes_policy_on_meta(run.cfg.algo)):
+        return None
+    try:
+        return policy_on_meta(run.cfg, run.spec, run.policy_class())
+    except Exception:  # a constructor that needs real tensors (the same class fails alike on every trainer)
+        return None
+
+
+def _shards_from_trainer_0(run: Run, group, source: Policy | None) -> Callable[[nn.Module], None]:
+    """What Context.data_parallel calls once the meta policy is sharded: its tensors on the device, each trainer's
+    own rows of trainer 0's built policy (`source`; None elsewhere), sent tensor by tensor (sharding.fill_shards),
+    so that the weights are those of the policy built whole, and no other trainer builds or holds it. torch's random
+    state is trainer 0's after its build on every trainer, as when each built it (sent now, before the algorithm
+    draws any)."""
+    src = run.topology.trainer_ranks[0]
+    rng = torch.get_rng_state()
+    dist.broadcast(rng, src=src, group=group)
+    torch.set_rng_state(rng)
+    held = [source]
+
+    def materialise(module: nn.Module) -> None:
+        module.to_empty(device=run.runtime.device)
+        whole = held.pop()
+        tensors = None if whole is None else dict(policy_tensors(whole))
+        with watchdog.watch("giving the sharded policy its values from trainer 0", COLLECTIVE_MARGIN_S):
+            sharding.fill_shards(module, tensors, group, src)
+
+    return materialise
+
+
+def _build_algorithm(run: Run, policy: Policy, group, materialise=None) -> tuple[Algorithm, list]:
+    context = dataclasses.replace(_context(run, group), materialise=materialise)
     with watchdog.watch(f"building algo.class {run.cfg.classes['algo']} and the callbacks", COLLECTIVE_MARGIN_S):
         algorithm = run.algorithm_cls(policy, run.cfg.algo, context)
         callbacks = [cls(config, context) for cls, config in run.callback_classes]

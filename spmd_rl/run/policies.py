@@ -119,14 +119,14 @@ def cpu_copy(
         with torch.random.fork_rng(devices=cuda_devices):  # build_policy seeds torch
             copy = build_policy(cfg, spec, policy_cls)
     # By name and with every name of tied tensors: to_empty gives each of them a tensor of its own.
-    sources = dict(_tensors(policy) if parameters else policy.named_buffers(remove_duplicate=False))
+    sources = dict(policy_tensors(policy) if parameters else policy.named_buffers(remove_duplicate=False))
     with torch.no_grad():
-        for name, target in _tensors(copy) if parameters else copy.named_buffers(remove_duplicate=False):
+        for name, target in policy_tensors(copy) if parameters else copy.named_buffers(remove_duplicate=False):
             target.copy_(sources[name])
     return copy
 
 
-def _tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def policy_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every parameter and buffer by name, each name of tied ones too."""
     return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
 
