@@ -85,12 +85,14 @@ class PrebuiltPolicy:
     check_calls) and handed to its builder, which builds none: torch's random state as build_policy left it, put
     back when the builder takes it, so that the run draws what it would have drawn building it there."""
 
-    policy: Policy
+    policy: Policy | None  # None once taken: whoever still holds this object does not keep the module alive
     rng_state: torch.Tensor  # torch.get_rng_state() right after build_policy
 
     def take(self, device: torch.device | str) -> Policy:
+        policy, self.policy = self.policy, None
+        assert policy is not None, "the prebuilt policy is taken once"
         torch.set_rng_state(self.rng_state)
-        return self.policy.to(device)
+        return policy.to(device)
 
 
 def policy_on_meta(cfg: Config, spec: EnvSpec, policy_cls: type[Policy]) -> Policy:
