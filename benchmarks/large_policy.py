@@ -12,7 +12,8 @@ dist.broadcast of the same bytes, the extra memory a sync takes on a trainer, a 
 --vla PRESET: the vla policy from a PaliGemma folder this script writes (save_pretrained of the preset), split over
 5 ranks (2 env, 1 inference, 2 fsdp trainers) through torchrun, against the same layout with a small actor-critic
 MLP: start-up (launch to the first metrics line, the first iteration included) against the time one process takes
-to import, build and load the folder's weights; each rank's peak RSS and policy builds (finished.json's "ranks");
+to import, build and load the folder's weights; each rank's peak RSS and policy builds (finished.json's "ranks"; a
+sharded trainer other than trainer 0 builds the policy on the meta device and takes its shards from trainer 0's);
 the trainers' training state (weights, gradients, Adam's moments) with LoRA rank 16 against full fine-tuning,
 counted on the policy built on the meta device; and the bytes of a weight sync after the first (the frozen base
 travels only with the first), from the weight sync's own bucket layout of that policy.
@@ -367,15 +368,15 @@ def vla(preset: str) -> None:
     roles = ("env", "inference", "trainer")
     rows, env_rss = [], {}
     for name, (startup_s, ranks) in runs.items():
-        rss = {role: max(r["peak_rss_mb"] for r in ranks if r["role"] == role) for role in roles}
+        rss = {role: [r["peak_rss_mb"] for r in ranks if r["role"] == role] for role in roles}
         builds = {role: [r["policy_builds"] for r in ranks if r["role"] == role] for role in roles}
-        env_rss[name] = rss["env"]
+        env_rss[name] = max(rss["env"])
         rows.append(
             [
                 name,
                 f"{startup_s:.1f}",
                 f"{startup_s / load_s:.2f}x",
-                *(f"{rss[role]:.0f}" for role in roles),
+                *(" / ".join(f"{mb:.0f}" for mb in rss[role]) for role in roles),  # each rank's, in rank order
                 ", ".join(f"{role} {builds[role]}" for role in roles),
             ]
         )

@@ -179,6 +179,10 @@ class GRPO(Algorithm):
             f"{f' and refilled by up to {rounds} extra rollouts' if rounds else ''}"
         )
 
+    @classmethod
+    def takes_policy_on_meta(cls, config: GRPOConfig) -> bool:
+        return config.kl_coef == 0  # with a KL term the reference is a copy of the policy as built
+
     def __init__(self, policy: Policy, config: GRPOConfig, context: Context):
         super().__init__(policy, config, context)
         self.cfg = config

@@ -402,6 +402,10 @@ class PPO(PPOUpdateTail, Algorithm[PPOConfig]):
             f"{config.update_epochs} epochs"
         )
 
+    @classmethod
+    def takes_policy_on_meta(cls, config: PPOConfig) -> bool:
+        return True  # data_parallel first, then only the parameters' list
+
     def __init__(self, policy: Policy, config: PPOConfig, context: Context):
         super().__init__(policy, config, context)
         self.cfg = config

@@ -188,3 +188,28 @@ def full_state_dict(module: nn.Module) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def fill_shards(module: nn.Module, source: dict[str, torch.Tensor] | None, group: dist.ProcessGroup, src: int) -> None:
+    """A sharded module materialised on its device (to_empty after fully_shard on the meta device) given the values
+    of `source`, trainer `src`'s plain policy of the same class (its every parameter and buffer by name; None on the
+    other trainers), tensor by tensor: each broadcast over the trainer group, each trainer keeping its own shard
+    (the rows DTensor's own sharding gives it). No trainer but `src` ever holds more than one whole tensor.
+    Collective over the group, in the module's own order of names (the same on every trainer)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    with torch.no_grad():
+        for name, target in named:
+            if is_dtensor(target):
+                whole = source[name] if source is not None else torch.empty(target.shape, dtype=target.dtype)
+            else:
+                whole = source[name] if source is not None else torch.empty_like(target, device="cpu")
+            whole = whole.detach().to(device=target.device, dtype=target.dtype).contiguous()
+            dist.broadcast(whole, src=src, group=group)
+            if is_dtensor(target):
+                # src_data_rank None: every rank takes its own rows from the whole tensor it holds, no communication
+                own = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+                target.to_local().copy_(own.to_local())
+            else:
+                target.copy_(whole)

@@ -132,6 +132,14 @@ class Algorithm(Generic[ConfigT]):
     supports_action_chunks: ClassVar[bool] = False
 
     @classmethod
+    def takes_policy_on_meta(cls, config: ConfigT) -> bool:
+        """Whether its constructor reads no value of the policy (nor copies it) before laying it out with
+        Context.data_parallel: then sharded trainers (train.parallel=fsdp) hand it the policy on the meta device,
+        and data_parallel gives each trainer only its own shards' values (trainer 0's build, tensor by tensor), so
+        no other trainer builds or holds the whole policy. False (the default) hands it the policy built."""
+        return False
+
+    @classmethod
     def schedule(cls, config: ConfigT) -> Schedule:
         return Schedule()
 

@@ -67,6 +67,9 @@ class Context:
     # weights and returns this trainer's segment of it. Every trainer must call it equally often (decide with an
     # all_reduce). None where the layout cannot (split: env ranks follow the plan alone).
     extra_rollout: Callable[[int], TensorDict] | None = None
+    # Where a sharded trainer handed its algorithm the policy on the meta device (Algorithm.takes_policy_on_meta):
+    # data_parallel calls it with the module once sharded, to give it its device and its shards' values.
+    materialise: Callable[[nn.Module], None] | None = None
 
     @classmethod
     def local(
@@ -126,7 +129,8 @@ class Context:
           your loss through `wrapped(...)`.
         - fsdp: the module itself, sharded in place with FSDP2 over the trainer group (spmd_rl.comm.sharding:
           shard units, registered methods). Call it, or the policy methods your algorithm declares, as usual;
-          gradients are reduce-scattered in backward and the optimizer steps on the shards.
+          gradients are reduce-scattered in backward and the optimizer steps on the shards. A policy handed over on
+          the meta device (Algorithm.takes_policy_on_meta) is given its shards' values here, after sharding.
         With train.precision=bf16 forward and those methods compute in bfloat16 and return float32; with
         train.activation_checkpointing each shard unit recomputes its activations in backward."""
         if self.activation_checkpointing:
@@ -136,7 +140,10 @@ class Context:
             sharding.compute_in_bf16(module, self.policy_methods, self.device.type)
         if self.sharded:
             group = self.group if self.group is not None else sharding.single_process_group(self.device)
-            return sharding.shard_policy(module, group, self.device, self.policy_methods, bf16, self.hybrid_shards)
+            sharded = sharding.shard_policy(module, group, self.device, self.policy_methods, bf16, self.hybrid_shards)
+            if self.materialise is not None and any(p.is_meta for p in module.parameters()):
+                self.materialise(sharded)
+            return sharded
         if self.group is None:
             return module
         # Buffers (normalizer statistics) are merged by their own all-reduce, not synced on every forward.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -97,7 +98,7 @@ class Trainer:
         skip_nonfinite_updates: bool = False,
         policy=None,
         column_groups: torch.Tensor | None = None,
-        final_copy=None,
+        make_final_copy: Callable[[], Policy] | None = None,
         sharded: bool = False,
     ):
         self.algorithm = algorithm  # the user's (or a built-in) spmd_rl.api.Algorithm
@@ -119,9 +120,10 @@ class Trainer:
         self.flush_denormals = FlushDenormals()
         # The parallel plan's sharded (train.parallel=fsdp): the policy's parameters are shards; checkpoints hold
         # them as such, and the full weights are gathered into final_copy (a plain policy on trainer 0's CPU: what
-        # policy.pt is written from).
+        # policy.pt is written from), which make_final_copy makes when they are first gathered, not at start.
         self.sharded = sharded
-        self.final_copy = final_copy
+        self.make_final_copy = make_final_copy
+        self.final_copy: Policy | None = None
 
     # -- one iteration -------------------------------------------------------------------------------------------
 
@@ -205,6 +207,8 @@ class Trainer:
             return self.policy
         assert self.policy is not None  # a sharded trainer holds its shards of the policy
         full = full_state_dict(self.policy)  # trainer 0 gets the tensors
+        if self.final_copy is None and self.make_final_copy is not None:
+            self.final_copy = self.make_final_copy()
         if self.final_copy is not None:
             self.final_copy.load_state_dict(full)
         return self.final_copy

@@ -11,10 +11,14 @@ file; who sends the weights how is run/weight_sync_plan.py's.
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from spmd_rl.comm import sharding
 from spmd_rl.comm.channel_setup import open_channels
@@ -42,7 +46,14 @@ from spmd_rl.roles.pipelined_env_runner import PipelinedEnvRunner, stage_columns
 from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.evaluation import cuda_indices
 from spmd_rl.run.metrics import MetricsLogger
-from spmd_rl.run.policies import build_policy, cpu_copy, read_trained_state, trained_state_source
+from spmd_rl.run.policies import (
+    build_policy,
+    cpu_copy,
+    policy_on_meta,
+    policy_tensors,
+    read_trained_state,
+    trained_state_source,
+)
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.state_fit import load_fitted
 from spmd_rl.run.weight_sync_plan import WeightSyncPlan
@@ -67,7 +78,6 @@ def build_colocated(
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
         policy = build_policy(cfg, run.spec, run.policy_class(), run.runtime.device)
     initial_algorithm_state = _init_policy_from(run, policy)
-    unsharded = _copy_before_sharding(run, policy)
     algorithm, callbacks = _build_algorithm(run, policy, group)
     n, t, stages = cfg.env.num_envs, plan.num_steps, cfg.env.pipeline_stages
     columns = stage_columns(n, stages)
@@ -120,7 +130,7 @@ def build_colocated(
     if run.resume.checkpoint is None:
         _init_algorithm_from(run, algorithm, initial_algorithm_state)
     if rank == 0:
-        run.final_policy = _final_policy(trainer, policy, unsharded)
+        run.final_policy = _final_policy(run, trainer, policy)
     return runner, server, trainer, report
 
 
@@ -267,14 +277,28 @@ def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1)
     # A sharded policy needs its trainers' own group even when there is one trainer: the device mesh FSDP shards
     # over is the trainer group's, never the world's (the inference and env ranks hold no rows).
     group = run.groups.trainer if len(topology.trainer_ranks) > 1 or plan.parallel.sharded else None
-    with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
-        policy = build_policy(cfg, run.spec, run.policy_class(), run.runtime.device)
-    initial_algorithm_state = _init_policy_from(run, policy)
+    on_meta = _policy_on_meta(run, group)
+    source = None  # trainer 0's built policy, whose values the trainers' shards take (policy on the meta device)
+    if on_meta is None:
+        policy = _trainer_policy(run)
+    else:
+        policy = on_meta
+        source = _trainer_policy(run) if rank == topology.trainer_ranks[0] else None
+    with warnings.catch_warnings():  # run.init_from into the meta device: checked, and copied nowhere
+        warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter .* to a meta parameter")
+        initial_algorithm_state = _init_policy_from(run, source if source is not None else policy)
+    materialise = None if on_meta is None else _shards_from_trainer_0(run, group, source)
+    source = None  # materialise holds it until the shards are filled, then lets it go
     weights = WeightSyncPlan.of(run)
-    unsharded = _copy_before_sharding(run, policy)
     weight_sync: WeightSync | GatheredWeightSource | None
     if weights.gathered:  # after sharding: every trainer takes part
-        algorithm, callbacks = _build_algorithm(run, policy, group)
+        algorithm, callbacks = _build_algorithm(run, policy, group, materialise)
+        if any(p.is_meta for p in policy.parameters()):
+            raise UserError(
+                f"algo.class '{cfg.classes['algo']}' says it takes the policy on the meta device "
+                f"(takes_policy_on_meta), but its constructor did not lay it out with Context.data_parallel, which "
+                f"gives it its values; return False from takes_policy_on_meta or call data_parallel"
+            )
         weight_sync = weights.trainer_member(run, policy)
     else:  # before the optimizer and DDP: it points the parameters into its flat buckets
         weight_sync = weights.trainer_member(run, policy)
@@ -307,7 +331,7 @@ def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1)
     if run.resume.checkpoint is None:
         _init_algorithm_from(run, algorithm, initial_algorithm_state)
     if rank == 0:
-        run.final_policy = _final_policy(trainer, policy, unsharded)
+        run.final_policy = _final_policy(run, trainer, policy)
     return trainer, report
 
 
@@ -352,30 +376,73 @@ def _context(run: Run, group) -> Context:
     )
 
 
-def _build_algorithm(run: Run, policy: Policy, group) -> tuple[Algorithm, list]:
-    context = _context(run, group)
+def _trainer_policy(run: Run) -> Policy:
+    """The policy a trainer builds, or takes from its checks before start (which called act on it)."""
+    if run.prebuilt is not None:
+        policy, run.prebuilt = run.prebuilt.take(run.runtime.device), None
+        return policy
+    with watchdog.watch(f"building policy.class {run.cfg.classes['policy']}"):
+        return build_policy(run.cfg, run.spec, run.policy_class(), run.runtime.device)
+
+
+def _policy_on_meta(run: Run, group) -> Policy | None:
+    """A sharded trainer's policy on the meta device, where its algorithm takes it so (Algorithm.
+    takes_policy_on_meta) and its class builds there; None: the trainer builds it as before."""
+    if not (run.plan.parallel.sharded and group is not None and run.algorithm_cls.takes_policy_on_meta(run.cfg.algo)):
+        return None
+    try:
+        return policy_on_meta(run.cfg, run.spec, run.policy_class())
+    except Exception:  # a constructor that needs real tensors (the same class fails alike on every trainer)
+        return None
+
+
+def _shards_from_trainer_0(run: Run, group, source: Policy | None) -> Callable[[nn.Module], None]:
+    """What Context.data_parallel calls once the meta policy is sharded: its tensors on the device, each trainer's
+    own rows of trainer 0's built policy (`source`; None elsewhere), sent tensor by tensor (sharding.fill_shards),
+    so that the weights are those of the policy built whole, and no other trainer builds or holds it. torch's random
+    state is trainer 0's after its build on every trainer, as when each built it (sent now, before the algorithm
+    draws any)."""
+    src = run.topology.trainer_ranks[0]
+    rng = torch.get_rng_state()
+    dist.broadcast(rng, src=src, group=group)
+    torch.set_rng_state(rng)
+    held = [source]
+
+    def materialise(module: nn.Module) -> None:
+        module.to_empty(device=run.runtime.device)
+        whole = held.pop()
+        tensors = None if whole is None else dict(policy_tensors(whole))
+        with watchdog.watch("giving the sharded policy its values from trainer 0", COLLECTIVE_MARGIN_S):
+            sharding.fill_shards(module, tensors, group, src)
+
+    return materialise
+
+
+def _build_algorithm(run: Run, policy: Policy, group, materialise=None) -> tuple[Algorithm, list]:
+    context = dataclasses.replace(_context(run, group), materialise=materialise)
     with watchdog.watch(f"building algo.class {run.cfg.classes['algo']} and the callbacks", COLLECTIVE_MARGIN_S):
         algorithm = run.algorithm_cls(policy, run.cfg.algo, context)
         callbacks = [cls(config, context) for cls, config in run.callback_classes]
     return algorithm, callbacks
 
 
-def _copy_before_sharding(run: Run, policy: Policy) -> Policy | None:
-    """Rank 0's plain copy of the policy on the CPU when the trainers shard it (taken before they do): what policy.pt
-    is written from, filled with the gathered full weights at every checkpoint. Not a second construction of the
-    policy where its class builds on the meta device (policies.cpu_copy)."""
-    if run.rank != 0 or not run.plan.parallel.sharded:
-        return None
-    return cpu_copy(policy, run.cfg, run.spec, run.policy_class(), cuda_indices(run.runtime.device))
-
-
-def _final_policy(trainer: Trainer, policy: Policy, unsharded: Policy | None) -> Policy:
-    """What rank 0 saves as policy.pt: the policy itself, or when the algorithm sharded it its plain copy."""
+def _final_policy(run: Run, trainer: Trainer, policy: Policy) -> Policy | None:
+    """What rank 0 saves as policy.pt: the policy itself, or when the trainers shard it a plain copy on the CPU,
+    made when the full weights are first gathered into it (Trainer.whole_policy: the first checkpoint or
+    evaluation; the run's last iteration checkpoints), not at start, where it took seconds before the first
+    iteration. Not a second construction where the class builds on the meta device (policies.cpu_copy); its
+    buffers (non-persistent ones too, which no state dict holds) are the policy's own, which sharding leaves whole."""
     if not trainer.sharded:
         return policy
-    assert unsharded is not None  # sharded by the algorithm: the plan shards (train.parallel=fsdp)
-    trainer.final_copy = unsharded
-    return unsharded
+
+    def make() -> Policy:
+        run.final_policy = cpu_copy(
+            policy, run.cfg, run.spec, run.policy_class(), cuda_indices(run.runtime.device), parameters=False
+        )
+        return run.final_policy
+
+    trainer.make_final_copy = make
+    return None
 
 
 def _recurrent_states(run: Run, counts: list[int]) -> RecurrentStates | None:

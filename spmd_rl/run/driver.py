@@ -35,7 +35,7 @@ from spmd_rl.persist.run_lock import record_exit, release_run_dirs
 from spmd_rl.run import contract
 from spmd_rl.run.evaluation import check_video, probe_eval_env
 from spmd_rl.run.plan import Plan, dry_run_plan, plan_run
-from spmd_rl.run.policies import PolicySpec, save_policy
+from spmd_rl.run.policies import PolicySpec, PrebuiltPolicy, save_policy
 from spmd_rl.run.resume import agree_on_run, mark_finished, settle_start
 from spmd_rl.run.run import Run
 from spmd_rl.run.topology import ENV, Topology, build_topology, create_process_groups
@@ -93,6 +93,7 @@ class Checked:
     gpu_slot: tuple[int | None, int]  # this rank's GPU on its node (None: an env rank), and how many it needs
     built_before: int  # Policy.real_constructions when the checks began: this run's builds are counted from here
     policy_refusal: str = ""
+    prebuilt: PrebuiltPolicy | None = None  # trainer 0's policy, when its checks called act on it (split, env ranks)
 
 
 @dataclass
@@ -335,11 +336,16 @@ def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
                 check_same_spaces(spec, probe_eval_env(cfg), "eval.env")
     except UserError as exc:
         raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
-    policy_spec, policy_refusal = None, ""
+    policy_spec, policy_refusal, prebuilt = None, "", None
     deferred = bool(topology.env_ranks) and not topology.colocated  # the refusal waits for env ranks to hear it
     if policy_cls is not None:
         try:  # rank 0 calls act and the algorithm's methods for every rank that builds the policy, once
-            policy_spec = _check_policy(cfg, spec, plan, policy_cls, algorithm_cls, launch.rank == 0 or not deferred)
+            policy_spec = _check_policy(cfg, spec, plan, policy_cls, algorithm_cls, not deferred)
+            if deferred and launch.rank == 0:  # on the instance it trains with (rank 0 is trainer 0)
+                with watchdog.watch(f"building policy.class {cfg.classes['policy']} and calling its act"):
+                    built = contract.build_checked(cfg, spec, policy_cls)
+                    prebuilt = PrebuiltPolicy(built, torch.get_rng_state())
+                    contract.check_calls(cfg, spec, algorithm_cls, built, policy_spec)
         except UserError as exc:
             if not deferred:  # every rank checks: each refuses in place
                 raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
@@ -351,7 +357,9 @@ def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
     except UserError as exc:
         raise _Refused(exc, speaker=launch.local_rank == 0, rank=host_rank) from None
     classes = (policy_cls, algorithm_cls, engine_cls, callback_classes)
-    return Checked(cfg, given, topology, plan, *classes, spec, policy_spec, gpu_slot, built_before, policy_refusal)
+    return Checked(
+        cfg, given, topology, plan, *classes, spec, policy_spec, gpu_slot, built_before, policy_refusal, prebuilt
+    )
 
 
 def _check_policy(
@@ -418,6 +426,7 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
         outputs=policy_spec.outputs,
         recurrent_state=policy_spec.recurrent_state,
         built_before=checked.built_before,
+        prebuilt=checked.prebuilt,
         run_dir=run_dir,
         policy_cls=checked.policy_cls,
         algorithm_cls=checked.algorithm_cls,

@@ -79,6 +79,22 @@ def build_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], device: t
     return policy_cls(spec.observation_space, spec.action_space, cfg.policy).to(device)
 
 
+@dataclass
+class PrebuiltPolicy:
+    """Trainer 0's policy, built by its checks before start (they call act on it there: run/contract.py's
+    check_calls) and handed to its builder, which builds none: torch's random state as build_policy left it, put
+    back when the builder takes it, so that the run draws what it would have drawn building it there."""
+
+    policy: Policy | None  # None once taken: whoever still holds this object does not keep the module alive
+    rng_state: torch.Tensor  # torch.get_rng_state() right after build_policy
+
+    def take(self, device: torch.device | str) -> Policy:
+        policy, self.policy = self.policy, None
+        assert policy is not None, "the prebuilt policy is taken once"
+        torch.set_rng_state(self.rng_state)
+        return policy.to(device)
+
+
 def policy_on_meta(cfg: Config, spec: EnvSpec, policy_cls: type[Policy]) -> Policy:
     """The policy constructed on the meta device: every parameter's shape and dtype, no memory, no initialisation
     and no random numbers drawn (a pretrained folder is checked against its files, not read). What the checks before
@@ -87,24 +103,32 @@ def policy_on_meta(cfg: Config, spec: EnvSpec, policy_cls: type[Policy]) -> Poli
         return policy_cls(spec.observation_space, spec.action_space, cfg.policy)
 
 
-def cpu_copy(policy: Policy, cfg: Config, spec: EnvSpec, policy_cls: type[Policy], cuda_devices: list[int]) -> Policy:
-    """A plain copy of `policy` (before any sharding wraps it) on the CPU, given its tensors (non-persistent buffers
-    too) without a second initialisation: constructed on the meta device where the class allows it, otherwise built
-    as on any rank with the random streams of `cuda_devices` and the CPU left as they were."""
+def cpu_copy(
+    policy: Policy,
+    cfg: Config,
+    spec: EnvSpec,
+    policy_cls: type[Policy],
+    cuda_devices: list[int],
+    parameters: bool = True,
+) -> Policy:
+    """A plain copy of `policy` on the CPU, given its tensors (non-persistent buffers too) without a second
+    initialisation: constructed on the meta device where the class allows it, otherwise built as on any rank with
+    the random streams of `cuda_devices` and the CPU left as they were. Without `parameters` only the buffers are
+    copied (a sharded policy's parameters are shards: the caller loads the gathered full weights into the copy)."""
     try:
         copy = policy_on_meta(cfg, spec, policy_cls).to_empty(device="cpu")
     except Exception:  # a constructor that needs real tensors
         with torch.random.fork_rng(devices=cuda_devices):  # build_policy seeds torch
             copy = build_policy(cfg, spec, policy_cls)
     # By name and with every name of tied tensors: to_empty gives each of them a tensor of its own.
-    sources = dict(_tensors(policy))
+    sources = dict(policy_tensors(policy) if parameters else policy.named_buffers(remove_duplicate=False))
     with torch.no_grad():
-        for name, target in _tensors(copy):
+        for name, target in policy_tensors(copy) if parameters else copy.named_buffers(remove_duplicate=False):
             target.copy_(sources[name])
     return copy
 
 
-def _tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def policy_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every parameter and buffer by name, each name of tied ones too."""
     return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
 

@@ -29,6 +29,7 @@ from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run import builders
 from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.plan import Plan
+from spmd_rl.run.policies import PrebuiltPolicy
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.resume import Resume
 from spmd_rl.run.topology import COLOCATED, ENV, INFERENCE, TRAINER, ProcessGroups, Topology
@@ -65,6 +66,9 @@ class Run:
     control: RunControl  # the end-of-iteration agreement: checkpoints and stops
     resume: Resume  # where the run starts (a checkpoint every rank loads, or iteration 0)
     final_policy: Policy | None = None  # rank 0's policy, saved as policy.pt at the end or on a stop
+    # Trainer 0's policy when its checks before start built it to call act on (split layout with env ranks): its
+    # builder takes it instead of building one
+    prebuilt: PrebuiltPolicy | None = None
     _restored: bool = field(default=False, init=False, repr=False)  # restore() ran on this rank
 
     # -- where this rank stands ------------------------------------------------------------------------------------

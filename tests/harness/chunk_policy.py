@@ -1,7 +1,10 @@
-"""A policy whose declared action is a chunk of 4 actions, [4, *action_shape], while it acts one: on an env without
-env.action_chunk, the contract check must stop it before start (exit 2) rather than the env at its first step.
+"""Policies the contract check must stop before start (exit 2), by name:
 
-    policy.class=tests.harness.chunk_policy:ChunkDeclaringActorCritic
+    policy.class=tests.harness.chunk_policy:ChunkDeclaringActorCritic   # declares a chunk of 4 actions, acts one
+    policy.class=tests.harness.chunk_policy:ActFailingActorCritic       # declares what it should; its act raises
+
+On an env without env.action_chunk the first declares [4, *action_shape] while it acts one: the check, not the env
+at its first step, must say so. The second's act fails only when called: the check's calls must find it.
 """
 
 from __future__ import annotations
@@ -18,3 +21,8 @@ class ChunkDeclaringActorCritic(ActorCritic):
         declared = super().outputs()
         action = declared["action"]
         return {**declared, "action": dataclasses.replace(action, shape=(CHUNK, *action.shape))}
+
+
+class ActFailingActorCritic(ActorCritic):
+    def act(self, obs, deterministic: bool = False):
+        raise RuntimeError("act is broken on purpose")

@@ -1,8 +1,8 @@
 """PPO with the vla policy through `python -m spmd_rl.main`: a tiny PaliGemma folder made here (sharded safetensors),
 an instructed reaching env with camera image, state and instruction ids. In one process with LoRA (stopped after an
 iteration and resumed; policy.pt merged, loaded back by load_policy); split over 5 ranks with the bins head, LoRA
-(policy.pt as adapters), two fsdp trainers and bf16, the policy built once per trainer and inference rank and never on
-an env rank; a bad folder is one line and exit 2."""
+(policy.pt as adapters), two fsdp trainers and bf16, the policy built once on trainer 0 and the inference rank, and
+never on trainer 1 (its shards come from trainer 0's build) or an env rank; a bad folder is one line and exit 2."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_ppo_trains_the_bins_head_with_lora_on_two_fsdp_trainers_in_bf16_split_o
     state = torch.load(tmp_path / "policy.pt")
     assert state and all(".lora_" in key or not key.startswith("backbone.") for key in state)
     ranks = json.loads((tmp_path / FINISHED).read_text())["ranks"]  # env ranks never build the policy
-    assert [(r["role"], r["policy_builds"]) for r in ranks] == [("trainer", 1)] * 2 + [("inference", 1)] + [
+    assert [(r["role"], r["policy_builds"]) for r in ranks] == [("trainer", 1), ("trainer", 0), ("inference", 1)] + [
         ("env", 0)
     ] * 2
     # nor import its backbone's library: their spec came from rank 0 (a policy that acts on the wrong action shape

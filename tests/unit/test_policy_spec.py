@@ -129,3 +129,29 @@ def test_without_calls_the_check_reads_what_the_policy_declares_and_leaves_act_t
     assert list(declared.outputs) == ["action", "log_prob", "value"] and declared.parameters == 10
     with pytest.raises(UserError, match="act is broken"):
         contract.check_policy(cfg, spec, ActFails, algorithm_cls)
+
+
+class CountsActs(ReadsValues):
+    """Draws random numbers and changes a buffer in act: what the check's calls must leave as they found them."""
+
+    def __init__(self, observation_space, action_space, config):
+        super().__init__(observation_space, action_space, config)
+        self.register_buffer("acts", torch.zeros(()))
+
+    def act(self, obs, deterministic=False):
+        self.acts += 1
+        torch.rand(5)
+        return super().act(obs, deterministic)
+
+
+def test_the_calls_on_the_instance_rank_0_trains_with_leave_its_buffers_and_torch_random_state_as_they_were():
+    cfg = load_config(None, [])
+    spec = probe_env(cfg.env)
+    algorithm_cls = contract.load_classes(cfg)[1]
+    declared = contract.check_policy(cfg, spec, CountsActs, algorithm_cls, calls=False)
+    policy = build_policy(cfg, spec, CountsActs)
+    rng = torch.get_rng_state()
+    contract.check_calls(cfg, spec, algorithm_cls, policy, declared)
+    assert torch.equal(torch.get_rng_state(), rng) and policy.acts.item() == 0
+    with pytest.raises(UserError, match="act is broken"):
+        contract.check_calls(cfg, spec, algorithm_cls, build_policy(cfg, spec, ActFails), declared)
