@@ -125,6 +125,14 @@ class EnvSection:
         "auto: the env's own vectorized implementation if it has one, else sync",
         choices=["auto", "vector_entry_point", "sync", "async"],
     )
+    start_method: str = knob(
+        "auto",
+        "env.vectorization=async: how the env worker processes start. auto: spawn for envs whose parent holds a GL "
+        "context that a fork cannot carry (MetaWorld's), else the platform's default (fork on Linux); fork, spawn "
+        "or forkserver: that one (spawn and forkserver re-import the main script and need its envs importable)",
+        choices=["auto", "fork", "spawn", "forkserver"],
+        omit_default=True,
+    )
     normalize_reward: bool = knob(False, "scale rewards by a running estimate of the return's std (per env rank)")
     normalize_reward_gamma: float = knob(
         0.99,

@@ -90,6 +90,11 @@ class EnvBackend:
         them there)."""
         return False
 
+    def hang_advice(self, cfg: EnvSection, spec: EnvSpec) -> str:
+        """What to try when making, resetting or stepping these envs hangs, said in parentheses after the watched
+        call in the watchdog's line (' (in 2 env worker processes started by fork; ...)'); '' for nothing to add."""
+        return ""
+
     def capture_state(self, envs) -> dict | None:
         """The envs' state for a checkpoint, or None when it cannot be saved (unsaved_reason says why)."""
         return None

@@ -38,6 +38,10 @@ NAMESPACE = "metaworld"
 MULTI_TASK = {"MT10": "MT10"}  # the env id's name -> MetaWorld's benchmark class
 RENDERERS = ("egl", "osmesa")  # MUJOCO_GL values tried in this order where MUJOCO_GL is not set
 STATE_SIZE = 4  # the hand's x, y, z and the gripper's opening: the first four of MetaWorld's vector
+# How async workers start (env.start_method=auto): the parent makes one env before they start (the probe, and
+# gymnasium's AsyncVectorEnv to read its spaces), which starts the GL renderer's threads (Mesa's llvmpipe); a forked
+# worker inherits the renderer's state without its threads and waits for them forever when it makes its own context.
+WORKER_START_METHOD = "spawn"
 
 # What each task asks, as an instruction a person would give.
 INSTRUCTIONS = {

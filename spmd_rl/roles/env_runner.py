@@ -43,10 +43,12 @@ class EnvRunner:
         columns: slice | None = None,
         stage: str = "",
         step_thread: EnvStepThread | None = None,
+        hang_advice: str = "",
     ):
         """`columns`: where this runner's envs lie in the segment, when it is one stage of a PipelinedEnvRunner
         (which sends the segment); None: the whole segment, sent by this runner. `stage` names the stage in its
-        errors (' in pipeline stage 1'; '' without stages). `step_thread`: the thread that steps the envs while
+        errors (' in pipeline stage 1'; '' without stages). `hang_advice`: the end of the watchdog's line when a
+        step hangs (EnvBackend.hang_advice). `step_thread`: the thread that steps the envs while
         this process acts for another stage (pipeline stages in one process); None: steps on the caller's thread."""
         self.envs = envs
         self.step_thread = step_thread
@@ -59,7 +61,7 @@ class EnvRunner:
         self.policy_outputs = policy_outputs  # the fields of each reply copied into the rollout (action first)
         self.describe = describe + stage
         self.env_id = env_id
-        self.watched_step = watchdog.watch(f"env.step of {env_id}{stage}")  # made once: entered every step
+        self.watched_step = watchdog.watch(f"env.step of {env_id}{stage}{hang_advice}")  # made once: entered every step
         # Both outgoing buffers are written in place, so the channels send them without another copy. The writes
         # go through numpy views of the (CPU) buffers: a numpy assignment costs a fraction of a torch op's
         # dispatch, and this loop runs once per env step. Observations keep the env's dtype and shape (nested

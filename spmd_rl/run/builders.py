@@ -184,10 +184,12 @@ def build_env_runner(run: Run, observation_layout=observation_message) -> EnvRun
 def _env_runner_options(run: Run, describe: str, columns: list[slice], stage: int) -> dict:
     """The EnvRunner keywords of pipeline stage `stage` of `columns` (the one stage: its whole segment)."""
     stages = len(columns)
+    backend = backend_for(run.cfg.env)
     return {
         "describe": describe,
         "env_id": run.cfg.env.id,
-        "env_backend": backend_for(run.cfg.env),
+        "env_backend": backend,
+        "hang_advice": backend.hang_advice(_stage_section(run, stages), run.spec),
         "success_key": run.spec.success_key,
         "group_size": run.cfg.env.group_size,
         "columns": None if stages == 1 else columns[stage],
@@ -200,16 +202,18 @@ def _make_stage_envs(run: Run, seed: int, columns: list[slice]) -> list[tuple]:
     is in one stage (stage_seed)."""
     cfg, stages = run.cfg, len(columns)
     stage_envs = []
+    section = _stage_section(run, stages)
+    backend = backend_for(section)
+    advice = backend.hang_advice(section, run.spec)
     for stage, envs_of_stage in enumerate(columns):
-        with watchdog.watch(f"making and resetting env.id {cfg.env.id}{stage_name(stage, stages)}"):
-            stage_envs.append(
-                backend_for(cfg.env).make(
-                    dataclasses.replace(cfg.env, num_envs=cfg.env.num_envs // stages),
-                    run.spec,
-                    stage_seed(seed, envs_of_stage, cfg.env.group_size),
-                )
-            )
+        with watchdog.watch(f"making and resetting env.id {cfg.env.id}{stage_name(stage, stages)}{advice}"):
+            stage_envs.append(backend.make(section, run.spec, stage_seed(seed, envs_of_stage, cfg.env.group_size)))
     return stage_envs
+
+
+def _stage_section(run: Run, stages: int):
+    """The env section of one pipeline stage's vector env: env.num_envs / stages envs."""
+    return dataclasses.replace(run.cfg.env, num_envs=run.cfg.env.num_envs // stages)
 
 
 def build_inference_server(run: Run) -> InferenceServer:

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import multiprocessing
 import os
 import warnings
 
@@ -21,6 +22,7 @@ from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.backend import EnvBackend, EnvSpec, differing_space, finish_vector_env
 from spmd_rl.envs.chunks import ActionChunks, chunked_spec
 from spmd_rl.envs.factory import register_factory
+from spmd_rl.envs.metaworld_envs import WORKER_START_METHOD as METAWORLD_START_METHOD
 from spmd_rl.envs.metaworld_envs import is_metaworld_id
 from spmd_rl.envs.metaworld_envs import register as register_metaworld
 from spmd_rl.runtime.errors import UserError, describe_exception
@@ -139,19 +141,45 @@ class GymnasiumBackend(EnvBackend):
         if spec.action_chunk > 1:  # outermost: each primitive step goes through the other wrappers
             chunks = functools.partial(ActionChunks, chunk=spec.action_chunk, success_key=spec.success_key)
             wrappers = [*(wrappers or ()), chunks]
+        # The platform's default start method (None) is passed as gymnasium's own default: nothing changes there.
+        context = start_method(cfg) if mode == "async" else None
         try:
             if cfg.groups:
-                envs = _make_group_vector_env(cfg, mode, wrappers)
+                envs = _make_group_vector_env(cfg, mode, wrappers, context)
             else:
                 envs = gym.make_vec(
-                    cfg.id, num_envs=cfg.num_envs, vectorization_mode=mode, wrappers=wrappers, **cfg.kwargs
+                    cfg.id,
+                    num_envs=cfg.num_envs,
+                    vectorization_mode=mode,
+                    vector_kwargs={"context": context} if context else None,
+                    wrappers=wrappers,
+                    **cfg.kwargs,
                 )
         except gym.error.Error as exc:
             raise UserError(
                 f"env.id '{clip(cfg.id)}' cannot be vectorized with env.vectorization={mode}: "
                 f"{clip(str(exc), MESSAGE_CHARS)}"
             ) from None
+        except (EOFError, ConnectionError) as exc:  # a worker ended before it answered
+            if not context or context == "fork":
+                raise
+            raise UserError(
+                f"env.vectorization=async: the env worker processes (started by {context}, env.start_method="
+                f"{cfg.start_method}) ended while starting ({describe_exception(exc)}); a worker started by {context} "
+                f'imports the main script again, which must start its run under `if __name__ == "__main__":`; '
+                f"else set env.vectorization=sync"
+            ) from None
         return finish_vector_env(vector_wrappers.RecordEpisodeStatistics(envs), cfg, seed, reset_seed=seed)
+
+    def hang_advice(self, cfg: EnvSection, spec: EnvSpec) -> str:
+        if spec.vectorization != "async":
+            return ""
+        method = start_method(cfg) or multiprocessing.get_start_method(allow_none=True) or _platform_start_method()
+        other = "spawn" if method == "fork" else "fork"
+        return (
+            f" (in {cfg.num_envs} env worker process(es) started by {method}; if they never answer, as forks of a "
+            f"process holding a GL context do not, set env.start_method={other} or env.vectorization=sync)"
+        )
 
     def step_limit(self, cfg: EnvSection) -> int | None:
         """env.kwargs' max_episode_steps, else the id's registration's; env.max_episode_steps where it is lower."""
@@ -214,12 +242,27 @@ def _step_info_keys(env: gym.Env) -> frozenset:
     return frozenset(key for key in info if isinstance(key, str)) if isinstance(info, dict) else frozenset()
 
 
-def _make_group_vector_env(cfg: EnvSection, mode: str, wrappers: list | None) -> gym.vector.VectorEnv:
-    """The groups' envs side by side, each made as gymnasium.make_vec makes one (gym.make, then `wrappers`)."""
+def start_method(cfg: EnvSection) -> str | None:
+    """How async workers start: env.start_method, or with auto the start method an env needs (MetaWorld's: its
+    parent, which made one env to read its spaces, holds a GL context whose renderer threads a fork does not carry,
+    and forked workers wait for them forever), else None: the platform's default (fork on Linux), as before."""
+    if cfg.start_method != "auto":
+        return cfg.start_method
+    ids = [section.id for _, section in cfg.group_sections()] if cfg.groups else [cfg.id]
+    return METAWORLD_START_METHOD if any(is_metaworld_id(env_id) for env_id in ids) else None
+
+
+def _make_group_vector_env(
+    cfg: EnvSection, mode: str, wrappers: list | None, context: str | None
+) -> gym.vector.VectorEnv:
+    """The groups' envs side by side, each made as gymnasium.make_vec makes one (gym.make of the registered spec,
+    which a spawned worker, whose registry lacks the ids registered at run time, can make too; then `wrappers`)."""
 
     def maker(section: EnvSection):
+        registered = gym.spec(_registered_id(section.id))
+
         def make():
-            env = gym.make(section.id, **section.kwargs)
+            env = gym.make(registered, **section.kwargs)
             for wrapper in wrappers or ():
                 env = wrapper(env)
             return env
@@ -227,8 +270,14 @@ def _make_group_vector_env(cfg: EnvSection, mode: str, wrappers: list | None) ->
         return make
 
     env_fns = [maker(section) for _, section in cfg.group_sections() for _ in range(section.num_envs)]
-    vector_env = gym.vector.AsyncVectorEnv if mode == "async" else gym.vector.SyncVectorEnv
-    return vector_env(env_fns)
+    if mode == "async":
+        return gym.vector.AsyncVectorEnv(env_fns, context=context)
+    return gym.vector.SyncVectorEnv(env_fns)
+
+
+def _platform_start_method() -> str:
+    """The start method multiprocessing uses when none was set, read without fixing it (get_start_method would)."""
+    return multiprocessing.get_all_start_methods()[0]
 
 
 def _close_probe(env: gym.Env, env_id: str) -> None:
