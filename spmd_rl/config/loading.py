@@ -71,6 +71,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), o
     plugins.class_path(plugins.ENV_BACKEND, cfg.env.backend)  # an alias or module:Class (imported when used)
     check_env_groups(cfg.env, "env")
     check_env_groups(evaluation_env(cfg), "eval.env")
+    if cfg.env.start_method != "auto" and cfg.env.vectorization != "async":
+        raise UserError(
+            f"env.start_method={cfg.env.start_method} says how async env workers start, but "
+            f"env.vectorization={cfg.env.vectorization} starts none; set env.vectorization=async or drop "
+            f"env.start_method"
+        )
     if cfg.checkpoint.keep_best and not cfg.eval.every:
         raise UserError(
             "checkpoint.keep_best=true keeps the policy with the best evaluation, but eval.every=0 never evaluates; "

@@ -335,3 +335,11 @@ def test_a_colon_without_a_space_in_a_config_file_gets_the_same_hint(tmp_path):
         f"config file {path}: YAML reads 'chunk:4' as one key with no value (a colon needs a space after it); "
         "write chunk: 4"
     )
+
+
+def test_a_start_method_without_async_workers_is_refused():
+    with pytest.raises(
+        UserError, match="env.start_method=spawn says how async env workers start, but env.vectorization=sync"
+    ):
+        load_config(None, ["env.start_method=spawn", "env.vectorization=sync"])
+    assert load_config(None, ["env.start_method=spawn", "env.vectorization=async"]).env.start_method == "spawn"
