@@ -35,11 +35,12 @@ def test_reach_collect_then_sft_then_grpo_from_its_checkpoint(tmp_path):
     assert records[-1]["nll_loss"] < records[0]["nll_loss"]
     assert 0.0 <= records[-1]["eval_success_rate"] <= 1.0 and all(record["env_steps"] == 0 for record in records)
 
-    # One GRPO iteration, one group of 4 from one task configuration, at learning rate 0: it acts and updates
-    # with the SFT weights, which it keeps (its policy.pt is the SFT run's, every key).
+    # One GRPO iteration (no dynamic sampling: one rollout), one group of 4 from one task configuration, at
+    # learning rate 0: it acts and updates with the SFT weights, which it keeps (its policy.pt is the SFT run's).
     grpo = tmp_path / "grpo"
     result = run_main(
         "--config", str(CONFIGS / "reach_grpo.yaml"), *QUIET, f"run.init_from={sft}", "algo.learning_rate=0",
+        "algo.filter_groups=false",
         "env.num_envs=4", "env.group_size=4", SHORT, "train.total_steps=96",
         "eval.every=0", f"run.dir={grpo}",
     )  # fmt: skip
