@@ -66,7 +66,7 @@ def test_forked_metaworld_workers_hang_and_the_line_says_what_to_set(tmp_path):
     )
     assert result.returncode == 4, result.stderr[-3000:]
     assert (
-        "making and resetting env.id metaworld/reach-v3 (in 2 env worker process(es) started by fork; if they never "
+        "making and resetting env.id metaworld/reach-v3 (in 2 env worker processes started by fork; if they never "
         "answer, as forks of a process holding a GL context do not, set env.start_method=spawn or "
         "env.vectorization=sync) did not return within 20 s"
     ) in result.stderr

@@ -51,8 +51,11 @@ def test_a_stalled_stage_in_one_process_is_named_in_one_line_within_the_timeout(
         timeout=120,
     )
     assert result.returncode == USER_CODE_EXIT_CODE, result.stderr[-3000:]
-    stalled = "env.step of tests.harness.stalling_env:StallingCartPole-v0 in pipeline stage 1 did not"
-    assert any(stalled in line and "within 10 s" in line for line in result.stderr.splitlines()), result.stderr[-3000:]
+    # The line names the stage and, as the envs step in a worker process, how that worker was started
+    stalled = "env.step of tests.harness.stalling_env:StallingCartPole-v0 in pipeline stage 1 (in 1 env worker process"
+    assert any(stalled in line and "did not return within 10 s" in line for line in result.stderr.splitlines()), (
+        result.stderr[-3000:]
+    )
 
 
 def test_stages_with_an_in_process_vectorizer_exit_2_in_one_line(tmp_path):

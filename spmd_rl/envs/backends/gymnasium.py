@@ -176,8 +176,9 @@ class GymnasiumBackend(EnvBackend):
             return ""
         method = start_method(cfg) or multiprocessing.get_start_method(allow_none=True) or _platform_start_method()
         other = "spawn" if method == "fork" else "fork"
+        workers = f"{cfg.num_envs} env worker process" + ("" if cfg.num_envs == 1 else "es")
         return (
-            f" (in {cfg.num_envs} env worker process(es) started by {method}; if they never answer, as forks of a "
+            f" (in {workers} started by {method}; if they never answer, as forks of a "
             f"process holding a GL context do not, set env.start_method={other} or env.vectorization=sync)"
         )
 
