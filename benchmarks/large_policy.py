@@ -11,12 +11,13 @@ dist.broadcast of the same bytes, the extra memory a sync takes on a trainer, a 
 
 --vla PRESET: the vla policy from a PaliGemma folder this script writes (save_pretrained of the preset), split over
 5 ranks (2 env, 1 inference, 2 fsdp trainers) through torchrun, against the same layout with a small actor-critic
-MLP: start-up (launch to the first metrics line, the first iteration included) against the time one process takes
-to import, build and load the folder's weights; each rank's peak RSS and policy builds (finished.json's "ranks"; a
-sharded trainer other than trainer 0 builds the policy on the meta device and takes its shards from trainer 0's);
-the trainers' training state (weights, gradients, Adam's moments) with LoRA rank 16 against full fine-tuning,
-counted on the policy built on the meta device; and the bytes of a weight sync after the first (the frozen base
-travels only with the first), from the weight sync's own bucket layout of that policy.
+MLP: start-up (launch to the first metrics line, the first iteration included; and that less iteration 0's own
+rollout, learning and weight sync times from its record: the start-up before iteration 0 began) against the time
+one process takes to import, build and load the folder's weights; each rank's peak RSS and policy builds
+(finished.json's "ranks"; a sharded trainer other than trainer 0 builds the policy on the meta device and takes its
+shards from trainer 0's); the trainers' training state (weights, gradients, Adam's moments) with LoRA rank 16
+against full fine-tuning, counted on the policy built on the meta device; and the bytes of a weight sync after the
+first (the frozen base travels only with the first), from the weight sync's own bucket layout of that policy.
 
 The model is a stack of square Linear layers (width 2048: 4.2M parameters a layer), built on the meta device and
 materialized after sharding, so no rank ever holds the whole model except where the measurement says so. Ranks are
@@ -294,8 +295,10 @@ def _load_once_s(folder: Path) -> float:
     return time.monotonic() - started
 
 
-def _split_run(overrides: list[str], run_dir: Path) -> tuple[float, list[dict]]:
-    """(seconds from launch to the first metrics line, finished.json's ranks) of a 2-iteration split-5 run."""
+def _split_run(overrides: list[str], run_dir: Path) -> tuple[float, float, list[dict]]:
+    """(seconds from launch to the first metrics line, iteration 0's own seconds, finished.json's ranks) of a
+    2-iteration split-5 run. Iteration 0's own time is its record's rollout, learning and weight sync times: the
+    first line less that is the start-up before iteration 0 began."""
     args = ["--config", "configs/ci_tiny.yaml", VLA_ENV, *SPLIT_5, f"run.dir={run_dir}", "train.total_steps=128"]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     started = time.monotonic()
@@ -316,7 +319,9 @@ def _split_run(overrides: list[str], run_dir: Path) -> tuple[float, list[dict]]:
     if job.returncode != 0:
         raise RuntimeError(f"split run {overrides} failed ({job.returncode}): {job.stderr.read()[-3000:]}")
     assert first_line is not None  # a finished run logged its iterations
-    return first_line, json.loads((run_dir / "finished.json").read_text())["ranks"]
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    iteration_0 = sum(first.get(key, 0.0) for key in ("time_rollout_s", "time_learn_s", "time_weight_sync_s"))
+    return first_line, iteration_0, json.loads((run_dir / "finished.json").read_text())["ranks"]
 
 
 def _vla_paper(folder: Path, lora_rank: int) -> dict:
@@ -367,7 +372,7 @@ def vla(preset: str) -> None:
     )
     roles = ("env", "inference", "trainer")
     rows, env_rss = [], {}
-    for name, (startup_s, ranks) in runs.items():
+    for name, (startup_s, iteration_0_s, ranks) in runs.items():
         rss = {role: [r["peak_rss_mb"] for r in ranks if r["role"] == role] for role in roles}
         builds = {role: [r["policy_builds"] for r in ranks if r["role"] == role] for role in roles}
         env_rss[name] = max(rss["env"])
@@ -376,11 +381,14 @@ def vla(preset: str) -> None:
                 name,
                 f"{startup_s:.1f}",
                 f"{startup_s / load_s:.2f}x",
+                f"{startup_s - iteration_0_s:.1f}",
+                f"{(startup_s - iteration_0_s) / load_s:.2f}x",
                 *(" / ".join(f"{mb:.0f}" for mb in rss[role]) for role in roles),  # each rank's, in rank order
                 ", ".join(f"{role} {builds[role]}" for role in roles),
             ]
         )
-    print(table(["policy", "start-up s", "/ load once", *(f"{r} peak RSS MiB" for r in roles), "policy builds"], rows))
+    columns = ["policy", "to the first line s", "/ load once", "before iteration 0 s", "/ load once"]
+    print(table([*columns, *(f"{r} peak RSS MiB" for r in roles), "policy builds"], rows))
     print(f"env rank peak RSS, vla / mlp: {env_rss['vla'] / env_rss['mlp [16, 16]']:.2f}x")
     print("\nTraining state per fsdp trainer (of 2) and bytes per weight sync, on the policy built on the meta device:")
     print(
