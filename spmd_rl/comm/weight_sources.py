@@ -36,8 +36,8 @@ if TYPE_CHECKING:  # annotations only: torch.distributed.tensor is imported when
 def _local(sharded: DTensor) -> torch.Tensor:
     """A DTensor's local shard as it is stored, outside autograd. to_local() in no-grad mode returns the stored
     tensor; with grad mode on it goes through an autograd function, and detach() first through DTensor's dispatch:
-    together 40 us a call on an idle core and 130-330 us on a loaded one (measured), paid for every piece of every
-    sync, where the bytes of a small piece take a few microseconds on the wire."""
+    together 40 us a call on an idle core (measured), paid twice for every piece of every sync, where the bytes of
+    a small piece take a few microseconds on the wire."""
     with torch.no_grad():
         return sharded.to_local()
 
