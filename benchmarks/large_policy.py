@@ -8,6 +8,7 @@ dist.broadcast of the same bytes, the extra memory a sync takes on a trainer, a 
     python benchmarks/large_policy.py                  # 100M and 300M parameters
     python benchmarks/large_policy.py --sizes 20       # quicker: 20M
     python benchmarks/large_policy.py --vla small      # the vla policy (91M) built once where it runs (below)
+    python benchmarks/large_policy.py --sizes 40 --designs sent --pairs 9 --bucket-mb 8   # per-bucket overhead
 
 --vla PRESET: the vla policy from a PaliGemma folder this script writes (save_pretrained of the preset), split over
 5 ranks (2 env, 1 inference, 2 fsdp trainers) through torchrun, against the same layout with a small actor-critic
@@ -31,6 +32,11 @@ rank holds the weights only when its receives complete); the ratio reported is t
 beside it the ratio of the CPU seconds the four processes spent (all their threads, the kernel's socket copies
 included), which depends less on what else the machine runs. The on-paper 7B row takes the software overhead per
 bucket measured here, over gloo between CPU processes: a GPU's per-bucket overhead over NCCL is not measured.
+The overhead is the median over the rounds of (sync - raw) / buckets, with its lowest and highest round, and the
+same in the four ranks' CPU seconds. With the default 64 MiB buckets a 40M policy is 2 buckets in bf16, and one
+round's overhead per bucket then swings by more than ten times the 2 ms target on a shared machine: --bucket-mb 8
+makes the same bytes 20 buckets (each layer's 8 MiB weight one, its 4 KiB bias the next), so that costs paid per
+bucket (and per piece) add up to what a round can resolve; the 7B row then counts buckets of that size.
 """
 
 from __future__ import annotations
@@ -114,14 +120,25 @@ def _rounds(pairs: int, sync, raw) -> list:
     return records
 
 
-def _rank(rank: int, world: int, init: str, out: str, layers: int, wire: str, frozen: int, design: str, pairs: int):
-    """One rank of the FSDP measurement: ranks 0-1 sharded trainers, ranks 2-3 inference ranks."""
+def _rank(
+    rank: int,
+    world: int,
+    init: str,
+    out: str,
+    layers: int,
+    wire: str,
+    frozen: int,
+    design: str,
+    pairs: int,
+    bucket: int,
+):
+    """One rank of the FSDP measurement: ranks 0-1 sharded trainers, ranks 2-3 inference ranks; buckets of at most
+    `bucket` bytes."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(600))
     torch.set_num_threads(1)
     trainers, weights = dist.new_group([0, 1]), dist.new_group([0, 2, 3])
     # design "sent": trainers 0 and 1 send their rows to ranks 2 and 3 over the world group (all four ranks)
     senders = {"senders": [0, 1], "sender_group": dist.group.WORLD} if design == "sent" else {}
-    bucket = BUCKET_MB << 20
     wire_dtype = torch.bfloat16 if wire == "bf16" else None
     result = {}
     if rank >= 2:  # an inference rank: the whole model, plain, in the wire dtype
@@ -210,11 +227,22 @@ def _times(records_by_rank: list[list]) -> dict:
         ),
         "cpu_ratio": statistics.median(r["raw"][1] / r["sync"][1] for r in rounds.values()),
         "overhead_s": statistics.median(r["sync"][0] - r["raw"][0] for r in rounds.values()),
+        "overhead_low_high": (
+            min(r["sync"][0] - r["raw"][0] for r in rounds.values()),
+            max(r["sync"][0] - r["raw"][0] for r in rounds.values()),
+        ),
+        "cpu_overhead_s": statistics.median(r["sync"][1] - r["raw"][1] for r in rounds.values()),
     }
 
 
 def measure(
-    layers: int, parallel: str, wire: str, frozen: int = 0, design: str = "gathered", pairs: int = PAIRS
+    layers: int,
+    parallel: str,
+    wire: str,
+    frozen: int = 0,
+    design: str = "gathered",
+    pairs: int = PAIRS,
+    bucket_mb: int = BUCKET_MB,
 ) -> dict:
     out = tempfile.mkdtemp(prefix="spmd_large_")
     load = f"{os.getloadavg()[0]:.1f}"
@@ -222,7 +250,7 @@ def measure(
     context = multiprocessing.get_context("fork")
     if parallel == "fsdp":  # 2 trainers and 2 inference ranks
         children = [
-            context.Process(target=_child, args=(r, 4, init, out, layers, wire, frozen, design, pairs))
+            context.Process(target=_child, args=(r, 4, init, out, layers, wire, frozen, design, pairs, bucket_mb << 20))
             for r in range(4)
         ]
     else:  # only the two trainers: the ddp measurement is memory alone
@@ -417,6 +445,9 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 300], help="millions of parameters")
     parser.add_argument("--designs", nargs="+", default=["sent"], choices=["gathered", "sent", "replicated"])
     parser.add_argument("--pairs", type=int, default=PAIRS, help="rounds of a sync and a raw broadcast")
+    parser.add_argument(
+        "--bucket-mb", type=int, default=BUCKET_MB, help="weights.bucket_mb of the syncs (smaller: more buckets)"
+    )
     parser.add_argument("--vla", choices=["tiny", "small"], help="measure the vla policy of this preset instead")
     args = parser.parse_args()
     print(machine())
@@ -430,7 +461,7 @@ def main() -> None:
         layers = max(1, round(millions * 1e6 / (WIDTH * WIDTH + WIDTH)))
         ddp = measure(layers, "ddp", "fp32")
         results = {
-            (wire, design): measure(layers, "fsdp", wire, design=design, pairs=args.pairs)
+            (wire, design): measure(layers, "fsdp", wire, design=design, pairs=args.pairs, bucket_mb=args.bucket_mb)
             for wire in ("fp32", "bf16")
             for design in args.designs
         }
@@ -467,13 +498,15 @@ def main() -> None:
             # The software overhead per bucket: what a sync takes beyond a raw broadcast of the same bytes
             # (median over the rounds), per bucket of this size; a 7B bf16 policy is that many buckets.
             overhead = r["overhead_s"] / r["buckets_later"]
+            low, high = (s / r["buckets_later"] for s in r["overhead_low_high"])
             buckets_7b = math.ceil(PAPER_PARAMETERS * 2 / r["bucket_bytes"])
             wire_s = PAPER_PARAMETERS * 2 / PAPER_LINK_BYTES_S
             paper.append(
                 [
                     f"{ddp['parameters'] / 1e6:.0f}M",
                     design,
-                    f"{overhead * 1e3:.1f}",
+                    f"{overhead * 1e3:.1f} ({low * 1e3:.1f} to {high * 1e3:.1f})",
+                    f"{r['cpu_overhead_s'] / r['buckets_later'] * 1e3:.1f}",
                     str(buckets_7b),
                     f"{wire_s:.2f}",
                     f"{wire_s + buckets_7b * max(0.0, overhead):.2f}",
@@ -486,7 +519,7 @@ def main() -> None:
     print("\nTrainer memory per rank (parameters + gradients + Adam state), 2 trainers:")
     print(table(["parameters", "ddp MiB", "fsdp MiB", "fsdp / ddp"], memory))
     print(
-        f"\nWeight sync, 2 trainers (FSDP, but design replicated) -> 2 inference ranks, {BUCKET_MB} MiB buckets; "
+        f"\nWeight sync, 2 trainers (FSDP, but design replicated) -> 2 inference ranks, {args.bucket_mb} MiB buckets; "
         f"times from the first rank's start to the last rank's end, medians of {args.pairs} alternating rounds; "
         f"raw / sync: the median of the rounds' ratios (lowest-highest):"
     )
@@ -526,9 +559,11 @@ def main() -> None:
     print(
         f"\nOn paper: a {PAPER_PARAMETERS / 1e9:.0f}B bf16 policy over a {PAPER_LINK_BYTES_S / 1e9:.0f} GB/s link, "
         f"plus the software overhead per bucket measured here with a bf16 wire (CPU processes over gloo; a GPU's "
-        f"over NCCL is not measured; a negative overhead counts as 0):"
+        f"over NCCL is not measured; a negative overhead counts as 0). Overhead: the median over the rounds of (sync - "
+        f"raw) / buckets, lowest to highest round beside it; CPU: the same in CPU seconds of the four ranks:"
     )
-    print(table(["measured at", "design", "overhead ms per bucket", "buckets", "wire s", "7B sync s", "load"], paper))
+    headers = ["measured at", "design", "overhead ms per bucket", "CPU ms per bucket", "buckets", "wire s", "7B sync s"]
+    print(table([*headers, "load"], paper))
     print(f"\nload average after: {os.getloadavg()}")
 
 
