@@ -152,6 +152,11 @@ class _Graceful:
     enabled = False
     requested: tuple[str, int] | None = None
     requested_at: float | None = None  # time.monotonic() of the signal that asked for the stop
+    # The last iteration's boundary has been reached (past_the_last_boundary): no boundary is left to stop at, and a
+    # stop asked for from then on lets the run finish; `too_late` records which side of that moment the signal
+    # came on, so that its line and what the run does agree.
+    finishing = False
+    too_late = False
     announcement: threading.Timer | None = None  # a stop's line, due ANNOUNCE_AFTER_S after its signal
 
 
@@ -162,14 +167,24 @@ def stop_at_iteration_boundary(enabled: bool) -> None:
     _Graceful.enabled = enabled
     if enabled:
         _Graceful.requested = None
+        _Graceful.finishing = _Graceful.too_late = False
     elif _Graceful.announcement is not None:
         _Graceful.announcement.cancel()
         _Graceful.announcement = None
 
 
 def requested_stop() -> tuple[str, int] | None:
-    """(signal name, number) of a stop this process was asked for and has not acted on, or None."""
-    return _Graceful.requested
+    """(signal name, number) of a stop this process was asked for and has not acted on, or None; None also for one
+    asked for after the last iteration's boundary (the run finishes: past_the_last_boundary)."""
+    return None if _Graceful.too_late else _Graceful.requested
+
+
+def past_the_last_boundary() -> None:
+    """At the last iteration's boundary, before it reads requested_stop: a stop asked for before this still stops
+    the run there, with its checkpoint (exit 75); one asked for from now on finds no boundary left to stop at, so
+    the run finishes (exit 0), and the signal's line says that instead of promising a stop. The signal handler
+    runs whole between two bytecodes of the main thread, so each signal falls on one side of this moment."""
+    _Graceful.finishing = True
 
 
 class _Deferral:
@@ -183,6 +198,7 @@ def _on_signal(signum: int, frame) -> None:
     if _Graceful.enabled and _Graceful.requested is None:
         _Graceful.requested = request = (name, signum)
         _Graceful.requested_at = time.monotonic()
+        _Graceful.too_late = _Graceful.finishing
         if os.environ.get(FAILURE_DIR_VARIABLE):
             # Under a launcher that keeps failure records, the signal may be the launcher ending the job because a
             # rank failed (mpirun SIGTERMs every rank the moment one dies), before any survivor has written its
@@ -211,12 +227,12 @@ def _announce_stop(name: str, signum: int) -> None:
         return
     if not _Graceful.enabled or _Graceful.requested != (name, signum) or a_rank_has_failed():
         return
-    print(
-        f"spmd_rl: {name}{stop_cause()}: stopping after this iteration with a checkpoint (send it again to stop at "
-        "once)",
-        file=sys.stderr,
-        flush=True,
+    what = (
+        "the last iteration is done: the run finishes (exit 0, nothing to resume)"
+        if _Graceful.too_late
+        else "stopping after this iteration with a checkpoint"
     )
+    print(f"spmd_rl: {name}{stop_cause()}: {what} (send it again to stop at once)", file=sys.stderr, flush=True)
 
 
 class signals_held_off:
