@@ -30,7 +30,7 @@ from spmd_rl.config.loading import describe_schema, load_config
 from spmd_rl.config.sections import DistSection
 from spmd_rl.run.topology import build_topology
 from spmd_rl.runtime.errors import StopSignal, UserError
-from spmd_rl.runtime.exits import leave_exit_code, user_error, write_whole_lines
+from spmd_rl.runtime.exits import end_process, leave_exit_code, user_error, write_whole_lines
 from spmd_rl.runtime.launch import detect_launch, rank_from_env
 from spmd_rl.runtime.orphans import watch_for_orphaning
 from spmd_rl.runtime.signals import (
@@ -272,4 +272,4 @@ def _plain(value):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())
