@@ -37,6 +37,7 @@ from spmd_rl.runtime.signals import (
     SIGINT_IGNORED_NOTE,
     install_early_signal_handlers,
     install_signal_handlers,
+    outlive_terminal_hangup,
     sigint_ignored,
     stop_cause,
 )
@@ -89,6 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     # Before anything slow (torch's import takes seconds): a signal from here on is a line and a defined code.
     install_early_signal_handlers()
+    outlive_terminal_hangup()  # a line printed after the terminal hung up is dropped, not an OSError (exit 1)
     write_whole_lines(sys.stdout, sys.stderr)  # ranks share a terminal: one write per line, never two glued
     if sigint_ignored() and rank_from_env() in (None, 0):  # said once, at once: a Ctrl-C later would do nothing
         print(SIGINT_IGNORED_NOTE.format(pid=os.getpid()), flush=True)

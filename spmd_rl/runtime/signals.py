@@ -3,6 +3,8 @@ before the seconds-long imports, so a signal at any moment after launch ends in 
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import signal
 import stat
@@ -60,11 +62,53 @@ def _leave_hung_up_terminal() -> None:
         try:
             fd = stream.fileno() if stream is not None else -1
             if fd >= 0 and stat.S_ISCHR(os.fstat(fd).st_mode) and not os.isatty(fd):
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, fd)
-                os.close(devnull)
+                _point_at_devnull(fd)
         except (OSError, ValueError):  # a stream without a file descriptor (a test's capture): nothing to detach
             pass
+
+
+def _point_at_devnull(fd: int) -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+class _TerminalFile(io.FileIO):
+    """A terminal's file descriptor whose write, once the terminal hung up (EIO), points it at /dev/null and drops
+    the text: no one reads a terminal that went away, and a line printed between the hangup and the SIGHUP
+    handler (or with no SIGHUP to this rank at all: its launcher's terminal hung up) no longer ends the run with an
+    OSError, exit 1, instead of its stop and checkpoint."""
+
+    def write(self, data) -> int:
+        try:
+            return super().write(data)
+        except OSError as exc:
+            if exc.errno != errno.EIO:
+                raise
+            _point_at_devnull(self.fileno())
+            return memoryview(data).nbytes
+
+
+def outlive_terminal_hangup() -> None:
+    """sys.stdout and sys.stderr, where they are a terminal, write through _TerminalFile (the same descriptor, the
+    same encoding and buffering): output to a terminal that hung up is dropped instead of failing. Called at start,
+    before anything keeps a reference to the streams (a logging handler)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            if not isinstance(stream, io.TextIOWrapper) or not os.isatty(stream.fileno()):
+                continue
+            stream.flush()
+        except (OSError, ValueError):  # no descriptor, or the terminal is gone already: nothing to keep writing to
+            continue
+        text = io.TextIOWrapper(
+            io.BufferedWriter(_TerminalFile(stream.fileno(), "w", closefd=False)),
+            encoding=stream.encoding,
+            errors=stream.errors,
+            line_buffering=stream.line_buffering,
+            write_through=stream.write_through,
+        )
+        setattr(sys, name, text)
 
 
 def _is_repeat(first_at: float | None) -> bool:

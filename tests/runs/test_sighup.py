@@ -19,13 +19,22 @@ def _ignoring_sighup() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
-def _command(run_dir) -> list[str]:
-    return [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={run_dir}", "train.total_steps=9999999"]
+def _command(run_dir, *overrides: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "spmd_rl.main",
+        "--config",
+        TINY,
+        f"run.dir={run_dir}",
+        "train.total_steps=9999999",
+        *overrides,
+    ]
 
 
-def _start(run_dir, preexec_fn=None, output=subprocess.PIPE, new_session=False) -> subprocess.Popen:
+def _start(run_dir, preexec_fn=None, output=subprocess.PIPE, new_session=False, overrides=()) -> subprocess.Popen:
     return subprocess.Popen(
-        _command(run_dir),
+        _command(run_dir, *overrides),
         cwd=run_dir.parent,
         env=with_pythonpath(job_env(), ROOT),
         stdout=output,
@@ -89,6 +98,44 @@ def test_a_run_on_a_terminal_that_hangs_up_stops_with_its_checkpoint(tmp_path):
     assert json.loads((run_dir / "run.lock").read_text())["exit_code"] == 75
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert (run_dir / "checkpoints" / latest / "COMPLETE").is_file()
+
+
+def _records(run_dir) -> int:
+    return len((run_dir / "metrics.jsonl").read_text().splitlines())
+
+
+def test_lines_printed_after_its_terminal_went_away_do_not_end_the_run(tmp_path):
+    """A line printed after the terminal hung up and before any handler ran (SIGHUP's, or none: a launcher's
+    terminal, not the rank's own) ended the run with EIO, exit 1. Here no signal comes, so every progress line after
+    the hangup is such a line: the run trains on, and a later SIGTERM stops it with its checkpoint, exit 75."""
+    run_dir = tmp_path / "run"
+    terminal, its_end = os.openpty()
+    # not its controlling terminal: no SIGHUP from the kernel; a progress line after every iteration
+    run = _start(run_dir, output=its_end, new_session=True, overrides=("log.interval_s=0",))
+    os.close(its_end)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists():
+            assert run.poll() is None and time.monotonic() < deadline, "the run did not start"
+            if select.select([terminal], [], [], 0.1)[0]:
+                os.read(terminal, 1 << 16)
+        os.close(terminal)  # hung up: the run's writes to it fail from here on
+        terminal = -1
+        hung_up_at = _records(run_dir)
+        while _records(run_dir) < hung_up_at + 5:  # five more iterations, each with its line
+            assert run.poll() is None, f"the run ended (exit {run.returncode}) after its terminal hung up"
+            assert time.monotonic() < deadline, "the run made no progress after its terminal hung up"
+            time.sleep(0.1)
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=120)
+    finally:
+        if terminal >= 0:
+            os.close(terminal)
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 75
+    assert json.loads((run_dir / "run.lock").read_text())["exit_code"] == 75
 
 
 def test_a_stop_after_its_terminal_went_away_exits_75_and_run_lock_says_so(tmp_path):
