@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from harness.launch import ROOT, job_env, with_pythonpath
 from harness.runs import TINY
 
@@ -104,10 +105,12 @@ def _records(run_dir) -> int:
     return len((run_dir / "metrics.jsonl").read_text().splitlines())
 
 
-def test_lines_printed_after_its_terminal_went_away_do_not_end_the_run(tmp_path):
-    """A line printed after the terminal hung up and before any handler ran (SIGHUP's, or none: a launcher's
-    terminal, not the rank's own) ended the run with EIO, exit 1. Here no signal comes, so every progress line after
-    the hangup is such a line: the run trains on, and a later SIGTERM stops it with its checkpoint, exit 75."""
+@pytest.mark.parametrize("iterations_after_hangup", [0, 5])
+def test_a_run_whose_terminal_went_away_trains_on_and_stops_with_75(tmp_path, iterations_after_hangup):
+    """The rank's terminal hung up, but no SIGHUP reaches it (a launcher that got the SIGHUP passes on SIGTERM; or its
+    launcher's terminal, not its own, went away). 0: SIGTERM at once; the stop's lines cannot be written, the stop
+    still ends in its checkpoint, exit 75 and run.lock's 75. 5: every progress line after the hangup is a line
+    printed before any handler ran, which ended the run with EIO, exit 1: the run trains on, then stops as in 0."""
     run_dir = tmp_path / "run"
     terminal, its_end = os.openpty()
     # not its controlling terminal: no SIGHUP from the kernel; a progress line after every iteration
@@ -122,37 +125,10 @@ def test_lines_printed_after_its_terminal_went_away_do_not_end_the_run(tmp_path)
         os.close(terminal)  # hung up: the run's writes to it fail from here on
         terminal = -1
         hung_up_at = _records(run_dir)
-        while _records(run_dir) < hung_up_at + 5:  # five more iterations, each with its line
+        while _records(run_dir) < hung_up_at + iterations_after_hangup:
             assert run.poll() is None, f"the run ended (exit {run.returncode}) after its terminal hung up"
             assert time.monotonic() < deadline, "the run made no progress after its terminal hung up"
             time.sleep(0.1)
-        run.send_signal(signal.SIGTERM)
-        run.wait(timeout=120)
-    finally:
-        if terminal >= 0:
-            os.close(terminal)
-        if run.poll() is None:
-            run.kill()
-            run.wait()
-    assert run.returncode == 75
-    assert json.loads((run_dir / "run.lock").read_text())["exit_code"] == 75
-
-
-def test_a_stop_after_its_terminal_went_away_exits_75_and_run_lock_says_so(tmp_path):
-    """The rank's terminal hung up but the signal is SIGTERM (a launcher that got the SIGHUP passes on SIGTERM):
-    the stop's lines cannot be written, the stop still ends in its checkpoint, exit 75 and run.lock's 75."""
-    run_dir = tmp_path / "run"
-    terminal, its_end = os.openpty()
-    run = _start(run_dir, output=its_end, new_session=True)  # not its controlling terminal: no SIGHUP from the kernel
-    os.close(its_end)
-    try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "metrics.jsonl").exists():
-            assert run.poll() is None and time.monotonic() < deadline, "the run did not start"
-            if select.select([terminal], [], [], 0.1)[0]:
-                os.read(terminal, 1 << 16)
-        os.close(terminal)  # hung up: the run's writes to it fail from here on
-        terminal = -1
         run.send_signal(signal.SIGTERM)
         run.wait(timeout=120)
     finally:
