@@ -30,13 +30,14 @@ from spmd_rl.config.loading import describe_schema, load_config
 from spmd_rl.config.sections import DistSection
 from spmd_rl.run.topology import build_topology
 from spmd_rl.runtime.errors import StopSignal, UserError
-from spmd_rl.runtime.exits import leave_exit_code, user_error, write_whole_lines
+from spmd_rl.runtime.exits import end_process, leave_exit_code, user_error, write_whole_lines
 from spmd_rl.runtime.launch import detect_launch, rank_from_env
 from spmd_rl.runtime.orphans import watch_for_orphaning
 from spmd_rl.runtime.signals import (
     SIGINT_IGNORED_NOTE,
     install_early_signal_handlers,
     install_signal_handlers,
+    outlive_terminal_hangup,
     sigint_ignored,
     stop_cause,
 )
@@ -89,6 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     # Before anything slow (torch's import takes seconds): a signal from here on is a line and a defined code.
     install_early_signal_handlers()
+    outlive_terminal_hangup()  # a line printed after the terminal hung up is dropped, not an OSError (exit 1)
     write_whole_lines(sys.stdout, sys.stderr)  # ranks share a terminal: one write per line, never two glued
     if sigint_ignored() and rank_from_env() in (None, 0):  # said once, at once: a Ctrl-C later would do nothing
         print(SIGINT_IGNORED_NOTE.format(pid=os.getpid()), flush=True)
@@ -272,4 +274,4 @@ def _plain(value):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())

@@ -24,7 +24,7 @@ from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state
 from spmd_rl.persist.rank_state import ITERATION, RNG
 from spmd_rl.runtime.distributed import bounded
 from spmd_rl.runtime.errors import UserError
-from spmd_rl.runtime.signals import requested_stop, stop_cause
+from spmd_rl.runtime.signals import past_the_last_boundary, requested_stop, stop_cause
 
 
 class StoppedWithCheckpoint(Exception):
@@ -82,6 +82,8 @@ class RunControl:
         stop_here = bool(self.stop_after) and iteration + 1 == self.stop_after and not last
         due = last or stop_here or (self.every_iterations > 0 and (iteration + 1) % self.every_iterations == 0)
         timed_out = self.every_s > 0 and time.monotonic() - self.last_checkpoint >= self.every_s
+        if last:  # a signal from here on lets the run finish, and its line says so
+            past_the_last_boundary()
         stop = requested_stop()
         mean_return = self.mean_return() if self.stop_at_return is not None and self.rank == 0 else float("nan")
         reached = mean_return >= self.stop_at_return if self.stop_at_return is not None else False  # NaN: not yet

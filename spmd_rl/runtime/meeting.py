@@ -2,7 +2,10 @@
 is heard at once instead of being waited for until dist.timeout_s.
 
 Rank 0 opens the job's store before its own checks. Every other rank, once its checks passed, says it arrived;
-one whose checks failed leaves its exit code and its line instead (`tell_rank_0`). Rank 0, its own checks passed,
+one whose checks failed leaves its exit code and its line instead (`tell_rank_0`). Each says it under the next number
+of a counter, so that rank 0 hears the reports in the order they came by waiting for one key after another; every
+wait is one blocking wait of the store's client, none polls (a rank waiting 20 s at the meeting used 0.12-0.13 CPU
+seconds polling every 20 ms, 0.001 now: benchmarks/README.md, "Meeting before start"). Rank 0, its own checks passed,
 waits in `meet` until every rank arrived (then the process group forms, as before) or one failed: rank 0 prints that
 rank's line (unless the rank printed it itself: it was the first rank of its host, or user code called sys.exit),
 marks the start abandoned, and ends with that rank's code; the ranks waiting for the group see the mark and end
@@ -33,10 +36,14 @@ from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.signals import signals_held_off
 from spmd_rl.runtime.user_exits import say_user_exit
 
-ARRIVED = "spmd_rl/meeting/arrived/rank{}"
-FAILED = "spmd_rl/meeting/failed/rank{}"
+# Each rank's report, arrived or failed, under the next number of COUNT: rank 0 waits for report 1, 2, ... in turn,
+# so it hears the reports in the order they came, each by one blocking wait (no polling).
+COUNT = "spmd_rl/meeting/reports"
+REPORT = "spmd_rl/meeting/report{}"
 OUTCOME = "spmd_rl/meeting/outcome"  # "go", or "abandoned <exit code>"
-POLL_S = 0.02
+# A wait's thread outlives its bound by this much: a rank that gave up on it has ended by then, before the store
+# client's own timeout (which writes a warning to stderr) could come.
+WAIT_MARGIN_S = 120.0
 
 
 class StartAbandoned(Exception):
@@ -51,9 +58,10 @@ class StartAbandoned(Exception):
 def meet(store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
     """Before init_process_group, on every rank of a distributed run: returns once every rank arrived; raises
     StartAbandoned when one failed before it (rank 0 prints its line first), CommError when dist.timeout_s passed."""
+    deadline = time.monotonic() + timeout.total_seconds()
     if rank != 0:
-        store.set(ARRIVED.format(rank), "1")
-        outcome = _wait_for_outcome(store, timeout.total_seconds())
+        _report(store, {"rank": rank})
+        outcome = _wait_for(store, OUTCOME, deadline)
         if outcome is None:
             raise CommError(
                 f"rank {rank}: rank 0 did not open the process group within dist.timeout_s="
@@ -64,24 +72,36 @@ def meet(store, rank: int, world_size: int, timeout: datetime.timedelta) -> None
         if outcome.startswith("abandoned"):
             raise StartAbandoned(int(outcome.split()[1]))
         return
-    deadline = time.monotonic() + timeout.total_seconds()
     missing = set(range(1, world_size))
-    while missing:
-        for other in sorted(missing):
-            if store.check([FAILED.format(other)]):
-                _abandon(store, json.loads(store.get(FAILED.format(other)).decode()))
-            if store.check([ARRIVED.format(other)]):
-                missing.discard(other)
-        if missing and time.monotonic() > deadline:
+    for number in range(1, world_size):
+        report = _wait_for(store, REPORT.format(number), deadline)
+        if report is None:
+            # a rank may have taken its number and not written its report yet: name only those not heard of
+            heard = [_read_report(store, later) for later in range(number, world_size)]
+            missing -= {int(record["rank"]) for record in heard if record is not None}
             raise CommError(
                 f"rank 0: ranks {sorted(missing)} did not join within dist.timeout_s={timeout.total_seconds():g} "
                 f"(still starting, stopped, hung or killed before they could say why)",
                 peers=tuple(sorted(missing)),
                 timed_out=True,
             )
-        if missing:
-            time.sleep(POLL_S)
+        record = json.loads(report)
+        if "exit_code" in record:
+            _abandon(store, record)
+        missing.discard(int(record["rank"]))
     store.set(OUTCOME, "go")
+
+
+def _report(store, record: dict) -> None:
+    """This rank's report (arrived: {"rank": r}; failed: with its exit code, line and whether it spoke) under the
+    next number."""
+    number = store.add(COUNT, 1)
+    store.set(REPORT.format(number), json.dumps(record))
+
+
+def _read_report(store, number: int) -> dict | None:
+    key = REPORT.format(number)
+    return json.loads(store.get(key)) if store.check([key]) else None
 
 
 def _abandon(store, record: dict) -> None:
@@ -92,13 +112,30 @@ def _abandon(store, record: dict) -> None:
     raise StartAbandoned(exit_code)
 
 
-def _wait_for_outcome(store, bound_s: float) -> str | None:
-    deadline = time.monotonic() + bound_s
-    while not store.check([OUTCOME]):
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(POLL_S)
-    return store.get(OUTCOME).decode()
+def _wait_for(store, key: str, deadline: float) -> str | None:
+    """key's value once another rank sets it, or None when time.monotonic() passes deadline first.
+
+    One blocking wait of the store's client, in a thread of its own with the stop signals blocked: this thread waits
+    for that one in Python, so a signal's handler runs here at once (a StopSignal leaves the wait), where a C++ wait
+    would hold it back until it returned, and the client's retries are not cut short. The store client's own
+    timeout is later than the deadline (WAIT_MARGIN_S): its warning on stderr never comes before the rank's line."""
+    outcome: dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            bound = datetime.timedelta(seconds=max(0.0, deadline - time.monotonic()) + WAIT_MARGIN_S)
+            store.wait([key], bound)
+            outcome["value"] = store.get(key).decode()
+        except Exception as exc:  # noqa: BLE001 - raised in the waiting thread below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=wait, name="spmd_rl-meeting-wait", daemon=True)
+    with signals_held_off():  # inherited by the thread
+        thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
 
 
 def _tell(connect: Callable[[], Any], rank: int, exit_code: int, line: str, spoke: bool, bound_s: float) -> bool:
@@ -110,10 +147,9 @@ def _tell(connect: Callable[[], Any], rank: int, exit_code: int, line: str, spok
 
     def tell() -> None:
         store = connect()
-        record = {"exit_code": exit_code, "line": line, "spoke": spoke}
-        store.set(FAILED.format(rank), json.dumps(record))
-        if _wait_for_outcome(store, bound_s) is not None:
-            heard.set()
+        _report(store, {"rank": rank, "exit_code": exit_code, "line": line, "spoke": spoke})
+        store.wait([OUTCOME], datetime.timedelta(seconds=bound_s + WAIT_MARGIN_S))  # bounded by the join below
+        heard.set()
 
     def quietly() -> None:
         try:

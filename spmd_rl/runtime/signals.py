@@ -3,6 +3,8 @@ before the seconds-long imports, so a signal at any moment after launch ends in 
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import signal
 import stat
@@ -60,11 +62,53 @@ def _leave_hung_up_terminal() -> None:
         try:
             fd = stream.fileno() if stream is not None else -1
             if fd >= 0 and stat.S_ISCHR(os.fstat(fd).st_mode) and not os.isatty(fd):
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, fd)
-                os.close(devnull)
+                _point_at_devnull(fd)
         except (OSError, ValueError):  # a stream without a file descriptor (a test's capture): nothing to detach
             pass
+
+
+def _point_at_devnull(fd: int) -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+class _TerminalFile(io.FileIO):
+    """A terminal's file descriptor whose write, once the terminal hung up (EIO), points it at /dev/null and drops
+    the text: no one reads a terminal that went away, and a line printed between the hangup and the SIGHUP
+    handler (or with no SIGHUP to this rank at all: its launcher's terminal hung up) no longer ends the run with an
+    OSError, exit 1, instead of its stop and checkpoint."""
+
+    def write(self, data) -> int:
+        try:
+            return super().write(data)
+        except OSError as exc:
+            if exc.errno != errno.EIO:
+                raise
+            _point_at_devnull(self.fileno())
+            return memoryview(data).nbytes
+
+
+def outlive_terminal_hangup() -> None:
+    """sys.stdout and sys.stderr, where they are a terminal, write through _TerminalFile (the same descriptor, the
+    same encoding and buffering): output to a terminal that hung up is dropped instead of failing. Called at start,
+    before anything keeps a reference to the streams (a logging handler)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            if not isinstance(stream, io.TextIOWrapper) or not os.isatty(stream.fileno()):
+                continue
+            stream.flush()
+        except (OSError, ValueError):  # no descriptor, or the terminal is gone already: nothing to keep writing to
+            continue
+        text = io.TextIOWrapper(
+            io.BufferedWriter(_TerminalFile(stream.fileno(), "w", closefd=False)),
+            encoding=stream.encoding,
+            errors=stream.errors,
+            line_buffering=stream.line_buffering,
+            write_through=stream.write_through,
+        )
+        setattr(sys, name, text)
 
 
 def _is_repeat(first_at: float | None) -> bool:
@@ -152,6 +196,11 @@ class _Graceful:
     enabled = False
     requested: tuple[str, int] | None = None
     requested_at: float | None = None  # time.monotonic() of the signal that asked for the stop
+    # The last iteration's boundary has been reached (past_the_last_boundary): no boundary is left to stop at, and a
+    # stop asked for from then on lets the run finish; `too_late` records which side of that moment the signal
+    # came on, so that its line and what the run does agree.
+    finishing = False
+    too_late = False
     announcement: threading.Timer | None = None  # a stop's line, due ANNOUNCE_AFTER_S after its signal
 
 
@@ -162,14 +211,24 @@ def stop_at_iteration_boundary(enabled: bool) -> None:
     _Graceful.enabled = enabled
     if enabled:
         _Graceful.requested = None
+        _Graceful.finishing = _Graceful.too_late = False
     elif _Graceful.announcement is not None:
         _Graceful.announcement.cancel()
         _Graceful.announcement = None
 
 
 def requested_stop() -> tuple[str, int] | None:
-    """(signal name, number) of a stop this process was asked for and has not acted on, or None."""
-    return _Graceful.requested
+    """(signal name, number) of a stop this process was asked for and has not acted on, or None; None also for one
+    asked for after the last iteration's boundary (the run finishes: past_the_last_boundary)."""
+    return None if _Graceful.too_late else _Graceful.requested
+
+
+def past_the_last_boundary() -> None:
+    """At the last iteration's boundary, before it reads requested_stop: a stop asked for before this still stops
+    the run there, with its checkpoint (exit 75); one asked for from now on finds no boundary left to stop at, so
+    the run finishes (exit 0), and the signal's line says that instead of promising a stop. The signal handler
+    runs whole between two bytecodes of the main thread, so each signal falls on one side of this moment."""
+    _Graceful.finishing = True
 
 
 class _Deferral:
@@ -183,6 +242,7 @@ def _on_signal(signum: int, frame) -> None:
     if _Graceful.enabled and _Graceful.requested is None:
         _Graceful.requested = request = (name, signum)
         _Graceful.requested_at = time.monotonic()
+        _Graceful.too_late = _Graceful.finishing
         if os.environ.get(FAILURE_DIR_VARIABLE):
             # Under a launcher that keeps failure records, the signal may be the launcher ending the job because a
             # rank failed (mpirun SIGTERMs every rank the moment one dies), before any survivor has written its
@@ -211,12 +271,12 @@ def _announce_stop(name: str, signum: int) -> None:
         return
     if not _Graceful.enabled or _Graceful.requested != (name, signum) or a_rank_has_failed():
         return
-    print(
-        f"spmd_rl: {name}{stop_cause()}: stopping after this iteration with a checkpoint (send it again to stop at "
-        "once)",
-        file=sys.stderr,
-        flush=True,
+    what = (
+        "the last iteration is done: the run finishes (exit 0, nothing to resume)"
+        if _Graceful.too_late
+        else "stopping after this iteration with a checkpoint"
     )
+    print(f"spmd_rl: {name}{stop_cause()}: {what} (send it again to stop at once)", file=sys.stderr, flush=True)
 
 
 class signals_held_off:

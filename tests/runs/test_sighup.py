@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from harness.launch import ROOT, job_env, with_pythonpath
 from harness.runs import TINY
 
@@ -19,13 +20,22 @@ def _ignoring_sighup() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
-def _command(run_dir) -> list[str]:
-    return [sys.executable, "-m", "spmd_rl.main", "--config", TINY, f"run.dir={run_dir}", "train.total_steps=9999999"]
+def _command(run_dir, *overrides: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "spmd_rl.main",
+        "--config",
+        TINY,
+        f"run.dir={run_dir}",
+        "train.total_steps=9999999",
+        *overrides,
+    ]
 
 
-def _start(run_dir, preexec_fn=None, output=subprocess.PIPE, new_session=False) -> subprocess.Popen:
+def _start(run_dir, preexec_fn=None, output=subprocess.PIPE, new_session=False, overrides=()) -> subprocess.Popen:
     return subprocess.Popen(
-        _command(run_dir),
+        _command(run_dir, *overrides),
         cwd=run_dir.parent,
         env=with_pythonpath(job_env(), ROOT),
         stdout=output,
@@ -91,12 +101,20 @@ def test_a_run_on_a_terminal_that_hangs_up_stops_with_its_checkpoint(tmp_path):
     assert (run_dir / "checkpoints" / latest / "COMPLETE").is_file()
 
 
-def test_a_stop_after_its_terminal_went_away_exits_75_and_run_lock_says_so(tmp_path):
-    """The rank's terminal hung up but the signal is SIGTERM (a launcher that got the SIGHUP passes on SIGTERM):
-    the stop's lines cannot be written, the stop still ends in its checkpoint, exit 75 and run.lock's 75."""
+def _records(run_dir) -> int:
+    return len((run_dir / "metrics.jsonl").read_text().splitlines())
+
+
+@pytest.mark.parametrize("iterations_after_hangup", [0, 5])
+def test_a_run_whose_terminal_went_away_trains_on_and_stops_with_75(tmp_path, iterations_after_hangup):
+    """The rank's terminal hung up, but no SIGHUP reaches it (a launcher that got the SIGHUP passes on SIGTERM; or its
+    launcher's terminal, not its own, went away). 0: SIGTERM at once; the stop's lines cannot be written, the stop
+    still ends in its checkpoint, exit 75 and run.lock's 75. 5: every progress line after the hangup is a line
+    printed before any handler ran, which ended the run with EIO, exit 1: the run trains on, then stops as in 0."""
     run_dir = tmp_path / "run"
     terminal, its_end = os.openpty()
-    run = _start(run_dir, output=its_end, new_session=True)  # not its controlling terminal: no SIGHUP from the kernel
+    # not its controlling terminal: no SIGHUP from the kernel; a progress line after every iteration
+    run = _start(run_dir, output=its_end, new_session=True, overrides=("log.interval_s=0",))
     os.close(its_end)
     try:
         deadline = time.monotonic() + 120
@@ -106,6 +124,11 @@ def test_a_stop_after_its_terminal_went_away_exits_75_and_run_lock_says_so(tmp_p
                 os.read(terminal, 1 << 16)
         os.close(terminal)  # hung up: the run's writes to it fail from here on
         terminal = -1
+        hung_up_at = _records(run_dir)
+        while _records(run_dir) < hung_up_at + iterations_after_hangup:
+            assert run.poll() is None, f"the run ended (exit {run.returncode}) after its terminal hung up"
+            assert time.monotonic() < deadline, "the run made no progress after its terminal hung up"
+            time.sleep(0.1)
         run.send_signal(signal.SIGTERM)
         run.wait(timeout=120)
     finally:
