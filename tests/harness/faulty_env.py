@@ -3,8 +3,9 @@
     env.id=tests.harness.faulty_env:Faulty-v0  env.kwargs={fault: raise, rank: 1, after: 40}
 
 Faulty-v0 is CartPole, except that in the process whose launcher rank (RANK) is `rank`, after `after` steps of
-one env, step() raises (fault: raise), returns a NaN observation (fault: nan_obs) or reward (fault: nan_reward), or
-kills its own process with SIGKILL (fault: kill; an async env worker dying as the out-of-memory killer ends it).
+one env, step() raises (fault: raise), returns a NaN observation (fault: nan_obs) or reward (fault: nan_reward), kills
+its own process with SIGKILL (fault: kill; an async env worker dying as the out-of-memory killer ends it) or calls
+os._exit(7) (fault: os_exit).
 rank -1 arms it where RANK is unset: one process and its env worker processes.
 Every other rank, and the probe that main runs before any process group exists, sees plain CartPole.
 
@@ -44,6 +45,8 @@ class FaultyCartPole(CartPoleEnv):
         if self.armed and self.steps_taken > self.after:
             if self.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.fault == "os_exit":
+                os._exit(7)
             if self.fault == "raise":
                 raise ValueError(f"Faulty-v0: deliberate failure after {self.after} steps")
             if self.fault == "nan_obs":

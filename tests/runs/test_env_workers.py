@@ -9,19 +9,21 @@ import subprocess
 import sys
 import time
 
+import pytest
 from harness.launch import ROOT, job_env, with_pythonpath
 from harness.runs import TINY, run_main
 
 
-def test_an_env_worker_killed_mid_step_ends_the_run_with_one_line_naming_it(tmp_path):
+@pytest.mark.parametrize(("fault", "end"), [("kill", "(killed by SIGKILL)"), ("os_exit", "(exit code 7)")])
+def test_an_env_worker_that_ends_mid_step_ends_the_run_with_one_line_naming_it(tmp_path, fault, end):
     result = run_main(
         "--config", TINY, f"run.dir={tmp_path / 'run'}", "env.id=tests.harness.faulty_env:Faulty-v0",
-        "env.kwargs={fault: kill, rank: -1, after: 20}", "env.vectorization=async", "train.total_steps=9999999",
+        f"env.kwargs={{fault: {fault}, rank: -1, after: 20}}", "env.vectorization=async", "train.total_steps=9999999",
         timeout=180,
     )  # fmt: skip
     assert result.returncode == 4, result.stderr[-3000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("spmd_rl: rank 0")]
-    assert len(lines) == 1 and "(killed by SIGKILL) during step 21" in lines[0], result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("spmd_rl: rank 0")]  # not the workers'
+    assert len(lines) == 1 and f"{end} during step 21" in lines[0], result.stderr[-3000:]
     assert "env worker process" in lines[0] and "EOFError" not in lines[0]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
