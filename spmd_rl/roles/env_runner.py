@@ -17,6 +17,7 @@ import torch
 from spmd_rl.envs import spaces
 from spmd_rl.envs.backend import EnvBackend, check_group_starts, group_seeds, old_gym_api_hint
 from spmd_rl.envs.chunks import CHUNK_REWARDS, executed_steps
+from spmd_rl.envs.env_workers import close_envs, worker_death
 from spmd_rl.envs.gymnasium_state import as_arrays, as_tensors
 from spmd_rl.envs.success import EpisodeSuccess
 from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, EPISODE_START, RECURRENT_STATE, SUCCESS_FIELDS
@@ -173,11 +174,10 @@ class EnvRunner:
                     (obs, reward, terminated, truncated, info), step_s = self.step_thread.wait()
         except UserError:  # the framework's own verdict on what the env gave (a text longer than its tokens)
             raise
-        except Exception as exc:  # the env's own error: its type, message and file:line, not the vector env's stack
-            raise UserCodeError(
-                f"{self.describe}: env '{self.env_id}' raised at step {self.steps_taken + 1}: {describe_exception(exc)}"
-                f"{old_gym_api_hint(exc)}"
-            ) from exc
+        except Exception as exc:  # the env's own error (type, message, file:line) or its worker's death, not a stack
+            step = self.steps_taken + 1
+            what = worker_death(self.envs, exc, step) or f"raised at step {step}: {describe_exception(exc)}"
+            raise UserCodeError(f"{self.describe}: env '{self.env_id}' {what}{old_gym_api_hint(exc)}") from exc
         # On a step thread the step's own time counts: this thread acted for another stage during most of it.
         self.env_s += time.perf_counter() - clock if self.step_thread is None else step_s
         self._action = None
@@ -364,7 +364,7 @@ class EnvRunner:
         if self.step_thread is not None:
             with self.watched_step:  # a step still in flight (the run is ending on an error) finishes first
                 self.step_thread.stop()
-        self.envs.close()
+        close_envs(self.envs, abandoned=self._action is not None)  # a step begun, never finished: ending on its error
 
 
 def draw_episode_seed(num_envs: int) -> int:

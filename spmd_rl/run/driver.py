@@ -412,6 +412,14 @@ def run_engine(cfg: Config, launch: LaunchInfo, runtime: Runtime, checked: Check
             f"run directory {run_dir}{f' ({resume.note})' if resume.note else ''}{start}",
             flush=True,
         )
+    stop_after = cfg.run.stop_after_iterations
+    if runtime.rank == 0 and resume.checkpoint and 0 < stop_after <= resume.start_iteration:  # a count, from 0
+        print(
+            f"spmd_rl: note: run.stop_after_iterations={stop_after} is behind this resume (next: iteration "
+            f"{resume.start_iteration}): it does not stop this run, which goes on to its end; set it to "
+            f"{resume.start_iteration + 1} or more to stop it again",
+            flush=True,
+        )
     groups = create_process_groups(topology, runtime.group_timeout, plan.parallel)
     control = RunControl(
         cfg, plan.num_iterations, runtime.rank, runtime.world_size, runtime.distributed, run_dir, runtime.timeout

@@ -324,6 +324,14 @@ def _torch_load(file: Path):
             f"{file} is damaged (its contents differ from the checksum saved with them): use another copy, or give "
             f"<run dir>/checkpoints/latest of the run it came from in its place (its newest checkpoint's policy)"
         )
+    from spmd_rl.storage.h5file import HDF5_SIGNATURE  # h5py, imported only here
+
+    with open(file, "rb") as head:  # torch would call it pickled objects
+        if head.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
+            raise UserError(
+                f"{file} is an HDF5 file (demonstrations or experience, as spmd_rl.collect and log.experience write "
+                f"them), not weights: give a run directory, a checkpoint directory or a {POLICY_FILE}"
+            )
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for damaged or foreign files; each means the same here

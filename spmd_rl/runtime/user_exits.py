@@ -37,16 +37,21 @@ def describe_system_exit(exc: SystemExit) -> str:
     )[:600]
 
 
+_guarded_pid = 0  # the rank's: a process forked from it (an async env worker) exits as it asks
+
+
 def guard_os_exit() -> None:
     """Route os._exit through _guarded_os_exit for the rest of this process (the command line's run only: the
     Python API leaves the interpreter as it finds it)."""
+    global _guarded_pid
+    _guarded_pid = os.getpid()
     os._exit = _guarded_os_exit
 
 
 def _guarded_os_exit(status: int = 0) -> NoReturn:
     caller = traceback.extract_stack(sys._getframe(1), limit=1)
     where = innermost_user_frame(caller)
-    if not where:
+    if not where or os.getpid() != _guarded_pid:  # a forked env worker printed the rank's line: its rank names its end
         _real_os_exit(status)
     print(
         f"spmd_rl: {watchdog.who}: error in user code: os._exit({status!r}) was called (at {where}); a run ends by "

@@ -3,7 +3,10 @@
     env.id=tests.harness.faulty_env:Faulty-v0  env.kwargs={fault: raise, rank: 1, after: 40}
 
 Faulty-v0 is CartPole, except that in the process whose launcher rank (RANK) is `rank`, after `after` steps of
-one env, step() raises (fault: raise) or returns a NaN observation (fault: nan_obs) or reward (fault: nan_reward).
+one env, step() raises (fault: raise), returns a NaN observation (fault: nan_obs) or reward (fault: nan_reward), kills
+its own process with SIGKILL (fault: kill; an async env worker dying as the out-of-memory killer ends it) or calls
+os._exit(7) (fault: os_exit).
+rank -1 arms it where RANK is unset: one process and its env worker processes.
 Every other rank, and the probe that main runs before any process group exists, sees plain CartPole.
 
     algo.class=tests.harness.faulty_env:PoisonedPPO  algo.poison_iteration=2
@@ -16,6 +19,7 @@ does to a run.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 
 import gymnasium as gym
@@ -39,6 +43,10 @@ class FaultyCartPole(CartPoleEnv):
         self.steps_taken += 1
         obs, reward, terminated, truncated, info = super().step(action)
         if self.armed and self.steps_taken > self.after:
+            if self.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.fault == "os_exit":
+                os._exit(7)
             if self.fault == "raise":
                 raise ValueError(f"Faulty-v0: deliberate failure after {self.after} steps")
             if self.fault == "nan_obs":

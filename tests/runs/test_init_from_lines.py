@@ -2,6 +2,8 @@
 prefix), and weights that do not fit are one error line for the job, from rank 0, not one per rank that builds
 the policy."""
 
+import h5py
+import numpy as np
 import pytest
 from harness.runs import TINY, run_main
 
@@ -53,3 +55,14 @@ def test_a_damaged_policy_file_gets_advice_for_run_init_from(trained, tmp_path):
     assert len(lines) == 1 and f"{damaged} is damaged" in lines[0], result.stderr
     assert "spmd_rl.evaluate" not in lines[0], lines[0]  # that command evaluates; it starts no run from weights
     assert "<run dir>/checkpoints/latest" in lines[0], lines[0]
+
+
+def test_an_hdf5_file_given_as_weights_is_named_as_such(tmp_path):
+    demos = tmp_path / "demos.h5"
+    with h5py.File(demos, "w") as file:  # what spmd_rl.collect and log.experience write
+        file.create_dataset("data/obs", data=np.zeros((4, 4), dtype=np.float32))
+    result = run_main("--config", TINY, f"run.dir={tmp_path / 'from_h5'}", f"run.init_from={demos}")
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("spmd_rl:")]
+    assert len(lines) == 1 and f"{demos} is an HDF5 file" in lines[0], result.stderr
+    assert "pickled" not in lines[0], lines[0]

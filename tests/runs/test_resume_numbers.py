@@ -32,8 +32,12 @@ def test_stop_and_resume_agree_on_iterations_and_the_resumed_speed_is_its_own(tm
         "rerun the same command to resume" in stopped.stderr
     ), stopped.stderr
 
-    resumed = run_main(*args)
+    resumed = run_main(*args, "run.stop_after_iterations=3")  # the same command again: its stop is behind it
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (
+        "spmd_rl: note: run.stop_after_iterations=3 is behind this resume (next: iteration 3): it does not stop this "
+        "run, which goes on to its end; set it to 4 or more to stop it again\n" in resumed.stdout
+    ), resumed.stdout
     assert f"resuming from {checkpoint} after iteration 2 (next: iteration 3 of 0..7)" in resumed.stdout
     assert console_iterations(resumed.stdout) == [3, 4, 5, 6, 7]
     records = read_metrics(run_dir)

@@ -21,6 +21,7 @@ from spmd_rl.config.plugins import MODULE_NAME, import_failure, import_path_for_
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.backend import EnvBackend, EnvSpec, differing_space, finish_vector_env
 from spmd_rl.envs.chunks import ActionChunks, chunked_spec
+from spmd_rl.envs.env_workers import leave_stops_to_the_rank, quiet_worker_reports
 from spmd_rl.envs.factory import register_factory
 from spmd_rl.envs.metaworld_envs import WORKER_START_METHOD as METAWORLD_START_METHOD
 from spmd_rl.envs.metaworld_envs import is_metaworld_id
@@ -143,6 +144,9 @@ class GymnasiumBackend(EnvBackend):
             wrappers = [*(wrappers or ()), chunks]
         # The platform's default start method (None) is passed as gymnasium's own default: nothing changes there.
         context = start_method(cfg) if mode == "async" else None
+        if mode == "async":  # the first wrapper a worker runs: from then on stops are its rank's
+            quiet_worker_reports()
+            wrappers = [functools.partial(leave_stops_to_the_rank, rank_pid=os.getpid()), *(wrappers or ())]
         try:
             if cfg.groups:
                 envs = _make_group_vector_env(cfg, mode, wrappers, context)
