@@ -61,12 +61,14 @@ def test_spawned_workers_play_the_episodes_of_sync_vectorization():
 
 
 def test_forked_metaworld_workers_hang_and_the_line_says_what_to_set(tmp_path):
+    # The bound covers the checks before start too: making one MetaWorld env to read its spaces took over 20 s once
+    # at CI's load, before the forked workers could hang
     result = run_main(
-        *SHORT_RUN, "env.vectorization=async", "env.start_method=fork", "dist.timeout_s=20", f"run.dir={tmp_path}"
+        *SHORT_RUN, "env.vectorization=async", "env.start_method=fork", "dist.timeout_s=45", f"run.dir={tmp_path}"
     )
     assert result.returncode == 4, result.stderr[-3000:]
     assert (
         "making and resetting env.id metaworld/reach-v3 (in 2 env worker processes started by fork; if they never "
         "answer, as forks of a process holding a GL context do not, set env.start_method=spawn or "
-        "env.vectorization=sync) did not return within 20 s"
+        "env.vectorization=sync) did not return within 45 s"
     ) in result.stderr
