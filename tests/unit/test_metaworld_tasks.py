@@ -1,6 +1,6 @@
 """MetaWorld's tasks as env ids, without rendering (tests/runs/test_metaworld.py renders): every task has an
 instruction, an unknown task is one line naming the nearest ones, a demonstration row's layout, and the recipe's
-configs (collect, SFT, GRPO, PPO per task) load and agree on what the policy sees."""
+configs (collect, SFT, GRPO, PPO per task, and SFT from one demonstration) load and agree on what the policy sees."""
 
 from __future__ import annotations
 
@@ -96,3 +96,17 @@ def test_a_task_recipe_collects_sfts_and_rls_on_one_env_and_policy(task):
     assert configs["sft"].algo.demos == f"demos/{task}.h5"
     assert configs["grpo"].env.group_size > 1 and configs["grpo"].algo.outcome in ("auto", "success")
     assert configs["grpo"].train.total_steps == configs["ppo"].train.total_steps == 500_000
+
+
+ONE_DEMO_TASKS = ("reach", "push")  # the tasks with a one-demonstration SFT config (<task>_sft_one_demo.yaml)
+
+
+@pytest.mark.parametrize("task", ONE_DEMO_TASKS)
+def test_a_one_demo_sft_sees_what_the_task_recipe_sees(task):
+    one_demo = load_config(ROOT / "configs" / "metaworld" / f"{task}_sft_one_demo.yaml")
+    sft = load_config(ROOT / "configs" / "metaworld" / f"{task}_sft.yaml")
+    # Its demonstration comes from <task>_collect.yaml and GRPO starts from its weights: the SFT's env and policy.
+    assert one_demo.classes["algo"] == "bc" and one_demo.algo.demos == f"demos/{task}_one_demo.h5"
+    assert one_demo.env == sft.env and one_demo.policy == sft.policy
+    # Success over the 50 task configurations, measured after the last iteration too.
+    assert one_demo.eval.episodes >= 50 and one_demo.algo.iterations % one_demo.eval.every == 0
