@@ -34,7 +34,7 @@ class RankServer:
     _instance: RankServer | None = None
 
     def __init__(self):
-        env = self.environment()
+        self.environment = env = self.environment_now()
         self.process = subprocess.Popen(
             [PYTHON, str(Path(__file__).with_name("rank_server.py"))],
             cwd=ROOT,
@@ -49,7 +49,7 @@ class RankServer:
         threading.Thread(target=self._read_replies, daemon=True).start()
 
     @staticmethod
-    def environment() -> dict[str, str]:
+    def environment_now() -> dict[str, str]:
         """The server's: this process's, unbuffered (as job_env()), on one OpenMP thread (torchrun's setting for its
         workers; the server must start no OpenMP threads before it forks: a child sets its own number)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -77,7 +77,7 @@ class RankServer:
         self, argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path, group: int, module: str
     ) -> int:
         request = dict(argv=argv, env=env, cwd=str(cwd), stdout=str(stdout), stderr=str(stderr), group=group)
-        request.update(module=module, threads=fresh_torch_threads(env))
+        request.update(module=module, threads=fresh_thread_counts(env))
         with self.lock:
             with self.changed:
                 count = len(self.started)
@@ -96,10 +96,15 @@ class RankServer:
             )
 
 
-# What an interpreter reads from the environment only as it starts (sys.flags, the stdio encoding, hash seed, ...):
-# a fork has the server's. PYTHONPATH and PYTHONWARNINGS are applied in the child (rank_server.py).
-_SET_AT_START = ("PYTHON", "LANG", "LC_")
-_APPLIED_IN_CHILD = ("PYTHONPATH", "PYTHONWARNINGS")
+# What sizes the thread pools as a library loads (thread_pools.py): a child sets the counts of a fresh interpreter.
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS")
+
+
+# What an interpreter reads from the environment only as it starts (sys.flags, the stdio encoding, hash seed) or as
+# torch and the thread runtimes load (TORCH_*, OpenMP's, MKL's): a fork has the server's. PYTHONPATH, PYTHONWARNINGS
+# and the thread counts are applied in the child (rank_server.py).
+_SET_AT_START = ("PYTHON", "LANG", "LC_", "TORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_")
+_APPLIED_IN_CHILD = ("PYTHONPATH", "PYTHONWARNINGS", *_THREAD_VARIABLES)
 
 
 def _read_at_start(env: dict[str, str]) -> dict[str, str]:
@@ -107,25 +112,22 @@ def _read_at_start(env: dict[str, str]) -> dict[str, str]:
 
 
 @functools.cache
-def _threads_of_fresh_torch(omp_num_threads: str | None, mkl_num_threads: str | None) -> int:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    for name, value in (("OMP_NUM_THREADS", omp_num_threads), ("MKL_NUM_THREADS", mkl_num_threads)):
-        if value is not None:
-            env[name] = value
-    line = [PYTHON, "-c", "import torch; print(torch.get_num_threads())"]
-    return int(subprocess.run(line, env=env, capture_output=True, text=True, check=True, timeout=120).stdout)
+def _fresh_thread_counts(variables: tuple[tuple[str, str], ...]) -> dict[str, int | None]:
+    env = {k: v for k, v in os.environ.items() if k not in _THREAD_VARIABLES} | dict(variables)
+    line = [PYTHON, str(Path(__file__).with_name("thread_pools.py"))]
+    return json.loads(subprocess.run(line, env=env, capture_output=True, text=True, check=True, timeout=120).stdout)
 
 
-def fresh_torch_threads(env: dict[str, str]) -> int:
-    """torch's intra-op threads in a fresh interpreter under env (its OpenMP and MKL variables decide, by rules of
-    their own: asked of a fresh interpreter, once per pair of values)."""
-    return _threads_of_fresh_torch(env.get("OMP_NUM_THREADS"), env.get("MKL_NUM_THREADS"))
+def fresh_thread_counts(env: dict[str, str]) -> dict[str, int | None]:
+    """torch's intra-op threads and numpy's OpenBLAS threads in a fresh interpreter under env (their variables
+    decide, by rules of their own: asked of a fresh interpreter, once per set of values)."""
+    return _fresh_thread_counts(tuple((k, env[k]) for k in _THREAD_VARIABLES if k in env))
 
 
 def forks_like_a_fresh_interpreter(env: dict[str, str]) -> bool:
     """Whether a process forked from the server under env starts as a fresh `python -m` would: what an interpreter
-    reads only as it starts is the server's (RankServer's environment)."""
-    return _read_at_start(env) == _read_at_start(RankServer.environment())
+    reads only as it starts is the server's (the environment it started with)."""
+    return _read_at_start(env) == _read_at_start(RankServer.get().environment)
 
 
 class ForkedJob:

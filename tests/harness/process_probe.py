@@ -17,6 +17,7 @@ import warnings
 import numpy
 import torch
 
+from tests.harness.thread_pools import thread_counts
 from tests.harness.warm_imports import warm_up
 
 
@@ -29,7 +30,7 @@ def _state() -> dict:
         "cwd": os.getcwd(),
         "env": dict(os.environ),
         "path": sys.path,
-        "threads": torch.get_num_threads(),
+        "threads": thread_counts(),
         "interop_threads": torch.get_num_interop_threads(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "default_dtype": str(torch.get_default_dtype()),

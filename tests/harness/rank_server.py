@@ -8,13 +8,14 @@ its working directory, environment, sys.path, output files and stdin (/dev/null)
 run as __main__ (runpy), as `python -m` runs it, and the interpreter's own exit (threads joined, atexit, flushed
 files).
 
-What the server set up that a fresh interpreter would have differently is set again in the child: torch's
-intra-op threads (the request's, which forked.py reads from a fresh interpreter in the request's environment: the
-server runs on one), torch's and numpy's global random state (reseeded from the OS, as a fresh interpreter seeds
-them; Python's random module reseeds itself after a fork), the warning filters (from the request's
-PYTHONWARNINGS, the imports' own in front, the registries of warnings already shown cleared), the variables the
-imports put in the environment, and sys.path (made absolute, without repeats, as site.py leaves it).
-tests/runs/test_forked_process.py compares a child with a fresh interpreter.
+What the server set up that a fresh interpreter would have differently is set again in the child: the sizes of
+torch's intra-op pool and numpy's OpenBLAS pool (the request's, which forked.py reads from a fresh interpreter in
+the request's environment: the server runs on one thread, thread_pools.py), torch's and numpy's global random
+state (reseeded from the OS, as a fresh interpreter seeds them; Python's random module reseeds itself after a
+fork), the warning filters (from the request's PYTHONWARNINGS, the imports' own in front, the registries of
+warnings already shown cleared), the variables the imports put in the environment, and sys.path (made absolute,
+without repeats, as site.py leaves it). tests/runs/test_forked_process.py compares a child with a fresh
+interpreter.
 
 Protocol (fd 0 in, fd 1 out, one JSON object per line): a request {"argv", "env", "cwd", "stdout", "stderr",
 "group", "module", "threads"} (group: the process group to join; 0 for a new one, the first rank's; -1 to stay in
@@ -22,8 +23,8 @@ the server's, which is its test process's, as a child of subprocess.run does) is
 end is reported as {"pid", "code"} (the exit code, or -N for signal N, as subprocess reports it).
 
 What a fork does not give a child that a fresh interpreter would: its own hash seed (every child has the
-server's); what an interpreter reads from the environment only as it starts (PYTHON* variables other than PYTHONPATH
-and PYTHONWARNINGS, the locale's: forked.py starts the real command where a request's differ from the server's); and
+server's); what an interpreter reads from the environment only as it starts or loads torch (PYTHON*, the locale's,
+TORCH*, the thread runtimes' but the thread counts: forked.py starts the real command where a request's differ); and
 it has modules the server imported that the process might import later or not at all (torch._dynamo and sympy,
 which a run's checks before start import). spmd_rl seeds what it draws from; ranks that must order a set of strings
 alike are tested under torchrun and mpirun, which start fresh interpreters.
@@ -39,7 +40,8 @@ import select
 import sys
 import warnings
 
-from warm_imports import warm_up  # this script's folder
+from thread_pools import set_thread_counts  # this script's folder
+from warm_imports import warm_up
 
 DEFAULT_WARNING_FILTERS = list(warnings.filters)  # the server starts without PYTHONWARNINGS (forked.py)
 
@@ -74,17 +76,19 @@ def _become_process(request: dict) -> None:
     warnings.filters[:0] = IMPORTED_WARNING_FILTERS
     warnings._filters_mutated()  # a warning the server showed once is shown again, as by a fresh interpreter
     _fresh_global_state(request["threads"])
+    for name in ("thread_pools", "warm_imports"):  # the server's own: a module of the process may take the names
+        sys.modules.pop(name, None)
     sys.argv = ["-m", *request["argv"]]
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     sys.exit(0)
 
 
-def _fresh_global_state(threads: int) -> None:
-    """torch's intra-op threads and torch's and numpy's global generators as a fresh interpreter starts them."""
+def _fresh_global_state(threads: dict) -> None:
+    """The thread pools' sizes and torch's and numpy's global generators as a fresh interpreter starts them."""
     import numpy
     import torch
 
-    torch.set_num_threads(threads)
+    set_thread_counts(threads)
     torch.seed()  # a fresh interpreter seeds torch's default generator from the OS
     numpy.random.seed()  # and numpy's legacy global state
 

@@ -60,3 +60,5 @@ def test_an_environment_a_fork_cannot_take_starts_the_command():
     assert not forks_like_a_fresh_interpreter(job_env(PYTHONUNBUFFERED=""))
     assert not forks_like_a_fresh_interpreter({k: v for k, v in job_env().items() if k != "PYTHONUNBUFFERED"})
     assert not forks_like_a_fresh_interpreter(job_env(LC_ALL="C"))
+    assert not forks_like_a_fresh_interpreter(job_env(TORCH_SHOW_CPP_STACKTRACES="1"))
+    assert forks_like_a_fresh_interpreter(job_env(OMP_NUM_THREADS="1", SPMD_RL_ANYTHING="x"))  # applied in the child
