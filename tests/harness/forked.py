@@ -34,11 +34,14 @@ class RankServer:
     _instance: RankServer | None = None
 
     def __init__(self):
-        self.environment = env = self.environment_now()
+        # This process's environment, unbuffered (as job_env()), on one OpenMP thread (torchrun's setting for its
+        # workers; the server must start no OpenMP threads before it forks: a child sets its own number).
+        self.environment = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.environment.pop("PYTHONWARNINGS", None)  # a job's own is applied in its ranks
         self.process = subprocess.Popen(
             [PYTHON, str(Path(__file__).with_name("rank_server.py"))],
             cwd=ROOT,
-            env=env,
+            env=self.environment,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
@@ -47,14 +50,6 @@ class RankServer:
         self.changed = threading.Condition()
         self.lock = threading.Lock()  # one request and its pid at a time
         threading.Thread(target=self._read_replies, daemon=True).start()
-
-    @staticmethod
-    def environment_now() -> dict[str, str]:
-        """The server's: this process's, unbuffered (as job_env()), on one OpenMP thread (torchrun's setting for its
-        workers; the server must start no OpenMP threads before it forks: a child sets its own number)."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        env.pop("PYTHONWARNINGS", None)  # a job's own is applied in its ranks
-        return env
 
     @classmethod
     def get(cls) -> RankServer:
@@ -98,8 +93,6 @@ class RankServer:
 
 # What sizes the thread pools as a library loads (thread_pools.py): a child sets the counts of a fresh interpreter.
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS")
-
-
 # What an interpreter reads from the environment only as it starts (sys.flags, the stdio encoding, hash seed) or as
 # torch and the thread runtimes load (TORCH_*, OpenMP's, MKL's): a fork has the server's. PYTHONPATH, PYTHONWARNINGS
 # and the thread counts are applied in the child (rank_server.py).
