@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import random
 import signal
@@ -46,6 +47,7 @@ def _state() -> dict:
         "stderr": [sys.stderr.encoding, sys.stderr.errors, sys.stderr.line_buffering, sys.stderr.write_through],
         "flags": repr(sys.flags),
         "umask": os.umask(os.umask(0)),
+        "start_method": multiprocessing.get_start_method(allow_none=True),
         # drawn from each global generator: equal in two processes only if they start from one state
         "draws": [torch.rand(1).item(), float(numpy.random.rand()), random.random(), torch.initial_seed()],
     }
