@@ -1,16 +1,20 @@
-"""Jobs of `python -m spmd_rl.main` ranks started by hand (RANK, WORLD_SIZE, MASTER_ADDR/PORT, no launcher agent)
-and forked from a warm interpreter (rank_server.py), so that a rank starts in hundredths of a second instead of
-about 2 CPU seconds. For tests about a run (resume, layouts, exactness), not about a launcher: those start torchrun,
-mpirun or srun themselves.
+"""`python -m spmd_rl.main` forked from a warm interpreter (rank_server.py), so that a process starts in
+hundredths of a second instead of about 2 CPU seconds: jobs of ranks started by hand (RANK, WORLD_SIZE,
+MASTER_ADDR/PORT, no launcher agent), and single processes without a launcher. For tests about a run (resume,
+layouts, exactness, bad input), not about a launcher or the command itself: those start torchrun, mpirun, srun or
+`python -m spmd_rl.main` themselves.
 
     result = run_forked_job(["--config", TINY, "run.dir=..."], nproc=2)   # a subprocess.CompletedProcess
+    result = run_forked_process(["--config", TINY, "run.dir=..."])        # as subprocess.run(command("none") + ...)
 
-A job's ranks share a process group of their own. Its exit code is the first non-zero rank's in rank order (0 if
-every rank succeeded), its stdout and stderr every rank's in rank order.
+A job's ranks share a process group of their own (a single process has its own, as a process started from a shell
+would). Its exit code is the first non-zero rank's in rank order (0 if every rank succeeded), its stdout and stderr
+every rank's in rank order.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -30,13 +34,14 @@ class RankServer:
     _instance: RankServer | None = None
 
     def __init__(self):
-        # torchrun's setting for its workers: the server's OpenMP threads are fixed when it imports torch
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        env.pop("PYTHONWARNINGS", None)  # a job's own is applied in its ranks
+        # This process's environment, unbuffered (as job_env()), on one OpenMP thread (torchrun's setting for its
+        # workers; the server must start no OpenMP threads before it forks: a child sets its own number).
+        self.environment = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.environment.pop("PYTHONWARNINGS", None)  # a job's own is applied in its ranks
         self.process = subprocess.Popen(
             [PYTHON, str(Path(__file__).with_name("rank_server.py"))],
             cwd=ROOT,
-            env=env,
+            env=self.environment,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
@@ -63,8 +68,11 @@ class RankServer:
                     self.started.append(reply["pid"])
                 self.changed.notify_all()
 
-    def fork(self, argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path, group: int) -> int:
+    def fork(
+        self, argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path, group: int, module: str
+    ) -> int:
         request = dict(argv=argv, env=env, cwd=str(cwd), stdout=str(stdout), stderr=str(stderr), group=group)
+        request.update(module=module, threads=fresh_thread_counts(env))
         with self.lock:
             with self.changed:
                 count = len(self.started)
@@ -83,20 +91,68 @@ class RankServer:
             )
 
 
-class ForkedJob:
-    """nproc ranks of `python -m spmd_rl.main ARGS`, started by hand on this host (a store on a free port)."""
+# What sizes the thread pools as a library loads (thread_pools.py): a child sets the counts of a fresh interpreter.
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS")
+# What an interpreter reads from the environment only as it starts (sys.flags, the stdio encoding, hash seed) or as
+# torch and the thread runtimes load (TORCH_*, OpenMP's, MKL's): a fork has the server's. PYTHONPATH, PYTHONWARNINGS
+# and the thread counts are applied in the child (rank_server.py).
+_SET_AT_START = ("PYTHON", "LANG", "LC_", "TORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_")
+_APPLIED_IN_CHILD = ("PYTHONPATH", "PYTHONWARNINGS", *_THREAD_VARIABLES)
 
-    def __init__(self, args: list[str], nproc: int, cwd: Path = ROOT, env: dict[str, str] | None = None):
+
+def _read_at_start(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_SET_AT_START) and k not in _APPLIED_IN_CHILD}
+
+
+@functools.cache
+def _fresh_thread_counts(variables: tuple[tuple[str, str], ...]) -> dict[str, int | None]:
+    env = {k: v for k, v in os.environ.items() if k not in _THREAD_VARIABLES} | dict(variables)
+    line = [PYTHON, str(Path(__file__).with_name("thread_pools.py"))]
+    return json.loads(subprocess.run(line, env=env, capture_output=True, text=True, check=True, timeout=120).stdout)
+
+
+def fresh_thread_counts(env: dict[str, str]) -> dict[str, int | None]:
+    """torch's intra-op threads and numpy's OpenBLAS threads in a fresh interpreter under env (their variables
+    decide, by rules of their own: asked of a fresh interpreter, once per set of values)."""
+    return _fresh_thread_counts(tuple((k, env[k]) for k in _THREAD_VARIABLES if k in env))
+
+
+def forks_like_a_fresh_interpreter(env: dict[str, str]) -> bool:
+    """Whether a process forked from the server under env starts as a fresh `python -m` would: what an interpreter
+    reads only as it starts is the server's (the environment it started with)."""
+    return _read_at_start(env) == _read_at_start(RankServer.get().environment)
+
+
+class ForkedJob:
+    """`python -m MODULE ARGS` (spmd_rl.main) forked once per environment in envs: a job's ranks in rank order,
+    sharing a process group of their own, or one process in the test process's group (own_group False), as
+    subprocess.run starts one."""
+
+    def __init__(
+        self,
+        args: list[str],
+        envs: list[dict[str, str]],
+        cwd: Path = ROOT,
+        own_group: bool = True,
+        module: str = "spmd_rl.main",
+    ):
         self.server = RankServer.get()
         self.args = [str(arg) for arg in args]
         self.folder = Path(tempfile.mkdtemp(prefix="spmd_rl_job_"))
-        port = free_port()
+        self.own_group = own_group
         self.pids: list[int] = []
-        for rank in range(nproc):
-            ranks_env = {**(env if env is not None else job_env()), **rank_env(rank, nproc, port, OMP_NUM_THREADS="1")}
-            group = self.pids[0] if self.pids else 0
+        for rank, env in enumerate(envs):
+            group = (self.pids[0] if self.pids else 0) if own_group else -1
             out, err = self.folder / f"rank{rank}.out", self.folder / f"rank{rank}.err"
-            self.pids.append(self.server.fork(self.args, ranks_env, cwd, out, err, group))
+            self.pids.append(self.server.fork(self.args, env, cwd, out, err, group, module))
+
+    @classmethod
+    def ranks(cls, args: list[str], nproc: int, cwd: Path = ROOT, env: dict[str, str] | None = None) -> ForkedJob:
+        """nproc ranks started by hand on this host (a store on a free port)."""
+        port = free_port()
+        base = env if env is not None else job_env()
+        envs = [{**base, **rank_env(rank, nproc, port, OMP_NUM_THREADS="1")} for rank in range(nproc)]
+        return cls(args, envs, cwd)
 
     @property
     def group(self) -> int:
@@ -110,11 +166,13 @@ class ForkedJob:
         return None if None in codes else next((code for code in codes if code), 0)
 
     def signal(self, sig: int) -> None:
-        """sig to every rank of the job (its process group), as a launcher or a scheduler sends it."""
-        try:
-            os.killpg(self.group, sig)
-        except ProcessLookupError:
-            pass
+        """sig to every rank of the job (its process group), as a launcher or a scheduler sends it; to each process
+        where they stayed in the test process's group."""
+        for target, send in [(self.group, os.killpg)] if self.own_group else [(pid, os.kill) for pid in self.pids]:
+            try:
+                send(target, sig)
+            except ProcessLookupError:
+                pass
 
     def output(self, stream: str) -> str:
         files = [self.folder / f"rank{rank}.{stream}" for rank in range(len(self.pids))]
@@ -139,4 +197,16 @@ def run_forked_job(
 ) -> subprocess.CompletedProcess:
     """nproc ranks of `python -m spmd_rl.main ARGS` (env: the job's environment, job_env() by default), run to
     their end."""
-    return ForkedJob(args, nproc, cwd, env).wait(timeout)
+    return ForkedJob.ranks(args, nproc, cwd, env).wait(timeout)
+
+
+def run_forked_process(
+    args: list[str], timeout: float = 240, cwd: Path = ROOT, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """One `python -m spmd_rl.main ARGS` process (no launcher, no RANK) forked from the server, run to its end, as
+    subprocess.run(command("none") + ARGS, capture_output=True, text=True) runs it. env: job_env() by default; it
+    must pass forks_like_a_fresh_interpreter."""
+    env = job_env() if env is None else env
+    if not forks_like_a_fresh_interpreter(env):
+        raise ValueError("a fork cannot start under this environment's PYTHON*/locale variables: start the command")
+    return ForkedJob([str(arg) for arg in args], [env], cwd, own_group=False).wait(timeout)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from harness.forked import run_forked_job
+from harness.forked import forks_like_a_fresh_interpreter, run_forked_job, run_forked_process
 from harness.launch import PYTHON, ROOT, command, job_env
 
 TINY = str(ROOT / "configs" / "ci_tiny.yaml")
@@ -66,12 +66,16 @@ def run_main(
     env: dict[str, str] | None = None,
     launcher: str = "forked",
 ) -> subprocess.CompletedProcess:
-    """`python -m spmd_rl.main ARGS` in cwd (env: job_env() by default): one process when nproc is 0, else nproc
-    ranks started by hand and forked from a warm interpreter (harness/forked.py: the job's code is its first
-    failing rank's), or with launcher="torchrun" under torchrun (whose code is 1 for any failure)."""
+    """`python -m spmd_rl.main ARGS` in cwd (env: job_env() by default), forked from a warm interpreter
+    (harness/forked.py): one process when nproc is 0, else nproc ranks started by hand (the job's code is its first
+    failing rank's). launcher="none" (nproc 0) starts the command itself, as does an env whose PYTHON* or locale
+    variables a fork cannot take; launcher="torchrun" starts the ranks under torchrun (whose code is 1 for any
+    failure)."""
     env = job_env() if env is None else env
     if nproc and launcher == "forked":
         return run_forked_job(list(args), nproc, timeout, cwd, env)
+    if not nproc and launcher == "forked" and forks_like_a_fresh_interpreter(env):
+        return run_forked_process(list(args), timeout, cwd, env)
     line = command(launcher, nproc) if nproc else command("none")
     return subprocess.run(line + list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 

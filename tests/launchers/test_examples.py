@@ -82,7 +82,10 @@ def copy_example(name: str, tmp_path: Path) -> Path:
 
 
 def run_in(folder: Path, args: list[str], nproc: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
-    return run_main(*args, nproc=nproc, timeout=timeout, cwd=folder, env=_env())
+    # One process starts the real command (launcher "none"): these test `python -m spmd_rl.main` run as a user runs
+    # it from the example's folder, its modules found there; ranks are forked (harness/forked.py).
+    launcher = "forked" if nproc else "none"
+    return run_main(*args, nproc=nproc, timeout=timeout, cwd=folder, env=_env(), launcher=launcher)
 
 
 @pytest.mark.parametrize(
