@@ -184,6 +184,11 @@ def decide_resume(cfg, run_dir: Path, world_size: int, algorithm_refusal: str = 
         watchdog.rebound(cfg.dist.timeout_s)
     # The same run, on the same layout or (resharding, sharded runs only) another; everything else must match.
     if previous.resume_digest(with_layout=False) != cfg.resume_digest(with_layout=False):
+        if mode == "auto" and checkpoint is None and not _has_records(run_dir / METRICS_FILE):
+            # a start of another config that failed before its first iteration: nothing of it to keep or continue,
+            # and refusing would leave the corrected command no way into its own run.dir
+            replaced = f"{run_dir} held a start of another config that ended before its first iteration: replaced"
+            return Resume(fallback=f"{fallback}; {replaced}" if fallback else replaced)
         raise UserError(
             f"run directory {config_dir} holds a run with a different config (beyond run, checkpoint and "
             f"log keys){config_difference(previous, cfg)}; rerun with its config.yaml, or choose another run.dir "
@@ -325,3 +330,14 @@ def mark_finished(run_dir: Path, given_digest: str, ranks: list[dict]) -> None:
     (docs/runs.md)."""
     record = {"finished": True, "config_digest": given_digest, "ranks": ranks}
     write_atomic(run_dir / FINISHED, json.dumps(record) + "\n")
+
+
+def _has_records(metrics: Path) -> bool:
+    """Whether metrics.jsonl may hold an iteration's record: True unless it is absent or an empty regular file
+    (anything else, unreadable or not a file, counts as holding one: the run directory is then refused as before)."""
+    if not metrics.exists() and not metrics.is_symlink():
+        return False
+    try:
+        return not metrics.is_file() or metrics.stat().st_size > 0
+    except OSError:
+        return True
