@@ -13,6 +13,10 @@ stochastic policy samples from torch seed train.seed + a, so a file is the same 
 interrupted. Rerunning the command continues the file (the episodes it holds are kept; rows of an episode that a
 crash cut short are dropped); a file collected with other settings is refused. `--success-only` writes only the
 episodes that succeeded. The file layout is in docs/storage-and-resume.md ("Demonstration files").
+
+A stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1) ends the collection after the episode being played, with one line
+saying what the file holds, exit 75; a second signal ends it at once (the episode in play is dropped, as after a
+crash). Rerunning the command continues the file.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -31,12 +36,24 @@ from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import Config, EnvSection
 from spmd_rl.envs.metaworld_envs import is_metaworld_id, scripted_expert
 from spmd_rl.envs.vector import EnvSpec, check_same_spaces, make_vector_env, probe_env
-from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
+from spmd_rl.runtime.errors import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE, StopSignal, UserError
+from spmd_rl.runtime.signals import STOP_SIGNALS
 from spmd_rl.storage.reader import HDF5Reader
 from spmd_rl.storage.writer import HDF5Writer
 
 COLLECT_ATTRIBUTE = "collect"  # the file's attribute: JSON of the settings its episodes were collected with
 ATTEMPTS_PER_EPISODE = 20  # --success-only gives up after this many attempts per episode asked for
+
+
+class _Stop:
+    asked: str | None = None  # the name of the stop signal the command line's collection was sent
+
+
+def _ask_stop(signum: int, frame) -> None:
+    name = signal.Signals(signum).name
+    if _Stop.asked is not None:  # a second signal: at once (the episode in play is not written)
+        raise StopSignal(name, signum)
+    _Stop.asked = name
 
 
 def collect(
@@ -47,9 +64,9 @@ def collect(
     policy_path: Path | None = None,
     deterministic: bool = True,
 ) -> dict:
-    """Collect until `out` holds `episodes` episodes; returns {"episodes", "rows", "attempts", "successes"} of this
-    call. Bad input (an env without an expert and no policy, a policy for other spaces, a file of other settings)
-    is a UserError."""
+    """Collect until `out` holds `episodes` episodes, or a stop signal came (main's handlers); returns {"episodes",
+    "rows", "attempts", "successes"} of this call and "held", the episodes `out` holds. Bad input (an env without an
+    expert and no policy, a policy for other spaces, a file of other settings) is a UserError."""
     env_cfg = single_env_section(cfg.env)
     spec = probe_env(env_cfg)
     if spec.note:
@@ -69,12 +86,12 @@ def collect(
     kept, next_attempt = _resume_point(out, settings)
     writer = HDF5Writer(out, layout, attributes={COLLECT_ATTRIBUTE: json.dumps(settings, sort_keys=True)})
     envs = None
-    done = {"episodes": 0, "rows": 0, "attempts": 0, "successes": 0}
+    done = {"episodes": 0, "rows": 0, "attempts": 0, "successes": 0, "held": kept.episodes}
     try:
         writer.rewind(kept.rows)  # rows of an episode a crash cut short (appends are whole episodes)
         envs, _ = make_vector_env(env_cfg, spec, cfg.train.seed)
         first, attempt = kept.episodes, next_attempt
-        while kept.episodes < episodes:
+        while kept.episodes < episodes and _Stop.asked is None:
             if success_only and done["attempts"] >= ATTEMPTS_PER_EPISODE * (episodes - first):
                 raise UserError(
                     f"--success-only: {done['successes']} of {done['attempts']} attempts succeeded, too few for "
@@ -91,6 +108,7 @@ def collect(
                 kept = kept.plus(len(steps), int(steps.sum()))
                 done["episodes"] += 1
                 done["rows"] += len(steps)
+                done["held"] = kept.episodes
             attempt += 1
     finally:
         writer.close()
@@ -318,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.episodes < 1:
         parser.error(f"--episodes must be at least 1, not {args.episodes}")
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # `nohup`, a script's background job: left ignored
+            signal.signal(signum, _ask_stop)
+    out = args.out
     try:
         cfg = load_config(args.config, args.overrides)
         out = args.out or Path("demos") / f"{cfg.run.name}.h5"
@@ -325,6 +347,22 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"spmd_rl.collect: error: {exc}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
+    except StopSignal as stop:
+        print(
+            f"spmd_rl.collect: stopped at once by a second {stop.signal_name}: {out or 'the file'} keeps its whole "
+            f"episodes (the one in play is dropped); rerun the command to continue it",
+            file=sys.stderr,
+            flush=True,
+        )
+        return STOPPED_EXIT_CODE
+    if _Stop.asked is not None:
+        print(
+            f"spmd_rl.collect: stopped by {_Stop.asked}: {out} holds {done['held']} of {args.episodes} episodes; this "
+            f"call wrote {done['episodes']}; rerun the command to continue it",
+            file=sys.stderr,
+            flush=True,
+        )
+        return STOPPED_EXIT_CODE
     print(
         f"spmd_rl.collect: {out} holds {args.episodes} episodes; this call wrote {done['episodes']} ({done['rows']} "
         f"rows), {done['successes']} of its {done['attempts']} attempts succeeded",

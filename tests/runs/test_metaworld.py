@@ -4,8 +4,11 @@ a second call continues the file, and bad input is one line, exit 2."""
 
 from __future__ import annotations
 
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -141,6 +144,33 @@ def test_collect_writes_expert_episodes_and_continues_the_file(tmp_path):
 
     other = collect(3, "env.max_episode_steps=90")  # the same file with other settings is refused
     assert other.returncode == 2 and "holds other episodes than these settings collect" in other.stderr
+
+
+def test_a_stop_signal_ends_collect_after_its_episode_with_one_line(tmp_path):
+    out = tmp_path / "reach.h5"  # episodes of at most 20 steps: many end before the signal comes
+    line = [sys.executable, "-m", "spmd_rl.collect", "--config", REACH, "--episodes", "100000", "--out", str(out)]
+    run = subprocess.Popen(
+        [*line, "env.max_episode_steps=20"], cwd=ROOT, env=job_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert "renders with MUJOCO_GL=" in run.stdout.readline()  # the env is made: episodes are being played
+        time.sleep(5)
+        run.send_signal(signal.SIGTERM)
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 75, stderr[-3000:]
+    ours = [line for line in stderr.splitlines() if line.startswith("spmd_rl")]  # the expert's own UserWarning aside
+    assert len(ours) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    held = int(re.search(rf"stopped by SIGTERM: {re.escape(str(out))} holds (\d+) of 100000 episodes", stderr)[1])
+    with HDF5Reader(out) as reader:
+        assert reader.check_rows()
+        rows = reader.read(meta=True)
+    assert held > 0 and list(np.unique(rows["episode"])) == list(range(held))  # whole episodes, none cut short
+    assert (rows["terminated"] | rows["truncated"])[-1]
 
 
 def test_success_only_gives_up_when_too_few_attempts_succeed(tmp_path):
