@@ -66,6 +66,11 @@ class Watchdog:
         previous = self._current
         if self.timeout_s > 0:
             if self._thread is None:
+                # Ticks count from the thread's start: the time since this module's import is not time the process
+                # was stopped (a process forked from a warm interpreter imported it long before; a run arms its
+                # first bound seconds after the import). Counted, it read as a freeze that moved the deadline out
+                # by as long, and a stalled step went unbounded.
+                self._last_tick = time.monotonic()
                 self._thread = threading.Thread(target=self._run, name="spmd_rl-watchdog", daemon=True)
                 self._thread.start()
             self._current = (time.monotonic() + self.timeout_s + margin_s, what)
