@@ -35,9 +35,12 @@ def checkpoints(run_dir: Path) -> list[str]:
 
 @pytest.fixture
 def no_stop_requested(monkeypatch):
-    """A clean stop request state for this test (restored afterwards)."""
-    monkeypatch.setattr(signals._Graceful, "requested", None)
-    monkeypatch.setattr(signals._Graceful, "enabled", False)
+    """A clean stop request state for this test, restored afterwards: a RunControl that reached its last iteration
+    leaves `finishing` set in this process, and a later test's stop would read as one past the run's end."""
+    for attribute, value in (("requested", None), ("requested_at", None), ("enabled", False)):
+        monkeypatch.setattr(signals._Graceful, attribute, value)
+    for attribute in ("finishing", "too_late"):
+        monkeypatch.setattr(signals._Graceful, attribute, False)
 
 
 def control(cfg, run_dir: Path, num_iterations: int) -> RunControl:
@@ -106,12 +109,13 @@ def test_a_requested_stop_checkpoints_and_raises_at_the_next_iteration_end(tmp_p
 
 
 @pytest.mark.parametrize("meanwhile", ["nothing", "a rank failed", "the run ended"])
-def test_a_stop_is_announced_unless_a_rank_failed_or_the_run_ended_meanwhile(tmp_path, monkeypatch, capsys, meanwhile):
+def test_a_stop_is_announced_unless_a_rank_failed_or_the_run_ended_meanwhile(
+    tmp_path, monkeypatch, capsys, no_stop_requested, meanwhile
+):
     # Under a launcher that keeps failure records, mpirun's SIGTERM after a rank died can arrive before any
     # survivor's record: the line waits ANNOUNCE_AFTER_S and is dropped if a record appeared by then (or if the run
     # ended first: no thread may print while the process exits).
     monkeypatch.setenv("SPMD_RL_FAILURE_DIR", str(tmp_path))
-    monkeypatch.setattr(signals._Graceful, "requested", None)
     monkeypatch.setattr(signals._Graceful, "enabled", True)
     signals._on_signal(signal.SIGTERM, None)
     assert signals.requested_stop() == ("SIGTERM", signal.SIGTERM) and "stopping" not in capsys.readouterr().err
@@ -125,7 +129,7 @@ def test_a_stop_is_announced_unless_a_rank_failed_or_the_run_ended_meanwhile(tmp
 
 
 @pytest.mark.parametrize("rank", ["0", "1", None])
-def test_a_stop_is_acknowledged_by_rank_0_alone(monkeypatch, capsys, rank):
+def test_a_stop_is_acknowledged_by_rank_0_alone(monkeypatch, capsys, no_stop_requested, rank):
     # Ctrl-C in a terminal reaches every rank of the job at once: one acknowledgement, rank 0's (a rank started
     # alone, with no launcher's rank variable, is rank 0); the final stop line is rank 0's too.
     monkeypatch.delenv("SPMD_RL_FAILURE_DIR", raising=False)
@@ -133,7 +137,6 @@ def test_a_stop_is_acknowledged_by_rank_0_alone(monkeypatch, capsys, rank):
         monkeypatch.delenv(name, raising=False)
     if rank is not None:
         monkeypatch.setenv("RANK", rank)
-    monkeypatch.setattr(signals._Graceful, "requested", None)
     monkeypatch.setattr(signals._Graceful, "enabled", True)
     signals._on_signal(signal.SIGINT, None)
     assert signals.requested_stop() == ("SIGINT", signal.SIGINT)  # every rank still asks for the stop
@@ -153,6 +156,7 @@ def test_checkpoint_every_s_is_due_by_the_clock(tmp_path, no_stop_requested):
 
 def _agree_across_ranks(rank, world_size, cfg, run_dir):
     signals._Graceful.requested, signals._Graceful.enabled = None, False  # this forked child's own state
+    signals._Graceful.finishing = signals._Graceful.too_late = False
     rc = RunControl(cfg, 10, rank=rank, world_size=world_size, distributed=True, run_dir=Path(run_dir), timeout=TIMEOUT)
     # Only rank 0's clock counts: rank 1 believing a timed checkpoint is due changes nothing ...
     if rank == 1:
@@ -186,6 +190,7 @@ def test_ranks_agree_on_a_stop_only_one_was_asked_for_and_on_rank_0s_clock(tmp_p
 
 def _gather_rank_facts(rank, world_size, cfg, run_dir):
     signals._Graceful.requested, signals._Graceful.enabled = None, False  # this forked child's own state
+    signals._Graceful.finishing = signals._Graceful.too_late = False
     rc = RunControl(cfg, 3, rank=rank, world_size=world_size, distributed=True, run_dir=Path(run_dir), timeout=TIMEOUT)
     asked = []
     rc.rank_facts = lambda: asked.append(1) or (float(rank), 10.0 * rank + 0.5)

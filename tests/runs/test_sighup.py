@@ -20,6 +20,12 @@ def _ignoring_sighup() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
+def _sighup_at_its_default() -> None:
+    # As a terminal's shell starts a command. A suite started under nohup (a background CI run) would otherwise pass
+    # SIGHUP on ignored, and every run here would rightly keep ignoring it (2026-12-07: both cases timed out so).
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def _command(run_dir, *overrides: str) -> list[str]:
     return [
         sys.executable,
@@ -33,7 +39,9 @@ def _command(run_dir, *overrides: str) -> list[str]:
     ]
 
 
-def _start(run_dir, preexec_fn=None, output=subprocess.PIPE, new_session=False, overrides=()) -> subprocess.Popen:
+def _start(
+    run_dir, preexec_fn=_sighup_at_its_default, output=subprocess.PIPE, new_session=False, overrides=()
+) -> subprocess.Popen:
     return subprocess.Popen(
         _command(run_dir, *overrides),
         cwd=run_dir.parent,
@@ -79,6 +87,7 @@ def test_a_run_on_a_terminal_that_hangs_up_stops_with_its_checkpoint(tmp_path):
     pid, terminal = pty.fork()  # the child's own session, with the pty as its controlling terminal (an ssh login's)
     if pid == 0:
         os.chdir(tmp_path)
+        _sighup_at_its_default()
         os.execve(argv[0], argv, env)
     try:
         deadline = time.monotonic() + 120
