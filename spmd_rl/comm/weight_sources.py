@@ -51,7 +51,7 @@ def _gather_into(view: torch.Tensor, sharded) -> bool:
     if mesh.ndim != 1 or tuple(sharded.placements) != (Shard(0),) or sharded.shape[0] % mesh.size():
         return False
     local = _local(sharded).to(view.dtype).contiguous()
-    dist.all_gather_into_tensor(view.view(-1), local.view(-1), group=mesh.get_group())
+    dist.all_gather_single(view.view(-1), local.view(-1), group=mesh.get_group())
     return True
 
 

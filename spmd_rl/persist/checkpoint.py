@@ -382,7 +382,18 @@ def load_shards(state: dict, directory: Path, like=None) -> dict:
     if like is None:
         with warnings.catch_warnings():  # DCP warns that it reads in one process: what is asked of it here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(targets, storage_reader=reader, no_dist=True)
+            try:
+                dcp.load(targets, storage_reader=reader, no_dist=True)
+            except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - a shard file missing or unreadable
+                # (the caller checked only the files of the rank file it read: a whole read needs every trainer's);
+                # DCP raises its CheckpointException, a BaseException, around the cause
+                cause: BaseException = exc
+                if isinstance(exc, dcp.CheckpointException):  # {rank: (the exception, its frames)}
+                    cause = next(iter(exc.failures.values()))[0]
+                raise UserError(
+                    f"checkpoint {directory}: its shard files cannot be read ({_first_line(cause)}): "
+                    f"{what_to_do(directory)}"
+                ) from None
     else:
         dcp.load(targets, storage_reader=reader, process_group=mesh_trainers(like.device_mesh))
 

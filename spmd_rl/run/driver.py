@@ -65,7 +65,7 @@ from spmd_rl.runtime.exits import leave_exit_code, process_exit_code, say, unexp
 from spmd_rl.runtime.job_store import open_job_store
 from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.meeting import StartAbandoned, exit_before_start, refuse_start
-from spmd_rl.runtime.postmortem import Failure, after_failure
+from spmd_rl.runtime.postmortem import FROZEN_S, Failure, after_failure
 from spmd_rl.runtime.signals import STOP_SIGNALS, install_signal_handlers, stop_at_iteration_boundary, stop_cause
 from spmd_rl.runtime.user_exits import say_user_exit
 from spmd_rl.runtime.watchdog import watchdog
@@ -142,7 +142,8 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
         first = first_error(raised)
         if not isinstance(first, (Exception, KeyboardInterrupt, StopSignal, SystemExit)):
             raise
-        exit_code, waited, spoke = _report_failure(first, launch, who, started=runtime is not None)
+        frozen_s = watchdog.frozen_for(within_s=cfg.dist.timeout_s + 5)
+        exit_code, waited, spoke = _report_failure(first, launch, who, started=runtime is not None, frozen_s=frozen_s)
         if first is not raised and spoke:
             print(f"spmd_rl: {who}: then, while cleaning up: {describe_exception(raised)}", file=sys.stderr, flush=True)
     finally:
@@ -172,9 +173,10 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
 
 
 def _report_failure(
-    exc: BaseException, launch: LaunchInfo, who: str, started: bool
+    exc: BaseException, launch: LaunchInfo, who: str, started: bool, frozen_s: float = 0.0
 ) -> tuple[int, CommError | None, bool]:
-    """One line for how this rank failed: (exit code, the wait it failed in or None, whether this rank spoke)."""
+    """One line for how this rank failed: (exit code, the wait it failed in or None, whether this rank spoke).
+    frozen_s: how long this process did not run at all during its last dist.timeout_s (SIGSTOP)."""
     if isinstance(exc, (KeyboardInterrupt, StopSignal)):
         code, what = (
             (130, "interrupted (SIGINT)")
@@ -194,6 +196,15 @@ def _report_failure(
         return user_error(exc, speaker=speaker, rank=launch.rank), None, speaker
     comm = as_comm_error(exc, who)  # a CommError, or torch's own collective failing (FSDP's all-gather in act)
     if comm is not None:
+        if comm.timed_out and frozen_s >= FROZEN_S:
+            # Its deadline passed while this rank was the one stopped: the peer its line names did not fail it
+            # (fault pass 4, B2b: a rank woken after SIGSTOP blamed rank 0, which had exited after waiting for it).
+            comm = CommError(
+                f"{comm} (this rank itself did not run for {frozen_s:.0f} s of the wait: it was stopped (SIGSTOP, a "
+                f"suspended machine), so the others likely waited on it)",
+                comm.peers,
+                comm.timed_out,
+            )
         say(who, "communication error", comm)
         return COMM_ERROR_EXIT_CODE, comm, True
     if isinstance(exc, UserCodeError):

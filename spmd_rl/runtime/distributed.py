@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
 import secrets
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -95,7 +97,7 @@ def start_runtime(
         if _single_host(launch):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: keep gloo off other interfaces
         try:
-            with signals_held_off():
+            with signals_held_off(), _client_retries_unsaid(launch.rank):
                 rendezvous = job_store or open_rendezvous(launch, runtime.timeout)
             # signals are handled while the ranks meet: waiting on the others runs Python, not a C++ call
             meeting.meet(rendezvous["store"], launch.rank, launch.world_size, runtime.timeout)
@@ -117,6 +119,26 @@ def start_runtime(
             ) from exc
         _share_job_key(launch.rank)
     return runtime
+
+
+@contextlib.contextmanager
+def _client_retries_unsaid(rank: int) -> Iterator[None]:
+    """On a rank other than 0, while its store client connects to rank 0's store: torch's client writes an error, a
+    warning and a C++ stack trace to stderr at each retry while rank 0 is not there yet (40 lines when it never came,
+    before the rank's own line; fault pass 4, B6c). Nothing else of this rank is said meanwhile: if the connection
+    fails, the rank's one line says so."""
+    if rank == 0:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as nowhere:
+            os.dup2(nowhere.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 JOB_KEY_BYTES = 32

@@ -55,6 +55,7 @@ def end_process(exit_code: int) -> NoReturn:
         if thread is not current and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
+    _finalize_mpi()
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:
@@ -62,6 +63,16 @@ def end_process(exit_code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed or hung-up terminal, a closed pipe: nothing more reaches it
             pass
     os._exit(exit_code)
+
+
+def _finalize_mpi() -> None:
+    """MPI_Finalize where mpi4py started MPI (launch/mpirun.sh), as the interpreter's teardown did: mpi4py finalizes
+    from a C-level exit hook, not an atexit handler, so os._exit skipped it, and mpirun took every rank that ended
+    without it for a crash: a finished run under launch/mpirun.sh exited 1 with mpirun's 20-line "exiting
+    improperly" box (fault pass 4, E6; tests/launchers/test_mpirun.py)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
 
 
 def user_error_line(exc: UserError, rank: int | None = None) -> str:

@@ -59,9 +59,14 @@ def meet(store, rank: int, world_size: int, timeout: datetime.timedelta) -> None
     """Before init_process_group, on every rank of a distributed run: returns once every rank arrived; raises
     StartAbandoned when one failed before it (rank 0 prints its line first), CommError when dist.timeout_s passed."""
     deadline = time.monotonic() + timeout.total_seconds()
+    # The waits go through a client of their own: a wait that expires stays blocked in its client until the margin
+    # past it, and anything this rank asks the store meanwhile (which ranks were heard of, its failure record) would
+    # queue behind it on a shared client, so that the timeout's line came WAIT_MARGIN_S late, after the client's
+    # warnings.
+    waiter = store.clone()
     if rank != 0:
         _report(store, {"rank": rank})
-        outcome = _wait_for(store, OUTCOME, deadline)
+        outcome = _wait_for(waiter, OUTCOME, deadline)
         if outcome is None:
             raise CommError(
                 f"rank {rank}: rank 0 did not open the process group within dist.timeout_s="
@@ -74,7 +79,7 @@ def meet(store, rank: int, world_size: int, timeout: datetime.timedelta) -> None
         return
     missing = set(range(1, world_size))
     for number in range(1, world_size):
-        report = _wait_for(store, REPORT.format(number), deadline)
+        report = _wait_for(waiter, REPORT.format(number), deadline)
         if report is None:
             # a rank may have taken its number and not written its report yet: name only those not heard of
             heard = [_read_report(store, later) for later in range(number, world_size)]

@@ -31,6 +31,9 @@ def _state() -> dict:
         "cwd": os.getcwd(),
         "env": dict(os.environ),
         "path": sys.path,
+        # where the warm-up's spmd_rl came from: the repository's own (the working directory's, as `python -m` in it
+        # imports), not an installed one; a venv's editable install may point at another checkout
+        "spmd_rl": sys.modules["spmd_rl"].__file__,
         "threads": thread_counts(),
         "interop_threads": torch.get_num_interop_threads(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),

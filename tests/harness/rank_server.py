@@ -140,7 +140,12 @@ if __name__ == "__main__":
     started_with = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     SITE_PATH = [p for p in sys.path[1:] if p not in started_with]
     environment_before = dict(os.environ)
+    # The warm-up imports spmd_rl as `python -m spmd_rl.main` in the repository does: from the working directory (the
+    # repository), not from an installed copy. A script's path starts with its own folder instead, and a venv's
+    # editable install may point at another checkout (a worktree's tests ran the main checkout's code).
+    sys.path.insert(0, os.getcwd())
     warm_up()
+    del sys.path[0]
     # What the imports put in the environment (PYGAME_HIDE_SUPPORT_PROMPT, TORCHINDUCTOR_CACHE_DIR): a child's own
     # environment replaces the server's, and its imports would have set these.
     IMPORTED_ENVIRONMENT = {k: v for k, v in os.environ.items() if environment_before.get(k) != v}

@@ -6,7 +6,8 @@ and rank 0 ends soon after instead of waiting out dist.timeout_s in init_process
 import subprocess
 
 import pytest
-from harness.forked import run_forked_job
+from harness.forked import ForkedJob, run_forked_job
+from harness.launch import free_port, rank_env
 from harness.runs import TINY
 
 # Far beyond what the job takes once heard: a rank 0 that waits for rank 1 until the timeout fails the test.
@@ -32,3 +33,14 @@ def test_rank_1s_failed_check_is_one_line_and_ends_the_job_with_its_code(tmp_pat
     assert len(said) == 1 and said[0].startswith(line), said  # once: rank 0 says it, or rank 1 alone
     assert "this rank's own trouble" in said[0] or code == 4, said
     assert not (tmp_path / "run").exists(), "no run directory for a start that never happened"
+
+
+def test_a_rank_whose_rank_0_never_comes_says_it_in_one_line(tmp_path):
+    """Rank 1 started by hand, rank 0 never: torch's store client wrote an error, a warning and a C++ stack trace
+    at each retry of its connection (41 lines) before the rank's line (fault pass 4, B6c)."""
+    env = rank_env(1, 2, free_port(), OMP_NUM_THREADS="1")
+    args = ["--config", TINY, f"run.dir={tmp_path / 'run'}", "dist.timeout_s=3"]
+    job = ForkedJob(args, [env]).wait(JOB_BOUND_S)
+    said = [text for text in (job.stdout + job.stderr).splitlines() if text.strip()]
+    assert job.returncode == 3, job.stderr
+    assert len(said) == 1 and said[0].startswith("spmd_rl: rank 1 (colocated 1): communication error:"), said

@@ -31,6 +31,9 @@ class CountingStore:
         self.calls += 1
         return getattr(self.store, name)
 
+    def clone(self):  # the waits' own client: counted with this one (a HashStore needs no second connection)
+        return self
+
 
 def later(action, after_s: float = WAIT_S) -> threading.Thread:
     thread = threading.Thread(target=lambda: (time.sleep(after_s), action()), daemon=True)
@@ -78,6 +81,27 @@ def test_rank_0s_timeout_names_the_ranks_it_did_not_hear_from():
     with pytest.raises(CommError, match=r"rank 0: ranks \[1\] did not join within dist.timeout_s=0.5") as error:
         meeting.meet(store, 0, 3, timeout(0.5))
     assert error.value.peers == (1,) and error.value.timed_out
+
+
+def test_rank_0s_timeout_over_tcp_comes_at_the_bound():
+    """Ranks started by hand, one never comes: rank 0's line came dist.timeout_s + 120 s late (fault pass 4, B6),
+    after two warnings of the store's client, because its question which ranks it had heard of queued behind the
+    expired wait on the same TCP client. The waits now have a client of their own."""
+    server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timeout(300), wait_for_workers=False)
+    outcome: dict = {}
+
+    def rank_0():
+        try:
+            meeting.meet(server, 0, 2, timeout(0.5))
+        except CommError as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=rank_0, daemon=True)
+    thread.start()
+    thread.join(60)  # far past the bound; the queued question waited WAIT_MARGIN_S (120 s)
+    assert not thread.is_alive(), "rank 0 still waiting 60 s after its 0.5 s bound"
+    assert "ranks [1] did not join within dist.timeout_s=0.5" in str(outcome["error"])
+    server.set(meeting.REPORT.format(1), json.dumps({"rank": 1}))  # ends the expired wait's thread before teardown
 
 
 def test_a_ranks_timeout_names_rank_0():
