@@ -196,9 +196,10 @@ def _report_failure(
         return user_error(exc, speaker=speaker, rank=launch.rank), None, speaker
     comm = as_comm_error(exc, who)  # a CommError, or torch's own collective failing (FSDP's all-gather in act)
     if comm is not None:
-        if comm.timed_out and frozen_s >= FROZEN_S:
-            # Its deadline passed while this rank was the one stopped: the peer its line names did not fail it
-            # (fault pass 4, B2b: a rank woken after SIGSTOP blamed rank 0, which had exited after waiting for it).
+        if frozen_s >= FROZEN_S:
+            # This rank was the one stopped: its deadline passed meanwhile, or its peers gave up on it and left; the
+            # peer its line names did not fail it (fault pass 4, B2b: a rank woken after SIGSTOP blamed rank 0,
+            # which had exited after waiting for it; E7, under mpirun: "rank 0 closed the connection").
             comm = CommError(
                 f"{comm} (this rank itself did not run for {frozen_s:.0f} s of the wait: it was stopped (SIGSTOP, a "
                 f"suspended machine), so the others likely waited on it)",

@@ -65,7 +65,7 @@ def meet(store, rank: int, world_size: int, timeout: datetime.timedelta) -> None
     # warnings.
     waiter = store.clone()
     if rank != 0:
-        _report(store, {"rank": rank})
+        _report(store, {"rank": rank, "world_size": world_size})
         outcome = _wait_for(waiter, OUTCOME, deadline)
         if outcome is None:
             raise CommError(
@@ -93,6 +93,14 @@ def meet(store, rank: int, world_size: int, timeout: datetime.timedelta) -> None
         record = json.loads(report)
         if "exit_code" in record:
             _abandon(store, record)
+        if record.get("world_size", world_size) != world_size:
+            # A launch whose ranks disagree on the world size would meet in init_process_group and wait there for
+            # ranks that never come, past dist.timeout_s (53 s for a bound of 8), under torch's warnings (fault
+            # pass 4, V2): a bad launch, said once by rank 0.
+            _abandon(store, {"exit_code": USER_ERROR_EXIT_CODE, "spoke": False, "line": (
+                f"spmd_rl: error: rank {record['rank']} was started with world size {record['world_size']} and "
+                f"rank 0 with {world_size}: start every rank with the same WORLD_SIZE"
+            )})  # fmt: skip
         missing.discard(int(record["rank"]))
     store.set(OUTCOME, "go")
 

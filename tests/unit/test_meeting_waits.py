@@ -74,6 +74,19 @@ def test_a_failed_check_is_heard_at_once_and_rank_0_prints_its_line(capsys):
     assert store.get(meeting.OUTCOME) == b"abandoned 2"
 
 
+def test_ranks_started_with_another_world_size_are_refused_at_once(capsys):
+    """Rank 1 started with WORLD_SIZE=3, rank 0 with 2: they met in init_process_group and waited there 53 s for a
+    bound of 8, under torch's warnings (fault pass 4, V2). Rank 0 says it once, exit 2; the others end quietly."""
+    store = dist.HashStore()
+    meeting._report(store, {"rank": 1, "world_size": 3})
+    with pytest.raises(meeting.StartAbandoned) as abandoned:
+        meeting.meet(store, 0, 2, timeout(600))
+    assert abandoned.value.exit_code == 2
+    line = "spmd_rl: error: rank 1 was started with world size 3 and rank 0 with 2: start every rank with the same"
+    assert capsys.readouterr().err.startswith(line)
+    assert store.get(meeting.OUTCOME) == b"abandoned 2"
+
+
 def test_rank_0s_timeout_names_the_ranks_it_did_not_hear_from():
     store = dist.HashStore()
     meeting._report(store, {"rank": 2})  # rank 2 arrived; rank 1 took a number and never wrote its report

@@ -13,11 +13,15 @@ LAUNCH = LaunchInfo("env", 1, 2, 1, 2, "env://")
 WAIT = "rank 1 (colocated 1): end-of-iteration agreement failed: rank 0 did not respond within dist.timeout_s=10s"
 
 
+CLOSED = "rank 1 (colocated 1): learning failed: rank 0 closed the connection: it exited first"
+
+
 @pytest.mark.parametrize("frozen_s, said", [(14.2, True), (0.0, False)])
-def test_a_rank_stopped_during_its_wait_says_it_was(capsys, frozen_s, said):
-    timed_out = CommError(WAIT, peers=(0,), timed_out=True)
-    code, waited, spoke = _report_failure(timed_out, LAUNCH, "rank 1 (colocated 1)", started=True, frozen_s=frozen_s)
+@pytest.mark.parametrize("message, timed_out", [(WAIT, True), (CLOSED, False)])  # woken by mpirun: rank 0 left
+def test_a_rank_stopped_during_its_wait_says_it_was(capsys, frozen_s, said, message, timed_out):
+    failed = CommError(message, peers=(0,), timed_out=timed_out)
+    code, waited, spoke = _report_failure(failed, LAUNCH, "rank 1 (colocated 1)", started=True, frozen_s=frozen_s)
     line = capsys.readouterr().err
-    assert code == 3 and spoke and waited is not None and waited.peers == (0,) and waited.timed_out
-    assert line.count("\n") == 1 and "rank 0 did not respond" in line
+    assert code == 3 and spoke and waited is not None and waited.peers == (0,) and waited.timed_out == timed_out
+    assert line.count("\n") == 1 and message.split(" failed: ")[1] in line
     assert ("this rank itself did not run for 14 s of the wait" in line) == said, line
