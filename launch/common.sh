@@ -13,14 +13,14 @@ make_exit_file() {   # not in $(...): the trap that removes the files must belon
     trap 'rm -f "$exit_file"; rm -rf "$failure_dir"' EXIT
 }
 
-# Passes SIGINT, SIGTERM and SIGUSR1 on to the launcher (which passes them on to every rank), waits until it has
-# exited, and exits with the job's code: when the launcher failed, the first failing rank's 2, 3 or 4 from the
-# failure records, else rank 0's own (the launcher's is 1 whatever the ranks did) where it is 2 (a config or layout
-# error, the same on every rank), 3, 4 or 75 (a checkpointed stop), and,
-# after a signal to this script, 128+N (rank 0's, or N's itself with a line of its own when rank 0 left no code:
-# the signal came before it could); else the launcher's status. A script started with SIGINT ignored (a background
-# job, `cmd &`, of a non-interactive shell) cannot trap it, as bash says, so it ignores a SIGINT; SIGTERM and SIGUSR1
-# still stop the job with a checkpoint.
+# Passes SIGINT, SIGTERM and SIGUSR1 (and SIGHUP, as SIGTERM) on to the launcher (which passes them on to every rank),
+# waits until it has exited, and exits with the job's code: when the launcher failed, the first failing rank's 2, 3 or
+# 4 from the failure records, else rank 0's own (the launcher's is 1 whatever the ranks did) where it is 2 (a config
+# or layout error, the same on every rank), 3, 4 or 75 (a checkpointed stop), and, after a signal to this script,
+# 128+N (rank 0's, or N's itself with a line of its own when rank 0 left no code: the signal came before it could);
+# else the launcher's status. A script started with SIGINT ignored (a background job, `cmd &`, of a non-interactive
+# shell) cannot trap it, as bash says, so it ignores a SIGINT; SIGTERM and SIGUSR1 still stop the job with a
+# checkpoint.
 wait_for_launcher() {
     local job=$1 filter=${2:-} sig status ranks_code
     signalled=""
@@ -32,6 +32,11 @@ wait_for_launcher() {
         # shellcheck disable=SC2064  # the job's pid is fixed now
         trap "signalled=\${signalled:-$sig}; kill -$sig $job 2>/dev/null" "$sig"
     done
+    # A hangup (the terminal closed): passed on as SIGTERM, which every launcher relays to the ranks alike (the ranks
+    # take SIGHUP as SIGTERM too), and this script lives on to wait and exit with the job's code; it died of it.
+    # Under nohup it came ignored and stays so.
+    # shellcheck disable=SC2064
+    trap "signalled=\${signalled:-HUP}; kill -TERM $job 2>/dev/null" HUP
     while true; do   # a trapped signal ends `wait` early: wait again until the launcher itself has exited
         wait "$job" && status=0 || status=$?
         kill -0 "$job" 2>/dev/null || break

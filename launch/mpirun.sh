@@ -70,7 +70,7 @@ drop_exit_status_boxes() {
          { print; fflush() }
          END { if (boxed) print held }' >&2
 }
-exec {to_filter}> >(trap '' INT TERM USR1; drop_exit_status_boxes)
+exec {to_filter}> >(trap '' INT TERM USR1 HUP; drop_exit_status_boxes)
 filter=$!
 # mpirun runs in a process group of its own (set -m), so a signal to this script's group (a terminal's Ctrl-C,
 # `timeout`, kill -TERM -PGID) reaches it once, passed on below, not twice: a second SIGTERM makes mpirun kill the

@@ -80,9 +80,9 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # The filter's pid is kept (a process substitution's is $! only right after it starts) so that this script ends
 # after its last line; it reads until the agent and the ranks, its only writers once this shell closes its copy, exit.
-# The filter ignores INT, TERM and USR1: a signal sent to the whole process group (`timeout`, a terminal's Ctrl-C,
-# Slurm) would otherwise end it first, and the ranks' last lines would go into a closed pipe.
-exec {to_filter}> >(trap '' INT TERM USR1; drop_signal_traceback)
+# The filter ignores INT, TERM, USR1 and HUP: a signal sent to the whole process group (`timeout`, a terminal's
+# Ctrl-C or hangup, Slurm) would otherwise end it first, and the ranks' last lines would go into a closed pipe.
+exec {to_filter}> >(trap '' INT TERM USR1 HUP; drop_signal_traceback)
 filter=$!
 # The agent runs in a process group of its own (set -m), so a signal to this script's group reaches it once, passed
 # on by wait_for_launcher, not twice: a second SIGTERM while it logs the first breaks its logging ("--- Logging

@@ -136,6 +136,19 @@ def test_sigterm_to_the_group_at_any_moment_is_one_line_and_143_or_75(tmp_path, 
         assert "rerun the same command to resume" in said[0], output
 
 
+@pytest.mark.parametrize("script", ["torchrun.sh", pytest.param("mpirun.sh", marks=needs_mpirun)])
+def test_a_hangup_of_the_group_while_training_stops_with_a_checkpoint_and_75(tmp_path, script):
+    # The terminal closed: SIGHUP to the script's group. The script passes it on (as SIGTERM) and waits for the job:
+    # it died of it, silently, and the stop line and the job's code went with it (fault pass 4, N6).
+    job = _start(script, ENDLESS, tmp_path)
+    _wait_for(lambda: any(p.stat().st_size for p in tmp_path.glob("runs/*/metrics.jsonl")), job, "metrics")
+    os.killpg(job.pid, signal.SIGHUP)
+    code, output = _finish(job, tmp_path)
+    said = [line for line in _lines(output) if not line.startswith(("spmd_rl: launcher ", "iter "))]
+    assert code == 75, output
+    assert len(said) == 1 and "stopped by SIG" in said[0] and "checkpoint" in said[0], output
+
+
 # launch/torchrun.sh runs the agent in a group of its own, with setpriv's parent-death SIGTERM: the agent stops
 # the ranks. Plain torchrun's group holds the agent: the kill takes it, and the ranks watch it go themselves.
 @pytest.mark.parametrize("script", ["torchrun.sh", "torchrun"])
