@@ -18,7 +18,8 @@ runs/<run>, runs/<sweep>/<run>), read from the files every run already writes:
 Damaged files are read as far as they are sound, the run's state is marked damaged, and what is damaged is named
 in a note below the table, never a traceback. Nothing a damaged or planted directory holds can hang or exhaust the
 listing: only regular files are read (not a FIFO, not a link to /dev/zero), config.yaml through the config's own
-bounded loader (no alias bomb), metrics.jsonl's last METRICS_TAIL_BYTES only, and lines up to METRICS_LINE_BYTES.
+bounded loader (no alias bomb), metrics.jsonl's last METRICS_TAIL_BYTES only, and lines up to METRICS_LINE_BYTES;
+a resumable run's newest committed checkpoint by its rank files' sizes against its COMPLETE marker (MARKER_BYTES).
 --json prints one JSON object per run instead, for scripts. This module imports no torch: it answers at once.
 """
 
@@ -37,12 +38,22 @@ import yaml
 
 from spmd_rl.config.loading import MAX_CONFIG_BYTES, ConfigLoader
 from spmd_rl.persist.fileio import NotRegularFile, bounded_lines, open_regular
-from spmd_rl.persist.run_files import CONFIG_FILE, FINISHED, LOCK_FILE, METRICS_FILE, METRICS_LINE_BYTES
+from spmd_rl.persist.run_files import (
+    CHECKPOINT_PREFIX,
+    CHECKPOINTS_DIR,
+    COMPLETE_MARKER,
+    CONFIG_FILE,
+    FINISHED,
+    LOCK_FILE,
+    METRICS_FILE,
+    METRICS_LINE_BYTES,
+)
 from spmd_rl.persist.run_lock import note_damage, read_lock
 from spmd_rl.plot import SEARCH_DEPTH, is_run_dir, run_dirs_inside
 from spmd_rl.runtime.errors import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
 
 METRICS_TAIL_BYTES = 16 << 20  # what the index reads of a metrics.jsonl: its last records are what it shows
+MARKER_BYTES = 1 << 20  # a checkpoint's COMPLETE marker (names and sizes of its rank files: a few hundred bytes)
 
 
 @dataclass
@@ -93,10 +104,54 @@ def run_status(run_dir: Path) -> tuple[RunStatus, dict]:
         status.state = "unknown"  # logged without run.lock: a run from before run.lock, or a copied directory
     if status.state == "finished" and isinstance(lock.get("exit_code"), int):
         status.exit_code = lock["exit_code"]
+    if status.state in ("stopped", "failed", "killed", "unknown"):  # what a rerun would resume from
+        _note_checkpoint_damage(run_dir, status.notes)
     _read_metrics(run_dir, status)
     total = config.get("train", {}).get("total_steps") if isinstance(config.get("train"), dict) else None
     status.total_steps = total if isinstance(total, int) else None
     return status, config
+
+
+def _note_checkpoint_damage(run_dir: Path, notes: list[str]) -> None:
+    """A note when the newest committed checkpoint's rank files differ in size from what its COMPLETE marker
+    recorded, or are gone: the first check a resume makes (persist/checkpoint.py, rank_file_damage), by size alone
+    here (no rank file is read), so that a run a rerun cannot resume as listed is not shown as only 'stopped'."""
+    root = run_dir / CHECKPOINTS_DIR
+    try:
+        with os.scandir(root) as entries:
+            names = [
+                e.name for e in entries if e.name.startswith(CHECKPOINT_PREFIX) and e.is_dir(follow_symlinks=False)
+            ]
+    except OSError:
+        return
+    numbered = sorted(
+        (int(name[len(CHECKPOINT_PREFIX) :]), name) for name in names if name[len(CHECKPOINT_PREFIX) :].isdigit()
+    )
+    for _, name in reversed(numbered):
+        marker_path = root / name / COMPLETE_MARKER
+        try:
+            with open_regular(marker_path) as file:
+                marker = json.loads(file.read(MARKER_BYTES))
+        except FileNotFoundError:
+            continue  # an interrupted save: a resume never loads it
+        except (OSError, ValueError):
+            notes.append(f"{marker_path} cannot be read: a resume steps back to an older checkpoint, if any")
+            return
+        files = marker.get("files") if isinstance(marker, dict) else None
+        for file_name, saved in files.items() if isinstance(files, dict) else ():
+            path = root / name / str(file_name)
+            try:
+                size = os.lstat(path).st_size
+            except OSError:
+                size = None
+            if size != saved:
+                found = "is missing" if size is None else f"is truncated or altered ({size} bytes, {saved} when saved)"
+                notes.append(
+                    f"checkpoint file {path} {found}: a resume steps back to an older complete checkpoint, or is "
+                    f"refused where there is none"
+                )
+                return
+        return  # the newest committed checkpoint is the one a resume loads
 
 
 def _read_config(run_dir: Path, notes: list[str]) -> dict:

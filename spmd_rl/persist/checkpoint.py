@@ -50,7 +50,7 @@ from spmd_rl.persist.fileio import (
     torch_save_atomic,
     write_atomic,
 )
-from spmd_rl.persist.run_files import CHECKPOINTS_DIR
+from spmd_rl.persist.run_files import CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER
 from spmd_rl.runtime.errors import UserError
 
 if TYPE_CHECKING:  # annotations only: torch.distributed.checkpoint is imported when a run shards
@@ -61,8 +61,8 @@ SHARDED = "__sharded__"  # a placeholder's key: {SHARDED: "<its key in the shard
 SHARDS_FROM = "shards_from"  # added on loading: the checkpoint directory the placeholders' shard files are in
 SHARD_FILES = "shard_files"  # rank file key: {file name: sha256} of the shard files this rank wrote
 LATEST = "latest"
-COMPLETE = "COMPLETE"
-_PREFIX = "iter_"
+COMPLETE = COMPLETE_MARKER
+_PREFIX = CHECKPOINT_PREFIX
 
 
 class CheckpointStore:

@@ -183,12 +183,22 @@ def _list(runs: Path) -> subprocess.CompletedProcess:
         ("config alias bomb", "config.yaml does not load"),
         ("config FIFO", "config.yaml is not a regular file (a FIFO): its keys are not compared"),
         ("run.lock torn in half", "run.lock holds no whole note (torn or overwritten)"),
+        # a resume of these steps back or is refused (fault pass 4, I5r: the index said only "stopped (75)")
+        ("checkpoint truncated", "rank0.pt is truncated or altered (50 bytes, 100 when saved): a resume steps back"),
+        ("checkpoint file missing", "iter_000000001/rank0.pt is missing: a resume steps back"),
+        ("checkpoint marker FIFO", "iter_000000001/COMPLETE cannot be read"),
     ],
 )
 def test_a_damaged_run_is_listed_as_damaged_without_hanging_or_a_traceback(tmp_path, damage, note):
     runs = tmp_path / "runs"
     run_dir = fake_run(runs, "ppo-aaaaaaaa", 75)
-    fake_run(runs, "ppo-bbbbbbbb", 75)
+    for run in (run_dir, fake_run(runs, "ppo-bbbbbbbb", 75)):  # each with a committed checkpoint and a newer save
+        committed, interrupted = run / "checkpoints" / "iter_000000001", run / "checkpoints" / "iter_000000002"
+        for directory in (committed, interrupted):  # the interrupted one has no marker: a resume never loads it
+            directory.mkdir(parents=True)
+            (directory / "rank0.pt").write_bytes(b"x" * 100)
+        (committed / "COMPLETE").write_text(json.dumps({"iteration": 1, "files": {"rank0.pt": 100}}) + "\n")
+    checkpoint = run_dir / "checkpoints" / "iter_000000001"
     metrics, config = run_dir / "metrics.jsonl", run_dir / "config.yaml"
     if damage == "nested metrics line":
         metrics.write_bytes(metrics.read_bytes() + NESTED + b"\n" + b'{"iteration": 2, "env_steps": 300}\n')
@@ -203,6 +213,13 @@ def test_a_damaged_run_is_listed_as_damaged_without_hanging_or_a_traceback(tmp_p
             file.truncate(2 << 30)  # sparse: zeros that take no disk
     elif damage == "config alias bomb":
         config.write_text(ALIAS_BOMB)
+    elif damage == "checkpoint truncated":
+        (checkpoint / "rank0.pt").write_bytes(b"x" * 50)
+    elif damage == "checkpoint file missing":
+        (checkpoint / "rank0.pt").unlink()
+    elif damage == "checkpoint marker FIFO":
+        (checkpoint / "COMPLETE").unlink()
+        os.mkfifo(checkpoint / "COMPLETE")
     elif damage == "run.lock torn in half":
         whole = (run_dir / "run.lock").read_bytes()
         (run_dir / "run.lock").write_bytes(whole[: len(whole) // 2])
