@@ -27,6 +27,11 @@ from spmd_rl.storage.reader import HDF5Reader
 from spmd_rl.storage.replay import ReplayBuffer
 from spmd_rl.storage.writer import HDF5Writer
 
+# wait4's maxrss counts the forking test process's memory up to the exec too (run_main_measured): an xdist worker
+# held 1028 MiB once late in the tier (CI, 2026-12-07), over a 1024 bound that the run itself was far below. The
+# failures these bounds catch took 11.6 and 21.9 GB.
+PEAK_BOUND_MIB = 2048
+
 # -------------------------------------------------------------------------------------------------------------------
 # Config files and overrides
 
@@ -51,7 +56,7 @@ def test_the_alias_bomb_is_refused_at_once_with_one_short_line(tmp_path):
     result, elapsed, peak_mib = run_main("--config", str(path), f"run.dir={tmp_path / 'run'}")
     line = assert_one_line_exit_2(result, str(path), "aliases", max_chars=300)
     assert elapsed < 15, f"{elapsed:.1f} s (it took 285 s before)"
-    assert peak_mib < 1024, f"peak {peak_mib} MiB (21.9 GB before)"
+    assert peak_mib < PEAK_BOUND_MIB, f"peak {peak_mib} MiB (21.9 GB before)"
     print(f"alias bomb: {elapsed:.2f} s, peak {peak_mib} MiB: {line}")
 
 
@@ -93,7 +98,7 @@ def test_a_huge_config_file_and_a_long_list_are_refused_fast(tmp_path):
     huge.write_text("env:\n  kwargs:\n    x:\n" + "      - 1\n" * 5_000_000)  # 50 MB (MemoryError at 11.6 GB before)
     result, elapsed, peak_mib = run_main("--config", str(huge), f"run.dir={tmp_path / 'run'}")
     assert_one_line_exit_2(result, str(huge), "larger than 1 MiB")
-    assert elapsed < 15 and peak_mib < 1024
+    assert elapsed < 15 and peak_mib < PEAK_BOUND_MIB, (elapsed, peak_mib)
 
     long_list = tmp_path / "long_list.yaml"  # under 1 MiB, but 100,000 values
     long_list.write_text("env:\n  kwargs:\n    x:\n" + "      - 1\n" * 100_000)
@@ -212,7 +217,7 @@ def test_a_crafted_chunk_rows_attribute_makes_resume_exit_2_naming_the_file(tmp_
     craft(log, chunk_rows=2**40)
     result, elapsed, peak_mib = run_main(*args)
     assert_one_line_exit_2(result, str(log), "chunk_rows 1099511627776")
-    assert peak_mib < 2048
+    assert peak_mib < PEAK_BOUND_MIB
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["cursor_only", "cursor_and_datasets"])
