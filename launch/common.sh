@@ -7,6 +7,15 @@
 #   launcher ... & wait_for_launcher $! [FILTER_PID]   # and exits as described below (after the launcher's
 #                                             # output filter, if it has one, printed its last line)
 
+# The launch scripts filter the ranks' stderr through awk, line by line. mawk (Debian's awk) reads a pipe until its
+# buffer is full or the pipe closes before it runs the program on the first line, so a rank's line waited for 4 KiB
+# more output or for the job's end (a failed attempt's line under MAX_RESTARTS came after the next attempt's `done:`,
+# fault pass 4, D8); `-W interactive` makes it read a line at a time. gawk and busybox awk read lines as they come.
+line_awk=(awk)
+if awk -W version 2>/dev/null | grep -q '^mawk'; then
+    line_awk=(awk -W interactive)
+fi
+
 make_exit_file() {   # not in $(...): the trap that removes the files must belong to the script's own shell
     exit_file=$(mktemp "${TMPDIR:-/tmp}/spmd_rl-exit.XXXXXX")
     failure_dir=$(mktemp -d "${TMPDIR:-/tmp}/spmd_rl-failures.XXXXXX")

@@ -43,11 +43,12 @@ make_exit_file
 # every exception in it is the agent's SignalException.
 # When a rank fails or a signal comes, the agent logs each SIGTERM it sends on (dropped: the ranks' lines, or this
 # script's, say what happened). After a failure it logs the failed exit code and raises ChildFailedError with a
-# report of every rank's: 50 lines after the ranks' one line. Once rank 0 has left its code in $exit_file it has
-# spoken for the job (its line or the job summary), so those are dropped too; a job whose rank 0 left nothing (it
-# was killed, or died before Python ran) keeps them, the only account of what happened.
+# report of every rank's: 50 lines after the ranks' one line; a rank that does not end within the agent's shutdown
+# timeout of its SIGTERM (30 s; a SIGSTOPped rank never does) is killed with a line saying so. Once rank 0 has left
+# its code in $exit_file it has spoken for the job (its line or the job summary), so those are dropped too; a job
+# whose rank 0 left nothing (it was killed, or died before Python ran) keeps them, the only account of what happened.
 drop_signal_traceback() {   # every other line passes at once
-    awk -v exit_file="${exit_file:-/dev/null}" '
+    "${line_awk[@]}" -v exit_file="${exit_file:-/dev/null}" '
          function spoke(  code) { code = ""; getline code < exit_file; close(exit_file); return code != "" }
          function finish() { if (real) print held; state = 0; fflush() }
          state == 3 { if (/^=+$/ && ++rules == 2) state = 0; next }   # the ChildFailedError report, to its end
@@ -65,7 +66,7 @@ drop_signal_traceback() {   # every other line passes at once
                       state = 2; next }
          /^[IWE][0-9]+ [0-9:.]+ [0-9]+ ([^ ]*\/)?torch\/distributed\/elastic\/[a-z_\/]+\.py:[0-9]+\] (Sending process [0-9]+ closing signal SIG[A-Z]+|Received [0-9]+ death signal, shutting down workers)$/ {
              next }   # how the agent passes a signal or a failure on: the ranks, or this script, say what happened
-         /^[IWE][0-9]+ [0-9:.]+ [0-9]+ ([^ ]*\/)?torch\/distributed\/elastic\/multiprocessing\/api\.py:[0-9]+\] failed \(exitcode: -?[0-9]+\) local_rank: [0-9]+ / {
+         /^[IWE][0-9]+ [0-9:.]+ [0-9]+ ([^ ]*\/)?torch\/distributed\/elastic\/multiprocessing\/api\.py:[0-9]+\] (failed \(exitcode: -?[0-9]+\) local_rank: [0-9]+ |Unable to shutdown process [0-9]+ via )/ {
              if (spoke()) next }
          { print; fflush() }
          END { if (state == 3) state = 0; if (state) { real = real || state == 1; finish() } }' >&2

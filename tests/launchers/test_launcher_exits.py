@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,9 +32,9 @@ pytestmark = pytest.mark.slow
 needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
 
 
-def _start(script: str, args: list[str], cwd: Path) -> subprocess.Popen:
+def _start(script: str, args: list[str], cwd: Path, **env_vars: str) -> subprocess.Popen:
     """launch/<script> (or plain torchrun for "torchrun") with 2 ranks, in a session of its own."""
-    env = with_pythonpath(job_env(PYTHON=sys.executable, NPROC="2", NP="2"), ROOT)
+    env = with_pythonpath(job_env(**{"PYTHON": sys.executable, "NPROC": "2", "NP": "2", **env_vars}), ROOT)
     line = command("torchrun", 2, standalone=True) if script == "torchrun" else [str(ROOT / "launch" / script)]
     return subprocess.Popen(
         [*line, *args],
@@ -218,6 +219,51 @@ def test_ctrl_c_under_plain_torchrun_is_acknowledged_once_and_stops_once(tmp_pat
     stopped = [line for line in lines if "stopped by SIGINT after iteration" in line]
     assert len(acknowledged) == 1 and len(stopped) == 1, output
     assert "rerun the same command to resume" in stopped[0], output
+
+
+def test_a_failed_attempts_line_is_heard_while_the_restarted_attempt_runs(tmp_path):
+    # MAX_RESTARTS=1, kill -9 of rank 1: rank 0's line about it passes the script's output filter as it is written,
+    # not when the restarted attempt's job ends (mawk read the pipe in 4 KiB blocks: fault pass 4, D8).
+    job = _start("torchrun.sh", [*ENDLESS, "checkpoint.every_iterations=20"], tmp_path, MAX_RESTARTS="1")
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(job.stdout.readline, "")), daemon=True)
+    reader.start()
+    _wait_for(lambda: list(tmp_path.glob("runs/*/checkpoints/iter_*")), job, "checkpoint")
+    (rank_1,) = [pid for pid in _ranks(tmp_path) if "RANK=1" in _environ(pid)]
+    os.kill(rank_1, signal.SIGKILL)
+    _wait_for(lambda: any(line.startswith("spmd_rl: rank 0 ") for line in lines), job, "line from rank 0")
+    assert not any("resuming from" in line for line in lines), "the line came after the restarted attempt began"
+    # the restarted attempt resumes and trains; then it stops with a checkpoint
+    _wait_for(lambda: any("resuming from" in line for line in lines[:-1]), job, "restarted attempt's iteration")
+    os.killpg(job.pid, signal.SIGTERM)
+    try:
+        job.wait(timeout=BOUND_S)
+    finally:
+        for pid in [job.pid, *_ranks(tmp_path)]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    reader.join(timeout=10)
+    output = "".join(lines)
+    assert job.returncode == 75, output
+    assert output.count("resuming from") == 1 and "stopped by SIGTERM after iteration" in output, output
+
+
+def test_a_stopped_env_rank_under_torchrun_sh_is_the_ranks_lines_and_the_summary_without_the_agents(tmp_path):
+    # The agent gives the SIGSTOPped rank its shutdown timeout to take SIGTERM, then kills it and logs "Unable to
+    # shutdown process ..., forcefully exiting": rank 0 has spoken for the job by then (fault pass 4, D2). The
+    # timeout is 30 s by default; 3 s here to keep the test short.
+    split = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2", "dist.timeout_s=8"]
+    job = _start("torchrun.sh", [*ENDLESS, *split], tmp_path, NPROC="4", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3")
+    _wait_for(lambda: any(p.stat().st_size for p in tmp_path.glob("runs/*/metrics.jsonl")), job, "metrics")
+    (env_rank,) = [pid for pid in _ranks(tmp_path) if "RANK=3" in _environ(pid)]
+    os.kill(env_rank, signal.SIGSTOP)
+    code, output = _finish(job, tmp_path)
+    said = [line for line in _lines(output) if not line.startswith(("spmd_rl: launcher ", "iter "))]
+    assert code == 3, output
+    assert said[-1].startswith("spmd_rl: job summary: rank 3 (env 1) stopped responding first"), output
+    assert all(line.startswith("spmd_rl: ") for line in said), output
 
 
 @needs_mpirun
