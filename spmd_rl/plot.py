@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
     """The records of run_dir/metrics.jsonl, one per iteration (the last written wins, as after a resume that
     repeated iterations), in iteration order. A torn last line (a run killed mid-write) is skipped."""
     path = run_dir / METRICS_FILE
+    if os.path.lexists(path) and not path.is_file():  # a FIFO, a device or a directory: nothing to read
+        raise UserError(f"{path} is not a regular file: move it away, or give the directory of another run")
     if not path.is_file():
         raise UserError(f"{run_dir} has no metrics.jsonl: give the directory of a run (its run.dir)")
     lines = path.read_text(errors="replace").splitlines()  # bytes that are not UTF-8: a damaged line, named below

@@ -224,7 +224,9 @@ def format_table(rows: list[RunStatus], root: Path | None, now: float) -> str:
         path = Path(row.directory)
         if root is not None:
             try:
-                return str(path.relative_to(root))
+                relative = path.relative_to(root)
+                if relative.parts:  # the root itself is a run: its own path, not "."
+                    return str(relative)
             except ValueError:
                 pass
         return str(path)

@@ -48,8 +48,10 @@ _held: dict[Path, tuple[int | None, int]] = {}
 _found: dict[Path, bytes | None] = {}
 
 
-def lock_run_dir(run_dir: Path) -> None:
-    """Take run_dir's locks for this process (until release_run_dirs), or raise a UserError naming its holder."""
+def lock_run_dir(run_dir: Path, named: bool = False) -> None:
+    """Take run_dir's locks for this process (until release_run_dirs), or raise a UserError naming its holder.
+    named: the config named run.dir (its refusal then does not suggest run.resume=never, which only picks a new
+    directory for a command's own)."""
     run_dir = Path(run_dir)
     key = run_dir.resolve()
     if key in _held:
@@ -57,13 +59,13 @@ def lock_run_dir(run_dir: Path) -> None:
     dir_fd = note_fd = None
     try:
         dir_fd = _open_dir(run_dir)
-        if not _lock(dir_fd, run_dir):
+        if not _lock(dir_fd, run_dir, named):
             os.close(dir_fd)  # a file system that locks no directory: run.lock's flock alone guards the run
             dir_fd = None
         _refuse_odd_note(run_dir / LOCK_FILE)
         existed = os.path.lexists(run_dir / LOCK_FILE)
         note_fd = _open_note(run_dir / LOCK_FILE)
-        if not _lock(note_fd, run_dir) and dir_fd is None:  # say so rather than run unguarded without a word
+        if not _lock(note_fd, run_dir, named) and dir_fd is None:  # say so rather than run unguarded without a word
             raise UserError(f"{run_dir}: cannot lock the run directory: its file system takes no flock")
         found = os.pread(note_fd, NOTE_BYTES + 1, 0)
         note = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}) + "\n"
@@ -200,16 +202,17 @@ def _open_note(path: Path) -> int:
     )
 
 
-def _lock(fd: int, run_dir: Path) -> bool:
+def _lock(fd: int, run_dir: Path, named: bool) -> bool:
     """An exclusive flock on fd: True when taken, False when the file system takes none; a UserError naming the
     holder when another process holds it."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
+        never = "" if named else " (run.resume=never starts a new directory for the same command)"
         raise UserError(
             f"run directory {run_dir} is in use by another run ({_holder(run_dir)}); wait for it to end or stop it, "
-            f"or give this one another run.dir (run.resume=never starts a new directory for the same command)"
+            f"or give this one another run.dir{never}"
         ) from None
     except OSError:
         return False

@@ -57,7 +57,8 @@ def agree_on_run(cfg: Config, runtime, dry_run: bool = False, algorithm_refusal:
         run_dir, note = _default_run_dir(cfg, dry_run)
         if not dry_run:
             try:
-                lock_run_dir(make_dirs(run_dir))  # one writer: a second copy of this command is refused here
+                # one writer: a second copy of this command is refused here
+                lock_run_dir(make_dirs(run_dir), named=bool(cfg.run.dir))
                 resume = decide_resume(cfg, Path(run_dir), runtime.world_size, algorithm_refusal)
                 verdict, fallback = str(resume.checkpoint or ""), resume.fallback
             except UserError as exc:
@@ -179,7 +180,12 @@ def decide_resume(cfg, run_dir: Path, world_size: int, algorithm_refusal: str = 
     try:
         previous = load_config(config_dir / CONFIG_FILE)
     except UserError as exc:
-        raise UserError(f"cannot resume from {config_dir}: its config.yaml does not load ({exc})") from None
+        # the loader's advice is for a --config file: the run's own config.yaml is restored, not replaced
+        problem = str(exc).split("; pass --config")[0].split("; give it sections")[0]
+        raise UserError(
+            f"cannot resume from {config_dir}: its config.yaml does not load ({problem}); restore it from a copy (it "
+            f"is the config the run started with), or give this command another run.dir"
+        ) from None
     finally:  # loading a config bounds the process's watchdog by its dist.timeout_s: this run's bound is the one
         watchdog.rebound(cfg.dist.timeout_s)
     # The same run, on the same layout or (resharding, sharded runs only) another; everything else must match.

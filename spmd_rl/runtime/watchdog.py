@@ -35,7 +35,8 @@ class Watchdog:
         self.timeout_s = 0.0
         self.who = "spmd_rl"
         self.on_expiry: Callable[[], None] | None = None
-        self._current: tuple[float, str] = (math.inf, "")  # (deadline, the call): one tuple, replaced atomically
+        # (deadline, the call, its bound in s): one tuple, replaced atomically
+        self._current: tuple[float, str, float] = (math.inf, "", 0.0)
         self._thread: threading.Thread | None = None
         self._last_tick = time.monotonic()
         self._gaps: list[tuple[float, float]] = []  # (when it ended, seconds): ticks that came far too late
@@ -62,7 +63,7 @@ class Watchdog:
         deadline once the inner one ends."""
         return _Watched(self, what, margin_s)
 
-    def _arm(self, what: str, margin_s: float) -> tuple[float, str]:
+    def _arm(self, what: str, margin_s: float) -> tuple[float, str, float]:
         previous = self._current
         if self.timeout_s > 0:
             if self._thread is None:
@@ -73,10 +74,11 @@ class Watchdog:
                 self._last_tick = time.monotonic()
                 self._thread = threading.Thread(target=self._run, name="spmd_rl-watchdog", daemon=True)
                 self._thread.start()
-            self._current = (time.monotonic() + self.timeout_s + margin_s, what)
+            bound_s = self.timeout_s + margin_s
+            self._current = (time.monotonic() + bound_s, what, bound_s)
         return previous
 
-    def _disarm(self, previous: tuple[float, str]) -> None:
+    def _disarm(self, previous: tuple[float, str, float]) -> None:
         self._current = previous
 
     def frozen_for(self, within_s: float) -> float:
@@ -98,18 +100,18 @@ class Watchdog:
                 self._gaps = [*self._gaps[-7:], (now, gap)]
                 current = self._current  # the time the process was stopped is not the user code's
                 if self._current is current:
-                    self._current = (current[0] + gap, current[1])
+                    self._current = (current[0] + gap, current[1], current[2])
             self._last_tick = now
-            deadline, what = self._current
+            deadline, what, bound_s = self._current
             if time.monotonic() > deadline:
-                self._expire(what)
+                self._expire(what, bound_s)
 
-    def _expire(self, what: str) -> None:
+    def _expire(self, what: str, bound_s: float) -> None:
         frame = sys._current_frames().get(self._main) if self._main is not None else None
         where = innermost_user_frame(traceback.extract_stack(frame)) if frame is not None else ""
         stuck = f"; stuck at {where}" if where else ""
         print(
-            f"spmd_rl: {self.who}: {what} did not return within {self.timeout_s:g} s{stuck} (a hang, or slower "
+            f"spmd_rl: {self.who}: {what} did not return within {bound_s:g} s{stuck} (a hang, or slower "
             f"than the bound: raise dist.timeout_s if it is only slow; {DEBUG_VARIABLE}=1 prints every thread's "
             f"stack)",
             file=sys.stderr,

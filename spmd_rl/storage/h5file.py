@@ -160,20 +160,21 @@ def check_chunks(path: Path, dataset: h5py.Dataset, start: int, stop: int) -> No
                 break
             except DAMAGED_FILE_ERRORS as exc:
                 if attempt:
-                    raise DamagedRows(
+                    problem = (
                         f"{path} is damaged: rows {chunk}..{end - 1} of {dataset.name} fail HDF5's checks "
-                        f"({first_line(exc)}); restore the file or remove it",
-                        chunk,
-                    ) from None
+                        f"({first_line(exc)})"
+                    )
+                    raise DamagedRows(f"{problem}; restore the file from a copy", chunk, problem) from None
                 time.sleep(0.05)
 
 
 class DamagedRows(UserError):
-    """Rows of a dataset that fail HDF5's checks; `first` is the first of them (a position in the dataset)."""
+    """Rows of a dataset that fail HDF5's checks; `first` is the first of them (a position in the dataset), `problem`
+    the message without its advice (a writer gives its own)."""
 
-    def __init__(self, message: str, first: int):
+    def __init__(self, message: str, first: int, problem: str):
         super().__init__(message)
-        self.first = first
+        self.first, self.problem = first, problem
 
 
 def clear_crash_flags(path: Path) -> None:

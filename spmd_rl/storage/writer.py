@@ -405,7 +405,7 @@ class HDF5Writer:
         self._chunk_addresses.clear()  # truncation frees chunks; new ones may get new addresses
         self._file.flush()
 
-    def _find_damage(self) -> tuple[int, UserError] | None:
+    def _find_damage(self) -> tuple[int, DamagedRows] | None:
         """Verify the checksums of every valid row of an opened file (~0.5 GB/s, benchmarks/README.md): the first
         damaged position and its error (naming the file, dataset and rows), or None.
 
@@ -446,7 +446,10 @@ class HDF5Writer:
         # the damaged file, nor report it a second time.
         with contextlib.suppress(*DAMAGED_FILE_ERRORS):
             self._release()
-        raise error
+        # removing the file alone would be refused next (the checkpoint counts rows in it: _check_present)
+        raise UserError(
+            f"{error.problem}; restore it from a copy, or remove it and the run's checkpoints/ to start over"
+        )
 
     def _write_staged(self) -> None:
         self._write({name: staging[: self._staged] for name, staging in self._staging.items()})

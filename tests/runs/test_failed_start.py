@@ -51,6 +51,19 @@ def test_a_refused_resume_leaves_every_file_as_it_was(stopped_run, tmp_path):
     assert _state(tmp_path) == "stopped"
 
 
+@pytest.mark.parametrize("damage", [b"run: {name: [\xff\xfe", b"# nothing\n"], ids=["not-utf8", "empty"])
+def test_a_resume_from_a_damaged_config_yaml_says_to_restore_it_and_changes_nothing(stopped_run, damage):
+    (stopped_run / "config.yaml").write_bytes(damage)
+    before = _files(stopped_run)
+    refused = run_main("--config", TINY, f"run.dir={stopped_run}")
+    assert refused.returncode == 2, refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    assert f"cannot resume from {stopped_run}: its config.yaml does not load" in line, line
+    # the advice for a --config file ("pass --config", "leave out --config") does not repair a run's own (pass 4, I4)
+    assert "--config" not in line and "restore it from a copy" in line, line
+    assert _files(stopped_run) == before
+
+
 @pytest.mark.skipif(
     subprocess.run([sys.executable, "-c", "import mlflow"], capture_output=True).returncode != 0,
     reason="needs the mlflow extra",

@@ -4,6 +4,7 @@ and spread, the picture, and the one-line errors."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -104,7 +105,7 @@ def test_the_command_draws_a_picture(tmp_path, capsys):
     assert width > 400 and height > 300
 
 
-@pytest.mark.parametrize("problem", ["missing_dir", "no_metrics", "unknown_metric"])
+@pytest.mark.parametrize("problem", ["missing_dir", "no_metrics", "metrics_fifo", "unknown_metric"])
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, problem):
     pytest.importorskip("matplotlib")
     run_dir = make_run(tmp_path, "a", 1, [1.0, 2.0])
@@ -113,6 +114,9 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, problem):
         args[0] = str(tmp_path / "nowhere")
     elif problem == "no_metrics":
         (run_dir / "metrics.jsonl").unlink()
+    elif problem == "metrics_fifo":  # named as what it is, not as missing (pass 4, M3)
+        (run_dir / "metrics.jsonl").unlink()
+        os.mkfifo(run_dir / "metrics.jsonl")
     else:
         args += ["--y", "eval_return_mean"]
     assert main(args) == 2
@@ -120,6 +124,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, problem):
     assert err.count("\n") == 1 and (args[0] in err)
     if problem == "unknown_metric":
         assert "episode_return_mean" in err  # the choices
+    if problem == "metrics_fifo":
+        assert "metrics.jsonl is not a regular file" in err, err
 
 
 def test_without_matplotlib_it_says_what_to_install(tmp_path):

@@ -105,6 +105,10 @@ def test_json_lines_and_a_missing_directory(tmp_path, capsys):
     assert main([str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nowhere does not exist" in err
+    # given the run directory itself, the RUN column names it, not "." (pass 4, L2)
+    assert main([str(tmp_path / "runs" / "ppo-aaaaaaaa")]) == 0
+    (row,) = capsys.readouterr().out.splitlines()[1:]
+    assert row.split()[0] == str(tmp_path / "runs" / "ppo-aaaaaaaa"), row
 
 
 FAILING_ENV = """

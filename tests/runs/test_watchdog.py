@@ -43,6 +43,24 @@ def test_a_hanging_user_call_ends_the_process_with_one_line_naming_where_it_is_s
     assert took < 15, took  # the line comes within a poll of the bound, plus the interpreter's start
 
 
+def test_the_line_names_the_bound_the_call_had_with_its_margin(tmp_path):
+    # learn waits on other ranks inside and gets dist.timeout_s + 60 s: its line said "within 8 s" after 68 (fault
+    # pass 4, H7)
+    script = textwrap.dedent(
+        """
+        import time
+        from spmd_rl.runtime.watchdog import watchdog
+        watchdog.configure(0.5, "rank 0 (colocated 0)")
+        with watchdog.watch("the algorithm's learn", margin_s=1.0):
+            time.sleep(600)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == USER_CODE_EXIT_CODE, result.stderr
+    assert "the algorithm's learn did not return within 1.5 s" in result.stderr, result.stderr
+
+
 def test_nested_watches_restore_the_outer_deadline_and_unbounded_means_no_thread():
     dog = Watchdog()
     with dog.watch("anything"):

@@ -120,8 +120,9 @@ def test_text_longer_than_max_text_tokens_names_the_length_it_needs():
         make_vector_env(cfg.env, probe_env(cfg.env), seed=0)
 
 
-def test_a_tokenizer_path_that_does_not_exist(tmp_path):
-    cfg = config(f"env.tokenizer={tmp_path / 'missing.json'}")
+def test_a_tokenizer_path_that_does_not_exist():
+    # a short path: the message clips a long value (pytest-xdist's tmp_path) to its ends
+    cfg = config("env.tokenizer=/nonexistent-spmd-rl/missing.json")
     with pytest.raises(UserError, match=r"env.tokenizer=.*missing.json: no such file or folder"):
         probe_env(cfg.env)
 

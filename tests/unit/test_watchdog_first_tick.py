@@ -17,8 +17,8 @@ def test_a_bound_armed_long_after_the_import_expires_on_time_and_counts_no_freez
     dog._last_tick -= 300.0  # as if the module had been imported five minutes before the first bound
     expired = threading.Event()
 
-    def expire(what: str) -> None:  # in place of printing the line and exiting the process
-        dog._current = (math.inf, "")
+    def expire(what: str, bound_s: float) -> None:  # in place of printing the line and exiting the process
+        dog._current = (math.inf, "", 0.0)
         expired.set()
 
     dog._expire = expire  # type: ignore[method-assign]
