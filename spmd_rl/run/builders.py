@@ -51,6 +51,7 @@ from spmd_rl.run.policies import (
     cpu_copy,
     policy_on_meta,
     policy_tensors,
+    policy_to_receive,
     read_trained_state,
     trained_state_source,
 )
@@ -240,7 +241,7 @@ def inference_parts(run: Run, observation_layout=observation_message, recv_buffe
     n = cfg.env.num_envs // stages
     state_fields = run.recurrent_state
     with watchdog.watch(f"building policy.class {cfg.classes['policy']}"):
-        policy = build_policy(cfg, run.spec, run.policy_class(), run.runtime.device)
+        policy = policy_to_receive(cfg, run.spec, run.policy_class(), run.runtime.device)
     weights = WeightSyncPlan.of(run)
     if weights.wire_dtype == torch.bfloat16:  # this rank's copy in the wire's dtype; it acts under autocast
         sharding.compute_in_bf16(sharding.cast_parameters(policy, torch.bfloat16), ["act"], policy_device(policy))

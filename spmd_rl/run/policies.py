@@ -73,10 +73,47 @@ def _fields_from_json(rows: list) -> dict[str, StepField]:
 
 
 def build_policy(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], device: torch.device | str = "cpu") -> Policy:
-    """The module inference ranks act with and trainer rank 0 broadcasts; the same initial module everywhere
-    (trainer 0's is the one that counts). Built once per rank that acts or trains with it (run/builders.py)."""
+    """The module trainer rank 0 trains and broadcasts, initialised (or read from a pretrained folder) from the
+    seed; the same module on every rank that builds it (trainer 0's is the one that counts; inference ranks take
+    its values: policy_to_receive). Built once per rank that acts or trains with it (run/builders.py)."""
     torch.manual_seed(cfg.train.seed)
     return policy_cls(spec.observation_space, spec.action_space, cfg.policy).to(device)
+
+
+def policy_to_receive(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], device: torch.device | str) -> Policy:
+    """The module an inference rank acts with, built to receive its values: the engines give it trainer 0's weights
+    (every parameter) before its first act, so its parameters are zeros, neither initialised nor read from a
+    pretrained folder (a VLA's folder is read by trainer 0 alone, not again on every inference rank); its buffers
+    are the constructor's own (non-persistent ones, such as rotary frequencies, travel in no weight sync). A class
+    whose constructor needs its parameters' values is built as build_policy builds it. The parameters are made on
+    the meta device while the buffers are real, as accelerate's init_empty_weights(include_buffers=False) does
+    (accelerate is no dependency of ours)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    setattr(torch.nn.Module, "register_parameter", on_meta)  # noqa: B010 - a method of a class, swapped for the build
+    try:
+        policy = policy_cls(spec.observation_space, spec.action_space, cfg.policy)
+    except Exception:  # a constructor that needs real parameter values
+        policy = None
+    finally:
+        setattr(torch.nn.Module, "register_parameter", register)  # noqa: B010
+    if policy is None or any(buffer.is_meta for buffer in policy.buffers()):
+        return build_policy(cfg, spec, policy_cls, device)
+    zeros: dict[int, torch.nn.Parameter] = {}  # one new tensor per meta parameter: tied parameters stay tied
+    for module in policy.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                if id(param) not in zeros:
+                    zeros[id(param)] = type(param)(
+                        torch.zeros_like(param, device=device), requires_grad=param.requires_grad
+                    )
+                module._parameters[name] = zeros[id(param)]
+    return policy.to(device)
 
 
 @dataclass
