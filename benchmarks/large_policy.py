@@ -306,7 +306,7 @@ def _vla_folder(preset: str, folder: Path) -> int:
     from spmd_rl.modules.configs import VLAConfig
     from spmd_rl.modules.vla import build_backbone
 
-    backbone, _ = build_backbone(VLAConfig(preset=preset))
+    backbone, _, _ = build_backbone(VLAConfig(preset=preset))
     backbone.save_pretrained(folder, max_shard_size="100MB")
     return sum(p.numel() for p in backbone.parameters())
 

@@ -190,17 +190,42 @@ def full_state_dict(module: nn.Module) -> dict[str, Any]:
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def fill_shards(module: nn.Module, source: dict[str, torch.Tensor] | None, group: dist.ProcessGroup, src: int) -> None:
+def fill_shards(
+    module: nn.Module,
+    source: dict[str, torch.Tensor] | None,
+    group: dist.ProcessGroup,
+    src: int,
+    files: dict[str, Callable[[int, int], torch.Tensor]] | None = None,
+) -> None:
     """A sharded module materialised on its device (to_empty after fully_shard on the meta device) given the values
     of `source`, trainer `src`'s plain policy of the same class (its every parameter and buffer by name; None on the
     other trainers), tensor by tensor: each broadcast over the trainer group, each trainer keeping its own shard
-    (the rows DTensor's own sharding gives it). No trainer but `src` ever holds more than one whole tensor.
-    Collective over the group, in the module's own order of names (the same on every trainer)."""
+    (the rows DTensor's own sharding gives it). No trainer but `src` ever holds more than one whole tensor. The
+    tensors `files` names (the same on every trainer) are not sent: each trainer reads its own rows of them,
+    files[name](start, stop) giving rows [start, stop) along dim 0 (from a Policy's file_sources). Collective over
+    the group, in the module's own order of names (the same on every trainer)."""
     from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    files = files or {}
     named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    read = {id(target) for name, target in named if name in files}  # tied names of a read tensor: not sent either
     with torch.no_grad():
         for name, target in named:
+            if name in files:
+                local, start = target, 0
+                if is_dtensor(target):  # the rows this trainer holds, as DCP reckons them
+                    shape, offset = compute_local_shape_and_global_offset(
+                        target.shape, target.device_mesh, target.placements
+                    )
+                    local, start = target.to_local(), offset[0]
+                    assert shape[1:] == tuple(target.shape[1:]), f"{name}: sharded along dim 0 alone"
+                if local.numel():
+                    rows = files[name](start, start + (local.shape[0] if local.dim() else 1))
+                    local.copy_(rows.to(dtype=local.dtype).reshape(local.shape))
+                continue
+            if id(target) in read:
+                continue
             if is_dtensor(target):
                 whole = source[name] if source is not None else torch.empty(target.shape, dtype=target.dtype)
             else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import gymnasium as gym
@@ -108,6 +109,13 @@ class Policy(nn.Module):
         each segment's starting state (segment["recurrent_state"]) and the episode starts
         (rollout["episode_start"])."""
         return None
+
+    def file_sources(self) -> dict[str, tuple[Path, str]]:
+        """Where tensors of this policy's state_dict come from in safetensors files, {name: (file, name there)}, as
+        modules.pretrained.load_weights returns it for the module it loads (the default: none). Sharded trainers
+        (train.parallel=fsdp) then each read only their own rows of those, and trainer 0 builds the policy without
+        reading them (load_weights within modules.pretrained.reading_deferred()); the rest comes from trainer 0."""
+        return {}
 
     def file_state(self) -> dict[str, Tensor]:
         """What policy.pt holds: the state_dict (the default). A policy may write another layout (the vla policy's

@@ -10,8 +10,9 @@ names are mapped onto the module's by the caller's `rename` (checkpoint layouts 
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -38,6 +39,35 @@ SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+# Where a module's tensor is read from: a safetensors file and the tensor's name in it.
+WeightSource = tuple[Path, str]
+
+_deferred = False  # reading_deferred() is in force: load_weights checks the files and reads no tensor
+
+
+@contextlib.contextmanager
+def reading_deferred() -> Iterator[None]:
+    """Within it, load_weights checks the files against the module as always but copies no tensor: the tensors it
+    would read are zeros. For sharded trainers, each of which then reads only its own rows (read_rows) of what
+    load_weights returned, after sharding, instead of one trainer reading them all and sending each its rows."""
+    global _deferred
+    before, _deferred = _deferred, True
+    try:
+        yield
+    finally:
+        _deferred = before
+
+
+def read_rows(source: WeightSource, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) along dim 0 of a file's tensor, read alone (a 0-d tensor whole)."""
+    from safetensors import safe_open
+
+    file, name = source
+    with safe_open(file, framework="pt") as handle:
+        view = handle.get_slice(name)
+        return view[start:stop] if view.get_shape() else handle.get_tensor(name)
 
 
 def read_json(file: Path, what: str) -> dict:
@@ -109,11 +139,13 @@ def load_weights(
     folder: Path,
     rename: Callable[[str], str | None],
     file_dtype: torch.dtype,
-) -> None:
+) -> dict[str, WeightSource]:
     """Copy the folder's weights into `module` (the module's own dtype; floating tensors are cast), after checking
     that they fit it: every persistent tensor of the module (one name of each set of tied ones) is in the files
     exactly once, under `rename(file name)` (None: a tensor the module deliberately does not build), with the
-    module's shape and `file_dtype` (the dtype the folder's config declares)."""
+    module's shape and `file_dtype` (the dtype the folder's config declares). Returns where each of the module's
+    tensors (by its state_dict name) is in the files; a module on the meta device is only checked, and within
+    reading_deferred() the tensors are zeros."""
     headers = _headers(weight_files(folder))
     targets = module.state_dict(keep_vars=True)
     mapped: dict[str, tuple[str, Path, tuple, object]] = {}  # module name -> (file name, file, shape, dtype)
@@ -145,9 +177,16 @@ def load_weights(
         raise UserError(
             f"policy.pretrained={clip(str(folder))}: its weights do not fit the model: {'; '.join(problems)}"
         )
+    sources = {target: (file, source) for target, (source, file, _, _) in mapped.items()}
     if any(tensor.is_meta for tensor in targets.values()):
-        return  # the contract check's instance on the meta device: checked against the files, nothing to copy into
+        return sources  # an instance on the meta device (the checks'): checked against the files, nothing to copy into
+    if _deferred:
+        with torch.no_grad():
+            for target in mapped:
+                targets[target].zero_()
+        return sources
     _copy(targets, mapped)
+    return sources
 
 
 def _copy(targets: dict, mapped: dict) -> None:

@@ -49,7 +49,7 @@ from spmd_rl.modules.distributions import (
     tempered_logits,
 )
 from spmd_rl.modules.encoders import image_batch, image_layout
-from spmd_rl.modules.pretrained import load_weights, read_json, read_model_config, weight_files
+from spmd_rl.modules.pretrained import WeightSource, load_weights, read_json, read_model_config, weight_files
 from spmd_rl.runtime.errors import UserError
 
 ACTION_BINS = 256  # per action dimension, on the vocabulary's last ids (OpenVLA)
@@ -187,8 +187,11 @@ def backbone_config(config: VLAConfig) -> tuple[Any, torch.dtype, tuple[list[flo
     return built, file_dtype, (list(mean), list(std))
 
 
-def build_backbone(config: VLAConfig) -> tuple[nn.Module, tuple[list[float], list[float]]]:
-    """The PaliGemma model (its pretrained weights in when policy.pretrained is set) and the image mean and std."""
+def build_backbone(
+    config: VLAConfig,
+) -> tuple[nn.Module, tuple[list[float], list[float]], dict[str, WeightSource]]:
+    """The PaliGemma model (its pretrained weights in when policy.pretrained is set), the image mean and std, and
+    where each of its tensors is in the folder's files (empty without policy.pretrained)."""
     built, file_dtype, mean_std = backbone_config(config)
     from transformers import PaliGemmaForConditionalGeneration
 
@@ -206,9 +209,10 @@ def build_backbone(config: VLAConfig) -> tuple[nn.Module, tuple[list[float], lis
         model = PaliGemmaForConditionalGeneration(built)
     # transformers' own `to` is typed through functools.wraps, which mypy cannot bind to the instance.
     backbone = cast(nn.Module, model).to(torch.float32)
+    sources = {}
     if config.pretrained:
-        load_weights(backbone, Path(config.pretrained).expanduser(), paligemma_name, file_dtype)
-    return backbone, mean_std
+        sources = load_weights(backbone, Path(config.pretrained).expanduser(), paligemma_name, file_dtype)
+    return backbone, mean_std, sources
 
 
 def add_lora(backbone: nn.Module, config: VLAConfig) -> None:
@@ -256,7 +260,7 @@ class VLAPolicy(Policy):
         super().__init__(observation_space, action_space, config)
         self._check_spaces(observation_space, action_space, config)
         assert isinstance(observation_space, gym.spaces.Dict) and isinstance(action_space, gym.spaces.Box)  # checked
-        self.backbone, (mean, std) = build_backbone(config)
+        self.backbone, (mean, std), sources = build_backbone(config)
         text, vision = self.backbone.config.text_config, self.backbone.config.vision_config
         width = text.hidden_size
         if len(mean) != vision.num_channels or len(std) != vision.num_channels:
@@ -301,6 +305,13 @@ class VLAPolicy(Policy):
         nn.init.zeros_(self.value_head.bias)
         if config.lora.rank:
             add_lora(self.backbone, config)
+        # the policy's names of the folder's tensors: a layer peft wrapped holds its weight as base_layer's
+        wrapped = {name.removeprefix("backbone.") for name, _ in self._lora_layers()}
+        self._file_sources = {
+            "backbone." + (f"{layer}.base_layer.{kind}" if layer in wrapped else name): source
+            for name, source in sources.items()
+            for layer, _, kind in [name.rpartition(".")]
+        }
 
     # -- checks -----------------------------------------------------------------------------------------------
 
@@ -489,6 +500,9 @@ class VLAPolicy(Policy):
 
     def _trainable(self) -> set[str]:
         return {name for name, parameter in self.named_parameters() if parameter.requires_grad}
+
+    def file_sources(self) -> dict[str, WeightSource]:
+        return self._file_sources
 
     def file_state(self) -> dict[str, Tensor]:
         """policy.pt: with LoRA and policy.lora.save=merged, each adapter folded into its layer's weight (the keys

@@ -10,7 +10,9 @@ file; who sends the weights how is run/weight_sync_plan.py's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -30,6 +32,7 @@ from spmd_rl.envs.vector import group_of_envs
 from spmd_rl.interfaces.algorithm import Algorithm, PolicyMethod
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import GROUP, Policy
+from spmd_rl.modules.pretrained import WeightSource, read_rows, reading_deferred
 from spmd_rl.roles.env_runner import EnvRunner
 from spmd_rl.roles.env_step_thread import EnvStepThread
 from spmd_rl.roles.inference_server import InferenceParts, InferenceServer, RecurrentStates, UniformActions
@@ -54,6 +57,7 @@ from spmd_rl.run.policies import (
     policy_to_receive,
     read_trained_state,
     trained_state_source,
+    trainers_read_own_rows,
 )
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.state_fit import load_fitted
@@ -284,15 +288,17 @@ def build_trainer(run: Run, logger: MetricsLogger | None, recv_buffers: int = 1)
     group = run.groups.trainer if len(topology.trainer_ranks) > 1 or plan.parallel.sharded else None
     on_meta = _policy_on_meta(run, group)
     source = None  # trainer 0's built policy, whose values the trainers' shards take (policy on the meta device)
+    own_rows = on_meta is not None and trainers_read_own_rows(cfg, True, run.algorithm_cls)
     if on_meta is None:
         policy = _trainer_policy(run)
     else:
         policy = on_meta
-        source = _trainer_policy(run) if rank == topology.trainer_ranks[0] else None
+        source = _trainer_policy(run, own_rows) if rank == topology.trainer_ranks[0] else None
     with warnings.catch_warnings():  # run.init_from into the meta device: checked, and copied nowhere
         warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter .* to a meta parameter")
         initial_algorithm_state = _init_policy_from(run, source if source is not None else policy)
-    materialise = None if on_meta is None else _shards_from_trainer_0(run, group, source)
+    files = on_meta.file_sources() if on_meta is not None and own_rows else {}
+    materialise = None if on_meta is None else _shards_from_trainer_0(run, group, source, files)
     source = None  # materialise holds it until the shards are filled, then lets it go
     weights = WeightSyncPlan.of(run)
     weight_sync: WeightSync | GatheredWeightSource | None
@@ -381,13 +387,17 @@ def _context(run: Run, group) -> Context:
     )
 
 
-def _trainer_policy(run: Run) -> Policy:
-    """The policy a trainer builds, or takes from its checks before start (which called act on it)."""
-    if run.prebuilt is not None:
-        policy, run.prebuilt = run.prebuilt.take(run.runtime.device), None
-        return policy
+def _trainer_policy(run: Run, files_deferred: bool = False) -> Policy:
+    """The policy a trainer builds, or takes from its checks before start (which called act on it); files_deferred:
+    without reading its file_sources, whose values the sharded trainers read themselves (trainers_read_own_rows)."""
+    prebuilt, run.prebuilt = run.prebuilt, None
+    if prebuilt is not None and prebuilt.files_deferred == files_deferred:
+        return prebuilt.take(run.runtime.device)
+    # (a prebuilt policy whose file tensors are zeros, where the trainers cannot shard it on the meta device after
+    # all, is built again, reading them)
     with watchdog.watch(f"building policy.class {run.cfg.classes['policy']}"):
-        return build_policy(run.cfg, run.spec, run.policy_class(), run.runtime.device)
+        with reading_deferred() if files_deferred else contextlib.nullcontext():
+            return build_policy(run.cfg, run.spec, run.policy_class(), run.runtime.device)
 
 
 def _policy_on_meta(run: Run, group) -> Policy | None:
@@ -401,12 +411,15 @@ def _policy_on_meta(run: Run, group) -> Policy | None:
         return None
 
 
-def _shards_from_trainer_0(run: Run, group, source: Policy | None) -> Callable[[nn.Module], None]:
+def _shards_from_trainer_0(
+    run: Run, group, source: Policy | None, files: dict[str, WeightSource]
+) -> Callable[[nn.Module], None]:
     """What Context.data_parallel calls once the meta policy is sharded: its tensors on the device, each trainer's
     own rows of trainer 0's built policy (`source`; None elsewhere), sent tensor by tensor (sharding.fill_shards),
-    so that the weights are those of the policy built whole, and no other trainer builds or holds it. torch's random
-    state is trainer 0's after its build on every trainer, as when each built it (sent now, before the algorithm
-    draws any)."""
+    so that the weights are those of the policy built whole, and no other trainer builds or holds it; the tensors
+    `files` names (the policy's file_sources, when trainers_read_own_rows) each trainer reads its own rows of from
+    the files instead. torch's random state is trainer 0's after its build on every trainer, as when each built it
+    (sent now, before the algorithm draws any)."""
     src = run.topology.trainer_ranks[0]
     rng = torch.get_rng_state()
     dist.broadcast(rng, src=src, group=group)
@@ -418,7 +431,10 @@ def _shards_from_trainer_0(run: Run, group, source: Policy | None) -> Callable[[
         whole = held.pop()
         tensors = None if whole is None else dict(policy_tensors(whole))
         with watchdog.watch("giving the sharded policy its values from trainer 0", COLLECTIVE_MARGIN_S):
-            sharding.fill_shards(module, tensors, group, src)
+            readers: dict[str, Callable[[int, int], torch.Tensor]] = {
+                name: functools.partial(read_rows, where) for name, where in files.items()
+            }
+            sharding.fill_shards(module, tensors, group, src, readers)
 
     return materialise
 

@@ -12,6 +12,7 @@ the policy right after it, the engine's hand-off and every failure path) reads a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -29,13 +30,14 @@ from spmd_rl.config.sections import Config
 from spmd_rl.envs.vector import EnvSpec, check_same_spaces, probe_env
 from spmd_rl.interfaces.algorithm import Algorithm
 from spmd_rl.interfaces.policy import Policy
+from spmd_rl.modules.pretrained import reading_deferred
 from spmd_rl.persist.fileio import flush_open_files
 from spmd_rl.persist.run_control import RunControl, StoppedWithCheckpoint
 from spmd_rl.persist.run_lock import record_exit, release_run_dirs
 from spmd_rl.run import contract
 from spmd_rl.run.evaluation import check_video, probe_eval_env
 from spmd_rl.run.plan import Plan, dry_run_plan, plan_run
-from spmd_rl.run.policies import PolicySpec, PrebuiltPolicy, save_policy
+from spmd_rl.run.policies import PolicySpec, PrebuiltPolicy, save_policy, trainers_read_own_rows
 from spmd_rl.run.resume import agree_on_run, mark_finished, settle_start
 from spmd_rl.run.run import Run
 from spmd_rl.run.topology import ENV, Topology, build_topology, create_process_groups
@@ -355,8 +357,11 @@ def _check(given: Config, launch: LaunchInfo, dry_run: bool) -> Checked:
             policy_spec = _check_policy(cfg, spec, plan, policy_cls, algorithm_cls, not deferred)
             if deferred and launch.rank == 0:  # on the instance it trains with (rank 0 is trainer 0)
                 with watchdog.watch(f"building policy.class {cfg.classes['policy']} and calling its act"):
-                    built = contract.build_checked(cfg, spec, policy_cls)
-                    prebuilt = PrebuiltPolicy(built, torch.get_rng_state())
+                    # sharded trainers read their own rows of a pretrained folder: trainer 0 reads none here
+                    own_rows = trainers_read_own_rows(cfg, plan.parallel.sharded, algorithm_cls)
+                    with reading_deferred() if own_rows else contextlib.nullcontext():
+                        built = contract.build_checked(cfg, spec, policy_cls)
+                    prebuilt = PrebuiltPolicy(built, torch.get_rng_state(), files_deferred=own_rows)
                     contract.check_calls(cfg, spec, algorithm_cls, built, policy_spec)
         except UserError as exc:
             if not deferred:  # every rank checks: each refuses in place

@@ -124,12 +124,21 @@ class PrebuiltPolicy:
 
     policy: Policy | None  # None once taken: whoever still holds this object does not keep the module alive
     rng_state: torch.Tensor  # torch.get_rng_state() right after build_policy
+    files_deferred: bool = False  # built within reading_deferred (trainers_read_own_rows): its file tensors zeros
 
     def take(self, device: torch.device | str) -> Policy:
         policy, self.policy = self.policy, None
         assert policy is not None, "the prebuilt policy is taken once"
         torch.set_rng_state(self.rng_state)
         return policy.to(device)
+
+
+def trainers_read_own_rows(cfg: Config, sharded: bool, algorithm_cls) -> bool:
+    """Whether each sharded trainer reads its own rows of the policy's file_sources (a pretrained folder's tensors)
+    and trainer 0 builds it without reading them (modules.pretrained.reading_deferred): fsdp trainers handed the
+    policy on the meta device (Algorithm.takes_policy_on_meta), unless run.init_from puts other weights into
+    trainer 0's build, which are then sent from there."""
+    return sharded and algorithm_cls.takes_policy_on_meta(cfg.algo) and not cfg.run.init_from
 
 
 def policy_on_meta(cfg: Config, spec: EnvSpec, policy_cls: type[Policy]) -> Policy:

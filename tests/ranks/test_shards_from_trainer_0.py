@@ -6,11 +6,15 @@ constructs no policy to get them. Real gloo ranks."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
 from harness.multiproc import assert_all_ok, run_ranks
 
+import spmd_rl.modules.pretrained as pretrained
 from spmd_rl.api import Policy
 from spmd_rl.comm import sharding
 from spmd_rl.config.loading import load_config
@@ -21,16 +25,26 @@ from spmd_rl.run.policies import build_policy, policy_on_meta, policy_tensors
 VLA = ["env.id=tests.harness.vla_fixtures:InstructedReach-v0", "policy.class=vla", "policy.preset=tiny"]
 
 
-def _fill(rank: int, world_size: int, overrides: list[str]) -> None:
+def _fill(rank: int, world_size: int, overrides: list[str], own_rows: bool = False) -> None:
     cfg = load_config(None, overrides)
     spec = probe_env(cfg.env)
     policy_cls = load_classes(cfg)[0]
     before = Policy.real_constructions
     module = policy_on_meta(cfg, spec, policy_cls)
+    files = module.file_sources() if own_rows else {}
+    assert bool(files) == own_rows
     sharding.shard_policy(module, dist.group.WORLD, torch.device("cpu"), [], bf16=False)
     module.to_empty(device="cpu")
-    source = dict(policy_tensors(build_policy(cfg, spec, policy_cls))) if rank == 0 else None
-    sharding.fill_shards(module, source, dist.group.WORLD, src=0)
+    source = None
+    if rank == 0:
+        copy = pretrained._copy
+        if own_rows:  # trainer 0 builds it without reading the folder; each trainer reads its own rows
+            pretrained._copy = _no_read
+        with pretrained.reading_deferred() if own_rows else contextlib.nullcontext():
+            source = dict(policy_tensors(build_policy(cfg, spec, policy_cls)))
+        pretrained._copy = copy
+    readers = {name: functools.partial(pretrained.read_rows, where) for name, where in files.items()}
+    sharding.fill_shards(module, source, dist.group.WORLD, src=0, files=readers)
     # every parameter by its own name (a class's state-dict hooks rename some), gathered from both trainers' rows
     gathered = {name: p.full_tensor() for name, p in module.named_parameters(remove_duplicate=False)}
     if rank == 1:
@@ -45,8 +59,24 @@ def _fill(rank: int, world_size: int, overrides: list[str]) -> None:
     assert len(list(module.parameters())) == len(list(whole.parameters()))  # tied tensors stay one parameter
 
 
+def _no_read(*args, **kwargs):
+    raise AssertionError("trainer 0 read the folder's tensors whole")
+
+
 @pytest.mark.parametrize("overrides", [[], [*VLA, "policy.lora.rank=4"]], ids=["actor-critic", "vla-tiny-lora"])
 def test_shards_filled_from_trainer_0_gather_back_to_the_policy_built_whole_with_the_same_seed(overrides):
     if overrides:
         pytest.importorskip("peft")
     assert_all_ok(run_ranks(_fill, 2, overrides, timeout_s=120))
+
+
+@pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
+def test_a_pretrained_folder_read_row_by_row_on_each_trainer_gathers_back_to_the_policy_built_whole(tmp_path, lora):
+    # trainer 0 builds the policy without reading the folder; each trainer reads only its own rows of each of its
+    # tensors (the language head tied to the embeddings, LoRA's base_layer names); the heads come from trainer 0
+    pytest.importorskip("peft")
+    from harness.vla_fixtures import make_model_folder
+
+    folder = make_model_folder(tmp_path / "model")
+    overrides = [VLA[0], "policy.class=vla", f"policy.pretrained={folder}", f"policy.lora.rank={lora}"]
+    assert_all_ok(run_ranks(_fill, 2, overrides, True, timeout_s=120))
