@@ -30,6 +30,23 @@ make_exit_file() {   # not in $(...): the trap that removes the files must belon
 # else the launcher's status. A script started with SIGINT ignored (a background job, `cmd &`, of a non-interactive
 # shell) cannot trap it, as bash says, so it ignores a SIGINT; SIGTERM and SIGUSR1 still stop the job with a
 # checkpoint.
+# Passes signal $1 on to pid $2, unless it passed the same one on less than 2 s ago: that is the same request
+# arriving again (`timeout` sends its SIGTERM to this script and then to its whole process group; a group signal
+# reaches this script directly and through `timeout`), as the ranks take it (REPEAT_WINDOW_S in
+# spmd_rl/runtime/signals.py). A torchrun agent given a second SIGTERM while it logs the first printed a 20-line
+# "--- Logging error ---" block (fault pass 5, K0, J2). A second signal after the window is passed on: it stops the
+# ranks at once.
+relayed_signal="" relayed_at=0
+relay_signal() {
+    local now=${EPOCHREALTIME:-$SECONDS.000000}
+    now=$((10#${now//[.,]/}))   # microseconds (the separator follows the locale)
+    if [[ $1 == "$relayed_signal" ]] && ((now - relayed_at < 2000000)); then
+        return 0
+    fi
+    relayed_signal=$1 relayed_at=$now
+    kill -"$1" "$2" 2>/dev/null
+}
+
 wait_for_launcher() {
     local job=$1 filter=${2:-} sig status ranks_code
     signalled=""
@@ -39,13 +56,13 @@ wait_for_launcher() {
     fi
     for sig in INT TERM USR1; do
         # shellcheck disable=SC2064  # the job's pid is fixed now
-        trap "signalled=\${signalled:-$sig}; kill -$sig $job 2>/dev/null" "$sig"
+        trap "signalled=\${signalled:-$sig}; relay_signal $sig $job" "$sig"
     done
     # A hangup (the terminal closed): passed on as SIGTERM, which every launcher relays to the ranks alike (the ranks
     # take SIGHUP as SIGTERM too), and this script lives on to wait and exit with the job's code; it died of it.
     # Under nohup it came ignored and stays so.
     # shellcheck disable=SC2064
-    trap "signalled=\${signalled:-HUP}; kill -TERM $job 2>/dev/null" HUP
+    trap "signalled=\${signalled:-HUP}; relay_signal TERM $job" HUP
     while true; do   # a trapped signal ends `wait` early: wait again until the launcher itself has exited
         wait "$job" && status=0 || status=$?
         kill -0 "$job" 2>/dev/null || break

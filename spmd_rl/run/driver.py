@@ -66,7 +66,7 @@ from spmd_rl.runtime.errors import (
 from spmd_rl.runtime.exits import leave_exit_code, process_exit_code, say, unexpected_error, user_error
 from spmd_rl.runtime.job_store import open_job_store
 from spmd_rl.runtime.launch import LaunchInfo
-from spmd_rl.runtime.meeting import StartAbandoned, exit_before_start, refuse_start
+from spmd_rl.runtime.meeting import StartAbandoned, exit_before_start, refuse_start, tell_rank_0
 from spmd_rl.runtime.postmortem import FROZEN_S, Failure, after_failure
 from spmd_rl.runtime.signals import STOP_SIGNALS, install_signal_handlers, stop_at_iteration_boundary, stop_cause
 from spmd_rl.runtime.user_exits import say_user_exit
@@ -109,7 +109,15 @@ class Outcome:
 
 def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
     """This rank's run; returns its exit code."""
-    watchdog.configure(cfg.dist.timeout_s, f"rank {launch.rank}")  # user code may hang from the first import on
+
+    # User code may hang from the first import on. Before the process group forms, a hang in the checks before start
+    # (the watchdog's line) and an os._exit there (its guard's line) end this rank without unwinding: on_expiry
+    # leaves the exit code for rank 0, as exit_before_start does for sys.exit, else rank 0 waited out dist.timeout_s
+    # and said this rank did not join (fault pass 5, P3h).
+    def tell_rank_0_before_start() -> None:
+        tell_rank_0(launch, USER_CODE_EXIT_CODE, "", spoke=True, timeout_s=cfg.dist.timeout_s)
+
+    watchdog.configure(cfg.dist.timeout_s, f"rank {launch.rank}", on_expiry=tell_rank_0_before_start)
     # Open before rank 0's checks, so that another rank's failed check reaches it at once (runtime/meeting.py).
     job_store = open_job_store(launch, cfg.dist.timeout_s)
     checked = check_before_start(cfg, launch, dry_run)

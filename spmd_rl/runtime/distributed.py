@@ -213,7 +213,33 @@ def as_comm_error(exc: BaseException, who: str) -> CommError | None:
     if isinstance(exc, UserCodeError) or not is_comm_failure(exc):
         return None
     others = group_peer(None) if dist.is_initialized() else None
-    return comm_error(f"{who}: a collective inside torch (FSDP's all-gather of a sharded policy)", exc, None, others)
+    where = _torch_collective(exc)
+    return comm_error(f"{who}: a collective inside torch{f' ({where})' if where else ''}", exc, None, others)
+
+
+# Which of torch's own collectives a plain RuntimeError came from, by a frame of its source file: the line named
+# FSDP's all-gather for every one, also a DDP job's (fault pass 5, P1: rank 1's engine raised while rank 0's DDP
+# broadcast the policy at its construction).
+_TORCH_COLLECTIVES = (
+    ("/torch/nn/parallel/distributed.py", "DDP's broadcast of the policy or its gradient all-reduce"),
+    ("/torch/distributed/fsdp/", "FSDP's all-gather of a sharded policy"),
+    ("/torch/distributed/_composable/fsdp/", "FSDP's all-gather of a sharded policy"),
+)
+
+
+def _torch_collective(exc: BaseException | None) -> str | None:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            path = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+            for part, words in _TORCH_COLLECTIVES:
+                if part in path:
+                    return words
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def comm_error(

@@ -3,10 +3,12 @@ while rank 0's passes and goes on to wait for the group:
 
     policy.class=tests.harness.rank_one_faults:RaisesOnRankOne   # an exception: rank 1's user error
     policy.class=tests.harness.rank_one_faults:ExitsOnRankOne    # sys.exit(0): rank 1's error in user code
+    policy.class=tests.harness.rank_one_faults:OsExitsOnRankOne  # os._exit(5): the same, without unwinding
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from spmd_rl.modules.actor_critic import ActorCritic
@@ -28,4 +30,11 @@ class ExitsOnRankOne(ActorCritic):
     def __init__(self, *args, **kwargs):
         if _on_rank_one():
             sys.exit(0)
+        super().__init__(*args, **kwargs)
+
+
+class OsExitsOnRankOne(ActorCritic):
+    def __init__(self, *args, **kwargs):
+        if _on_rank_one():
+            os._exit(5)
         super().__init__(*args, **kwargs)

@@ -20,6 +20,9 @@ JOB_BOUND_S = 240
     [
         ("RaisesOnRankOne", 2, "spmd_rl: rank 1: error: policy.class 'tests.harness.rank_one_faults:RaisesOnRankOne'"),
         ("ExitsOnRankOne", 4, "spmd_rl: rank 1: error in user code: sys.exit(0) was called"),
+        # os._exit ends the rank without unwinding: rank 0 waited out dist.timeout_s and blamed rank 1 for not
+        # joining (fault pass 5, P3h)
+        ("OsExitsOnRankOne", 4, "spmd_rl: rank 1: error in user code: os._exit(5) was called"),
     ],
 )
 def test_rank_1s_failed_check_is_one_line_and_ends_the_job_with_its_code(tmp_path, policy, code, line):
