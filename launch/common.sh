@@ -18,9 +18,20 @@ fi
 
 make_exit_file() {   # not in $(...): the trap that removes the files must belong to the script's own shell
     exit_file=$(mktemp "${TMPDIR:-/tmp}/spmd_rl-exit.XXXXXX")
+    signal_file=$(mktemp "${TMPDIR:-/tmp}/spmd_rl-signal.XXXXXX")   # the signal this script passed on, if any
     failure_dir=$(mktemp -d "${TMPDIR:-/tmp}/spmd_rl-failures.XXXXXX")
-    trap 'rm -f "$exit_file"; rm -rf "$failure_dir"' EXIT
+    trap 'rm -f "$exit_file" "$signal_file"; rm -rf "$failure_dir"' EXIT
 }
+
+# The output filters' test (an awk function; awk -v exit_file=... -v signal_file=...) of whether rank 0 has spoken
+# for the job: it left its exit code in $exit_file (its line, the stop line or the job summary). A signal's code
+# (128+N) counts only when this script passed a signal on, someone's request to stop: otherwise the launcher
+# stopped rank 0 after another rank ended, and the launcher's report is the only account of that rank (rank 0 said
+# "stopped by SIGTERM while starting", as if someone had asked: fault pass 5, J6).
+# shellcheck disable=SC2016  # awk's program, not the shell's
+spoke_awk='function spoke(  code, sig) { code = ""; getline code < exit_file; close(exit_file)
+        if (code !~ /^(129|1[3-9][0-9]|2[0-5][0-9])$/) return code != ""
+        sig = ""; getline sig < signal_file; close(signal_file); return sig != "" }'
 
 # Passes SIGINT, SIGTERM and SIGUSR1 (and SIGHUP, as SIGTERM) on to the launcher (which passes them on to every rank),
 # waits until it has exited, and exits with the job's code: when the launcher failed, the first failing rank's 2, 3 or
@@ -56,13 +67,13 @@ wait_for_launcher() {
     fi
     for sig in INT TERM USR1; do
         # shellcheck disable=SC2064  # the job's pid is fixed now
-        trap "signalled=\${signalled:-$sig}; relay_signal $sig $job" "$sig"
+        trap "signalled=\${signalled:-$sig}; echo $sig > \"$signal_file\"; relay_signal $sig $job" "$sig"
     done
     # A hangup (the terminal closed): passed on as SIGTERM, which every launcher relays to the ranks alike (the ranks
     # take SIGHUP as SIGTERM too), and this script lives on to wait and exit with the job's code; it died of it.
     # Under nohup it came ignored and stays so.
     # shellcheck disable=SC2064
-    trap "signalled=\${signalled:-HUP}; relay_signal TERM $job" HUP
+    trap "signalled=\${signalled:-HUP}; echo HUP > \"$signal_file\"; relay_signal TERM $job" HUP
     while true; do   # a trapped signal ends `wait` early: wait again until the launcher itself has exited
         wait "$job" && status=0 || status=$?
         kill -0 "$job" 2>/dev/null || break
@@ -98,6 +109,16 @@ wait_for_launcher() {
                     exit $((128 + $(kill -l "$signalled")))
                 fi ;;
         esac
+        # Nobody asked the job to stop, no rank left a record, and rank 0 left no code or a signal's: a rank ended
+        # without a word (killed, or dead before Python ran) before the process group formed, and the launcher
+        # stopped the others. Its report, kept above (`spoke_awk`), names the rank; the job failed for another
+        # rank, as a communication error (fault pass 5, J5 and J6: they exited 1, the code of our own bugs).
+        if [[ -z $signalled && -z $first_code ]] && [[ -z $ranks_code || $ranks_code =~ ^(129|1[3-9][0-9]|2[0-5][0-9])$ ]]
+        then
+            echo "spmd_rl: $(basename "$0"): a rank ended before it could say why (killed, or dead before Python ran)" \
+                "and the launcher stopped the others: the launcher's report above names it" >&2
+            exit 3
+        fi
     fi
     exit "$status"
 }

@@ -60,8 +60,7 @@ fi
 # job summary), so such boxes are dropped; a job whose rank 0 left nothing (killed, or dead before Python ran) keeps
 # them, the only account of what happened. Every other line passes at once.
 drop_exit_status_boxes() {
-    "${line_awk[@]}" -v exit_file="$exit_file" '
-         function spoke(  code) { code = ""; getline code < exit_file; close(exit_file); return code != "" }
+    "${line_awk[@]}" -v exit_file="$exit_file" -v signal_file="$signal_file" "$spoke_awk"'
          /^--------------------+$/ { if (!boxed) { boxed = 1; held = $0; next }
                       held = held "\n" $0; boxed = 0
                       if (!(held ~ /non-zero/ && spoke())) print held

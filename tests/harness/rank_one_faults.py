@@ -4,11 +4,13 @@ while rank 0's passes and goes on to wait for the group:
     policy.class=tests.harness.rank_one_faults:RaisesOnRankOne   # an exception: rank 1's user error
     policy.class=tests.harness.rank_one_faults:ExitsOnRankOne    # sys.exit(0): rank 1's error in user code
     policy.class=tests.harness.rank_one_faults:OsExitsOnRankOne  # os._exit(5): the same, without unwinding
+    policy.class=tests.harness.rank_one_faults:KilledOnRankOne   # SIGKILL: rank 1 ends without a word
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from spmd_rl.modules.actor_critic import ActorCritic
@@ -37,4 +39,11 @@ class OsExitsOnRankOne(ActorCritic):
     def __init__(self, *args, **kwargs):
         if _on_rank_one():
             os._exit(5)
+        super().__init__(*args, **kwargs)
+
+
+class KilledOnRankOne(ActorCritic):
+    def __init__(self, *args, **kwargs):
+        if _on_rank_one():
+            os.kill(os.getpid(), signal.SIGKILL)
         super().__init__(*args, **kwargs)

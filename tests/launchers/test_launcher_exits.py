@@ -266,6 +266,18 @@ def test_a_stopped_env_rank_under_torchrun_sh_is_the_ranks_lines_and_the_summary
     assert all(line.startswith("spmd_rl: ") for line in said), output
 
 
+def test_a_rank_killed_before_the_group_forms_is_exit_3_with_the_agents_report_kept(tmp_path):
+    # Rank 1 ends by SIGKILL in its check before start; the agent stops rank 0 with SIGTERM, whose code (143) read
+    # as rank 0 speaking for the job: the agent's report, the only account of rank 1, was dropped and the script
+    # exited 1 after rank 0's "stopped by SIGTERM while starting" (fault pass 5, J6).
+    killed = "policy.class=tests.harness.rank_one_faults:KilledOnRankOne"
+    job = _start("torchrun.sh", ["--config", TINY, killed, f"run.dir={tmp_path / 'run'}"], tmp_path)
+    code, output = _finish(job, tmp_path)
+    assert code == 3, output
+    assert "local_rank: 1" in output and "exitcode: -9" in output, output  # the agent's line naming it
+    assert "a rank ended before it could say why" in output.splitlines()[-1], output
+
+
 @needs_mpirun
 def test_sigterm_to_one_rank_under_mpirun_sh_is_the_stop_line_and_75_without_mpiruns_box(tmp_path):
     # The ranks agree on the stop and exit 75; mpirun then prints its "exited with non-zero status" box (11 lines),
