@@ -21,6 +21,7 @@ from spmd_rl.runtime.job_store import open_rendezvous
 from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.postmortem import set_job_key
 from spmd_rl.runtime.signals import signals_held_off
+from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S
 
 NCCL_WATCHDOG_MARGIN = datetime.timedelta(seconds=60)
 
@@ -100,7 +101,7 @@ def start_runtime(
             with signals_held_off(), _client_retries_unsaid(launch.rank):
                 rendezvous = job_store or open_rendezvous(launch, runtime.timeout)
             # signals are handled while the ranks meet: waiting on the others runs Python, not a C++ call
-            meeting.meet(rendezvous["store"], launch.rank, launch.world_size, runtime.timeout)
+            meeting.meet(rendezvous["store"], launch.rank, launch.world_size, runtime.timeout, COLLECTIVE_MARGIN_S)
             # No device_id: it would create the world's NCCL communicator eagerly, on env ranks too.
             with signals_held_off():
                 dist.init_process_group(

@@ -55,10 +55,15 @@ class StartAbandoned(Exception):
         self.exit_code = exit_code
 
 
-def meet(store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+def meet(store, rank: int, world_size: int, timeout: datetime.timedelta, margin_s: float = 0.0) -> None:
     """Before init_process_group, on every rank of a distributed run: returns once every rank arrived; raises
-    StartAbandoned when one failed before it (rank 0 prints its line first), CommError when dist.timeout_s passed."""
-    deadline = time.monotonic() + timeout.total_seconds()
+    StartAbandoned when one failed before it (rank 0 prints its line first), CommError when dist.timeout_s (+
+    margin_s) passed. margin_s: the others' checks before start are bounded by dist.timeout_s from their own start
+    (the watchdog: a plug-in constructor that hangs), which may come seconds after this rank's; with the margin
+    their line, naming the hang, comes before this wait's, which could only say they did not come (fault pass 5,
+    P4f)."""
+    deadline = time.monotonic() + timeout.total_seconds() + margin_s
+    bound = f"dist.timeout_s={timeout.total_seconds():g}" + (f" + {margin_s:g} s" if margin_s else "")
     # The waits go through a client of their own: a wait that expires stays blocked in its client until the margin
     # past it, and anything this rank asks the store meanwhile (which ranks were heard of, its failure record) would
     # queue behind it on a shared client, so that the timeout's line came WAIT_MARGIN_S late, after the client's
@@ -69,8 +74,8 @@ def meet(store, rank: int, world_size: int, timeout: datetime.timedelta) -> None
         outcome = _wait_for(waiter, OUTCOME, deadline)
         if outcome is None:
             raise CommError(
-                f"rank {rank}: rank 0 did not open the process group within dist.timeout_s="
-                f"{timeout.total_seconds():g} (it is still checking, stopped or hung, or another rank never arrived)",
+                f"rank {rank}: rank 0 did not open the process group within {bound} (it is still checking, "
+                f"stopped or hung, or another rank never arrived)",
                 peers=(0,),
                 timed_out=True,
             )
@@ -85,8 +90,8 @@ def meet(store, rank: int, world_size: int, timeout: datetime.timedelta) -> None
             heard = [_read_report(store, later) for later in range(number, world_size)]
             missing -= {int(record["rank"]) for record in heard if record is not None}
             raise CommError(
-                f"rank 0: ranks {sorted(missing)} did not join within dist.timeout_s={timeout.total_seconds():g} "
-                f"(still starting, stopped, hung or killed before they could say why)",
+                f"rank 0: ranks {sorted(missing)} did not join within {bound} (still starting, stopped, hung or "
+                f"killed before they could say why)",
                 peers=tuple(sorted(missing)),
                 timed_out=True,
             )

@@ -38,6 +38,18 @@ def test_rank_1s_failed_check_is_one_line_and_ends_the_job_with_its_code(tmp_pat
     assert not (tmp_path / "run").exists(), "no run directory for a start that never happened"
 
 
+def test_rank_1s_hanging_check_is_named_by_its_own_line_not_as_a_rank_that_did_not_join(tmp_path):
+    # rank 1's watchdog bounds its constructor by dist.timeout_s from the constructor's start, rank 0's meeting by
+    # dist.timeout_s from its own: whichever came first spoke, and rank 0's could only say rank 1 did not join
+    # (fault pass 5, P4f). The meeting now waits dist.timeout_s + 60 s.
+    args = ["--config", TINY, f"run.dir={tmp_path / 'run'}", "dist.timeout_s=4"]
+    job = run_forked_job([*args, "policy.class=tests.harness.rank_one_late_hang:HangsOnRankOne"], 2, timeout=JOB_BOUND_S)
+    said = [text for text in (job.stdout + job.stderr).splitlines() if text.strip()]
+    assert job.returncode == 4, job.stderr
+    assert len(said) == 1 and "did not return within 4 s; stuck at" in said[0], said
+    assert "rank_one_late_hang.py" in said[0] and "did not join" not in said[0], said
+
+
 def test_a_rank_whose_rank_0_never_comes_says_it_in_one_line(tmp_path):
     """Rank 1 started by hand, rank 0 never: torch's store client wrote an error, a warning and a C++ stack trace
     at each retry of its connection (41 lines) before the rank's line (fault pass 4, B6c)."""
