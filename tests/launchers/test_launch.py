@@ -268,8 +268,8 @@ torch.distributed.elastic.multiprocessing.api.SignalException: Process 7 got sig
 
 
 def _through_torchrun_filter(text):
-    script = ROOT / "launch" / "torchrun.sh"
-    function = f"source <(sed -n '/^drop_signal_traceback()/,/^}}/p' {script}); drop_signal_traceback"
+    script, common = ROOT / "launch" / "torchrun.sh", ROOT / "launch" / "common.sh"  # the awk and spoke() it uses
+    function = f"source {common}; source <(sed -n '/^drop_signal_traceback()/,/^}}/p' {script}); drop_signal_traceback"
     done = subprocess.run(["bash", "-c", function], input=text, capture_output=True, text=True, timeout=30)
     return done.stdout + done.stderr
 
