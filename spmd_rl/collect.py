@@ -36,6 +36,7 @@ from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import Config, EnvSection
 from spmd_rl.envs.metaworld_envs import is_metaworld_id, scripted_expert
 from spmd_rl.envs.vector import EnvSpec, check_same_spaces, make_vector_env, probe_env
+from spmd_rl.persist.fileio import open_regular
 from spmd_rl.runtime.errors import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE, StopSignal, UserError
 from spmd_rl.runtime.signals import STOP_SIGNALS
 from spmd_rl.storage.reader import HDF5Reader
@@ -174,6 +175,10 @@ def _resume_point(out: Path, settings: dict) -> tuple[_Kept, int]:
     for a new file."""
     if not out.exists():
         return _Kept(), 0
+    try:  # HDF5's open of a FIFO waited for a writer forever, deaf to SIGTERM (fault pass 5, R5)
+        open_regular(out).close()
+    except OSError as exc:
+        raise UserError(f"{exc}: give --out a file of its own (it is made when absent)") from None
     with HDF5Reader(out) as reader:
         given = reader.attrs.get(COLLECT_ATTRIBUTE)
         if given is None or json.loads(given) != settings:

@@ -30,7 +30,9 @@ checked on reading cannot drift apart.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
 import shutil
 import warnings
@@ -44,6 +46,7 @@ from spmd_rl.comm.sharding import is_dtensor, mesh_trainers
 from spmd_rl.config.excerpts import excerpt
 from spmd_rl.persist.fileio import (
     checksum_matches,
+    file_error,
     load_failure,
     make_dirs,
     sha256_of,
@@ -347,8 +350,17 @@ def save_shards(shards: dict, directory: Path) -> dict[str, str]:
             warnings.filterwarnings("ignore", message="Detected an existing checkpoint in", category=UserWarning)
             writer = dcp.FileSystemWriter(directory, sync_files=True, overwrite=True)  # newer torch defaults False
             dcp.save(shards, storage_writer=writer, process_group=group)
-    except Exception as exc:  # noqa: BLE001 - DCP gathers every rank's failure into one CheckpointException
-        raise UserError(f"writing the sharded checkpoint {directory} failed: {_first_line(exc)}") from None
+    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - DCP gathers every rank's failure into
+        # its CheckpointException, a BaseException: `except Exception` let it through as a 160-line traceback on
+        # every trainer and exit 1 when the disk filled during a sharded save (fault pass 5, W1)
+        cause: BaseException = exc
+        if isinstance(exc, dcp.CheckpointException) and exc.failures:  # {rank: (the exception, its frames)}
+            cause = next(iter(exc.failures.values()))[0]
+        if isinstance(cause, OSError):
+            raise file_error(directory, cause) from None
+        if _no_space_left(directory):  # torch's zip writer words a short write as "unexpected pos 704 vs 598"
+            raise file_error(directory, OSError(errno.ENOSPC, "disk full")) from None
+        raise UserError(f"writing the sharded checkpoint {directory} failed: {_first_line(cause)}") from None
     mine = f"__{dist.get_rank(group)}_"
     names = [p.name for p in directory.iterdir() if p.name.startswith(mine) or p.name == ".metadata"]
     if dist.get_rank(group) != 0:
@@ -462,6 +474,13 @@ def _empty_like_stored(shape: tuple, dtype: torch.dtype, like):
 
     placements = like.placements if shape else [Replicate()] * len(like.placements)  # a 0-d one is replicated
     return empty_dtensor(shape, dtype=dtype, device_mesh=like.device_mesh, placements=placements)
+
+
+def _no_space_left(directory: Path) -> bool:
+    try:
+        return os.statvfs(directory).f_bavail == 0
+    except OSError:
+        return False
 
 
 def _first_line(exc: BaseException) -> str:

@@ -52,10 +52,18 @@ def _watch(agent: int, bound_s: Callable[[], float], who: Callable[[], str]) -> 
     bound = bound_s()
     # No line of its own: the stop's one line (rank 0's) names the cause, also when the agent relayed a signal
     # before it went (the ranks then stop for that one, and say so once).
-    signal_self(signal.SIGTERM, f"the torchrun agent, pid {agent}, is gone; killed?")
+    signal_self(signal.SIGTERM, agent_gone(agent))
     time.sleep(bound)
     _say(f"spmd_rl: {who()}: still running {bound:g} s after the torchrun agent went: exiting at once")
     os._exit(128 + signal.SIGTERM)
+
+
+def agent_gone(agent: int) -> str:
+    """The stop's cause, in its one line. agent is -1 when the rank was orphaned before its watch began: the line
+    said "the torchrun agent, pid -1, is gone" (fault pass 5, V4: the agent killed while the ranks started)."""
+    if agent < 0:
+        return "the torchrun agent is gone, before this rank started; killed?"
+    return f"the torchrun agent, pid {agent}, is gone; killed?"
 
 
 def _is_torchrun(pid: int) -> bool:

@@ -36,3 +36,14 @@ def test_the_agents_going_is_named_in_the_stops_one_line(relayed, line):
     )
     assert child.returncode == 0, child.stderr
     assert child.stdout.splitlines() == [line], child.stdout + child.stderr
+
+
+@pytest.mark.parametrize(
+    "agent, said", [(4242, "the torchrun agent, pid 4242, is gone"), (-1, "the torchrun agent is gone")]
+)
+def test_an_agent_gone_before_the_watch_began_has_no_pid_in_the_line(agent, said):
+    # -1: the rank's parent was already init when its watch began (fault pass 5, V4: "pid -1" in the line)
+    from spmd_rl.runtime.orphans import agent_gone
+
+    line = agent_gone(agent)
+    assert line.startswith(said) and "-1" not in line, line
