@@ -43,7 +43,8 @@ def test_rank_1s_hanging_check_is_named_by_its_own_line_not_as_a_rank_that_did_n
     # dist.timeout_s from its own: whichever came first spoke, and rank 0's could only say rank 1 did not join
     # (fault pass 5, P4f). The meeting now waits dist.timeout_s + 60 s.
     args = ["--config", TINY, f"run.dir={tmp_path / 'run'}", "dist.timeout_s=4"]
-    job = run_forked_job([*args, "policy.class=tests.harness.rank_one_late_hang:HangsOnRankOne"], 2, timeout=JOB_BOUND_S)
+    hangs = "policy.class=tests.harness.rank_one_late_hang:HangsOnRankOne"
+    job = run_forked_job([*args, hangs], 2, timeout=JOB_BOUND_S)
     said = [text for text in (job.stdout + job.stderr).splitlines() if text.strip()]
     assert job.returncode == 4, job.stderr
     assert len(said) == 1 and "did not return within 4 s; stuck at" in said[0], said
