@@ -47,6 +47,8 @@ from spmd_rl.persist.run_files import (
     LOCK_FILE,
     METRICS_FILE,
     METRICS_LINE_BYTES,
+    SHARDS_DIR,
+    SHARDS_METADATA,
 )
 from spmd_rl.persist.run_lock import note_damage, read_lock
 from spmd_rl.plot import SEARCH_DEPTH, is_run_dir, run_dirs_inside
@@ -151,6 +153,13 @@ def _note_checkpoint_damage(run_dir: Path, notes: list[str]) -> None:
                     f"refused where there is none"
                 )
                 return
+        # the shard files of sharded trainers are not in the marker; DCP's index of them is what a resume reads first
+        shards = root / name / SHARDS_DIR
+        if shards.is_dir() and not (shards / SHARDS_METADATA).is_file():
+            notes.append(
+                f"{shards / SHARDS_METADATA} is missing: a resume of the sharded weights is refused (restore the "
+                f"checkpoint from a copy)"
+            )
         return  # the newest committed checkpoint is the one a resume loads
 
 

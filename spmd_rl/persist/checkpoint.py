@@ -53,13 +53,12 @@ from spmd_rl.persist.fileio import (
     torch_save_atomic,
     write_atomic,
 )
-from spmd_rl.persist.run_files import CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER
+from spmd_rl.persist.run_files import CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER, SHARDS_DIR
 from spmd_rl.runtime.errors import UserError
 
 if TYPE_CHECKING:  # annotations only: torch.distributed.checkpoint is imported when a run shards
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-SHARDS_DIR = "shards"  # torch.distributed.checkpoint's files of the sharded trainers
 SHARDED = "__sharded__"  # a placeholder's key: {SHARDED: "<its key in the shard files>"}
 SHARDS_FROM = "shards_from"  # added on loading: the checkpoint directory the placeholders' shard files are in
 SHARD_FILES = "shard_files"  # rank file key: {file name: sha256} of the shard files this rank wrote

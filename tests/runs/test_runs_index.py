@@ -191,6 +191,8 @@ def _list(runs: Path) -> subprocess.CompletedProcess:
         ("checkpoint truncated", "rank0.pt is truncated or altered (50 bytes, 100 when saved): a resume steps back"),
         ("checkpoint file missing", "iter_000000001/rank0.pt is missing: a resume steps back"),
         ("checkpoint marker FIFO", "iter_000000001/COMPLETE cannot be read"),
+        # sharded trainers' files are not in the marker: DCP's index of them (fault pass 5, E2r)
+        ("shards without their .metadata", "iter_000000001/shards/.metadata is missing: a resume of the sharded"),
     ],
 )
 def test_a_damaged_run_is_listed_as_damaged_without_hanging_or_a_traceback(tmp_path, damage, note):
@@ -224,6 +226,9 @@ def test_a_damaged_run_is_listed_as_damaged_without_hanging_or_a_traceback(tmp_p
     elif damage == "checkpoint marker FIFO":
         (checkpoint / "COMPLETE").unlink()
         os.mkfifo(checkpoint / "COMPLETE")
+    elif damage == "shards without their .metadata":
+        (checkpoint / "shards").mkdir()
+        (checkpoint / "shards" / "__0_0.distcp").write_bytes(b"x" * 100)
     elif damage == "run.lock torn in half":
         whole = (run_dir / "run.lock").read_bytes()
         (run_dir / "run.lock").write_bytes(whole[: len(whole) // 2])
