@@ -32,6 +32,7 @@ from spmd_rl.roles.trainer import Trainer
 from spmd_rl.run.metrics import MetricsLogger
 from spmd_rl.run.report import Reporter
 from spmd_rl.run.run import COLOCATED, ENV, INFERENCE, TRAINER, Run
+from spmd_rl.runtime.watchdog import COLLECTIVE_MARGIN_S, watchdog
 
 # A trainer's next segment, by iteration: (the segment, metrics of its receipt for the iteration's line).
 SegmentSource = Callable[[int], tuple[TensorDict, dict]]
@@ -120,9 +121,17 @@ class SyncEngine(Engine):
         """Learn from the iteration's segment, then the hooks, trainer 0's weight sync when the plan says, and the
         iteration's report (received: metrics of the segments' receipt, beside the algorithm's)."""
         plan = run.plan
-        metrics = self.after_learn(run, trainer, iteration, {**trainer.learn(segment, iteration), **received}, logger)
+        learned = {**trainer.learn(segment, iteration), **received}
+        # The hooks are a subclass's code, bounded as the algorithm's learn is: in one process a hung hook hung the
+        # run; with other ranks (60 s more: a hook may wait on them inside, and their wait should speak first) its
+        # peers name the rank (fault pass 5, PH).
+        engine = f"engine.class {type(self).__module__}:{type(self).__qualname__}"
+        margin_s = COLLECTIVE_MARGIN_S if run.runtime.distributed else 0.0
+        with watchdog.watch(f"{engine}'s after_learn (iteration {iteration})", margin_s):
+            metrics = self.after_learn(run, trainer, iteration, learned, logger)
         if plan.syncs_after(iteration):
-            self.before_sync(run, trainer, iteration)
+            with watchdog.watch(f"{engine}'s before_sync (iteration {iteration})", margin_s):
+                self.before_sync(run, trainer, iteration)
             version = plan.version_at(iteration + 1)
             trainer.publish_weights(version, verify=run.verifies(version))  # colocated: nothing to publish
         report(iteration, metrics, trainer.gather_statistics(segment), trainer)

@@ -145,3 +145,30 @@ def test_an_env_step_that_hangs_mid_run_ends_it_with_the_line_and_keeps_the_metr
     assert f"{tmp_path / 'hanging_step.py'}:15" in line, line
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert records and all(r.startswith("{") and r.endswith("}") for r in records)
+
+
+HANGING_HOOK = """
+import time
+
+from spmd_rl.api import SyncEngine
+
+
+class HangsAfterLearn(SyncEngine):
+    def after_learn(self, run, trainer, iteration, metrics, logger):
+        if iteration == 2:
+            time.sleep(600)  # a hook that waits for something that never comes
+        return metrics
+"""
+
+
+def test_an_engine_hook_that_hangs_ends_a_one_process_run_with_the_line(tmp_path):
+    # the engine's hooks were not watched: in one process a hung after_learn hung the run (fault pass 5, PH)
+    (tmp_path / "hanging_hook.py").write_text(HANGING_HOOK)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    command = [sys.executable, "-m", "spmd_rl.main", "--config", str(ROOT / "configs" / "ci_tiny.yaml")]
+    command += ["engine.class=hanging_hook:HangsAfterLearn", "dist.timeout_s=10", f"run.dir={tmp_path / 'run'}"]
+    result = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == USER_CODE_EXIT_CODE, result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert "engine.class hanging_hook:HangsAfterLearn's after_learn (iteration 2) did not return within 10 s" in line
+    assert f"{tmp_path / 'hanging_hook.py'}:10" in line, line
