@@ -255,12 +255,15 @@ def test_a_stopped_env_rank_under_torchrun_sh_is_the_ranks_lines_and_the_summary
     # shutdown process ..., forcefully exiting": rank 0 has spoken for the job by then (fault pass 4, D2). The
     # timeout is 30 s by default; 3 s here to keep the test short.
     split = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=2", "dist.timeout_s=8"]
-    job = _start("torchrun.sh", [*ENDLESS, *split], tmp_path, NPROC="4", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3")
-    _wait_for(lambda: any(p.stat().st_size for p in tmp_path.glob("runs/*/metrics.jsonl")), job, "metrics")
-    (env_rank,) = [pid for pid in _ranks(tmp_path) if "RANK=3" in _environ(pid)]
-    os.kill(env_rank, signal.SIGSTOP)
-    code, output = _finish(job, tmp_path)
-    said = [line for line in _lines(output) if not line.startswith(("spmd_rl: launcher ", "iter "))]
+    code, said, output = _signal_a_rank_while_training(
+        tmp_path,
+        "torchrun.sh",
+        [*ENDLESS, *split],
+        "RANK=3",
+        signal.SIGSTOP,
+        NPROC="4",
+        TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3",
+    )
     assert code == 3, output
     assert said[-1].startswith("spmd_rl: job summary: rank 3 (env 1) stopped responding first"), output
     assert all(line.startswith("spmd_rl: ") for line in said), output
@@ -282,14 +285,24 @@ def test_a_rank_killed_before_the_group_forms_is_exit_3_with_the_agents_report_k
 def test_sigterm_to_one_rank_under_mpirun_sh_is_the_stop_line_and_75_without_mpiruns_box(tmp_path):
     # The ranks agree on the stop and exit 75; mpirun then prints its "exited with non-zero status" box (11 lines),
     # which the script drops once rank 0 has spoken for the job (its stop line, its code in $SPMD_RL_EXIT_FILE).
-    job = _start("mpirun.sh", ENDLESS, tmp_path)
-    _wait_for(lambda: any(p.stat().st_size for p in tmp_path.glob("runs/*/metrics.jsonl")), job, "metrics")
-    (rank_1,) = [pid for pid in _ranks(tmp_path) if "OMPI_COMM_WORLD_RANK=1" in _environ(pid)]
-    os.kill(rank_1, signal.SIGTERM)
-    code, output = _finish(job, tmp_path)
-    said = [line for line in _lines(output) if not line.startswith(("spmd_rl: launcher ", "iter "))]
+    code, said, output = _signal_a_rank_while_training(
+        tmp_path, "mpirun.sh", ENDLESS, "OMPI_COMM_WORLD_RANK=1", signal.SIGTERM
+    )
     assert code == 75, output
     assert len(said) == 1 and "stopped by SIGTERM after iteration" in said[0], output
+
+
+def _signal_a_rank_while_training(
+    tmp_path: Path, script: str, args: list[str], rank_variable: str, sig: signal.Signals, **env_vars: str
+) -> tuple[int, list[str], str]:
+    """The job's exit code, its lines other than the start and iteration lines, and its whole output, after sig to
+    the rank whose environment holds rank_variable once the job trains."""
+    job = _start(script, args, tmp_path, **env_vars)
+    _wait_for(lambda: any(p.stat().st_size for p in tmp_path.glob("runs/*/metrics.jsonl")), job, "metrics")
+    (rank,) = [pid for pid in _ranks(tmp_path) if rank_variable in _environ(pid)]
+    os.kill(rank, sig)
+    code, output = _finish(job, tmp_path)
+    return code, [line for line in _lines(output) if not line.startswith(("spmd_rl: launcher ", "iter "))], output
 
 
 def _environ(pid: int) -> list[str]:
