@@ -228,7 +228,8 @@ def test_a_failed_attempts_line_is_heard_while_the_restarted_attempt_runs(tmp_pa
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(job.stdout.readline, "")), daemon=True)
     reader.start()
-    _wait_for(lambda: list(tmp_path.glob("runs/*/checkpoints/iter_*")), job, "checkpoint")
+    # a committed checkpoint (its COMPLETE marker): a directory still being saved is no checkpoint to resume from
+    _wait_for(lambda: list(tmp_path.glob("runs/*/checkpoints/iter_*/COMPLETE")), job, "checkpoint")
     (rank_1,) = [pid for pid in _ranks(tmp_path) if "RANK=1" in _environ(pid)]
     os.kill(rank_1, signal.SIGKILL)
     _wait_for(lambda: any(line.startswith("spmd_rl: rank 0 ") for line in lines), job, "line from rank 0")
