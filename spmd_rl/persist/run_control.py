@@ -24,6 +24,7 @@ from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state
 from spmd_rl.persist.rank_state import ITERATION, RNG
 from spmd_rl.runtime.distributed import bounded
 from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.exits import under_plain_torchrun
 from spmd_rl.runtime.signals import past_the_last_boundary, requested_stop, stop_cause
 
 
@@ -31,9 +32,17 @@ class StoppedWithCheckpoint(Exception):
     """Every rank agreed to stop after a signal; the checkpoint is committed. main prints one line, exit 75."""
 
     def __init__(self, signal_name: str, iteration: int, checkpoint: Path, planned: bool = False):
+        # A signal's stop exits 75 (or the agent was signalled too): plain torchrun's agent then prints its FAILED
+        # report or its SignalException traceback and exits 1. Say so here: no line of ours can follow the agent's.
+        agent = (
+            "; plain torchrun reports the stop as a failure below and exits 1: it is checkpointed (launch/torchrun.sh"
+            " exits 75 without that report)"
+            if under_plain_torchrun() and not planned and not stop_cause()  # not when the agent is gone
+            else ""
+        )
         super().__init__(
             f"stopped by {signal_name}{stop_cause()} after iteration {iteration}; checkpoint {checkpoint}; rerun the "
-            f"same command to resume"
+            f"same command to resume{agent}"
         )
         self.checkpoint = checkpoint
         self.finished = False  # True: the run is done (run.stop_at_return), not waiting for a rerun

@@ -293,6 +293,23 @@ def test_sigterm_to_one_rank_under_mpirun_sh_is_the_stop_line_and_75_without_mpi
     assert len(said) == 1 and "stopped by SIGTERM after iteration" in said[0], output
 
 
+@pytest.mark.parametrize("script", ["torchrun.sh", "torchrun"])
+def test_sigterm_to_one_rank_under_torchrun_stops_every_rank_with_a_checkpoint(tmp_path, script):
+    # Every rank agrees on the stop and exits 75. launch/torchrun.sh exits 75 with the stop line alone; plain
+    # torchrun's agent reports the 75s as a failure (its FAILED block, exit 1), which the stop line says before it.
+    code, said, output = _signal_a_rank_while_training(tmp_path, script, ENDLESS, "RANK=1", signal.SIGTERM)
+    stopped = [line for line in said if "stopped by SIGTERM after iteration" in line]
+    assert len(stopped) == 1 and "rerun the same command to resume" in stopped[0], output
+    assert ("plain torchrun reports the stop as a failure below" in stopped[0]) == (script == "torchrun"), output
+    if script == "torchrun.sh":
+        assert code == 75 and "FAILED" not in output, output
+    else:
+        assert code == 1, output
+    (run_dir,) = tmp_path.glob("runs/*")
+    assert read_lock(run_dir)[1]["exit_code"] == 75
+    assert (run_dir / "checkpoints" / "latest").exists()
+
+
 def _signal_a_rank_while_training(
     tmp_path: Path, script: str, args: list[str], rank_variable: str, sig: signal.Signals, **env_vars: str
 ) -> tuple[int, list[str], str]:
