@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import io
 import os
+import re
 import signal
 import sys
 import threading
@@ -76,8 +77,9 @@ def _finalize_mpi() -> None:
 
 
 def user_error_line(exc: UserError, rank: int | None = None) -> str:
-    """'spmd_rl: rank R: error: ...' (without the rank where the error is the same on every rank)."""
-    where = f"rank {rank}: " if rank is not None else ""
+    """'spmd_rl: rank R: error: ...' (without the rank where the error is the same on every rank, or where the
+    message names its rank itself: a refusal one rank found and rank 0 prints for all)."""
+    where = f"rank {rank}: " if rank is not None and not re.match(r"rank \d+\b", str(exc)) else ""
     return f"spmd_rl: {where}error: {exc}"
 
 
