@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from spmd_rl.config.excerpts import clip
+from spmd_rl.persist.fileio import file_kind
 from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
 from spmd_rl.storage.h5file import DAMAGED_FILE_ERRORS, damaged
 from spmd_rl.storage.reader import HDF5Reader
@@ -30,8 +31,10 @@ def experience_files(target: Path) -> list[Path]:
     """The .h5 files of a run: RUN_DIR/buffer/*.h5, else RUN_DIR/*.h5, or the file itself."""
     if target.is_file():
         return [target]
-    if not target.is_dir():
+    if not target.exists():
         raise UserError(f"{target}: no such run directory or file")
+    if not target.is_dir():  # a FIFO or a device: reading it would wait or never end
+        raise UserError(f"{target} is {file_kind(target.stat().st_mode)}: give an HDF5 file or a run directory")
     files = sorted((target / "buffer").glob("*.h5")) or sorted(target.glob("*.h5"))
     if not files:
         raise UserError(f"{target}: no experience files (looked for buffer/*.h5 and *.h5)")

@@ -125,6 +125,13 @@ def _remove_quietly(path: Path) -> None:
         path.unlink()
 
 
+def file_kind(mode: int) -> str:
+    """What a file of this st_mode is, for a line: 'a regular file', 'a FIFO', ..."""
+    kinds = [(stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO")]
+    kinds.append((stat.S_ISCHR, "a character device"))
+    return next((name for test, name in kinds if test(mode)), "a block device or socket")
+
+
 class NotRegularFile(OSError):
     """What open_regular raises for a path that is no regular file: its message names the path and what it is."""
 
@@ -136,9 +143,7 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device")]
-            kind = next((name for test, name in kinds if test(mode)), "a block device or socket")
-            raise NotRegularFile(f"{path} is not a regular file ({kind})")
+            raise NotRegularFile(f"{path} is not a regular file ({file_kind(mode)})")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

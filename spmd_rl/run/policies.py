@@ -23,7 +23,7 @@ from spmd_rl.envs import spaces
 from spmd_rl.envs.vector import EnvSpec, probe_env
 from spmd_rl.interfaces.policy import Policy, StepField
 from spmd_rl.persist.checkpoint import COMPLETE, LATEST, find_checkpoint
-from spmd_rl.persist.fileio import checksum_matches, load_failure, torch_save_atomic
+from spmd_rl.persist.fileio import checksum_matches, file_kind, load_failure, torch_save_atomic
 from spmd_rl.persist.rank_state import ALGORITHM, POLICY, TRAINER, in_component_layout, load_state
 from spmd_rl.persist.run_files import CHECKPOINTS_DIR, CONFIG_FILE, POLICY_FILE
 from spmd_rl.roles.acting import act
@@ -332,6 +332,11 @@ def _config_next_to(weights: Path) -> Path:
     for directory in (start, *list(start.parents)[:3]):
         if (directory / CONFIG_FILE).is_file():
             return directory / CONFIG_FILE
+        if (directory / CONFIG_FILE).exists():  # a FIFO or a device (a link to /dev/zero): never read it
+            kind = file_kind((directory / CONFIG_FILE).stat().st_mode)
+            raise UserError(
+                f"{directory / CONFIG_FILE} is {kind}, not the run's config: restore the run's {CONFIG_FILE} there"
+            )
     raise UserError(
         f"no {CONFIG_FILE} next to {weights} or in the run directory above it: the policy is built "
         f"from the run's config; copy the run's {CONFIG_FILE} next to the weights"

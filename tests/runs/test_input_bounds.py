@@ -9,6 +9,7 @@
 - resuming with a changed config names the keys that differ; run.name cannot leave runs/.
 """
 
+import os
 import time
 from pathlib import Path
 
@@ -333,3 +334,14 @@ def test_run_name_escaping_runs_exits_2_and_writes_nothing(tmp_path):
     result, _, _ = run_main("--config", TINY, "run.name=../../x", cwd=work)
     assert_one_line_exit_2(result, "'run.name' = '../../x' must be a plain name")
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b"]  # nothing written, inside runs/ or out
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a character device"])
+def test_inspect_of_a_fifo_or_a_device_names_what_it_is(tmp_path, capsys, kind):
+    path = tmp_path / "experience.h5"
+    if kind == "a FIFO":
+        os.mkfifo(path)  # opened for reading, it would wait for a writer
+    else:
+        path.symlink_to("/dev/zero")
+    assert experience.main(["inspect", str(path)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {path} is {kind}: give an HDF5 file or a run directory"
