@@ -234,17 +234,17 @@ def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.devic
         )
     damage = rank_file_damage(file)
     if damage:
-        raise UserError(f"{damage}: {what_to_do(directory)}")
+        raise UserError(f"{damage}: {what_to_do(directory, resuming=not whole)}")
     try:
         state = _copied_off_the_file(torch.load(file, map_location=map_location, weights_only=True, mmap=True))
     except Exception as exc:  # torch raises several types for damaged files; each means the same to the user
         raise UserError(
-            f"checkpoint file {file} cannot be read ({load_failure(exc)}): {what_to_do(directory)}"
+            f"checkpoint file {file} cannot be read ({load_failure(exc)}): {what_to_do(directory, resuming=not whole)}"
         ) from None
     if has_shards(state):
         state[SHARDS_FROM] = str(directory)  # where its placeholders' DTensors are (load_shards)
         if whole:
-            verify_shard_files(state)
+            verify_shard_files(state, resuming=False)
             return load_shards(state, directory)
     return state
 
@@ -268,19 +268,21 @@ def shard_file_damage(state: dict) -> str:
         return ""
     shards_dir = Path(state[SHARDS_FROM]) / SHARDS_DIR
     for name, digest in state[SHARD_FILES].items():
+        if not (shards_dir / name).is_file():
+            return f"checkpoint shard file {shards_dir / name} is missing"
         if sha256_of(shards_dir / name) != digest:
             return (
-                f"checkpoint shard file {shards_dir / name} is damaged or missing (its contents differ from the "
-                f"checksum saved with them)"
+                f"checkpoint shard file {shards_dir / name} is damaged (its contents differ from the checksum saved "
+                f"with them)"
             )
     return ""
 
 
-def verify_shard_files(state: dict) -> None:
+def verify_shard_files(state: dict, resuming: bool = True) -> None:
     """A UserError naming the first damaged shard file of a loaded rank state, and what to do."""
     damage = shard_file_damage(state)
     if damage:
-        raise UserError(f"{damage}: {what_to_do(Path(state[SHARDS_FROM]))}")
+        raise UserError(f"{damage}: {what_to_do(Path(state[SHARDS_FROM]), resuming)}")
 
 
 def checkpoint_damage(directory: Path) -> str:
@@ -302,11 +304,15 @@ def checkpoint_damage(directory: Path) -> str:
     return ""
 
 
-def what_to_do(directory: Path) -> str:
-    """The advice after a damaged checkpoint: resuming from an earlier complete one where there is one; there is
-    none with checkpoint.keep: 1 (deleting the only checkpoint would start the run over and clear its metrics)."""
+def what_to_do(directory: Path, resuming: bool = True) -> str:
+    """The advice after a damaged checkpoint. Resuming: from an earlier complete one where there is one; there is
+    none with checkpoint.keep: 1 (deleting the only checkpoint would start the run over and clear its metrics).
+    Reading it (evaluation, run.init_from): the earlier one by name, or a copy of the file."""
     siblings = directory.parent.iterdir() if directory.parent.is_dir() else iter(())
     earlier = sorted(d for d in siblings if d.name.startswith(_PREFIX) and d.name < directory.name and _is_complete(d))
+    if not resuming:
+        instead = f"give the previous checkpoint, {earlier[-1]}, instead, or " if earlier else ""
+        return f"{instead}restore the file from a copy"
     if earlier:
         return f"delete {directory} to resume from the previous checkpoint ({earlier[-1].name})"
     return (
@@ -381,7 +387,8 @@ def load_shards(state: dict, directory: Path, like=None) -> dict:
         stored = reader.read_metadata().state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - a missing or unreadable .metadata
         raise UserError(
-            f"checkpoint {directory}: its shard files cannot be read ({_first_line(exc)}): {what_to_do(directory)}"
+            f"checkpoint {directory}: its shard files cannot be read ({_first_line(exc)}): "
+            f"{what_to_do(directory, resuming=like is not None)}"
         ) from None
     targets = {}
     for key in placeholder_keys(state):
@@ -403,7 +410,7 @@ def load_shards(state: dict, directory: Path, like=None) -> dict:
                     cause = next(iter(exc.failures.values()))[0]
                 raise UserError(
                     f"checkpoint {directory}: its shard files cannot be read ({_first_line(cause)}): "
-                    f"{what_to_do(directory)}"
+                    f"{what_to_do(directory, resuming=False)}"
                 ) from None
     else:
         dcp.load(targets, storage_reader=reader, process_group=mesh_trainers(like.device_mesh))

@@ -18,11 +18,14 @@ from gymnasium.wrappers import vector as vector_wrappers
 
 from spmd_rl.envs.gymnasium_state import capture_env_state, restore_env_state, unsaved_env_reason
 from spmd_rl.persist.checkpoint import (
+    SHARD_FILES,
+    SHARDS_FROM,
     CheckpointStore,
     capture_rng_state,
     find_checkpoint,
     load_checkpoint,
     restore_rng_state,
+    shard_file_damage,
 )
 from spmd_rl.persist.fileio import checksum_matches, torch_save_atomic
 from spmd_rl.runtime.errors import UserError
@@ -153,6 +156,37 @@ def test_a_damaged_checkpoint_after_an_earlier_one_says_delete_it_to_resume_from
     (directory / "rank0.pt").write_bytes(b"garbage")
     with pytest.raises(UserError, match=f"delete {directory} to resume from the previous checkpoint"):
         load_checkpoint(directory, rank=0)
+
+
+@pytest.mark.parametrize("earlier", [False, True])
+def test_a_damaged_checkpoint_read_whole_advises_reading_not_resuming(tmp_path, earlier):
+    # evaluate and run.init_from read a checkpoint whole: deleting it or starting a new run.dir is a resume's
+    # advice, not theirs (fault pass 5, E1)
+    store = CheckpointStore(tmp_path, keep=2)
+    if earlier:
+        store.save({"w": torch.randn(1000)}, 3, 0)
+        store.commit(3)
+    store.save({"w": torch.randn(1000)}, 7, 0)
+    directory = store.commit(7)
+    (directory / "rank0.pt").write_bytes(b"garbage")
+    with pytest.raises(UserError) as error:
+        load_checkpoint(directory, rank=0, whole=True)
+    message = str(error.value)
+    assert message.endswith("restore the file from a copy") and "delete" not in message and "run.dir" not in message
+    assert (
+        f"give the previous checkpoint, {tmp_path / 'checkpoints' / 'iter_000000003'}, instead" in message
+    ) == earlier
+
+
+def test_a_missing_shard_file_is_named_missing_not_damaged(tmp_path):
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "present.distcp").write_bytes(b"other bytes")
+    state = {SHARD_FILES: {"present.distcp": "0" * 64, ".metadata": "0" * 64}, SHARDS_FROM: str(tmp_path)}
+    assert shard_file_damage(state).endswith(
+        "present.distcp is damaged (its contents differ from the checksum saved with them)"
+    )
+    (tmp_path / "shards" / "present.distcp").unlink()
+    assert shard_file_damage(state) == f"checkpoint shard file {tmp_path / 'shards' / 'present.distcp'} is missing"
 
 
 def _save_forever(run_dir: str, megabytes: int) -> None:
