@@ -118,7 +118,14 @@ class CheckpointStore:
             text = pointer.read_text().strip()
             named = self.root / text
             if named.parent == self.root and named.name.startswith(_PREFIX) and _is_complete(named):
-                return named, ""
+                newer = [d.name for _, d in self._complete() if d.name > named.name]
+                if not newer:
+                    return named, ""
+                # an edited pointer, or a save that ended between its COMPLETE marker and the pointer's update
+                return named, (
+                    f"{pointer} names {named.name}, but {newer[-1]} is complete and newer: resuming from {named.name} "
+                    f"as {LATEST} says (the iterations after it run again)"
+                )
             found = f"{pointer} names {excerpt(text)}, which is not a complete checkpoint (damaged or deleted)"
         except FileNotFoundError:
             found = f"{pointer} is missing"

@@ -53,3 +53,18 @@ def test_the_only_checkpoint_damaged_is_one_line_without_delete_advice(tmp_path)
     assert "delete" not in line
     metrics = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(metrics) == 4  # the refusal cleared nothing
+
+
+def test_a_latest_that_names_an_older_checkpoint_is_followed_with_a_note(tmp_path):
+    # An edited pointer, or a save ended between its COMPLETE marker and the pointer: the resume takes what latest
+    # names and says which newer complete checkpoint it passes over (fault pass 5, K3: it said nothing)
+    store = CheckpointStore(tmp_path)
+    for iteration in (3, 7):
+        store.save({"w": [iteration]}, iteration, 0)
+        store.commit(iteration)
+    (tmp_path / "checkpoints" / "latest").write_text("iter_000000003\n")
+    checkpoint, why = store.latest_sound_and_why()
+    assert checkpoint == tmp_path / "checkpoints" / "iter_000000003"
+    assert "names iter_000000003, but iter_000000007 is complete and newer: resuming from iter_000000003" in why
+    (tmp_path / "checkpoints" / "latest").write_text("iter_000000007\n")
+    assert store.latest_sound_and_why() == (tmp_path / "checkpoints" / "iter_000000007", "")
