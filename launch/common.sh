@@ -19,8 +19,9 @@ fi
 make_exit_file() {   # not in $(...): the trap that removes the files must belong to the script's own shell
     exit_file=$(mktemp "${TMPDIR:-/tmp}/spmd_rl-exit.XXXXXX")
     signal_file=$(mktemp "${TMPDIR:-/tmp}/spmd_rl-signal.XXXXXX")   # the signal this script passed on, if any
+    reported_file=$(mktemp "${TMPDIR:-/tmp}/spmd_rl-reported.XXXXXX")   # non-empty: the launcher reported a rank's end
     failure_dir=$(mktemp -d "${TMPDIR:-/tmp}/spmd_rl-failures.XXXXXX")
-    trap 'rm -f "$exit_file" "$signal_file"; rm -rf "$failure_dir"' EXIT
+    trap 'rm -f "$exit_file" "$signal_file" "$reported_file"; rm -rf "$failure_dir"' EXIT
 }
 
 # The output filters' test (an awk function; awk -v exit_file=... -v signal_file=...) of whether rank 0 has spoken
@@ -75,7 +76,8 @@ wait_for_launcher() {
     # shellcheck disable=SC2064
     trap "signalled=\${signalled:-HUP}; echo HUP > \"$signal_file\"; relay_signal TERM $job" HUP
     while true; do   # a trapped signal ends `wait` early: wait again until the launcher itself has exited
-        wait "$job" && status=0 || status=$?
+        # (2>/dev/null: bash's own notice of a launcher killed by a signal, the whole command line; said below)
+        wait "$job" 2>/dev/null && status=0 || status=$?
         kill -0 "$job" 2>/dev/null || break
     done
     if [[ -n $filter ]]; then   # (a bare `wait` does not wait for a process substitution)
@@ -109,12 +111,22 @@ wait_for_launcher() {
                     exit $((128 + $(kill -l "$signalled")))
                 fi ;;
         esac
+        # The launcher itself died of a signal this script did not pass on (kill -9 of mpirun or of torchrun's
+        # agent), and rank 0 left no code: the ranks went with it. Under torchrun they stop with a checkpoint when
+        # their agent goes (rank 0 leaves 75, above); mpirun's are killed, and resume from the last checkpoint.
+        # mpirun exits 128+N too when a rank died of signal N, but then it reported that rank ($reported_file).
+        local no_code='^(|129|1[3-9][0-9]|2[0-5][0-9])$'
+        if [[ -z $signalled ]] && ((status > 128)) && [[ ! -s $reported_file && $ranks_code =~ $no_code ]]; then
+            echo "spmd_rl: $(basename "$0"): the launcher (pid $job) was killed by SIG$(kill -l "$status")," \
+                "not by this script, and the ranks ended with it: rerun the same command to resume from the last" \
+                "checkpoint" >&2
+            exit "$status"
+        fi
         # Nobody asked the job to stop, no rank left a record, and rank 0 left no code or a signal's: a rank ended
         # without a word (killed, or dead before Python ran) before the process group formed, and the launcher
         # stopped the others. Its report, kept above (`spoke_awk`), names the rank; the job failed for another
         # rank, as a communication error (fault pass 5, J5 and J6: they exited 1, the code of our own bugs).
-        if [[ -z $signalled && -z $first_code ]] && [[ -z $ranks_code || $ranks_code =~ ^(129|1[3-9][0-9]|2[0-5][0-9])$ ]]
-        then
+        if [[ -z $signalled && -z $first_code && $ranks_code =~ $no_code ]]; then
             echo "spmd_rl: $(basename "$0"): a rank ended before it could say why (killed, or dead before Python ran)" \
                 "and the launcher stopped the others: the launcher's report above names it" >&2
             exit 3

@@ -60,7 +60,9 @@ fi
 # job summary), so such boxes are dropped; a job whose rank 0 left nothing (killed, or dead before Python ran) keeps
 # them, the only account of what happened. Every other line passes at once.
 drop_exit_status_boxes() {
-    "${line_awk[@]}" -v exit_file="$exit_file" -v signal_file="$signal_file" "$spoke_awk"'
+    "${line_awk[@]}" -v exit_file="$exit_file" -v signal_file="$signal_file" -v reported_file="$reported_file" \
+        "$spoke_awk"'
+         /^mpirun noticed that process rank / { printf "1" > reported_file; close(reported_file) }
          /^--------------------+$/ { if (!boxed) { boxed = 1; held = $0; next }
                       held = held "\n" $0; boxed = 0
                       if (!(held ~ /non-zero/ && spoke())) print held

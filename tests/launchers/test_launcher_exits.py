@@ -270,16 +270,53 @@ def test_a_stopped_env_rank_under_torchrun_sh_is_the_ranks_lines_and_the_summary
     assert all(line.startswith("spmd_rl: ") for line in said), output
 
 
-def test_a_rank_killed_before_the_group_forms_is_exit_3_with_the_agents_report_kept(tmp_path):
+@pytest.mark.parametrize("script", ["torchrun.sh", pytest.param("mpirun.sh", marks=needs_mpirun)])
+def test_a_rank_killed_before_the_group_forms_is_exit_3_with_the_launchers_report_kept(tmp_path, script):
     # Rank 1 ends by SIGKILL in its check before start; the agent stops rank 0 with SIGTERM, whose code (143) read
     # as rank 0 speaking for the job: the agent's report, the only account of rank 1, was dropped and the script
     # exited 1 after rank 0's "stopped by SIGTERM while starting" (fault pass 5, J6).
     killed = "policy.class=tests.harness.rank_one_faults:KilledOnRankOne"
-    job = _start("torchrun.sh", ["--config", TINY, killed, f"run.dir={tmp_path / 'run'}"], tmp_path)
+    job = _start(script, ["--config", TINY, killed, f"run.dir={tmp_path / 'run'}"], tmp_path)
     code, output = _finish(job, tmp_path)
     assert code == 3, output
-    assert "local_rank: 1" in output and "exitcode: -9" in output, output  # the agent's line naming it
+    named = ("local_rank: 1", "exitcode: -9") if script == "torchrun.sh" else ("process rank 1", "signal 9")
+    assert all(part in output for part in named), output  # the launcher's report naming it
     assert "a rank ended before it could say why" in output.splitlines()[-1], output
+
+
+@pytest.mark.parametrize("script", ["torchrun.sh", pytest.param("mpirun.sh", marks=needs_mpirun)])
+def test_kill_9_of_the_launcher_alone_is_the_ranks_stop_or_one_line_naming_it(tmp_path, script):
+    # torchrun's ranks see their agent go and stop with a checkpoint (75); mpirun's end with it, and the script
+    # says so (it blamed a rank that "ended before it could say why", exit 3: fault pass 5, M1). Neither prints
+    # bash's notice of a killed job with the launcher's whole command line (J4).
+    job = _start(script, [*ENDLESS, "checkpoint.every_iterations=50"], tmp_path)
+    _wait_for(lambda: any(p.stat().st_size for p in tmp_path.glob("runs/*/metrics.jsonl")), job, "metrics")
+    (launcher,) = [pid for pid in _children(job.pid) if "spmd_rl.main" in _cmdline(pid)]
+    os.kill(launcher, signal.SIGKILL)
+    code, output = _finish(job, tmp_path)
+    assert "Killed" not in output, output
+    if script == "torchrun.sh":
+        assert code == 75 and "stopped by SIGTERM" in output, output  # the agent's death signal, or their own
+    else:
+        assert code == 137, output
+        assert output.splitlines()[-1] == (
+            f"spmd_rl: mpirun.sh: the launcher (pid {launcher}) was killed by SIGKILL, not by this script, and the "
+            "ranks ended with it: rerun the same command to resume from the last checkpoint"
+        ), output
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
 
 
 @needs_mpirun
