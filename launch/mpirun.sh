@@ -58,11 +58,15 @@ fi
 # two between rules of dashes saying which process "exited with non-zero status": 5 to 11 lines after the ranks'
 # one line. Once rank 0 has left its code in $exit_file it has spoken for the job (its line, the stop line or the
 # job summary), so such boxes are dropped; a job whose rank 0 left nothing (killed, or dead before Python ran) keeps
-# them, the only account of what happened. Every other line passes at once.
+# them, the only account of what happened. mpirun's "Forwarding signal N to job" (the signal this script passed on,
+# which the ranks acknowledge themselves) is dropped. Every other line passes at once. A report of a rank's end
+# ("mpirun noticed that process rank ...") is marked in $reported_file: mpirun exits 128+N after it as after its
+# own kill by signal N, which wait_for_launcher tells apart so.
 drop_exit_status_boxes() {
     "${line_awk[@]}" -v exit_file="$exit_file" -v signal_file="$signal_file" -v reported_file="$reported_file" \
         "$spoke_awk"'
          /^mpirun noticed that process rank / { printf "1" > reported_file; close(reported_file) }
+         /^mpirun: Forwarding signal [0-9]+ to job$/ { next }
          /^--------------------+$/ { if (!boxed) { boxed = 1; held = $0; next }
                       held = held "\n" $0; boxed = 0
                       if (!(held ~ /non-zero/ && spoke())) print held

@@ -347,6 +347,17 @@ def test_sigterm_to_one_rank_under_torchrun_stops_every_rank_with_a_checkpoint(t
     assert (run_dir / "checkpoints" / "latest").exists()
 
 
+@needs_mpirun
+def test_sigusr1_to_the_group_under_mpirun_sh_is_the_ranks_lines_without_mpiruns_forwarding_note(tmp_path):
+    job = _start("mpirun.sh", ENDLESS, tmp_path)
+    _wait_for(lambda: any(p.stat().st_size for p in tmp_path.glob("runs/*/metrics.jsonl")), job, "metrics")
+    os.killpg(job.pid, signal.SIGUSR1)
+    code, output = _finish(job, tmp_path)
+    said = [line for line in _lines(output) if not line.startswith(("spmd_rl: launcher ", "iter "))]
+    assert code == 75 and "Forwarding signal" not in output, output  # fault pass 5, S2: it passed the filter
+    assert said[-1].startswith("spmd_rl: stopped by SIGUSR1 after iteration"), output
+
+
 def _signal_a_rank_while_training(
     tmp_path: Path, script: str, args: list[str], rank_variable: str, sig: signal.Signals, **env_vars: str
 ) -> tuple[int, list[str], str]:
