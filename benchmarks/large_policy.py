@@ -14,7 +14,9 @@ dist.broadcast of the same bytes, the extra memory a sync takes on a trainer, a 
 5 ranks (2 env, 1 inference, 2 fsdp trainers) through torchrun, against the same layout with a small actor-critic
 MLP: start-up (launch to the first metrics line, the first iteration included; and that less iteration 0's own
 rollout, learning and weight sync times from its record: the start-up before iteration 0 began) against the time
-one process takes to import, build and load the folder's weights; each rank's peak RSS and policy builds
+one process takes to import, build and load the folder's weights, and the CPU seconds the busiest rank had spent by
+the first line against that process's (with a core per rank, the floor of the start-up: on fewer cores than ranks
+the wall times measure the core count too); each rank's peak RSS and policy builds
 (finished.json's "ranks"; a sharded trainer other than trainer 0 builds the policy on the meta device and takes its
 shards from trainer 0's); the trainers' training state (weights, gradients, Adam's moments) with LoRA rank 16
 against full fine-tuning, counted on the policy built on the meta device; and the bytes of a weight sync after the
@@ -311,22 +313,44 @@ def _vla_folder(preset: str, folder: Path) -> int:
     return sum(p.numel() for p in backbone.parameters())
 
 
-def _load_once_s(folder: Path) -> float:
-    """Seconds for one fresh process to import, build the vla policy and read the folder's weights."""
+def _load_once_s(folder: Path) -> tuple[float, float]:
+    """(seconds, CPU seconds) for one fresh process to import, build the vla policy and read the folder's weights."""
     code = (
         "import sys; sys.path.insert(0, 'tests'); from harness.vla_fixtures import InstructedReach; "
         "from spmd_rl.modules.configs import VLAConfig; from spmd_rl.modules.vla import VLAPolicy; env = "
         f"InstructedReach(); VLAPolicy(env.observation_space, env.action_space, VLAConfig(pretrained='{folder}'))"
     )
-    started = time.monotonic()
+    started, cpu = time.monotonic(), _children_cpu_s()
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    return time.monotonic() - started
+    return time.monotonic() - started, _children_cpu_s() - cpu
 
 
-def _split_run(overrides: list[str], run_dir: Path) -> tuple[float, float, list[dict]]:
-    """(seconds from launch to the first metrics line, iteration 0's own seconds, finished.json's ranks) of a
-    2-iteration split-5 run. Iteration 0's own time is its record's rollout, learning and weight sync times: the
-    first line less that is the start-up before iteration 0 began."""
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _ranks_cpu_s(launcher: int) -> dict[int, float]:
+    """{pid: CPU seconds so far} of the ranks torchrun's agent `launcher` started (its children running spmd_rl)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    found = {}
+    try:
+        children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    except OSError:
+        return found
+    for pid in children:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        found[int(pid)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (stat fields 14, 15)
+    return found
+
+
+def _split_run(overrides: list[str], run_dir: Path) -> tuple[float, float, float, list[dict]]:
+    """(seconds from launch to the first metrics line, iteration 0's own seconds, the most CPU seconds one rank had
+    spent by that line, finished.json's ranks) of a 2-iteration split-5 run. Iteration 0's own time is its record's
+    rollout, learning and weight sync times: the first line less that is the start-up before iteration 0 began."""
     args = ["--config", "configs/ci_tiny.yaml", VLA_ENV, *SPLIT_5, f"run.dir={run_dir}", "train.total_steps=128"]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     started = time.monotonic()
@@ -338,18 +362,21 @@ def _split_run(overrides: list[str], run_dir: Path) -> tuple[float, float, list[
         stderr=subprocess.PIPE,
         text=True,
     )
-    first_line = None
+    first_line, cpu_s = None, {}
     while job.poll() is None:
         metrics = run_dir / "metrics.jsonl"
-        if first_line is None and metrics.exists() and metrics.stat().st_size:
-            first_line = time.monotonic() - started
+        if first_line is None:
+            cpu_s = _ranks_cpu_s(job.pid) or cpu_s  # the last sample before the line (a rank's CPU only grows)
+            if metrics.exists() and metrics.stat().st_size:
+                first_line = time.monotonic() - started
         time.sleep(0.2)
     if job.returncode != 0:
         raise RuntimeError(f"split run {overrides} failed ({job.returncode}): {job.stderr.read()[-3000:]}")
     assert first_line is not None  # a finished run logged its iterations
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     iteration_0 = sum(first.get(key, 0.0) for key in ("time_rollout_s", "time_learn_s", "time_weight_sync_s"))
-    return first_line, iteration_0, json.loads((run_dir / "finished.json").read_text())["ranks"]
+    ranks = json.loads((run_dir / "finished.json").read_text())["ranks"]
+    return first_line, iteration_0, max(cpu_s.values(), default=math.nan), ranks
 
 
 def _vla_paper(folder: Path, lora_rank: int) -> dict:
@@ -383,7 +410,7 @@ def vla(preset: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="spmd_vla_"))
     folder = work / "model"
     parameters = _vla_folder(preset, folder)
-    load_s = _load_once_s(folder)
+    load_s, load_cpu_s = _load_once_s(folder)
     load = f"{os.getloadavg()[0]:.1f}"
     vla = ["policy.class=vla", f"policy.pretrained={folder}"]
     runs = {
@@ -396,11 +423,12 @@ def vla(preset: str) -> None:
     shutil.rmtree(work, ignore_errors=True)
     print(
         f"\nvla preset {preset} ({parameters / 1e6:.0f}M backbone parameters), split 5 (2 env, 1 inference, 2 fsdp "
-        f"trainers), 2 iterations; one process importing, building and loading it: {load_s:.1f} s; load {load}"
+        f"trainers), 2 iterations; one process importing, building and loading it: {load_s:.1f} s "
+        f"({load_cpu_s:.1f} CPU s); load {load}"
     )
     roles = ("env", "inference", "trainer")
     rows, env_rss = [], {}
-    for name, (startup_s, iteration_0_s, ranks) in runs.items():
+    for name, (startup_s, iteration_0_s, rank_cpu_s, ranks) in runs.items():
         rss = {role: [r["peak_rss_mb"] for r in ranks if r["role"] == role] for role in roles}
         builds = {role: [r["policy_builds"] for r in ranks if r["role"] == role] for role in roles}
         env_rss[name] = max(rss["env"])
@@ -411,11 +439,13 @@ def vla(preset: str) -> None:
                 f"{startup_s / load_s:.2f}x",
                 f"{startup_s - iteration_0_s:.1f}",
                 f"{(startup_s - iteration_0_s) / load_s:.2f}x",
+                f"{rank_cpu_s:.1f} = {rank_cpu_s / load_cpu_s:.2f}x",
                 *(" / ".join(f"{mb:.0f}" for mb in rss[role]) for role in roles),  # each rank's, in rank order
                 ", ".join(f"{role} {builds[role]}" for role in roles),
             ]
         )
     columns = ["policy", "to the first line s", "/ load once", "before iteration 0 s", "/ load once"]
+    columns.append("busiest rank's CPU s to the first line / load once's")  # a rank per core: its start-up's floor
     print(table([*columns, *(f"{r} peak RSS MiB" for r in roles), "policy builds"], rows))
     print(f"env rank peak RSS, vla / mlp: {env_rss['vla'] / env_rss['mlp [16, 16]']:.2f}x")
     print("\nTraining state per fsdp trainer (of 2) and bytes per weight sync, on the policy built on the meta device:")

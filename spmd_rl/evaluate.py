@@ -13,7 +13,8 @@ class, keys and seed as in training), then its weights are loaded. Its `act` tak
 numpy or torch; given numpy it returns numpy, given one observation, outputs without the batch dimension.
 
 For an env that reports a success flag (env.success_key), the line also gives the success rate with its 95% Wilson
-interval, and the rate of success at the episodes' last step.
+interval, and the rate of success at the episodes' last step; for an env whose info names each episode's task
+(MetaWorld's MT10), a line per task follows with its success rate.
 
 Every episode ends after at most --max-steps steps (default: the env's own max_episode_steps, else 100000), so a
 policy that never ends an episode cannot evaluate forever; the episodes that limit cut short are counted.
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             + (f"; {result['cut']} cut at {result['max_steps']} steps" if result["cut"] else "")
             + (f"; videos in {args.video}" if args.video else "")
         )
+        for task, done in result.get("tasks", {}).items():  # several tasks in one env (MT10): one line each
+            print(f"  task {task}: success {done['success_rate']:.2f} over {done['episodes']} episodes")
         for name, group in result.get("groups", {}).items():  # env groups: one line each
             print(
                 f"  group {name}: return {group['return_mean']:.2f} ± {group['return_std']:.2f}, length "

@@ -5,8 +5,9 @@ The observation is a Dict: `image` (uint8 [height, width, 3] from one of the sce
 own: the hand's position and how far the gripper is open, float32 [4]) and `instruction` (gymnasium `Text`: the
 task's sentence from INSTRUCTIONS, which the env rank turns into token ids, envs/text.py). The step's info has
 `success` (bool); `metaworld_observation` holds MetaWorld's own 39-value vector (object and goal positions
-included), which the scripted experts act on (spmd_rl.collect) and a policy should not see; a reset's info also
-names the `task` and its configuration's `task_index`.
+included), which the scripted experts act on (spmd_rl.collect) and a policy should not see; `task`, the task's
+name (an evaluation over MT10 reports success per task from it); a reset's info also names its configuration's
+`task_index`.
 
 Resets are reproducible: MetaWorld draws every initial state from a task configuration (50 per task), so
 reset(seed=s) sets configuration s % n (n = 50; for MT10 n = 500, task s % 10 in MT10's order, its configuration
@@ -263,8 +264,8 @@ class MetaWorldEnv(gym.Env):
             float(reward),
             terminated,
             bool(truncated),
-            {"success": success, "metaworld_observation": raw},
-        )
+            {"success": success, "metaworld_observation": raw, "task": self._task_name},  # an episode's last step
+        )  # names its task: evaluations of MT10 report per task
 
     def _observation(self, raw: np.ndarray) -> dict:
         # This env's GL context made current for every frame: another env of this process closing (an evaluation's

@@ -85,14 +85,26 @@ def evaluate(
             torch.default_generator.manual_seed(seed)
             if device.type == "cuda":
                 torch.cuda.default_generators[cuda_indices(device)[0]].manual_seed(seed)
-            returns, lengths, successes = _play(
+            returns, lengths, successes, tasks = _play(
                 policy.eval(), spec, envs, obs, _quotas(episodes, envs.num_envs), deterministic, device
             )
     finally:
         policy.train(was_training)
         envs.close()  # also writes the last episode's video
     cut = sum(length >= max_steps for length in lengths) if cuts else 0
-    return _summary(returns, lengths, deterministic, seed, max_steps, cut, successes)
+    summary = _summary(returns, lengths, deterministic, seed, max_steps, cut, successes)
+    if successes is not None and len(set(tasks)) > 1 and len(tasks) == len(successes):
+        summary["tasks"] = _by_task(tasks, successes)
+    return summary
+
+
+def _by_task(tasks: list[str], successes: list[tuple[bool, bool]]) -> dict:
+    """{task: {"episodes", "success_rate"}} in the order tasks first ended, for an env whose info names each
+    episode's task (TASK_KEY: MetaWorld's MT10), so that one policy's result over several tasks reads per task."""
+    by_task: dict[str, list[bool]] = {}
+    for task, (at_any, _) in zip(tasks, successes, strict=True):
+        by_task.setdefault(task, []).append(at_any)
+    return {task: {"episodes": len(won), "success_rate": sum(won) / len(won)} for task, won in by_task.items()}
 
 
 def probe_eval_env(cfg: Config) -> EnvSpec:
@@ -195,6 +207,9 @@ def _evaluate_groups(policy, env_cfg: EnvSection, episodes: int, seed: int, dete
     return {**_summary(returns, lengths, deterministic, seed, max_steps, cut, successes), "groups": groups}
 
 
+TASK_KEY = "task"  # an info key naming each env's task (MetaWorld's envs); evaluations of several report per task
+
+
 def episode_step_limit(env_cfg: EnvSection) -> int | None:
     """The env's own episode step limit (its backend's: for gymnasium env.kwargs' max_episode_steps, else its
     registration's); None if none."""
@@ -204,7 +219,7 @@ def episode_step_limit(env_cfg: EnvSection) -> int | None:
 def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, device: torch.device):
     buffer = observation_message(spec, envs.num_envs)["obs"]  # the layout the inference server acts on
     views = spaces.numpy_views(buffer)
-    returns, lengths = [], []
+    returns, lengths, tasks = [], [], []
     fields = policy.recurrent_state()
     state = initial_state(fields, envs.num_envs, device) if fields else None
     # A recurrent state starts afresh where the envs hand over a new episode's first observation: after the reset
@@ -238,9 +253,11 @@ def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, devi
             if success is not None:
                 assert successes is not None  # made with success
                 successes.append((bool(at_any[i]), bool(at_end[i])))
+            if TASK_KEY in info:  # the ending step's info is the episode's (the next step resets)
+                tasks.append(str(info[TASK_KEY][i]))
         if primitive_steps is not None:
             primitive_steps[info["_episode"]] = 0
-    return returns, lengths, successes
+    return returns, lengths, successes, tasks
 
 
 def _quotas(episodes: int, num_envs: int) -> np.ndarray:

@@ -86,6 +86,8 @@ class Reporter:
             metrics[f"eval_length_mean/{name}"] = group["length_mean"]
             if "success_rate" in group:
                 metrics[f"eval_success_rate/{name}"] = group["success_rate"]
+        for task, done in result.get("tasks", {}).items():  # several tasks in one env (MT10)
+            metrics[f"eval_success_rate/task/{task}"] = done["success_rate"]
         return metrics
 
     def record_video(self, iteration: int, policy: Policy) -> None:

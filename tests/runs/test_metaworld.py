@@ -21,6 +21,8 @@ from spmd_rl.config.loading import load_config
 from spmd_rl.config.sections import EnvSection
 from spmd_rl.envs.metaworld_envs import INSTRUCTIONS, register
 from spmd_rl.envs.vector import make_vector_env, probe_env
+from spmd_rl.run.contract import load_classes
+from spmd_rl.run.evaluation import evaluate
 from spmd_rl.storage.reader import HDF5Reader
 
 pytest.importorskip("metaworld", reason='MetaWorld is not installed (pip install -e ".[metaworld]")')
@@ -99,6 +101,24 @@ def test_the_instruction_arrives_as_token_ids_and_a_group_starts_together():
         assert np.array_equal(obs["image"][0], obs["image"][1])  # one seed for the group: one initial state
     finally:
         envs.close()
+
+
+def test_an_evaluation_over_mt10_reports_success_per_task():
+    # One policy over MT10's ten tasks: its result reads per task (evaluate's lines, the metrics'
+    # eval_success_rate/task/<name>), each episode counted under the task its info named
+    cfg = load_config(
+        None, ["env.id=metaworld/MT10", "env.num_envs=2", "env.action_chunk=4", "env.kwargs={width: 32, height: 32}"]
+    )
+    spec = probe_env(cfg.env)
+    policy_cls, _ = load_classes(cfg)[:2]
+    policy = policy_cls(spec.observation_space, spec.action_space, cfg.policy)
+    result = evaluate(policy, cfg.env, episodes=10, seed=0, deterministic=True, max_steps=8)
+    mt10 = {"reach-v3", "push-v3", "pick-place-v3", "door-open-v3", "drawer-open-v3", "drawer-close-v3",
+            "button-press-topdown-v3", "peg-insert-side-v3", "window-open-v3", "window-close-v3"}  # fmt: skip
+    assert 1 < len(result["tasks"]) and set(result["tasks"]) <= mt10  # later resets draw their task at random
+    assert sum(done["episodes"] for done in result["tasks"].values()) == 10
+    per_task = sum(done["success_rate"] * done["episodes"] for done in result["tasks"].values())
+    assert per_task == pytest.approx(result["success_rate"] * result["episodes"])
 
 
 @pytest.mark.slow
