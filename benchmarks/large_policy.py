@@ -14,9 +14,9 @@ dist.broadcast of the same bytes, the extra memory a sync takes on a trainer, a 
 5 ranks (2 env, 1 inference, 2 fsdp trainers) through torchrun, against the same layout with a small actor-critic
 MLP: start-up (launch to the first metrics line, the first iteration included; and that less iteration 0's own
 rollout, learning and weight sync times from its record: the start-up before iteration 0 began) against the time
-one process takes to import, build and load the folder's weights, and the CPU seconds the busiest rank had spent by
-the first line against that process's (with a core per rank, the floor of the start-up: on fewer cores than ranks
-the wall times measure the core count too); each rank's peak RSS and policy builds
+one process takes to import, build and load the folder's weights, and the CPU seconds the busiest rank had spent
+before iteration 0 began against that process's (with a core per rank, the floor of the start-up: on fewer cores
+than ranks the wall times measure the core count too); each rank's peak RSS and policy builds
 (finished.json's "ranks"; a sharded trainer other than trainer 0 builds the policy on the meta device and takes its
 shards from trainer 0's); the trainers' training state (weights, gradients, Adam's moments) with LoRA rank 16
 against full fine-tuning, counted on the policy built on the meta device; and the bytes of a weight sync after the
@@ -349,8 +349,9 @@ def _ranks_cpu_s(launcher: int) -> dict[int, float]:
 
 def _split_run(overrides: list[str], run_dir: Path) -> tuple[float, float, float, list[dict]]:
     """(seconds from launch to the first metrics line, iteration 0's own seconds, the most CPU seconds one rank had
-    spent by that line, finished.json's ranks) of a 2-iteration split-5 run. Iteration 0's own time is its record's
-    rollout, learning and weight sync times: the first line less that is the start-up before iteration 0 began."""
+    spent before iteration 0 began, finished.json's ranks) of a 2-iteration split-5 run. Iteration 0's own time is
+    its record's rollout, learning and weight sync times: the first line less that is the start-up before iteration
+    0 began."""
     args = ["--config", "configs/ci_tiny.yaml", VLA_ENV, *SPLIT_5, f"run.dir={run_dir}", "train.total_steps=128"]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     started = time.monotonic()
@@ -362,11 +363,11 @@ def _split_run(overrides: list[str], run_dir: Path) -> tuple[float, float, float
         stderr=subprocess.PIPE,
         text=True,
     )
-    first_line, cpu_s = None, {}
+    first_line, samples = None, []  # (seconds since launch, {rank pid: CPU seconds so far})
     while job.poll() is None:
         metrics = run_dir / "metrics.jsonl"
         if first_line is None:
-            cpu_s = _ranks_cpu_s(job.pid) or cpu_s  # the last sample before the line (a rank's CPU only grows)
+            samples.append((time.monotonic() - started, _ranks_cpu_s(job.pid)))
             if metrics.exists() and metrics.stat().st_size:
                 first_line = time.monotonic() - started
         time.sleep(0.2)
@@ -376,7 +377,9 @@ def _split_run(overrides: list[str], run_dir: Path) -> tuple[float, float, float
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     iteration_0 = sum(first.get(key, 0.0) for key in ("time_rollout_s", "time_learn_s", "time_weight_sync_s"))
     ranks = json.loads((run_dir / "finished.json").read_text())["ranks"]
-    return first_line, iteration_0, max(cpu_s.values(), default=math.nan), ranks
+    # the busiest rank's CPU seconds at the last sample before iteration 0 began (a rank's CPU only grows)
+    before = [max(cpu.values()) for at, cpu in samples if cpu and at <= first_line - iteration_0]
+    return first_line, iteration_0, max(before, default=math.nan), ranks
 
 
 def _vla_paper(folder: Path, lora_rank: int) -> dict:
@@ -439,13 +442,13 @@ def vla(preset: str) -> None:
                 f"{startup_s / load_s:.2f}x",
                 f"{startup_s - iteration_0_s:.1f}",
                 f"{(startup_s - iteration_0_s) / load_s:.2f}x",
-                f"{rank_cpu_s:.1f} = {rank_cpu_s / load_cpu_s:.2f}x",
+                f"{rank_cpu_s:.1f} s = {rank_cpu_s / load_cpu_s:.2f}x",
                 *(" / ".join(f"{mb:.0f}" for mb in rss[role]) for role in roles),  # each rank's, in rank order
                 ", ".join(f"{role} {builds[role]}" for role in roles),
             ]
         )
     columns = ["policy", "to the first line s", "/ load once", "before iteration 0 s", "/ load once"]
-    columns.append("busiest rank's CPU s to the first line / load once's")  # a rank per core: its start-up's floor
+    columns.append("busiest rank's CPU before iteration 0 / load once's")  # a rank per core: the start-up's floor
     print(table([*columns, *(f"{r} peak RSS MiB" for r in roles), "policy builds"], rows))
     print(f"env rank peak RSS, vla / mlp: {env_rss['vla'] / env_rss['mlp [16, 16]']:.2f}x")
     print("\nTraining state per fsdp trainer (of 2) and bytes per weight sync, on the policy built on the meta device:")

@@ -27,6 +27,7 @@ import functools
 import os
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 import gymnasium as gym
@@ -174,6 +175,9 @@ def scripted_expert(task: str):
     """MetaWorld's scripted policy for `task` (metaworld.policies): get_action(MetaWorld's 39-value observation)."""
     from metaworld.policies import ENV_POLICY_MAP
 
+    # Its controllers warn, at every step where it happens, that a response exceeds [-1, 1] and will be clipped:
+    # spmd_rl.collect clips each action to the action space, so the warning says nothing to do.
+    warnings.filterwarnings("ignore", message=r"Constant\(s\) may be too high", category=UserWarning)
     expert: Any = ENV_POLICY_MAP[task]  # typed as MetaWorld's abstract base; each entry is a task's concrete class
     return expert()
 
