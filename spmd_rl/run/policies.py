@@ -329,14 +329,11 @@ def _config_next_to(weights: Path) -> Path:
     """The run's config.yaml: next to a policy file, or up in the run directory (a checkpoint directory is
     <run dir>/checkpoints/iter_N, its rank files one level deeper)."""
     start = weights if weights.is_dir() else weights.parent
-    for directory in (start, *list(start.parents)[:3]):
-        if (directory / CONFIG_FILE).is_file():
-            return directory / CONFIG_FILE
-        if (directory / CONFIG_FILE).exists():  # a FIFO or a device (a link to /dev/zero): never read it
-            kind = file_kind((directory / CONFIG_FILE).stat().st_mode)
-            raise UserError(
-                f"{directory / CONFIG_FILE} is {kind}, not the run's config: restore the run's {CONFIG_FILE} there"
-            )
+    for config in (directory / CONFIG_FILE for directory in (start, *list(start.parents)[:3])):
+        if config.is_file():
+            return config
+        if config.exists():  # a FIFO or a device (a link to /dev/zero): never read it
+            raise UserError(f"{config} is {file_kind(config.stat().st_mode)}, not the run's config: restore it")
     raise UserError(
         f"no {CONFIG_FILE} next to {weights} or in the run directory above it: the policy is built "
         f"from the run's config; copy the run's {CONFIG_FILE} next to the weights"

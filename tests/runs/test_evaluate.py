@@ -138,7 +138,7 @@ def config_a_device(run_dir: Path) -> None:
         (corrupt_policy, [], "policy.pt cannot be read as weights"),
         (flip_policy_bytes, [], "policy.pt is damaged (its contents differ from the checksum saved with them)"),
         (lambda d: (d / "config.yaml").unlink(), [], "no config.yaml next to"),
-        (config_a_device, [], "config.yaml is a character device, not the run's config: restore the run's"),
+        (config_a_device, [], "config.yaml is a character device, not the run's config: restore it"),
         (remove_weights, [], "holds no weights yet (no policy.pt, no checkpoints/)"),
         (renamed_policy_class, [], "importing module 'gone_module' failed"),
         (None, ["policy.hidden_sizes=[8]"], "its weights do not fit policy.class 'actor_critic'"),
