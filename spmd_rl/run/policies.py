@@ -113,7 +113,22 @@ def policy_to_receive(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], devi
                         torch.zeros_like(param, device=device), requires_grad=param.requires_grad
                     )
                 module._parameters[name] = zeros[id(param)]
+    if _holds_meta_tensors(policy):
+        return build_policy(cfg, spec, policy_cls, device)
     return policy.to(device)
+
+
+def _holds_meta_tensors(policy: torch.nn.Module) -> bool:
+    """Whether a module of the policy keeps a plain tensor attribute (neither parameter nor buffer, alone or in a
+    list, tuple or dict) on the meta device: one its constructor derived from a parameter, which no weight sync
+    replaces; act failed with 'Tensor on device meta is not on the expected device' (fault pass 6, U7)."""
+    for module in policy.modules():
+        for value in vars(module).values():
+            values = value.values() if isinstance(value, dict) else value
+            values = values if isinstance(values, (list, tuple, type({}.values()))) else [value]
+            if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+                return True
+    return False
 
 
 @dataclass
