@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from spmd_rl.comm.parallel_plan import shards
 from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state
 from spmd_rl.persist.rank_state import ITERATION, RNG
 from spmd_rl.runtime.distributed import bounded
@@ -67,7 +68,7 @@ class RunControl:
         self.num_iterations = num_iterations
         self.rank, self.world_size, self.distributed = rank, world_size, distributed
         self.store = CheckpointStore(run_dir, keep=cfg.checkpoint.keep)
-        self.sharded = cfg.train.parallel == "fsdp"  # the trainers' save is a collective of theirs (DCP)
+        self.sharded = shards(cfg.train.parallel)  # the trainers' save is then a collective of theirs (DCP)
         self.timeout = timeout
         self.last_checkpoint = time.monotonic()
         self.save_s = 0.0  # seconds this rank spent on its last checkpoint (0 when none this iteration)

@@ -2,7 +2,10 @@
 policy.pt, and loaded back from a run directory, a checkpoint or a policy file (evaluation, `run.init_from`, which
 also takes a .safetensors file).
 
-A loaded policy's `act` also takes what gymnasium gives: numpy (or torch), one observation or a batch."""
+A loaded policy's `act` also takes what gymnasium gives: numpy (or torch), one observation or a batch.
+
+Over 400 lines: building, copying, saving and loading a policy share their checks (the class's constructor on the
+meta device, the weights' fit), hence one module."""
 
 from __future__ import annotations
 
