@@ -33,6 +33,7 @@ from spmd_rl.runtime.errors import StopSignal, UserError
 from spmd_rl.runtime.exits import end_process, leave_exit_code, user_error, write_whole_lines
 from spmd_rl.runtime.launch import detect_launch, rank_from_env
 from spmd_rl.runtime.orphans import watch_for_orphaning
+from spmd_rl.runtime.postmortem import begin_attempt
 from spmd_rl.runtime.signals import (
     SIGINT_IGNORED_NOTE,
     install_early_signal_handlers,
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     # User code runs from the first plug-in import on (while the config is read, --help included): bounded by
     # dist.timeout_s's default until the config gives its own.
     rank = rank_from_env()
+    begin_attempt()  # this torchrun attempt's record directory, so that the scripts summarize this attempt's records
     if rank in (None, 0):
         leave_exit_code(None)  # no code yet for this attempt (torchrun may have restarted the ranks)
     watchdog.configure(DistSection().timeout_s, f"rank {rank if rank is not None else 0}")

@@ -98,7 +98,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
     for number, line in enumerate(lines, start=1):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, RecursionError):  # no JSON, a bare value, or brackets nested past Python's recursion
+            # limit: a RecursionError traceback (fault pass 6, R2), as `42` was an AttributeError one
             if number == len(lines):
                 break  # torn by a kill during the write
             raise UserError(f"{path}:{number} is not a JSON line: the file is damaged; remove that line") from None

@@ -61,13 +61,21 @@ def reading_deferred() -> Iterator[None]:
 
 
 def read_rows(source: WeightSource, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) along dim 0 of a file's tensor, read alone (a 0-d tensor whole)."""
-    from safetensors import safe_open
+    """Rows [start, stop) along dim 0 of a file's tensor, read alone (a 0-d tensor whole). Read after the checks
+    before start read the file's header: a file damaged or replaced since is a UserError naming it, not a
+    traceback on every trainer."""
+    from safetensors import SafetensorError, safe_open
 
     file, name = source
-    with safe_open(file, framework="pt") as handle:
-        view = handle.get_slice(name)
-        return view[start:stop] if view.get_shape() else handle.get_tensor(name)
+    try:
+        with safe_open(file, framework="pt") as handle:
+            view = handle.get_slice(name)
+            return view[start:stop] if view.get_shape() else handle.get_tensor(name)
+    except (SafetensorError, OSError) as exc:
+        raise UserError(
+            f"policy.pretrained: {file} cannot be read as a safetensors file (it changed after the checks before "
+            f"start read it): {clip(str(exc))}; restore the folder, and leave it unchanged while a run reads it"
+        ) from None
 
 
 def read_json(file: Path, what: str) -> dict:

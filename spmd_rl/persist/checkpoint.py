@@ -49,6 +49,7 @@ from spmd_rl.persist.fileio import (
     file_error,
     load_failure,
     make_dirs,
+    open_regular,
     sha256_of,
     torch_save_atomic,
     write_atomic,
@@ -65,6 +66,10 @@ SHARD_FILES = "shard_files"  # rank file key: {file name: sha256} of the shard f
 LATEST = "latest"
 COMPLETE = COMPLETE_MARKER
 _PREFIX = CHECKPOINT_PREFIX
+# What is read of `latest` and of a COMPLETE marker at most: a name, and a file list with sizes. A pointer that is
+# a FIFO waited for a writer forever and one linked to /dev/zero was read until memory ran out (fault pass 6, D4/D5).
+_POINTER_BYTES = 4096
+_MARKER_BYTES = 1 << 20
 
 
 class CheckpointStore:
@@ -115,7 +120,8 @@ class CheckpointStore:
         """latest(), and when `latest` could not be followed, a line saying what was found and what is done."""
         pointer = self.root / LATEST
         try:
-            text = pointer.read_text().strip()
+            with open_regular(pointer) as file:  # a FIFO or a link to /dev/zero: never waited on or read on end
+                text = file.read(_POINTER_BYTES).decode().strip()
             named = self.root / text
             if named.parent == self.root and named.name.startswith(_PREFIX) and _is_complete(named):
                 newer = [d.name for _, d in self._complete() if d.name > named.name]
@@ -539,7 +545,8 @@ def _rank_file(rank: int) -> str:
 
 def _marker(directory: Path) -> dict:
     try:
-        return json.loads((directory / COMPLETE).read_text())
+        with open_regular(directory / COMPLETE) as file:  # as `latest`: a FIFO or a device is no marker
+            return json.loads(file.read(_MARKER_BYTES))
     except (OSError, ValueError):
         return {}
 

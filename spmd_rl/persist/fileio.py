@@ -197,10 +197,11 @@ def torch_save_atomic(obj, path: str | os.PathLike) -> None:
 
 
 def sha256_of(path: str | os.PathLike) -> str:
-    """The SHA-256 of a whole file ('' when it is missing or cannot be read)."""
+    """The SHA-256 of a whole file ('' when it is missing, cannot be read or is no regular file: a FIFO would be
+    waited on, a device read without end)."""
     digest = hashlib.sha256()
     try:
-        with open(path, "rb") as file:
+        with open_regular(path) as file:
             for block in iter(lambda: file.read(1 << 20), b""):
                 digest.update(block)
     except OSError:

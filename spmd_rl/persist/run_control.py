@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from spmd_rl.comm.parallel_plan import shards
 from spmd_rl.persist.checkpoint import CheckpointStore, capture_rng_state
 from spmd_rl.persist.rank_state import ITERATION, RNG
 from spmd_rl.runtime.distributed import bounded
@@ -76,6 +77,7 @@ class RunControl:
         self.num_iterations = num_iterations
         self.rank, self.world_size, self.distributed = rank, world_size, distributed
         self.store = CheckpointStore(run_dir, keep=cfg.checkpoint.keep)
+        self.sharded = shards(cfg.train.parallel)  # the trainers' save is then a collective of theirs (DCP)
         self.timeout = timeout
         self.last_checkpoint = time.monotonic()
         self.save_s = 0.0  # seconds this rank spent on its last checkpoint (0 when none this iteration)
@@ -161,7 +163,24 @@ class RunControl:
         try:
             state = capture()
             state.update({ITERATION: iteration, RNG: capture_rng_state()})
-            self.store.save(state, iteration, self.rank)
+        except UserError as exc:
+            error = exc
+        if self.sharded and self.distributed:
+            # The sharded save is a collective of the trainers: a trainer whose capture failed and went on to the
+            # vote below left its peers waiting inside DCP's gathers, every rank timed out in the vote, its line was
+            # never printed and the job summary blamed a peer (fault pass 6, V5). So agree on the capture first.
+            captured = torch.tensor([0 if error else 1], dtype=torch.int64)
+            self._all_reduce(captured, dist.ReduceOp.MIN, f"checkpoint {iteration} capture all_reduce")
+            if error is not None:
+                raise error
+            if not int(captured):
+                raise UserError(
+                    f"checkpoint of iteration {iteration} failed on another rank (see its line); the "
+                    f"previous checkpoint stays the latest"
+                )
+        try:
+            if error is None:
+                self.store.save(state, iteration, self.rank)
         except UserError as exc:  # a full disk, a read-only directory: still take part in the vote below
             error = exc
         ok = torch.tensor([0 if error else 1], dtype=torch.int64)

@@ -2,7 +2,10 @@
 policy.pt, and loaded back from a run directory, a checkpoint or a policy file (evaluation, `run.init_from`, which
 also takes a .safetensors file).
 
-A loaded policy's `act` also takes what gymnasium gives: numpy (or torch), one observation or a batch."""
+A loaded policy's `act` also takes what gymnasium gives: numpy (or torch), one observation or a batch.
+
+Over 400 lines: building, copying, saving and loading a policy share their checks (the class's constructor on the
+meta device, the weights' fit), hence one module."""
 
 from __future__ import annotations
 
@@ -113,7 +116,22 @@ def policy_to_receive(cfg: Config, spec: EnvSpec, policy_cls: type[Policy], devi
                         torch.zeros_like(param, device=device), requires_grad=param.requires_grad
                     )
                 module._parameters[name] = zeros[id(param)]
+    if _holds_meta_tensors(policy):
+        return build_policy(cfg, spec, policy_cls, device)
     return policy.to(device)
+
+
+def _holds_meta_tensors(policy: torch.nn.Module) -> bool:
+    """Whether a module of the policy keeps a plain tensor attribute (neither parameter nor buffer, alone or in a
+    list, tuple or dict) on the meta device: one its constructor derived from a parameter, which no weight sync
+    replaces; act failed with 'Tensor on device meta is not on the expected device' (fault pass 6, U7)."""
+    for module in policy.modules():
+        for value in vars(module).values():
+            values = value.values() if isinstance(value, dict) else value
+            values = values if isinstance(values, (list, tuple, type({}.values()))) else [value]
+            if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+                return True
+    return False
 
 
 @dataclass

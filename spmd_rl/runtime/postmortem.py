@@ -38,6 +38,7 @@ checked stay in one file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -320,6 +321,18 @@ def _failure_dir() -> Path | None:
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     return Path(directory) / f"attempt{int(attempt)}" if attempt and attempt.isdigit() else Path(directory)
+
+
+def begin_attempt() -> None:
+    """Make this torchrun attempt's record directory (attempt<N>) at start-up, before any rank can fail: launch/*.sh
+    summarize the last attempt's records, and a restarted attempt that ended cleanly (a checkpointed stop) left none,
+    so its directory did not exist and the script printed the failed attempt's summary after the stop line ('job
+    summary: rank 1 ... stopped responding first' of a failure the restart had recovered from; fault pass 6, MR).
+    Nothing without $SPMD_RL_FAILURE_DIR or outside torchrun; never raises."""
+    directory = _failure_dir()
+    if directory is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT"):
+        with contextlib.suppress(OSError):
+            directory.mkdir(exist_ok=True)
 
 
 def _leave_record_file(failure: Failure, world_size: int, describe_rank: Callable[[int], str]) -> bool:

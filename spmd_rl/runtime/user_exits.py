@@ -16,6 +16,8 @@ import traceback
 from typing import NoReturn
 
 from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, innermost_user_frame, user_frame
+from spmd_rl.runtime.exits import leave_exit_code
+from spmd_rl.runtime.launch import rank_from_env
 from spmd_rl.runtime.watchdog import watchdog
 
 _real_os_exit = os._exit
@@ -64,5 +66,7 @@ def _guarded_os_exit(status: int = 0) -> NoReturn:
             watchdog.on_expiry()
         except Exception:  # noqa: BLE001 - the exit below is what matters
             pass
+    if rank_from_env() in (None, 0):  # launch/*.sh read the job's code from rank 0's exit file (fault pass 6, P1b)
+        leave_exit_code(USER_CODE_EXIT_CODE)
     sys.stdout.flush()
     _real_os_exit(USER_CODE_EXIT_CODE)

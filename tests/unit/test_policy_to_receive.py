@@ -82,3 +82,24 @@ def test_a_class_that_needs_its_values_is_built_as_before():
     built = build_policy(cfg, spec, NeedsItsValues)
     for (name, a), (_, b) in zip(received.state_dict().items(), built.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+class KeepsADerivedTensor(ActorCritic):
+    """A constructor that keeps a plain tensor (no buffer) derived from a parameter and uses it in act: built with
+    meta parameters it stayed on the meta device and act failed (fault pass 6, U7)."""
+
+    def __init__(self, observation_space, action_space, config):
+        super().__init__(observation_space, action_space, config)
+        self.scale = next(self.parameters()).detach().abs().sum() * 0 + 1.0
+
+    def act(self, obs, deterministic=False, *args):
+        out = super().act(obs, deterministic, *args)
+        out["value"] = out["value"] * self.scale
+        return out
+
+
+def test_a_class_that_keeps_a_tensor_derived_from_its_parameters_is_built_as_before():
+    cfg, spec, _ = _parts("policy.hidden_sizes=[16,16]")
+    received = policy_to_receive(cfg, spec, KeepsADerivedTensor, "cpu")
+    assert not received.scale.is_meta
+    _acts_alike(received, build_policy(cfg, spec, KeepsADerivedTensor), spec)

@@ -1,0 +1,70 @@
+"""A resume reads a checkpoint's `latest` pointer, COMPLETE marker and shard files' checksums boundedly: one that
+is a FIFO was waited on forever (rank 0 opened it for reading, the job ended at the timeout with a knock-on and
+exit 3, or 1 under launch/torchrun.sh) and one linked to /dev/zero was read until memory ran out (fault pass 6, D4,
+D5). Each is now a pointer that cannot be read, a checkpoint that is not complete, a shard file that does not match:
+the resume falls back with its note, or refuses in one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from spmd_rl.persist.checkpoint import CheckpointStore, _is_complete
+from spmd_rl.persist.fileio import sha256_of
+
+
+class Hung(BaseException):
+    """Not an OSError (TimeoutError is one), which the readers take for a file that cannot be read."""
+
+
+@pytest.fixture(autouse=True)
+def bounded():
+    """A read that blocks fails the test instead of hanging it."""
+
+    def hung(*_):
+        raise Hung("the read did not return within 20 s")
+
+    before = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, before)
+
+
+def _two_checkpoints(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    for iteration in (3, 4):
+        store.save({"x": torch.zeros(2)}, iteration, 0)
+        store.commit(iteration, world_size=1)
+    return store
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_a_latest_pointer_that_is_no_regular_file_is_passed_over_with_a_note(tmp_path, kind):
+    store = _two_checkpoints(tmp_path)
+    pointer = store.root / "latest"
+    pointer.unlink()
+    os.mkfifo(pointer) if kind == "fifo" else pointer.symlink_to("/dev/zero")
+    checkpoint, why = store.latest_and_why()
+    assert checkpoint == store.directory(4)
+    assert "cannot be read" in why and "resuming from" in why
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_a_complete_marker_that_is_no_regular_file_marks_no_checkpoint_complete(tmp_path, kind):
+    store = _two_checkpoints(tmp_path)
+    marker = store.directory(4) / "COMPLETE"
+    marker.unlink()
+    os.mkfifo(marker) if kind == "fifo" else marker.symlink_to("/dev/zero")
+    assert not _is_complete(store.directory(4))
+    assert store.latest() == store.directory(3)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_the_checksum_of_a_file_that_is_no_regular_file_is_empty(tmp_path, kind):
+    path = tmp_path / "__0_0.distcp"
+    os.mkfifo(path) if kind == "fifo" else path.symlink_to("/dev/zero")
+    assert sha256_of(path) == ""

@@ -1,0 +1,27 @@
+"""spmd_rl.plot reads a metrics.jsonl with a damaged line as one UserError naming the line (or skips it when it is the
+last, torn by a kill): a line of deeply nested brackets was a RecursionError traceback and a line holding a bare
+JSON value (`42`) an AttributeError one (fault pass 6, R2; python -m spmd_rl.runs already lists such runs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spmd_rl.plot import read_metrics
+from spmd_rl.runtime.errors import UserError
+
+GOOD = json.dumps({"iteration": 0, "global_step": 32, "episode_return_mean": 9.0})
+
+
+@pytest.mark.parametrize("damaged", ['{"iteration": ' + "[" * 100000, "42", "[1, 2]"])
+def test_a_damaged_line_is_one_user_error_naming_it(tmp_path, damaged):
+    (tmp_path / "metrics.jsonl").write_text(f"{GOOD}\n{damaged}\n{GOOD}\n")
+    with pytest.raises(UserError, match=r"metrics.jsonl:2 is not a JSON line"):
+        read_metrics(tmp_path)
+
+
+@pytest.mark.parametrize("damaged", ['{"iteration": ' + "[" * 100000, "42"])
+def test_a_damaged_last_line_is_skipped(tmp_path, damaged):
+    (tmp_path / "metrics.jsonl").write_text(f"{GOOD}\n{damaged}\n")
+    assert read_metrics(tmp_path) == [json.loads(GOOD)]
