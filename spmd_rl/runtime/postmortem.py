@@ -358,6 +358,13 @@ def _leave_record_file(failure: Failure, world_size: int, describe_rank: Callabl
         return False
 
 
+def leave_own_record(rank: int, exit_code: int) -> None:
+    """This rank's record file alone, without the store or the ranks' names: for a process that ends at once with
+    nothing else running (the watchdog's exit), so that launch/*.sh take its code rather than reading a rank that
+    ended before it could say why (fault pass 6, U3b: a plug-in's import hanging on rank 1). Never raises."""
+    _leave_record_file(Failure(rank, exit_code, time.time()), 0, str)
+
+
 def a_rank_has_failed() -> bool:
     """Whether a rank of this job has left a failure record in $SPMD_RL_FAILURE_DIR (False when it is not set)."""
     directory = _failure_dir()

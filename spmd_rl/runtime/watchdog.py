@@ -23,6 +23,7 @@ from collections.abc import Callable
 from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, innermost_user_frame
 from spmd_rl.runtime.exits import DEBUG_VARIABLE, leave_exit_code
 from spmd_rl.runtime.launch import rank_from_env
+from spmd_rl.runtime.postmortem import leave_own_record
 
 POLL_S = 0.25  # how often the thread looks at the deadline: the line comes at most this late
 FROZEN_S = 2.0  # a tick this late means the whole process was not running (stopped), not a busy main thread
@@ -129,10 +130,14 @@ class Watchdog:
         # stuck too, and hold its stdout and stderr open: whoever reads them to the end would wait for them.
         for child in multiprocessing.active_children():
             child.kill()
-        if rank_from_env() in (None, 0):
-            # launch/*.sh read the job's code from rank 0's exit file: without it, a hang in rank 0's check before
-            # start (importing a plug-in) read as a rank that ended before it could say why, exit 3 (fault pass 6, U2)
+        # launch/*.sh read the job's code from rank 0's exit file and the other ranks' failure records: without
+        # them, a hang before the process group formed (importing a plug-in) read as a rank that ended before it
+        # could say why, exit 3 (fault pass 6, U2 on rank 0, U3b on rank 1)
+        rank = rank_from_env()
+        if rank in (None, 0):
             leave_exit_code(USER_CODE_EXIT_CODE)
+        else:
+            leave_own_record(rank, USER_CODE_EXIT_CODE)
         sys.stdout.flush()
         os._exit(USER_CODE_EXIT_CODE)
 

@@ -12,6 +12,8 @@ import sys
 import pytest
 from harness.runs import ROOT
 
+from spmd_rl.runtime.postmortem import job_exit_code
+
 HANGS = (
     "import time\n"
     "from spmd_rl.runtime.watchdog import watchdog\n"
@@ -23,13 +25,18 @@ HANGS = (
 
 @pytest.mark.parametrize("rank, left", [("0", "4"), ("1", "")])
 def test_an_overrun_on_rank_0_leaves_code_4_for_the_launch_scripts(tmp_path, rank, left):
-    exit_file = tmp_path / "exit"
+    # rank 1 leaves its failure record instead, which the scripts read too (fault pass 6, U3b: a plug-in's import
+    # hanging on rank 1 ended in exit 3, "a rank ended before it could say why")
+    exit_file, records = tmp_path / "exit", tmp_path / "failures"
     exit_file.write_text("")
+    records.mkdir(mode=0o700)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPMD_RL_EXIT_FILE": str(exit_file), "RANK": rank}
+    env["SPMD_RL_FAILURE_DIR"] = str(records)
     result = subprocess.run([sys.executable, "-c", HANGS], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 4, result.stderr
     assert "did not return within 0.5 s" in result.stderr
     assert exit_file.read_text().strip() == left
+    assert job_exit_code(records) == (None if rank == "0" else 4)
 
 
 EXITS = (
