@@ -193,6 +193,8 @@ def _report_failure(
             if isinstance(exc, KeyboardInterrupt)
             else (128 + exc.signal_number, f"stopped by {exc.signal_name}{stop_cause()}")
         )
+        if not started:  # as main.py's early handlers say it (fault pass 6, M3: rank 0 waiting for its peers)
+            what += " while starting, before the run began"
         # A signal before the process group exists (started: False) is the job's stop, not a failure of this rank:
         # rank 0 speaks for the job, as main.py's early handlers do, and the launcher scripts when rank 0 could not.
         speaker = started or launch.rank == 0
