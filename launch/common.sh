@@ -28,11 +28,14 @@ make_exit_file() {   # not in $(...): the trap that removes the files must belon
 # for the job: it left its exit code in $exit_file (its line, the stop line or the job summary). A signal's code
 # (128+N) counts only when this script passed a signal on, someone's request to stop: otherwise the launcher
 # stopped rank 0 after another rank ended, and the launcher's report is the only account of that rank (rank 0 said
-# "stopped by SIGTERM while starting", as if someone had asked: fault pass 5, J6).
+# "stopped by SIGTERM while starting", as if someone had asked: fault pass 5, J6). A rank that left its failure record
+# in $failure_dir (awk -v records=...) has spoken too: it printed its own line first (a plug-in's import hanging on
+# rank 1 before the group formed, fault pass 6, U3b), and the script prints the summary from the records.
 # shellcheck disable=SC2016  # awk's program, not the shell's
 spoke_awk='function spoke(  code, sig) { code = ""; getline code < exit_file; close(exit_file)
-        if (code !~ /^(129|1[3-9][0-9]|2[0-5][0-9])$/) return code != ""
-        sig = ""; getline sig < signal_file; close(signal_file); return sig != "" }'
+        if (code != "" && code !~ /^(129|1[3-9][0-9]|2[0-5][0-9])$/) return 1
+        sig = ""; if (code != "") { getline sig < signal_file; close(signal_file) }; if (sig != "") return 1
+        return records != "" && system("find \"" records "\" -name \"rank*.json\" -print -quit | grep -q .") == 0 }'
 
 # Passes SIGINT, SIGTERM and SIGUSR1 (and SIGHUP, as SIGTERM) on to the launcher (which passes them on to every rank),
 # waits until it has exited, and exits with the job's code: when the launcher failed, the first failing rank's 2, 3 or

@@ -64,7 +64,7 @@ fi
 # own kill by signal N, which wait_for_launcher tells apart so.
 drop_exit_status_boxes() {
     "${line_awk[@]}" -v exit_file="$exit_file" -v signal_file="$signal_file" -v reported_file="$reported_file" \
-        "$spoke_awk"'
+        -v records="$failure_dir" "$spoke_awk"'
          /^mpirun noticed that process rank / { printf "1" > reported_file; close(reported_file) }
          /^mpirun: Forwarding signal [0-9]+ to job$/ { next }
          /^--------------------+$/ { if (!boxed) { boxed = 1; held = $0; next }

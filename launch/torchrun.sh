@@ -48,7 +48,8 @@ make_exit_file
 # its code in $exit_file it has spoken for the job (its line or the job summary), so those are dropped too; a job
 # whose rank 0 left nothing (it was killed, or died before Python ran) keeps them, the only account of what happened.
 drop_signal_traceback() {   # every other line passes at once
-    "${line_awk[@]}" -v exit_file="${exit_file:-/dev/null}" -v signal_file="${signal_file:-/dev/null}" "$spoke_awk"'
+    "${line_awk[@]}" -v exit_file="${exit_file:-/dev/null}" -v signal_file="${signal_file:-/dev/null}" \
+        -v records="${failure_dir:-}" "$spoke_awk"'
          function finish() { if (real) print held; state = 0; fflush() }
          state == 3 { if (/^=+$/ && ++rules == 2) state = 0; next }   # the ChildFailedError report, to its end
          state == 2 && /^(During handling of the above exception|The above exception was the direct cause)/ {

@@ -285,6 +285,23 @@ def test_a_rank_killed_before_the_group_forms_is_exit_3_with_the_launchers_repor
 
 
 @pytest.mark.parametrize("script", ["torchrun.sh", pytest.param("mpirun.sh", marks=needs_mpirun)])
+def test_a_hang_importing_a_plugin_on_rank_1_is_its_line_and_exit_4(tmp_path, script):
+    # Rank 1's watchdog ends it with its line before the group forms; the launcher stops rank 0. The script exits
+    # 4 with the summary from rank 1's record, without the launcher's report (rank 1 spoke): it was exit 3 and "a
+    # rank ended before it could say why" (fault pass 6, U3b)
+    hangs = "policy.class=tests.harness.rank_one_import_hang:Policy"
+    job = _start(script, ["--config", TINY, hangs, f"run.dir={tmp_path / 'run'}", "dist.timeout_s=20"], tmp_path)
+    code, output = _finish(job, tmp_path)
+    said = _lines(output)
+    assert code == 4, output
+    assert said[0].startswith("spmd_rl: rank 1: importing module 'tests.harness.rank_one_import_hang'"), output
+    assert said[-1] == "spmd_rl: job summary: rank 1 failed first (error in user code: see its line)", output
+    assert not any(part in output for part in ("ChildFailedError", "exitcode", "mpirun noticed", "before it could")), (
+        output
+    )
+
+
+@pytest.mark.parametrize("script", ["torchrun.sh", pytest.param("mpirun.sh", marks=needs_mpirun)])
 def test_kill_9_of_the_launcher_alone_is_the_ranks_stop_or_one_line_naming_it(tmp_path, script):
     # torchrun's ranks see their agent go and stop with a checkpoint (75); mpirun's end with it, and the script
     # says so (it blamed a rank that "ended before it could say why", exit 3: fault pass 5, M1). Neither prints
