@@ -6,7 +6,7 @@ not respond within dist.timeout_s=10s: it is stopped or hung" (fault pass 4, B2b
 import pytest
 
 from spmd_rl.run.driver import _report_failure
-from spmd_rl.runtime.errors import CommError, StopSignal
+from spmd_rl.runtime.errors import CommError
 from spmd_rl.runtime.launch import LaunchInfo
 
 LAUNCH = LaunchInfo("env", 1, 2, 1, 2, "env://")
@@ -25,14 +25,3 @@ def test_a_rank_stopped_during_its_wait_says_it_was(capsys, frozen_s, said, mess
     assert code == 3 and spoke and waited is not None and waited.peers == (0,) and waited.timed_out == timed_out
     assert line.count("\n") == 1 and message.split(" failed: ")[1] in line
     assert ("this rank itself did not run for 14 s of the wait" in line) == said, line
-
-
-@pytest.mark.parametrize("started", [False, True])
-def test_a_stop_before_the_group_formed_says_it_came_while_starting(capsys, started):
-    # rank 0 waiting for peers that never start, SIGTERMed: its line read as a stop of a running job (fault pass 6,
-    # M3); main.py's early handlers already said "while starting, before the run began"
-    rank_0 = LaunchInfo("env", 0, 2, 0, 2, "env://")
-    code, _, spoke = _report_failure(StopSignal("SIGTERM", 15), rank_0, "rank 0 (colocated 0)", started=started)
-    line = capsys.readouterr().err
-    assert code == 143 and spoke and line.startswith("spmd_rl: rank 0 (colocated 0): stopped by SIGTERM")
-    assert ("while starting, before the run began" in line) == (not started), line
