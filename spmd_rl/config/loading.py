@@ -552,7 +552,8 @@ def _check_value(key: str, value: Any, kind, meta) -> Any:
     if value is None:
         return value
     if meta.get("choices") and value not in meta["choices"]:
-        near = difflib.get_close_matches(str(value), meta["choices"], n=1)
+        same_letters = [choice for choice in meta["choices"] if str(choice).lower() == str(value).lower()]
+        near = same_letters or difflib.get_close_matches(str(value), meta["choices"], n=1)  # 'FSDP': 'fsdp
         hint = f"; did you mean '{near[0]}'?" if near else ""
         raise UserError(
             f"config key '{key}' = {excerpt(value)} is not allowed; choose one of {', '.join(meta['choices'])}{hint}"

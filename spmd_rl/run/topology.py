@@ -99,6 +99,11 @@ def build_topology(layout: LayoutSection, world_size: int) -> Topology:
     if rest:
         counts[rest[0]] = world_size - sum(v for k, v in counts.items() if k != rest[0])
     described = f"trainer={counts[TRAINER]}, inference={counts[INFERENCE]}, env={counts[ENV]}"
+    if world_size < 3:  # one rank of each role at the least: counts cannot fix it
+        raise UserError(
+            f"layout.mode=split needs at least 3 ranks (a trainer, an inference and an env rank), and this run has "
+            f"{world_size}: start more ranks (torchrun --nproc_per_node, mpirun -n) or set layout.mode=colocated"
+        )
     if sum(counts.values()) != world_size or any(v < 0 for v in counts.values()):
         raise UserError(
             f"layout {described} needs {sum(v for v in counts.values() if v > 0)} ranks but the world "

@@ -59,6 +59,10 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
         (["algo.gamma=1.5"], "'algo.gamma' = 1.5 is out of range; it must be <= 1.0"),
         (["env.num_envs=0"], "'env.num_envs' = 0 is out of range; it must be >= 1"),
         (["layout.mode=splt"], "'layout.mode' = 'splt' is not allowed.*did you mean 'split'"),
+        (
+            ["train.parallel=FSDP"],
+            "'train.parallel' = 'FSDP' is not allowed; choose one of ddp, fsdp; did you mean 'fsdp'",
+        ),  # case
         (["train.seed=abc"], "'train.seed' must be int, got 'abc'"),
         (["anneal_lr"], "must look like section.key=value"),
         (["algo.anneal_lr=yes please"], "'algo.anneal_lr' must be bool"),

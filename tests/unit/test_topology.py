@@ -53,7 +53,8 @@ def test_split_layouts_are_balanced_and_complete(world, t, i, e):
         (8, dict(trainer=5, inference=1, env=2), "more trainer ranks than env ranks"),
         (8, dict(trainer=-1, inference=-1, env=4), "only one of"),
         (4, dict(trainer=2, inference=2, env=-1), "at least one env rank"),
-        (2, dict(trainer=2, inference=2, env=-1), "world size is 2"),
+        (2, dict(trainer=2, inference=2, env=-1), "needs at least 3 ranks .* and this run has 2: start more ranks"),
+        (1, dict(), "needs at least 3 ranks .* and this run has 1: .* or set layout.mode=colocated"),  # not "sum to 1"
     ],
 )
 def test_impossible_split_layouts_say_what_to_change(world, layout, message):
