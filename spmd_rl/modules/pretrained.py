@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from spmd_rl.config.excerpts import clip, listed
+from spmd_rl.persist.fileio import file_kind
 from spmd_rl.persist.tensor_fit import fit_problems
 from spmd_rl.runtime.errors import UserError
 
@@ -113,9 +114,11 @@ def weight_files(folder: Path) -> list[Path]:
         files = [folder / name for name in dict.fromkeys(weight_map.values())]
         absent = [file.name for file in files if not file.is_file()]
         if absent:
+            others = [file for file in files if file.name in absent and file.exists()]  # a FIFO, a device
+            what = f"{others[0].name} is {file_kind(others[0].stat().st_mode)}" if others else ""
             raise UserError(
-                f"policy.pretrained: {index} names {len(absent)} file(s) that are not in the folder: {listed(absent)}; "
-                f"copy the whole folder"
+                f"policy.pretrained: {index} names {len(absent)} file(s) that are not regular files in the folder: "
+                f"{listed(absent)}{f' ({what})' if what else ''}; copy the whole folder"
             )
         return files
     if (folder / SINGLE_FILE).is_file():
