@@ -37,7 +37,7 @@ from pathlib import Path
 import yaml
 
 from spmd_rl.config.loading import MAX_CONFIG_BYTES, ConfigLoader
-from spmd_rl.persist.fileio import NotRegularFile, bounded_lines, open_regular
+from spmd_rl.persist.fileio import NotRegularFile, bounded_lines, file_kind, open_regular
 from spmd_rl.persist.run_files import (
     CHECKPOINT_PREFIX,
     CHECKPOINTS_DIR,
@@ -300,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
             f"error: {', '.join(missing)} does not exist: give a directory holding runs (runs/, a sweep's)",
             file=sys.stderr,
         )
+        return USER_ERROR_EXIT_CODE
+    others = [f"{path} is {file_kind(path.stat().st_mode)}" for path in args.paths if not path.is_dir()]
+    if others:  # a FIFO, a device, a file: nothing to list runs under
+        print(f"error: {'; '.join(others)}: give a directory holding runs (runs/, a sweep's)", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     rows = statuses(find_runs(args.paths))
     if args.json:

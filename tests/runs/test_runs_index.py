@@ -109,6 +109,13 @@ def test_json_lines_and_a_missing_directory(tmp_path, capsys):
     assert main([str(tmp_path / "runs" / "ppo-aaaaaaaa")]) == 0
     (row,) = capsys.readouterr().out.splitlines()[1:]
     assert row.split()[0] == str(tmp_path / "runs" / "ppo-aaaaaaaa"), row
+    # a FIFO given as the directory of runs: named for what it is, not "no runs under" it (fault pass 6, RL)
+    os.mkfifo(tmp_path / "fifo")
+    assert main([str(tmp_path / "fifo")]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: {tmp_path / 'fifo'} is a FIFO: give a directory holding runs (runs/, a sweep's)\n"
+    )
 
 
 FAILING_ENV = """
