@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import yaml
 
+from spmd_rl.config.loading import MAX_CONFIG_BYTES, ConfigLoader
+from spmd_rl.persist.fileio import NotRegularFile, open_regular
 from spmd_rl.persist.run_files import CONFIG_FILE, METRICS_FILE
 from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -115,12 +117,33 @@ def read_run(run_dir: Path) -> Run:
     if not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} does not exist")
     records = read_metrics(run_dir)
-    config_path = run_dir / CONFIG_FILE
+    return Run(run_dir, read_config(run_dir / CONFIG_FILE), records)
+
+
+def read_config(config_path: Path) -> dict:
+    """A run's config.yaml ({} when there is none), read as spmd_rl.runs reads it: a regular file only, at most
+    MAX_CONFIG_BYTES, through the config's own bounded loader. yaml.safe_load of a value nested 100000 deep was a
+    RecursionError traceback, and an alias bomb would have expanded without end (fault pass 7, R7)."""
     try:
-        config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
-    except yaml.YAMLError:
-        raise UserError(f"{config_path} is not valid YAML: the run directory is damaged") from None
-    return Run(run_dir, config if isinstance(config, dict) else {}, records)
+        with open_regular(config_path) as file:
+            text = file.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        return {}
+    except NotRegularFile as exc:
+        raise UserError(f"{exc}: move it away, or give the directory of another run") from None
+    except OSError as exc:
+        raise UserError(f"{config_path} cannot be read ({exc.strerror})") from None
+    try:
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(f"larger than {MAX_CONFIG_BYTES >> 20} MiB")
+        config = yaml.load(text.decode(errors="replace"), Loader=ConfigLoader)  # bounded: depth, aliases
+    except (ValueError, RecursionError, yaml.YAMLError) as exc:
+        why = getattr(exc, "problem", None) or str(exc) or type(exc).__name__
+        raise UserError(
+            f"{config_path} does not load ({why.splitlines()[0]}): the run directory is damaged; restore it, or "
+            f"leave that run out"
+        ) from None
+    return config if isinstance(config, dict) else {}
 
 
 def expand_run_dirs(paths: list[Path]) -> tuple[list[Path], list[str]]:

@@ -165,6 +165,11 @@ class CheckpointStore:
         checkpoint is a UserError naming the file and what to do."""
         return load_checkpoint(path, rank, map_location)
 
+    def damaged_markers(self) -> list[Path]:
+        """Checkpoint directories whose COMPLETE marker is there but is not one a commit writes (it writes it whole,
+        by rename): damage, not a save cut short, so their weights may be whole (fault pass 7, D6)."""
+        return [d for _, d in sorted(self._directories()) if os.path.lexists(d / COMPLETE) and not _is_complete(d)]
+
     def _complete(self) -> list[tuple[int, Path]]:
         return sorted((it, d) for it, d in self._directories() if _is_complete(d))
 

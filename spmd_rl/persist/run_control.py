@@ -26,6 +26,7 @@ from spmd_rl.persist.rank_state import ITERATION, RNG
 from spmd_rl.runtime.distributed import bounded
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.runtime.exits import under_plain_torchrun
+from spmd_rl.runtime.orphans import gone_now
 from spmd_rl.runtime.signals import past_the_last_boundary, requested_stop, stop_cause
 
 
@@ -35,14 +36,15 @@ class StoppedWithCheckpoint(Exception):
     def __init__(self, signal_name: str, iteration: int, checkpoint: Path, planned: bool = False):
         # A signal's stop exits 75 (or the agent was signalled too): plain torchrun's agent then prints its FAILED
         # report or its SignalException traceback and exits 1. Say so here: no line of ours can follow the agent's.
+        cause = stop_cause() or gone_now()
         agent = (
             "; plain torchrun reports the stop as a failure below and exits 1: it is checkpointed (launch/torchrun.sh"
             " exits 75 without that report)"
-            if under_plain_torchrun() and not planned and not stop_cause()  # not when the agent is gone
+            if under_plain_torchrun() and not planned and not cause  # not when the agent is gone
             else ""
         )
         super().__init__(
-            f"stopped by {signal_name}{stop_cause()} after iteration {iteration}; checkpoint {checkpoint}; rerun the "
+            f"stopped by {signal_name}{cause} after iteration {iteration}; checkpoint {checkpoint}; rerun the "
             f"same command to resume{agent}"
         )
         self.checkpoint = checkpoint

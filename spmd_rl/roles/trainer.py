@@ -112,7 +112,7 @@ class Trainer:
         self.experience_log = experience_log
         self.describe = describe
         self.timeout = timeout  # bound on the trainer group's collectives (dist.timeout_s)
-        self.update_guard = UpdateGuard(algorithm, skip_nonfinite_updates, describe)
+        self.update_guard = UpdateGuard(algorithm, skip_nonfinite_updates, describe, sharded=sharded)
         # With env groups: the group index of every env column of this trainer's segments (every env rank hosts
         # the same groups in the same order, so it follows from the config); None without groups.
         self.column_groups = column_groups

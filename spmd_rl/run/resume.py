@@ -22,7 +22,15 @@ from spmd_rl.config.sections import Config
 from spmd_rl.persist.checkpoint import CheckpointStore, find_checkpoint
 from spmd_rl.persist.event_files import repair_event_files
 from spmd_rl.persist.fileio import make_dirs, write_atomic
-from spmd_rl.persist.run_files import BUFFER_DIR, CHECKPOINTS_DIR, CONFIG_FILE, FINISHED, METRICS_FILE, TENSORBOARD_DIR
+from spmd_rl.persist.run_files import (
+    BUFFER_DIR,
+    CHECKPOINTS_DIR,
+    COMPLETE_MARKER,
+    CONFIG_FILE,
+    FINISHED,
+    METRICS_FILE,
+    TENSORBOARD_DIR,
+)
 from spmd_rl.persist.run_lock import lock_run_dir, own_run_dirs
 from spmd_rl.run.metrics import drop_records_after
 from spmd_rl.runtime.distributed import broadcast_text
@@ -201,6 +209,13 @@ def decide_resume(cfg, run_dir: Path, world_size: int, algorithm_refusal: str = 
             f"(with run.init_from={config_dir} to start from its weights, e.g. to train longer)"
         )
     if checkpoint is None:  # the same run, stopped before its first checkpoint: it starts over (see prepare_run_dir)
+        damaged = store.damaged_markers()
+        if damaged:  # not "no checkpoint": starting over would clear a checkpoint whose weights may be whole
+            raise UserError(
+                f"checkpoint marker {damaged[-1] / COMPLETE_MARKER} is damaged (a save writes it whole) and the run "
+                f"has no complete checkpoint besides: restore the file from a copy, or start a new run in another "
+                f"run.dir; this run directory is left as it is"
+            )
         held = [name for name in (METRICS_FILE, BUFFER_DIR, TENSORBOARD_DIR) if (run_dir / name).exists()]
         if held:
             cleared = f"{run_dir} holds this run's {', '.join(held)} but no checkpoint: cleared, the run starts over"

@@ -40,6 +40,7 @@ def watch_for_orphaning(bound_s: Callable[[], float], who: Callable[[], str]) ->
     agent = os.getppid()
     if agent == 1 and not _is_torchrun(agent):  # already orphaned before this line ran (torchrun may be a
         agent = -1  # container's pid 1, though: then pid 1 is the agent)
+    _Watched.agent = agent
     thread = threading.Thread(target=_watch, args=(agent, bound_s, who), name="spmd_rl-orphan-watch", daemon=True)
     thread.start()
     return True
@@ -56,6 +57,21 @@ def _watch(agent: int, bound_s: Callable[[], float], who: Callable[[], str]) -> 
     time.sleep(bound)
     _say(f"spmd_rl: {who()}: still running {bound:g} s after the torchrun agent went: exiting at once")
     os._exit(128 + signal.SIGTERM)
+
+
+class _Watched:
+    agent: int | None = None  # the agent's pid while this rank watches it
+
+
+def gone_now() -> str:
+    """ " (why)" for a stop line when the watched agent is gone by the time the line is written, "" otherwise. Every
+    rank's watch polls on its own: another rank may see the agent go first and the stop, agreed at the iteration's
+    end, reach rank 0 before its own watch does; its line then said "stopped by SIGTERM" with the note that plain
+    torchrun reports the stop below, where no agent is left to report anything (fault pass 7, K1)."""
+    agent = _Watched.agent
+    if agent is None or os.getppid() == agent:
+        return ""
+    return f" ({agent_gone(agent)})"
 
 
 def agent_gone(agent: int) -> str:

@@ -68,3 +68,26 @@ def test_the_checksum_of_a_file_that_is_no_regular_file_is_empty(tmp_path, kind)
     path = tmp_path / "__0_0.distcp"
     os.mkfifo(path) if kind == "fifo" else path.symlink_to("/dev/zero")
     assert sha256_of(path) == ""
+
+
+@pytest.mark.parametrize("marker", ["", '{"iteration": 4, "fi'])
+def test_a_damaged_marker_of_the_only_checkpoint_refuses_the_resume_rather_than_clear_the_run(tmp_path, marker):
+    # fault pass 7, D6: the only checkpoint's COMPLETE truncated to 0 bytes (its weights whole) made the resume take
+    # the run for one "without a checkpoint": it cleared metrics.jsonl and the checkpoint and started over
+    from spmd_rl.config.loading import load_config
+    from spmd_rl.run.resume import decide_resume
+    from spmd_rl.runtime.errors import UserError
+
+    run_dir = tmp_path / "run"
+    cfg = load_config("configs/ci_tiny.yaml", [f"run.dir={run_dir}"])
+    store = CheckpointStore(run_dir, keep=1)
+    store.save({"x": torch.zeros(2)}, 4, 0)
+    store.commit(4, world_size=1)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    (run_dir / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    (store.directory(4) / "COMPLETE").write_text(marker)
+    with pytest.raises(UserError, match=r"COMPLETE is damaged .*restore the file from a copy"):
+        decide_resume(cfg, run_dir, world_size=1)
+    # a save cut short (no marker at all) still starts over
+    (store.directory(4) / "COMPLETE").unlink()
+    assert decide_resume(cfg, run_dir, world_size=1).checkpoint is None

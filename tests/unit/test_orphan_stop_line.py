@@ -47,3 +47,27 @@ def test_an_agent_gone_before_the_watch_began_has_no_pid_in_the_line(agent, said
 
     line = agent_gone(agent)
     assert line.startswith(said) and "-1" not in line, line
+
+
+@pytest.mark.parametrize("gone", [True, False])
+def test_a_stop_agreed_before_this_ranks_watch_saw_the_agent_go_still_names_it(monkeypatch, gone):
+    # fault pass 7, K1: kill -9 of plain torchrun's agent while training; another rank's watch saw it first, the
+    # stop reached rank 0 through the iteration's agreement, and rank 0's line said "stopped by SIGTERM ...; plain
+    # torchrun reports the stop as a failure below and exits 1", with no agent left to report anything
+    import os
+    from pathlib import Path
+
+    from spmd_rl.persist.run_control import StoppedWithCheckpoint
+    from spmd_rl.runtime import orphans
+    from spmd_rl.runtime.exits import AGENT_VARIABLE, EXIT_FILE_VARIABLE
+
+    monkeypatch.setenv(AGENT_VARIABLE, "job")
+    monkeypatch.delenv(EXIT_FILE_VARIABLE, raising=False)
+    agent = os.getppid() + 1 if gone else os.getppid()
+    monkeypatch.setattr(orphans._Watched, "agent", agent)
+    line = str(StoppedWithCheckpoint("SIGTERM", 18, Path("/r/checkpoints/iter_000000018")))
+    if gone:
+        assert line.startswith(f"stopped by SIGTERM (the torchrun agent, pid {agent}, is gone; killed?) after"), line
+        assert "reports the stop as a failure" not in line, line
+    else:
+        assert line.startswith("stopped by SIGTERM after iteration 18") and "reports the stop as a failure" in line

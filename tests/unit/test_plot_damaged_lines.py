@@ -25,3 +25,27 @@ def test_a_damaged_line_is_one_user_error_naming_it(tmp_path, damaged):
 def test_a_damaged_last_line_is_skipped(tmp_path, damaged):
     (tmp_path / "metrics.jsonl").write_text(f"{GOOD}\n{damaged}\n")
     assert read_metrics(tmp_path) == [json.loads(GOOD)]
+
+
+@pytest.mark.parametrize(
+    "config, said",
+    [
+        ("run: " + "[" * 100000, "nested deeper than"),  # was a RecursionError traceback (fault pass 7, R7)
+        (
+            "a: &a [x, x, x, x, x, x, x, x, x]\n"
+            + "".join(
+                f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+                for p, c in zip("abcdefgh", "bcdefghi")
+            ),
+            "aliases",
+        ),
+        ("run: [unclosed", "but got"),
+    ],
+)
+def test_a_damaged_config_is_one_user_error_naming_it(tmp_path, config, said):
+    from spmd_rl.plot import read_run
+
+    (tmp_path / "metrics.jsonl").write_text(f"{GOOD}\n")
+    (tmp_path / "config.yaml").write_text(config)
+    with pytest.raises(UserError, match=r"config.yaml does not load \(.*" + said):
+        read_run(tmp_path)

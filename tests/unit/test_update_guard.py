@@ -151,3 +151,16 @@ def test_an_overflowing_norm_of_finite_weights_is_not_a_problem(skip):
     assert metrics["loss"] == 1.0 and guard.skipped == 0
     assert torch.equal(algorithm.log_alpha.detach(), alpha_before + 0.5)  # the update was kept
     assert all(bool((p == 1e38).all()) for p in parameters)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_error_advises_skipping_only_where_skipping_is_allowed(sharded):
+    # fault pass 7, NL2: under train.parallel=fsdp the line advised train.skip_nonfinite_updates=true, which
+    # run/plan.py refuses with fsdp ("each trainer sees only its shards of the weights")
+    algorithm = TinyAlgorithm()
+    algorithm.bad = "nan_loss"
+    guard = UpdateGuard(algorithm, skip=False, describe="trainer", sharded=sharded)
+    with pytest.raises(UserCodeError) as error:
+        guard.learn(batch(0), 2)
+    assert "fix the algorithm or its settings" in str(error.value)
+    assert ("skip_nonfinite_updates" in str(error.value)) is not sharded, str(error.value)
