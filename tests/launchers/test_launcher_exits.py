@@ -93,8 +93,8 @@ def test_a_layout_error_is_exit_2_and_the_ranks_one_line(tmp_path, script):
     layout = ["layout.mode=split", "layout.trainer=1", "layout.inference=1", "layout.env=1"]
     code, output = _finish(_start(script, ["--config", TINY, *layout], tmp_path), tmp_path)
     error = (
-        "spmd_rl: error: layout trainer=1, inference=1, env=1 needs 3 ranks but the world size is 2; make the "
-        "counts sum to 2 (or set one of them to -1)"
+        "spmd_rl: error: layout.mode=split needs at least 3 ranks (a trainer, an inference and an env rank), and this "
+        "run has 2: start more ranks (torchrun --nproc_per_node, mpirun -n) or set layout.mode=colocated"
     )
     assert code == 2, output
     if script == "torchrun.sh":
