@@ -222,12 +222,23 @@ class _Signals:
     def __init__(self) -> None:
         self.received: str = ""
         self.child: subprocess.Popen | None = None
+        self.pending: int | None = None  # a signal that came while no run was known to this object
         self.previous = {number: signal.signal(number, self._handle) for number in self.NAMES}
 
     def _handle(self, number, frame) -> None:
         self.received = self.received or self.NAMES[number]
         if self.child is not None and self.child.poll() is None:
             self.child.send_signal(number)
+        else:
+            self.pending = number
+
+    def started(self, child: subprocess.Popen) -> None:
+        """The run just started: a signal that came while Popen returned (the run already up, not yet known here:
+        a fresh-clone CI at load lost it, and the sweep waited for the run forever) is passed on now."""
+        self.child = child
+        pending, self.pending = self.pending, None
+        if pending is not None and child.poll() is None:
+            child.send_signal(pending)
 
     def restore(self) -> None:
         for number, handler in self.previous.items():
@@ -254,7 +265,8 @@ def run_sequentially(sweep: Sweep, launcher: list[str]) -> int:
             with open(run_dir / LOG, "a") as log:
                 log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n")
                 log.flush()
-                signals.child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                signals.started(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                assert signals.child is not None
                 code = _wait(signals.child)
                 signals.child = None
             seconds = time.monotonic() - start
