@@ -265,9 +265,9 @@ def run_sequentially(sweep: Sweep, launcher: list[str]) -> int:
             with open(run_dir / LOG, "a") as log:
                 log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n")
                 log.flush()
-                signals.started(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-                assert signals.child is not None
-                code = _wait(signals.child)
+                child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                signals.started(child)
+                code = _wait(child)
                 signals.child = None
             seconds = time.monotonic() - start
             if code == 0:
