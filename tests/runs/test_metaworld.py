@@ -53,6 +53,24 @@ def test_a_task_renders_and_resets_to_one_state_per_seed():
         env.close()
 
 
+def test_a_success_reward_pays_one_on_the_success_step_only():
+    """reward: success, for PPO: MetaWorld's dense reward paid more for hovering short of success until the step limit
+    than for succeeding (the episode ends at success), and PPO from an SFT policy learned to hover."""
+    register("metaworld/reach-v3")
+    env = gym.make("metaworld/reach-v3", width=16, height=16, reward="success")
+    expert = scripted_expert("reach-v3")
+    try:
+        _, info = env.reset(seed=3)
+        rewards, terminated = [], False
+        while not terminated and len(rewards) < 150:
+            action = np.clip(expert.get_action(info["metaworld_observation"]), -1, 1).astype(np.float32)
+            _, reward, terminated, _, info = env.step(action)
+            rewards.append(reward)
+        assert terminated and info["success"] and rewards[-1] == 1.0 and set(rewards[:-1]) == {0.0}
+    finally:
+        env.close()
+
+
 def test_push_renders_its_goal_where_the_seed_puts_it_whatever_the_last_episode_left():
     """push-v3 sets its goal marker's height from where the puck is when the reset begins; MetaWorld moves the marker
     after its last kinematics pass, so the first frame showed the marker where the last episode's puck left it and a
@@ -223,8 +241,9 @@ def test_success_only_gives_up_when_too_few_attempts_succeed(tmp_path):
         (["env.id=metaworld/reach-v3", "env.kwargs.camera=nowhere"], {}, "scene has no camera 'nowhere'; its cameras"),
         # A GL platform that is neither EGL nor OSMesa: both fail to load, as on a machine without either.
         (["env.id=metaworld/reach-v3"], {"PYOPENGL_PLATFORM": "glx"}, "need headless rendering, and none works here"),
+        (["env.id=metaworld/reach-v3", "env.kwargs.reward=sparse"], {}, "reward='sparse' is not one of dense"),
     ],
-    ids=["unknown-task", "unknown-camera", "no-renderer"],
+    ids=["unknown-task", "unknown-camera", "no-renderer", "unknown-reward"],
 )
 def test_bad_metaworld_input_is_one_line_exit_2(tmp_path, overrides, variables, expected):
     env = job_env(**variables)
