@@ -1,7 +1,7 @@
 """GRPO (group relative policy optimization), as SimpleVLA-RL and RLinf fine-tune VLA policies (`algo.class: grpo`).
 
 Read top to bottom: outcomes of whole episodes, group-relative advantages (and dynamic sampling), then PPO's
-clipped objective with clip-higher and an optional KL to the frozen initial policy. No value function: a group of
+clipped objective with clip-higher and an optional KL to the initial (reference) policy. No value function: a group of
 env.group_size envs starts from one initial state (docs/envs.md), and each episode is judged against its group's.
 
 A rollout is whole episodes (Schedule(rollout_unit="episode")): every env starts from a reset, and rollout["active"]
@@ -11,15 +11,16 @@ reports a success flag, or algo.outcome=success) or its return (algo.outcome=ret
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict
-from torch import Tensor
+from torch import Tensor, nn
 
 from spmd_rl.algorithms.configs import GRPOConfig, check_num_minibatches
 from spmd_rl.algorithms.optimizer_step import FusedAdamStep, clip_grad_norm
+from spmd_rl.algorithms.targets import local_view, trainable_values, values_swapped
+from spmd_rl.comm.sharding import is_dtensor
 from spmd_rl.interfaces.algorithm import UNLEARNED_VALUE, Algorithm, PlanFacts, Schedule, loss_forward
 from spmd_rl.interfaces.context import Context
 from spmd_rl.interfaces.policy import ACTIVE, CHUNK_VALID, SUCCESS_FIELDS, Policy
@@ -181,17 +182,19 @@ class GRPO(Algorithm):
 
     @classmethod
     def takes_policy_on_meta(cls, config: GRPOConfig) -> bool:
-        return config.kl_coef == 0  # with a KL term the reference is a copy of the policy as built
+        return True  # the KL's reference is taken from the policy once laid out (and given its values)
 
     def __init__(self, policy: Policy, config: GRPOConfig, context: Context):
         super().__init__(policy, config, context)
         self.cfg = config
         self.group_size = context.group_size
-        # The reference policy is the initial one, frozen (and kept whole beside a sharded model); saved in
-        # checkpoints, so a resumed run keeps comparing with the same weights.
-        self.reference = copy.deepcopy(policy).requires_grad_(False) if config.kl_coef > 0 else None
         self.model = context.data_parallel(policy)
         self.parameters = [param for param in policy.parameters() if param.requires_grad]
+        # The KL's reference policy is the initial one: the initial values of the trainable parameters (the frozen
+        # ones never change), each as this trainer holds it (its shards under fsdp), by name. Its log-probs are the
+        # policy's own forward with them swapped in (_reference_log_prob). Saved in checkpoints, so a resumed run
+        # keeps comparing with the same weights.
+        self.reference = trainable_values(policy) if config.kl_coef > 0 else None
         self.optimizer = torch.optim.Adam(self.parameters, lr=config.learning_rate, eps=1e-5, fused=True)
         self.adam_step = FusedAdamStep(self.optimizer)
 
@@ -211,7 +214,7 @@ class GRPO(Algorithm):
         flat = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         if self.reference is not None:
             with torch.no_grad():
-                flat["ref_log_prob"] = self.reference(flat["obs"], flat["action"])[0]
+                flat["ref_log_prob"] = self._reference_log_prob(flat["obs"], flat["action"])
 
         # 3. The clipped objective over minibatches, each decision weighted 1 / (decisions learned from in the
         #    minibatch over all trainers): DDP's average over trainers then weighs every decision alike, however
@@ -264,6 +267,14 @@ class GRPO(Algorithm):
             )
         return extra_rollout(iteration)["rollout"]
 
+    def _reference_log_prob(self, obs: Tensor, action: Tensor) -> Tensor:
+        """The reference policy's log-prob of each action: the policy's forward (not DDP's wrapper: no gradient to
+        sync) with the reference values in its trainable parameters, its buffers (GRPO never updates a normalizer)
+        and frozen parameters as they are; under fsdp the shards swapped in are all-gathered as for any forward."""
+        assert self.reference is not None
+        with values_swapped(self.policy, self.reference):
+            return self.policy(obs, action)[0]
+
     def _step(self, minibatch: dict[str, Tensor]) -> dict[str, Tensor]:
         """One optimizer step on a minibatch; {} when no trainer learns from any of its decisions (all agree)."""
         cfg = self.cfg
@@ -296,10 +307,41 @@ class GRPO(Algorithm):
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}
         if self.reference is not None:
-            state["reference"] = self.reference.state_dict()
+            state["reference"] = dict(self.reference)  # DTensors under fsdp: the checkpoint's shard files
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.reference is not None:
-            self.reference.load_state_dict(state["reference"])
+            load_reference(self.reference, state["reference"], self.policy)
+
+
+@torch.no_grad()
+def load_reference(reference: dict[str, Tensor], stored: dict, policy: nn.Module) -> None:
+    """The saved reference values into `reference`: the same tensors (DTensors read from the shard files, laid out
+    over this run's trainers), or from a checkpoint written before the reference was values, the whole reference
+    policy's state dict, of which the trainable parameters' entries are taken (under fsdp this trainer's rows)."""
+    if not set(reference) <= set(stored):  # a state dict in the layout the policy saves (ActorCritic's pair)
+        stored = parameter_layout(policy, stored)
+    for name, value in reference.items():
+        saved = stored[name]
+        if is_dtensor(value):
+            from torch.distributed.tensor import distribute_tensor
+
+            mesh, placements = value.device_mesh, value.placements
+            if not is_dtensor(saved):  # each trainer takes its own rows of the whole tensor, no communication
+                saved = distribute_tensor(saved.to(value.device), mesh, placements, src_data_rank=None)
+            elif saved.placements != placements:
+                saved = saved.redistribute(mesh, placements)
+        local_view(value).copy_(local_view(saved))
+
+
+def parameter_layout(module: nn.Module, state: dict) -> dict:
+    """A copy of state, a state dict as module.state_dict() writes it, keyed by module's parameter names: what the
+    module's load_state_dict pre-hooks make of it (a policy that saves its parameters in another layout converts
+    them there), run as load_state_dict runs them, parent first, without loading anything."""
+    state = dict(state)
+    for prefix, sub in module.named_modules():
+        for hook in sub._load_state_dict_pre_hooks.values():  # torch keeps them there (no public accessor)
+            hook(state, f"{prefix}." if prefix else "", {}, True, [], [], [])
+    return state

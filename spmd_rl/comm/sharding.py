@@ -171,6 +171,18 @@ def shard_policy(
     return module
 
 
+def reshard(module: nn.Module) -> None:
+    """Free the parameters FSDP all-gathered for module's last forward and still holds, registering its shards as
+    its parameters again (nothing for a module not sharded): the root's are kept after a forward for the backward it
+    expects, and a forward without grad has none to free them. Needed around writing values into the shards (a
+    reference policy's swapped in and out), which a held gather would not show."""
+    for sub in module.modules():
+        # fully_shard gives a module a class deriving from FSDPModule; by name, so that a run that does not shard
+        # never imports FSDP
+        if any(cls.__name__ == "FSDPModule" for cls in type(sub).__mro__):
+            sub.reshard()  # type: ignore[operator]  # FSDPModule.reshard
+
+
 def single_process_group(device: torch.device) -> dist.ProcessGroup:
     """The world group of a one-process run, created on first use (FSDP over one trainer still needs one: its
     checkpoints are the same sharded files as with several). NCCL for CUDA tensors, as in launched runs."""

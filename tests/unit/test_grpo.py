@@ -1,9 +1,17 @@
 """GRPO's pieces by hand: episode outcomes (returns and successes) from an episode rollout, which outcome a config
-judges by, group-relative advantages, dynamic sampling, and the clip-higher objective."""
+judges by, group-relative advantages, dynamic sampling, the clip-higher objective, and the KL's reference policy
+(the initial values of the trainable parameters, swapped into the policy for its log-probs; each fsdp trainer holds
+only its shards of them)."""
 
+import copy
+
+import gymnasium as gym
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from harness import instructed_env  # noqa: F401  (registers Instructed-v0)
+from harness.multiproc import assert_all_ok, run_ranks
 from tensordict import TensorDict
 
 from spmd_rl.algorithms.configs import GRPOConfig
@@ -17,6 +25,9 @@ from spmd_rl.algorithms.grpo import (
 )
 from spmd_rl.config.loading import load_config
 from spmd_rl.envs.vector import probe_env
+from spmd_rl.interfaces.context import Context
+from spmd_rl.modules.actor_critic import ActorCritic
+from spmd_rl.modules.configs import ActorCriticConfig
 from spmd_rl.runtime.errors import UserError
 
 
@@ -108,3 +119,82 @@ def test_a_refill_is_planned_in_one_process_and_colocated_and_refused_in_the_spl
     )
     with pytest.raises(UserError, match=r"algo.max_resample_rounds=2 .* set layout.mode=colocated"):
         plan_run(split, build_topology(split.layout, 3), GRPO)
+
+
+OBS, ACTIONS = gym.spaces.Box(-1, 1, (3,), np.float32), gym.spaces.Box(-2, 2, (2,), np.float32)
+
+
+def _policy_and_batch() -> tuple[ActorCritic, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    policy = ActorCritic(OBS, ACTIONS, ActorCriticConfig(hidden_sizes=[8, 8]))
+    return policy, torch.randn(16, 3), torch.randn(16, 2)
+
+
+@torch.no_grad()
+def _perturb(module: torch.nn.Module) -> None:
+    """As updates would: every trainable parameter moved (its local shard under fsdp)."""
+    for param in module.parameters():
+        if param.requires_grad:
+            local = param.to_local() if hasattr(param, "to_local") else param
+            local.add_(0.1 * torch.randn_like(local))
+
+
+def test_the_reference_log_probs_are_a_deepcopied_initial_policys_and_the_policy_is_left_untouched():
+    policy, obs, action = _policy_and_batch()
+    initial = copy.deepcopy(policy)
+    grpo = GRPO(policy, GRPOConfig(kl_coef=0.05), Context.local(OBS, ACTIONS))
+    assert GRPO.takes_policy_on_meta(GRPOConfig(kl_coef=0.05))
+    assert grpo.reference is not None and set(grpo.reference) == {n for n, p in policy.named_parameters()}
+    _perturb(policy)
+    current = {name: value.clone() for name, value in policy.state_dict().items()}
+    with torch.no_grad():
+        expected, mine = initial(obs, action)[0], policy(obs, action)[0]
+    assert torch.equal(grpo._reference_log_prob(obs, action), expected)
+    assert all(torch.equal(value, current[name]) for name, value in policy.state_dict().items())
+    assert all(param.grad is None for param in policy.parameters()) and not grpo.optimizer.state
+    with torch.no_grad():
+        assert torch.equal(policy(obs, action)[0], mine)
+
+
+def test_a_checkpoint_whose_reference_is_a_whole_policys_state_dict_still_loads():
+    # Checkpoints written before the reference became values held the reference policy's state dict (buffers and
+    # all, ActorCritic's pair saved as two MLPs): its trainable parameters' entries are taken.
+    policy, obs, action = _policy_and_batch()
+    grpo = GRPO(policy, GRPOConfig(kl_coef=0.05), Context.local(OBS, ACTIONS))
+    older = copy.deepcopy(policy)
+    _perturb(older)
+    assert "actor.0.weight" in older.state_dict()
+    grpo.load_state_dict({"optimizer": grpo.optimizer.state_dict(), "reference": older.state_dict()})
+    assert torch.equal(grpo.reference["log_std"], older.log_std)
+    with torch.no_grad():
+        assert torch.equal(grpo._reference_log_prob(obs, action), older(obs, action)[0])
+        assert not torch.equal(policy(obs, action)[0], older(obs, action)[0])
+
+
+def _reference_of_fsdp_trainers(rank: int, world_size: int) -> None:
+    policy, obs, action = _policy_and_batch()
+    initial = copy.deepcopy(policy)
+    context = Context.local(OBS, ACTIONS, group=dist.group.WORLD, parallel="fsdp")
+    grpo = GRPO(policy, GRPOConfig(kl_coef=0.05), context)
+    assert grpo.reference is not None
+    params = dict(policy.named_parameters())
+    # This trainer's shards alone: each reference tensor is as large as its parameter's local shard.
+    local = {name: value.to_local() for name, value in grpo.reference.items()}
+    assert all(local[name].shape == params[name].to_local().shape for name in local)
+    whole = sum(param.numel() for param in initial.parameters())
+    assert sum(value.numel() for value in local.values()) <= whole // world_size + len(local)
+    _perturb(policy)
+    with torch.no_grad():
+        mine = policy(obs, action)[0]  # leaves the root's parameters gathered (a forward without grad)
+        assert torch.equal(grpo._reference_log_prob(obs, action), initial(obs, action)[0])
+        assert torch.equal(policy(obs, action)[0], mine)  # the policy's own values again, not the reference's
+    # A checkpoint of the older format: the whole reference policy's state dict; each trainer takes its rows.
+    for value in grpo.reference.values():
+        value.to_local().zero_()
+    grpo.load_state_dict({"optimizer": grpo.optimizer.state_dict(), "reference": initial.state_dict()})
+    with torch.no_grad():
+        assert torch.equal(grpo._reference_log_prob(obs, action), initial(obs, action)[0])
+
+
+def test_fsdp_trainers_hold_only_their_shards_of_the_reference_and_its_log_probs_are_the_initial_policys():
+    assert_all_ok(run_ranks(_reference_of_fsdp_trainers, 2))
