@@ -231,6 +231,9 @@ def decide_resume(cfg, run_dir: Path, world_size: int, algorithm_refusal: str = 
             cleared = f"{run_dir} holds this run's {', '.join(held)} but no checkpoint: cleared, the run starts over"
             fallback = f"{fallback}; {cleared}" if fallback else cleared
         return Resume(fallback=fallback)
+    blocked = store.pointer_blocked()
+    if blocked:  # refused now, not at the first checkpoint after training up to it
+        raise UserError(blocked)
     ranks = saved_ranks(checkpoint)
     resharded = ranks != world_size or previous.resume_digest() != cfg.resume_digest()
     if resharded:
