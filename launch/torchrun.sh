@@ -95,7 +95,7 @@ if command -v setpriv >/dev/null; then
     orphan_guard=(setpriv --pdeathsig TERM)
 fi
 set -m
-SPMD_RL_EXIT_FILE=$exit_file "${orphan_guard[@]}" "${PYTHON:-python}" -m torch.distributed.run --nnodes="$NNODES" \
+SPMD_RL_EXIT_FILE=$exit_file SPMD_RL_SIGNAL_FILE=$signal_file "${orphan_guard[@]}" "${PYTHON:-python}" -m torch.distributed.run --nnodes="$NNODES" \
     --nproc_per_node="$NPROC" "${rendezvous[@]}" --max-restarts="${MAX_RESTARTS:-0}" -m spmd_rl.main "$@" \
     2>&"$to_filter" </dev/null &
 job=$!
