@@ -23,6 +23,8 @@
 # (runs/<run.name>-<config digest>), whatever rendezvous id --standalone draws. With MAX_RESTARTS=N, a rank that dies (or exits with an
 # error) makes torchrun restart all ranks, up to N times; they share the run id, so they resume from the latest
 # checkpoint of the same directory and go on, losing the work since it (checkpoint.every_iterations / every_s).
+# torchrun restarts on any exit code: a user error (exit 2, e.g. a config error) fails again in each attempt and its
+# line is printed once per attempt (docs/failures.md).
 set -euo pipefail
 NPROC=${NPROC:-2}
 NNODES=${NNODES:-1}
