@@ -74,7 +74,8 @@ wait_for_launcher() {
         trap "signalled=\${signalled:-$sig}; echo $sig > \"$signal_file\"; relay_signal $sig $job" "$sig"
     done
     # A hangup (the terminal closed): passed on as SIGTERM, which every launcher relays to the ranks alike (the ranks
-    # take SIGHUP as SIGTERM too), and this script lives on to wait and exit with the job's code; it died of it.
+    # take SIGHUP as SIGTERM too, and name SIGHUP in their lines: $signal_file, SPMD_RL_SIGNAL_FILE), and this
+    # script lives on to wait and exit with the job's code; it died of it.
     # Under nohup it came ignored and stays so.
     # shellcheck disable=SC2064
     trap "signalled=\${signalled:-HUP}; echo HUP > \"$signal_file\"; relay_signal TERM $job" HUP

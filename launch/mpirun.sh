@@ -48,7 +48,7 @@ fi
 # ends this script with 75 as it ends every rank (launch/common.sh).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 make_exit_file
-flags+=(-x "SPMD_RL_EXIT_FILE=$exit_file")
+flags+=(-x "SPMD_RL_EXIT_FILE=$exit_file" -x "SPMD_RL_SIGNAL_FILE=$signal_file")   # the lines name a SIGHUP relayed as TERM
 if [[ -z ${HOSTFILE:-} ]]; then
     # failing ranks leave their records in this directory, so this script prints the job summary when mpirun
     # killed rank 0 before it could; one host only: records from some hosts alone would blame the others' ranks

@@ -23,6 +23,8 @@
 # (runs/<run.name>-<config digest>), whatever rendezvous id --standalone draws. With MAX_RESTARTS=N, a rank that dies (or exits with an
 # error) makes torchrun restart all ranks, up to N times; they share the run id, so they resume from the latest
 # checkpoint of the same directory and go on, losing the work since it (checkpoint.every_iterations / every_s).
+# torchrun restarts on any exit code: a user error (exit 2, e.g. a config error) fails again in each attempt and its
+# line is printed once per attempt (docs/failures.md).
 set -euo pipefail
 NPROC=${NPROC:-2}
 NNODES=${NNODES:-1}
@@ -95,7 +97,7 @@ if command -v setpriv >/dev/null; then
     orphan_guard=(setpriv --pdeathsig TERM)
 fi
 set -m
-SPMD_RL_EXIT_FILE=$exit_file "${orphan_guard[@]}" "${PYTHON:-python}" -m torch.distributed.run --nnodes="$NNODES" \
+SPMD_RL_EXIT_FILE=$exit_file SPMD_RL_SIGNAL_FILE=$signal_file "${orphan_guard[@]}" "${PYTHON:-python}" -m torch.distributed.run --nnodes="$NNODES" \
     --nproc_per_node="$NPROC" "${rendezvous[@]}" --max-restarts="${MAX_RESTARTS:-0}" -m spmd_rl.main "$@" \
     2>&"$to_filter" </dev/null &
 job=$!

@@ -108,6 +108,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
                 break  # torn by a kill during the write
             raise UserError(f"{path}:{number} is not a JSON line: the file is damaged; remove that line") from None
         by_iteration[record.get("iteration", number)] = record
+    if not by_iteration and lines and lines[-1].strip():  # a 30 MB file is not "empty" (fault pass 7, R2)
+        raise UserError(
+            f"{path} holds no complete line: its only line ({len(lines[-1].encode(errors='replace'))} bytes) is torn "
+            f"or no JSON record (a run killed while writing it, or a damaged file); the run logged no whole iteration"
+        )
     if not by_iteration:
         raise UserError(f"{path} is empty: the run logged no iteration yet")
     return [by_iteration[k] for k in sorted(by_iteration)]

@@ -4,7 +4,8 @@ One line per run directory (a directory holding config.yaml or metrics.jsonl, se
 runs/<run>, runs/<sweep>/<run>), read from the files every run already writes:
 
     state     running   rank 0 holds the run directory's flocks now (free once the process is gone, however it ended)
-              finished  finished.json: done, or run.stop_at_return reached; never resumed
+              finished  finished.json: done, or run.stop_at_return reached; never resumed (a finished.json that is
+                        no finished run's record is a damage note, and the state is what run.lock recorded)
               stopped   exit 75: a checkpointed stop (a signal, run.stop_after_iterations); rerun to resume
               failed    any other exit code run.lock recorded (2 bad input, 3 communication, 4 user code, 1 a bug)
               killed    run.lock is free and recorded no exit: kill -9, a lost node, the watchdog, or a run from before
@@ -49,6 +50,7 @@ from spmd_rl.persist.run_files import (
     METRICS_LINE_BYTES,
     SHARDS_DIR,
     SHARDS_METADATA,
+    finished_damage,
 )
 from spmd_rl.persist.run_lock import note_damage, read_lock
 from spmd_rl.plot import SEARCH_DEPTH, is_run_dir, run_dirs_inside
@@ -89,10 +91,15 @@ def run_status(run_dir: Path) -> tuple[RunStatus, dict]:
     status = RunStatus(str(run_dir), "new")
     config = _read_config(run_dir, status.notes)
     held, lock = read_lock(run_dir)
+    finished_note = finished_damage(run_dir)  # a finished.json that is no finished run's record: listed as damage
+    if finished_note:
+        status.notes.append(
+            f"{finished_note}: the run is not taken for finished (a resume refuses until it is removed)"
+        )
     if held:
         status.state = "running"
         status.holder = f"host {lock.get('host', '?')}, pid {lock.get('pid', '?')}"
-    elif (run_dir / FINISHED).exists():
+    elif (run_dir / FINISHED).exists() and (not finished_note or lock.get("exit_code") == 0):  # 0: it did finish
         status.state = "finished"
     elif isinstance(lock.get("exit_code"), int):
         status.exit_code = lock["exit_code"]

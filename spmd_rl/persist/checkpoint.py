@@ -165,6 +165,18 @@ class CheckpointStore:
         checkpoint is a UserError naming the file and what to do."""
         return load_checkpoint(path, rank, map_location)
 
+    def pointer_blocked(self) -> str:
+        """Why the next commit cannot write `latest` ('' when it can): a directory in its place, which a rename of a
+        file never replaces, so a resume would train to its first checkpoint and fail there (fault pass 7, D5)."""
+        pointer = self.root / LATEST
+        if pointer.is_dir() and not pointer.is_symlink():  # a link to a directory is replaced like any link
+            return (
+                f"{pointer} is a directory, where every checkpoint writes the file naming the newest one (the run "
+                f"would train and fail at its first checkpoint): move it away (or rm -r it) and rerun; this run "
+                f"directory is left as it is"
+            )
+        return ""
+
     def damaged_markers(self) -> list[Path]:
         """Checkpoint directories whose COMPLETE marker is there but is not one a commit writes (it writes it whole,
         by rename): damage, not a save cut short, so their weights may be whole (fault pass 7, D6)."""

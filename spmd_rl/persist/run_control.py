@@ -12,7 +12,6 @@ gathers a few numbers of every rank (`rank_facts`: what finished.json's "ranks" 
 from __future__ import annotations
 
 import math
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +26,7 @@ from spmd_rl.runtime.distributed import bounded
 from spmd_rl.runtime.errors import UserError
 from spmd_rl.runtime.exits import under_plain_torchrun
 from spmd_rl.runtime.orphans import gone_now
-from spmd_rl.runtime.signals import past_the_last_boundary, requested_stop, stop_cause
+from spmd_rl.runtime.signals import past_the_last_boundary, requested_stop, signal_name, stop_cause
 
 
 class StoppedWithCheckpoint(Exception):
@@ -111,7 +110,7 @@ class RunControl:
         self.save_s = time.perf_counter() - clock
         self.last_checkpoint = time.monotonic()
         if signal_number:
-            raise StoppedWithCheckpoint(signal.Signals(signal_number).name, iteration, directory)
+            raise StoppedWithCheckpoint(signal_name(signal_number), iteration, directory)
         if reached and not last:  # after the last iteration the run ends as planned
             raise ReachedReturn(self.stop_at_return, mean_return, iteration, directory)
         if stop_here:

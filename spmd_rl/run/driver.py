@@ -63,7 +63,7 @@ from spmd_rl.runtime.errors import (
     UserError,
     describe_exception,
 )
-from spmd_rl.runtime.exits import leave_exit_code, process_exit_code, say, unexpected_error, user_error
+from spmd_rl.runtime.exits import leave_exit_code, line_start, process_exit_code, say, unexpected_error, user_error
 from spmd_rl.runtime.job_store import open_job_store
 from spmd_rl.runtime.launch import LaunchInfo
 from spmd_rl.runtime.meeting import StartAbandoned, exit_before_start, refuse_start, tell_rank_0
@@ -155,7 +155,9 @@ def train(cfg: Config, launch: LaunchInfo, dry_run: bool = False) -> int:
         frozen_s = watchdog.frozen_for(within_s=cfg.dist.timeout_s + 5)
         exit_code, waited, spoke = _report_failure(first, launch, who, started=runtime is not None, frozen_s=frozen_s)
         if first is not raised and spoke:
-            print(f"spmd_rl: {who}: then, while cleaning up: {describe_exception(raised)}", file=sys.stderr, flush=True)
+            print(
+                f"{line_start(who)}then, while cleaning up: {describe_exception(raised)}", file=sys.stderr, flush=True
+            )
     finally:
         failed_at = time.time()
         flush_open_files()  # staged experience rows reach their files on every exit path
@@ -199,7 +201,7 @@ def _report_failure(
         # rank 0 speaks for the job, as main.py's early handlers do, and the launcher scripts when rank 0 could not.
         speaker = started or launch.rank == 0
         if speaker:
-            print(f"spmd_rl: {who}: {what}", file=sys.stderr, flush=True)
+            print(f"{line_start(who)}{what}", file=sys.stderr, flush=True)
         return code, None, speaker
     if isinstance(exc, StartAbandoned):  # another rank's check failed: its line is out (its own, or rank 0's for it)
         return exc.exit_code, None, False

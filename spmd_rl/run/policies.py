@@ -10,7 +10,9 @@ meta device, the weights' fit), hence one module."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,6 +217,8 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", config_ove
     without the batch dimension: `env.step(policy.act(obs)["action"])` works with a gymnasium env as it is."""
     path = Path(path)
     weights = _weights_location(path)
+    if path.is_dir() and _passed_over(path):
+        print(f"spmd_rl: note: {_passed_over(path)}", file=sys.stderr, flush=True)
     config_file = _config_next_to(weights)
     device = _device(device)
     state = _read_policy_state(weights)
@@ -341,6 +345,19 @@ def _weights_location(path: Path) -> Path:
     if (path / CONFIG_FILE).is_file() and not (path / CHECKPOINTS_DIR).is_dir():
         raise UserError(f"run directory {path} holds no weights yet (no {POLICY_FILE}, no {CHECKPOINTS_DIR}/)")
     return find_checkpoint(path)
+
+
+def _passed_over(path: Path) -> str:
+    """A note when `path` is a run directory whose policy.pt is there but no regular file (a FIFO, a device, a
+    directory, a dangling link): its latest checkpoint is read instead, which the user hears (fault pass 7, R3)."""
+    policy_file = path / POLICY_FILE
+    if not os.path.lexists(policy_file) or policy_file.is_file():
+        return ""
+    try:
+        what = file_kind(os.stat(policy_file).st_mode)
+    except OSError:
+        what = "a link to nothing"
+    return f"{policy_file} is not a regular file ({what}): it is passed over for the run's latest checkpoint"
 
 
 def _config_next_to(weights: Path) -> Path:

@@ -30,6 +30,7 @@ from spmd_rl.persist.run_files import (
     FINISHED,
     METRICS_FILE,
     TENSORBOARD_DIR,
+    finished_damage,
 )
 from spmd_rl.persist.run_lock import lock_run_dir, own_run_dirs
 from spmd_rl.run.metrics import drop_records_after
@@ -145,7 +146,8 @@ def command_run_dir(root: Path, stem: str, new: bool) -> tuple[str, str]:
     if not runs:
         return str(root / stem), "new: rerunning this command resumes it; run.resume=never starts another"
     newest = max(runs)
-    if not new and not (runs[newest] / FINISHED).exists():
+    # a damaged finished.json is no finish: the command continues in that run, where decide_resume names the file
+    if not new and (not (runs[newest] / FINISHED).exists() or finished_damage(runs[newest])):
         return str(runs[newest]), "this command's unfinished run"
     why = "run.resume=never" if new else f"{runs[newest]} holds a finished run of this config"
     return str(root / f"{stem}-{newest + 1}"), f"new: {why}"
@@ -169,6 +171,14 @@ def decide_resume(cfg, run_dir: Path, world_size: int, algorithm_refusal: str = 
     if mode == "auto":
         if not holds_run:
             return Resume()
+        finished_note = finished_damage(run_dir)
+        if finished_note:  # finished.json is written whole: one that does not parse was altered, and says nothing
+            raise UserError(
+                f"{finished_note}: a run writes it whole when it finishes, so this one was altered; if the run did not "
+                f"finish (python -m spmd_rl.runs {run_dir} shows how it ended), remove the file and rerun to resume "
+                f"from its latest checkpoint; if it did, restore the file from a copy; this run directory is left "
+                f"as it is"
+            )
         if (run_dir / FINISHED).exists():
             raise UserError(
                 f"run directory {run_dir} holds a finished run; choose another run.dir (or run.init_from="
@@ -221,6 +231,9 @@ def decide_resume(cfg, run_dir: Path, world_size: int, algorithm_refusal: str = 
             cleared = f"{run_dir} holds this run's {', '.join(held)} but no checkpoint: cleared, the run starts over"
             fallback = f"{fallback}; {cleared}" if fallback else cleared
         return Resume(fallback=fallback)
+    blocked = store.pointer_blocked()
+    if blocked:  # refused now, not at the first checkpoint after training up to it
+        raise UserError(blocked)
     ranks = saved_ranks(checkpoint)
     resharded = ranks != world_size or previous.resume_digest() != cfg.resume_digest()
     if resharded:

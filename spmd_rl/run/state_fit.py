@@ -67,6 +67,9 @@ def fit_state_dict(policy: nn.Module, state: dict[str, Tensor], prefix: str = ""
     mapped = {target + key: value for key, value in state.items()}
     missing = [key for key in expected if key not in mapped]
     unexpected = [source + key[len(target) :] for key in mapped if key not in expected]  # the file's own names
+    layout = _lora_layout_misfit(missing, unexpected)
+    if layout:
+        raise UserError(layout)
     shapes, dtypes = _shape_and_dtype_misfits(expected, mapped)
     problems = fit_problems(
         missing, unexpected, shapes, dtypes, "key", "the file", dtype_advice=" (convert the file's tensors)"
@@ -76,6 +79,32 @@ def fit_state_dict(policy: nn.Module, state: dict[str, Tensor], prefix: str = ""
             problems.append(f"file key {source}K was read as policy key {target}K (run.init_prefix={prefix})")
         raise UserError("; ".join(problems))
     return mapped
+
+
+_LORA_NAMES = (".base_layer.", ".lora_A.", ".lora_B.")  # how peft's LoRA wraps a layer's weights
+
+
+def _lora_layout_misfit(missing: list[str], unexpected: list[str]) -> str:
+    """One sentence instead of the key lists when the keys that do not fit are LoRA's: the file and the policy differ
+    in having LoRA adapters (policy.lora.rank), not in their weights (fault pass 6, V6: 48 keys listed)."""
+
+    def lora(keys: list[str]) -> bool:
+        return any(name in key for key in keys for name in _LORA_NAMES)
+
+    counts = f"{len(missing)} key(s) of the policy missing, {len(unexpected)} of the file unexpected"
+    if lora(missing) and not lora(unexpected):
+        return (
+            f"the file holds a policy without LoRA adapters and this policy has them (policy.lora.rank > 0): "
+            f"{counts}; the file's layout must match the policy's: start from a LoRA run (its checkpoint, or a "
+            f"policy.pt saved with policy.lora.save=adapters), or set policy.lora.rank=0"
+        )
+    if lora(unexpected) and not lora(missing):
+        return (
+            f"the file holds a policy with LoRA adapters (saved with policy.lora.save=adapters) and this policy has "
+            f"none: {counts}; the file's layout must match the policy's: set policy.lora.rank to the file's run's, or "
+            f"start from a policy.pt saved with policy.lora.save=merged"
+        )
+    return ""
 
 
 def _shape_and_dtype_misfits(expected: dict[str, Tensor], given: dict[str, Tensor]) -> tuple[list[str], list[str]]:

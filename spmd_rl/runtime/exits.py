@@ -23,6 +23,7 @@ from spmd_rl.runtime.errors import (
     describe_exception,
     user_frame,
 )
+from spmd_rl.runtime.launch import world_size_from_env
 
 # Set to 1 to print full tracebacks instead of the one-line summaries of errors in user code.
 DEBUG_VARIABLE = "SPMD_RL_DEBUG"
@@ -76,11 +77,28 @@ def _finalize_mpi() -> None:
         mpi.Finalize()
 
 
+def one_process() -> bool:
+    """Whether this process is the whole job (no launcher, or one of world size 1): its lines name no rank, which
+    would say nothing there ("rank 0 (colocated 0): ..." of a run of one process; fault pass 6, L1-L4 and H1)."""
+    return world_size_from_env() in (None, 1)
+
+
+def line_start(who: str) -> str:
+    """'spmd_rl: rank 2 (env 0): ' that starts a rank's line in a job of several ranks; 'spmd_rl: ' in one process."""
+    return "spmd_rl: " if not who or one_process() else f"spmd_rl: {who}: "
+
+
+def without_own_rank(message: str) -> str:
+    """message without a leading 'rank 0: ' or 'rank 0 (colocated 0): ' in one process (a refusal that names the
+    rank it was found on: there is only one)."""
+    return re.sub(r"^rank 0(?: \(colocated 0\))?: ", "", message) if one_process() else message
+
+
 def user_error_line(exc: UserError, rank: int | None = None) -> str:
-    """'spmd_rl: rank R: error: ...' (without the rank where the error is the same on every rank, or where the
-    message names its rank itself: a refusal one rank found and rank 0 prints for all)."""
+    """'spmd_rl: rank R: error: ...' (without the rank where the error is the same on every rank, where the
+    message names its rank itself: a refusal one rank found and rank 0 prints for all, or in one process)."""
     where = f"rank {rank}: " if rank is not None and not re.match(r"rank \d+\b", str(exc)) else ""
-    return f"spmd_rl: {where}error: {exc}"
+    return f"{line_start(where[:-2])}error: {without_own_rank(str(exc))}"
 
 
 def user_error(exc: UserError, speaker: bool, rank: int | None = None, linger_s: float = QUIET_RANK_LINGER_S) -> int:
@@ -100,7 +118,7 @@ def say(who: str, kind: str, exc: Exception) -> None:
     message = str(exc)
     for prefix in (f"{who}: ", f"{who.split(' (')[0]}: "):
         message = message.removeprefix(prefix)
-    print(f"spmd_rl: {who}: {kind}: {message}", file=sys.stderr, flush=True)
+    print(f"{line_start(who)}{kind}: {without_own_rank(message)}", file=sys.stderr, flush=True)
     if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
         traceback.print_exception(exc)
 
@@ -111,12 +129,13 @@ def unexpected_error(exc: BaseException, who: str) -> int:
     debug = os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
     if user_frame(exc) and not debug:
         print(
-            f"spmd_rl: {who}: error in user code: {describe_exception(exc)} (set {DEBUG_VARIABLE}=1 for the traceback)",
+            f"{line_start(who)}error in user code: {describe_exception(exc)} (set {DEBUG_VARIABLE}=1 for the "
+            f"traceback)",
             file=sys.stderr,
             flush=True,
         )
         return USER_CODE_EXIT_CODE
-    print(f"spmd_rl: {who} failed:", file=sys.stderr)
+    print(f"{line_start(who)[:-2]} failed:", file=sys.stderr)  # 'spmd_rl: rank 1 (env 0) failed:' / 'spmd_rl failed:'
     traceback.print_exc()
     return USER_CODE_EXIT_CODE if user_frame(exc) else 1
 

@@ -334,3 +334,14 @@ def rank_from_env(env: Mapping[str, str] | None = None) -> int | None:
         return int(env[name])
     except ValueError:
         return None
+
+
+def world_size_from_env(env: Mapping[str, str] | None = None) -> int | None:
+    """The world size the launcher that rank_from_env reads announced, or None without one (or not an integer)."""
+    env = os.environ if env is None else env
+    names = (("RANK", "WORLD_SIZE"), *MPI_RANK_VARIABLES, ("SLURM_PROCID", "SLURM_NTASKS"))
+    size = next((size for rank, size in names if rank in env), None)
+    try:
+        return None if size is None else int(env[size])
+    except (KeyError, ValueError):
+        return None

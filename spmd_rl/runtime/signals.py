@@ -24,6 +24,29 @@ ANNOUNCE_AFTER_S = 1.0  # a failed rank's peers see a closed socket at once and 
 # losing the iterations since the last periodic checkpoint.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
+# launch/mpirun.sh and launch/torchrun.sh write the signal they received into this file before they pass it on; a
+# SIGHUP reaches the ranks as SIGTERM (mpirun and torchrun's agent are given SIGTERM for it), and the lines name the
+# signal the user sent (fault pass 6, X1).
+SIGNAL_FILE_VARIABLE = "SPMD_RL_SIGNAL_FILE"
+
+
+def signal_name(signum: int) -> str:
+    """signum's name for a line; for a SIGTERM a launch script passed on for the SIGHUP it received, SIGHUP."""
+    name = signal.Signals(signum).name
+    path = os.environ.get(SIGNAL_FILE_VARIABLE)
+    if signum != signal.SIGTERM or not path:
+        return name
+    try:  # the script's own small file; O_NONBLOCK: were it ever a FIFO, this opens without waiting
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            received = os.read(fd, 16).strip()
+        finally:
+            os.close(fd)
+    except OSError:
+        return name
+    return "SIGHUP" if received == b"HUP" else name
+
+
 # A stop signal within this many seconds of the first is the same request, not "stop at once": a signal to the
 # whole process group (a terminal's Ctrl-C, scancel, timeout) reaches a rank directly and again through its
 # launcher (torchrun's agent relays SIGTERM after the terminal's SIGINT, mpirun relays what it got); no person
@@ -276,7 +299,11 @@ def _announce_stop(name: str, signum: int) -> None:
         if _Graceful.too_late
         else "stopping after this iteration with a checkpoint"
     )
-    print(f"spmd_rl: {name}{stop_cause()}: {what} (send it again to stop at once)", file=sys.stderr, flush=True)
+    print(
+        f"spmd_rl: {signal_name(signum)}{stop_cause()}: {what} (send it again to stop at once)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 class signals_held_off:

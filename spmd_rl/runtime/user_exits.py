@@ -16,7 +16,7 @@ import traceback
 from typing import NoReturn
 
 from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, innermost_user_frame, user_frame
-from spmd_rl.runtime.exits import leave_exit_code
+from spmd_rl.runtime.exits import leave_exit_code, line_start
 from spmd_rl.runtime.launch import rank_from_env
 from spmd_rl.runtime.watchdog import watchdog
 
@@ -25,7 +25,7 @@ _real_os_exit = os._exit
 
 def say_user_exit(exc: SystemExit, who: str) -> int:
     """sys.exit() in user code (policy, env, algorithm, callback) is a failure of user code, never a success."""
-    print(f"spmd_rl: {who}: error in user code: {describe_system_exit(exc)}", file=sys.stderr, flush=True)
+    print(f"{line_start(who)}error in user code: {describe_system_exit(exc)}", file=sys.stderr, flush=True)
     return USER_CODE_EXIT_CODE
 
 
@@ -56,7 +56,7 @@ def _guarded_os_exit(status: int = 0) -> NoReturn:
     if not where or os.getpid() != _guarded_pid:  # a forked env worker printed the rank's line: its rank names its end
         _real_os_exit(status)
     print(
-        f"spmd_rl: {watchdog.who}: error in user code: os._exit({status!r}) was called (at {where}); a run ends by "
+        f"{line_start(watchdog.who)}error in user code: os._exit({status!r}) was called (at {where}); a run ends by "
         f"finishing its iterations or by a stop, not by exiting: raise an exception to fail",
         file=sys.stderr,
         flush=True,

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 
 from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, innermost_user_frame
-from spmd_rl.runtime.exits import DEBUG_VARIABLE, leave_exit_code
+from spmd_rl.runtime.exits import DEBUG_VARIABLE, leave_exit_code, line_start
 from spmd_rl.runtime.launch import rank_from_env
 from spmd_rl.runtime.postmortem import leave_own_record
 
@@ -113,7 +113,7 @@ class Watchdog:
         where = innermost_user_frame(traceback.extract_stack(frame)) if frame is not None else ""
         stuck = f"; stuck at {where}" if where else ""
         print(
-            f"spmd_rl: {self.who}: {what} did not return within {bound_s:g} s{stuck} (a hang, or slower "
+            f"{line_start(self.who)}{what} did not return within {bound_s:g} s{stuck} (a hang, or slower "
             f"than the bound: raise dist.timeout_s if it is only slow; {DEBUG_VARIABLE}=1 prints every thread's "
             f"stack)",
             file=sys.stderr,

@@ -22,7 +22,7 @@ def test_an_env_worker_that_ends_mid_step_ends_the_run_with_one_line_naming_it(t
         timeout=180,
     )  # fmt: skip
     assert result.returncode == 4, result.stderr[-3000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("spmd_rl: rank 0")]  # not the workers'
+    lines = [line for line in result.stderr.splitlines() if line.startswith("spmd_rl: error in user code")]
     assert len(lines) == 1 and f"{end} during step 21" in lines[0], result.stderr[-3000:]
     assert "env worker process" in lines[0] and "EOFError" not in lines[0]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]

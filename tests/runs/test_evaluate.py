@@ -5,6 +5,7 @@ Dict observations, videos, and a caller's RNG left exactly as it was."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -96,6 +97,26 @@ def test_a_policy_loads_from_its_run_dir_checkpoints_and_files(tiny_run, tmp_pat
 
     with pytest.raises(UserError, match=r"rank1\.pt holds no 'policy' entry"):
         load_policy(checkpoint / "rank1.pt")
+
+
+def test_a_policy_file_that_is_no_regular_file_is_passed_over_with_a_note(tiny_run, tmp_path, capfd):
+    # fault pass 7, R3: policy.pt a FIFO: evaluate read the latest checkpoint without saying so
+    trained = torch.load(tiny_run / "policy.pt", weights_only=True)
+    run_dir = tmp_path / "fifo"
+    run_dir.mkdir()
+    shutil.copy(tiny_run / "config.yaml", run_dir)
+    store = CheckpointStore(run_dir)
+    store.save({"policy": trained, "iteration": 3}, 3, rank=0)
+    store.commit(3, world_size=1)
+    os.mkfifo(run_dir / "policy.pt")
+    capfd.readouterr()
+    load_policy(run_dir)
+    assert capfd.readouterr().err == (
+        f"spmd_rl: note: {run_dir / 'policy.pt'} is not a regular file (a FIFO): it is passed over for the run's "
+        f"latest checkpoint\n"
+    )
+    load_policy(tiny_run)  # a regular policy.pt: no note
+    assert capfd.readouterr().err == ""
 
 
 def test_a_loaded_policy_acts_like_the_trained_one_in_one_line(tiny_run):

@@ -195,3 +195,21 @@ def _wait_for_line(process: subprocess.Popen, pattern: re.Pattern, timeout: floa
             if pattern.search(line):
                 return True
     return False
+
+
+def test_a_damaged_finished_json_is_named_and_the_resume_refused_changing_nothing(stopped_run, tmp_path):
+    """R4 (fault pass 7): a finished.json that is no JSON in a stopped run was taken for a finished run: the index
+    said "finished" and the resume "holds a finished run", naming no file. A run writes it whole, so it is damage."""
+    (stopped_run / "finished.json").write_text('{"bad\n')
+    before = _files(stopped_run)
+    refused = run_main("--config", TINY, f"run.dir={stopped_run}")
+    assert refused.returncode == 2, refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    assert f"{stopped_run / 'finished.json'} is no JSON record" in line
+    assert "remove the file and rerun to resume" in line and "holds a finished run" not in line
+    assert _files(stopped_run) == before
+    index = subprocess.run(
+        [sys.executable, "-m", "spmd_rl.runs", "--json", str(tmp_path)], capture_output=True, text=True, cwd=ROOT
+    )
+    row = json.loads(index.stdout.splitlines()[0])
+    assert row["state"] == "stopped" and any("finished.json is no JSON record" in note for note in row["notes"])

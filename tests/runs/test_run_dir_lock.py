@@ -41,7 +41,7 @@ def test_a_second_copy_of_a_running_command_is_refused_and_kill_9_leaves_no_stal
         assert second.returncode == 2, stderr
         run_dir = next(tmp_path.glob("runs/*"))
         assert stderr.strip().splitlines() == [
-            f"spmd_rl: rank 0: error: run directory {run_dir.relative_to(tmp_path)} is in use by another run (host "
+            f"spmd_rl: error: run directory {run_dir.relative_to(tmp_path)} is in use by another run (host "
             f"{socket.gethostname()}, pid {first.pid}); wait for it to end or stop it, or give this one another "
             f"run.dir (run.resume=never starts a new directory for the same command)"
         ]

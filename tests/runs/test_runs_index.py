@@ -94,7 +94,8 @@ def test_damaged_files_are_notes_not_tracebacks(tmp_path, capsys):
     assert first[:6] == ["ppo-aaaaaaaa", "killed,", "damaged", "3", "300/1000", "3.00"]  # the sound records' last
     assert "metrics.jsonl: 2 line(s) that are no JSON record skipped" in out
     assert "config.yaml does not load" in out
-    assert lines[2].split()[:3] == ["ppo-bbbbbbbb", "finished,", "damaged"]
+    assert lines[2].split()[:3] == ["ppo-bbbbbbbb", "finished,", "damaged"]  # run.lock recorded exit 0
+    assert f"{other / 'finished.json'} is no JSON record" in out
 
 
 def test_json_lines_and_a_missing_directory(tmp_path, capsys):

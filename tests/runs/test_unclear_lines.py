@@ -88,6 +88,6 @@ def test_a_missing_or_empty_experience_file_on_resume_is_refused_and_left_as_it_
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert resumed.returncode == USER_ERROR_EXIT_CODE, resumed.stderr[-2000:]
     says = "is missing, but the checkpoint this run resumes from counts rows" if damage == "deleted" else "is empty"
-    assert f"spmd_rl: rank 0: error: {path} {says}" in resumed.stderr, resumed.stderr[-2000:]
+    assert f"spmd_rl: error: {path} {says}" in resumed.stderr, resumed.stderr[-2000:]
     assert "restore it from a copy, or remove" in resumed.stderr
     assert (not path.exists()) if damage == "deleted" else path.stat().st_size == 0  # never replaced

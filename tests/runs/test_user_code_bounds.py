@@ -38,7 +38,7 @@ def test_a_plugin_import_that_never_finishes_ends_help_with_one_line_naming_it(t
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == USER_CODE_EXIT_CODE, result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"spmd_rl: rank 0: importing module 'hanging_plugin' (policy.class) did not return within 2 s; stuck at "
+        f"spmd_rl: importing module 'hanging_plugin' (policy.class) did not return within 2 s; stuck at "
         f"{tmp_path / 'hanging_plugin.py'}:5 (a hang, or slower than the bound: raise dist.timeout_s if it is only "
         "slow; SPMD_RL_DEBUG=1 prints every thread's stack)"
     ]

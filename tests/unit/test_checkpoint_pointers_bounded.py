@@ -91,3 +91,26 @@ def test_a_damaged_marker_of_the_only_checkpoint_refuses_the_resume_rather_than_
     # a save cut short (no marker at all) still starts over
     (store.directory(4) / "COMPLETE").unlink()
     assert decide_resume(cfg, run_dir, world_size=1).checkpoint is None
+
+
+def test_a_latest_that_is_a_directory_is_refused_at_the_start(tmp_path):
+    # fault pass 7, D5: `checkpoints/latest` a directory: the resume noted it, trained, and failed only at its first
+    # checkpoint (a commit's rename never replaces a directory); now refused before anything runs, naming the path
+    from spmd_rl.config.loading import load_config
+    from spmd_rl.run.resume import decide_resume
+    from spmd_rl.runtime.errors import UserError
+
+    run_dir = tmp_path / "run"
+    cfg = load_config("configs/ci_tiny.yaml", [f"run.dir={run_dir}"])
+    store = CheckpointStore(run_dir, keep=1)
+    store.save({"x": torch.zeros(2)}, 4, 0)
+    store.commit(4, world_size=1)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    assert decide_resume(cfg, run_dir, world_size=1).checkpoint == store.directory(4)
+    (store.root / "latest").unlink()
+    (store.root / "latest").mkdir()
+    with pytest.raises(UserError, match=r"checkpoints/latest is a directory, .*move it away .*left as it is"):
+        decide_resume(cfg, run_dir, world_size=1)
+    (store.root / "latest").rmdir()
+    (store.root / "latest").symlink_to(store.directory(4))  # a link to a directory: a commit replaces it
+    assert decide_resume(cfg, run_dir, world_size=1).checkpoint == store.directory(4)

@@ -49,3 +49,15 @@ def test_a_damaged_config_is_one_user_error_naming_it(tmp_path, config, said):
     (tmp_path / "config.yaml").write_text(config)
     with pytest.raises(UserError, match=r"config.yaml does not load \(.*" + said):
         read_run(tmp_path)
+
+
+def test_a_file_whose_only_line_is_torn_is_named_so_not_empty(tmp_path):
+    # fault pass 7, R2/R5: a 30 MB metrics.jsonl whose only line is torn read "metrics.jsonl is empty"
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 0, "loss": ' + "1" * 100000)
+    with pytest.raises(
+        UserError, match=r"metrics.jsonl holds no complete line: its only line \(100025 bytes\) is torn"
+    ):
+        read_metrics(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match=r"metrics.jsonl is empty"):
+        read_metrics(tmp_path)

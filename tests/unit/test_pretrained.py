@@ -112,3 +112,21 @@ def test_the_weights_load_before_the_policy_is_sharded(tmp_path):
     run = spmd_rl.train(TINY, {"run.dir": tmp_path / "run", "train.parallel": "fsdp", **overrides})
     loaded = run.policy.state_dict()
     assert all(torch.equal(loaded[f"actor.{k}"], v) for k, v in donor.items())
+
+
+def test_a_lora_layout_mismatch_is_one_sentence_saying_what_to_change():
+    # fault pass 6, V6: a full fine-tune's policy.pt into a LoRA policy listed 48 keys; the layouts differ (peft's
+    # base_layer / lora_A / lora_B names), not the weights, and the line says so and what to set
+    lora = torch.nn.Module()
+    lora.q = torch.nn.Module()
+    lora.q.base_layer = torch.nn.Linear(4, 4)
+    lora.q.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(4, 2, bias=False)})
+    lora.q.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(2, 4, bias=False)})
+    plain = torch.nn.Module()
+    plain.q = torch.nn.Linear(4, 4)
+    with pytest.raises(UserError, match=r"without LoRA adapters .* start from a LoRA run .* set policy.lora.rank=0"):
+        fit_state_dict(lora, plain.state_dict())
+    with pytest.raises(UserError, match=r"with LoRA adapters .* and this policy has none: 2 key\(s\) of the policy"):
+        fit_state_dict(plain, lora.state_dict())
+    with pytest.raises(UserError, match=r"missing .*q\.weight"):  # any other misfit still lists its keys
+        fit_state_dict(plain, {"other.weight": torch.zeros(4, 4)})

@@ -43,7 +43,12 @@ def test_a_signal_during_the_store_connect_is_handled_after_it_and_torch_logs_no
     assert "Interrupted system call" not in err and "TCPStore.cpp" not in err, err
 
 
-def test_before_the_group_exists_a_signal_is_rank_0s_line_alone_and_after_it_every_rank_says_its_own(capsys):
+def test_before_the_group_exists_a_signal_is_rank_0s_line_alone_and_after_it_every_rank_says_its_own(
+    capsys, monkeypatch
+):
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")  # a job of two ranks: the lines name them (not in one process)
+
     def report(rank: int, started: bool) -> tuple[int, bool]:
         launch = LaunchInfo("mpi", rank, 2, rank, 2, "tcp://127.0.0.1:1")
         code, waited, spoke = _report_failure(StopSignal("SIGTERM", 15), launch, f"rank {rank}", started=started)
