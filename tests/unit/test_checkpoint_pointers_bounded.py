@@ -70,13 +70,9 @@ def test_the_checksum_of_a_file_that_is_no_regular_file_is_empty(tmp_path, kind)
     assert sha256_of(path) == ""
 
 
-@pytest.mark.parametrize("marker", ["", '{"iteration": 4, "fi'])
-def test_a_damaged_marker_of_the_only_checkpoint_refuses_the_resume_rather_than_clear_the_run(tmp_path, marker):
-    # fault pass 7, D6: the only checkpoint's COMPLETE truncated to 0 bytes (its weights whole) made the resume take
-    # the run for one "without a checkpoint": it cleared metrics.jsonl and the checkpoint and started over
+def _run_with_one_checkpoint(tmp_path):
+    """A ci_tiny run directory whose only checkpoint is iteration 4's (keep 1): (config, run dir, store)."""
     from spmd_rl.config.loading import load_config
-    from spmd_rl.run.resume import decide_resume
-    from spmd_rl.runtime.errors import UserError
 
     run_dir = tmp_path / "run"
     cfg = load_config("configs/ci_tiny.yaml", [f"run.dir={run_dir}"])
@@ -84,6 +80,17 @@ def test_a_damaged_marker_of_the_only_checkpoint_refuses_the_resume_rather_than_
     store.save({"x": torch.zeros(2)}, 4, 0)
     store.commit(4, world_size=1)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    return cfg, run_dir, store
+
+
+@pytest.mark.parametrize("marker", ["", '{"iteration": 4, "fi'])
+def test_a_damaged_marker_of_the_only_checkpoint_refuses_the_resume_rather_than_clear_the_run(tmp_path, marker):
+    # fault pass 7, D6: the only checkpoint's COMPLETE truncated to 0 bytes (its weights whole) made the resume take
+    # the run for one "without a checkpoint": it cleared metrics.jsonl and the checkpoint and started over
+    from spmd_rl.run.resume import decide_resume
+    from spmd_rl.runtime.errors import UserError
+
+    cfg, run_dir, store = _run_with_one_checkpoint(tmp_path)
     (run_dir / "metrics.jsonl").write_text('{"iteration": 0}\n')
     (store.directory(4) / "COMPLETE").write_text(marker)
     with pytest.raises(UserError, match=r"COMPLETE is damaged .*restore the file from a copy"):
@@ -96,16 +103,10 @@ def test_a_damaged_marker_of_the_only_checkpoint_refuses_the_resume_rather_than_
 def test_a_latest_that_is_a_directory_is_refused_at_the_start(tmp_path):
     # fault pass 7, D5: `checkpoints/latest` a directory: the resume noted it, trained, and failed only at its first
     # checkpoint (a commit's rename never replaces a directory); now refused before anything runs, naming the path
-    from spmd_rl.config.loading import load_config
     from spmd_rl.run.resume import decide_resume
     from spmd_rl.runtime.errors import UserError
 
-    run_dir = tmp_path / "run"
-    cfg = load_config("configs/ci_tiny.yaml", [f"run.dir={run_dir}"])
-    store = CheckpointStore(run_dir, keep=1)
-    store.save({"x": torch.zeros(2)}, 4, 0)
-    store.commit(4, world_size=1)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    cfg, run_dir, store = _run_with_one_checkpoint(tmp_path)
     assert decide_resume(cfg, run_dir, world_size=1).checkpoint == store.directory(4)
     (store.root / "latest").unlink()
     (store.root / "latest").mkdir()
