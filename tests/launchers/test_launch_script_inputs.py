@@ -1,0 +1,44 @@
+"""launch/torchrun.sh refuses what torchrun would refuse with a traceback, in one line and exit 2, before it starts
+anything: a rank count that is none (NPROC=0, NPROC=abc) and an interpreter without torch (a venv not activated).
+They ended in torchrun's AssertionError / ValueError traceback, or "No module named 'torch'", and then the script's
+"a rank ended before it could say why (killed, or dead before Python ran)", exit 3 (fault pass 8, LS1)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness.launch import job_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(**variables: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "launch/torchrun.sh", "--config", "configs/ci_tiny.yaml", "--dry-run"],
+        cwd=ROOT,
+        env=job_env(**variables),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("nproc", ["0", "abc", "-2"])
+def test_a_rank_count_that_is_none_is_one_line(nproc):
+    result = _script(NPROC=nproc, PYTHON=sys.executable)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"spmd_rl: torchrun.sh: NPROC={nproc}: give the number of ranks on this node (1 or more)"
+    )
+
+
+def test_an_interpreter_without_torch_is_one_line(tmp_path):
+    # an interpreter that finds no torch: python with an empty path and no site-packages
+    bare = tmp_path / "python"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S -I "$@"\n')
+    bare.chmod(0o755)
+    result = _script(NPROC="2", PYTHON=str(bare))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().startswith(f"spmd_rl: torchrun.sh: {bare} cannot import torch: activate")
+    assert result.stderr.count("\n") == 1
