@@ -13,9 +13,9 @@ from harness.launch import job_env
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _script(**variables: str) -> subprocess.CompletedProcess:
+def _script(script: str = "torchrun.sh", **variables: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", "launch/torchrun.sh", "--config", "configs/ci_tiny.yaml", "--dry-run"],
+        ["bash", f"launch/{script}", "--config", "configs/ci_tiny.yaml", "--dry-run"],
         cwd=ROOT,
         env=job_env(**variables),
         capture_output=True,
@@ -33,12 +33,24 @@ def test_a_rank_count_that_is_none_is_one_line(nproc):
     )
 
 
-def test_an_interpreter_without_torch_is_one_line(tmp_path):
+@pytest.mark.parametrize("np", ["abc", "-2"])
+def test_mpirun_sh_a_rank_count_that_is_none_is_one_line(np):
+    """The same under launch/mpirun.sh: mpirun's usage box, then "a rank ended before it could say why", exit 3
+    (fault pass 8, LS2; NP=0 stays Open MPI's "as many as the slots")."""
+    result = _script("mpirun.sh", NP=np, PYTHON=sys.executable)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == f"spmd_rl: mpirun.sh: NP={np}: give the number of ranks (1 or more)"
+
+
+@pytest.mark.parametrize("script", ["torchrun.sh", "mpirun.sh"])
+def test_an_interpreter_without_torch_is_one_line(tmp_path, script):
+    """Under mpirun.sh a `python` without torch (or none on PATH) was mpirun's abort, read as "the launcher ... was
+    killed by SIGABRT, not by this script ... rerun the same command to resume", exit 134."""
     # an interpreter that finds no torch: python with an empty path and no site-packages
     bare = tmp_path / "python"
     bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S -I "$@"\n')
     bare.chmod(0o755)
-    result = _script(NPROC="2", PYTHON=str(bare))
+    result = _script(script, NPROC="2", NP="2", PYTHON=str(bare))
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().startswith(f"spmd_rl: torchrun.sh: {bare} cannot import torch: activate")
+    assert result.stderr.strip().startswith(f"spmd_rl: {script}: {bare} cannot import torch: activate")
     assert result.stderr.count("\n") == 1
