@@ -20,6 +20,12 @@
 # (runs/<run.name>-<config digest>), so the rerun finds it. mpirun does not restart ranks by itself.
 set -euo pipefail
 NP=${NP:-2}
+# What mpirun would refuse with its usage box, then read here as a rank that "ended before it could
+# say why": a rank count that is none (fault pass 8, LS2). Checked in bash alone: a signal here has no trap to meet yet.
+if ! [[ $NP =~ ^[0-9]+$ ]]; then
+    echo "spmd_rl: mpirun.sh: NP=$NP: give the number of ranks (1 or more)" >&2
+    exit 2
+fi
 flags=(
     -n "$NP"
     --bind-to none                       # Open MPI binds each rank to one core by default; torch and the envs

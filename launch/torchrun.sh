@@ -28,6 +28,12 @@
 set -euo pipefail
 NPROC=${NPROC:-2}
 NNODES=${NNODES:-1}
+# What torchrun itself would refuse with a traceback, then read here as "a rank ended before it could say why" (exit 3):
+# a rank count that is none (fault pass 8, LS1). Checked in bash alone: a signal here has no trap to meet yet.
+if ! [[ $NPROC =~ ^([1-9][0-9]*|auto|cpu|gpu)$ ]]; then
+    echo "spmd_rl: torchrun.sh: NPROC=$NPROC: give the number of ranks on this node (1 or more)" >&2
+    exit 2
+fi
 if [[ $NNODES == 1 ]]; then
     rendezvous=(--standalone)
 else

@@ -42,6 +42,9 @@ def experience_files(target: Path) -> list[Path]:
 
 
 def summarize(path: Path) -> str:
+    if not path.is_file():  # a run directory's buffer/*.h5 that is a FIFO or a device: opening it would wait
+        kind = file_kind(path.stat().st_mode) if path.exists() else "a symlink to nothing"
+        raise UserError(f"{path} is {kind}, not an HDF5 file: move it away, or restore the file from a copy")
     try:
         return _summary(path)
     except DAMAGED_FILE_ERRORS as exc:

@@ -257,8 +257,17 @@ def draw(curves_: list[Curve], x: str, y: str, title: str, output: Path) -> None
     figure = make_figure(curves_, x, y, title)
     # "tight" grows the picture around the axes and the legend below them: the axes keep their size with any
     # number of runs.
-    figure.savefig(output, dpi=120, bbox_inches="tight", pad_inches=0.1)
-    plt.close(figure)
+    try:
+        figure.savefig(output, dpi=120, bbox_inches="tight", pad_inches=0.1)
+    except OSError as exc:  # -o in a directory that does not exist or cannot be written
+        raise UserError(
+            f"cannot write {output} ({exc.strerror or exc}): give -o a file in a directory that exists and can be "
+            f"written"
+        ) from None
+    except ValueError as exc:  # an extension matplotlib does not draw ("Format 'jpgx' is not supported (...)")
+        raise UserError(f"cannot write {output}: {exc}; give -o a .png, .pdf or .svg file") from None
+    finally:
+        plt.close(figure)
 
 
 def make_figure(curves_: list[Curve], x: str, y: str, title: str):

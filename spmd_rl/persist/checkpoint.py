@@ -275,6 +275,10 @@ def load_checkpoint(path: Path | str, rank: int, map_location: str | torch.devic
         state[SHARDS_FROM] = str(directory)  # where its placeholders' DTensors are (load_shards)
         if whole:
             verify_shard_files(state, resuming=False)
+            # Read whole, the policy comes from every trainer's shard files, and this rank's file lists only its own.
+            damage = other_ranks_shard_damage(directory, file)
+            if damage:
+                raise UserError(f"{damage}: {what_to_do(directory, resuming=False)}")
             return load_shards(state, directory)
     return state
 
@@ -305,6 +309,24 @@ def shard_file_damage(state: dict) -> str:
                 f"checkpoint shard file {shards_dir / name} is damaged (its contents differ from the checksum saved "
                 f"with them)"
             )
+    return ""
+
+
+def other_ranks_shard_damage(directory: Path, file: Path) -> str:
+    """The first damaged shard file that another rank of a checkpoint wrote ('' when none is): a checkpoint read
+    whole reads every trainer's shards, and each rank file holds the checksums of its own alone. A rank file that
+    cannot be read is passed over here (its shards cannot be checked without it; reading it for itself says why)."""
+    for other in sorted(directory.glob("rank*.pt")):
+        if other == file or rank_file_damage(other):
+            continue
+        try:
+            state = torch.load(other, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 - torch raises several types for damaged files
+            continue
+        if isinstance(state, dict) and has_shards(state):
+            damage = shard_file_damage({**state, SHARDS_FROM: str(directory)})
+            if damage:
+                return damage
     return ""
 
 

@@ -280,10 +280,15 @@ def plan_run(cfg: Config, topology: Topology, algorithm_cls: type[Algorithm]) ->
     steps_per_iteration = envs_total * num_steps * chunk
     num_iterations = cfg.train.total_steps // steps_per_iteration if num_steps else schedule.iterations
     if num_iterations < 1:
+        # A rollout of whole episodes is as long as the episode step limit, whatever algo.num_steps says.
+        length = f"{num_steps} decisions of a whole episode (env.max_episode_steps" if episodes else "algo.num_steps"
+        length += " or the env's step limit)" if episodes else ""
+        shorter = ", or lower env.max_episode_steps" if episodes else ""
         raise UserError(
             f"train.total_steps={cfg.train.total_steps} is less than one iteration "
-            f"({steps_per_iteration} env steps = algo.num_steps x env.num_envs x {env_ranks} env ranks"
-            f"{' x env.action_chunk' if chunk > 1 else ''}); raise train.total_steps to at least {steps_per_iteration}"
+            f"({steps_per_iteration} env steps = {length} x env.num_envs x {env_ranks} env ranks"
+            f"{' x env.action_chunk' if chunk > 1 else ''}); raise train.total_steps to at least "
+            f"{steps_per_iteration}{shorter}"
         )
     env_ranks_per_trainer = [len(topology.envs_trained_by(t)) for t in topology.trainer_ranks]
     if len(set(env_ranks_per_trainer)) > 1:

@@ -345,3 +345,19 @@ def test_inspect_of_a_fifo_or_a_device_names_what_it_is(tmp_path, capsys, kind):
         path.symlink_to("/dev/zero")
     assert experience.main(["inspect", str(path)]) == 2
     assert capsys.readouterr().err.strip() == f"error: {path} is {kind}: give an HDF5 file or a run directory"
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a character device"])
+def test_inspect_of_a_run_whose_experience_file_is_a_fifo_or_a_device_names_it(tmp_path, capsys, kind):
+    """Given the run directory, not the file, a FIFO among its buffer/*.h5 was opened and inspect waited for a
+    writer forever (fault pass 8, I1)."""
+    path = tmp_path / "buffer" / "experience_rank1.h5"
+    path.parent.mkdir()
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    assert experience.main(["inspect", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {path} is {kind}, not an HDF5 file: move it away, or restore the file from a copy"
+    )

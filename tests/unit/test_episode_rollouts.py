@@ -149,6 +149,18 @@ def test_an_episode_rollout_is_a_fixed_number_of_decisions_from_the_config():
     cfg = load_config(None, ["env.id=Pendulum-v1", "env.max_episode_steps=50"])
     assert plan_run(cfg, build_topology(cfg.layout, 1), EpisodeAlgorithm).num_steps == 50
     assert not plan_run(cfg, build_topology(cfg.layout, 1), PPO).episodes  # PPO keeps windows
+    # Too few steps for one iteration: the line names the episode's length, not algo.num_steps (which whole-episode
+    # rollouts do not read; fault pass 8, N0: GRPO with algo.num_steps=16 was told "2000 = algo.num_steps x ...").
+    cfg = load_config(None, ["env.id=Pendulum-v1", "algo.num_steps=16", "env.num_envs=4", "train.total_steps=640"])
+    with pytest.raises(UserError) as refused:
+        plan_run(cfg, build_topology(cfg.layout, 1), EpisodeAlgorithm)
+    assert "(800 env steps = 200 decisions of a whole episode (env.max_episode_steps or the env's step limit) x " in (
+        str(refused.value)
+    )
+    assert "algo.num_steps" not in str(refused.value) and "or lower env.max_episode_steps" in str(refused.value)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, total_steps=40))
+    with pytest.raises(UserError, match=r"\(64 env steps = algo.num_steps x env.num_envs x 1 env ranks\)"):
+        plan_run(cfg, build_topology(cfg.layout, 1), PPO)  # windows: algo.num_steps it is
     cfg = load_config(None, ["env.id=RandomLength-v0"])  # registered without a step limit
     with pytest.raises(UserError, match="states no step limit: set env.max_episode_steps"):
         plan_run(cfg, build_topology(cfg.layout, 1), EpisodeAlgorithm)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from spmd_rl.plot import main as plot_main
 from spmd_rl.plot import read_metrics
 from spmd_rl.runtime.errors import UserError
 
@@ -61,3 +62,20 @@ def test_a_file_whose_only_line_is_torn_is_named_so_not_empty(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(UserError, match=r"metrics.jsonl is empty"):
         read_metrics(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [("no_such_dir/curves.png", "No such file or directory"), ("curves.jpgx", "Format 'jpgx' is not supported")],
+)
+def test_an_output_that_cannot_be_written_is_one_line(tmp_path, capsys, name, says):
+    """`-o` in a directory that does not exist, or with an extension matplotlib does not draw, was a traceback and
+    exit 1 (fault pass 8, P1: `python -m spmd_rl.plot RUN -o plots/curves.png` before `mkdir plots`)."""
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "env_steps": 32, "episode_return_mean": 9.0}) + "\n")
+    output = tmp_path / name
+    assert plot_main([str(run), "-o", str(output)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: cannot write {output}") and says in err and "\n" not in err
