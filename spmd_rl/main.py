@@ -30,7 +30,13 @@ from spmd_rl.config.loading import describe_schema, load_config
 from spmd_rl.config.sections import DistSection
 from spmd_rl.run.topology import build_topology
 from spmd_rl.runtime.errors import StopSignal, UserError
-from spmd_rl.runtime.exits import end_process, leave_exit_code, user_error, write_whole_lines
+from spmd_rl.runtime.exits import (
+    end_process,
+    leave_exit_code,
+    quiet_torch_cpp_warnings,
+    user_error,
+    write_whole_lines,
+)
 from spmd_rl.runtime.launch import detect_launch, rank_from_env
 from spmd_rl.runtime.orphans import watch_for_orphaning
 from spmd_rl.runtime.postmortem import begin_attempt
@@ -89,6 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_torch_cpp_warnings()  # before torch loads (after the config is read): one line per failure, no C++ stack
     # Before anything slow (torch's import takes seconds): a signal from here on is a line and a defined code.
     install_early_signal_handlers()
     outlive_terminal_hangup()  # a line printed after the terminal hung up is dropped, not an OSError (exit 1)

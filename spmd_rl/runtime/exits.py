@@ -77,6 +77,15 @@ def _finalize_mpi() -> None:
         mpi.Finalize()
 
 
+def quiet_torch_cpp_warnings() -> None:
+    """torch's C++ log below errors off, unless TORCH_CPP_LOG_LEVEL or SPMD_RL_DEBUG=1 asks otherwise; read as torch
+    loads, so called before it is imported. A rank still waiting in the job's store when a peer's store closed
+    printed c10d's "recvValueWithTimeout failed" warning with a 20-frame C++ stack before its own line (fault
+    pass 8, J3); the error itself still comes, as the exception the line is made of."""
+    if os.environ.get(DEBUG_VARIABLE, "") in ("", "0"):
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def one_process() -> bool:
     """Whether this process is the whole job (no launcher, or one of world size 1): its lines name no rank, which
     would say nothing there ("rank 0 (colocated 0): ..." of a run of one process; fault pass 6, L1-L4 and H1)."""

@@ -11,6 +11,9 @@ def warm_up() -> None:
     """What every rank imports before its run (spmd_rl/main.py's order) and what every rank that builds the policy
     imports in its checks before start, and nothing more: FSDP's modules stay for the ranks that use them. Not
     spmd_rl.main itself: runpy runs it as __main__."""
+    from spmd_rl.runtime.exits import quiet_torch_cpp_warnings
+
+    quiet_torch_cpp_warnings()  # as spmd_rl.main does before torch loads: torch reads it once, as it loads
     import torch  # noqa: F401
 
     from spmd_rl.config import loading  # noqa: F401
