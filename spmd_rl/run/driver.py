@@ -215,8 +215,8 @@ def _report_failure(
             # peer its line names did not fail it (fault pass 4, B2b: a rank woken after SIGSTOP blamed rank 0,
             # which had exited after waiting for it; E7, under mpirun: "rank 0 closed the connection").
             comm = CommError(
-                f"{comm} (this rank itself did not run for {frozen_s:.0f} s of the wait: it was stopped (SIGSTOP, a "
-                f"suspended machine), so the others likely waited on it)",
+                f"{comm} (this rank itself did not run for {frozen_s:.0f} s of the wait: it was stopped (SIGSTOP or "
+                f"Ctrl-Z, then continued), so the others likely waited on it)",
                 comm.peers,
                 comm.timed_out,
             )

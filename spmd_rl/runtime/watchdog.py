@@ -14,6 +14,7 @@ import faulthandler
 import math
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -28,6 +29,18 @@ from spmd_rl.runtime.postmortem import leave_own_record
 POLL_S = 0.25  # how often the thread looks at the deadline: the line comes at most this late
 FROZEN_S = 2.0  # a tick this late means the whole process was not running (stopped), not a busy main thread
 COLLECTIVE_MARGIN_S = 60.0  # the extra bound of calls that wait on other ranks (learn): their wait speaks first
+
+
+class _Continued:
+    """When this process last handled a SIGCONT: a late tick counts as the process stopped only if one came after it
+    began. Ticks also come late on an overloaded machine (load 10 on 2 cores starved a rank's watchdog thread for
+    2 s, fault pass 8, J2), and such a rank, saying it was stopped, took the blame its peers' waits point at."""
+
+    at = -math.inf
+
+
+def _note_continued(signum: int, frame: object) -> None:
+    _Continued.at = time.monotonic()
 
 
 class Watchdog:
@@ -48,6 +61,12 @@ class Watchdog:
         """Bound the watched calls of this process by timeout_s; `who` starts the line ('rank 2 (env 0)');
         on_expiry runs before the exit (it leaves the failure record) and must not block for long."""
         self.timeout_s, self.who, self.on_expiry = timeout_s, who, on_expiry
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGCONT) in (
+            signal.SIG_DFL,
+            None,
+        ):
+            signal.signal(signal.SIGCONT, _note_continued)
+            signal.siginterrupt(signal.SIGCONT, False)  # a system call it lands in resumes, as without the handler
 
     def rebound(self, timeout_s: float) -> None:
         """A bound already in force takes this value (the config's dist.timeout_s, once read); an unbounded
@@ -84,14 +103,16 @@ class Watchdog:
         self._current = previous
 
     def frozen_for(self, within_s: float) -> float:
-        """The longest time in the last `within_s` seconds this process did not run at all (its ticks stopped:
-        SIGSTOP, a suspended machine), including up to now; 0 when the thread was never started. A rank that
-        failed after being stopped says so in its failure record, so the summary can tell it from its peers."""
+        """The longest time in the last `within_s` seconds this process did not run at all (its ticks stopped, and
+        a SIGCONT came after: SIGSTOP or Ctrl-Z, then continued), including up to now; 0 when the thread was never
+        started. A rank that failed after being stopped says so in its failure record, so the summary can tell it
+        from its peers. A main thread that ran on while the watchdog's ticks came late (CPU starvation) is none."""
         if self._thread is None:
             return 0.0
         now = time.monotonic()
-        recent = [gap for ended, gap in self._gaps if now - ended <= within_s]
-        return max([now - self._last_tick - POLL_S, *recent, 0.0])
+        recent = [gap for ended, gap in self._gaps if now - ended <= within_s and _Continued.at >= ended - gap]
+        current = now - self._last_tick - POLL_S if _Continued.at >= self._last_tick else 0.0
+        return max([current, *recent, 0.0])
 
     def _run(self) -> None:
         while True:
