@@ -289,7 +289,7 @@ def test_a_nonfinite_update_is_an_error_naming_the_iteration(tmp_path):
     result = run_alone(tmp_path, [])
     assert result.returncode == USER_CODE_EXIT_CODE, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "spmd_rl: rank 0 (colocated 0): error in user code: the update of iteration 2 produced a non-finite loss "
+        "spmd_rl: error in user code: the update of iteration 2 produced a non-finite loss "
         "(policy_loss=nan, value_loss=nan); fix the algorithm or its settings (learning rate, gradient clipping), or "
         "set train.skip_nonfinite_updates=true to skip such updates"
     ]

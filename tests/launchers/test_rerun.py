@@ -35,7 +35,7 @@ def test_a_command_continues_its_newest_unfinished_run_and_starts_the_next_after
         str(tmp_path / "ppo-0a1b2c3d-2"),
         "new: run.resume=never",
     )
-    (tmp_path / "ppo-0a1b2c3d" / FINISHED).write_text("{}")
+    (tmp_path / "ppo-0a1b2c3d" / FINISHED).write_text('{"finished": true}')
     (tmp_path / "ppo-0a1b2c3d-other").mkdir()  # another run name that shares the prefix is not one of them
     (tmp_path / "ppo-0a1b2c3d-9").write_text("a file, not a run")
     directory, note = command_run_dir(tmp_path, "ppo-0a1b2c3d", new=False)
