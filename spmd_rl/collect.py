@@ -32,7 +32,7 @@ import gymnasium as gym
 import numpy as np
 
 from spmd_rl.config.excerpts import clip
-from spmd_rl.config.loading import load_config
+from spmd_rl.config.loading import OneConfig, load_config
 from spmd_rl.config.sections import Config, EnvSection
 from spmd_rl.envs.metaworld_envs import is_metaworld_id, scripted_expert
 from spmd_rl.envs.vector import EnvSpec, check_same_spaces, make_vector_env, probe_env
@@ -333,7 +333,9 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m spmd_rl.collect", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, required=True, help="a run config: its env section is played")
+    parser.add_argument(
+        "--config", type=Path, required=True, action=OneConfig, help="a run config: its env section is played"
+    )
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     parser.add_argument("--episodes", type=int, default=50, help="episodes the file holds when done (default 50)")
     parser.add_argument(

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from spmd_rl.config.excerpts import excerpt
-from spmd_rl.config.loading import describe_schema, load_config
+from spmd_rl.config.loading import OneConfig, describe_schema, load_config
 from spmd_rl.config.sections import DistSection
 from spmd_rl.run.topology import build_topology
 from spmd_rl.runtime.errors import StopSignal, UserError
@@ -80,6 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--config",
         metavar="FILE",
+        action=OneConfig,
         help="YAML config (default: the embedded PPO CartPole-v1 config, the same as configs/ppo_cartpole.yaml)",
     )
     parser.add_argument(

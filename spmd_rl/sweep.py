@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from spmd_rl.config.loading import load_config
+from spmd_rl.config.loading import OneConfig, load_config
 from spmd_rl.persist.run_files import CONFIG_FILE, FINISHED
 from spmd_rl.runtime.errors import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
 
@@ -410,7 +410,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "then: python -m spmd_rl.plot SWEEP_DIR -o curves.png",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", metavar="FILE", help="YAML config (default: the embedded PPO CartPole-v1 config)")
+    parser.add_argument(
+        "--config", metavar="FILE", action=OneConfig, help="YAML config (default: the embedded PPO CartPole-v1 config)"
+    )
     parser.add_argument("--root", type=Path, default=Path("runs"), help="where sweep directories go (default: runs)")
     parser.add_argument("--dir", type=Path, help="the sweep directory (default: ROOT/sweep-<run.name>-<digest>)")
     parser.add_argument("--name", default="", help="the sweep directory's name part (default: run.name)")

@@ -8,6 +8,7 @@ checks of one value would be spread over files.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import difflib
@@ -718,3 +719,16 @@ def _describe_keys(prefix: str, cls: type) -> list[str]:
             f"{f.metadata.get('help', '')}"
         )
     return lines
+
+
+class OneConfig(argparse.Action):
+    """argparse's action for `--config`, given once: a second one silently replaced the first (fault pass 8, N4),
+    where a user may expect the two merged."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(
+                f"--config given twice ({getattr(namespace, self.dest)}, then {values}): configs are not merged; "
+                f"give one file and change its keys with section.key=value"
+            )
+        setattr(namespace, self.dest, values)
