@@ -110,7 +110,10 @@ class Watchdog:
         if self._thread is None:
             return 0.0
         now = time.monotonic()
-        recent = [gap for ended, gap in self._gaps if now - ended <= within_s and _Continued.at >= ended - gap]
+        # The stop a SIGCONT ended is the last gap that began before it was handled (the handler runs in the main
+        # thread, maybe later: after the wait it was in); an earlier gap was starvation.
+        stopped = [(ended, gap) for ended, gap in self._gaps if ended - gap <= _Continued.at][-1:]
+        recent = [gap for ended, gap in stopped if now - ended <= within_s]
         current = now - self._last_tick - POLL_S if _Continued.at >= self._last_tick else 0.0
         return max([current, *recent, 0.0])
 
