@@ -341,6 +341,14 @@ def checkpoint_damage(directory: Path) -> str:
     """What is wrong with a complete checkpoint: its first damaged rank file or shard file ('' when it is sound).
     Reads every file of it (rank 0 before it resumes, so that a damaged newest checkpoint falls back to an older
     one rather than failing on the rank that reads the damage)."""
+    marked = _marker(directory).get("iteration")
+    named = directory.name[len(_PREFIX) :]
+    if directory.name.startswith(_PREFIX) and named.isdigit() and marked is not None and marked != int(named):
+        # a marker copied from another checkpoint: its recorded sizes would blame this one's sound files
+        return (
+            f"checkpoint marker {directory / COMPLETE} is of iteration {marked}, not of {directory.name} (copied "
+            f"from another checkpoint?)"
+        )
     for file in sorted(directory.glob("rank*.pt")):
         damage = rank_file_damage(file)
         if damage:

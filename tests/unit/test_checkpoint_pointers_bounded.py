@@ -115,3 +115,18 @@ def test_a_latest_that_is_a_directory_is_refused_at_the_start(tmp_path):
     (store.root / "latest").rmdir()
     (store.root / "latest").symlink_to(store.directory(4))  # a link to a directory: a commit replaces it
     assert decide_resume(cfg, run_dir, world_size=1).checkpoint == store.directory(4)
+
+
+def test_a_marker_copied_from_another_checkpoint_is_named_not_the_sound_files(tmp_path):
+    # fault pass 8, D4: iter_5's COMPLETE replaced by iter_3's: the note blamed iter_5's intact rank0.pt ("truncated or
+    # altered", by iter_3's recorded size) and sent the user to restore the wrong file
+    from spmd_rl.persist.checkpoint import checkpoint_damage
+
+    store = CheckpointStore(tmp_path / "run", keep=2)
+    for iteration, size in ((3, 2), (5, 40)):
+        store.save({"x": torch.zeros(size)}, iteration, 0)
+        store.commit(iteration, world_size=1)
+    assert checkpoint_damage(store.directory(5)) == ""
+    (store.directory(5) / "COMPLETE").write_bytes((store.directory(3) / "COMPLETE").read_bytes())
+    damage = checkpoint_damage(store.directory(5))
+    assert damage.startswith(f"checkpoint marker {store.directory(5) / 'COMPLETE'} is of iteration 3"), damage
