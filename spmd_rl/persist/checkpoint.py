@@ -148,13 +148,21 @@ class CheckpointStore:
         """latest_and_why(), stepping back past complete checkpoints with a damaged file (checkpoint_damage) to the
         newest sound one, each step said in the line; a UserError naming the damage when no earlier one is left."""
         checkpoint, why = self.latest_and_why()
+        newest_damage = ""  # the first checkpoint passed over, when every one is damaged: restoring it loses least
         while checkpoint is not None:
             damage = checkpoint_damage(checkpoint)
             if not damage:
                 return checkpoint, why
             older = [d for _, d in self._complete() if d.name < checkpoint.name]
+            if not older and newest_damage:  # fault pass 8, D10: the line named only the oldest, "the only" one
+                raise UserError(
+                    f"every complete checkpoint of the run is damaged; the newest: {newest_damage}; the oldest: "
+                    f"{damage}: restore the newest's file from a copy (it loses the least), or start a new run in "
+                    f"another run.dir (run.init_from can take an earlier run's weights)"
+                )
             if not older:
                 raise UserError(f"{damage}: {what_to_do(checkpoint)}")
+            newest_damage = newest_damage or damage
             note = f"{damage}: resuming from {older[-1]}, the newest complete checkpoint before it"
             why = f"{why}; {note}" if why else note
             checkpoint = older[-1]

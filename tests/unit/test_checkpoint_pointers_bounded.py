@@ -130,3 +130,21 @@ def test_a_marker_copied_from_another_checkpoint_is_named_not_the_sound_files(tm
     (store.directory(5) / "COMPLETE").write_bytes((store.directory(3) / "COMPLETE").read_bytes())
     damage = checkpoint_damage(store.directory(5))
     assert damage.startswith(f"checkpoint marker {store.directory(5) / 'COMPLETE'} is of iteration 3"), damage
+
+
+def test_when_every_checkpoint_is_damaged_the_line_names_the_newest_first(tmp_path):
+    # fault pass 8, D10: with iter_5 and iter_3 both damaged the line named only iter_3's file and called it "the
+    # run's only complete checkpoint"; restoring iter_5's file would lose nothing
+    from spmd_rl.runtime.errors import UserError
+
+    store = CheckpointStore(tmp_path / "run", keep=2)
+    for iteration in (3, 5):
+        store.save({"x": torch.zeros(4)}, iteration, 0)
+        store.commit(iteration, world_size=1)
+        with open(store.directory(iteration) / "rank0.pt", "ab") as file:
+            file.write(b"x")  # its size no longer the marker's
+    with pytest.raises(UserError) as refused:
+        store.latest_sound_and_why()
+    line = str(refused.value)
+    assert line.startswith("every complete checkpoint of the run is damaged; the newest: checkpoint file "), line
+    assert line.index("iter_000000005") < line.index("iter_000000003") and "only complete" not in line
