@@ -217,8 +217,9 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", config_ove
     without the batch dimension: `env.step(policy.act(obs)["action"])` works with a gymnasium env as it is."""
     path = Path(path)
     weights = _weights_location(path)
-    if path.is_dir() and _passed_over(path):
-        print(f"spmd_rl: note: {_passed_over(path)}", file=sys.stderr, flush=True)
+    passed_over = _passed_over(path) if path.is_dir() else ""
+    if passed_over:
+        print(f"spmd_rl: note: {passed_over}", file=sys.stderr, flush=True)
     config_file = _config_next_to(weights)
     device = _device(device)
     state = _read_policy_state(weights)
