@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ from spmd_rl.config.excerpts import excerpt
 from spmd_rl.config.loading import OneConfig, describe_schema, load_config
 from spmd_rl.config.sections import DistSection
 from spmd_rl.run.topology import build_topology
-from spmd_rl.runtime.errors import StopSignal, UserError
+from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, StopSignal, UserError
 from spmd_rl.runtime.exits import (
+    QUIET_RANK_LINGER_S,
     end_process,
     leave_exit_code,
     quiet_torch_cpp_warnings,
@@ -42,6 +44,7 @@ from spmd_rl.runtime.orphans import watch_for_orphaning
 from spmd_rl.runtime.postmortem import begin_attempt
 from spmd_rl.runtime.signals import (
     SIGINT_IGNORED_NOTE,
+    STOP_SIGNALS,
     install_early_signal_handlers,
     install_signal_handlers,
     outlive_terminal_hangup,
@@ -98,7 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     quiet_torch_cpp_warnings()  # before torch loads (after the config is read): one line per failure, no C++ stack
     # Before anything slow (torch's import takes seconds): a signal from here on is a line and a defined code.
-    install_early_signal_handlers()
+    install_early_signal_handlers(on_quiet_stop=_stop_heard_by_rank_0)
     outlive_terminal_hangup()  # a line printed after the terminal hung up is dropped, not an OSError (exit 1)
     write_whole_lines(sys.stdout, sys.stderr)  # ranks share a terminal: one write per line, never two glued
     if sigint_ignored() and rank_from_env() in (None, 0):  # said once, at once: a Ctrl-C later would do nothing
@@ -110,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     begin_attempt()  # this torchrun attempt's record directory, so that the scripts summarize this attempt's records
     if rank in (None, 0):
         leave_exit_code(None)  # no code yet for this attempt (torchrun may have restarted the ranks)
-    watchdog.configure(DistSection().timeout_s, f"rank {rank if rank is not None else 0}")
+    # A hang in a plug-in's import (while the config is read) on a rank other than 0 reaches rank 0 too, which would
+    # otherwise wait for it dist.timeout_s + 60 s and say only that it did not join (fault pass 8, J3a).
+    watchdog.configure(DistSection().timeout_s, f"rank {rank if rank is not None else 0}", _hang_heard_by_rank_0)
     # Under torchrun: a rank whose agent is gone (a kill -9 of the launcher's group) stops instead of training on.
     watch_for_orphaning(lambda: watchdog.timeout_s + COLLECTIVE_MARGIN_S, lambda: watchdog.who)
     try:
@@ -123,11 +128,40 @@ def main(argv: list[str] | None = None) -> int:
         if rank_from_env() in (None, 0):
             line = f"spmd_rl: stopped by {name}{stop_cause()} while starting, before the run began"
             print(line, file=sys.stderr, flush=True)
+        else:
+            _stop_heard_by_rank_0(code, f"spmd_rl: rank {rank}: stopped by {name} while starting, before the run began")
     if rank_from_env() in (None, 0):
         # also for what ends before the run starts (a config or layout error, a signal): torchrun exits 1 whatever
         # its ranks did, and launch/torchrun.sh reads the job's code from here
         leave_exit_code(code)
     return code
+
+
+def _stop_heard_by_rank_0(code: int, line: str) -> None:
+    """Ranks started by hand only (no launcher ends the others when one ends): a rank other than 0 stopped by a
+    signal before the process group formed leaves its code and line for rank 0, which prints the line and ends the
+    job with that code; it waited dist.timeout_s + 60 s for this rank and said it did not join (fault pass 8, H2).
+    Quiet when rank 0 does not hear it within 10 s (it stopped too, or is gone: it spoke for itself). A second stop
+    signal meanwhile ends this rank at once."""
+    for number in STOP_SIGNALS:
+        signal.signal(number, lambda *_: os._exit(code))
+    try:
+        launch = detect_launch()
+        if launch.launcher == "env":
+            from spmd_rl.runtime.meeting import tell_rank_0
+
+            tell_rank_0(launch, code, line, spoke=False, timeout_s=min(watchdog.timeout_s, QUIET_RANK_LINGER_S))
+    except Exception:  # noqa: BLE001 - this rank is ending either way; rank 0's own bound still holds
+        pass
+
+
+def _hang_heard_by_rank_0() -> None:
+    """The watchdog's last act on a rank whose plug-in import hung: its code for rank 0 (the rank's own line is
+    printed already)."""
+    launch = detect_launch()
+    from spmd_rl.runtime.meeting import tell_rank_0
+
+    tell_rank_0(launch, USER_CODE_EXIT_CODE, "", spoke=True, timeout_s=watchdog.timeout_s)
 
 
 def _main(argv: list[str] | None) -> int:

@@ -11,6 +11,7 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from spmd_rl.runtime.errors import StopSignal
 from spmd_rl.runtime.exits import leave_exit_code
@@ -159,12 +160,15 @@ def stop_cause() -> str:
 class _Early:
     requested: tuple[str, int] | None = None
     requested_at: float | None = None  # time.monotonic() of the first signal
+    on_quiet_stop: Callable[[int, str], None] | None = None  # (exit code, line) of a rank other than 0 that ends
 
 
-def install_early_signal_handlers() -> None:
+def install_early_signal_handlers(on_quiet_stop: Callable[[int, str], None] | None = None) -> None:
     """Until install_signal_handlers: a first signal is remembered, and raised there; a second one ends the
     process at once with its line. Raising in the middle of an import would leave torch or numpy half-loaded (an
-    ImportError, or an abort, later), so the first one waits for that safe point."""
+    ImportError, or an abort, later), so the first one waits for that safe point. on_quiet_stop(code, line): what a
+    rank other than 0, which prints nothing, does before it ends so (main.py: rank 0 hears it)."""
+    _Early.on_quiet_stop = on_quiet_stop
     for signum in _handled_signals():
         signal.signal(signum, _on_early_signal)
 
@@ -180,11 +184,16 @@ def _on_early_signal(signum: int, frame) -> None:
     if _Early.requested is not None and _is_repeat(_Early.requested_at):  # the same request, again via the launcher
         return
     code = 130 if signum == signal.SIGINT else 128 + signum
-    if rank_from_env() in (None, 0):  # rank 0 speaks for the job (see main.py); the rest end quietly
-        during = f" ({in_user_code})" if in_user_code else ""
+    rank = rank_from_env()
+    during = f" ({in_user_code})" if in_user_code else ""
+    if rank in (None, 0):  # rank 0 speaks for the job (see main.py); the rest end quietly
         line = f"spmd_rl: stopped by {name}{stop_cause()} while starting{during}, before the run began"
         print(line, file=sys.stderr, flush=True)
         leave_exit_code(code)
+    elif _Early.on_quiet_stop is not None:
+        _Early.on_quiet_stop(
+            code, f"spmd_rl: rank {rank}: stopped by {name} while starting{during}, before the run began"
+        )
     os._exit(code)
 
 

@@ -3,11 +3,14 @@
 and rank 0 ends soon after instead of waiting out dist.timeout_s in init_process_group
 (tests/harness/rank_one_faults.py). Ranks started by hand: no launcher stops rank 0 when rank 1 exits."""
 
+import os
+import signal
 import subprocess
+import time
 
 import pytest
 from harness.forked import ForkedJob, run_forked_job
-from harness.launch import free_port, rank_env
+from harness.launch import free_port, job_env, rank_env
 from harness.runs import TINY
 
 # Far beyond what the job takes once heard: a rank 0 that waits for rank 1 until the timeout fails the test.
@@ -60,3 +63,38 @@ def test_a_rank_whose_rank_0_never_comes_says_it_in_one_line(tmp_path):
     said = [text for text in (job.stdout + job.stderr).splitlines() if text.strip()]
     assert job.returncode == 3, job.stderr
     assert len(said) == 1 and said[0].startswith("spmd_rl: rank 1 (colocated 1): communication error:"), said
+
+
+def test_rank_1s_hanging_plug_in_import_is_heard_by_rank_0_at_once(tmp_path):
+    """The import of a plug-in named in the config hangs on rank 1: its watchdog's line, and rank 0 ends the job
+    with its code at once; it waited dist.timeout_s + 60 s and said rank 1 did not join (fault pass 8, J3a)."""
+    args = ["--config", TINY, f"run.dir={tmp_path / 'run'}", "dist.timeout_s=4"]
+    began = time.monotonic()
+    job = run_forked_job([*args, "policy.class=tests.harness.rank_one_slow_import:ActorCritic"], 2, timeout=JOB_BOUND_S)
+    took = time.monotonic() - began
+    said = [text for text in (job.stdout + job.stderr).splitlines() if text.strip()]
+    assert job.returncode == 4, job.stderr
+    assert len(said) == 1 and "importing module 'tests.harness.rank_one_slow_import'" in said[0], said
+    assert "did not return within 4 s" in said[0] and took < 40, (took, said)
+
+
+def test_a_stop_signal_to_rank_1_while_it_starts_is_heard_by_rank_0_at_once(tmp_path):
+    """SIGTERM to rank 1 alone while it reads the config (ranks by hand: no launcher ends the others): rank 0
+    prints rank 1's stop and ends the job with its code at once; it waited dist.timeout_s + 60 s and said rank 1 did
+    not join (fault pass 8, H2)."""
+    marker = tmp_path / "importing"
+    args = ["--config", TINY, f"run.dir={tmp_path / 'run'}", f"dist.timeout_s={TIMEOUT_S}"]
+    env = {**job_env(), "SPMD_RL_TEST_IMPORT_MARKER": str(marker)}
+    job = ForkedJob.ranks([*args, "policy.class=tests.harness.rank_one_slow_import:ActorCritic"], 2, env=env)
+    deadline = time.monotonic() + JOB_BOUND_S
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    signalled = time.monotonic()
+    os.kill(job.pids[1], signal.SIGTERM)
+    result = job.wait(JOB_BOUND_S)
+    took = time.monotonic() - signalled
+    said = [text for text in (result.stdout + result.stderr).splitlines() if text.strip()]
+    assert result.returncode == 143, result.stderr
+    assert len(said) == 1 and said[0].startswith("spmd_rl: rank 1: stopped by SIGTERM while starting"), said
+    assert said[0].endswith("before the run began"), said
+    assert took < 60 and not (tmp_path / "run").exists(), took
