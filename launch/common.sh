@@ -115,11 +115,16 @@ wait_for_launcher() {
                     exit $((128 + $(kill -l "$signalled")))
                 fi ;;
         esac
+        local no_code='^(|129|1[3-9][0-9]|2[0-5][0-9])$'
+        # No rank said anything: an interpreter that cannot run spmd_rl (its environment not activated) read as a
+        # rank that ended before it could say why, or as mpirun killed by SIGABRT (fault pass 8, LS1 and LS2).
+        if [[ -z $signalled && -z $first_code && $ranks_code =~ $no_code ]] && python_cannot_run_spmd_rl; then
+            exit 2
+        fi
         # The launcher itself died of a signal this script did not pass on (kill -9 of mpirun or of torchrun's
         # agent), and rank 0 left no code: the ranks went with it. Under torchrun they stop with a checkpoint when
         # their agent goes (rank 0 leaves 75, above); mpirun's are killed, and resume from the last checkpoint.
         # mpirun exits 128+N too when a rank died of signal N, but then it reported that rank ($reported_file).
-        local no_code='^(|129|1[3-9][0-9]|2[0-5][0-9])$'
         if [[ -z $signalled ]] && ((status > 128)) && [[ ! -s $reported_file && $ranks_code =~ $no_code ]]; then
             echo "spmd_rl: $(basename "$0"): the launcher (pid $job) was killed by SIG$(kill -l "$status")," \
                 "not by this script, and the ranks ended with it: rerun the same command to resume from the last" \
@@ -137,4 +142,20 @@ wait_for_launcher() {
         fi
     fi
     exit "$status"
+}
+
+# Whether ${PYTHON:-python} is missing or lacks torch, said in one line. Asked only after a job that failed without a
+# word from its ranks, never before it starts: a python started before the traps widened the window in which a
+# signal to the group ended this script without its line (3acbe91). find_spec: no import, a fraction of a second.
+python_cannot_run_spmd_rl() {
+    local python=${PYTHON:-python} why
+    if ! command -v "$python" >/dev/null; then
+        why="there is no '$python' on PATH"
+    elif ! "$python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)" 2>/dev/null; then
+        why="$(command -v "$python") cannot import torch"
+    else
+        return 1
+    fi
+    echo "spmd_rl: $(basename "$0"): $why: activate the environment spmd_rl is installed in" \
+        "(source .venv/bin/activate), or set PYTHON to its interpreter (PYTHON=.venv/bin/python)" >&2
 }

@@ -40,3 +40,35 @@ def test_mpirun_sh_a_rank_count_that_is_none_is_one_line(np):
     result = _script("mpirun.sh", NP=np, PYTHON=sys.executable)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == f"spmd_rl: mpirun.sh: NP={np}: give the number of ranks (1 or more)"
+
+
+@pytest.fixture(scope="module")
+def python_without_torch(tmp_path_factory) -> str:
+    """A python of an environment spmd_rl is not installed in (a new venv without packages): a venv not activated."""
+    folder = tmp_path_factory.mktemp("bare_venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=120)
+    return str(folder / "bin" / "python")
+
+
+@pytest.mark.parametrize("script", ["torchrun.sh", "mpirun.sh"])
+def test_a_python_without_torch_is_named_with_what_to_do(script, python_without_torch):
+    """torchrun.sh read it as "a rank ended before it could say why", exit 3; mpirun.sh as "the launcher was killed
+    by SIGABRT ... rerun the same command to resume", 134 (fault pass 8, LS1/LS2): the check comes only after the
+    job failed with no word from its ranks, so it opens no window before the scripts' traps."""
+    result = _script(script, NPROC="2", NP="2", PYTHON=python_without_torch)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"spmd_rl: {script}: {python_without_torch} cannot import torch: activate the environment spmd_rl is "
+        "installed in (source .venv/bin/activate), or set PYTHON to its interpreter (PYTHON=.venv/bin/python)"
+    )
+    assert "before it could say why" not in result.stderr and "killed by" not in result.stderr
+
+
+def test_no_python_on_path_is_named_with_what_to_do(tmp_path):
+    for folder in ("/bin", "/usr/bin"):  # the system's commands, without any python
+        for command in Path(folder).iterdir():
+            if not command.name.startswith("python") and not (tmp_path / command.name).exists():
+                (tmp_path / command.name).symlink_to(command)
+    result = _script(NPROC="2", PATH=str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("spmd_rl: torchrun.sh: there is no 'python' on PATH:")
