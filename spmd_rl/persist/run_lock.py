@@ -18,6 +18,13 @@ a symlink (O_NOFOLLOW), and a run.lock that is not a regular file of one link (a
 hard link to another file) is refused: writing through it would destroy what it points at, and opening a FIFO
 would wait for a writer. Readers open it without following a symlink or waiting on a FIFO.
 
+`rm -rf` of the whole run directory while its run goes on (and a new directory made at its name) leaves both flocks
+with the removed directory's files: a third lock is on the path itself, a Unix socket in Linux's abstract namespace
+named after the resolved path, which no `rm` can remove (it is no file) and the kernel frees when its holder dies;
+a start that takes the flocks of a new directory but not that name is refused, naming the holder's pid (fault pass
+8, "rm -rf of a running run's directory": a second copy wrote beside the first). One host only, like any socket:
+across hosts of an NFS share the flocks stand alone.
+
 A second copy of the same command (another terminal, a job submitted twice) is refused with one line rather than
 given the next directory: the rerun-resumes rule (run/resume.py command_run_dir) needs one run per command at a
 time, and a copy that went elsewhere would leave the user two half-runs of one command."""
@@ -27,10 +34,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import socket
 import stat
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +52,8 @@ NOTE_BYTES = 4096  # more than a note ever holds: what a reader takes of run.loc
 # run directory -> (the directory's descriptor, or None where its file system refused the flock, and run.lock's:
 # the descriptors whose flocks this process holds)
 _held: dict[Path, tuple[int | None, int]] = {}
+# run directory -> the socket bound to its path's name (_claim_path), where the platform has such names
+_claimed: dict[Path, socket.socket] = {}
 # run directory -> the run.lock note found there when this process locked it, until this start owns the run (its
 # first checkpoint): what its exit puts back (None: there was no run.lock, so the exit removes the one it made)
 _found: dict[Path, bytes | None] = {}
@@ -57,11 +68,13 @@ def lock_run_dir(run_dir: Path, named: bool = False) -> None:
     if key in _held:
         return
     dir_fd = note_fd = None
+    claim = None
     try:
         dir_fd = _open_dir(run_dir)
         if not _lock(dir_fd, run_dir, named):
             os.close(dir_fd)  # a file system that locks no directory: run.lock's flock alone guards the run
             dir_fd = None
+        claim = _claim_path(key, run_dir)  # after the directory's flock, which names a plain second copy's holder
         _refuse_odd_note(run_dir / LOCK_FILE)
         existed = os.path.lexists(run_dir / LOCK_FILE)
         note_fd = _open_note(run_dir / LOCK_FILE)
@@ -75,10 +88,14 @@ def lock_run_dir(run_dir: Path, named: bool = False) -> None:
         for fd in (dir_fd, note_fd):  # drops the flocks: a refused or failed start holds nothing
             if fd is not None:
                 os.close(fd)
+        if claim is not None:
+            claim.close()
         if isinstance(exc, OSError):
             raise file_error(run_dir / LOCK_FILE, exc, "cannot write the run directory's lock") from None
         raise
     _held[key] = dir_fd, note_fd
+    if claim is not None:
+        _claimed[key] = claim
     if not existed:
         _found[key] = None
     elif len(found) <= NOTE_BYTES:  # a note of an earlier start, or an empty file (a longer one is no note of ours)
@@ -145,6 +162,8 @@ def release_run_dirs(exit_code: int | None = None) -> None:
     if exit_code is not None:
         record_exit(exit_code)
     _found.clear()
+    while _claimed:
+        _claimed.popitem()[1].close()
     while _held:
         _, fds = _held.popitem()
         for fd in fds:
@@ -216,6 +235,43 @@ def _lock(fd: int, run_dir: Path, named: bool) -> bool:
         ) from None
     except OSError:
         return False
+
+
+def _claim_path(key: Path, run_dir: Path) -> socket.socket | None:
+    """The lock on the run directory's path (see the module's docstring): a listening socket bound to a name
+    derived from key, or None where there are no abstract socket names (not Linux); a UserError naming the holder
+    when another process has that name, which it keeps although the directory it locked was removed."""
+    if not sys.platform.startswith("linux"):
+        return None
+    name = b"\0spmd_rl/run-dir/" + hashlib.sha256(os.fsencode(key)).hexdigest().encode()
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        claim.bind(name)
+        claim.listen(8)  # a refused start asks the holder's pid by connecting (SO_PEERCRED); nobody accepts
+    except OSError as exc:
+        claim.close()
+        if exc.errno != errno.EADDRINUSE:
+            return None  # no such names here (a sandbox): the flocks alone guard the run
+        raise UserError(
+            f"run directory {run_dir} is in use by another run (this host, {_path_holder(name)}), whose directory "
+            f"was removed while it ran and made again: stop that run first (kill -TERM <pid>), or give this one "
+            f"another run.dir"
+        ) from None
+    return claim
+
+
+def _path_holder(name: bytes) -> str:
+    """'pid P' of the process holding the socket name, as the kernel says (SO_PEERCRED)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(name)
+        credentials = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        return f"pid {int.from_bytes(credentials[:4], sys.byteorder)}"
+    except OSError:
+        return "pid unknown"
+    finally:
+        probe.close()
 
 
 def _refuse_odd_note(path: Path) -> None:

@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -136,3 +137,21 @@ def test_a_run_lock_that_is_not_a_regular_file_of_one_link_is_refused_and_left_a
     reading.join(10)
     assert not reading.is_alive(), "read_lock hangs on it"
     assert read_lock(run_dir) == (False, {})
+
+
+def test_a_run_directory_removed_and_made_again_while_its_run_goes_on_lets_no_second_copy_in(tmp_path):
+    """`rm -rf` of a running run's directory took both flocks' files with it: a second copy made the directory
+    again, took fresh locks and wrote beside the first (fault pass 8). The path itself is held."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock_run_dir(run_dir)
+    try:
+        shutil.rmtree(run_dir)
+        run_dir.mkdir()
+        second = _try_lock_in_another_process(run_dir)
+        assert second.returncode == 2, second
+        assert f"is in use by another run (this host, pid {os.getpid()}), whose directory was removed" in second.stdout
+        assert not (run_dir / "run.lock").exists(), "the refused start made no note"
+    finally:
+        release_run_dirs()
+    assert _try_lock_in_another_process(run_dir).returncode == 0, "free again once its holder let go"
