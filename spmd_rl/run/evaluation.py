@@ -49,10 +49,10 @@ def evaluate(
     An episode ends after at most `max_steps` steps (truncated, as gymnasium's TimeLimit does); None means the
     env's own limit (env.kwargs' max_episode_steps, else its registration's), else DEFAULT_MAX_STEPS.
 
-    Runs min(episodes, env.num_envs) envs (one with video_dir), seeded from `seed`. Each env slot plays a fixed
-    quota of episodes, so short episodes finishing first do not crowd out long ones. The caller's random state is
-    untouched: torch's generators are forked and seeded from `seed` (a call during training changes nothing there),
-    and the policy's train/eval mode is restored.
+    Runs min(episodes, env.num_envs) envs (one with video_dir), seeded from `seed` (env.group_size does not
+    apply). Each env slot plays a fixed quota of episodes, so short episodes finishing first do not crowd out long
+    ones. The caller's random state is untouched: torch's generators are forked and seeded from `seed` (a call
+    during training changes nothing there), and the policy's train/eval mode is restored.
 
     With env.groups, each group plays `episodes` episodes on envs of its own (same seed, one group after another):
     the statistics are over all of them, and `groups` holds each group's {return_mean, ..., lengths, cut}."""
@@ -64,8 +64,13 @@ def evaluate(
         raise UserError(f"evaluation max_steps={max_steps}: allow at least 1 step per episode")
     backend = backend_for(env_cfg)
     spec = probe_env(env_cfg)
-    # Returns are the env's own rewards: reward scaling only matters for learning.
-    env_cfg = dataclasses.replace(env_cfg, num_envs=min(episodes, env_cfg.num_envs), normalize_reward=False)
+    # Returns are the env's own rewards: reward scaling only matters for learning. An evaluation's episodes are
+    # independent draws: env.group_size (GRPO's envs that start together) would seed each block of envs alike, so
+    # that they played the same episode (deterministic actions), and an episode count that is no multiple of it
+    # failed the groups' start check as if the env's reset were not reproducible.
+    env_cfg = dataclasses.replace(
+        env_cfg, num_envs=min(episodes, env_cfg.num_envs), normalize_reward=False, group_size=1
+    )
     env_limit = backend.step_limit(env_cfg)
     max_steps = max_steps or env_limit or DEFAULT_MAX_STEPS
     wrappers = []

@@ -53,3 +53,19 @@ def test_a_group_size_that_does_not_divide_an_env_ranks_envs_is_refused_before_a
     )
     with pytest.raises(UserError, match=r"does not divide the 2 envs of env.groups\[1\] \('b'\)"):
         plan_run(groups, build_topology(groups.layout, 1), PPO)
+
+
+def test_an_evaluation_plays_independent_episodes_whatever_env_group_size_says():
+    # Fault pass 9: evaluate() kept env.group_size, so a block of envs started alike and (deterministic actions)
+    # played one episode G times, and an episode count that is no multiple of G failed the groups' start check,
+    # blamed on the env ("were reset with one seed but returned different first observations", exit 4).
+    from spmd_rl.config import plugins
+    from spmd_rl.run.evaluation import evaluate
+    from spmd_rl.run.policies import build_policy
+
+    cfg = load_config(None, ["env.id=Pendulum-v1", "env.num_envs=4", "env.group_size=2"])
+    spec = probe_env(cfg.env)
+    policy = build_policy(cfg, spec, plugins.load_class(plugins.POLICY, cfg.classes["policy"]))
+    result = evaluate(policy, cfg.env, episodes=4, seed=0, deterministic=True, max_steps=5)
+    assert len(set(result["returns"])) == 4  # four starts, not two played twice
+    assert len(evaluate(policy, cfg.env, episodes=3, seed=0, deterministic=True, max_steps=5)["returns"]) == 3
