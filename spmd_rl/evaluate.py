@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         help="play on the config's eval.env settings (held-out kwargs or groups) instead of env's",
     )
     parser.add_argument("--device", default="cpu", help="torch device to act on (default: cpu)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides on both sides of an option (fault pass 9, CLI1)
     try:
         if args.episodes < 1:
             raise UserError(f"--episodes {args.episodes}: evaluate at least 1 episode")

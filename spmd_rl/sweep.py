@@ -434,7 +434,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--task", type=Path, metavar="SWEEP_DIR", help=argparse.SUPPRESS)  # a job array's task
     parser.add_argument("--index", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="section.key=v1,v2,...", help="overrides; comma lists sweep")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides on both sides of an option (fault pass 9, CLI1)
 
 
 def main(argv: list[str] | None = None) -> int:
