@@ -34,7 +34,7 @@ from spmd_rl.config.loading import evaluation_env
 from spmd_rl.envs.vector import check_same_spaces, probe_env
 from spmd_rl.run.evaluation import DEFAULT_MAX_STEPS, evaluate, probe_eval_env, require_moviepy
 from spmd_rl.run.policies import load_policy
-from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
+from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserCodeError, UserError
 
 __all__ = ["evaluate", "load_policy", "main"]
 
@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"spmd_rl.evaluate: error: {exc}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
+    except UserCodeError as exc:  # the env gave NaN (fault pass 9, N1): its line and exit 4, as in training
+        print(f"spmd_rl.evaluate: error in user code: {exc}", file=sys.stderr)
+        return USER_CODE_EXIT_CODE
     if args.json:
         print(json.dumps({"path": str(args.path), "env": cfg.env.id, **result}))
     else:
