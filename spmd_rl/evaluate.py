@@ -32,6 +32,7 @@ from pathlib import Path
 
 from spmd_rl.config.loading import evaluation_env
 from spmd_rl.envs.vector import check_same_spaces, probe_env
+from spmd_rl.persist.fileio import make_dirs
 from spmd_rl.run.evaluation import DEFAULT_MAX_STEPS, evaluate, probe_eval_env, require_moviepy
 from spmd_rl.run.policies import load_policy
 from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserCodeError, UserError
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--max-steps {args.max_steps}: allow at least 1 step per episode")
         if args.video is not None:
             require_moviepy()  # before any work: the one thing to install
+            make_dirs(args.video)  # a file there, or no such place: one line (was os.makedirs' traceback, exit 1)
         policy, cfg = load_policy(args.path, args.device, args.overrides)
         env_cfg = evaluation_env(cfg) if args.eval_env else cfg.env
         if args.eval_env:  # the policy acts on env's spaces: eval.env (perhaps from the overrides) must keep them
