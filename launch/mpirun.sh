@@ -26,6 +26,14 @@ if ! [[ $NP =~ ^[0-9]+$ ]]; then
     echo "spmd_rl: mpirun.sh: NP=$NP: give the number of ranks (1 or more)" >&2
     exit 2
 fi
+# All NP ranks on this host (no HOSTFILE) that its memory cannot hold: refused in one line, as in torchrun.sh
+# (fault pass 9, LS1: NPROC=99999 there ended in the OOM killer).
+if [[ -z ${HOSTFILE:-} ]] && available_kb=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo 2>/dev/null) \
+        && [[ -n $available_kb ]] && (( ${#NP} > 6 || NP * 256000 > available_kb )); then
+    echo "spmd_rl: mpirun.sh: NP=$NP: more ranks than this host's memory holds ($((available_kb / 1024)) MiB available," \
+        "250 MiB or more a rank: at most $((available_kb / 256000))); lower NP, or give a HOSTFILE" >&2
+    exit 2
+fi
 flags=(
     -n "$NP"
     --bind-to none                       # Open MPI binds each rank to one core by default; torch and the envs

@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         "--policy", type=Path, metavar="RUN_DIR|CHECKPOINT", help="a trained policy acts, not the expert"
     )
     parser.add_argument("--stochastic", action="store_true", help="with --policy: sample actions (default: the mode)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides on both sides of an option (fault pass 9, CLI1)
     if args.episodes < 1:
         parser.error(f"--episodes must be at least 1, not {args.episodes}")
     for signum in STOP_SIGNALS:

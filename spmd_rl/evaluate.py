@@ -32,9 +32,10 @@ from pathlib import Path
 
 from spmd_rl.config.loading import evaluation_env
 from spmd_rl.envs.vector import check_same_spaces, probe_env
+from spmd_rl.persist.fileio import make_dirs
 from spmd_rl.run.evaluation import DEFAULT_MAX_STEPS, evaluate, probe_eval_env, require_moviepy
 from spmd_rl.run.policies import load_policy
-from spmd_rl.runtime.errors import USER_ERROR_EXIT_CODE, UserError
+from spmd_rl.runtime.errors import USER_CODE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserCodeError, UserError
 
 __all__ = ["evaluate", "load_policy", "main"]
 
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         help="play on the config's eval.env settings (held-out kwargs or groups) instead of env's",
     )
     parser.add_argument("--device", default="cpu", help="torch device to act on (default: cpu)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides on both sides of an option (fault pass 9, CLI1)
     try:
         if args.episodes < 1:
             raise UserError(f"--episodes {args.episodes}: evaluate at least 1 episode")
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--max-steps {args.max_steps}: allow at least 1 step per episode")
         if args.video is not None:
             require_moviepy()  # before any work: the one thing to install
+            make_dirs(args.video)  # a file there, or no such place: one line (was os.makedirs' traceback, exit 1)
         policy, cfg = load_policy(args.path, args.device, args.overrides)
         env_cfg = evaluation_env(cfg) if args.eval_env else cfg.env
         if args.eval_env:  # the policy acts on env's spaces: eval.env (perhaps from the overrides) must keep them
@@ -103,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"spmd_rl.evaluate: error: {exc}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
+    except UserCodeError as exc:  # the env gave NaN (fault pass 9, N1): its line and exit 4, as in training
+        print(f"spmd_rl.evaluate: error in user code: {exc}", file=sys.stderr)
+        return USER_CODE_EXIT_CODE
     if args.json:
         print(json.dumps({"path": str(args.path), "env": cfg.env.id, **result}))
     else:

@@ -93,7 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "role, every channel, one weight sync) in a temporary run directory, then exit 0",
     )
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    args = parser.parse_args(argv)
+    # overrides before and after an option (`key=v --config F key2=v`): parse_args took the later ones for
+    # unrecognized arguments, naming a valid key (fault pass 9, CLI1)
+    args = parser.parse_intermixed_args(argv)
     args.format_help = parser.format_help
     return args
 

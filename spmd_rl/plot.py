@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import yaml
 
+from spmd_rl.config.excerpts import clip
 from spmd_rl.config.loading import MAX_CONFIG_BYTES, ConfigLoader
 from spmd_rl.persist.fileio import NotRegularFile, open_regular
 from spmd_rl.persist.run_files import CONFIG_FILE, METRICS_FILE
@@ -107,7 +108,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
             if number == len(lines):
                 break  # torn by a kill during the write
             raise UserError(f"{path}:{number} is not a JSON line: the file is damaged; remove that line") from None
-        by_iteration[record.get("iteration", number)] = record
+        iteration = record.get("iteration", number)
+        if not isinstance(iteration, int) or isinstance(iteration, bool):  # null or "3" was a TypeError traceback
+            # in the sort below (fault pass 9, T1)
+            raise UserError(
+                f"{path}:{number} has iteration {clip(repr(iteration))}, not a whole number: the file is damaged; "
+                f"remove that line"
+            )
+        by_iteration[iteration] = record
     if not by_iteration and lines and lines[-1].strip():  # a 30 MB file is not "empty" (fault pass 7, R2)
         raise UserError(
             f"{path} holds no complete line: its only line ({len(lines[-1].encode(errors='replace'))} bytes) is torn "

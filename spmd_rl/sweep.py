@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spmd_rl.config.loading import OneConfig, load_config
+from spmd_rl.persist.fileio import file_error, make_dirs
 from spmd_rl.persist.run_files import CONFIG_FILE, FINISHED
 from spmd_rl.runtime.errors import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
 
@@ -171,11 +172,16 @@ class Sweep:
         }
 
     def write_plan(self, **extra) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Write sweep.json (a UserError naming the path when the directory cannot be made or written: --dir or
+        --root under /proc, read-only, a file in the way was an OSError traceback; fault pass 9, SW1)."""
+        make_dirs(self.directory)
         text = json.dumps({**self.plan(), **extra}, indent=1) + "\n"
         temporary = self.directory / f".{PLAN}.tmp"
-        temporary.write_text(text)
-        temporary.replace(self.directory / PLAN)
+        try:
+            temporary.write_text(text)
+            temporary.replace(self.directory / PLAN)
+        except OSError as exc:
+            raise file_error(self.directory / PLAN, exc, "cannot write") from None
 
     @classmethod
     def read(cls, directory: Path) -> tuple[Sweep, dict]:
@@ -434,7 +440,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--task", type=Path, metavar="SWEEP_DIR", help=argparse.SUPPRESS)  # a job array's task
     parser.add_argument("--index", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="section.key=v1,v2,...", help="overrides; comma lists sweep")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides on both sides of an option (fault pass 9, CLI1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -453,13 +459,15 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_submit and shutil.which("sbatch") is None:
                 raise UserError("--slurm: sbatch is not on PATH; add --no-submit to only write the script")
         sweep = plan_sweep(args.config, args.overrides, args.root, args.dir, args.name)
+        if args.slurm:
+            sweep.write_plan(slurm_script=str(args.slurm_script.resolve()))
+        else:
+            sweep.write_plan()
     except UserError as exc:
         print(f"spmd_rl.sweep: error: {exc}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     if not args.slurm:
-        sweep.write_plan()
         return run_sequentially(sweep, launcher)
-    sweep.write_plan(slurm_script=str(args.slurm_script.resolve()))
     path = write_sbatch(sweep, args.slurm_script.resolve(), sweep.directory.name)
     print(f"spmd_rl.sweep: {len(sweep.combinations)} run(s) in {sweep.directory}; job array script {path}")
     if args.no_submit:

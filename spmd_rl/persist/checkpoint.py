@@ -365,6 +365,14 @@ def checkpoint_damage(directory: Path) -> str:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # noqa: BLE001 - torch raises several types for damaged files
             return f"checkpoint file {file} cannot be read ({load_failure(exc)})"
+        held = state.get("iteration") if isinstance(state, dict) else None
+        if isinstance(held, int) and marked is not None and held != marked:
+            # a whole rank file of another checkpoint, of the same size (fault pass 9, D2: the inference rank's file
+            # of iteration 3 in iteration 5 resumed without a word; D1: a trainer's was blamed on its shard file)
+            return (
+                f"checkpoint file {file} holds the state of iteration {held}, not of iteration {marked} (copied from "
+                f"another checkpoint?)"
+            )
         if isinstance(state, dict) and has_shards(state):
             damage = shard_file_damage({**state, SHARDS_FROM: str(directory)})
             if damage:

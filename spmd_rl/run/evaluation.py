@@ -23,7 +23,7 @@ from spmd_rl.envs.vector import EnvSpec, probe_env
 from spmd_rl.interfaces.policy import initial_state
 from spmd_rl.roles.acting import act
 from spmd_rl.roles.messages import observation_message
-from spmd_rl.runtime.errors import UserError, describe_exception
+from spmd_rl.runtime.errors import UserCodeError, UserError, describe_exception
 
 # The episode step limit when neither the caller nor the env's registration gives one: a policy that never ends an
 # episode (a Breakout agent that never presses FIRE) must not evaluate forever.
@@ -91,7 +91,7 @@ def evaluate(
             if device.type == "cuda":
                 torch.cuda.default_generators[cuda_indices(device)[0]].manual_seed(seed)
             returns, lengths, successes, tasks = _play(
-                policy.eval(), spec, envs, obs, _quotas(episodes, envs.num_envs), deterministic, device
+                policy.eval(), spec, envs, obs, _quotas(episodes, envs.num_envs), deterministic, device, env_cfg.id
             )
     finally:
         policy.train(was_training)
@@ -221,7 +221,19 @@ def episode_step_limit(env_cfg: EnvSection) -> int | None:
     return backend_for(env_cfg).step_limit(env_cfg)
 
 
-def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, device: torch.device):
+def _check_finite(env_id: str, obs, reward, step: int) -> None:
+    """NaN or inf from an evaluation's env, named as the env ranks name it in training (exit 4): unchecked, the
+    policy acted on it and the evaluation reported a return as if nothing were wrong (fault pass 9, N1)."""
+    for what, values in (("reward", reward), ("observation", obs)):
+        if values is None or spaces.all_finite(values):
+            continue
+        raise UserCodeError(
+            f"evaluation: env '{env_id}' returned a non-finite {what} (NaN or inf) at evaluation step {step} in env "
+            f"index(es) {spaces.non_finite_envs(values)}; fix the env or wrap it (e.g. clip or check its outputs)"
+        )
+
+
+def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, device: torch.device, env_id: str):
     buffer = observation_message(spec, envs.num_envs)["obs"]  # the layout the inference server acts on
     views = spaces.numpy_views(buffer)
     returns, lengths, tasks = [], [], []
@@ -235,6 +247,8 @@ def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, devi
     successes: list[tuple[bool, bool]] | None = [] if success is not None else None
     # With action chunks an episode's length is its primitive steps (the vector env's statistics count decisions).
     primitive_steps = np.zeros(envs.num_envs, dtype=np.int64) if spec.action_chunk > 1 else None
+    _check_finite(env_id, obs, None, 0)
+    step = 0
     while quotas.any():
         spaces.write(views, obs)
         if state is not None:
@@ -242,7 +256,9 @@ def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, devi
             for name, field in fields.items():
                 state[name][fresh] = field.initial
         out, state = act(policy, buffer, device, deterministic, state)
-        obs, _, terminated, truncated, info = envs.step(out["action"].cpu().numpy())
+        obs, reward, terminated, truncated, info = envs.step(out["action"].cpu().numpy())
+        step += 1
+        _check_finite(env_id, obs, reward, step)
         starts, ended = ended, terminated | truncated  # this step reset the envs that had ended before it
         if success is not None:
             at_any, at_end = success.step(info, ~starts, ended)

@@ -32,7 +32,8 @@ SIGNAL_FILE_VARIABLE = "SPMD_RL_SIGNAL_FILE"
 
 
 def signal_name(signum: int) -> str:
-    """signum's name for a line; for a SIGTERM a launch script passed on for the SIGHUP it received, SIGHUP."""
+    """signum's name for a line; for a SIGTERM a launch script passed on for the SIGHUP or SIGINT it received, that
+    signal (mpirun gives the ranks SIGTERM for a Ctrl-C: its lines said SIGTERM; fault pass 9, S5)."""
     name = signal.Signals(signum).name
     path = os.environ.get(SIGNAL_FILE_VARIABLE)
     if signum != signal.SIGTERM or not path:
@@ -45,7 +46,7 @@ def signal_name(signum: int) -> str:
             os.close(fd)
     except OSError:
         return name
-    return "SIGHUP" if received == b"HUP" else name
+    return {b"HUP": "SIGHUP", b"INT": "SIGINT"}.get(received, name)
 
 
 # A stop signal within this many seconds of the first is the same request, not "stop at once": a signal to the

@@ -3,6 +3,7 @@ and exit 2, before they start anything: it ended in torchrun's AssertionError / 
 box), then the script's "a rank ended before it could say why (killed, or dead before Python ran)", exit 3 (fault
 pass 8, LS1, LS2)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,17 @@ def test_no_python_on_path_is_named_with_what_to_do(tmp_path):
     result = _script(NPROC="2", PATH=str(tmp_path))
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("spmd_rl: torchrun.sh: there is no 'python' on PATH:")
+
+
+@pytest.mark.parametrize("script, variable", [("torchrun.sh", "NPROC"), ("mpirun.sh", "NP")])
+def test_a_rank_count_this_hosts_memory_cannot_hold_is_one_line(script, variable, tmp_path):
+    """NPROC=99999 (a typo) started ranks until the OOM killer ended processes of other users (fault pass 9, LS1).
+    PYTHON=/bin/false and an mpirun on PATH that exits at once: should the check ever go, nothing starts here."""
+    (tmp_path / "mpirun").write_text("#!/bin/sh\nexit 99\n")
+    (tmp_path / "mpirun").chmod(0o755)
+    path = f"{tmp_path}:{os.environ['PATH']}"
+    result = _script(script, **{variable: "99999"}, PYTHON="/bin/false", PATH=path)
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip()
+    assert line.startswith(f"spmd_rl: {script}: {variable}=99999: more ranks than this host's memory holds ("), line
+    assert "\n" not in line and f"lower {variable}" in line, line

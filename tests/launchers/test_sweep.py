@@ -100,6 +100,15 @@ def test_bad_input_is_exit_2_and_one_line_before_any_run(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()  # nothing ran, nothing was written
 
 
+def test_a_sweep_directory_that_cannot_be_made_is_exit_2_and_one_line(tmp_path, capsys):
+    # fault pass 9, SW1: --dir under /proc (or under a file) was an OSError traceback from mkdir, exit 1
+    (tmp_path / "file").write_text("")
+    for where in (["--dir", str(tmp_path / "file" / "sweep")], ["--root", str(tmp_path / "file")]):
+        assert main(["--config", TINY, *where, "train.seed=1,2"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "cannot create the directory" in err, err
+
+
 def test_help_and_bad_input_answer_without_importing_torch(tmp_path):
     probe = (
         "import sys; from spmd_rl.sweep import main; code = main(['algo.nope=1,2']); "

@@ -165,6 +165,8 @@ def config_a_device(run_dir: Path) -> None:
         (None, ["policy.hidden_sizes=[8]"], "its weights do not fit policy.class 'actor_critic'"),
         (None, ["--episodes", "0"], "--episodes 0: evaluate at least 1 episode"),
         (None, ["--device", "nonsense"], "device 'nonsense' is not a torch device"),
+        # fault pass 9, V1: a --video directory that cannot be made was os.makedirs' traceback, exit 1
+        (None, ["--video", "/proc/no_such_video_dir"], "/proc/no_such_video_dir: cannot create the directory"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(tiny_run, tmp_path, capsys, damage, args, expected):

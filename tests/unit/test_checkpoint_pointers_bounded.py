@@ -132,6 +132,27 @@ def test_a_marker_copied_from_another_checkpoint_is_named_not_the_sound_files(tm
     assert damage.startswith(f"checkpoint marker {store.directory(5) / 'COMPLETE'} is of iteration 3"), damage
 
 
+def test_a_rank_file_copied_from_another_checkpoint_is_named_and_passed_over(tmp_path):
+    # fault pass 9, D2: iter_5's rank2.pt (an inference rank's: the same size at every iteration) replaced by iter_3's
+    # whole, checksummed file resumed without a word, that rank's state two iterations old; D1: a trainer's was
+    # blamed on its sound shard file
+    from spmd_rl.persist.checkpoint import checkpoint_damage
+
+    store = CheckpointStore(tmp_path / "run", keep=2)
+    for iteration in (3, 5):
+        for rank in (0, 1):
+            store.save({"iteration": iteration, "x": torch.full((4,), float(iteration))}, iteration, rank)
+        store.commit(iteration, world_size=2)
+    assert checkpoint_damage(store.directory(5)) == ""
+    (store.directory(5) / "rank1.pt").write_bytes((store.directory(3) / "rank1.pt").read_bytes())
+    damage = checkpoint_damage(store.directory(5))
+    assert damage.startswith(f"checkpoint file {store.directory(5) / 'rank1.pt'} holds the state of iteration 3"), (
+        damage
+    )
+    checkpoint, why = store.latest_sound_and_why()
+    assert checkpoint == store.directory(3) and "resuming from" in why, why
+
+
 def test_when_every_checkpoint_is_damaged_the_line_names_the_newest_first(tmp_path):
     # fault pass 8, D10: with iter_5 and iter_3 both damaged the line named only iter_3's file and called it "the
     # run's only complete checkpoint"; restoring iter_5's file would lose nothing

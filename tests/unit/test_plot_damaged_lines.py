@@ -22,6 +22,14 @@ def test_a_damaged_line_is_one_user_error_naming_it(tmp_path, damaged):
         read_metrics(tmp_path)
 
 
+@pytest.mark.parametrize("iteration", ["null", '"3"', "3.5", "true"])
+def test_a_line_whose_iteration_is_no_whole_number_is_one_user_error_naming_it(tmp_path, iteration):
+    # fault pass 9, T1: {"iteration": null} beside whole numbers was a TypeError traceback from sorting, exit 1
+    (tmp_path / "metrics.jsonl").write_text(f'{GOOD}\n{{"iteration": {iteration}}}\n{GOOD}\n')
+    with pytest.raises(UserError, match=r"metrics.jsonl:2 has iteration .*, not a whole number"):
+        read_metrics(tmp_path)
+
+
 @pytest.mark.parametrize("damaged", ['{"iteration": ' + "[" * 100000, "42"])
 def test_a_damaged_last_line_is_skipped(tmp_path, damaged):
     (tmp_path / "metrics.jsonl").write_text(f"{GOOD}\n{damaged}\n")
