@@ -28,8 +28,11 @@ if ! [[ $NP =~ ^[0-9]+$ ]]; then
 fi
 # All NP ranks on this host (no HOSTFILE) that its memory cannot hold: refused in one line, as in torchrun.sh
 # (fault pass 9, LS1: NPROC=99999 there ended in the OOM killer).
-if [[ -z ${HOSTFILE:-} ]] && available_kb=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo 2>/dev/null) \
-        && [[ -n $available_kb ]] && (( ${#NP} > 6 || NP * 256000 > available_kb )); then
+available_kb=""   # /proc/meminfo read by bash itself: no process started before the traps
+while read -r key value _; do
+    if [[ $key == MemAvailable: ]]; then available_kb=$value; break; fi
+done 2>/dev/null </proc/meminfo || true
+if [[ -z ${HOSTFILE:-} ]] && [[ $available_kb =~ ^[0-9]+$ ]] && (( ${#NP} > 6 || NP * 256000 > available_kb )); then
     echo "spmd_rl: mpirun.sh: NP=$NP: more ranks than this host's memory holds ($((available_kb / 1024)) MiB available," \
         "250 MiB or more a rank: at most $((available_kb / 256000))); lower NP, or give a HOSTFILE" >&2
     exit 2

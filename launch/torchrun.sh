@@ -36,8 +36,11 @@ if ! [[ $NPROC =~ ^([1-9][0-9]*|auto|cpu|gpu)$ ]]; then
 fi
 # A rank count this host's memory cannot hold (a typo: NPROC=99999 started ranks until the OOM killer ended
 # processes of other users; fault pass 9, LS1). A rank takes 250 MiB or more (Python, torch): refused in one line.
-if [[ $NPROC =~ ^[0-9]+$ ]] && available_kb=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo 2>/dev/null) \
-        && [[ -n $available_kb ]] && (( ${#NPROC} > 6 || NPROC * 256000 > available_kb )); then
+available_kb=""   # /proc/meminfo read by bash itself: no process started before the traps
+while read -r key value _; do
+    if [[ $key == MemAvailable: ]]; then available_kb=$value; break; fi
+done 2>/dev/null </proc/meminfo || true
+if [[ $NPROC =~ ^[0-9]+$ ]] && [[ $available_kb =~ ^[0-9]+$ ]] && (( ${#NPROC} > 6 || NPROC * 256000 > available_kb )); then
     echo "spmd_rl: torchrun.sh: NPROC=$NPROC: more ranks than this host's memory holds ($((available_kb / 1024)) MiB" \
         "available, 250 MiB or more a rank: at most $((available_kb / 256000))); lower NPROC" >&2
     exit 2
