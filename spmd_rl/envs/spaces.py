@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from spmd_rl.runtime.errors import UserError
+from spmd_rl.runtime.errors import UserCodeError, UserError
 
 if TYPE_CHECKING:  # annotations only: the type of a TensorDict's values (tensordict 0.10 on)
     from tensordict import TensorCollection
@@ -58,6 +58,19 @@ def all_finite(values) -> bool:
         return all(all_finite(value) for value in values.values())
     array = np.asarray(values)
     return not np.issubdtype(array.dtype, np.floating) or bool(np.isfinite(array).all())
+
+
+def check_finite(who: str, env_id: str, obs, reward, when: str) -> None:
+    """NaN or inf from an env would be acted and trained on silently: a UserCodeError naming who stepped it (a rank,
+    an evaluation), the env, the step and the env indices. One vectorized check over the whole batch (cheap next to
+    env.step); reward None: a reset's observations alone."""
+    for what, values in (("reward", reward), ("observation", obs)):
+        if values is None or all_finite(values):
+            continue
+        raise UserCodeError(
+            f"{who}: env '{env_id}' returned a non-finite {what} (NaN or inf) at {when} in env index(es) "
+            f"{non_finite_envs(values)}; fix the env or wrap it (e.g. clip or check its outputs)"
+        )
 
 
 def non_finite_envs(values) -> list[int]:

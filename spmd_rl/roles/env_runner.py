@@ -107,7 +107,7 @@ class EnvRunner:
             self.episode_seed: int | None = None
         self.obs = first_obs
         self.steps_taken = 0
-        self._check_finite(first_obs, None, "reset")
+        spaces.check_finite(self.describe, self.env_id, first_obs, None, "reset")
         self.obs_is_float_array = isinstance(first_obs, np.ndarray) and np.issubdtype(first_obs.dtype, np.floating)
         # After a step that ends an episode, the next step only resets that env: its transition is not real.
         self.next_step_valid = np.ones(envs.num_envs, dtype=bool)
@@ -185,7 +185,7 @@ class EnvRunner:
         # NaN and inf survive a sum (overflow aside, which the exact check below then clears): one reduction per
         # array is the cheap common case of the check.
         if not (self.obs_is_float_array and math.isfinite(obs.sum() + reward.sum())):
-            self._check_finite(obs, reward, f"step {self.steps_taken}")
+            spaces.check_finite(self.describe, self.env_id, obs, reward, f"step {self.steps_taken}")
 
         self.rollout["terminated"][t] = terminated
         self.rollout["truncated"][t] = truncated
@@ -210,19 +210,6 @@ class EnvRunner:
         if cached is None or cached[0] is not reply:
             cached = self._reply_views[id(reply)] = (reply, {key: value.numpy() for key, value in reply.items()})
         return cached[1]
-
-    def _check_finite(self, obs, reward, when: str) -> None:
-        """NaN or inf from an env would be trained on silently: name the env, this rank, the env index, the step.
-        One vectorized check over the whole batch per step (cheap next to env.step)."""
-        for what, values in (("reward", reward), ("observation", obs)):
-            if values is None or spaces.all_finite(values):
-                continue
-            bad = spaces.non_finite_envs(values)
-            raise UserCodeError(
-                f"{self.describe}: env '{self.env_id}' returned a non-finite {what} (NaN or inf) at "
-                f"{when} in env index(es) {bad}; fix the env or wrap it (e.g. clip or check its "
-                f"outputs)"
-            )
 
     def _record_episodes(self, t: int, info: dict) -> None:
         episode = info.get("episode")
@@ -251,7 +238,7 @@ class EnvRunner:
                 f"{self.describe}: env '{self.env_id}' raised in reset: {describe_exception(exc)}"
                 f"{old_gym_api_hint(exc)}"
             ) from exc
-        self._check_finite(self.obs, None, "reset")
+        spaces.check_finite(self.describe, self.env_id, self.obs, None, "reset")
         check_group_starts(self.obs, self.group_size, self.env_id)
         self.active[:] = True
         self.next_step_valid[:] = True

@@ -23,7 +23,7 @@ from spmd_rl.envs.vector import EnvSpec, probe_env
 from spmd_rl.interfaces.policy import initial_state
 from spmd_rl.roles.acting import act
 from spmd_rl.roles.messages import observation_message
-from spmd_rl.runtime.errors import UserCodeError, UserError, describe_exception
+from spmd_rl.runtime.errors import UserError, describe_exception
 
 # The episode step limit when neither the caller nor the env's registration gives one: a policy that never ends an
 # episode (a Breakout agent that never presses FIRE) must not evaluate forever.
@@ -221,18 +221,6 @@ def episode_step_limit(env_cfg: EnvSection) -> int | None:
     return backend_for(env_cfg).step_limit(env_cfg)
 
 
-def _check_finite(env_id: str, obs, reward, step: int) -> None:
-    """NaN or inf from an evaluation's env, named as the env ranks name it in training (exit 4): unchecked, the
-    policy acted on it and the evaluation reported a return as if nothing were wrong (fault pass 9, N1)."""
-    for what, values in (("reward", reward), ("observation", obs)):
-        if values is None or spaces.all_finite(values):
-            continue
-        raise UserCodeError(
-            f"evaluation: env '{env_id}' returned a non-finite {what} (NaN or inf) at evaluation step {step} in env "
-            f"index(es) {spaces.non_finite_envs(values)}; fix the env or wrap it (e.g. clip or check its outputs)"
-        )
-
-
 def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, device: torch.device, env_id: str):
     buffer = observation_message(spec, envs.num_envs)["obs"]  # the layout the inference server acts on
     views = spaces.numpy_views(buffer)
@@ -247,7 +235,9 @@ def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, devi
     successes: list[tuple[bool, bool]] | None = [] if success is not None else None
     # With action chunks an episode's length is its primitive steps (the vector env's statistics count decisions).
     primitive_steps = np.zeros(envs.num_envs, dtype=np.int64) if spec.action_chunk > 1 else None
-    _check_finite(env_id, obs, None, 0)
+    # NaN or inf from the env, named as the env ranks name it in training (exit 4): unchecked, the policy acted on
+    # it and the evaluation reported a return as if nothing were wrong (fault pass 9, N1)
+    spaces.check_finite("evaluation", env_id, obs, None, "evaluation step 0")
     step = 0
     while quotas.any():
         spaces.write(views, obs)
@@ -258,7 +248,7 @@ def _play(policy, spec, envs, obs, quotas: np.ndarray, deterministic: bool, devi
         out, state = act(policy, buffer, device, deterministic, state)
         obs, reward, terminated, truncated, info = envs.step(out["action"].cpu().numpy())
         step += 1
-        _check_finite(env_id, obs, reward, step)
+        spaces.check_finite("evaluation", env_id, obs, reward, f"evaluation step {step}")
         starts, ended = ended, terminated | truncated  # this step reset the envs that had ended before it
         if success is not None:
             at_any, at_end = success.step(info, ~starts, ended)
