@@ -159,3 +159,21 @@ python_cannot_run_spmd_rl() {
     echo "spmd_rl: $(basename "$0"): $why: activate the environment spmd_rl is installed in" \
         "(source .venv/bin/activate), or set PYTHON to its interpreter (PYTHON=.venv/bin/python)" >&2
 }
+
+# A rank count this host's memory cannot hold, refused in one line and exit 2 (fault pass 9, LS1: NPROC=99999
+# started ranks until the OOM killer ended processes of other users). A rank takes 250 MiB or more (Python, torch).
+# /proc/meminfo is read by bash itself: no process is started before the traps.
+#   refuse_ranks_beyond_memory VARIABLE COUNT [ADVICE]
+refuse_ranks_beyond_memory() {
+    local variable=$1 count=$2 advice=${3:-} available_kb="" key value _
+    while read -r key value _; do
+        if [[ $key == MemAvailable: ]]; then available_kb=$value; break; fi
+    done 2>/dev/null </proc/meminfo || true
+    if [[ $count =~ ^[0-9]+$ && $available_kb =~ ^[0-9]+$ ]] && (( ${#count} > 6 || count * 256000 > available_kb ))
+    then
+        echo "spmd_rl: $(basename "$0"): $variable=$count: more ranks than this host's memory holds" \
+            "($((available_kb / 1024)) MiB available, 250 MiB or more a rank: at most $((available_kb / 256000)));" \
+            "lower $variable$advice" >&2
+        exit 2
+    fi
+}

@@ -26,16 +26,9 @@ if ! [[ $NP =~ ^[0-9]+$ ]]; then
     echo "spmd_rl: mpirun.sh: NP=$NP: give the number of ranks (1 or more)" >&2
     exit 2
 fi
-# All NP ranks on this host (no HOSTFILE) that its memory cannot hold: refused in one line, as in torchrun.sh
-# (fault pass 9, LS1: NPROC=99999 there ended in the OOM killer).
-available_kb=""   # /proc/meminfo read by bash itself: no process started before the traps
-while read -r key value _; do
-    if [[ $key == MemAvailable: ]]; then available_kb=$value; break; fi
-done 2>/dev/null </proc/meminfo || true
-if [[ -z ${HOSTFILE:-} ]] && [[ $available_kb =~ ^[0-9]+$ ]] && (( ${#NP} > 6 || NP * 256000 > available_kb )); then
-    echo "spmd_rl: mpirun.sh: NP=$NP: more ranks than this host's memory holds ($((available_kb / 1024)) MiB available," \
-        "250 MiB or more a rank: at most $((available_kb / 256000))); lower NP, or give a HOSTFILE" >&2
-    exit 2
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+if [[ -z ${HOSTFILE:-} ]]; then   # all NP ranks on this host: a count its memory cannot hold is refused
+    refuse_ranks_beyond_memory NP "$NP" ", or give a HOSTFILE"
 fi
 flags=(
     -n "$NP"
@@ -63,7 +56,6 @@ if [[ -n ${MASTER_ADDR:-} ]]; then
 fi
 # rank 0 leaves its exit code in this file (it runs on this host unless HOSTFILE puts it elsewhere), so a clean stop
 # ends this script with 75 as it ends every rank (launch/common.sh).
-source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 make_exit_file
 flags+=(-x "SPMD_RL_EXIT_FILE=$exit_file" -x "SPMD_RL_SIGNAL_FILE=$signal_file")   # the lines name a SIGHUP relayed as TERM
 if [[ -z ${HOSTFILE:-} ]]; then

@@ -34,17 +34,8 @@ if ! [[ $NPROC =~ ^([1-9][0-9]*|auto|cpu|gpu)$ ]]; then
     echo "spmd_rl: torchrun.sh: NPROC=$NPROC: give the number of ranks on this node (1 or more)" >&2
     exit 2
 fi
-# A rank count this host's memory cannot hold (a typo: NPROC=99999 started ranks until the OOM killer ended
-# processes of other users; fault pass 9, LS1). A rank takes 250 MiB or more (Python, torch): refused in one line.
-available_kb=""   # /proc/meminfo read by bash itself: no process started before the traps
-while read -r key value _; do
-    if [[ $key == MemAvailable: ]]; then available_kb=$value; break; fi
-done 2>/dev/null </proc/meminfo || true
-if [[ $NPROC =~ ^[0-9]+$ ]] && [[ $available_kb =~ ^[0-9]+$ ]] && (( ${#NPROC} > 6 || NPROC * 256000 > available_kb )); then
-    echo "spmd_rl: torchrun.sh: NPROC=$NPROC: more ranks than this host's memory holds ($((available_kb / 1024)) MiB" \
-        "available, 250 MiB or more a rank: at most $((available_kb / 256000))); lower NPROC" >&2
-    exit 2
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+refuse_ranks_beyond_memory NPROC "$NPROC"   # a typo such as NPROC=99999 (fault pass 9, LS1)
 if [[ $NNODES == 1 ]]; then
     rendezvous=(--standalone)
 else
@@ -55,7 +46,6 @@ fi
 # A signalled torchrun agent prints its SignalException traceback and exits 1 after the ranks stopped cleanly; rank 0
 # leaves its own exit code in this file, so a clean stop ends this script with 75 and the stop line, no traceback
 # (launch/common.sh).
-source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 make_exit_file
 # A second signal while the agent handles the first (a signal to the whole process group reaches it directly and
 # relayed by this script) chains a second traceback to the first: the chain is held to its end and dropped only if
